@@ -1,0 +1,248 @@
+"""Normalized model configuration and engine options.
+
+The Hugging Face ``config.json`` is read exactly once, by :meth:`ModelConfig.from_hf`; model code
+never reads raw HF attribute names (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map ``"bfloat16" | "bf16" | "float32" | "fp32" | "float16"`` (or a ``torch.dtype``) to a dtype.
+
+    Raises:
+        ValueError: the name is not one of the supported dtypes.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(set(_DTYPES))}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture geometry of a MoE decoder, normalized from a Hugging Face ``config.json``.
+
+    Sizes are element counts. ``moe_layers`` lists the decoder layers whose MLP is a routed-expert
+    block; the others use a dense MLP of ``intermediate_size``. Routed experts of MoE layer ordinal
+    ``j`` (the j-th entry of ``moe_layers``) have the flat id ``j * num_experts + e`` everywhere in
+    the expert pool and cache.
+    """
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    moe_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hidden_act: str
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def moe_ordinal(self, layer: int) -> int:
+        """Index of decoder ``layer`` among the MoE layers (raises ``ValueError`` for a dense layer)."""
+        return self.moe_layers.index(layer)
+
+    @property
+    def expert_bytes_per_element(self) -> int:
+        return torch.empty((), dtype=parse_dtype(self.torch_dtype)).element_size()
+
+    def expert_numel(self) -> int:
+        """Elements of one routed expert: gate+up ``[2I, H]`` and down ``[H, I]``."""
+        return 3 * self.moe_intermediate_size * self.hidden_size
+
+    def hf_config(self):
+        """The ``transformers`` config object for this model (for the reference implementation)."""
+        from transformers import AutoConfig
+
+        raw = dict(self.raw)
+        return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any] | str | Path) -> "ModelConfig":
+        """Normalize a Hugging Face config (a dict, a ``config.json`` path or a checkpoint directory).
+
+        Accepts both the transformers-4 spelling (``num_experts``, ``rope_theta``/``rope_scaling``) and
+        the transformers-5 one (``num_local_experts``, ``rope_parameters``).
+
+        Raises:
+            FileNotFoundError: no ``config.json`` at the path.
+            ValueError: an architecture edgemoe does not serve, or a missing required field.
+        """
+        if not isinstance(cfg, dict):
+            p = Path(cfg)
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.exists():
+                raise FileNotFoundError(f"{p}: no config.json")
+            cfg = json.loads(p.read_text())
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "")
+        arch = archs[0] if archs else ""
+        if model_type != "qwen3_moe" and arch != "Qwen3MoeForCausalLM":
+            raise ValueError(
+                f"unsupported architecture {arch or '?'} (model_type {model_type or '?'}); "
+                "edgemoe serves: Qwen3MoeForCausalLM (qwen3_moe)"
+            )
+
+        def need(key: str, *alts: str):
+            for k in (key, *alts):
+                if k in cfg and cfg[k] is not None:
+                    return cfg[k]
+            raise ValueError(f"config.json: missing required field {key!r}")
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
+        num_experts = int(need("num_experts", "num_local_experts"))
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(
+            i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+        )
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling")
+        if scaling:
+            rope.update(scaling)
+            if "type" in rope and "rope_type" not in rope:
+                rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+        rope.setdefault("rope_type", "default")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch or "Qwen3MoeForCausalLM",
+            model_type=model_type or "qwen3_moe",
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_experts=num_experts,
+            top_k=int(need("num_experts_per_tok")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            raw=dict(cfg),
+        )
+
+
+EXPERT_POLICIES = ("qstar", "fill-all", "cpu-all", "static")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine instance (CLI flags map 1:1 onto these fields).
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"`` (``"auto"`` picks CUDA when present).
+        dtype: compute/storage dtype of weights (``"auto"`` = the checkpoint's).
+        expert_cache_slots: (layer, expert) slots in the device expert cache; ``None`` derives it
+            from ``expert_cache_gb`` (or, on CUDA, from free memory; on CPU it defaults to 0).
+        expert_cache_gb: expert-cache budget in GB (1e9 bytes).
+        expert_policy: how decode-step misses are served: ``qstar`` (DESIGN.md §2), ``fill-all``,
+            ``cpu-all`` or ``static``.
+        cpu_threads: threads of the CPU expert executor (``None`` = torch's default).
+        bandwidth_pcie_gbps / bandwidth_cpu_gbps: B_P and B_H overrides in GB/s; otherwise read from
+            ``profile_path`` or measured quickly at start-up.
+        max_num_seqs: requests decoded together (continuous batching).
+        max_model_len: longest sequence (prompt + output) in tokens; ``None`` = the model's maximum.
+        kv_cache_tokens: KV cache capacity in tokens (all sequences together); ``None`` = derived.
+        page_size: tokens per KV page.
+        load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random values from config.json).
+        seed: seed for dummy weights.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    expert_cache_slots: int | None = None
+    expert_cache_gb: float | None = None
+    expert_policy: str = "qstar"
+    cpu_threads: int | None = None
+    bandwidth_pcie_gbps: float | None = None
+    bandwidth_cpu_gbps: float | None = None
+    profile_path: str | None = None
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    page_size: int = 16
+    load_format: str = "auto"
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        if self.expert_policy not in EXPERT_POLICIES:
+            raise ValueError(f"expert_policy {self.expert_policy!r}: choose one of {EXPERT_POLICIES}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r}: choose 'auto' or 'dummy'")
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 0:
+            raise ValueError("expert_cache_slots must be >= 0")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        """Build from keyword options, rejecting unknown names with the list of valid ones."""
+        names = {f.name for f in fields(cls)}
+        bad = sorted(set(kw) - names)
+        if bad:
+            raise TypeError(f"unknown engine option(s) {bad}; valid: {sorted(names)}")
+        return cls(**{k: v for k, v in kw.items() if v is not None or k in ("expert_cache_slots",)})
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda requested but CUDA is not available on this machine")
+        return dev

@@ -1,0 +1,73 @@
+"""The per-step forward context shared by the model runner and the layers.
+
+One :class:`ForwardBatch` is built by the runner for each model step and passed down through every
+layer; nothing per-step lives in globals (DESIGN.md §7, as in mini-sglang's ``Batch``/``Context``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class Phase(str, Enum):
+    """Which kind of step a batch is: all its sequences prefill, or all decode one token."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a batch.
+
+    Attributes:
+        seq_id: the runner-level sequence id (owner of the KV pages).
+        q_start: offset of this sequence's first new token in the flattened batch.
+        q_len: number of new tokens computed in this step.
+        kv_len: tokens in the KV cache after this step (cached prefix + new tokens).
+        page_table: ``[ceil(kv_len / page_size)]`` int64 page ids on the compute device.
+    """
+
+    seq_id: int
+    q_start: int
+    q_len: int
+    kv_len: int
+    page_table: torch.Tensor
+
+
+@dataclass
+class ForwardBatch:
+    """Everything a forward step needs beyond the weights.
+
+    Attributes:
+        phase: prefill or decode.
+        input_ids: ``[T]`` int64, the new tokens of all sequences, flattened.
+        positions: ``[T]`` int64 absolute positions of those tokens.
+        kv_slots: ``[T]`` int64 flat KV slot (``page * page_size + offset``) each new token writes.
+        seqs: per-sequence slices, in batch order.
+        logits_index: ``[B]`` int64, the row in ``[T]`` whose logits each sequence needs (its last
+            new token).
+        step: monotonically increasing model-step counter (drives the expert cache's LRU clock).
+        record: optional callback ``record(layer, topk_ids [T, k], topk_weights [T, k])`` for routing
+            traces; ``None`` when off.
+    """
+
+    phase: Phase
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_slots: torch.Tensor
+    seqs: list[SeqSlice]
+    logits_index: torch.Tensor
+    step: int = 0
+    record: object | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase is Phase.PREFILL

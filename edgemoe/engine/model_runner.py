@@ -1,0 +1,241 @@
+"""The model runner: loads a checkpoint, owns the model, the KV pool and the expert path, runs steps.
+
+Only the engine's step thread calls into a runner. The runner turns a list of :class:`StepInput`
+into a :class:`~edgemoe.core.ForwardBatch` (allocating KV pages) and returns last-token logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgemoe.config import EngineConfig, ModelConfig, parse_dtype
+from edgemoe.core import ForwardBatch, Phase, SeqSlice
+from edgemoe.experts.bandwidth import resolve_bandwidths
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import make_policy
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
+from edgemoe.models import model_class
+from edgemoe.weights.loader import init_dummy, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModelRunner", "StepInput", "KVCacheFullError"]
+
+DEFAULT_MAX_MODEL_LEN = 32768
+GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache is sized automatically
+
+
+@dataclass
+class StepInput:
+    """One sequence's work in a step.
+
+    Attributes:
+        seq_id: engine-chosen id; owns KV pages until :meth:`ModelRunner.free`.
+        token_ids: the new tokens to compute (a prompt, a prefill chunk, or one decode token).
+        start_pos: absolute position of ``token_ids[0]``; the KV cache already holds ``[0, start_pos)``.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class ModelRunner:
+    """Loads ``model_dir`` under ``config`` and executes prefill/decode steps.
+
+    Args:
+        model_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer files).
+        config: engine options.
+        progress: show progress bars while loading.
+
+    Raises:
+        FileNotFoundError / ValueError: missing or unsupported config.
+        CheckpointError: a checkpoint that does not match the config (file and tensor named).
+    """
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig, progress: bool = True):
+        t0 = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"{self.model_dir}: not a directory")
+        self.engine_config = config
+        self.device = config.resolved_device()
+        cfg = self.model_config = ModelConfig.from_hf(self.model_dir)
+        self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = self._eos_ids()
+
+        with torch.device("meta"):
+            self.model = model_class(cfg.architecture)(cfg)
+        self.model.eval()
+        self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
+                                   cfg.moe_intermediate_size, self.dtype)
+        if config.load_format == "dummy":
+            init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
+        else:
+            load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
+                            progress=progress)
+        self.pinned = self.pool.pin() if self.device.type == "cuda" else False
+
+        self.max_model_len = int(config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
+        kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
+        ps = config.page_size
+        attn_layers = self.model.attention_layers()
+        self.kv = PagedKVPool(len(attn_layers), -(-kv_tokens // ps), ps, cfg.num_kv_heads, cfg.head_dim,
+                              self.dtype, self.device)
+        for attn in attn_layers:
+            attn.kv = self.kv
+
+        self.cpu_executor = TorchCpuExecutor(self.pool, config.cpu_threads)
+        slots = self._cache_slots()
+        self.cache = ExpertCache(slots, self.pool.num_ids, [tuple(self.pool.w13.shape[1:]), tuple(self.pool.w2.shape[1:])],
+                                 self.dtype, self.device)
+        self.bandwidths = resolve_bandwidths(config, self.pool, self.cache, self.cpu_executor, cfg)
+        self.policy = make_policy(config.expert_policy, self.bandwidths)
+        self.experts = HybridExperts(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, self.device)
+        for blk in self.model.moe_blocks():
+            blk.experts = self.experts
+        self._step = 0
+        self.record = None  # optional routing recorder callback (see ForwardBatch.record)
+        self.load_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ loading helpers
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
+
+    def _eos_ids(self) -> list[int]:
+        gen = _read_json(self.model_dir / "generation_config.json")
+        eos = gen.get("eos_token_id")
+        if eos is None:
+            eos = list(self.model_config.eos_token_ids) or self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        return [int(i) for i in ids]
+
+    def _cache_slots(self) -> int:
+        cfg, row = self.engine_config, self.pool.row_bytes
+        n = self.pool.num_ids
+        if cfg.expert_cache_slots is not None:
+            return min(int(cfg.expert_cache_slots), n)
+        if cfg.expert_cache_gb is not None:
+            return min(int(cfg.expert_cache_gb * 1e9 // row), n)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(0, min(n, int((free - GPU_MEMORY_MARGIN) // row)))
+        return 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.capacity_tokens
+
+    def kv_free_tokens(self) -> int:
+        return self.kv.free_tokens()
+
+    def can_allocate(self, seq_id: int, total_len: int) -> bool:
+        return self.kv.can_allocate(seq_id, total_len)
+
+    def free(self, seq_id: int) -> None:
+        self.kv.free(seq_id)
+
+    # ------------------------------------------------------------------ execution
+    @torch.inference_mode()
+    def execute(self, inputs: list[StepInput], phase: Phase) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            inputs: the sequences of this step (all prefill or all decode).
+            phase: ``Phase.PREFILL`` or ``Phase.DECODE``.
+
+        Returns:
+            ``[len(inputs), vocab]`` float32 logits of each sequence's last new token, on ``self.device``.
+
+        Raises:
+            KVCacheFullError: not enough free KV pages for all inputs (nothing allocated then).
+            ValueError: an empty input or a sequence longer than ``max_model_len``.
+        """
+        need = 0
+        for inp in inputs:
+            end = inp.start_pos + len(inp.token_ids)
+            if not inp.token_ids:
+                raise ValueError(f"sequence {inp.seq_id}: empty step input")
+            if end > self.max_model_len:
+                raise ValueError(f"sequence {inp.seq_id}: {end} tokens exceed max_model_len {self.max_model_len}")
+            need += self.kv.pages_needed(inp.seq_id, end)
+        if need > self.kv.free_pages:
+            raise KVCacheFullError(f"KV cache full: step needs {need} pages, {self.kv.free_pages} free")
+        ids, pos, slots, seqs, last = [], [], [], [], []
+        q = 0
+        for inp in inputs:
+            n, end = len(inp.token_ids), inp.start_pos + len(inp.token_ids)
+            self.kv.allocate(inp.seq_id, end)
+            ids.extend(inp.token_ids)
+            pos.extend(range(inp.start_pos, end))
+            slots.append(self.kv.slots(inp.seq_id, inp.start_pos, end))
+            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id)))
+            q += n
+            last.append(q - 1)
+        dev = self.device
+        self._step += 1
+        batch = ForwardBatch(
+            phase=phase,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            kv_slots=torch.cat(slots),
+            seqs=seqs,
+            logits_index=torch.tensor(last, dtype=torch.int64, device=dev),
+            step=self._step,
+            record=self.record,
+        )
+        return self.model(batch)
+
+    # ------------------------------------------------------------------ reporting
+    def expert_stats(self) -> dict:
+        """Expert-cache state and counters (see ``CacheCounters``) for metrics and the summary."""
+        bw = self.bandwidths
+        return {
+            "policy": self.policy.name,
+            "slots": self.cache.num_slots,
+            "slots_used": self.cache.slots_used,
+            "experts_total": self.pool.num_ids,
+            "b_p_gbps": bw.pcie,
+            "b_h_gbps": bw.cpu,
+            "bandwidth_source": bw.source,
+            "q_ratio": self.policy.q_ratio(),
+            **self.experts.stats(),
+        }
+
+    def summary(self) -> str:
+        """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m."""
+        cfg, ec = self.model_config, self.engine_config
+        dev = str(self.device)
+        if self.device.type == "cuda":
+            dev += f" ({torch.cuda.get_device_name(self.device)}, {torch.cuda.mem_get_info(self.device)[1] / 2**30:.0f} GiB)"
+        bw = self.bandwidths
+        fmt = lambda v: "n/a" if v is None else f"{v:.1f} GB/s"  # noqa: E731
+        lines = [
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({'dummy weights' if ec.load_format == 'dummy' else 'checkpoint'}), "
+            f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"  device       {dev}; CPU threads {self.cpu_executor.threads}",
+            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+            f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if self.pinned else 'pageable'})",
+            f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
+            f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",
+            f"  bandwidth    B_P {fmt(bw.pcie)}, B_H {fmt(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",
+            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}",
+        ]
+        return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""Measuring B_P and B_H on this machine with this model's expert shape (``edgemoe profile``).
+
+- **B_P**: host→device copy bandwidth of whole expert rows (both banks) from the pool's memory
+  (pinned when CUDA is present) into device slots. On a CPU-only machine the "device cache" is a
+  second host buffer, so B_P is a memory copy and is reported as not applying to PCIe.
+- **B_H**: bytes of expert weights the CPU executor consumes per second computing one token per expert
+  (batch-1 decode), weights rotating over far more than the last-level cache so they come from DRAM.
+- **Concurrent**: both at once (they contend for DRAM, DESIGN.md §9). The policy then uses
+  ``B_P := B_P,conc`` and ``B_H := B_P,conc + B_H,conc`` (the DRAM throughput both branches reach
+  together), for which the q* closed form ``m·B_P/B_H`` is exactly the split that equalizes the two
+  branches' times. Without a concurrent measurement it uses the isolated pair, as the paper does.
+
+All bandwidths are GB/s (1e9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.policy import Bandwidths, QStarPolicy
+from edgemoe.experts.pool import HostExpertPool
+
+PROFILE_VERSION = 1
+ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
+ROTATE_BYTES_QUICK = 512_000_000
+
+
+def default_profile_path(hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> Path:
+    """``~/.cache/edgemoe/profile-{H}x{I}-{dtype}-{device}.json`` (``EDGEMOE_CACHE`` overrides the folder)."""
+    root = Path(os.environ.get("EDGEMOE_CACHE", Path.home() / ".cache" / "edgemoe"))
+    return root / f"profile-{hidden}x{intermediate}-{str(dtype).replace('torch.', '')}-{torch.device(device).type}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rotation_pool(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: torch.dtype,
+                   rotate_bytes: int, pin: bool) -> HostExpertPool:
+    """The pool itself when it is large enough to defeat the CPU caches, else a synthetic one."""
+    if pool is not None and pool.nbytes >= rotate_bytes:
+        return pool
+    row = 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
+    rows = max(8, -(-rotate_bytes // row))
+    synth = HostExpertPool(rows, hidden, intermediate, dtype)
+    synth.fill_random(seed=1234)
+    if pin:
+        synth.pin()
+    return synth
+
+
+def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, stop: threading.Event | None = None) -> float:
+    """B_P in GB/s: copy rotating expert rows from ``pool`` into 8 slots on ``device``."""
+    device = torch.device(device)
+    dst = [torch.empty((8, *b.shape[1:]), dtype=b.dtype, device=device) for b in pool.banks()]
+    nb = pool.pinned and device.type == "cuda"
+    order = torch.randperm(pool.num_ids).tolist()
+    moved, i = 0, 0
+    _sync(device)
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(8):
+            fid = order[i % len(order)]
+            for d, src in zip(dst, pool.banks()):
+                d[i % 8].copy_(src[fid], non_blocking=nb)
+            moved += pool.row_bytes
+            i += 1
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt >= seconds or (stop is not None and stop.is_set()):
+            return moved / dt / 1e9
+
+
+def measure_cpu(pool: HostExpertPool, executor: TorchCpuExecutor | None, seconds: float,
+                stop: threading.Event | None = None) -> float:
+    """B_H in GB/s: one token through rotating experts with the CPU executor's math."""
+    x = torch.randn(1, pool.hidden).to(pool.dtype)
+    order = torch.randperm(pool.num_ids).tolist()
+    moved, i = 0, 0
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(8):
+            fid = order[i % len(order)]
+            swiglu_expert(x, pool.w13[fid], pool.w2[fid])
+            moved += pool.row_bytes
+            i += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds or (stop is not None and stop.is_set()):
+            return moved / dt / 1e9
+
+
+def measure_concurrent(pool: HostExpertPool, device: torch.device, executor, seconds: float) -> tuple[float, float]:
+    """(B_P, B_H) in GB/s measured while both run at once (copy in a thread, CPU compute here)."""
+    res: dict[str, float] = {}
+    t = threading.Thread(target=lambda: res.__setitem__("p", measure_copy(pool, device, seconds)))
+    t.start()
+    res["h"] = measure_cpu(pool, executor, seconds)
+    t.join()
+    return res["p"], res["h"]
+
+
+def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
+            executor: TorchCpuExecutor | None, seconds: float, rotate_bytes: int) -> dict:
+    """Isolated and concurrent B_P/B_H for this expert shape. Returns the profile dict (see module doc)."""
+    device = torch.device(device)
+    rot = _rotation_pool(pool, hidden, intermediate, dtype, rotate_bytes, pin=device.type == "cuda")
+    measure_copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context
+    measure_cpu(rot, executor, 0.05)
+    bp = measure_copy(rot, device, seconds)
+    bh = measure_cpu(rot, executor, seconds)
+    cp, ch = measure_concurrent(rot, device, executor, seconds)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "version": PROFILE_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_threads": torch.get_num_threads(), "gpu": gpu},
+        "device": device.type,
+        "expert": {"hidden": hidden, "intermediate": intermediate, "dtype": str(dtype).replace("torch.", ""),
+                   "row_bytes": rot.row_bytes, "rotated_bytes": rot.nbytes},
+        "pcie_applies": device.type == "cuda",
+        "isolated": {"b_p_gbps": bp, "b_h_gbps": bh},
+        "concurrent": {"b_p_gbps": cp, "b_h_gbps": ch},
+        "seconds_each": seconds,
+    }
+
+
+def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
+    """The pair the q* policy uses: the concurrent one when present (``B_H := B_P,c + B_H,c``), else isolated."""
+    conc = prof.get("concurrent") or {}
+    if conc.get("b_p_gbps") and conc.get("b_h_gbps"):
+        return Bandwidths(conc["b_p_gbps"], conc["b_p_gbps"] + conc["b_h_gbps"], f"{source} (concurrent pair)")
+    iso = prof["isolated"]
+    return Bandwidths(iso["b_p_gbps"], iso["b_h_gbps"], f"{source} (isolated pair)")
+
+
+def resolve_bandwidths(config, pool: HostExpertPool, cache, executor: TorchCpuExecutor, model_config) -> Bandwidths:
+    """B_P/B_H for the engine: command line, else a matching saved profile, else a quick measurement.
+
+    Nothing is measured when no policy needs it (no expert cache, or a policy other than ``qstar``).
+    """
+    if config.bandwidth_pcie_gbps and config.bandwidth_cpu_gbps:
+        return Bandwidths(config.bandwidth_pcie_gbps, config.bandwidth_cpu_gbps, "command line")
+    path = Path(config.profile_path) if config.profile_path else default_profile_path(
+        pool.hidden, pool.intermediate, pool.dtype, cache.device)
+    if path.exists():
+        prof = json.loads(path.read_text())
+        exp = prof.get("expert", {})
+        if (prof.get("version") == PROFILE_VERSION and exp.get("hidden") == pool.hidden
+                and exp.get("intermediate") == pool.intermediate and prof.get("device") == cache.device.type):
+            return bandwidths_from_profile(prof, f"profile {path}")
+        if config.profile_path:
+            raise ValueError(f"{path}: profile is for another expert shape/device ({exp}, {prof.get('device')})")
+    if config.expert_policy != "qstar" or cache.num_slots == 0:
+        return Bandwidths(None, None, "not measured (not needed by this policy/cache)")
+    prof = measure(pool, pool.hidden, pool.intermediate, pool.dtype, cache.device, executor, 0.15, ROTATE_BYTES_QUICK)
+    return bandwidths_from_profile(prof, "quick start-up measurement")
+
+
+def run_profile(model_dir: str | Path, config, out_path: str | Path | None = None, seconds: float = 1.0) -> dict:
+    """``edgemoe profile``: measure this machine for ``model_dir``'s expert shape and save the JSON.
+
+    Reads only ``config.json`` (no weights): experts of the model's shape are synthesized and rotated
+    over ``ROTATE_BYTES_PROFILE`` bytes. Returns the profile dict with ``"path"`` set.
+    """
+    from edgemoe.config import ModelConfig, parse_dtype
+
+    cfg = ModelConfig.from_hf(model_dir)
+    dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+    device = config.resolved_device()
+    if config.cpu_threads:
+        torch.set_num_threads(int(config.cpu_threads))
+    prof = measure(None, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, None, seconds, ROTATE_BYTES_PROFILE)
+    path = Path(out_path) if out_path else default_profile_path(cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=2))
+    prof["path"] = str(path)
+    return prof
+
+
+def format_profile(prof: dict) -> str:
+    """Human-readable profile: B_P and B_H alone and concurrent, with q*/m for each pair."""
+    iso, conc = prof["isolated"], prof["concurrent"]
+    e = prof["expert"]
+    note = "" if prof.get("pcie_applies") else "  (CPU-only machine: B_P is a host memory copy; PCIe does not apply)"
+    lines = [
+        f"expert shape H={e['hidden']} I={e['intermediate']} {e['dtype']}: {e['row_bytes'] / 1e6:.2f} MB per expert, "
+        f"rotating over {e['rotated_bytes'] / 1e9:.2f} GB; device {prof['device']}; {prof['machine']['cpu_threads']} CPU threads",
+        f"isolated    B_P {iso['b_p_gbps']:7.2f} GB/s   B_H {iso['b_h_gbps']:7.2f} GB/s{note}",
+        f"concurrent  B_P {conc['b_p_gbps']:7.2f} GB/s   B_H {conc['b_h_gbps']:7.2f} GB/s",
+    ]
+    for label, bw in (("isolated", bandwidths_from_profile({"isolated": iso}, "")),
+                      ("concurrent", bandwidths_from_profile(prof, ""))):
+        lines.append(f"q*/m ({label} pair) = {QStarPolicy(bw).q_ratio():.3f}")
+    lines.append("policy uses: concurrent pair (B_P = B_P,c; B_H = B_P,c + B_H,c)")
+    if "path" in prof:
+        lines.append(f"saved to {prof['path']}")
+    return "\n".join(lines)

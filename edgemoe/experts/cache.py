@@ -1,0 +1,144 @@
+"""The device expert cache: (layer, expert) slots under one global LRU across all MoE layers.
+
+DESIGN.md §2 and §4: a slot pool per expert bank on the compute device, a residency table
+``slot_of[moe_layer * E + expert]`` (-1 when not resident), its inverse ``owner_of[slot]`` (-1 when
+free), and ``last_used[slot]``, the model step at which the slot was last hit or filled. A hit
+refreshes recency, a fill admits a row into the least recently used slot not needed this step.
+The cache is a performance lever only: shrinking it never changes results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CacheCounters:
+    """Per-phase counts of (layer, expert) uses, deduplicated over the tokens of a step.
+
+    ``hits``: resident when routed. ``misses``: not resident. ``fills``: misses copied into a slot.
+    ``cpu``: misses computed by the CPU executor (``misses == fills + cpu``).
+    """
+
+    hits: int = 0
+    misses: int = 0
+    fills: int = 0
+    cpu: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "fills": self.fills, "cpu": self.cpu}
+
+
+@dataclass
+class ExpertCache:
+    """Residency bookkeeping plus the slot banks.
+
+    Args:
+        num_slots: ``S``, slots in the cache (0 disables it: every expert runs on the CPU).
+        num_ids: ``N``, flat expert ids (``num_moe_layers * num_experts``).
+        bank_shapes: per-row shape of each expert bank, e.g. ``[(2I, H), (H, I)]``.
+        dtype, device: slot storage.
+
+    Attributes:
+        banks: one ``[S, *row_shape]`` tensor per expert bank, on ``device``.
+        slot_of: ``[N]`` int64, slot of each flat id or -1.
+        owner_of: ``[S]`` int64, flat id held by each slot or -1.
+        last_used: ``[S]`` int64, LRU clock (model step); free slots hold -1.
+        pinned: ``[S]`` bool, slots never evicted (static placement).
+    """
+
+    num_slots: int
+    num_ids: int
+    bank_shapes: list[tuple[int, ...]]
+    dtype: torch.dtype
+    device: torch.device
+    banks: list[torch.Tensor] = field(init=False)
+    counters: dict[str, CacheCounters] = field(init=False)
+
+    def __post_init__(self):
+        S = self.num_slots
+        self.banks = [torch.empty((S, *shape), dtype=self.dtype, device=self.device) for shape in self.bank_shapes]
+        self.slot_of = torch.full((self.num_ids,), -1, dtype=torch.int64)
+        self.owner_of = torch.full((S,), -1, dtype=torch.int64)
+        self.last_used = torch.full((S,), -1, dtype=torch.int64)
+        self.pinned = torch.zeros(S, dtype=torch.bool)
+        self.counters = {"prefill": CacheCounters(), "decode": CacheCounters()}
+
+    @property
+    def slots_used(self) -> int:
+        return int((self.owner_of >= 0).sum())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.banks)
+
+    def lookup(self, ids: list[int]) -> tuple[dict[int, int], list[int]]:
+        """Split flat ids into hits (``{id: slot}``) and misses (ids, in input order)."""
+        slots = self.slot_of[torch.tensor(ids, dtype=torch.int64)].tolist() if ids else []
+        hits = {i: s for i, s in zip(ids, slots) if s >= 0}
+        misses = [i for i, s in zip(ids, slots) if s < 0]
+        return hits, misses
+
+    def touch(self, slots: list[int], step: int) -> None:
+        """Refresh recency of ``slots`` to ``step``."""
+        if slots:
+            self.last_used[torch.tensor(slots, dtype=torch.int64)] = step
+
+    def choose_victims(self, k: int, exclude: list[int]) -> list[int]:
+        """The ``k`` least recently used slots, skipping ``exclude`` (needed this step) and pinned ones.
+
+        Free slots (``last_used == -1``) come first. Returns fewer than ``k`` when not enough slots
+        are evictable.
+        """
+        if k <= 0 or self.num_slots == 0:
+            return []
+        key = self.last_used.clone()
+        blocked = self.pinned.clone()
+        if exclude:
+            blocked[torch.tensor(exclude, dtype=torch.int64)] = True
+        key[blocked] = torch.iinfo(torch.int64).max
+        k = min(k, int((~blocked).sum()))
+        if k == 0:
+            return []
+        return torch.topk(key, k, largest=False, sorted=True).indices.tolist()
+
+    def evictable(self, exclude: list[int]) -> int:
+        """Slots that could receive a fill this step (not pinned and not in ``exclude``)."""
+        blocked = self.pinned.clone()
+        if exclude:
+            blocked[torch.tensor(exclude, dtype=torch.int64)] = True
+        return int((~blocked).sum())
+
+    def admit(self, flat_id: int, slot: int, step: int) -> None:
+        """Make ``slot`` hold ``flat_id`` (evicting its previous owner). Tables only; no data copy."""
+        old = int(self.owner_of[slot])
+        if old >= 0:
+            self.slot_of[old] = -1
+        prev = int(self.slot_of[flat_id])
+        if prev >= 0:
+            raise RuntimeError(f"expert {flat_id} already resident in slot {prev}")
+        self.owner_of[slot] = flat_id
+        self.slot_of[flat_id] = slot
+        self.last_used[slot] = step
+
+    def clear(self) -> None:
+        """Drop all residency (data stays allocated)."""
+        self.slot_of.fill_(-1)
+        self.owner_of.fill_(-1)
+        self.last_used.fill_(-1)
+        self.pinned.fill_(False)
+
+    def check_invariants(self) -> None:
+        """Assert ``slot_of`` and ``owner_of`` are inverse maps (used by tests).
+
+        Raises:
+            AssertionError: the tables disagree.
+        """
+        for slot, owner in enumerate(self.owner_of.tolist()):
+            if owner >= 0:
+                assert int(self.slot_of[owner]) == slot, f"slot {slot} owner {owner} maps back to {int(self.slot_of[owner])}"
+        for fid, slot in enumerate(self.slot_of.tolist()):
+            if slot >= 0:
+                assert int(self.owner_of[slot]) == fid, f"id {fid} -> slot {slot} owned by {int(self.owner_of[slot])}"

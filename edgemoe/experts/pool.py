@@ -1,0 +1,106 @@
+"""The host expert pool: every routed expert of the model, in host memory (DESIGN.md §1, §4).
+
+Experts are stored stacked in two banks indexed by the flat id ``moe_layer * E + expert``:
+``w13 [N, 2I, H]`` (gate rows then up rows) and ``w2 [N, H, I]``. Host memory is the source of
+truth; the device expert cache only ever holds copies of rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class HostExpertPool:
+    """Routed-expert banks in host memory.
+
+    Args:
+        num_ids: ``N = num_moe_layers * num_experts`` rows.
+        hidden, intermediate: ``H`` and ``I`` (the expert's intermediate size).
+        dtype: storage dtype of the banks.
+
+    Attributes:
+        w13: ``[N, 2I, H]`` gate (rows ``[:I]``) and up (rows ``[I:]``) projections.
+        w2: ``[N, H, I]`` down projection.
+        pinned: whether the banks are page-locked (registered with CUDA) for async host→GPU copies.
+    """
+
+    def __init__(self, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype):
+        self.num_ids, self.hidden, self.intermediate, self.dtype = num_ids, hidden, intermediate, dtype
+        self.w13 = torch.empty((num_ids, 2 * intermediate, hidden), dtype=dtype)
+        self.w2 = torch.empty((num_ids, hidden, intermediate), dtype=dtype)
+        self.pinned = False
+        self._registered: list[int] = []
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one expert (both banks)."""
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_bytes * self.num_ids
+
+    def banks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13, self.w2
+
+    def pin(self) -> bool:
+        """Page-lock the filled banks with ``cudaHostRegister`` (pin *after* filling: DESIGN.md §5).
+
+        Returns ``True`` on success; on refusal (no CUDA, ulimit, OS limit) logs why and keeps
+        pageable memory, returning ``False``. Never raises.
+        """
+        if self.pinned or not torch.cuda.is_available():
+            return self.pinned
+        cudart = torch.cuda.cudart()
+        for bank in self.banks():
+            if bank.numel() == 0:
+                continue
+            err = cudart.cudaHostRegister(bank.data_ptr(), bank.numel() * bank.element_size(), 0)
+            if int(err) != 0:
+                log.warning("cudaHostRegister refused %.2f GB (error %s): expert pool stays pageable; "
+                            "host->GPU expert copies will be slow", bank.numel() * bank.element_size() / 1e9, err)
+                self.unpin()
+                return False
+            self._registered.append(bank.data_ptr())
+        self.pinned = True
+        return True
+
+    def unpin(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+        self._registered.clear()
+        self.pinned = False
+
+    def __del__(self):
+        try:
+            self.unpin()
+        except Exception:
+            pass
+
+    def fill_random(self, seed: int, std: float = 0.02, progress: bool = False) -> None:
+        """Dummy-weight fill (``--load-format dummy``): every row gets distinct random values.
+
+        Draws one random source ~2 rows long and copies per-row windows of it at random offsets, so a
+        full-scale pool (tens of GB) fills at memory-copy speed rather than RNG speed.
+        """
+        g = torch.Generator().manual_seed(seed)
+        for bank in self.banks():
+            n = bank[0].numel()
+            if n == 0:
+                continue
+            src = (torch.randn(2 * n + 1, generator=g) * std).to(self.dtype)
+            offsets = torch.randint(0, n + 1, (self.num_ids,), generator=g).tolist()
+            flat = bank.view(self.num_ids, n)
+            it = range(self.num_ids)
+            if progress:
+                from tqdm import tqdm
+
+                it = tqdm(it, desc="dummy experts", unit="expert", leave=False)
+            for i in it:
+                flat[i].copy_(src[offsets[i]:offsets[i] + n])

@@ -1,0 +1,84 @@
+"""Grouped-query attention over the paged KV cache, with Qwen3's per-head q/k RMSNorm.
+
+Per step: project, q/k norm, RoPE, write the new keys/values into their KV slots, then attend each
+sequence's queries to its cached keys with a causal offset (query ``i`` of a sequence whose cache
+holds ``kv_len`` tokens sees keys ``[0, kv_len - q_len + i]``). Attention itself is
+``torch.nn.functional.scaled_dot_product_attention`` with GQA. Reference: ``Qwen3MoeAttention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgemoe.config import ModelConfig
+from edgemoe.core import ForwardBatch
+from edgemoe.kvcache.pool import PagedKVPool
+from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.rotary import RotaryEmbedding
+
+
+def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Causal attention of the batch's new queries against each sequence's paged KV.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of the new tokens (RoPE applied).
+        kv: the pool; the new tokens' keys/values must already be written.
+        layer: attention-layer index into the pool.
+        batch: gives each sequence's query range, KV length and page table.
+        scale: softmax scale (``D ** -0.5``).
+
+    Returns:
+        ``[T, Hq, D]`` attention output in ``q.dtype``.
+    """
+    out = torch.empty_like(q)
+    k_all, v_all = kv.k[layer], kv.v[layer]  # [S, Hk, D]
+    ps = kv.page_size
+    for s in batch.seqs:
+        pos = torch.arange(s.kv_len, device=q.device)
+        slots = s.page_table[pos // ps] * ps + pos % ps  # [kv_len]
+        k = k_all.index_select(0, slots).transpose(0, 1)  # [Hk, kv_len, D]
+        v = v_all.index_select(0, slots).transpose(0, 1)
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
+        mask = None
+        if s.q_len > 1:
+            qpos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=q.device)
+            mask = pos[None, :] <= qpos[:, None]  # [q_len, kv_len]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+    return out
+
+
+class Qwen3Attention(nn.Module):
+    """Qwen3 attention: q/k/v/o projections, per-head RMSNorm on q and k, RoPE, paged KV.
+
+    ``forward(x [T, H], batch) -> [T, H]``. Weight names match the HF checkpoint
+    (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
+    """
+
+    def __init__(self, cfg: ModelConfig, attn_index: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn_index = attn_index
+        self.rotary = rotary  # shared, not a registered submodule's weights
+        self.kv: PagedKVPool | None = None  # bound by the model runner
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))  # [T, Hq, D]
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, Hk, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        q, k = self.rotary(q, k, batch.positions)
+        kv = self.kv
+        kv.k[self.attn_index].index_copy_(0, batch.kv_slots, k.to(kv.k.dtype))
+        kv.v[self.attn_index].index_copy_(0, batch.kv_slots, v.to(kv.v.dtype))
+        o = paged_attention(q, kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

@@ -1,0 +1,51 @@
+"""The sparse MoE block: top-k softmax router, then routed experts through the hybrid executor.
+
+Router math follows ``Qwen3MoeTopKRouter``: ``softmax(x·Wᵀ)`` in float32, top-k, optional
+renormalization of the k weights (``norm_topk_prob``), cast back to the hidden dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgemoe.config import ModelConfig
+from edgemoe.core import ForwardBatch
+
+
+class TopKRouter(nn.Module):
+    """``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``; weight ``[E, H]``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts of one MoE layer; ``forward(x [T, H], batch) -> [T, H]``.
+
+    The experts' weights are not parameters of this module: they live in the host pool and the
+    device expert cache, reached through ``self.experts`` (a ``HybridExperts`` bound by the runner).
+    """
+
+    def __init__(self, cfg: ModelConfig, moe_layer: int):
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.moe_layer = moe_layer
+        self.experts = None  # HybridExperts, bound by the model runner
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        if batch.record is not None:
+            batch.record(self.moe_layer, ids, weights)
+        return self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)

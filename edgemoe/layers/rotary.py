@@ -1,0 +1,61 @@
+"""Rotary position embedding (RoPE, Su et al. 2021) with the rope types Qwen3 checkpoints use.
+
+Inverse frequencies and the attention scaling factor come from ``transformers``'
+``ROPE_INIT_FUNCTIONS`` (default, linear, dynamic, yarn, llama3, longrope), so scaled variants match
+the reference exactly. ``dynamic`` NTK scaling is evaluated once at the configured maximum length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgemoe.config import ModelConfig
+
+
+def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    rope_type = cfg.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        base = float(cfg.rope_parameters["rope_theta"])
+        dim = cfg.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {sorted(ROPE_INIT_FUNCTIONS)}")
+    return ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config(), torch.device("cpu"))
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query/key heads by absolute position.
+
+    ``forward(q [T, Hq, D], k [T, Hk, D], positions [T] int64) -> (q, k)`` in the input dtype; cos/sin
+    are computed in float32 and cast to the input dtype, as the reference does.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, scale = _inv_freq(cfg)
+        # a plain attribute, computed on the CPU: survives meta-device construction and ``to_empty``
+        self._inv_freq = {torch.device("cpu"): inv_freq.float().cpu()}
+        self.scale = float(scale)
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """``[D/2]`` float32 inverse frequencies on ``device``."""
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
+        return self._inv_freq[device]
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        freqs = positions[:, None].float() * self.inv_freq(positions.device)[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        return q, k
