@@ -35,6 +35,9 @@ MODES = [
     ("qstar", 0),  # CPU-only expert execution
 ]
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
+
 PROMPT = [3, 17, 92, 5, 41, 8, 77, 23, 64, 11, 9, 30]
 DECODE_STEPS = 6
 
@@ -73,11 +76,12 @@ def _edgemoe(runner: ModelRunner, steps: int):
     return torch.stack(logits).cpu(), toks
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy,slots", MODES, ids=[f"{p}-{s}" for p, s in MODES])
-def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots):
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots, device):
     path, ref = checkpoint
     ref_logits, ref_toks = _reference(ref, DECODE_STEPS)
-    runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", expert_policy=policy,
+    runner = ModelRunner(path, EngineConfig(device=device, dtype="float32", expert_policy=policy,
                                             expert_cache_slots=10_000 if slots is None else slots,
                                             bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0),
                          progress=False)

@@ -100,14 +100,9 @@ class ModelRunner:
             attn.kv = self.kv
 
         self.cpu_executor = TorchCpuExecutor(self.pool, config.cpu_threads)
-        slots = self._cache_slots()
-        self.cache = ExpertCache(slots, self.pool.num_ids, [tuple(self.pool.w13.shape[1:]), tuple(self.pool.w2.shape[1:])],
-                                 self.dtype, self.device)
-        self.bandwidths = resolve_bandwidths(config, self.pool, self.cache, self.cpu_executor, cfg)
-        self.policy = make_policy(config.expert_policy, self.bandwidths)
-        self.experts = HybridExperts(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, self.device)
-        for blk in self.model.moe_blocks():
-            blk.experts = self.experts
+        self.cache = None
+        self.bandwidths = None
+        self.set_expert_cache(self._cache_slots(), config.expert_policy)
         self._step = 0
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
         self.load_seconds = time.perf_counter() - t0
@@ -137,6 +132,37 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(0, min(n, int((free - GPU_MEMORY_MARGIN) // row)))
         return 0
+
+    def set_expert_cache(self, slots: int, policy: str) -> None:
+        """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
+        between steps (no step in flight). The host pool and the KV cache are untouched; the new cache
+        starts cold (a static policy re-places its layers). Counters restart from zero.
+
+        Raises:
+            ValueError: negative ``slots`` or an unknown policy.
+        """
+        if slots < 0:
+            raise ValueError("expert cache slots must be >= 0")
+        slots = min(int(slots), self.pool.num_ids)
+        if self.cache is not None:  # free the old banks before allocating the new ones
+            self.cache.banks.clear()
+            self.cache = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.cache = ExpertCache(slots, self.pool.num_ids, [tuple(self.pool.w13.shape[1:]), tuple(self.pool.w2.shape[1:])],
+                                 self.dtype, self.device)
+        if self.bandwidths is None or (policy == "qstar" and self.bandwidths.pcie is None and slots > 0):
+            cfg = self.engine_config
+            if cfg.expert_policy != policy:
+                from dataclasses import replace
+
+                cfg = replace(cfg, expert_policy=policy)
+            self.bandwidths = resolve_bandwidths(cfg, self.pool, self.cache, self.cpu_executor)
+        self.policy = make_policy(policy, self.bandwidths)
+        self.experts = HybridExperts(self.pool, self.cache, self.policy, self.cpu_executor,
+                                     self.model_config.num_experts, self.device)
+        for blk in self.model.moe_blocks():
+            blk.experts = self.experts
 
     # ------------------------------------------------------------------ capacity
     @property

@@ -144,7 +144,7 @@ def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
     return Bandwidths(iso["b_p_gbps"], iso["b_h_gbps"], f"{source} (isolated pair)")
 
 
-def resolve_bandwidths(config, pool: HostExpertPool, cache, executor: TorchCpuExecutor, model_config) -> Bandwidths:
+def resolve_bandwidths(config, pool: HostExpertPool, cache, executor: TorchCpuExecutor) -> Bandwidths:
     """B_P/B_H for the engine: command line, else a matching saved profile, else a quick measurement.
 
     Nothing is measured when no policy needs it (no expert cache, or a policy other than ``qstar``).

@@ -1,0 +1,156 @@
+"""Decode benchmark: tokens/s, hit rate and q*/m per expert-cache budget and policy, batch 1.
+
+Loads the model once (``--load-format dummy`` by default: full geometry from config.json, random
+weights, no disk), measures B_P/B_H on this machine, then for each budget (GB of expert cache) and
+policy rebuilds the expert cache in place, prefills a prompt and times greedy decode. The
+all-resident run (every expert cached) is the ceiling. Writes a markdown table and a JSON file.
+
+    python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
+
+Random weights route near-uniformly, so the hit rate approaches the cache's share of experts: real
+checkpoints have more routing locality (see the routing-trace replay) and hit more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgemoe.config import EngineConfig  # noqa: E402
+from edgemoe.core import Phase  # noqa: E402
+from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
+from edgemoe.experts.bandwidth import bandwidths_from_profile, measure  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int) -> dict:
+    """Prefill ``prompt`` then decode ``warmup + tokens`` greedy tokens; time the last ``tokens``."""
+    runner.set_expert_cache(slots, policy)
+    dev = runner.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    logits = runner.execute([StepInput(0, prompt, 0)], Phase.PREFILL)
+    tok = int(logits[0].argmax())
+    _sync(dev)
+    prefill_s = time.perf_counter() - t0
+    pos = len(prompt)
+    for _ in range(warmup):
+        tok = int(runner.execute([StepInput(0, [tok], pos)], Phase.DECODE)[0].argmax())
+        pos += 1
+    before = dict(runner.experts.stats()["decode"])
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        tok = int(runner.execute([StepInput(0, [tok], pos)], Phase.DECODE)[0].argmax())
+        pos += 1
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    after = runner.experts.stats()["decode"]
+    d = {k: after[k] - before[k] for k in after}
+    runner.free(0)
+    uses = d["hits"] + d["misses"]
+    row = runner.pool.row_bytes
+    return {
+        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9,
+        "tokens_per_s": tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
+        "hit_rate": d["hits"] / uses if uses else 0.0,
+        "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
+        "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
+        "q_ratio_policy": runner.policy.q_ratio(),
+        "q_over_m_observed": d["fills"] / d["misses"] if d["misses"] else None,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--budgets", default="8,16,32", help="expert-cache budgets in GB")
+    ap.add_argument("--policies", default="qstar,fill-all,cpu-all,static")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--cpu-threads", type=int)
+    ap.add_argument("--profile-seconds", type=float, default=1.0)
+    ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling run")
+    ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
+    a = ap.parse_args(argv)
+
+    model = a.model
+    if model is None:
+        from edgemoe.weights.make_model import write_config_only
+
+        model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset)
+    cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
+                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, max_model_len=4096)
+    t0 = time.perf_counter()
+    runner = ModelRunner(model, cfg)
+    load_s = time.perf_counter() - t0
+    prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
+                   runner.cpu_executor, a.profile_seconds, 2_000_000_000)
+    runner.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+    print(runner.summary(), flush=True)
+    print(f"profile: isolated {prof['isolated']}, concurrent {prof['concurrent']}", flush=True)
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, runner.model_config.vocab_size, (a.prompt_len,), generator=g).tolist()
+    row = runner.pool.row_bytes
+    results = []
+    if not a.no_resident:
+        r = run_one(runner, runner.pool.num_ids, "fill-all", prompt, a.warmup, a.tokens)
+        r["budget_gb"] = "all (resident)"
+        results.append(r)
+        print(r, flush=True)
+    for gb in [float(x) for x in a.budgets.split(",") if x]:
+        for pol in a.policies.split(","):
+            r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens)
+            r["budget_gb"] = gb
+            results.append(r)
+            print(r, flush=True)
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                    "cpu_threads": runner.cpu_executor.threads, "torch": torch.__version__},
+        "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
+        "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
+        "pinned": runner.pinned, "load_s": load_s, "profile": prof,
+        "bandwidths_used": {"b_p": runner.bandwidths.pcie, "b_h": runner.bandwidths.cpu, "source": runner.bandwidths.source},
+        "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    lines = [
+        f"| budget (GB) | policy | slots | tokens/s | ms/token | hit rate | fills/token | CPU experts/token | q*/m (policy) | q/m (observed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
+        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['slots']} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.1f} | "
+                     f"{r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | {r['q_ratio_policy']:.3f} | {qo} |")
+    table = "\n".join(lines)
+    (out / "decode.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
