@@ -37,8 +37,14 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int) -> dict:
-    """Prefill ``prompt`` then decode ``warmup + tokens`` greedy tokens; time the last ``tokens``."""
+def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
+            feed: list[int] | None) -> dict:
+    """Prefill ``prompt`` then decode ``warmup + tokens`` tokens; time the last ``tokens``.
+
+    ``feed``: the token given to each decode step (teacher forcing); ``None`` feeds back the greedy
+    token. A random-weight model's greedy output repeats one token, which would route every step to
+    the same experts; feeding random tokens gives near-uniform routing instead (the pessimistic case).
+    """
     runner.set_expert_cache(slots, policy)
     dev = runner.device
     _sync(dev)
@@ -48,15 +54,20 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     pos = len(prompt)
+    step = 0
+
+    def next_input(t: int) -> int:
+        return t if feed is None else feed[step % len(feed)]
+
     for _ in range(warmup):
-        tok = int(runner.execute([StepInput(0, [tok], pos)], Phase.DECODE)[0].argmax())
-        pos += 1
+        tok = int(runner.execute([StepInput(0, [next_input(tok)], pos)], Phase.DECODE)[0].argmax())
+        pos, step = pos + 1, step + 1
     before = dict(runner.experts.stats()["decode"])
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(tokens):
-        tok = int(runner.execute([StepInput(0, [tok], pos)], Phase.DECODE)[0].argmax())
-        pos += 1
+        tok = int(runner.execute([StepInput(0, [next_input(tok)], pos)], Phase.DECODE)[0].argmax())
+        pos, step = pos + 1, step + 1
     _sync(dev)
     dt = time.perf_counter() - t0
     after = runner.experts.stats()["decode"]
@@ -89,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int)
     ap.add_argument("--profile-seconds", type=float, default=1.0)
+    ap.add_argument("--decode-input", default="random", choices=["random", "greedy"],
+                    help="token fed to each decode step: random (uniform routing) or the greedy output")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling run")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
@@ -110,17 +123,20 @@ def main(argv=None) -> int:
     print(f"profile: isolated {prof['isolated']}, concurrent {prof['concurrent']}", flush=True)
 
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, runner.model_config.vocab_size, (a.prompt_len,), generator=g).tolist()
+    vocab = runner.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist()
+    feed = None if a.decode_input == "greedy" else torch.randint(0, vocab, (a.warmup + a.tokens,), generator=g).tolist()
     row = runner.pool.row_bytes
     results = []
     if not a.no_resident:
-        r = run_one(runner, runner.pool.num_ids, "fill-all", prompt, a.warmup, a.tokens)
+        # every expert placed and pinned up front: all hits, the ceiling
+        r = run_one(runner, runner.pool.num_ids, "static", prompt, a.warmup, a.tokens, feed)
         r["budget_gb"] = "all (resident)"
         results.append(r)
         print(r, flush=True)
     for gb in [float(x) for x in a.budgets.split(",") if x]:
         for pol in a.policies.split(","):
-            r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens)
+            r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
             r["budget_gb"] = gb
             results.append(r)
             print(r, flush=True)
@@ -133,7 +149,7 @@ def main(argv=None) -> int:
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
         "bandwidths_used": {"b_p": runner.bandwidths.pcie, "b_h": runner.bandwidths.cpu, "source": runner.bandwidths.source},
-        "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
+        "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -59,21 +59,27 @@ def _rotation_pool(pool: HostExpertPool | None, hidden: int, intermediate: int, 
     return synth
 
 
-def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, stop: threading.Event | None = None) -> float:
-    """B_P in GB/s: copy rotating expert rows from ``pool`` into 8 slots on ``device``."""
+def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, stop: threading.Event | None = None,
+                 rows_per_copy: int = 8) -> float:
+    """B_P in GB/s: copy rotating runs of ``rows_per_copy`` expert rows from ``pool`` into ``device``.
+
+    One copy call per bank per run keeps the Python side idle (it mostly waits in synchronize with the
+    GIL released), so a concurrent CPU measurement is not starved by this thread.
+    """
     device = torch.device(device)
-    dst = [torch.empty((8, *b.shape[1:]), dtype=b.dtype, device=device) for b in pool.banks()]
+    n = min(rows_per_copy, pool.num_ids)
+    dst = [torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=device) for b in pool.banks()]
     nb = pool.pinned and device.type == "cuda"
-    order = torch.randperm(pool.num_ids).tolist()
+    starts = torch.randperm(max(1, pool.num_ids - n + 1)).tolist()
     moved, i = 0, 0
     _sync(device)
     t0 = time.perf_counter()
     while True:
-        for _ in range(8):
-            fid = order[i % len(order)]
+        for _ in range(4):
+            s = starts[i % len(starts)]
             for d, src in zip(dst, pool.banks()):
-                d[i % 8].copy_(src[fid], non_blocking=nb)
-            moved += pool.row_bytes
+                d.copy_(src[s:s + n], non_blocking=nb)
+            moved += pool.row_bytes * n
             i += 1
         _sync(device)
         dt = time.perf_counter() - t0

@@ -26,6 +26,9 @@ from edgemoe.experts.policy import ExpertPolicy, StaticPolicy
 from edgemoe.experts.pool import HostExpertPool
 
 
+PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
+
+
 @dataclass
 class _Route:
     """Tokens routed to one expert in this step: ``tok [n]`` row indices, ``kpos [n]`` top-k column."""
@@ -111,33 +114,29 @@ class HybridExperts:
             n_fill = min(self.policy.num_fills(len(misses)), evictable)
         fill_ids, cpu_ids = misses[:n_fill], misses[n_fill:]
 
-        x_cpu = x.to("cpu") if cpu_ids or (fill_ids and self.cache.evictable([]) == 0) else None  # D2H before the device work is enqueued
+        x_cpu = x.to("cpu") if cpu_ids else None  # D2H before the device work is enqueued
         out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
-        w_dev = topk_weights
-        # device branch: hits first (resident now), then fills in waves that fit the cache
-        self._run_device(x, w_dev, [(routes[f], s) for f, s in sorted(hits.items())], out)
-        exclude = list(hits.values())
-        pending = fill_ids
-        while pending:
-            if evictable == 0 and exclude:  # this step's hits fill the cache: they are computed already
-                exclude, evictable = [], self.cache.evictable(exclude=[])
-            if evictable == 0:  # every slot pinned: nothing can be streamed, compute on the CPU
-                cpu_ids, pending = cpu_ids + pending, []
-                break
-            wave, pending = pending[:evictable], pending[evictable:]
-            victims = self.cache.choose_victims(len(wave), exclude)
-            placed = []
-            for fid, slot in zip(wave, victims):
+        if not stream:
+            # decode: one wave (q <= evictable), hits and fills computed together
+            victims = self.cache.choose_victims(len(fill_ids), exclude=list(hits.values()))
+            placed = dict(hits)
+            for fid, slot in zip(fill_ids, victims):
                 self.cache.admit(fid, slot, step)
                 self._copy_in(fid, slot)
-                placed.append((routes[fid], slot))
-            self._run_device(x, w_dev, sorted(placed, key=lambda rs: rs[0].fid), out)
-            exclude = []  # later waves may evict earlier waves (stream-ordered on the device)
-            evictable = self.cache.evictable(exclude=[])
+                placed[fid] = slot
+            if placed:
+                if topk_ids.numel() <= PAIR_PATH_MAX_ROUTES:
+                    self._run_device_pairs(x, topk_weights, flat, placed, out)
+                else:
+                    self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(placed.items())], out)
+        else:
+            self._stream(x, topk_weights, routes, hits, fill_ids, cpu_ids, evictable, step, out)
         counters.fills += len(misses) - len(cpu_ids)
         counters.cpu += len(cpu_ids)
         # CPU branch, concurrent with the enqueued device work
         if cpu_ids:
+            if x_cpu is None:
+                x_cpu = x.to("cpu")
             out_cpu = torch.zeros((T, x.shape[1]), dtype=torch.float32)
             w_cpu = topk_weights.to("cpu")
             work = [(f, routes[f].tok, w_cpu[routes[f].tok, routes[f].kpos]) for f in sorted(cpu_ids)]
@@ -145,7 +144,53 @@ class HybridExperts:
             out += out_cpu.to(x.device, non_blocking=False)
         return out.to(x.dtype)
 
+    def _stream(self, x, w, routes: dict[int, _Route], hits: dict[int, int], fill_ids: list[int], cpu_ids: list[int],
+                evictable: int, step: int, out: torch.Tensor) -> None:
+        """Prefill: hits, then the misses in waves of at most the evictable slots (appends to ``cpu_ids``
+        what cannot be streamed because every slot is pinned)."""
+        self._run_device(x, w, [(routes[f], s) for f, s in sorted(hits.items())], out)
+        exclude = list(hits.values())
+        pending = fill_ids
+        while pending:
+            if evictable == 0 and exclude:  # this step's hits fill the cache: they are computed already
+                exclude, evictable = [], self.cache.evictable(exclude=[])
+            if evictable == 0:  # every slot pinned: nothing can be streamed
+                cpu_ids.extend(pending)
+                return
+            wave, pending = pending[:evictable], pending[evictable:]
+            victims = self.cache.choose_victims(len(wave), exclude)
+            placed = []
+            for fid, slot in zip(wave, victims):
+                self.cache.admit(fid, slot, step)
+                self._copy_in(fid, slot)
+                placed.append((routes[fid], slot))
+            self._run_device(x, w, sorted(placed, key=lambda rs: rs[0].fid), out)
+            exclude = []  # later waves may evict earlier waves (stream-ordered on the device)
+            evictable = self.cache.evictable(exclude=[])
+
+    def _run_device_pairs(self, x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, placed: dict[int, int],
+                          out: torch.Tensor) -> None:
+        """Small batches: every (token, k) route in one batched GEMV pair over gathered slot weights.
+
+        Routes whose expert is not on the device (CPU set) are computed against slot 0 and zeroed, so
+        the sum over k runs in a fixed order (deterministic, no atomics).
+        """
+        T, k = flat.shape
+        slot_tk = torch.tensor([placed.get(f, -1) for f in flat.view(-1).tolist()], dtype=torch.int64)
+        valid = (slot_tk >= 0).to(x.device, non_blocking=True)  # [P]
+        s = slot_tk.clamp(min=0).to(x.device, non_blocking=True)  # [P]
+        w13, w2 = self.cache.banks
+        xp = x.to(w13.dtype).repeat_interleave(k, dim=0)  # [P, H]
+        h = torch.bmm(w13.index_select(0, s), xp[:, :, None]).squeeze(-1)  # [P, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up  # [P, I]
+        y = torch.bmm(w2.index_select(0, s), a[:, :, None]).squeeze(-1)  # [P, H]
+        y = y * w.reshape(-1, 1).to(y.dtype)
+        y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        out += y.view(T, k, -1).float().sum(dim=1)
+
     def _run_device(self, x: torch.Tensor, w: torch.Tensor, items: list[tuple[_Route, int]], out: torch.Tensor) -> None:
+        """Per-expert path (prefill, large batches): tokens of each resident expert, in expert-id order."""
         if not items:
             return
         w13, w2 = self.cache.banks

@@ -1,0 +1,174 @@
+"""Expert cache, q* policy and hybrid executor properties (CPU; the "device" cache is a host buffer)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from edgemoe.core import Phase
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy, make_policy
+from edgemoe.experts.pool import HostExpertPool
+
+
+def _cache(slots: int, ids: int = 40) -> ExpertCache:
+    return ExpertCache(slots, ids, [(4, 2), (2, 2)], torch.float32, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- residency tables and LRU
+def test_residency_and_owner_tables_stay_inverse_under_random_traffic():
+    rng = random.Random(0)
+    c = _cache(7)
+    for step in range(1, 400):
+        ids = rng.sample(range(40), rng.randint(1, 6))
+        hits, misses = c.lookup(ids)
+        c.touch(list(hits.values()), step)
+        victims = c.choose_victims(len(misses), exclude=list(hits.values()))
+        assert not set(victims) & set(hits.values()), "a slot needed this step was chosen as a victim"
+        for fid, slot in zip(misses, victims):
+            c.admit(fid, slot, step)
+        c.check_invariants()
+        assert c.slots_used <= 7
+
+
+def test_lru_evicts_least_recently_used_and_free_slots_first():
+    c = _cache(3)
+    assert c.choose_victims(3, exclude=[]) == [0, 1, 2]  # all free
+    for step, fid in enumerate([10, 11, 12], start=1):
+        c.admit(fid, c.choose_victims(1, exclude=[])[0], step)
+    c.touch([int(c.slot_of[10])], 4)  # 10 becomes most recent: order now 11, 12, 10
+    assert c.choose_victims(3, exclude=[]) == [int(c.slot_of[11]), int(c.slot_of[12]), int(c.slot_of[10])]
+    assert c.choose_victims(1, exclude=[int(c.slot_of[11])]) == [int(c.slot_of[12])]
+    c.pinned[int(c.slot_of[12])] = True
+    assert c.choose_victims(3, exclude=[int(c.slot_of[11])]) == [int(c.slot_of[10])]
+    assert c.evictable(exclude=[int(c.slot_of[11])]) == 1
+
+
+def test_admit_evicts_previous_owner():
+    c = _cache(2)
+    c.admit(5, 0, 1)
+    c.admit(6, 0, 2)
+    assert int(c.slot_of[5]) == -1 and int(c.slot_of[6]) == 0 and int(c.owner_of[0]) == 6
+    with pytest.raises(RuntimeError):  # an expert is never resident twice
+        c.admit(6, 1, 3)
+
+
+def test_zero_slot_cache_has_no_victims():
+    c = _cache(0)
+    assert c.choose_victims(4, exclude=[]) == []
+    assert c.lookup([1, 2]) == ({}, [1, 2])
+
+
+# ---------------------------------------------------------------- q* policy
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 8, 64])
+def test_qstar_edges(m):
+    p = QStarPolicy(Bandwidths(10.0, 40.0))
+    q = p.num_fills(m)
+    assert 0 <= q <= m
+    if m == 0:
+        assert q == 0
+    else:
+        assert q >= 1  # at least one fill keeps the cache warming
+
+
+def test_qstar_formula_and_rounding():
+    p = QStarPolicy(Bandwidths(10.0, 40.0))  # q*/m = 0.25
+    assert [p.num_fills(m) for m in (1, 2, 3, 4, 6, 8, 10)] == [1, 1, 1, 1, 2, 2, 3]  # 1.5 -> 2, 2.5 -> 3
+    assert p.q_ratio() == pytest.approx(0.25)
+    assert QStarPolicy(Bandwidths(30.0, 40.0)).num_fills(8) == 6
+
+
+@pytest.mark.parametrize("bp,bh", [(50.0, 50.0), (55.0, 31.0)])
+def test_qstar_fills_everything_when_cpu_is_not_faster(bp, bh):
+    p = QStarPolicy(Bandwidths(bp, bh))
+    assert [p.num_fills(m) for m in range(6)] == list(range(6))
+
+
+def test_policies():
+    bw = Bandwidths(10.0, 40.0)
+    assert isinstance(make_policy("qstar", bw), QStarPolicy)
+    assert FillAllPolicy().num_fills(7) == 7 and CpuAllPolicy().num_fills(7) == 0
+    assert isinstance(make_policy("static", bw), StaticPolicy) and not StaticPolicy().admits
+    with pytest.raises(ValueError):
+        make_policy("lfu", bw)
+    with pytest.raises(ValueError):
+        QStarPolicy(Bandwidths(-1.0, 10.0))
+    assert QStarPolicy(Bandwidths(None, None)).num_fills(5) == 0  # no cache to fill: CPU does it
+
+
+# ---------------------------------------------------------------- hybrid executor vs dense reference
+def _setup(slots: int, policy, layers: int = 3, E: int = 8, H: int = 16, I: int = 8, seed: int = 0):
+    torch.manual_seed(seed)
+    pool = HostExpertPool(layers * E, H, I, torch.float32)
+    pool.w13.normal_()
+    pool.w2.normal_()
+    cache = ExpertCache(slots, layers * E, [(2 * I, H), (H, I)], torch.float32, torch.device("cpu"))
+    return pool, HybridExperts(pool, cache, policy, TorchCpuExecutor(pool), E, torch.device("cpu"))
+
+
+def _dense(pool, layer, x, ids, w, E):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            fid = layer * E + int(ids[t, j])
+            out[t] += w[t, j] * swiglu_expert(x[t:t + 1], pool.w13[fid], pool.w2[fid])[0]
+    return out
+
+
+@pytest.mark.parametrize("policy", [QStarPolicy(Bandwidths(10.0, 30.0)), FillAllPolicy(), CpuAllPolicy(), StaticPolicy()])
+@pytest.mark.parametrize("T,phase", [(1, Phase.DECODE), (3, Phase.DECODE), (20, Phase.DECODE), (9, Phase.PREFILL)])
+def test_hybrid_output_is_exact_for_every_policy(policy, T, phase):
+    E, k = 8, 3
+    pool, hy = _setup(slots=5, policy=policy)  # smaller than one layer's experts
+    g = torch.Generator().manual_seed(T)
+    for step in range(1, 8):
+        layer = step % 3
+        x = torch.randn(T, 16, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g)
+        got = hy.forward(layer, x, ids, w, phase, step)
+        torch.testing.assert_close(got, _dense(pool, layer, x, ids, w, E), rtol=1e-4, atol=1e-4)
+        hy.cache.check_invariants()
+        assert hy.cache.slots_used <= 5
+    c = hy.cache.counters[phase.value]
+    assert c.misses == c.fills + c.cpu
+    if isinstance(policy, CpuAllPolicy):
+        assert c.fills == 0
+
+
+def test_decode_fills_follow_qstar_and_never_evict_hits():
+    pool, hy = _setup(slots=6, policy=QStarPolicy(Bandwidths(10.0, 20.0)))  # q*/m = 0.5
+    x = torch.randn(1, 16)
+    hy.forward(0, x, torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 4), Phase.DECODE, 1)
+    c = hy.cache.counters["decode"]
+    assert (c.misses, c.fills, c.cpu) == (4, 2, 2)
+    resident = [f for f in range(4) if int(hy.cache.slot_of[f]) >= 0]
+    # next step routes the two resident experts plus 4 new ones; the hits must survive the fills
+    hy.forward(0, x, torch.tensor([[*resident, 4, 5, 6, 7]]), torch.ones(1, 6), Phase.DECODE, 2)
+    assert all(int(hy.cache.slot_of[f]) >= 0 for f in resident)
+    assert (c.hits, c.fills) == (2, 4)
+
+
+def test_prefill_streams_every_expert_through_a_tiny_cache():
+    pool, hy = _setup(slots=2, policy=FillAllPolicy())
+    x = torch.randn(6, 16)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3], [4, 5, 6], [7, 0, 1]])
+    w = torch.rand(6, 3)
+    got = hy.forward(1, x, ids, w, Phase.PREFILL, 1)
+    torch.testing.assert_close(got, _dense(pool, 1, x, ids, w, 8), rtol=1e-4, atol=1e-4)
+    c = hy.cache.counters["prefill"]
+    assert (c.misses, c.fills, c.cpu) == (8, 8, 0)
+    assert hy.cache.slots_used == 2
+
+
+def test_static_placement_pins_last_layers():
+    pool, hy = _setup(slots=10, policy=StaticPolicy())  # 3 layers x 8: layer 2 whole + 2 of layer 1
+    resident = sorted(int(f) for f in hy.cache.owner_of.tolist())
+    assert resident == [8, 9] + list(range(16, 24))
+    assert bool(hy.cache.pinned.all())
+    for slot, fid in enumerate(hy.cache.owner_of.tolist()):
+        assert torch.equal(hy.cache.banks[0][slot], pool.w13[fid]) and torch.equal(hy.cache.banks[1][slot], pool.w2[fid])
