@@ -23,7 +23,7 @@ from edgemoe.weights.make_model import (
     write_config_only,
 )
 
-QWEN3_TOKENIZER = Path("/work/shared/fixtures/tokenizers/qwen3")
+QWEN3_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
 needs_qwen3 = pytest.mark.skipif(
     not (QWEN3_TOKENIZER / "tokenizer.json").is_file(),
     reason=f"Qwen3 tokenizer fixture not found at {QWEN3_TOKENIZER}",

@@ -1,0 +1,504 @@
+"""The synchronous engine: request queue, continuous batching, sampling, stop handling.
+
+:class:`LLMEngine` owns a :class:`~edgemoe.engine.model_runner.ModelRunner` and advances every
+request by one model step per :meth:`LLMEngine.step`, like vLLM's ``LLMEngine`` / nano-vllm's loop:
+
+1. ``add_request`` validates and queues (``PromptTooLongError`` for a prompt that can never fit).
+2. ``step`` asks the :class:`~edgemoe.engine.scheduler.Scheduler` for one batch: either a prefill
+   batch (new requests and continued prompt chunks, at most ``prefill_chunk_tokens`` tokens) or a
+   decode batch (one token for every running request).
+3. The runner computes the batch; a ``KVCacheFullError`` preempts the newest running request
+   (recomputed later), any other exception is isolated to the request(s) that cause it.
+4. Rows whose prompt is complete are sampled; stop conditions (EOS, stop token ids, stop strings,
+   ``max_tokens``) are checked, the text is detokenized incrementally, and one
+   :class:`RequestOutput` per advanced request is returned.
+
+Only one thread may call the engine (the runner is not thread-safe); see ``async_engine.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from edgemoe.config import EngineConfig
+from edgemoe.engine.metrics import EngineMetrics
+from edgemoe.engine.model_runner import KVCacheFullError, ModelRunner
+from edgemoe.engine.sampling import SamplingParams, make_generator, sample
+from edgemoe.engine.scheduler import Request, RequestStatus, ScheduledBatch, Scheduler
+
+
+__all__ = [
+    "DEFAULT_PREFILL_CHUNK_TOKENS",
+    "CompletionOutput",
+    "IncrementalDetokenizer",
+    "LLMEngine",
+    "PromptTooLongError",
+    "RequestMetrics",
+    "RequestOutput",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 8192
+"""Most prompt tokens computed in one prefill step (DESIGN.md §3: chunked prefill, 8192 per chunk)."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt can never be served: longer than ``max_model_len - 1`` tokens or than the KV cache.
+
+    Attributes:
+        prompt_len: tokens in the prompt.
+        limit: the largest prompt accepted.
+    """
+
+    def __init__(self, message: str, prompt_len: int, limit: int):
+        super().__init__(message)
+        self.prompt_len = prompt_len
+        self.limit = limit
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timestamps in seconds of ``time.perf_counter()`` (``None`` until reached).
+
+    Attributes:
+        arrival_time: when ``add_request`` accepted it.
+        first_scheduled_time: first time it entered a batch.
+        first_token_time: when its first output token was sampled.
+        finish_time: when it finished (any reason).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        """Arrival to finish (s)."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's ``CompletionOutput``).
+
+    Attributes:
+        index: choice index (always 0: one sequence per request).
+        text: output text so far (stop string excluded; held back while it may be a stop prefix).
+        token_ids: all output token ids so far (a final EOS/stop token included).
+        finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
+        stop_reason: the stop string or stop token id that ended it (``None`` for EOS/length).
+        delta_text: text added since the previous output of this request (for streaming).
+        delta_token_ids: token ids added since the previous output.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (vLLM's ``RequestOutput``).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: prompt text when the request was given as text, else ``None``.
+        prompt_token_ids: the prompt's token ids.
+        outputs: ``[CompletionOutput]`` (one sequence).
+        finished: True once the request is done (then ``outputs[0].finish_reason`` is set).
+        metrics: timestamps (``RequestMetrics``).
+        error: message of the exception that failed this request (finish reason ``"error"``).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.outputs[0].token_ids)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """OpenAI-style token usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``."""
+        p, c = self.num_prompt_tokens, self.num_generated_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text one token at a time, never emitting a broken UTF-8 character.
+
+    Uses ``tokenizers.decoders.DecodeStream`` (the Rust streaming decoder) seeded with the prompt's
+    last tokens (so e.g. a SentencePiece leading space decodes as in the full text); falls back to
+    re-decoding all output ids and holding back a trailing U+FFFD for tokenizers without a Rust core.
+    """
+
+    _CONTEXT = 6
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._rust = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            try:
+                self._stream = DecodeStream(
+                    ids=list(prompt_token_ids[-self._CONTEXT :]), skip_special_tokens=skip_special_tokens
+                )
+            except TypeError:  # tokenizers without the ``ids`` argument
+                self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._text = ""
+
+    def step(self, token_id: int) -> str:
+        """Add one token; return the newly complete text (``""`` while a character is incomplete)."""
+        if self._stream is not None:
+            return self._stream.step(self._rust, token_id) or ""
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._text = text[len(self._text) :], text
+        return new
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model runner.
+
+    Args:
+        runner: a ``ModelRunner`` (or an object with the same interface).
+        prefill_chunk_tokens: most prompt tokens per prefill step (the whole batch).
+        max_num_seqs: most requests in flight; default ``runner.engine_config.max_num_seqs``.
+        metrics: Prometheus instruments (a fresh :class:`EngineMetrics` by default).
+
+    Not thread-safe: call it from one thread.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        max_num_seqs: int | None = None,
+        metrics: EngineMetrics | None = None,
+    ):
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.max_model_len = int(runner.max_model_len)
+        self.eos_token_ids = frozenset(int(t) for t in runner.eos_token_ids)
+        cfg = getattr(runner, "engine_config", None)
+        self.max_num_seqs = max_num_seqs or (cfg.max_num_seqs if cfg is not None else 8)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.scheduler = Scheduler(runner, max_num_seqs=self.max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens)
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.metrics.bind_queues(lambda: self.num_running, lambda: self.num_waiting)
+        self._requests: dict[str, Request] = {}
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str,
+        config: EngineConfig | None = None,
+        *,
+        progress: bool = True,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+    ) -> "LLMEngine":
+        """Load a ``ModelRunner`` for ``model_dir`` (slow for big models) and wrap it."""
+        runner = ModelRunner(str(model_dir), config or EngineConfig(), progress=progress)
+        engine = cls(runner, prefill_chunk_tokens=prefill_chunk_tokens)
+        engine.metrics.add_expert_stats_source(runner.expert_stats)
+        return engine
+
+    # ---------------------------------------------------------------- requests
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return int(self.runner.kv_capacity_tokens)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Validate a prompt against the context and KV limits; return params with ``max_tokens`` clamped.
+
+        Reads only immutable limits, so any thread may call it.
+
+        Raises:
+            PromptTooLongError: ``len(prompt) > max_model_len - 1`` or ``> kv_capacity_tokens``.
+            ValueError: an empty prompt or a token id outside the vocabulary.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = getattr(getattr(self.runner, "model_config", None), "vocab_size", None)
+        if vocab is not None and not all(0 <= int(t) < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        limit = min(self.max_model_len - 1, self.kv_capacity_tokens)
+        if n > limit:
+            which = (
+                f"this model's maximum context length is {self.max_model_len} tokens and at least one "
+                "output token is needed"
+                if limit == self.max_model_len - 1
+                else f"the KV cache holds {self.kv_capacity_tokens} tokens"
+            )
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens but at most {limit} are accepted: {which}. "
+                "Shorten the prompt (or raise --max-model-len / --kv-cache-tokens).",
+                prompt_len=n,
+                limit=limit,
+            )
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id (a fresh uuid when ``request_id`` is None).
+
+        Raises:
+            PromptTooLongError: see :meth:`check_prompt` (the request is not queued).
+            ValueError: duplicate ``request_id`` or an invalid prompt.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = self.check_prompt(list(prompt_token_ids), params or SamplingParams())
+        req = Request(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=[int(t) for t in prompt_token_ids],
+            params=params,
+            generator=make_generator(params, self.runner.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params.skip_special_tokens),
+            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter()),
+        )
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV pages; returns its final output (``finish_reason="abort"``),
+        or ``None`` when the id is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort")
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Fail every unfinished request with ``message`` (used when the step loop itself breaks)."""
+        return [self._finish(req, "error", error=message) for req in list(self._requests.values())]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted (holding KV pages), prefilling or decoding."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self.scheduler.waiting)
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; return an output for every request that advanced or finished."""
+        outputs: list[RequestOutput] = []
+        batch = self._next_batch(outputs)
+        new_tokens = 0
+        if batch is not None:
+            now = time.perf_counter()
+            for req in batch.requests:
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            rows = self._execute(batch, outputs)
+            if rows:
+                reqs = [r for r, _ in rows]
+                logits = torch.stack([row for _, row in rows])  # [b, V]
+                tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+                for req, tok in zip(reqs, tokens):
+                    outputs.append(self._append_token(req, int(tok)))
+                new_tokens = len(reqs)
+        self.metrics.observe_step(new_tokens)
+        return outputs
+
+    def _next_batch(self, outputs: list[RequestOutput]) -> ScheduledBatch | None:
+        batch, stuck = self.scheduler.schedule()
+        for req in stuck:
+            # Alone in the engine and still unable to get KV pages for its tokens.
+            if req.output_token_ids:
+                outputs.append(self._finish(req, "length"))
+            else:
+                outputs.append(self._finish(req, "error", error="the prompt does not fit in the free KV cache"))
+        return batch
+
+    def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[tuple[Request, torch.Tensor]]:
+        """Run ``batch`` with preemption on KV exhaustion and per-request fault isolation.
+
+        Returns ``(request, logits row [V])`` for every request whose prompt is now fully computed.
+        """
+        while True:
+            if not batch.requests:
+                return []
+            try:
+                logits = self.runner.execute(batch.inputs, batch.phase)  # [B, V] float32
+                done = list(zip(batch.requests, batch.inputs, logits))
+                break
+            except KVCacheFullError:
+                victim = self.scheduler.preempt_newest()
+                if victim is None:
+                    return []
+                self.metrics.preemptions.inc()
+                log.info("KV cache full: preempted request %s (recomputed later)", victim.request_id)
+                batch = batch.without(victim)
+            except Exception as exc:  # noqa: BLE001 - isolate the faulty request(s)
+                done = self._isolate(batch, exc, outputs)
+                break
+        rows = []
+        for req, inp, row in done:
+            req.num_computed = inp.start_pos + len(inp.token_ids)
+            if req.num_computed == len(req.prompt_token_ids) + len(req.output_token_ids):
+                req.prefill_done = True
+                rows.append((req, row))
+        return rows
+
+    def _isolate(self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]):
+        """Re-run each sequence of a failed batch alone; fail only those that raise again."""
+        if len(batch.requests) == 1:
+            log.exception("request %s failed", batch.requests[0].request_id, exc_info=exc)
+            outputs.append(self._finish(batch.requests[0], "error", error=_describe(exc)))
+            return []
+        log.warning("batch of %d failed (%s); re-running each sequence alone", len(batch.requests), exc)
+        done = []
+        for req, inp in zip(batch.requests, batch.inputs):
+            try:
+                done.append((req, inp, self.runner.execute([inp], batch.phase)[0]))
+            except KVCacheFullError:
+                self.scheduler.preempt(req)
+                self.metrics.preemptions.inc()
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed", req.request_id, exc_info=e)
+                outputs.append(self._finish(req, "error", error=_describe(e)))
+        return done
+
+    # ---------------------------------------------------------------- outputs
+
+    def _append_token(self, req: Request, tok: int) -> RequestOutput:
+        params = req.params
+        req.output_token_ids.append(tok)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.perf_counter()
+        reason = stop_reason = None
+        if tok in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif tok in params.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        else:
+            req.text += req.detokenizer.step(tok)
+            if params.stop:
+                hit = _find_stop(req.text, params.stop, req.emitted_chars)
+                if hit is not None:
+                    idx, stop_reason = hit
+                    req.text = req.text[:idx]
+                    reason = "stop"
+        if reason is None and len(req.output_token_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            return self._finish(req, reason, stop_reason=stop_reason)
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        return self._make_output(req, emit_upto=max(req.emitted_chars, len(req.text) - hold))
+
+    def _make_output(self, req: Request, emit_upto: int, error: str | None = None) -> RequestOutput:
+        delta_text = req.text[req.emitted_chars : emit_upto]
+        delta_ids = req.output_token_ids[req.emitted_tokens :]
+        req.emitted_chars = emit_upto
+        req.emitted_tokens = len(req.output_token_ids)
+        finished = req.status is RequestStatus.FINISHED
+        out = CompletionOutput(
+            index=0,
+            text=req.text[:emit_upto],
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[out],
+            finished=finished,
+            metrics=req.metrics,
+            error=error,
+        )
+
+    def _finish(
+        self, req: Request, reason: str, *, stop_reason: str | int | None = None, error: str | None = None
+    ) -> RequestOutput:
+        self.scheduler.remove(req)
+        self._requests.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        m = req.metrics
+        m.finish_time = time.perf_counter()
+        n = len(req.output_token_ids)
+        tpot = (m.finish_time - m.first_token_time) / (n - 1) if n > 1 and m.first_token_time is not None else None
+        self.metrics.observe_finished(reason, m.ttft, tpot, m.e2e)
+        return self._make_output(req, emit_upto=len(req.text), error=error)
+
+
+def _find_stop(text: str, stops: Iterable[str], start: int) -> tuple[int, str] | None:
+    """Earliest occurrence at or after ``start`` of any stop string: ``(index, stop)`` or ``None``."""
+    best = None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

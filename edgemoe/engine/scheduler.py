@@ -1,0 +1,227 @@
+"""Request bookkeeping and batch selection for continuous batching.
+
+The scheduler keeps a FIFO ``waiting`` queue (new and preempted requests) and a ``running`` list in
+admission order (requests holding KV pages). Each :meth:`Scheduler.schedule` returns one batch of one
+phase, because a runner step is either prefill or decode:
+
+- **prefill** — continued prompt chunks of running requests first, then new admissions from the head
+  of ``waiting`` (no skipping ahead), while ``len(running) < max_num_seqs``, the batch holds at most
+  ``prefill_chunk_tokens`` tokens and the runner can allocate their KV pages while leaving one page
+  per decoding request free (a watermark). A prompt longer than the budget is split into chunks over
+  several steps (DESIGN.md §3).
+- **decode** — one token for every running request whose prompt is fully computed.
+
+Prefill has priority (short TTFT), but never twice in a row while requests are decoding, so a long
+chunked prompt does not stall running streams. Preemption is by recompute (vLLM's default): the
+newest running request frees its pages and returns to the head of ``waiting`` keeping its generated
+tokens; when readmitted, prompt + generated tokens are prefilled again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import StepInput
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgemoe.engine.llm_engine import IncrementalDetokenizer, RequestMetrics
+    from edgemoe.engine.sampling import SamplingParams
+
+__all__ = ["Request", "RequestStatus", "ScheduledBatch", "Scheduler"]
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request.
+
+    Attributes:
+        seq_id: runner sequence id while admitted (``None`` while waiting); a fresh id per admission.
+        num_computed: tokens of ``prompt + output`` whose KV the runner holds.
+        prefill_done: all tokens but the last sampled one are in the KV cache (decode phase).
+        text: detokenized output (after stop-string truncation); ``emitted_chars`` of it were returned.
+        emitted_tokens: output token ids already returned.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    generator: "torch.Generator | None"
+    detokenizer: "IncrementalDetokenizer"
+    metrics: "RequestMetrics"
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    seq_id: int | None = None
+    num_computed: int = 0
+    prefill_done: bool = False
+    text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+
+@dataclass
+class ScheduledBatch:
+    """One runner step: ``requests[i]`` computes ``inputs[i]`` (a ``StepInput``)."""
+
+    phase: Phase
+    requests: list[Request]
+    inputs: list[Any]
+
+    def without(self, req: Request) -> "ScheduledBatch":
+        keep = [i for i, r in enumerate(self.requests) if r is not req]
+        return ScheduledBatch(self.phase, [self.requests[i] for i in keep], [self.inputs[i] for i in keep])
+
+
+class Scheduler:
+    """Chooses the next batch and owns admission, preemption and KV release.
+
+    Args:
+        runner: provides ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()`` and ``free(seq_id)``.
+        max_num_seqs: most requests admitted at once.
+        prefill_chunk_tokens: most tokens in one prefill batch.
+    """
+
+    def __init__(self, runner: Any, *, max_num_seqs: int, prefill_chunk_tokens: int):
+        self.runner = runner
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._seq_ids = itertools.count(1)
+        self._last_phase: Phase | None = None
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop ``req`` from whichever queue holds it, freeing its KV pages."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's pages and requeue it at the head of ``waiting`` for recompute."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def preempt_newest(self) -> Request | None:
+        """Preempt the most recently admitted running request (``None`` when none runs)."""
+        if not self.running:
+            return None
+        victim = self.running[-1]
+        self.preempt(victim)
+        return victim
+
+    def _release(self, req: Request) -> None:
+        if req.seq_id is not None:
+            self.runner.free(req.seq_id)
+        req.seq_id = None
+        req.num_computed = 0
+        req.prefill_done = False
+
+    def schedule(self) -> tuple[ScheduledBatch | None, list[Request]]:
+        """Pick the next batch.
+
+        Returns:
+            ``(batch, stuck)``: ``batch`` is ``None`` when nothing can run this step; ``stuck`` lists
+            requests that cannot make progress even alone in the engine (their tokens exceed the
+            free KV cache); the caller must finish them.
+        """
+        decoding = [r for r in self.running if r.prefill_done]
+        want_prefill = any(not r.prefill_done for r in self.running) or (
+            bool(self.waiting) and len(self.running) < self.max_num_seqs
+        )
+        if want_prefill and not (self._last_phase is Phase.PREFILL and decoding):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._last_phase = Phase.PREFILL
+                return batch, []
+        if decoding:
+            self._last_phase = Phase.DECODE
+            return self._schedule_decode(decoding), []
+        if want_prefill:
+            batch = self._schedule_prefill()  # the alternation rule may have skipped a possible prefill
+            if batch is not None:
+                self._last_phase = Phase.PREFILL
+                return batch, []
+        # Nothing can run: every admitted request is blocked on KV pages, or the head does not fit.
+        if len(self.running) > 1:
+            self.preempt_newest()
+            return None, []
+        if self.running:
+            return None, [self.running[0]]
+        if self.waiting:
+            return None, [self.waiting[0]]
+        return None, []
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.prefill_chunk_tokens
+        free = self.runner.kv_free_tokens()
+        reqs: list[Request] = []
+        inputs: list[Any] = []
+
+        def fits(seq_id: int, start: int, n: int) -> bool:
+            # The first chunk only needs the runner's word; later ones also share the free tokens.
+            return self.runner.can_allocate(seq_id, start + n) and (not reqs or n <= free)
+
+        for req in self.running:
+            if req.prefill_done or budget <= 0:
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not fits(req.seq_id, req.num_computed, n):
+                continue
+            reqs.append(req)
+            inputs.append(StepInput(req.seq_id, req.token_slice(req.num_computed, req.num_computed + n), req.num_computed))
+            budget, free = budget - n, free - n
+        # Admit only while the decoding requests keep room for their next page each (a watermark,
+        # as in vLLM), so a fresh admission is not preempted again at the very next decode step.
+        page = getattr(getattr(self.runner, "engine_config", None), "page_size", 1)
+        reserve = page * sum(r.prefill_done for r in self.running)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            seq_id = next(self._seq_ids)
+            if not fits(seq_id, 0, n) or (reserve and n + reserve > free):
+                break
+            self.waiting.popleft()
+            req.seq_id, req.status, req.num_computed = seq_id, RequestStatus.RUNNING, 0
+            self.running.append(req)
+            reqs.append(req)
+            inputs.append(StepInput(seq_id, req.token_slice(0, n), 0))
+            budget, free = budget - n, free - n
+        return ScheduledBatch(Phase.PREFILL, reqs, inputs) if reqs else None
+
+    def _schedule_decode(self, decoding: list[Request]) -> ScheduledBatch:
+        inputs = [StepInput(r.seq_id, [r.output_token_ids[-1]], r.num_computed) for r in decoding]
+        return ScheduledBatch(Phase.DECODE, decoding, inputs)
