@@ -51,8 +51,10 @@ class ForwardBatch:
         logits_index: ``[B]`` int64, the row in ``[T]`` whose logits each sequence needs (its last
             new token).
         step: monotonically increasing model-step counter (drives the expert cache's LRU clock).
-        record: optional callback ``record(layer, topk_ids [T, k], topk_weights [T, k])`` for routing
-            traces; ``None`` when off.
+        record: optional routing-trace callback ``record(batch, moe_layer, topk_ids [T, k] int64,
+            topk_weights [T, k])``, called by every MoE layer right after its router (``moe_layer`` is
+            the MoE-layer ordinal; weights as the experts receive them, i.e. after ``norm_topk_prob``).
+            ``None`` when off (one attribute test per layer). See ``edgemoe.bench.trace.RoutingRecorder``.
     """
 
     phase: Phase

@@ -5,6 +5,7 @@ Per MoE layer and step (DESIGN.md §2):
 1. dedupe the step's routed experts and classify them against the residency table: hits H, misses M;
 2. ``q = policy(m)`` clamped to the slots that may be evicted this step (hits are never evicted);
 3. the ``q`` misses routed by the most tokens are filled into LRU victim slots (host→device copies);
+   steps 1-3 are :func:`plan_step`, shared with the routing-trace replay;
 4. the other ``m − q`` run on the CPU executor from host memory, concurrently with the device work
    (device kernels are enqueued first and run asynchronously while the CPU computes);
 5. ``out = Σ_routes weight · expert(x)``: device and CPU partials are accumulated in float32 and added.
@@ -36,6 +37,73 @@ class _Route:
     fid: int
     tok: torch.Tensor
     kpos: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    """What one MoE layer's step does with its routed experts (tables already updated).
+
+    Attributes:
+        hits: ``{flat_id: slot}`` resident when routed.
+        waves: fills, as lists of ``(flat_id, slot)``; each wave's copies must follow the previous
+            wave's compute (decode has at most one wave; prefill streams several through a small cache).
+        cpu: flat ids computed by the CPU executor.
+    """
+
+    hits: dict[int, int]
+    waves: list[list[tuple[int, int]]]
+    cpu: list[int]
+
+
+def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[int, int], phase: Phase,
+              step: int) -> StepPlan:
+    """Classify a step's routed experts, choose fills and LRU victims, and update the residency tables.
+
+    This is the whole control of DESIGN.md §2: hits refresh recency; ``q = policy(m)`` clamped to the
+    slots evictable this step; the most-routed misses fill; victims are the least recently used slots
+    not needed this step. Prefill under a streaming policy fills every miss, in waves of at most the
+    evictable slots. The engine executes the plan; the routing-trace replay (``edgemoe.bench.replay``)
+    runs this same function without data.
+
+    Args:
+        cache: the expert cache (tables are mutated; counters of ``phase`` are incremented).
+        policy: decides q (decode) and whether prefill streams.
+        tokens_per_expert: ``{flat_id: tokens routed to it this step}``; its keys are the step's experts.
+        phase: prefill or decode.
+        step: the LRU clock (model step).
+    """
+    counters = cache.counters[phase.value]
+    hits, misses = cache.lookup(list(tokens_per_expert))
+    counters.hits += len(hits)
+    counters.misses += len(misses)
+    cache.touch(list(hits.values()), step)
+    misses.sort(key=lambda f: -tokens_per_expert[f])  # most-routed first: the costliest on the CPU
+    exclude = list(hits.values())
+    evictable = cache.evictable(exclude=exclude)
+    waves: list[list[tuple[int, int]]] = []
+    if phase is Phase.PREFILL and policy.streams_prefill and cache.num_slots > 0:
+        pending, cpu = misses, []
+        while pending:
+            if evictable == 0 and exclude:  # this step's hits fill the cache: they are computed first
+                exclude, evictable = [], cache.evictable(exclude=[])
+            if evictable == 0:  # every slot pinned: nothing can be streamed
+                cpu = pending
+                break
+            wave, pending = pending[:evictable], pending[evictable:]
+            waves.append(list(zip(wave, cache.choose_victims(len(wave), exclude))))
+            for fid, slot in waves[-1]:
+                cache.admit(fid, slot, step)
+            exclude, evictable = [], cache.evictable(exclude=[])
+    else:
+        n_fill = min(policy.num_fills(len(misses)) if policy.admits else 0, evictable)
+        fill, cpu = misses[:n_fill], misses[n_fill:]
+        if fill:
+            waves.append(list(zip(fill, cache.choose_victims(len(fill), exclude))))
+            for fid, slot in waves[0]:
+                cache.admit(fid, slot, step)
+    counters.fills += len(misses) - len(cpu)
+    counters.cpu += len(cpu)
+    return StepPlan(hits, waves, cpu)
 
 
 class HybridExperts:
@@ -93,80 +161,36 @@ class HybridExperts:
             ``[T, H]`` in ``x.dtype``: ``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``.
         """
         T = x.shape[0]
-        flat = (topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts)  # [T, k]
+        flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
         routes: dict[int, _Route] = {}
         for fid in torch.unique(flat).tolist():
             tok, kpos = (flat == fid).nonzero(as_tuple=True)
             routes[fid] = _Route(fid, tok, kpos)
-        counters = self.cache.counters[phase.value]
-        hits, misses = self.cache.lookup(list(routes))
-        counters.hits += len(hits)
-        counters.misses += len(misses)
-        self.cache.touch(list(hits.values()), step)
-
-        # most-routed misses first: they are the most expensive to compute on the CPU
-        misses.sort(key=lambda f: -routes[f].tok.numel())
-        stream = phase is Phase.PREFILL and self.policy.streams_prefill
-        evictable = self.cache.evictable(exclude=list(hits.values()))
-        if stream:
-            n_fill = len(misses) if self.cache.num_slots > 0 else 0
-        else:
-            n_fill = min(self.policy.num_fills(len(misses)), evictable)
-        fill_ids, cpu_ids = misses[:n_fill], misses[n_fill:]
-
-        x_cpu = x.to("cpu") if cpu_ids else None  # D2H before the device work is enqueued
+        plan = plan_step(self.cache, self.policy, {f: r.tok.numel() for f, r in routes.items()}, phase, step)
+        x_cpu = x.to("cpu") if plan.cpu else None  # D2H before the device work is enqueued
         out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
-        if not stream:
-            # decode: one wave (q <= evictable), hits and fills computed together
-            victims = self.cache.choose_victims(len(fill_ids), exclude=list(hits.values()))
-            placed = dict(hits)
-            for fid, slot in zip(fill_ids, victims):
-                self.cache.admit(fid, slot, step)
+        if phase is Phase.DECODE:  # at most one wave: hits and fills computed together
+            fills = plan.waves[0] if plan.waves else []
+            for fid, slot in fills:
                 self._copy_in(fid, slot)
-                placed[fid] = slot
-            if placed:
-                if topk_ids.numel() <= PAIR_PATH_MAX_ROUTES:
-                    self._run_device_pairs(x, topk_weights, flat, placed, out)
-                else:
-                    self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(placed.items())], out)
-        else:
-            self._stream(x, topk_weights, routes, hits, fill_ids, cpu_ids, evictable, step, out)
-        counters.fills += len(misses) - len(cpu_ids)
-        counters.cpu += len(cpu_ids)
-        # CPU branch, concurrent with the enqueued device work
-        if cpu_ids:
-            if x_cpu is None:
-                x_cpu = x.to("cpu")
+            placed = {**plan.hits, **dict(fills)}
+            if placed and topk_ids.numel() <= PAIR_PATH_MAX_ROUTES:
+                self._run_device_pairs(x, topk_weights, flat, placed, out)
+            elif placed:
+                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(placed.items())], out)
+        else:  # prefill: hits, then each wave's copies and compute, stream-ordered on the device
+            self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(plan.hits.items())], out)
+            for wave in plan.waves:
+                for fid, slot in wave:
+                    self._copy_in(fid, slot)
+                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(wave)], out)
+        if plan.cpu:  # CPU branch, concurrent with the device work enqueued above
             out_cpu = torch.zeros((T, x.shape[1]), dtype=torch.float32)
             w_cpu = topk_weights.to("cpu")
-            work = [(f, routes[f].tok, w_cpu[routes[f].tok, routes[f].kpos]) for f in sorted(cpu_ids)]
+            work = [(f, routes[f].tok, w_cpu[routes[f].tok, routes[f].kpos]) for f in sorted(plan.cpu)]
             self.cpu.run(x_cpu, work, out_cpu)
-            out += out_cpu.to(x.device, non_blocking=False)
+            out += out_cpu.to(x.device)
         return out.to(x.dtype)
-
-    def _stream(self, x, w, routes: dict[int, _Route], hits: dict[int, int], fill_ids: list[int], cpu_ids: list[int],
-                evictable: int, step: int, out: torch.Tensor) -> None:
-        """Prefill: hits, then the misses in waves of at most the evictable slots (appends to ``cpu_ids``
-        what cannot be streamed because every slot is pinned)."""
-        self._run_device(x, w, [(routes[f], s) for f, s in sorted(hits.items())], out)
-        exclude = list(hits.values())
-        pending = fill_ids
-        while pending:
-            if evictable == 0 and exclude:  # this step's hits fill the cache: they are computed already
-                exclude, evictable = [], self.cache.evictable(exclude=[])
-            if evictable == 0:  # every slot pinned: nothing can be streamed
-                cpu_ids.extend(pending)
-                return
-            wave, pending = pending[:evictable], pending[evictable:]
-            victims = self.cache.choose_victims(len(wave), exclude)
-            placed = []
-            for fid, slot in zip(wave, victims):
-                self.cache.admit(fid, slot, step)
-                self._copy_in(fid, slot)
-                placed.append((routes[fid], slot))
-            self._run_device(x, w, sorted(placed, key=lambda rs: rs[0].fid), out)
-            exclude = []  # later waves may evict earlier waves (stream-ordered on the device)
-            evictable = self.cache.evictable(exclude=[])
 
     def _run_device_pairs(self, x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, placed: dict[int, int],
                           out: torch.Tensor) -> None:

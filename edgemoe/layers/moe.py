@@ -47,5 +47,5 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ids, weights = self.gate(x)
         if batch.record is not None:
-            batch.record(self.moe_layer, ids, weights)
+            batch.record(batch, self.moe_layer, ids, weights)
         return self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)
