@@ -95,6 +95,18 @@ def _prefill_chunk(args) -> dict:
 # ---------------------------------------------------------------- subcommands
 
 
+def _add_record_routing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--record-routing", metavar="FILE", default=None,
+                   help="append every step's routing (phase, position, layer, experts, weights) as JSONL "
+                        "(format: edgemoe/bench/trace.py); replay with `edgemoe replay-routing`")
+
+
+def _recorder(path: str):
+    from edgemoe.bench.trace import RoutingRecorder
+
+    return RoutingRecorder(path)
+
+
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
 
@@ -102,6 +114,8 @@ def _cmd_serve(args) -> int:
     config = engine_config_from_args(args)
 
     def on_ready(engine) -> None:
+        if args.record_routing:
+            engine.attach_routing_recorder(_recorder(args.record_routing))
         print(engine.runner.summary(), flush=True)
         print(f"edgemoe: serving on http://{args.host}:{args.port}/v1", flush=True)
 
@@ -148,6 +162,8 @@ def _cmd_generate(args) -> int:
             raise CLIError("--chat-template-kwargs: must be a JSON object")
     options = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
     llm = LLM(model, progress=not args.json, **_prefill_chunk(args), **options)
+    if args.record_routing:
+        llm.engine.attach_routing_recorder(_recorder(args.record_routing))
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, chat_template_kwargs=template_kwargs)[0]
     else:
@@ -217,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_args(p)
+    _add_record_routing(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("generate", help="generate from one prompt and print the text")
@@ -233,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print text, token ids and timing as JSON")
     add_engine_args(p)
+    _add_record_routing(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-model", help="write a random-weight test checkpoint")
@@ -250,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where to write the profile JSON")
     add_engine_args(p)
     p.set_defaults(func=_cmd_profile)
+
+    from edgemoe.bench.replay import register_cli as register_replay
+
+    register_replay(sub)
     return parser
 
 

@@ -225,6 +225,7 @@ class LLMEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.scheduler = Scheduler(runner, max_num_seqs=self.max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens)
         self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.routing_recorder = None
         self.metrics.bind_queues(lambda: self.num_running, lambda: self.num_waiting)
         self._requests: dict[str, Request] = {}
 
@@ -340,6 +341,12 @@ class LLMEngine:
         """Requests queued (new or preempted)."""
         return len(self.scheduler.waiting)
 
+    def attach_routing_recorder(self, recorder) -> None:
+        """Record every step's routing (``--record-routing``): ``recorder`` is an
+        ``edgemoe.bench.trace.RoutingRecorder``; the engine names each admitted sequence after its request."""
+        recorder.attach(self.runner)
+        self.routing_recorder = recorder
+
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
@@ -352,6 +359,10 @@ class LLMEngine:
             for req in batch.requests:
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
+            if self.routing_recorder is not None:
+                for req, inp in zip(batch.requests, batch.inputs):
+                    if inp.start_pos == 0:  # a new admission (or a recompute after preemption)
+                        self.routing_recorder.name_sequence(inp.seq_id, req.request_id)
             rows = self._execute(batch, outputs)
             if rows:
                 reqs = [r for r, _ in rows]
