@@ -168,6 +168,8 @@ def _cmd_generate(args) -> int:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, chat_template_kwargs=template_kwargs)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
+    if llm.engine.routing_recorder is not None:
+        llm.engine.routing_recorder.close()
     if out.error:
         raise RuntimeError(f"generation failed: {out.error}")
     c, m = out.outputs[0], out.metrics

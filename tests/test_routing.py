@@ -271,3 +271,18 @@ def test_mixtral_traces():
     rates = {(p, s): simulate(wl, p, s).miss_rate for p in ("lru", "belady") for s in (26, 95)}
     assert rates["belady", 95] < rates["belady", 26] < rates["lru", 26]
     assert rates["belady", 95] < rates["lru", 95] < rates["lru", 26]
+
+
+def test_generate_cli_records_routing_per_request(tiny_dir, tmp_path):
+    """``edgemoe generate --record-routing``: every record names its request; replay reads it back."""
+    from edgemoe.cli import main
+
+    path = tmp_path / "cli.jsonl"
+    assert main(["generate", str(tiny_dir), "--prompt", "hello world", "--max-tokens", "5", "--device", "cpu",
+                 "--record-routing", str(path), "--json"]) == 0
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    routes = [r for r in recs if r["type"] == "route"]
+    assert {r["phase"] for r in routes} == {"prefill", "decode"}
+    assert all(r["request_id"] == "llm-0" for r in routes)
+    wl = load_workload([path])
+    assert wl.decode_tokens == 4 and wl.requests == 1  # 5 tokens: the first comes from prefill

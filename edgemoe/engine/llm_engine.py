@@ -364,6 +364,8 @@ class LLMEngine:
                     if inp.start_pos == 0:  # a new admission (or a recompute after preemption)
                         self.routing_recorder.name_sequence(inp.seq_id, req.request_id)
             rows = self._execute(batch, outputs)
+            if self.routing_recorder is not None:
+                self.routing_recorder.flush()  # a served trace survives the process being stopped
             if rows:
                 reqs = [r for r, _ in rows]
                 logits = torch.stack([row for _, row in rows])  # [b, V]
