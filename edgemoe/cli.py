@@ -55,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     g.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=None, help="how decode-step expert misses are served")
     g.add_argument("--load-format", choices=("auto", "dummy"), default=None, help="dummy = random weights from config.json")
+    g.add_argument("--no-verify-weights", dest="verify_weights", action="store_false", default=None,
+                   help="skip FTW bank checksums while loading")
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
 
 
@@ -69,6 +71,7 @@ def engine_config_from_args(args: argparse.Namespace):
     kw = {dest: getattr(args, dest) for _, dest, _, _ in _ENGINE_ARGS}
     kw["expert_policy"] = args.expert_policy
     kw["load_format"] = args.load_format
+    kw["verify_weights"] = args.verify_weights
     try:
         return EngineConfig.from_kwargs(**kw)
     except (TypeError, ValueError) as exc:
@@ -272,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile)
 
     from edgemoe.bench.replay import register_cli as register_replay
+    from edgemoe.weights.ftw import register_cli as register_convert
 
     register_replay(sub)
+    register_convert(sub)
     return parser
 
 

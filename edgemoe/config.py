@@ -201,6 +201,8 @@ class EngineConfig:
         page_size: tokens per KV page.
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random values from config.json).
         seed: seed for dummy weights.
+        verify_weights: check FTW bank checksums while loading (``None`` = the default: on, unless
+            ``EDGEMOE_FTW_VERIFY=0``).
     """
 
     device: str = "auto"
@@ -219,6 +221,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     served_model_name: str | None = None
+    verify_weights: bool | None = None
 
     def __post_init__(self):
         if self.expert_policy not in EXPERT_POLICIES:

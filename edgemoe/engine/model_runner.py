@@ -24,6 +24,8 @@ from edgemoe.experts.policy import make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.models import model_class
+from edgemoe.weights.bootstrap import FALLBACK_POLICY, pin_or_fallback
+from edgemoe.weights.ftw import is_ftw, load_ftw
 from edgemoe.weights.loader import init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ class ModelRunner:
     """Loads ``model_dir`` under ``config`` and executes prefill/decode steps.
 
     Args:
-        model_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer files).
+        model_dir: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer files) or an
+            FTW directory written by ``edgemoe convert`` (detected by its ``ftw.json``; fast bootstrap).
         config: engine options.
         progress: show progress bars while loading.
 
@@ -83,12 +86,20 @@ class ModelRunner:
         self.model.eval()
         self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
                                    cfg.moe_intermediate_size, self.dtype)
+        self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
         if config.load_format == "dummy":
+            self.weights_format = "dummy weights"
             init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
+        elif is_ftw(self.model_dir):
+            self.weights_format = "FTW"
+            self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
+                                       verify=config.verify_weights, progress=progress)
         else:
+            self.weights_format = "HF safetensors"
             load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
                             progress=progress)
-        self.pinned = self.pool.pin() if self.device.type == "cuda" else False
+        self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling (DESIGN.md §5)
+        self.pinned = self.pin_outcome.pinned
 
         self.max_model_len = int(config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
@@ -102,7 +113,10 @@ class ModelRunner:
         self.cpu_executor = TorchCpuExecutor(self.pool, config.cpu_threads)
         self.cache = None
         self.bandwidths = None
-        self.set_expert_cache(self._cache_slots(), config.expert_policy)
+        if self.pin_outcome.fallback:  # pinning refused: pageable pool, every expert on the CPU
+            self.set_expert_cache(0, FALLBACK_POLICY)
+        else:
+            self.set_expert_cache(self._cache_slots(), config.expert_policy)
         self._step = 0
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
         self.load_seconds = time.perf_counter() - t0
@@ -247,18 +261,19 @@ class ModelRunner:
 
     def summary(self) -> str:
         """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m."""
-        cfg, ec = self.model_config, self.engine_config
+        cfg = self.model_config
         dev = str(self.device)
         if self.device.type == "cuda":
             dev += f" ({torch.cuda.get_device_name(self.device)}, {torch.cuda.mem_get_info(self.device)[1] / 2**30:.0f} GiB)"
         bw = self.bandwidths
         fmt = lambda v: "n/a" if v is None else f"{v:.1f} GB/s"  # noqa: E731
         lines = [
-            f"edgemoe: {cfg.architecture} from {self.model_dir} ({'dummy weights' if ec.load_format == 'dummy' else 'checkpoint'}), "
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
             f"  device       {dev}; CPU threads {self.cpu_executor.threads}",
             f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
-            f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if self.pinned else 'pageable'})",
+            f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if self.pinned else 'pageable'}"
+            f"{': pinning refused, so policy cpu-all without expert cache' if self.pin_outcome.fallback else ''})",
             f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
             f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",
             f"  bandwidth    B_P {fmt(bw.pcie)}, B_H {fmt(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",

@@ -8,10 +8,36 @@ truth; the device expert cache only ever holds copies of rows.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    """Uninitialized, page-aligned (4 KiB) host tensor backed by a private anonymous mapping.
+
+    Page alignment lets direct I/O (``O_DIRECT``) read straight into the tensor (``torch.empty`` only
+    guarantees 64 bytes). Pages are faulted in on first write, so filling then pinning touches each
+    page once (DESIGN.md §5). The mapping lives as long as any tensor viewing it.
+
+    ``huge_pages`` asks for transparent huge pages (``MADV_HUGEPAGE``, a hint). Off by default: with
+    the common ``defrag=madvise`` setting a fault may compact memory synchronously; direct-I/O fills of
+    such regions were erratic on a small VM and no faster on the H200 host (docs/benchmarks/bootstrap.md).
+    """
+    numel = math.prod(shape)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    mm = mmap.mmap(-1, numel * elsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
 
 
 class HostExpertPool:
@@ -22,6 +48,8 @@ class HostExpertPool:
         hidden, intermediate: ``H`` and ``I`` (the expert's intermediate size).
         dtype: storage dtype of the banks.
 
+    Both banks are page-aligned (:func:`host_empty`) so the FTW bootstrap reads them with direct I/O.
+
     Attributes:
         w13: ``[N, 2I, H]`` gate (rows ``[:I]``) and up (rows ``[I:]``) projections.
         w2: ``[N, H, I]`` down projection.
@@ -30,8 +58,8 @@ class HostExpertPool:
 
     def __init__(self, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype):
         self.num_ids, self.hidden, self.intermediate, self.dtype = num_ids, hidden, intermediate, dtype
-        self.w13 = torch.empty((num_ids, 2 * intermediate, hidden), dtype=dtype)
-        self.w2 = torch.empty((num_ids, hidden, intermediate), dtype=dtype)
+        self.w13 = host_empty((num_ids, 2 * intermediate, hidden), dtype)  # [N, 2I, H]
+        self.w2 = host_empty((num_ids, hidden, intermediate), dtype)  # [N, H, I]
         self.pinned = False
         self._registered: list[int] = []
 

@@ -1,0 +1,431 @@
+"""FTW format: HF -> FTW round trip (tensors and greedy tokens), corruption errors, direct-I/O fallback,
+atomic convert, and the pinning-refused fallback (exercised without CUDA)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.weights import bootstrap, ftw
+from edgemoe.weights.bootstrap import PinOutcome, pin_or_fallback, read_banks
+from edgemoe.weights.ftw import (
+    MANIFEST,
+    FTWChecksumError,
+    FTWConfigError,
+    FTWTruncatedError,
+    FTWVersionError,
+    convert,
+    is_ftw,
+    read_manifest,
+)
+from edgemoe.weights.loader import CheckpointError
+from edgemoe.weights.make_model import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
+PROMPT = [5, 17, 230, 41, 99, 7, 12]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir) -> Path:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def ftw_dir(hf, tmp_path_factory) -> Path:
+    return convert(hf, tmp_path_factory.mktemp("ftw") / "tiny.ftw", progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_runner(hf) -> ModelRunner:
+    return ModelRunner(hf, CFG, progress=False)
+
+
+def greedy(runner: ModelRunner, n: int = 12, seq: int = 0) -> list[int]:
+    logits = runner.execute([StepInput(seq, PROMPT, 0)], Phase.PREFILL)
+    toks, pos = [int(logits[0].argmax())], len(PROMPT)
+    for _ in range(n - 1):
+        logits = runner.execute([StepInput(seq, [toks[-1]], pos)], Phase.DECODE)
+        toks.append(int(logits[0].argmax()))
+        pos += 1
+    runner.free(seq)
+    return toks
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "copy.ftw"
+    shutil.copytree(src, d)
+    return d
+
+
+# ------------------------------------------------------------------------------------ round trip
+
+
+def test_round_trip_identical_tensors_and_tokens(hf_runner, ftw_dir):
+    r = ModelRunner(ftw_dir, CFG, progress=False)
+    assert r.weights_format == "FTW" and hf_runner.weights_format == "HF safetensors"
+    assert torch.equal(r.pool.w13, hf_runner.pool.w13) and torch.equal(r.pool.w2, hf_runner.pool.w2)
+    a, b = dict(hf_runner.model.named_parameters()), dict(r.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert greedy(r) == greedy(hf_runner)
+    st = r.load_stats
+    assert st.read.verified and st.read.zero_copy and st.expert_bytes == r.pool.nbytes
+    assert st.read.bytes == r.pool.nbytes + (ftw_dir / "non_expert.safetensors").stat().st_size
+    assert r.pool.w13.data_ptr() % 4096 == 0 and r.pool.w2.data_ptr() % 4096 == 0
+    assert "(FTW)" in r.summary()
+
+
+def test_manifest_layout_and_self_contained(hf, ftw_dir):
+    man = read_manifest(ftw_dir)
+    cfg = ModelConfig.from_hf(hf)
+    n = cfg.num_moe_layers * cfg.num_experts
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    assert man["format"] == "edgemoe-ftw" and man["format_version"] == ftw.FORMAT_VERSION
+    assert man["banks"]["w13"]["shape"] == [n, 2 * I, H] and man["banks"]["w2"]["shape"] == [n, H, I]
+    for b in man["banks"].values():
+        assert b["row_stride"] % 4096 == 0 and b["offset"] % 4096 == 0
+        assert (ftw_dir / b["file"]).stat().st_size == b["nbytes"] == b["offset"] + n * b["row_stride"]
+        assert len(b["checksum"]["chunks"]) == -(-b["nbytes"] // b["checksum"]["chunk_bytes"])
+    assert man["source"]["fingerprint"].startswith("sha256:")
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert name in man["files"] and (ftw_dir / name).read_bytes() == (hf / name).read_bytes()
+    assert not list(ftw_dir.glob("model*.safetensors"))
+    # experts row i = moe_layer * E + expert: spot-check one row against the HF tensors
+    sd = load_file(hf / "model.safetensors")
+    j, e = 2, 5
+    layer = cfg.moe_layers[j]
+    w13 = torch.from_file(str(ftw_dir / "experts.w13.bin"), size=n * 2 * I * H, dtype=torch.float32).view(n, 2 * I, H)
+    row = w13[j * cfg.num_experts + e]
+    assert torch.equal(row[:I], sd[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"])
+    assert torch.equal(row[I:], sd[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"])
+
+
+def test_fused_hf_layout_converts_identically(hf, ftw_dir, tmp_path):
+    cfg = ModelConfig.from_hf(hf)
+    d = tmp_path / "fused"
+    shutil.copytree(hf, d)
+    sd = load_file(d / "model.safetensors")
+    for layer in cfg.moe_layers:
+        pre = f"model.layers.{layer}.mlp.experts"
+        gu = [torch.cat([sd.pop(f"{pre}.{e}.gate_proj.weight"), sd.pop(f"{pre}.{e}.up_proj.weight")])
+              for e in range(cfg.num_experts)]
+        dn = [sd.pop(f"{pre}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
+        sd[f"{pre}.gate_up_proj"], sd[f"{pre}.down_proj"] = torch.stack(gu), torch.stack(dn)
+    save_file(sd, d / "model.safetensors")
+    out = convert(d, tmp_path / "fused.ftw", progress=False)
+    for f in ("experts.w13.bin", "experts.w2.bin"):
+        assert (out / f).read_bytes() == (ftw_dir / f).read_bytes()
+
+
+def test_padded_rows_and_dtype_cast_use_the_staging_route(tmp_path):
+    # I = 40, H = 64: w2 rows are 10240 bytes in fp32 -> padded to 12288 in the bank.
+    hf = make_model(tmp_path / "odd", "qwen3_moe", "tiny", dtype="float32", overrides={"moe_intermediate_size": 40})
+    out = convert(hf, tmp_path / "odd.ftw", progress=False)
+    man = read_manifest(out)
+    assert man["banks"]["w2"]["row_bytes"] == 10240 and man["banks"]["w2"]["row_stride"] == 12288
+    for cfg in (CFG, EngineConfig(device="cpu", dtype="bfloat16", expert_policy="cpu-all")):
+        a, b = ModelRunner(hf, cfg, progress=False), ModelRunner(out, cfg, progress=False)
+        assert not b.load_stats.read.zero_copy and b.load_stats.read.verified
+        assert torch.equal(a.pool.w13, b.pool.w13) and torch.equal(a.pool.w2, b.pool.w2)
+        assert greedy(a, 6) == greedy(b, 6)
+
+
+def test_convert_to_bf16(hf, hf_runner, tmp_path):
+    out = convert(hf, tmp_path / "bf16.ftw", progress=False, dtype="bfloat16")
+    assert read_manifest(out)["banks"]["w13"]["dtype"] == "bfloat16"
+    r = ModelRunner(out, CFG, progress=False)  # fp32 engine over bf16 banks: staged cast
+    torch.testing.assert_close(r.pool.w13, hf_runner.pool.w13.bfloat16().float(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _corrupt_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _no_reader_threads() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith(("ftw-read", "ftw-banks"))]
+
+
+def test_truncated_bank(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    bank = d / "experts.w2.bin"
+    os.truncate(bank, bank.stat().st_size - 4096)
+    with pytest.raises(FTWTruncatedError, match=r"experts\.w2\.bin: bank file is truncated"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_missing_bank(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    (d / "experts.w13.bin").unlink()
+    with pytest.raises(FTWTruncatedError, match=r"experts\.w13\.bin: bank file w13 is missing"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_checksum_mismatch_in_a_bank_names_file_and_rows(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    stride = read_manifest(d)["banks"]["w13"]["row_stride"]
+    _corrupt_byte(d / "experts.w13.bin", 37 * stride + 100)  # row 37 = MoE layer 2, expert 5
+    with pytest.raises(FTWChecksumError, match=r"experts\.w13\.bin: checksum mismatch .*rows 0-47 \(MoE layers 0-2\)"):
+        ModelRunner(d, CFG, progress=False)
+    assert _no_reader_threads()
+
+
+def test_checksum_chunks_localize_the_damage(hf, tmp_path, monkeypatch):
+    monkeypatch.setattr(ftw, "DEFAULT_CHUNK_BYTES", 64 << 10)  # 2 rows of w13 per chunk
+    d = convert(hf, tmp_path / "small-chunks.ftw", progress=False)
+    b = read_manifest(d)["banks"]["w13"]
+    assert b["checksum"]["chunk_bytes"] == 2 * b["row_stride"] and len(b["checksum"]["chunks"]) == 24
+    ModelRunner(d, CFG, progress=False)  # intact: every chunk verifies
+    _corrupt_byte(d / "experts.w13.bin", 37 * b["row_stride"] + 100)
+    with pytest.raises(FTWChecksumError, match=r"\(chunk 18, rows 36-37 \(MoE layers 2-2\)\)"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_checksum_mismatch_in_non_expert_file(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    f = d / "non_expert.safetensors"
+    _corrupt_byte(f, f.stat().st_size - 10)
+    with pytest.raises(FTWChecksumError, match=r"non_expert\.safetensors: checksum mismatch"):
+        ModelRunner(d, CFG, progress=False)
+    assert _no_reader_threads()
+
+
+def test_truncated_non_expert_file(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    f = d / "non_expert.safetensors"
+    os.truncate(f, f.stat().st_size - 1)
+    with pytest.raises(FTWTruncatedError, match=r"non_expert\.safetensors: \d+ bytes, manifest says \d+ \(truncated\?\)"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_malformed_non_expert_header(ftw_dir, tmp_path, monkeypatch):
+    d = _copy(ftw_dir, tmp_path)
+    with open(d / "non_expert.safetensors", "r+b") as f:
+        f.write((10**12).to_bytes(8, "little"))
+    monkeypatch.setenv("EDGEMOE_FTW_VERIFY", "0")  # past the checksum, to the parser
+    with pytest.raises(ftw.FTWError, match=r"non_expert\.safetensors: not a valid safetensors file"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_safetensors_views_match_the_library(tmp_path):
+    from edgemoe.experts.pool import host_empty
+
+    sd = {"a": torch.randn(3).bfloat16(), "b": torch.randn(5, 2), "c": torch.arange(3, dtype=torch.int8),
+          "d": torch.randn(2, dtype=torch.float64), "e": torch.randn(7).half()}
+    f = tmp_path / "x.safetensors"
+    save_file(sd, f)
+    n = f.stat().st_size
+    buf = host_empty((-(-n // 4096) * 4096,), torch.uint8)
+    buf[:n].copy_(torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8))
+    views = ftw.safetensors_views(buf, n, f)
+    ref = load_file(f)
+    assert views.keys() == ref.keys() and all(torch.equal(views[k], ref[k]) and views[k].dtype == ref[k].dtype for k in ref)
+
+
+def test_verification_can_be_skipped(ftw_dir, tmp_path, monkeypatch):
+    d = _copy(ftw_dir, tmp_path)
+    _corrupt_byte(d / "experts.w2.bin", 10)
+    monkeypatch.setenv("EDGEMOE_FTW_VERIFY", "0")
+    r = ModelRunner(d, CFG, progress=False)  # corrupt data loads: the user opted out of checking
+    assert not r.load_stats.read.verified
+
+
+@pytest.mark.parametrize("version", [0, 2, "1"])
+def test_manifest_of_another_version(ftw_dir, tmp_path, version):
+    d = _copy(ftw_dir, tmp_path)
+    man = json.loads((d / MANIFEST).read_text())
+    man["format_version"] = version
+    (d / MANIFEST).write_text(json.dumps(man))
+    with pytest.raises(FTWVersionError, match=rf"ftw\.json: FTW format version {version!r}; this edgemoe reads version 1"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_not_an_ftw_manifest(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    (d / MANIFEST).write_text("{not json")
+    with pytest.raises(ftw.FTWError, match=r"ftw\.json: not valid JSON"):
+        ModelRunner(d, CFG, progress=False)
+
+
+@pytest.mark.parametrize("field,value,what", [
+    ("num_experts", 8, "num_experts 8 in config.json, 16 in the banks"),
+    ("moe_intermediate_size", 32, "moe_intermediate_size 32 in config.json, 64 in the banks"),
+    ("num_hidden_layers", 3, "num_moe_layers 2 in config.json, 3 in the banks"),
+])
+def test_config_disagreeing_with_banks(ftw_dir, tmp_path, field, value, what):
+    d = _copy(ftw_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    if field == "num_experts":
+        cfg["num_local_experts"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FTWConfigError, match=r"config\.json disagrees with .*ftw\.json: " + what):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_errors_are_checkpoint_errors():
+    for cls in (FTWChecksumError, FTWConfigError, FTWTruncatedError, FTWVersionError):
+        assert issubclass(cls, CheckpointError)
+
+
+def test_convert_rejects_a_bad_checkpoint_before_writing(hf, tmp_path):
+    d = tmp_path / "bad"
+    shutil.copytree(hf, d)
+    sd = load_file(d / "model.safetensors")
+    sd.pop("model.layers.2.mlp.experts.5.up_proj.weight")
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"first: MoE layer ordinal 1 expert 5 up_proj"):
+        convert(d, tmp_path / "bad.ftw", progress=False)
+    assert not list(tmp_path.glob("bad.ftw*"))
+
+
+# ------------------------------------------------------------------------------------ atomic convert
+
+
+def test_killed_convert_leaves_nothing_that_looks_complete(hf, tmp_path):
+    out = tmp_path / "killed.ftw"
+    code = ("import os, sys; sys.path.insert(0, %r)\n"
+            "from edgemoe.weights import ftw\n"
+            "ftw.FTWWriter.finish = lambda self: os._exit(9)  # killed before the manifest\n"
+            "ftw.convert(%r, %r, progress=False)\n") % (str(ROOT), str(hf), str(out))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 9, p.stderr
+    partial = list(tmp_path.glob("killed.ftw.partial-*"))
+    assert not out.exists() and len(partial) == 1 and not is_ftw(partial[0])
+    assert (partial[0] / "experts.w13.bin").exists()
+    with pytest.raises(CheckpointError):  # without a manifest it is not FTW, and not a valid HF checkpoint
+        ModelRunner(partial[0], CFG, progress=False)
+    convert(hf, out, progress=False)  # the next convert succeeds and sweeps the dead process's leftovers
+    assert is_ftw(out) and not list(tmp_path.glob("killed.ftw.partial-*"))
+
+
+def test_failed_convert_cleans_up(hf, tmp_path, monkeypatch):
+    def boom(self, tensors):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(ftw.FTWWriter, "write_non_expert", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert(hf, tmp_path / "x.ftw", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_needs_overwrite(hf, ftw_dir, tmp_path):
+    out = tmp_path / "exists.ftw"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        convert(hf, out, progress=False)
+    convert(hf, out, progress=False, overwrite=True)
+    assert is_ftw(out) and not (out / "keep.txt").exists()
+    assert (out / "experts.w13.bin").read_bytes() == (ftw_dir / "experts.w13.bin").read_bytes()
+
+
+def test_register_cli(hf, tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="edgemoe")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ftw.register_cli(sub)
+    args = parser.parse_args(["convert", str(hf), str(tmp_path / "cli.ftw"), "--no-progress", "--dtype", "bfloat16"])
+    assert args.func(args) == 0
+    assert "FTW v1, 48 experts" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "cli.ftw")["banks"]["w2"]["dtype"] == "bfloat16"
+    assert args.func(args) == 2  # exists now, without --overwrite
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ direct I/O fallback
+
+
+def _sources(d: Path):
+    src = ftw.bank_sources(read_manifest(d), d)
+    pool = HostExpertPool(src["w13"].rows, src["w13"].row_shape[1], src["w2"].row_shape[1], src["w13"].dtype)
+    return [(src["w13"], pool.w13), (src["w2"], pool.w2)], pool
+
+
+def test_o_direct_refused_at_open_falls_back_to_buffered(ftw_dir, hf_runner, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(bootstrap.os, "open", no_direct)
+    jobs, pool = _sources(ftw_dir)
+    st = read_banks(jobs, workers=3)
+    assert not st.direct and st.verified and len(st.fallbacks) == 2 and "refused at open" in st.fallbacks[0]
+    assert torch.equal(pool.w13, hf_runner.pool.w13) and torch.equal(pool.w2, hf_runner.pool.w2)
+
+
+def test_o_direct_refused_at_read_falls_back_to_buffered(ftw_dir, hf_runner, monkeypatch):
+    real_preadv = os.preadv
+    direct_fds: set[int] = set()
+    real_open = os.open
+
+    def track_open(path, flags, *a):
+        fd = real_open(path, flags, *a)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def preadv(fd, bufs, off):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(bootstrap.os, "open", track_open)
+    monkeypatch.setattr(bootstrap.os, "preadv", preadv)
+    jobs, pool = _sources(ftw_dir)
+    st = read_banks(jobs, workers=2)
+    assert not st.direct and any("read refused" in f for f in st.fallbacks)
+    assert torch.equal(pool.w13, hf_runner.pool.w13) and torch.equal(pool.w2, hf_runner.pool.w2)
+
+
+# ------------------------------------------------------------------------------------ pinning refused
+
+
+def test_pin_decision_without_cuda(monkeypatch, caplog):
+    pool = HostExpertPool(4, 8, 8, torch.float32)
+    calls = []
+    monkeypatch.setattr(HostExpertPool, "pin", lambda self: calls.append(1) or False)
+    assert pin_or_fallback(pool, torch.device("cpu")) == PinOutcome(False, False)
+    assert not calls  # nothing to pin for a CPU engine
+    with caplog.at_level(logging.WARNING, logger="edgemoe.weights.bootstrap"):
+        out = pin_or_fallback(pool, torch.device("cuda"))  # a CUDA engine whose pinning is refused
+    assert calls and out.fallback and not out.pinned
+    assert "refused" in caplog.text and "cpu-all" in caplog.text and "pageable" in caplog.text
+    monkeypatch.setattr(HostExpertPool, "pin", lambda self: True)
+    ok = pin_or_fallback(pool, torch.device("cuda"))
+    assert ok.pinned and not ok.fallback and ok.message == ""
+
+
+def test_runner_serves_with_cpu_all_when_pinning_is_refused(ftw_dir, hf_runner, monkeypatch):
+    import edgemoe.engine.model_runner as mr
+
+    monkeypatch.setattr(mr, "pin_or_fallback", lambda pool, device: PinOutcome(False, True, 0.0, "refused"))
+    cfg = EngineConfig(device="cpu", dtype="float32", expert_policy="fill-all", expert_cache_slots=16)
+    r = ModelRunner(ftw_dir, cfg, progress=False)
+    assert r.policy.name == "cpu-all" and r.cache.num_slots == 0 and not r.pinned
+    assert "pinning refused, so policy cpu-all" in r.summary()
+    assert greedy(r) == greedy(hf_runner)
