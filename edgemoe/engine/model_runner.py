@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,10 @@ class ModelRunner:
         self.device = config.resolved_device()
         cfg = self.model_config = ModelConfig.from_hf(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
-        self.tokenizer = self._load_tokenizer()
-        self.eos_token_ids = self._eos_ids()
+        # the tokenizer (and the transformers import behind it) loads while the weights are read
+        tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="edgemoe-tokenizer")
+        tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
+        tokenizer_loader.shutdown(wait=False)
 
         with torch.device("meta"):
             self.model = model_class(cfg.architecture)(cfg)
@@ -98,6 +101,8 @@ class ModelRunner:
             self.weights_format = "HF safetensors"
             load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
                             progress=progress)
+        self.tokenizer = tokenizer_future.result()
+        self.eos_token_ids = self._eos_ids()
         self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling (DESIGN.md §5)
         self.pinned = self.pin_outcome.pinned
 
