@@ -1,4 +1,4 @@
-"""The ``edgemoe`` command line: ``serve``, ``generate``, ``make-model``, ``profile``.
+"""The ``edgemoe`` command line: ``serve``, ``chat``, ``generate``, ``make-model``, ``profile`` and more.
 
 Engine options shared by ``serve``, ``generate`` and ``profile`` map 1:1 onto
 :class:`edgemoe.config.EngineConfig` fields (see :func:`add_engine_args`). User errors (a missing
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,14 @@ def _recorder(path: str):
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
 
+    from edgemoe.server.parsers import check_parser_names
+
     model = _model_dir(args.model)
     config = engine_config_from_args(args)
+    try:
+        check_parser_names(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
     def on_ready(engine) -> None:
         if args.record_routing:
@@ -129,9 +136,30 @@ def _cmd_serve(args) -> int:
         port=args.port,
         log_level=args.log_level,
         on_ready=on_ready,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
         **_prefill_chunk(args),
     )
     return 0
+
+
+def _cmd_chat(args) -> int:
+    import openai
+
+    from edgemoe.server.chat_client import run
+
+    try:
+        return run(
+            args.base_url,
+            args.model,
+            args.api_key or os.environ.get("EDGEMOE_API_KEY") or "none",
+            args.system,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+        )
+    except openai.APIConnectionError:
+        raise CLIError(f"no server at {args.base_url} (start one with `edgemoe serve MODEL_DIR`)") from None
 
 
 def _cmd_generate(args) -> int:
@@ -237,9 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="auto (from the checkpoint), qwen3 (hermes), qwen3_coder, deepseek_v3, harmony, none")
+    p.add_argument("--reasoning-parser", default="auto", help="auto (from the checkpoint), think, harmony, none")
+    p.add_argument("--api-key", default=None,
+                   help="require this key on /v1/ routes (Authorization: Bearer / x-api-key; default $EDGEMOE_API_KEY)")
     add_engine_args(p)
     _add_record_routing(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("chat", help="terminal chat with a running server (streams, shows reasoning dimmed)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
+    p.add_argument("--model", default=None, help="model id (default: the server's first model)")
+    p.add_argument("--api-key", default=None, help="API key (default $EDGEMOE_API_KEY)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's generation config")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("generate", help="generate from one prompt and print the text")
     p.add_argument("model", help="model directory")

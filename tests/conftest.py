@@ -44,3 +44,152 @@ def qwen3_tokenizer_model_dir(tmp_path_factory) -> Path:
         tokenizer=QWEN3_TOKENIZER_DIR,
         dtype="float32",
     )
+
+
+# ---------------------------------------------------------------- agent-API fixtures (tests/test_agents_*.py)
+
+DEEPSEEK_V3_TOKENIZER_DIR = FIXTURES / "tokenizers" / "deepseek_v3"
+
+
+def _tiny_with_tokenizer(tmp_path_factory, tokenizer_dir: Path, name: str, overrides: dict | None = None) -> Path:
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        pytest.skip(f"tokenizer fixture not found at {tokenizer_dir}")
+    from edgemoe.weights.make_model import make_model
+
+    return make_model(
+        tmp_path_factory.mktemp(name) / name, "qwen3_moe", "tiny", tokenizer=tokenizer_dir, dtype="float32",
+        overrides=overrides,
+    )
+
+
+@pytest.fixture(scope="session")
+def deepseek_tokenizer_model_dir(tmp_path_factory) -> Path:
+    """``tiny`` geometry with the real DeepSeek-V3 tokenizer and chat template (skipped when absent)."""
+    return _tiny_with_tokenizer(tmp_path_factory, DEEPSEEK_V3_TOKENIZER_DIR, "tiny-dsv3tok")
+
+
+class ScriptedOutputs:
+    """Replays recorded model outputs through the real engine.
+
+    Installed on the engine thread, it wraps ``runner.execute``: the real forward pass still runs
+    (KV pages, chunked prefill, batching), then each row whose request drew a script gets logits that
+    allow only the script's next token (EOS after the script), so the engine's sampler, stop checks,
+    detokenizer and the server's parsers see exactly the recorded token sequence. A request draws the
+    next queued script when its first output token is sampled; with an empty queue the model's own
+    logits are used.
+    """
+
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokenizer, self.eos_id = tokenizer, eos_id
+        self.queue: list[list[int]] = []
+        self.by_request: dict[str, list[int]] = {}
+        self.lock = __import__("threading").Lock()
+
+    def push(self, *texts: str) -> None:
+        """Queue recorded outputs (texts, tokenized as the model would have produced them)."""
+        with self.lock:
+            self.queue.extend(self.tokenizer.encode(t, add_special_tokens=False) for t in texts)
+
+    def install(self, engine) -> None:
+        real = engine.runner.execute
+
+        def execute(inputs, phase):
+            logits = real(inputs, phase).clone()  # an inference tensor: not writable outside inference mode
+            by_seq = {r.seq_id: r for r in engine.scheduler.running}
+            for row, inp in enumerate(inputs):
+                req = by_seq.get(inp.seq_id)
+                if req is None or inp.start_pos + len(inp.token_ids) != req.num_tokens:
+                    continue
+                with self.lock:
+                    script = self.by_request.get(req.request_id)
+                    if script is None and self.queue and not req.output_token_ids:
+                        script = self.by_request[req.request_id] = self.queue.pop(0)
+                if script is None:
+                    continue
+                k = len(req.output_token_ids)
+                forced = torch.full_like(logits[row], float("-inf"))
+                forced[script[k] if k < len(script) else self.eos_id] = 0.0
+                logits[row] = forced
+            return logits
+
+        engine.runner.execute = execute
+
+
+class AgentServer:
+    """A real uvicorn server on 127.0.0.1 over an AsyncLLM with :class:`ScriptedOutputs` installed."""
+
+    def __init__(self, llm, base: str, scripts: ScriptedOutputs, api_key: str | None):
+        self.llm, self.base, self.scripts, self.api_key = llm, base, scripts, api_key
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "unused", max_retries=0, timeout=120)
+
+    def anthropic(self):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.base, api_key=self.api_key or "unused", max_retries=0, timeout=120)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        import time
+
+        start = time.monotonic()
+        while self.llm.num_unfinished:
+            assert time.monotonic() - start < timeout, f"{self.llm.num_unfinished} requests still in the engine"
+            time.sleep(0.02)
+
+
+def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None,
+                       prefill_chunk_tokens: int | None = None, **app_options):
+    """Context manager: load ``model_dir`` (CPU), serve it as ``name``; yields an :class:`AgentServer`."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.async_engine import AsyncLLM
+    from edgemoe.server.app import build_app
+
+    @contextlib.contextmanager
+    def run():
+        kw = {"prefill_chunk_tokens": prefill_chunk_tokens} if prefill_chunk_tokens else {}
+        llm = AsyncLLM(str(model_dir), EngineConfig(device="cpu", **(engine_options or {"max_model_len": 4096})),
+                       progress=False, **kw)
+        try:
+            assert llm.wait_ready(120)
+            tok = llm.tokenizer
+            eos = sorted(llm.engine.eos_token_ids)[0]
+            scripts = ScriptedOutputs(tok, eos)
+            llm.call_in_engine_thread(scripts.install, timeout=30)
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            config = uvicorn.Config(build_app(llm, name, **app_options), log_level="warning", lifespan="off")
+            server = uvicorn.Server(config)
+            thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 20
+            while not server.started:
+                assert time.monotonic() < deadline, "uvicorn did not start"
+                time.sleep(0.02)
+            try:
+                yield AgentServer(llm, f"http://127.0.0.1:{port}", scripts, app_options.get("api_key"))
+            finally:
+                server.should_exit = True
+                thread.join(20)
+                sock.close()
+        finally:
+            llm.shutdown()
+
+    return run()
+
+
+@pytest.fixture(scope="session")
+def qwen_agent_server(qwen3_tokenizer_model_dir):
+    """The tiny model with the real Qwen3 tokenizer/template behind a real server (session-wide)."""
+    with start_agent_server(qwen3_tokenizer_model_dir, "qwen3-tiny") as server:
+        yield server

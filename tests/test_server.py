@@ -23,7 +23,7 @@ from edgemoe.core import Phase
 from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
 from edgemoe.server.app import build_app
-from edgemoe.server.reasoning import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
+from edgemoe.server.parsers.think import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a brave little expert."}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})

@@ -61,6 +61,9 @@ def render_chat(
         chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
         add_generation_prompt: end with the assistant turn's opening.
 
+    An assistant message may carry ``content=None`` next to its ``tool_calls`` (kept for templates
+    that test for it; rendered again with ``""`` when the template cannot take ``None``).
+
     Returns:
         ``(prompt_text, prompt_token_ids)``; the ids encode the text without adding special tokens
         again (the template wrote them).
@@ -70,13 +73,25 @@ def render_chat(
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
-    text = tokenizer.apply_chat_template(
-        normalize_messages(messages),
-        tools=tools,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **(chat_template_kwargs or {}),
-    )
+    msgs = normalize_messages(messages)
+
+    def apply(msgs: list[Message]) -> str:
+        return tokenizer.apply_chat_template(
+            msgs,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+
+    try:
+        text = apply(msgs)
+    except Exception:
+        # Assistant tool-call turns come with content=None (OpenAI's shape, which e.g. DeepSeek-V3's
+        # template requires); templates that apply string operations to it (Qwen3's) get "".
+        if not any(m.get("content") is None for m in msgs):
+            raise
+        text = apply([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -368,13 +368,20 @@ class LLMEngine:
                 self.routing_recorder.flush()  # a served trace survives the process being stopped
             if rows:
                 reqs = [r for r, _ in rows]
-                logits = torch.stack([row for _, row in rows])  # [b, V]
+                logits = torch.stack([self._process(r, row) for r, row in rows])  # [b, V]
                 tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
                 for req, tok in zip(reqs, tokens):
                     outputs.append(self._append_token(req, int(tok)))
                 new_tokens = len(reqs)
         self.metrics.observe_step(new_tokens)
         return outputs
+
+    @staticmethod
+    def _process(req: Request, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the request's logits processors to its ``[V]`` logits row."""
+        for proc in req.params.logits_processors:
+            logits = proc(req.output_token_ids, logits, req.params.max_tokens)
+        return logits
 
     def _next_batch(self, outputs: list[RequestOutput]) -> ScheduledBatch | None:
         batch, stuck = self.scheduler.schedule()

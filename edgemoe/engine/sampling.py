@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in the text).
         ignore_eos: keep generating past the model's EOS token(s).
         skip_special_tokens: drop special tokens from the output text.
+        logits_processors: callables ``proc(output_token_ids: list[int], logits [V] float32,
+            max_tokens: int | None) -> logits [V]`` applied in order to this request's logits before
+            sampling (e.g. guided JSON decoding); they may mask tokens with ``-inf``.
 
     Raises:
         SamplingParamsError (a ``ValueError``): a value is out of range; the message starts with the
@@ -65,6 +68,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logits_processors: list = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self):
         def is_int(v) -> bool:

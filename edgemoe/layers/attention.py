@@ -41,11 +41,18 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
         k = k_all.index_select(0, slots).transpose(0, 1)  # [Hk, kv_len, D]
         v = v_all.index_select(0, slots).transpose(0, 1)
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
-        mask = None
-        if s.q_len > 1:
-            qpos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=q.device)
-            mask = pos[None, :] <= qpos[:, None]  # [q_len, kv_len]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if s.q_len == 1:  # decode: every cached key is visible
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
+        else:
+            # prefill: expand KV heads so SDPA can take its fused (flash) path, which GQA + mask cannot
+            rep = qs.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # [Hq, kv_len, D]
+            if s.kv_len == s.q_len:
+                o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+            else:  # a chunk after a cached prefix: query i sees keys [0, kv_len - q_len + i]
+                qpos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=q.device)
+                mask = pos[None, :] <= qpos[:, None]  # [q_len, kv_len]
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     return out
 

@@ -1,24 +1,34 @@
-"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`~edgemoe.engine.async_engine.AsyncLLM`.
+"""HTTP server (FastAPI + uvicorn) over :class:`~edgemoe.engine.async_engine.AsyncLLM`: the OpenAI
+and Anthropic APIs that coding agents speak.
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
-streaming), ``GET /health`` (503 while the model loads, 200 when ready) and ``GET /metrics``
-(Prometheus). Every error uses OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
-invalid JSON or fields are 400 (FastAPI's 422 is remapped) naming the field, a prompt that can never
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (tools, tool calls, reasoning, JSON mode),
+``POST /v1/completions``, ``POST /v1/responses`` (OpenAI Responses, ``responses_api.py``),
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic Messages,
+``messages_api.py``), all streaming with SSE; ``GET /health`` (503 while the model loads, 200 when
+ready) and ``GET /metrics`` (Prometheus). The chat APIs share one pipeline (``serving.py``) and the
+output parsers of ``parsers/``.
+
+Errors use the shape of the API that was called: OpenAI's ``{"error": {"message", "type", "param",
+"code"}}``, Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``.
+Invalid JSON or fields are 400 (FastAPI's 422 is remapped) naming the field, a prompt that can never
 fit is 400 at once, an unknown model 404, a failure inside one request 500 for that request only.
-A client that disconnects (streaming or not) aborts its request, freeing its KV pages.
+With an API key set, every ``/v1/`` route needs it (``Authorization: Bearer KEY`` or
+``x-api-key: KEY``; 401 otherwise); ``/health`` and ``/metrics`` stay open. A client that disconnects
+(streaming or not) aborts its request, freeing its KV pages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +41,8 @@ from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError, RequestFa
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
 from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
+from edgemoe.server import messages_api, responses_api
+from edgemoe.server.parsers import ParseEvent, check_parser_names
 from edgemoe.server.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -38,6 +50,7 @@ from edgemoe.server.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    ChatMessageParam,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -46,39 +59,47 @@ from edgemoe.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ToolCallOut,
     UsageInfo,
     new_id,
 )
-from edgemoe.server.reasoning import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
+from edgemoe.server.serving import APIError, ChatSpec, Prepared, Serving, new_tool_call_id
 
 __all__ = ["APIError", "build_app", "serve"]
 
 log = logging.getLogger(__name__)
 
 SYSTEM_FINGERPRINT = f"edgemoe-{__version__}"
-_DISCONNECT_POLL_S = 0.5
-# pydantic adds the tried union member to an error's loc (``prompt.list[int]``); not a field name.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|set|union|literal)\[.*\]|function-.*)$")
+# pydantic adds the tried union member to an error's loc (``prompt.list[int]``, ``tool_choice.ChatTool``);
+# not a field name.
+_UNION_TAG = re.compile(
+    r"^(str|int|float|bool|none|(list|dict|tuple|set|union|literal)\[.*\]|function-.*|[A-Z][A-Za-z0-9]*)$"
+)
+# Anthropic error types by HTTP status.
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
-class APIError(Exception):
-    """An error returned to the client in OpenAI's shape.
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
 
-    Args:
-        status: HTTP status code.
-        message: human-readable message.
-        type: OpenAI error type (``invalid_request_error``, ``server_error``, ...).
-        param: the offending request field, if any.
-        code: a machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
-    """
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
+def error_response(path: str, exc: APIError) -> JSONResponse:
+    """``exc`` as a JSON response in the error shape of the API at ``path``."""
+    if _is_anthropic(path):
+        kind = _ANTHROPIC_ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+        body: dict = {"type": "error", "error": {"type": kind, "message": exc.message}}
+    else:
+        body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)).model_dump()
+    return JSONResponse(body, status_code=exc.status)
 
 
 def _sse(obj: BaseModel | dict, include_usage: bool = True) -> str:
@@ -99,19 +120,30 @@ def _usage(out: RequestOutput) -> UsageInfo:
     return UsageInfo(**out.usage)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One line naming the first bad field, and that field's dotted path."""
+def _loc_path(parts: list) -> str:
+    """``["messages", 0, "content"]`` → ``messages[0].content``."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming the first bad field (``messages[0].role: Field required``), and the top-level field."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     err = errors[0]
+    # A union reports one error per member: the deepest one on the same field is the informative one.
+    top = tuple(err.get("loc", ()))[:2]
+    err = max((e for e in errors if tuple(e.get("loc", ()))[:2] == top), key=lambda e: len(e.get("loc", ())))
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return f"Malformed JSON body: {detail or err.get('msg', '')}".strip(), None
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [p for p in err.get("loc", ()) if p != "body"]
     # Union members appear as extra loc parts (e.g. prompt.str); keep the request-field path.
-    field = loc[0] if loc else None
-    path = ".".join(p for p in loc if not _UNION_TAG.match(p))
+    field = str(loc[0]) if loc else None
+    path = _loc_path([p for p in loc if isinstance(p, int) or not _UNION_TAG.match(str(p))])
     msg = err.get("msg", "invalid value")
     if field is None:
         return f"Request body: {msg}", None
@@ -119,54 +151,118 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{path or field}: {msg}{more}", field
 
 
-def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
+class _ApiKeyMiddleware:
+    """Pure-ASGI check of the API key on ``/v1/`` routes (``Authorization: Bearer`` or ``x-api-key``).
+
+    Pure ASGI (not ``BaseHTTPMiddleware``) so streaming and disconnect detection are untouched.
+    """
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization", b"")
+        if given is None and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        if given is not None and secrets.compare_digest(given, self.api_key):
+            return await self.app(scope, receive, send)
+        message = "Invalid API key" if given is not None else "Missing API key (Authorization: Bearer KEY or x-api-key: KEY)"
+        err = APIError(401, message, type="invalid_request_error", code="invalid_api_key")
+        return await error_response(scope["path"], err)(scope, receive, send)
+
+
+def chat_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """OpenAI request messages → the dicts chat templates read.
+
+    ``developer`` becomes ``system``; tool-call arguments become JSON strings; assistant reasoning
+    (``reasoning_content`` or ``reasoning``) is passed as ``reasoning_content``; an assistant turn
+    without text keeps ``content=None``.
+    """
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        reasoning = d.pop("reasoning", None)
+        if reasoning is not None and "reasoning_content" not in d:
+            d["reasoning_content"] = reasoning
+        for tc in d.get("tool_calls") or []:
+            fn = tc["function"]
+            if not isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.dumps(fn.get("arguments", {}), ensure_ascii=False)
+        if "content" not in d:
+            d["content"] = None if d["role"] == "assistant" else ""
+        out.append(d)
+    return out
+
+
+def build_app(
+    llm: AsyncLLM,
+    served_model_name: str | None = None,
+    *,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     """Create the FastAPI app serving ``llm``.
 
     Args:
         llm: the async engine (it may still be loading; routes answer 503 until it is ready).
         served_model_name: the model id clients use (default: the model directory's name).
+        tool_call_parser / reasoning_parser: parser names (``edgemoe.server.parsers``); ``None`` or
+            ``"auto"`` detects them from the checkpoint.
+        api_key: when set, every ``/v1/`` route requires it.
+
+    Raises:
+        ValueError: an unknown parser name.
     """
+    check_parser_names(tool_call_parser, reasoning_parser)
     name = served_model_name or (Path(llm.model_dir).name if llm.model_dir else "edgemoe")
     app = FastAPI(title="edgemoe", version=__version__)
+    serving = Serving(
+        llm,
+        name,
+        tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+        render=lambda *a, **kw: render_chat(*a, **kw),  # looked up per call (tests patch it)
+    )
     app.state.llm = llm
     app.state.served_model_name = name
+    app.state.serving = serving
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
     # ------------------------------------------------------------ errors
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(EngineNotReadyError)
-    async def _not_ready(_: Request, exc: EngineNotReadyError):
-        return APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready").response()
+    async def _not_ready(request: Request, exc: EngineNotReadyError):
+        return error_response(request.url.path, APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready"))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return APIError(400, message, param=param).response()
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return error_response(request.url.path, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return error_response(request.url.path, APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
+    async def _internal_error(request: Request, exc: Exception):
         log.exception("request failed")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return error_response(request.url.path, err)
 
     # ------------------------------------------------------------ helpers
-
-    def ready_llm() -> AsyncLLM:
-        if not llm.is_ready:
-            msg = f"model failed to load: {llm.load_error}" if llm.load_error else "the model is still loading"
-            raise EngineNotReadyError(msg)
-        return llm
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in (name, llm.model_dir):
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def sampling_params(body, max_tokens: int | None) -> SamplingParams:
         if body.n != 1:
@@ -174,42 +270,17 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         if body.logprobs:
             raise APIError(400, "logprobs: not supported by this server", param="logprobs")
         try:
-            return body.to_sampling_params(max_tokens)
+            return body.to_sampling_params(max_tokens, serving.generation_defaults)
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
 
     def admit(prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
-            ready_llm().check_prompt(prompt_ids, params)
+            serving.ready().check_prompt(prompt_ids, params)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
-
-    async def until_done(gen: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
-        """Consume a non-streamed request; abort it if the client goes away."""
-
-        async def consume() -> RequestOutput:
-            last = None
-            async for out in gen:
-                last = out
-            return last
-
-        task = asyncio.ensure_future(consume())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await raw.is_disconnected():
-                    task.cancel()
-                    raise APIError(499, "client disconnected", code="client_disconnected")
-        finally:
-            if not task.done():
-                task.cancel()
-
-    def request_failed(exc: RequestFailedError) -> APIError:
-        return APIError(500, f"the request failed: {exc}", type="server_error", code="internal_error")
 
     # ------------------------------------------------------------ routes
 
@@ -232,36 +303,40 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
-        engine = ready_llm()
-        params = sampling_params(body, body.effective_max_tokens)
-        try:
-            prompt_text, prompt_ids = render_chat(
-                engine.tokenizer, body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs
-            )
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        except jinja2.TemplateError as exc:  # e.g. the template's raise_exception on a bad role order
-            raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        admit(prompt_ids, params, "messages")
-        request_id = new_id("chatcmpl")
-        in_think = prompt_ends_in_reasoning(prompt_text)
-        gen = engine.generate(prompt_ids, params, request_id)
+        serving.check_model(body.model)
+        serving.ready()
+        if body.n != 1:
+            raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
+        if body.logprobs:
+            raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+        choice = body.tool_choice or "auto"
+        spec = ChatSpec(
+            messages=chat_messages(body.messages),
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            tool_choice={"name": choice.function.name} if not isinstance(choice, str) else choice,
+            json_mode=body.response_format is not None and body.response_format.type != "text",
+            chat_template_kwargs=body.chat_template_kwargs,
+            sampling=body.sampling_fields(body.effective_max_tokens),
+        )
+        prepared = await serving.prepare(spec, new_id("chatcmpl"))
         if body.stream:
             return StreamingResponse(
-                _chat_stream(engine, gen, request_id, name, in_think, body.include_usage),
-                media_type="text/event-stream",
+                _chat_stream(serving, prepared, name, body.include_usage), media_type="text/event-stream"
             )
         try:
-            out = await until_done(gen, raw)
+            out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
-            raise request_failed(exc) from None
-        reasoning, content = split_reasoning(out.outputs[0].text, in_think)
-        message = ChatMessage(content=content, reasoning_content=reasoning)
+            raise _request_failed(exc) from None
+        calls = [
+            ToolCallOut(id=new_tool_call_id(), function={"name": c.name, "arguments": c.arguments})
+            for c in parsed.tool_calls
+        ]
+        message = ChatMessage(content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=calls or None)
+        reason = _finish_reason(out.outputs[0].finish_reason)
         resp = ChatCompletionResponse(
-            id=request_id,
+            id=prepared.request_id,
             model=name,
-            choices=[ChatCompletionChoice(message=message, finish_reason=_finish_reason(out.outputs[0].finish_reason))],
+            choices=[ChatCompletionChoice(message=message, finish_reason="tool_calls" if calls and reason == "stop" else reason)],
             usage=_usage(out),
             system_fingerprint=SYSTEM_FINGERPRINT,
         )
@@ -269,8 +344,8 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        check_model(body.model)
-        engine = ready_llm()
+        serving.check_model(body.model)
+        engine = serving.ready()
         params = sampling_params(body, body.max_tokens)
         prompts = body.prompts()
         if not prompts:
@@ -291,9 +366,12 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
                 media_type="text/event-stream",
             )
         try:
-            outs = await until_done(_gather(gens), raw) if len(gens) > 1 else [await until_done(gens[0], raw)]
+            if len(gens) > 1:
+                outs = await serving.until_done(_gather(gens), raw)
+            else:
+                outs = [await serving.until_done(gens[0], raw)]
         except RequestFailedError as exc:
-            raise request_failed(exc) from None
+            raise _request_failed(exc) from None
         choices = [
             CompletionChoice(index=i, text=echoes[i] + o.outputs[0].text, finish_reason=_finish_reason(o.outputs[0].finish_reason))
             for i, o in enumerate(outs)
@@ -308,7 +386,13 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None) -> FastAPI:
         )
         return JSONResponse(resp.model_dump())
 
+    app.include_router(messages_api.router(serving))
+    app.include_router(responses_api.router(serving))
     return app
+
+
+def _request_failed(exc: RequestFailedError) -> APIError:
+    return APIError(500, f"the request failed: {exc}", type="server_error", code="internal_error")
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -349,15 +433,27 @@ async def _gather(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[lis
     yield [finals[i] for i in range(len(gens))]
 
 
-async def _chat_stream(
-    llm: AsyncLLM,
-    gen: AsyncIterator[RequestOutput],
-    request_id: str,
-    model: str,
-    in_think: bool,
-    include_usage: bool,
-) -> AsyncIterator[str]:
+def _tool_call_deltas(events: list[ParseEvent], ids: dict[int, str]) -> list[dict[str, Any]]:
+    """OpenAI ``delta.tool_calls`` entries for the tool-call events of one step (merged per call;
+    a call's first entry carries its id, type and name)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e.kind != "tool_call":
+            continue
+        if e.index not in ids:
+            ids[e.index] = new_tool_call_id()
+            out.append({"index": e.index, "id": ids[e.index], "type": "function",
+                        "function": {"name": e.name or "", "arguments": e.text}})
+        elif out and out[-1]["index"] == e.index:
+            out[-1]["function"]["arguments"] += e.text
+        elif e.text:
+            out.append({"index": e.index, "function": {"arguments": e.text}})
+    return out
+
+
+async def _chat_stream(serving: Serving, prepared: Prepared, model: str, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
+    request_id = prepared.request_id
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
         return _sse(
@@ -371,26 +467,27 @@ async def _chat_stream(
             include_usage,
         )
 
-    splitter = ReasoningSplitter(in_think)
+    ids: dict[int, str] = {}
     final = None
     try:
         yield chunk({"role": "assistant", "content": ""})
-        async for out in gen:
-            c = out.outputs[0]
-            reasoning, content = splitter.feed(c.delta_text)
-            if out.finished:
-                r2, c2 = splitter.flush()
-                reasoning, content = reasoning + r2, content + c2
-            delta = {}
+        async for events, out in serving.events(serving.generate(prepared), prepared.new_parser()):
+            delta: dict[str, Any] = {}
+            reasoning = "".join(e.text for e in events if e.kind == "reasoning")
+            content = "".join(e.text for e in events if e.kind == "content")
+            calls = _tool_call_deltas(events, ids)
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if content:
                 delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
             if delta:
                 yield chunk(delta)
             if out.finished:
                 final = out
-                yield chunk({}, _finish_reason(c.finish_reason))
+                reason = _finish_reason(out.outputs[0].finish_reason)
+                yield chunk({}, "tool_calls" if ids and reason == "stop" else reason)
         if include_usage and final is not None:
             yield _sse(
                 ChatCompletionStreamResponse(
@@ -402,7 +499,7 @@ async def _chat_stream(
         yield _sse({"error": {"message": f"the request failed: {exc}", "type": "server_error", "code": "internal_error"}})
     finally:
         if final is None:
-            llm.abort(request_id)  # idempotent; covers a client that went away
+            serving.llm.abort(request_id)  # idempotent; covers a client that went away
     yield "data: [DONE]\n\n"
 
 
@@ -468,10 +565,14 @@ def serve(
     prefill_chunk_tokens: int | None = None,
     log_level: str = "info",
     on_ready=None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Load ``model_dir`` in the background and serve it until interrupted (blocking).
 
     ``/health`` answers 503 until the weights are loaded; ``on_ready(engine)`` runs once they are.
+    ``tool_call_parser`` / ``reasoning_parser`` / ``api_key``: see :func:`build_app`.
     """
     import uvicorn
 
@@ -485,7 +586,13 @@ def serve(
         prefill_chunk_tokens=prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
         on_ready=on_ready,
     )
-    app = build_app(llm, config.served_model_name)
+    app = build_app(
+        llm,
+        config.served_model_name,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+        api_key=api_key,
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:

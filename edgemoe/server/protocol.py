@@ -1,8 +1,11 @@
-"""Pydantic models of the OpenAI-compatible HTTP API (requests in, responses out).
+"""Pydantic models of the OpenAI-compatible HTTP API (chat and text completions; requests in,
+responses out). The Anthropic Messages and OpenAI Responses models live in ``messages_api.py`` and
+``responses_api.py``.
 
 Requests accept and ignore unknown fields (``extra="allow"``) so SDKs sending newer parameters keep
 working. Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
-types by pydantic.
+types by pydantic. ``presence_penalty`` / ``frequency_penalty`` / ``reasoning_effort`` are accepted and
+ignored (the sampler has no penalties yet).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from edgemoe.engine.sampling import SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
+    "ChatMessageParam",
+    "ChatTool",
     "ChatCompletionResponse",
     "ChatCompletionStreamResponse",
     "ChatMessage",
@@ -28,7 +33,9 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "StreamOptions",
+    "ToolCallOut",
     "UsageInfo",
+    "sampling_kwargs",
 ]
 
 
@@ -38,6 +45,80 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+def sampling_kwargs(defaults: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
+    """:class:`SamplingParams` keyword arguments: ``fields`` whose value is ``None`` fall back to
+    ``defaults`` (generation_config.json) and then to the OpenAI defaults (temperature 1, top_p 1,
+    top_k off)."""
+    base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
+    out = dict(fields)
+    for key, value in base.items():
+        if out.get(key) is None:
+            out[key] = value
+    return out
+
+
+class FunctionDef(_Request):
+    """A function tool's definition (``parameters`` is its JSON schema)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    """``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``{"type": "function", "function": {"name": ...}}``: the model must call this function."""
+
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``. Both JSON types are
+    served by guided decoding to *a* JSON object (the schema itself is not enforced)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallParam(_Request):
+    """A tool call in an assistant message of the history."""
+
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatMessageParam(_Request):
+    """One message of ``messages``. ``content`` is a string or a list of text parts; assistant turns
+    may carry ``tool_calls`` and their reasoning (``reasoning_content``, or vLLM's newer
+    ``reasoning``); tool turns answer a ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _SamplingFields(_Request):
@@ -56,13 +137,20 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Build engine sampling parameters (raises ``SamplingParamsError`` naming a bad field)."""
-        return SamplingParams(
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build engine sampling parameters (raises ``SamplingParamsError`` naming a bad field).
+
+        ``defaults`` (the checkpoint's ``generation_config.json`` temperature/top_p/top_k) fill the
+        fields the request omits."""
+        return SamplingParams(**sampling_kwargs(defaults, **self.sampling_fields(max_tokens)))
+
+    def sampling_fields(self, max_tokens: int | None) -> dict[str, Any]:
+        """The request's sampling fields by :class:`SamplingParams` name (``None`` where omitted)."""
+        return dict(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -79,13 +167,18 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over ``max_tokens``;
     neither = up to the context limit."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    reasoning_effort: str | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -129,10 +222,19 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class ToolCallOut(BaseModel):
+    """``{"id", "type": "function", "function": {"name", "arguments"}}`` in a response message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(BaseModel):

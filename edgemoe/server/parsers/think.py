@@ -1,4 +1,7 @@
-"""Split model output into reasoning (inside ``<think> ... </think>``) and the visible answer.
+"""The ``think`` reasoning parser: reasoning inside ``<think> ... </think>``, then the visible answer.
+
+Used for Qwen3 (and its Coder/2507 variants that think), DeepSeek-R1/V3.1 and most open reasoning
+models.
 
 Qwen3-style models open their output with a ``<think>`` block. Some chat templates already put
 ``<think>`` at the end of the prompt, so the output *starts inside* the block and only ``</think>``
@@ -11,7 +14,9 @@ dropped (as Qwen's own templates strip them when rendering history).
 
 from __future__ import annotations
 
-__all__ = ["ReasoningSplitter", "prompt_ends_in_reasoning", "split_reasoning"]
+from edgemoe.server.parsers.base import OutputParser, ParseEvent, text_event
+
+__all__ = ["ReasoningSplitter", "ThinkParser", "prompt_ends_in_reasoning", "split_reasoning"]
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -99,3 +104,29 @@ def split_reasoning(text: str, start_in_reasoning: bool = False) -> tuple[str | 
     r2, c2 = s.flush()
     reasoning, content = r1 + r2, c1 + c2
     return (reasoning if s.saw_reasoning else None), (content or None if s.saw_reasoning else content)
+
+
+class ThinkParser(OutputParser):
+    """:class:`ReasoningSplitter` as an :class:`OutputParser` (events ``reasoning`` / ``content``).
+
+    Args:
+        start_in_reasoning: the prompt opened the think block (see :func:`prompt_ends_in_reasoning`).
+    """
+
+    def __init__(self, start_in_reasoning: bool = False):
+        self.splitter = ReasoningSplitter(start_in_reasoning)
+
+    @property
+    def saw_reasoning(self) -> bool:
+        """A think block was opened (by the prompt or the output)."""
+        return self.splitter.saw_reasoning
+
+    @staticmethod
+    def _events(parts: tuple[str, str]) -> list[ParseEvent]:
+        return text_event("reasoning", parts[0]) + text_event("content", parts[1])
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        return self._events(self.splitter.feed(text))
+
+    def finish(self) -> list[ParseEvent]:
+        return self._events(self.splitter.flush())

@@ -1,0 +1,141 @@
+"""``edgemoe chat``: a terminal chat client for a running edgemoe (or any OpenAI-compatible) server.
+
+Streams each answer as it is generated, showing the model's reasoning dimmed before the answer.
+Commands: ``/reset`` (forget the conversation), ``/exit`` (or Ctrl-D). Ctrl-C stops the current
+answer. Uses the ``openai`` SDK, and ``rich`` for output when it is installed (plain ANSI otherwise).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+__all__ = ["ChatSession", "Output", "main_loop"]
+
+_DIM, _RESET = "\033[2m", "\033[0m"
+
+
+class Output:
+    """Where the chat writes: reasoning dimmed, answer text plain (``rich`` when available)."""
+
+    def __init__(self, stream: TextIO | None = None, use_rich: bool | None = None):
+        self.stream = stream or sys.stdout
+        self.console = None
+        if use_rich is not False:
+            try:
+                from rich.console import Console
+
+                self.console = Console(file=self.stream, highlight=False, soft_wrap=True)
+            except ImportError:
+                self.console = None
+        self.color = self.console is not None or self.stream.isatty()
+
+    def _write(self, text: str, style: str | None = None) -> None:
+        if self.console is not None:
+            self.console.print(text, end="", style=style, markup=False)
+        elif style and self.color:
+            self.stream.write(f"{_DIM}{text}{_RESET}")
+        else:
+            self.stream.write(text)
+        self.stream.flush()
+
+    def reasoning(self, text: str) -> None:
+        self._write(text, "dim italic")
+
+    def content(self, text: str) -> None:
+        self._write(text)
+
+    def info(self, text: str) -> None:
+        self._write(text + "\n", "dim")
+
+
+class ChatSession:
+    """One conversation with a server through the ``openai`` SDK.
+
+    Args:
+        client: an ``openai.OpenAI`` client pointed at the server's ``/v1``.
+        model: the served model id.
+        system: optional system prompt.
+        sampling: extra ``chat.completions.create`` arguments (``temperature``, ``max_tokens`` ...).
+    """
+
+    def __init__(self, client: Any, model: str, system: str | None = None, **sampling: Any):
+        self.client, self.model, self.system, self.sampling = client, model, system, sampling
+        self.messages: list[dict[str, Any]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def ask(self, text: str, out: Output) -> str:
+        """Send ``text``, stream the reply to ``out``; returns the answer (kept in the history)."""
+        self.messages.append({"role": "user", "content": text})
+        answer, in_reasoning = [], False
+        stream = self.client.chat.completions.create(model=self.model, messages=self.messages, stream=True, **self.sampling)
+        try:
+            for chunk in stream:
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                reasoning = (delta.model_extra or {}).get("reasoning_content") or (delta.model_extra or {}).get("reasoning")
+                if reasoning:
+                    in_reasoning = True
+                    out.reasoning(reasoning)
+                if delta.content:
+                    if in_reasoning:
+                        out.content("\n\n")
+                        in_reasoning = False
+                    answer.append(delta.content)
+                    out.content(delta.content)
+                for call in delta.tool_calls or []:
+                    if call.function and call.function.name:
+                        out.info(f"\n[tool call: {call.function.name}]")
+        except KeyboardInterrupt:
+            out.info("\n[stopped]")
+        finally:
+            stream.close()
+        out.content("\n")
+        reply = "".join(answer)
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply
+
+
+def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> int:
+    """Read lines with ``read(prompt)`` until ``/exit`` or EOF; returns the exit status."""
+    out.info(f"edgemoe chat with {session.model} — /reset to start over, /exit to quit")
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            out.content("\n")
+            return 0
+        except KeyboardInterrupt:
+            out.content("\n")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            session.reset()
+            out.info("[conversation reset]")
+            continue
+        session.ask(text, out)
+
+
+def run(base_url: str, model: str | None, api_key: str, system: str | None, **sampling: Any) -> int:
+    """Connect to ``base_url`` and chat on the terminal (the model defaults to the server's first)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=1)
+    if model is None:
+        model = client.models.list().data[0].id
+    session = ChatSession(client, model, system, **{k: v for k, v in sampling.items() if v is not None})
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    return main_loop(session, input, Output())

@@ -1,0 +1,430 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+What is served (field names and event shapes follow the ``anthropic`` SDK's types):
+
+- ``system`` as a string or text blocks; ``messages`` with ``text``, ``tool_use``, ``tool_result``,
+  ``thinking`` and ``redacted_thinking`` blocks (images, in messages or tool results, become a
+  ``[image omitted]`` note: the models served are text-only; other block types are a 400 naming
+  the block);
+- ``tools`` (client tools with an ``input_schema``; Anthropic-hosted server tools are ignored),
+  ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``disable_parallel_tool_use`` is accepted
+  and not enforced), ``thinking`` (``enabled``/``adaptive`` → the template's ``enable_thinking``,
+  ``disabled`` → off; omitted = the model's default), ``stop_sequences``, ``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k``, ``output_config.format`` (structured output → guided JSON;
+  any JSON object, the schema is not enforced);
+- responses with ``thinking`` (empty ``signature``), ``text`` and ``tool_use`` blocks, ``stop_reason``
+  ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, usage;
+- streaming with the exact event sequence: ``message_start``, then per block ``content_block_start``,
+  ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``),
+  ``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``; a failure
+  mid-stream is an ``error`` event.
+
+Errors use Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, see ``app.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from edgemoe.engine.async_engine import RequestFailedError
+from edgemoe.engine.llm_engine import RequestOutput
+from edgemoe.server.parsers import ParsedOutput
+from edgemoe.server.serving import APIError, ChatSpec, Prepared, Serving, new_tool_call_id
+
+__all__ = ["MessagesRequest", "CountTokensRequest", "MessageResponse", "router", "to_chat_spec"]
+
+IMAGE_NOTE = "[image omitted: this model reads text only]"
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlockParam(_In):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlockParam(_In):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlockParam(_In):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlockParam(_In):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlockParam(_In):
+    type: Literal["redacted_thinking"]
+    data: str | None = None
+
+
+class OtherBlockParam(_In):
+    """Any other block type (``image``, ``document``, server-tool blocks ...)."""
+
+    type: str
+
+
+# Block type → union tag (CamelCase, so validation errors do not show it as a field name).
+_KNOWN_BLOCKS = {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult", "thinking": "Thinking",
+                 "redacted_thinking": "RedactedThinking"}
+
+
+def _block_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _KNOWN_BLOCKS.get(kind, "Other")
+
+
+ContentBlockParam = Annotated[
+    Union[
+        Annotated[TextBlockParam, Tag("Text")],
+        Annotated[ToolUseBlockParam, Tag("ToolUse")],
+        Annotated[ToolResultBlockParam, Tag("ToolResult")],
+        Annotated[ThinkingBlockParam, Tag("Thinking")],
+        Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")],
+        Annotated[OtherBlockParam, Tag("Other")],
+    ],
+    Discriminator(_block_tag),
+]
+
+
+class MessageParam(_In):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockParam]
+
+
+class ToolParam(_In):
+    """A tool. Client tools have ``input_schema``; typed Anthropic server tools (``web_search_...``) do not."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ToolChoiceParam(_In):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingParam(_In):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class OutputFormatParam(_In):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class OutputConfigParam(_In):
+    """``output_config``: ``format`` (structured output) is served as guided JSON; ``effort`` is ignored."""
+
+    format: OutputFormatParam | None = None
+    effort: str | None = None
+
+
+class CountTokensRequest(_In):
+    """``POST /v1/messages/count_tokens`` body."""
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+    output_config: OutputConfigParam | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages`` body (unknown fields such as ``metadata`` are accepted and ignored)."""
+
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessageResponse(BaseModel):
+    """A ``Message`` object (``type: "message"``)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    usage: Usage
+
+
+# ---------------------------------------------------------------------------- request conversion
+
+
+def _result_text(block: ToolResultBlockParam, where: str) -> str:
+    content = block.content
+    if content is None or isinstance(content, str):
+        text = content or ""
+    else:
+        parts = []
+        for k, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image":
+                parts.append(IMAGE_NOTE)
+            else:
+                raise APIError(400, f"{where}.content[{k}]: {kind!r} blocks are not supported in tool results", param="messages")
+        text = "\n".join(parts)
+    return f"Error: {text}" if block.is_error else text
+
+
+def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
+    """Convert an Anthropic request into the shared :class:`ChatSpec` (OpenAI-style messages).
+
+    Raises:
+        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``).
+    """
+    messages: list[dict[str, Any]] = []
+    system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system or [])
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        blocks = [TextBlockParam(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(blocks):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(b, TextBlockParam):
+                texts.append(b.text)
+            elif isinstance(b, OtherBlockParam) and b.type == "image":
+                texts.append(IMAGE_NOTE)
+            elif m.role == "user" and isinstance(b, ToolResultBlockParam):
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b, where)})
+            elif m.role == "assistant" and isinstance(b, ThinkingBlockParam):
+                reasoning.append(b.thinking)
+            elif m.role == "assistant" and isinstance(b, RedactedThinkingBlockParam):
+                continue  # opaque, nothing a local model can read
+            elif m.role == "assistant" and isinstance(b, ToolUseBlockParam):
+                args = json.dumps(b.input, ensure_ascii=False)
+                calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": args}})
+            else:
+                raise APIError(400, f"{where}: {b.type!r} blocks are not supported in {m.role} messages", param="messages")
+        text = "\n\n".join(texts)
+        if m.role == "user":
+            if texts or isinstance(m.content, str):
+                messages.append({"role": "user", "content": text})
+            continue
+        msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            msg["tool_calls"] = calls
+        if reasoning:
+            msg["reasoning_content"] = "\n\n".join(reasoning)
+        messages.append(msg)
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+        for t in body.tools or []
+        if t.input_schema is not None
+    ]
+    choice: str | dict = "auto"
+    if body.tool_choice is not None:
+        choice = {"auto": "auto", "any": "required", "none": "none"}.get(body.tool_choice.type) or {"name": body.tool_choice.name}
+        if isinstance(choice, dict) and not choice["name"]:
+            raise APIError(400, "tool_choice.name: required when tool_choice.type is 'tool'", param="tool_choice")
+    kwargs = None
+    if body.thinking is not None:
+        kwargs = {"enable_thinking": body.thinking.type != "disabled"}
+    sampling: dict[str, Any] = {}
+    if isinstance(body, MessagesRequest):
+        sampling = dict(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=body.stop_sequences or None,
+        )
+    return ChatSpec(
+        messages=messages,
+        tools=tools or None,
+        tool_choice=choice,
+        json_mode=body.output_config is not None and body.output_config.format is not None,
+        chat_template_kwargs=kwargs,
+        sampling=sampling,
+        field_names={"stop": "stop_sequences"},
+    )
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def _stop(out: RequestOutput, has_tool_use: bool) -> tuple[str | None, str | None]:
+    """``(stop_reason, stop_sequence)`` of a finished output."""
+    c = out.outputs[0]
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return ("tool_use" if has_tool_use else "end_turn"), None
+
+
+def _tool_input(arguments: str) -> dict | None:
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def message_content(parsed: ParsedOutput) -> list[dict[str, Any]]:
+    """Content blocks of a whole response: thinking, text, then tool_use blocks (a call whose
+    arguments are not a JSON object is returned as text, so nothing is lost)."""
+    blocks: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    text = parsed.content or ""
+    uses = []
+    for call in parsed.tool_calls:
+        value = _tool_input(call.arguments)
+        if value is None:
+            text += f"{call.name}({call.arguments})"
+        else:
+            uses.append({"type": "tool_use", "id": new_tool_call_id("toolu"), "name": call.name, "input": value})
+    if text:
+        blocks.append({"type": "text", "text": text})
+    return blocks + uses
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIterator[str]:
+    """The Anthropic event stream of one request."""
+    msg_id = prepared.request_id
+    n_prompt = len(prepared.prompt_ids)
+    index = -1
+    block: tuple | None = None  # ("thinking" | "text", None) or ("tool_use", call index)
+    has_tool_use = False
+    finished = False
+
+    def start(content_block: dict) -> str:
+        nonlocal index
+        index += 1
+        return _sse({"type": "content_block_start", "index": index, "content_block": content_block})
+
+    def stop() -> str:
+        return _sse({"type": "content_block_stop", "index": index})
+
+    try:
+        yield _sse(
+            {
+                "type": "message_start",
+                "message": MessageResponse(
+                    id=msg_id, model=model, content=[], usage=Usage(input_tokens=n_prompt, output_tokens=0)
+                ).model_dump(),
+            }
+        )
+        async for events, out in serving.events(serving.generate(prepared), prepared.new_parser()):
+            for e in events:
+                key = ("tool_use", e.index) if e.kind == "tool_call" else ("thinking" if e.kind == "reasoning" else "text", None)
+                if key != block:
+                    if block is not None:
+                        yield stop()
+                    block = key
+                    if e.kind == "reasoning":
+                        yield start({"type": "thinking", "thinking": "", "signature": ""})
+                    elif e.kind == "content":
+                        yield start({"type": "text", "text": ""})
+                    else:
+                        has_tool_use = True
+                        yield start({"type": "tool_use", "id": new_tool_call_id("toolu"), "name": e.name or "", "input": {}})
+                if not e.text:
+                    continue
+                if e.kind == "reasoning":
+                    delta = {"type": "thinking_delta", "thinking": e.text}
+                elif e.kind == "content":
+                    delta = {"type": "text_delta", "text": e.text}
+                else:
+                    delta = {"type": "input_json_delta", "partial_json": e.text}
+                yield _sse({"type": "content_block_delta", "index": index, "delta": delta})
+            if out.finished:
+                finished = True
+                if block is not None:
+                    yield stop()
+                reason, sequence = _stop(out, has_tool_use)
+                yield _sse(
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": {"input_tokens": n_prompt, "output_tokens": out.num_generated_tokens},
+                    }
+                )
+                yield _sse({"type": "message_stop"})
+    except RequestFailedError as exc:
+        yield _sse({"type": "error", "error": {"type": "api_error", "message": f"the request failed: {exc}"}})
+    finally:
+        if not finished:
+            serving.llm.abort(prepared.request_id)
+
+
+def router(serving: Serving) -> APIRouter:
+    """The Anthropic routes over ``serving``."""
+    api = APIRouter()
+
+    @api.post("/v1/messages")
+    async def messages(body: MessagesRequest, raw: Request):
+        serving.check_model(body.model)
+        serving.ready()
+        prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("msg"))
+        if body.stream:
+            return StreamingResponse(_stream(serving, prepared, serving.name), media_type="text/event-stream")
+        try:
+            out, parsed = await serving.run_whole(prepared, raw)
+        except RequestFailedError as exc:
+            raise APIError(500, f"the request failed: {exc}", type="server_error") from None
+        content = message_content(parsed)
+        reason, sequence = _stop(out, any(b["type"] == "tool_use" for b in content))
+        resp = MessageResponse(
+            id=prepared.request_id,
+            model=serving.name,
+            content=content,
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=Usage(input_tokens=out.num_prompt_tokens, output_tokens=out.num_generated_tokens),
+        )
+        return JSONResponse(resp.model_dump())
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        serving.check_model(body.model)
+        serving.ready()
+        _, ids, _ = serving.render_prompt(to_chat_spec(body))
+        return {"input_tokens": len(ids)}
+
+    return api

@@ -1,0 +1,190 @@
+"""Qwen3-Coder tool calls: XML-like functions and parameters.
+
+Format (the Qwen3-Coder chat template)::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+Parameter values are raw text; they become JSON values by the type their tool's JSON schema declares
+(``integer``/``number``/``boolean``/``null``/``object``/``array``; anything else, or a value that
+does not convert, stays a string), as the reference parser in vLLM does. The arguments object streams
+one parameter at a time. A missing ``</parameter>`` is tolerated when the next ``<parameter=`` or
+``</function>`` follows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from edgemoe.server.parsers.base import ParseEvent, find_first, partial_suffix, text_event
+from edgemoe.server.parsers.tagged import ToolParser, compile_pattern
+
+__all__ = ["Qwen3CoderToolParser"]
+
+_HEADER = compile_pattern(r"(?:<tool_call>\s*)?<function=(?P<name>[^>\n]+)>")
+_PARAM = compile_pattern(r"\s*<parameter=(?P<name>[^>\n]+)>")
+_FUNC_END = compile_pattern(r"\s*</function>")
+_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
+
+
+class Qwen3CoderToolParser(ToolParser):
+    """``<function=NAME><parameter=KEY>value</parameter></function>`` (Qwen3-Coder)."""
+
+    name = "qwen3_coder"
+    _OPEN = ("<tool_call>", "<function=")
+    _CONTENT, _HEADER, _PARAMS, _VALUE = range(4)
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._state = self._CONTENT
+        self._buf = ""
+        self._ws = ""
+        self._after_call = False
+        self._index = 0
+        self._fn = ""
+        self._param = ""
+        self._nparams = 0
+
+    def _schema_type(self, param: str) -> Any:
+        for t in self.tools:
+            fn = t.get("function", t) if isinstance(t, dict) else {}
+            if fn.get("name") == self._fn:
+                prop = ((fn.get("parameters") or {}).get("properties") or {}).get(param) or {}
+                return prop.get("type")
+        return None
+
+    def _convert(self, param: str, raw: str) -> Any:
+        value = raw[1:] if raw.startswith("\n") else raw
+        value = value[:-1] if value.endswith("\n") else value
+        kinds = self._schema_type(param)
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        v = value.strip()
+        for kind in kinds:
+            try:
+                if kind == "integer":
+                    return int(v)
+                if kind == "number":
+                    f = float(v)
+                    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+                if kind == "boolean" and v.lower() in ("true", "false"):
+                    return v.lower() == "true"
+                if kind == "null" and v.lower() in ("null", "none"):
+                    return None
+                if kind in ("object", "array"):
+                    return json.loads(v)
+            except ValueError:
+                continue
+        return value
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        self._buf += text
+        out: list[ParseEvent] = []
+        while self._step(out):
+            pass
+        return out
+
+    def _args(self, text: str) -> ParseEvent:
+        return ParseEvent("tool_call", text, self._index)
+
+    def _step(self, out: list[ParseEvent]) -> bool:
+        s, buf = self._state, self._buf
+        if s == self._CONTENT:
+            return self._content(out)
+        if s == self._HEADER:
+            m = _HEADER.match(buf, partial=True)
+            if m is not None and m.partial:
+                return False
+            if m is None:
+                tag = next(t for t in self._OPEN if buf.startswith(t))
+                out += text_event("content", self._ws + tag)
+                self._ws, self._buf, self._state = "", buf[len(tag):], self._CONTENT
+                return True
+            self._fn, self._nparams = m["name"].strip(), 0
+            out.append(ParseEvent("tool_call", "", self._index, self._fn))
+            self._ws, self._buf, self._state = "", buf[m.end():], self._PARAMS
+            return True
+        if s == self._PARAMS:
+            m = _FUNC_END.match(buf, partial=True)
+            if m is not None and not m.partial:
+                out.append(self._args("}" if self._nparams else "{}"))
+                self._buf = buf[m.end():]
+                self._end_call(after=True)
+                return True
+            p = _PARAM.match(buf, partial=True)
+            if p is not None and not p.partial:
+                self._param, self._buf, self._state = p["name"].strip(), buf[p.end():], self._VALUE
+                return True
+            if (m is not None and m.partial) or (p is not None and p.partial):
+                return False
+            # Neither a parameter nor the end of the function: close the call, the rest is text.
+            out.append(self._args("}" if self._nparams else "{}"))
+            self._end_call(after=False)
+            return True
+        # _VALUE
+        i, tag = find_first(buf, _VALUE_ENDS)
+        if i < 0:
+            return False
+        value = self._convert(self._param, buf[:i])
+        key = json.dumps(self._param, ensure_ascii=False)
+        sep = ", " if self._nparams else "{"
+        out.append(self._args(f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}"))
+        self._nparams += 1
+        self._buf = buf[i + len(tag):] if tag == "</parameter>" else buf[i:]
+        self._state = self._PARAMS
+        return True
+
+    def _end_call(self, after: bool) -> None:
+        self._index += 1
+        self._state = self._CONTENT
+        self._after_call = after
+
+    def _content(self, out: list[ParseEvent]) -> bool:
+        buf = self._buf
+        if self._after_call:
+            stripped = buf.lstrip()
+            if stripped.startswith("</tool_call>"):
+                self._buf = stripped[len("</tool_call>"):]
+                return True
+            if not stripped or "</tool_call>".startswith(stripped):
+                return False
+            buf = stripped
+            self._after_call = False
+        i, _ = find_first(buf, self._OPEN)
+        if i >= 0:
+            before = self._ws + buf[:i]
+            text = before.rstrip()
+            out += text_event("content", text)
+            self._ws, self._buf, self._state = before[len(text):], buf[i:], self._HEADER
+            return True
+        hold = partial_suffix(buf, self._OPEN)
+        body = self._ws + buf[: len(buf) - hold]
+        text = body.rstrip()
+        out += text_event("content", text)
+        self._ws, self._buf = body[len(text):], buf[len(buf) - hold:]
+        return False
+
+    def finish(self) -> list[ParseEvent]:
+        out: list[ParseEvent] = []
+        s, buf = self._state, self._buf
+        if s == self._CONTENT:
+            out += text_event("content", buf.strip() if self._after_call else self._ws + buf)
+        elif s == self._HEADER:
+            out += text_event("content", self._ws + buf)
+        elif s == self._VALUE:  # cut inside a value: keep it (as OpenAI keeps partial arguments)
+            value = self._convert(self._param, buf)
+            key = json.dumps(self._param, ensure_ascii=False)
+            sep = ", " if self._nparams else "{"
+            out.append(self._args(f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}}}"))
+        elif s == self._PARAMS:
+            out.append(self._args("}" if self._nparams else "{}"))
+        self._state, self._buf, self._ws = self._CONTENT, "", ""
+        return out
