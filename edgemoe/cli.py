@@ -49,13 +49,15 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine options (defaults ``None``: :class:`EngineConfig`'s defaults apply)."""
-    from edgemoe.config import EXPERT_POLICIES
+    from edgemoe.config import CPU_EXECUTORS, EXPERT_POLICIES
 
     g = parser.add_argument_group("engine options")
     for flag, dest, typ, help_ in _ENGINE_ARGS:
         g.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     g.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=None, help="how decode-step expert misses are served")
     g.add_argument("--load-format", choices=("auto", "dummy"), default=None, help="dummy = random weights from config.json")
+    g.add_argument("--cpu-executor", choices=CPU_EXECUTORS, default=None,
+                   help="CPU expert executor: auto (native C++ kernels when they build), native, torch")
     g.add_argument("--no-verify-weights", dest="verify_weights", action="store_false", default=None,
                    help="skip FTW bank checksums while loading")
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
@@ -73,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace):
     kw["expert_policy"] = args.expert_policy
     kw["load_format"] = args.load_format
     kw["verify_weights"] = args.verify_weights
+    kw["cpu_executor"] = args.cpu_executor
     try:
         return EngineConfig.from_kwargs(**kw)
     except (TypeError, ValueError) as exc:

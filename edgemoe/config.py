@@ -178,6 +178,7 @@ class ModelConfig:
 
 
 EXPERT_POLICIES = ("qstar", "fill-all", "cpu-all", "static")
+CPU_EXECUTORS = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,12 @@ class EngineConfig:
         expert_cache_gb: expert-cache budget in GB (1e9 bytes).
         expert_policy: how decode-step misses are served: ``qstar`` (DESIGN.md §2), ``fill-all``,
             ``cpu-all`` or ``static``.
-        cpu_threads: threads of the CPU expert executor (``None`` = torch's default).
+        cpu_threads: threads of the CPU expert executor (``None``: one per physical core for the
+            native executor, torch's default for the torch one). When set, torch's intra-op threads
+            follow it too.
+        cpu_executor: CPU expert executor: ``"auto"`` (the native C++ kernels where they build and
+            support the weight dtype, else torch ops, with a one-line warning), ``"native"`` (the
+            same), or ``"torch"`` (torch ops). See ``edgemoe/experts/native.py``.
         bandwidth_pcie_gbps / bandwidth_cpu_gbps: B_P and B_H overrides in GB/s; otherwise read from
             ``profile_path`` or measured quickly at start-up.
         max_num_seqs: requests decoded together (continuous batching).
@@ -211,6 +217,7 @@ class EngineConfig:
     expert_cache_gb: float | None = None
     expert_policy: str = "qstar"
     cpu_threads: int | None = None
+    cpu_executor: str = "auto"
     bandwidth_pcie_gbps: float | None = None
     bandwidth_cpu_gbps: float | None = None
     profile_path: str | None = None
@@ -226,6 +233,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.expert_policy not in EXPERT_POLICIES:
             raise ValueError(f"expert_policy {self.expert_policy!r}: choose one of {EXPERT_POLICIES}")
+        if self.cpu_executor not in CPU_EXECUTORS:
+            raise ValueError(f"cpu_executor {self.cpu_executor!r}: choose one of {CPU_EXECUTORS}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r}: choose 'auto' or 'dummy'")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:

@@ -19,7 +19,7 @@ from edgemoe.config import EngineConfig, ModelConfig, parse_dtype
 from edgemoe.core import ForwardBatch, Phase, SeqSlice
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import TorchCpuExecutor
+from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import make_policy
 from edgemoe.experts.pool import HostExpertPool
@@ -115,7 +115,7 @@ class ModelRunner:
         for attn in attn_layers:
             attn.kv = self.kv
 
-        self.cpu_executor = TorchCpuExecutor(self.pool, config.cpu_threads)
+        self.cpu_executor = make_cpu_executor(self.pool, config.cpu_threads, config.cpu_executor)
         self.cache = None
         self.bandwidths = None
         if self.pin_outcome.fallback:  # pinning refused: pageable pool, every expert on the CPU
@@ -275,7 +275,7 @@ class ModelRunner:
         lines = [
             f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU threads {self.cpu_executor.threads}",
+            f"  device       {dev}; CPU executor {self.cpu_executor.name}, {self.cpu_executor.threads} threads",
             f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
             f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if self.pinned else 'pageable'}"
             f"{': pinning refused, so policy cpu-all without expert cache' if self.pin_outcome.fallback else ''})",

@@ -3,8 +3,10 @@
 - **B_P**: host→device copy bandwidth of whole expert rows (both banks) from the pool's memory
   (pinned when CUDA is present) into device slots. On a CPU-only machine the "device cache" is a
   second host buffer, so B_P is a memory copy and is reported as not applying to PCIe.
-- **B_H**: bytes of expert weights the CPU executor consumes per second computing one token per expert
-  (batch-1 decode), weights rotating over far more than the last-level cache so they come from DRAM.
+- **B_H**: bytes of expert weights the CPU executor *in use* (native kernels where they build, else
+  torch ops: ``make_cpu_executor``) consumes per second computing one token per expert (batch-1
+  decode) through its ``run`` call, weights rotating over far more than the last-level cache so they
+  come from DRAM (``edgemoe profile``: >= 2 GB, > 6x the H200 host's 300 MiB L3).
 - **Concurrent**: both at once (they contend for DRAM, DESIGN.md §9). The policy then uses
   ``B_P := B_P,conc`` and ``B_H := B_P,conc + B_H,conc`` (the DRAM throughput both branches reach
   together), for which the q* closed form ``m·B_P/B_H`` is exactly the split that equalizes the two
@@ -16,6 +18,7 @@ All bandwidths are GB/s (1e9 bytes per second).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import threading
@@ -25,9 +28,11 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.policy import Bandwidths, QStarPolicy
 from edgemoe.experts.pool import HostExpertPool
+
+log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
@@ -87,19 +92,43 @@ def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, sto
             return moved / dt / 1e9
 
 
-def measure_cpu(pool: HostExpertPool, executor: TorchCpuExecutor | None, seconds: float,
-                stop: threading.Event | None = None) -> float:
-    """B_H in GB/s: one token through rotating experts with the CPU executor's math."""
-    x = torch.randn(1, pool.hidden).to(pool.dtype)
+def _executor_for(pool: HostExpertPool, executor, kind: str = "auto", threads: int | None = None):
+    """``executor`` bound to ``pool`` (sharing its threads), or a new one of ``kind`` when ``None``."""
+    if executor is None:
+        return make_cpu_executor(pool, threads, kind)
+    return executor if executor.pool is pool else executor.with_pool(pool)
+
+
+def measure_cpu(pool: HostExpertPool, executor, seconds: float, stop: threading.Event | None = None,
+                tokens: int = 1, experts_per_call: int = 1) -> float:
+    """B_H in GB/s: weight bytes per second the CPU executor reads computing rotating experts.
+
+    Args:
+        pool: experts to rotate over (in random order; make it far larger than the L3).
+        executor: a CPU executor (``run(x, work, out)``); ``None`` builds the default one
+            (``make_cpu_executor``, native where available). One bound to another pool is rebound.
+        seconds: measuring time (at least; a call in flight finishes).
+        stop: ends the measurement early when set (concurrent measurements).
+        tokens: tokens routed to every expert (1 = batch-1 decode).
+        experts_per_call: experts per ``run`` call (1: the per-call overhead is charged to each expert).
+
+    Returns:
+        GB/s (1e9 bytes of expert weights, both banks, per second).
+    """
+    executor = _executor_for(pool, executor)
+    x = torch.randn(tokens, pool.hidden)  # [T, H] float32, as the hybrid path hands it over
+    out = torch.zeros(tokens, pool.hidden)  # [T, H]
+    tok = torch.arange(tokens)
+    wt = torch.full((tokens,), 1.0 / 8)
     order = torch.randperm(pool.num_ids).tolist()
     moved, i = 0, 0
     t0 = time.perf_counter()
     while True:
         for _ in range(8):
-            fid = order[i % len(order)]
-            swiglu_expert(x, pool.w13[fid], pool.w2[fid])
-            moved += pool.row_bytes
-            i += 1
+            work = [(order[(i + j) % len(order)], tok, wt) for j in range(experts_per_call)]
+            executor.run(x, work, out)
+            moved += pool.row_bytes * experts_per_call
+            i += experts_per_call
         dt = time.perf_counter() - t0
         if dt >= seconds or (stop is not None and stop.is_set()):
             return moved / dt / 1e9
@@ -116,10 +145,17 @@ def measure_concurrent(pool: HostExpertPool, device: torch.device, executor, sec
 
 
 def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
-            executor: TorchCpuExecutor | None, seconds: float, rotate_bytes: int) -> dict:
-    """Isolated and concurrent B_P/B_H for this expert shape. Returns the profile dict (see module doc)."""
+            executor, seconds: float, rotate_bytes: int, executor_kind: str = "auto",
+            threads: int | None = None) -> dict:
+    """Isolated and concurrent B_P/B_H for this expert shape. Returns the profile dict (see module doc).
+
+    ``executor``: the CPU executor whose B_H is measured (rebound to the rotation pool, sharing its
+    threads); ``None`` builds one with ``make_cpu_executor(rot, threads, executor_kind)``. The
+    profile records its ``name`` and ``threads``.
+    """
     device = torch.device(device)
     rot = _rotation_pool(pool, hidden, intermediate, dtype, rotate_bytes, pin=device.type == "cuda")
+    executor = _executor_for(rot, executor, executor_kind, threads)
     measure_copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context
     measure_cpu(rot, executor, 0.05)
     bp = measure_copy(rot, device, seconds)
@@ -130,7 +166,8 @@ def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: 
         "version": PROFILE_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_threads": torch.get_num_threads(), "gpu": gpu},
+                    "cpu_threads": executor.threads, "gpu": gpu},
+        "cpu_executor": executor.name,
         "device": device.type,
         "expert": {"hidden": hidden, "intermediate": intermediate, "dtype": str(dtype).replace("torch.", ""),
                    "row_bytes": rot.row_bytes, "rotated_bytes": rot.nbytes},
@@ -150,10 +187,14 @@ def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
     return Bandwidths(iso["b_p_gbps"], iso["b_h_gbps"], f"{source} (isolated pair)")
 
 
-def resolve_bandwidths(config, pool: HostExpertPool, cache, executor: TorchCpuExecutor) -> Bandwidths:
+def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwidths:
     """B_P/B_H for the engine: command line, else a matching saved profile, else a quick measurement.
 
-    Nothing is measured when no policy needs it (no expert cache, or a policy other than ``qstar``).
+    A saved profile matches when its version, expert shape and device match and it was measured with
+    the CPU executor in use, on as many threads (``executor.name``/``threads``; B_H of the torch
+    executor says little about the native one). An explicit ``profile_path`` measured otherwise is
+    still used, with a warning. Nothing is measured when no policy needs it (no expert cache, or a
+    policy other than ``qstar``).
     """
     if config.bandwidth_pcie_gbps and config.bandwidth_cpu_gbps:
         return Bandwidths(config.bandwidth_pcie_gbps, config.bandwidth_cpu_gbps, "command line")
@@ -164,7 +205,15 @@ def resolve_bandwidths(config, pool: HostExpertPool, cache, executor: TorchCpuEx
         exp = prof.get("expert", {})
         if (prof.get("version") == PROFILE_VERSION and exp.get("hidden") == pool.hidden
                 and exp.get("intermediate") == pool.intermediate and prof.get("device") == cache.device.type):
-            return bandwidths_from_profile(prof, f"profile {path}")
+            # profiles written before the native executor existed were measured with torch ops
+            measured_with = (prof.get("cpu_executor", "torch"), prof.get("machine", {}).get("cpu_threads"))
+            if measured_with == (executor.name, executor.threads):
+                return bandwidths_from_profile(prof, f"profile {path}")
+            if config.profile_path:
+                log.warning("%s: B_H was measured with the %s CPU executor on %s threads, the engine runs %s on %s; "
+                            "re-run `edgemoe profile` for a matching B_H", path, *measured_with, executor.name,
+                            executor.threads)
+                return bandwidths_from_profile(prof, f"profile {path} ({measured_with[0]}, {measured_with[1]} threads)")
         if config.profile_path:
             raise ValueError(f"{path}: profile is for another expert shape/device ({exp}, {prof.get('device')})")
     if config.expert_policy != "qstar" or cache.num_slots == 0:
@@ -186,7 +235,8 @@ def run_profile(model_dir: str | Path, config, out_path: str | Path | None = Non
     device = config.resolved_device()
     if config.cpu_threads:
         torch.set_num_threads(int(config.cpu_threads))
-    prof = measure(None, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, None, seconds, ROTATE_BYTES_PROFILE)
+    prof = measure(None, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, None, seconds, ROTATE_BYTES_PROFILE,
+                   executor_kind=getattr(config, "cpu_executor", "auto"), threads=config.cpu_threads)
     path = Path(out_path) if out_path else default_profile_path(cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof, indent=2))
@@ -201,7 +251,8 @@ def format_profile(prof: dict) -> str:
     note = "" if prof.get("pcie_applies") else "  (CPU-only machine: B_P is a host memory copy; PCIe does not apply)"
     lines = [
         f"expert shape H={e['hidden']} I={e['intermediate']} {e['dtype']}: {e['row_bytes'] / 1e6:.2f} MB per expert, "
-        f"rotating over {e['rotated_bytes'] / 1e9:.2f} GB; device {prof['device']}; {prof['machine']['cpu_threads']} CPU threads",
+        f"rotating over {e['rotated_bytes'] / 1e9:.2f} GB; device {prof['device']}; "
+        f"CPU executor {prof.get('cpu_executor', 'torch')}, {prof['machine']['cpu_threads']} threads",
         f"isolated    B_P {iso['b_p_gbps']:7.2f} GB/s   B_H {iso['b_h_gbps']:7.2f} GB/s{note}",
         f"concurrent  B_P {conc['b_p_gbps']:7.2f} GB/s   B_H {conc['b_h_gbps']:7.2f} GB/s",
     ]

@@ -1,0 +1,105 @@
+// Python binding of the native CPU expert executor (pybind11 only, no torch headers: the module
+// compiles in seconds). Tensors cross as raw addresses; edgemoe/experts/native.py owns every check
+// of dtype, shape, device and contiguity and keeps the tensors alive for the duration of a call.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "executor.h"
+#include "kernels.h"
+
+namespace py = pybind11;
+using namespace edgemoe;
+
+namespace {
+
+template <class T>
+T* ptr(uintptr_t a) {
+  return reinterpret_cast<T*>(a);
+}
+
+// Allocates an edgemoe_step over registered buffers; freed by step_destroy.
+uintptr_t step_create(Executor& ex, uintptr_t w13, uintptr_t w2, int64_t num_ids, int64_t hidden, int64_t inter,
+                      int32_t weight_fmt, int32_t x_fmt, uintptr_t x, uintptr_t out, uintptr_t dims, uintptr_t fids,
+                      uintptr_t offsets, uintptr_t tok, uintptr_t wt, int64_t max_tokens, int64_t max_experts,
+                      int64_t max_routes, bool zero_out) {
+  auto* s = new edgemoe_step{};
+  s->executor = &ex;
+  s->w13 = ptr<const void>(w13);
+  s->w2 = ptr<const void>(w2);
+  s->num_ids = num_ids;
+  s->hidden = hidden;
+  s->inter = inter;
+  s->weight_fmt = weight_fmt;
+  s->x_fmt = x_fmt;
+  s->x = ptr<const void>(x);
+  s->out = ptr<float>(out);
+  s->dims = ptr<const int64_t>(dims);
+  s->fids = ptr<const int64_t>(fids);
+  s->offsets = ptr<const int64_t>(offsets);
+  s->tok = ptr<const int64_t>(tok);
+  s->wt = ptr<const float>(wt);
+  s->max_tokens = max_tokens;
+  s->max_experts = max_experts;
+  s->max_routes = max_routes;
+  s->zero_out = zero_out ? 1 : 0;
+  return reinterpret_cast<uintptr_t>(s);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "edgemoe native CPU expert kernels (see edgemoe/experts/native.py)";
+
+  m.def("cpu_features", &detect_cpu_features, "CPU feature bitmask (cpuid + xgetbv)");
+  m.def(
+      "select_isa", [](uint32_t features, int cap, int fmt) { return select_isa(features, cap, static_cast<WeightFormat>(fmt)); },
+      py::arg("features"), py::arg("cap"), py::arg("fmt"),
+      "ISA level chosen for a feature bitmask, a cap (-1: none) and a weight format (-1: no kernel)");
+  m.def("isa_name", [](int level) { return std::string(isa_name(static_cast<Isa>(level))); });
+  m.def("feature_bits", [] {
+    return py::dict(py::arg("avx2") = uint32_t(kFeatAvx2), py::arg("fma") = uint32_t(kFeatFma),
+                    py::arg("avx512f") = uint32_t(kFeatAvx512F), py::arg("avx512bw") = uint32_t(kFeatAvx512BW),
+                    py::arg("avx512vl") = uint32_t(kFeatAvx512VL), py::arg("avx512_bf16") = uint32_t(kFeatAvx512Bf16),
+                    py::arg("amx_bf16") = uint32_t(kFeatAmxBf16), py::arg("f16c") = uint32_t(kFeatF16C),
+                    py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16));
+  });
+
+  py::class_<Executor>(m, "Executor")
+      .def(py::init<int, const std::vector<int>&, int, int, int64_t>(), py::arg("threads"), py::arg("cpus"),
+           py::arg("isa_cap"), py::arg("spin_us"), py::arg("min_parallel_bytes"))
+      .def_property_readonly("threads", &Executor::threads)
+      .def_property_readonly("pinned", &Executor::pinned)
+      .def("isa_for", [](const Executor& e, int fmt) { return e.isa_for(static_cast<WeightFormat>(fmt)); })
+      .def_property_readonly("address", [](Executor& e) { return reinterpret_cast<uintptr_t>(&e); })
+      .def(
+          "run",
+          [](Executor& e, uintptr_t w13, uintptr_t w2, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
+             uintptr_t x, int32_t x_fmt, int64_t T, uintptr_t out, const std::vector<int64_t>& fids,
+             const std::vector<int64_t>& offsets, uintptr_t tok, uintptr_t wt) {
+            if (offsets.size() != fids.size() + 1) return static_cast<int32_t>(kBadOffsets);
+            const ExpertBanks b{ptr<const void>(w13), ptr<const void>(w2), num_ids, hidden, inter,
+                                static_cast<WeightFormat>(fmt)};
+            const StepArgs s{ptr<const void>(x), x_fmt, T, ptr<float>(out), static_cast<int64_t>(fids.size()),
+                             fids.data(), offsets.data(), ptr<const int64_t>(tok), ptr<const float>(wt), 0};
+            py::gil_scoped_release nogil;  // the whole step runs without the GIL
+            return e.run(b, s);
+          },
+          "One step; returns an edgemoe Status code (0 = ok)")
+      .def(
+          "sum_f32",
+          [](Executor& e, uintptr_t p, int64_t n) {
+            py::gil_scoped_release nogil;
+            return e.sum_f32(ptr<const float>(p), n);
+          },
+          "Parallel sum of n float32 at address p (read-bandwidth test)");
+
+  m.def("step_create", &step_create, "Allocate an edgemoe_step over registered buffers; returns its address");
+  m.def("step_destroy", [](uintptr_t s) { delete ptr<edgemoe_step>(s); });
+  m.def("step_status", [](uintptr_t s) { return ptr<edgemoe_step>(s)->status; });
+  m.def("step_calls", [](uintptr_t s) { return ptr<edgemoe_step>(s)->calls; });
+  m.def("run_step_address", [] { return reinterpret_cast<uintptr_t>(&edgemoe_run_step); },
+        "Address of the C entry point void edgemoe_run_step(void* step) (cudaLaunchHostFunc-compatible)");
+}

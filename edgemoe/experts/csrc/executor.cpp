@@ -1,0 +1,436 @@
+// Thread pool and step orchestration of the native CPU expert executor (see executor.h).
+// Baseline code: the ISA-specific work happens only inside the kernels it calls through KernelSet.
+#include "executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <system_error>
+
+#include <unistd.h>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+namespace edgemoe {
+
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Spin on `done()` with pause for a short while, then keep polling but yield the core between
+// polls: barrier and completion waits are short when every thread has its own core, and must not
+// starve a descheduled peer when the machine is oversubscribed.
+template <class Pred>
+inline void spin_until(Pred done) {
+  for (int i = 0; i < 4096; ++i) {
+    if (done()) return;
+    cpu_relax();
+  }
+  while (!done()) std::this_thread::yield();
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+size_t elem_size(WeightFormat fmt) { return fmt == WeightFormat::F32 ? 4 : 2; }
+
+}  // namespace
+
+// ============================================================================ ThreadPool
+ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus, int spin_us)
+    : n_(std::max(1, threads)), spin_us_(std::max(0, spin_us)), owner_pid_(static_cast<long>(getpid())),
+      pinned_(n_, -1) {
+  threads_.reserve(n_ - 1);
+  for (int tid = 1; tid < n_; ++tid) {
+    const int cpu = tid < static_cast<int>(cpus.size()) ? cpus[tid] : -1;
+    try {
+      threads_.emplace_back(&ThreadPool::worker, this, tid, cpu);
+    } catch (const std::system_error&) {  // out of threads: run with those we have
+      n_ = tid;
+      pinned_.resize(n_);
+      break;
+    }
+  }
+  spin_until([&] { return started_.load(std::memory_order_acquire) == n_ - 1; });  // pinned_ is final
+}
+
+ThreadPool::~ThreadPool() {
+  if (!usable()) {  // forked child: the std::thread handles belong to the parent's threads; leak them
+    new std::vector<std::thread>(std::move(threads_));
+    return;
+  }
+  stop_.store(true, std::memory_order_release);
+  gen_.fetch_add(1, std::memory_order_seq_cst);
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    cv_.notify_all();
+  }
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::worker(int tid, int cpu) {
+#if defined(__linux__)
+  if (cpu >= 0 && cpu < CPU_SETSIZE) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) pinned_[tid] = cpu;  // refusal: unpinned
+  }
+#else
+  (void)cpu;
+#endif
+  started_.fetch_add(1, std::memory_order_release);
+  uint64_t seen = 0;
+  for (;;) {
+    seen = wait_for_job(seen);
+    if (stop_.load(std::memory_order_acquire)) return;
+    fn_(ctx_, tid);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+// Spin (pause) until the job generation moves or spin_us elapse, then sleep on the condition
+// variable. Lost wake-ups are impossible: a sleeper increments sleepers_ and re-checks gen_ under
+// the mutex (both seq_cst), and run() bumps gen_ before it reads sleepers_ (Dekker pattern), so
+// either the sleeper sees the new generation or run() sees the sleeper and notifies under the mutex.
+uint64_t ThreadPool::wait_for_job(uint64_t seen) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  for (uint32_t i = 1;; ++i) {
+    const uint64_t g = gen_.load(std::memory_order_acquire);
+    if (g != seen) return g;
+    cpu_relax();
+    if ((i & 127) == 0 &&
+        std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count() >= spin_us_)
+      break;
+  }
+  std::unique_lock<std::mutex> lk(m_);
+  sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  cv_.wait(lk, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
+  sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  return gen_.load(std::memory_order_acquire);
+}
+
+bool ThreadPool::usable() const { return static_cast<long>(getpid()) == owner_pid_; }
+
+void ThreadPool::run(void (*fn)(void*, int), void* ctx) {
+  if (n_ == 1) {
+    fn(ctx, 0);
+    return;
+  }
+  fn_ = fn;
+  ctx_ = ctx;
+  done_.store(0, std::memory_order_relaxed);
+  gen_.fetch_add(1, std::memory_order_seq_cst);  // publishes fn_, ctx_, done_ (release)
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lk(m_);
+    cv_.notify_all();
+  }
+  fn(ctx, 0);
+  spin_until([&] { return done_.load(std::memory_order_acquire) == n_ - 1; });
+}
+
+// Sense-free generation barrier: the last arrival resets the count, then bumps the generation.
+void ThreadPool::barrier() {
+  if (n_ == 1) return;
+  const uint32_t g = bar_gen_.load(std::memory_order_acquire);
+  if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == static_cast<uint32_t>(n_ - 1)) {
+    bar_count_.store(0, std::memory_order_relaxed);
+    bar_gen_.fetch_add(1, std::memory_order_release);
+  } else {
+    spin_until([&] { return bar_gen_.load(std::memory_order_acquire) != g; });
+  }
+}
+
+// ============================================================================ Executor
+struct Executor::Job {
+  Executor* self;
+  ExpertBanks b;
+  StepArgs s;
+  GemvFn gemv;
+  ActFormat act;
+  bool serial;              // run on the caller alone (no barrier)
+  int64_t H, I;
+  size_t wsize;             // bytes per weight element
+  int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
+  int64_t c2, n2;           // phase 2: output rows per chunk, chunks
+  const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
+  const void* const* aptr;  // [R] SiLU·up row of each route (phase 2 input)
+  float* act_f32;           // [R, I] when act == F32
+  uint16_t* act_bf16;       // [R, I] when act == BF16
+  bool round_act;           // F32 activations of bf16 weights are rounded to bf16 values
+  alignas(64) std::atomic<int64_t> next1{0};
+  alignas(64) std::atomic<int64_t> next2{0};
+};
+
+Executor::Executor(int threads, const std::vector<int>& cpus, int isa_cap, int spin_us,
+                   int64_t min_parallel_bytes)
+    : pool_(threads, cpus, spin_us), min_parallel_bytes_(std::max<int64_t>(0, min_parallel_bytes)) {
+  const uint32_t feats = detect_cpu_features();
+  for (int f = 0; f < kNumFormats; ++f) isa_[f] = select_isa(feats, isa_cap, static_cast<WeightFormat>(f));
+  scratch_.resize(pool_.size());
+  partial_.resize(pool_.size());
+}
+
+int Executor::isa_for(WeightFormat fmt) const {
+  const int f = static_cast<int>(fmt);
+  return (f >= 0 && f < kNumFormats) ? isa_[f] : -1;
+}
+
+int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
+  // ---- validation (nothing is written before it passes)
+  const int f = static_cast<int>(b.fmt);
+  if (f < 0 || f >= kNumFormats || s.T < 0 || s.n_experts < 0 || (s.x_fmt != 0 && s.x_fmt != 1)) return kBadArgs;
+  if (s.n_experts > 0 && (!s.fids || !s.offsets)) return kBadArgs;
+  if (s.n_experts == 0 || s.offsets[s.n_experts] == 0) {
+    if (s.zero_out && s.T > 0 && b.hidden > 0) {
+      if (!s.out) return kBadArgs;
+      std::memset(s.out, 0, sizeof(float) * s.T * b.hidden);
+    }
+    return kOk;
+  }
+  if (!b.w13 || !b.w2 || b.hidden <= 0 || b.inter <= 0 || !s.x || !s.out || !s.tok || !s.wt) return kBadArgs;
+  if (s.offsets[0] != 0) return kBadOffsets;
+  for (int64_t e = 0; e < s.n_experts; ++e) {
+    if (s.offsets[e + 1] < s.offsets[e]) return kBadOffsets;
+    if (s.fids[e] < 0 || s.fids[e] >= b.num_ids) return kBadExpert;
+  }
+  const int64_t R = s.offsets[s.n_experts];
+  for (int64_t r = 0; r < R; ++r)
+    if (s.tok[r] < 0 || s.tok[r] >= s.T) return kBadToken;
+  const int level = isa_[f];
+  if (level < 0) return kNoKernel;
+  const KernelSet& ks = kernels_for(static_cast<Isa>(level)).by_format[f];
+  if (!ks.gemv) return kNoKernel;
+
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  const int64_t T = s.T, H = b.hidden, I = b.inter;
+  if (s.zero_out) std::memset(s.out, 0, sizeof(float) * T * H);
+
+  // ---- activations: x in the kernel's operand format. bf16 weights compute with bf16-rounded x
+  // (as the torch path: x.to(bfloat16)); float32 weights use x as given.
+  const bool bf16_w = b.fmt == WeightFormat::BF16;
+  const void* xa = nullptr;
+  size_t asize;
+  if (ks.act == ActFormat::BF16) {
+    asize = 2;
+    if (s.x_fmt == 1) {
+      xa = s.x;
+    } else {
+      x_bf16_.resize(T * H);
+      const float* x = static_cast<const float*>(s.x);
+      for (int64_t i = 0; i < T * H; ++i) x_bf16_[i] = f32_to_bf16(x[i]);
+      xa = x_bf16_.data();
+    }
+  } else {
+    asize = 4;
+    if (s.x_fmt == 0 && !bf16_w) {
+      xa = s.x;
+    } else {
+      x_f32_.resize(T * H);
+      if (s.x_fmt == 1) {
+        const uint16_t* x = static_cast<const uint16_t*>(s.x);
+        for (int64_t i = 0; i < T * H; ++i) x_f32_[i] = bf16_to_f32(x[i]);
+      } else {
+        const float* x = static_cast<const float*>(s.x);
+        for (int64_t i = 0; i < T * H; ++i) x_f32_[i] = bf16_to_f32(f32_to_bf16(x[i]));
+      }
+      xa = x_f32_.data();
+    }
+  }
+  uint8_t* abase;
+  if (ks.act == ActFormat::BF16) {
+    act_bf16_.resize(R * I);
+    abase = reinterpret_cast<uint8_t*>(act_bf16_.data());
+  } else {
+    act_f32_.resize(R * I);
+    abase = reinterpret_cast<uint8_t*>(act_f32_.data());
+  }
+  xptr_.resize(R);
+  aptr_.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    xptr_[r] = static_cast<const uint8_t*>(xa) + s.tok[r] * H * asize;
+    aptr_[r] = abase + r * I * asize;
+  }
+
+  // ---- work split
+  int64_t nmax = 0, active = 0;
+  for (int64_t e = 0; e < s.n_experts; ++e) {
+    const int64_t n = s.offsets[e + 1] - s.offsets[e];
+    nmax = std::max(nmax, n);
+    active += n > 0;
+  }
+  const int p = pool_.size();
+  const int64_t bytes = active * 3 * H * I * static_cast<int64_t>(elem_size(b.fmt));
+  Job J;
+  J.self = this;
+  J.b = b;
+  J.s = s;
+  J.gemv = ks.gemv;
+  J.act = ks.act;
+  J.serial = p == 1 || bytes < min_parallel_bytes_ || !pool_.usable();
+  J.H = H;
+  J.I = I;
+  J.wsize = elem_size(b.fmt);
+  // ~4 chunks per thread per phase (dynamic balance), at least 16 rows (64 KiB of bf16 weights at
+  // H = 2048) so a chunk is a long sequential stream; whole rows of 16 keep chunk edges on lines.
+  const int64_t want = J.serial ? 1 : 4 * static_cast<int64_t>(p);
+  J.c1 = std::min(I, std::max<int64_t>(16, round_up(ceil_div(s.n_experts * I, want), 16)));
+  J.per_e1 = ceil_div(I, J.c1);
+  J.n1 = s.n_experts * J.per_e1;
+  J.c2 = std::min(H, std::max<int64_t>(16, round_up(ceil_div(H, want), 16)));
+  J.n2 = ceil_div(H, J.c2);
+  J.xptr = xptr_.data();
+  J.aptr = aptr_.data();
+  J.act_f32 = act_f32_.data();
+  J.act_bf16 = act_bf16_.data();
+  J.round_act = bf16_w && ks.act == ActFormat::F32;
+  const size_t need = static_cast<size_t>(nmax * std::max(2 * J.c1, J.c2));
+  for (auto& v : scratch_)
+    if (v.size() < need) v.resize(need);
+
+  if (J.serial)
+    step_job(&J, 0);
+  else
+    pool_.run(&Executor::step_job, &J);
+  return kOk;
+}
+
+void Executor::step_job(void* job, int tid) {
+  Job& J = *static_cast<Job*>(job);
+  for (int64_t c; (c = J.next1.fetch_add(1, std::memory_order_relaxed)) < J.n1;) J.self->phase1_chunk(J, c, tid);
+  if (!J.serial) J.self->pool_.barrier();  // every activation of the step is written
+  for (int64_t c; (c = J.next2.fetch_add(1, std::memory_order_relaxed)) < J.n2;) J.self->phase2_chunk(J, c, tid);
+}
+
+// Gate rows [i0, i0 + rows) and up rows [I + i0, ...) of one expert for all its tokens, then
+// a = silu(gate) * up into the step's activation rows.
+void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
+  const int64_t e = c / J.per_e1, i0 = (c % J.per_e1) * J.c1, rows = std::min(J.c1, J.I - i0);
+  const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
+  if (n == 0) return;
+  const int64_t H = J.H, I = J.I;
+  const WeightView w{static_cast<const char*>(J.b.w13) + J.s.fids[e] * 2 * I * H * J.wsize,
+                     static_cast<int64_t>(H * J.wsize), nullptr, 0, 0};
+  float* g = scratch_[tid].data();
+  float* u = g + n * rows;
+  J.gemv(w, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
+  J.gemv(w, I + i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* gj = g + j * rows;
+    const float* uj = u + j * rows;
+    if (J.act == ActFormat::BF16) {
+      uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
+      for (int64_t r = 0; r < rows; ++r) dst[r] = f32_to_bf16(silu(gj[r]) * uj[r]);
+    } else {
+      float* dst = J.act_f32 + (r0 + j) * I + i0;
+      if (J.round_act)
+        for (int64_t r = 0; r < rows; ++r) dst[r] = bf16_to_f32(f32_to_bf16(silu(gj[r]) * uj[r]));
+      else
+        for (int64_t r = 0; r < rows; ++r) dst[r] = silu(gj[r]) * uj[r];
+    }
+  }
+}
+
+// Output rows [o0, o0 + rows) of every expert of the step, in step order, accumulated into out.
+void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
+  const int64_t o0 = c * J.c2, rows = std::min(J.c2, J.H - o0);
+  const int64_t H = J.H, I = J.I;
+  float* y = scratch_[tid].data();
+  for (int64_t e = 0; e < J.s.n_experts; ++e) {
+    const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
+    if (n == 0) continue;
+    const WeightView w{static_cast<const char*>(J.b.w2) + J.s.fids[e] * H * I * J.wsize,
+                       static_cast<int64_t>(I * J.wsize), nullptr, 0, 0};
+    J.gemv(w, o0, rows, I, J.aptr + r0, static_cast<int>(n), y, rows);
+    for (int64_t j = 0; j < n; ++j) {
+      const float wt = J.s.wt[r0 + j];
+      float* o = J.s.out + J.s.tok[r0 + j] * H + o0;
+      const float* yj = y + j * rows;
+      for (int64_t r = 0; r < rows; ++r) o[r] += wt * yj[r];
+    }
+  }
+}
+
+namespace {
+struct SumJob {
+  const float* p;
+  int64_t n, chunk;
+  SumFn fn;
+  double* partial;
+};
+void sum_job(void* ctx, int tid) {
+  SumJob& J = *static_cast<SumJob*>(ctx);
+  const int64_t s = std::min(J.n, tid * J.chunk), e = std::min(J.n, s + J.chunk);
+  J.partial[tid] = e > s ? J.fn(J.p + s, e - s) : 0.0;
+}
+}  // namespace
+
+double Executor::sum_f32(const float* p, int64_t n) {
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  const int level = std::max(0, isa_[static_cast<int>(WeightFormat::F32)]);
+  SumJob J{p, n, round_up(ceil_div(n, pool_.size()), 1024), kernels_for(static_cast<Isa>(level)).by_format[0].sum_f32,
+           partial_.data()};
+  if (pool_.usable()) {
+    pool_.run(&sum_job, &J);
+  } else {
+    for (int t = 0; t < pool_.size(); ++t) sum_job(&J, t);
+  }
+  double s = 0.0;
+  for (int t = 0; t < pool_.size(); ++t) s += partial_[t];
+  return s;
+}
+
+}  // namespace edgemoe
+
+extern "C" void edgemoe_run_step(void* p) {
+  auto* st = static_cast<edgemoe_step*>(p);
+  if (!st) return;
+  try {
+    if (!st->executor || !st->dims || !st->offsets) {
+      st->status = edgemoe::kBadArgs;
+      return;
+    }
+    const int64_t T = st->dims[0], E = st->dims[1];
+    if (T < 0 || E < 0 || T > st->max_tokens || E > st->max_experts ||
+        (E > 0 && (st->offsets[E] < 0 || st->offsets[E] > st->max_routes))) {
+      st->status = edgemoe::kTooLarge;
+      return;
+    }
+    const edgemoe::ExpertBanks b{st->w13, st->w2, st->num_ids, st->hidden, st->inter,
+                                 static_cast<edgemoe::WeightFormat>(st->weight_fmt)};
+    const edgemoe::StepArgs a{st->x, st->x_fmt, T, st->out, E, st->fids, st->offsets, st->tok, st->wt, st->zero_out};
+    st->status = static_cast<edgemoe::Executor*>(st->executor)->run(b, a);
+    st->calls += 1;
+  } catch (...) {
+    st->status = edgemoe::kInternal;
+  }
+}

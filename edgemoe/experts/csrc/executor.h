@@ -1,0 +1,186 @@
+// The native CPU expert executor: a persistent pinned thread pool that computes one decode step's
+// CPU set of routed experts (DESIGN.md §2) straight from the host expert pool.
+//
+// One step runs in two phases over *all* experts of the step, so every core streams weights even
+// when the step has a single expert:
+//   phase 1  chunks = (expert, range of intermediate rows i); a chunk reads gate rows [i0, i1) and up
+//            rows [I + i0, I + i1) of w13 once, for all the expert's tokens, and writes
+//            a[route, i] = silu(gate) * up for that range;
+//   barrier
+//   phase 2  chunks = ranges of output rows o (across every expert of the step); a chunk reads
+//            w2 rows [o0, o1) of each expert in step order and adds weight * y into out[token, o].
+// Chunks are handed out through an atomic counter (threads that finish early take more; robust to
+// a noisy neighbour). Each output element and each activation is computed by exactly one chunk with
+// a fixed operation order, so results do not depend on the thread count or on scheduling.
+//
+// Not torch, not Python: the same object serves the pybind module and the C entry point
+// `edgemoe_run_step` below, which a CUDA-graph host node (cudaLaunchHostFunc) can call.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "kernels.h"
+
+namespace edgemoe {
+
+// Status codes returned by Executor::run and stored in edgemoe_step::status.
+enum Status : int32_t {
+  kOk = 0,
+  kBadToken = 1,     // a token index outside [0, T)
+  kBadExpert = 2,    // a flat expert id outside [0, num_ids)
+  kBadOffsets = 3,   // offsets not starting at 0 / not non-decreasing
+  kBadArgs = 4,      // null pointer, negative size, unknown format
+  kTooLarge = 5,     // registered step: dims exceed the registered capacity
+  kNoKernel = 6,     // no kernel for this weight format on this CPU
+  kInternal = 7,     // allocation failure or another C++ exception (C entry point only)
+};
+
+// The host expert banks: w13 [num_ids, 2I, H] (gate rows then up rows), w2 [num_ids, H, I], dense
+// row-major in `fmt`. Future block-scaled formats add their scale banks here.
+struct ExpertBanks {
+  const void* w13;
+  const void* w2;
+  int64_t num_ids, hidden, inter;
+  WeightFormat fmt;
+};
+
+// One step's CPU work: routes grouped by expert. Expert e = fids[e] is applied to tokens
+// tok[offsets[e] .. offsets[e+1]) with router weights wt[same range]. x: [T, H] in x_fmt (0 float32,
+// 1 bfloat16); out: [T, H] float32, accumulated into (out += sum over routes of weight * expert(x)).
+struct StepArgs {
+  const void* x;
+  int32_t x_fmt;
+  int64_t T;
+  float* out;
+  int64_t n_experts;
+  const int64_t* fids;
+  const int64_t* offsets;
+  const int64_t* tok;
+  const float* wt;
+  int32_t zero_out;  // 1: out[:T] is set to zero (after validation) before accumulating
+};
+
+// Persistent std::thread pool. The calling thread is worker 0 (it computes too and is never pinned:
+// it is a Python or CUDA-driver thread whose affinity is not ours to change); workers 1..n-1 are
+// pinned to cpus[i] when cpus has an entry for them (sched_setaffinity; refusal is ignored).
+// Between jobs workers spin for `spin_us` (catching the next MoE layer's call without a wake-up)
+// and then sleep on a condition variable.
+class ThreadPool {
+ public:
+  ThreadPool(int threads, const std::vector<int>& cpus, int spin_us);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_; }
+  // Runs fn(ctx, tid) for tid in [0, size()) — tid 0 on the caller — and returns when all are done.
+  void run(void (*fn)(void*, int), void* ctx);
+  // All size() threads of the current job meet here (only call from inside a job).
+  void barrier();
+  // CPU each thread was pinned to (-1: not pinned). Entry 0 is always -1 (the caller).
+  const std::vector<int>& pinned() const { return pinned_; }
+  // False in a child process after fork(): the workers did not survive it. Callers then do all the
+  // work on the calling thread (jobs take chunks dynamically, so one thread finishes any job).
+  bool usable() const;
+
+ private:
+  void worker(int tid, int cpu);
+  uint64_t wait_for_job(uint64_t seen);
+
+  int n_;
+  int spin_us_;
+  long owner_pid_;
+  std::vector<std::thread> threads_;
+  std::vector<int> pinned_;
+  void (*fn_)(void*, int) = nullptr;
+  void* ctx_ = nullptr;
+  alignas(64) std::atomic<uint64_t> gen_{0};
+  alignas(64) std::atomic<int> done_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+  alignas(64) std::atomic<uint32_t> bar_count_{0};
+  alignas(64) std::atomic<uint32_t> bar_gen_{0};
+  alignas(64) std::atomic<int> started_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex m_;
+  std::condition_variable cv_;
+};
+
+class Executor {
+ public:
+  // threads >= 1; cpus: CPU ids to pin workers to (index = thread id; see ThreadPool); isa_cap: the
+  // highest ISA level to use (-1 = best available); spin_us: worker spin before sleeping;
+  // min_parallel_bytes: steps reading fewer weight bytes than this run on the caller alone (a
+  // wake-up costs more than it saves).
+  Executor(int threads, const std::vector<int>& cpus, int isa_cap, int spin_us, int64_t min_parallel_bytes);
+
+  // Computes one step (see StepArgs). Thread-safe: concurrent callers are serialized. Returns a
+  // Status; on error nothing has been written to out.
+  int32_t run(const ExpertBanks& banks, const StepArgs& step);
+
+  // Sum of n floats read by all threads (the read-bandwidth test); static split, 4 KiB aligned.
+  double sum_f32(const float* p, int64_t n);
+
+  // ISA level used for `fmt` on this CPU under the cap (-1: none).
+  int isa_for(WeightFormat fmt) const;
+  int threads() const { return pool_.size(); }
+  const std::vector<int>& pinned() const { return pool_.pinned(); }
+
+  // Internal state of one step's job, shared by the pool threads.
+  struct Job;
+
+ private:
+  static void step_job(void* job, int tid);
+  void phase1_chunk(Job& J, int64_t c, int tid);
+  void phase2_chunk(Job& J, int64_t c, int tid);
+
+  ThreadPool pool_;
+  int isa_[kNumFormats];
+  int64_t min_parallel_bytes_;
+  std::mutex run_mutex_;
+  // Buffers reused across steps (grow only; no allocation in steady state).
+  std::vector<uint16_t> x_bf16_, act_bf16_;
+  std::vector<float> x_f32_, act_f32_;
+  std::vector<const void*> xptr_, aptr_;
+  std::vector<std::vector<float>> scratch_;  // per thread: gate, up or y tiles
+  std::vector<double> partial_;
+};
+
+}  // namespace edgemoe
+
+extern "C" {
+
+// A step with pre-registered buffers, for callers that cannot pass arguments (a CUDA-graph host
+// node: cudaLaunchHostFunc(stream, edgemoe_run_step, step)). Everything is registered once; per
+// replay a producer (e.g. a device kernel writing to pinned memory) fills x, dims, fids, offsets,
+// tok and wt, then the host node runs the step. All pointers are host memory. Python allocates it
+// through the binding (step_create) and never depends on the field layout; C callers only pass the
+// pointer back to edgemoe_run_step.
+typedef struct edgemoe_step {
+  void* executor;           // edgemoe::Executor*
+  const void* w13;          // expert banks (see ExpertBanks)
+  const void* w2;
+  int64_t num_ids, hidden, inter;
+  int32_t weight_fmt;       // edgemoe::WeightFormat
+  int32_t x_fmt;            // 0: float32, 1: bfloat16
+  const void* x;            // [max_tokens, H]
+  float* out;               // [max_tokens, H] float32
+  const int64_t* dims;      // [2]: T and n_experts of the current step
+  const int64_t* fids;      // [max_experts]
+  const int64_t* offsets;   // [max_experts + 1]
+  const int64_t* tok;       // [max_routes]
+  const float* wt;          // [max_routes]
+  int64_t max_tokens, max_experts, max_routes;
+  int32_t zero_out;         // 1: out[:T] is zeroed first (a graph replay needs a fresh partial)
+  int32_t status;           // written by each call: an edgemoe::Status
+  int64_t calls;            // completed calls
+} edgemoe_step;
+
+// Runs the step described by `step` (an edgemoe_step*). Never throws; sets step->status.
+void edgemoe_run_step(void* step);
+
+}  // extern "C"

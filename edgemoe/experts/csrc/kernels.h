@@ -1,0 +1,108 @@
+// edgemoe native CPU expert kernels: the kernel interface shared by every ISA and weight format.
+//
+// A routed expert is two GEMVs over weight rows streamed from host DRAM (DESIGN.md §2, §9):
+//   phase 1  h = W13 · x      W13 [2I, H]: gate rows [0, I), up rows [I, 2I)
+//            a = silu(h_gate) * h_up
+//   phase 2  y = W2 · a       W2  [H, I]
+//            out[token] += weight · y
+// For a decode batch (T <= 8 tokens, typically 1-2 tokens per expert) this is bound by the bytes of
+// weights read, not by arithmetic, so every kernel is a *row-block GEMV*: it reads a block of weight
+// rows once and applies each row to all the expert's tokens while it is in registers / L1.
+//
+// Everything here is plain C++ (no torch, no pybind): the same code serves the Python binding and
+// the C entry point `edgemoe_run_step` that a CUDA-graph host node will call (see executor.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace edgemoe {
+
+// Storage format of expert weights. Values are part of the Python ABI (native.py) and of the
+// registered-step struct; never renumber. Reserved entries name the formats the dequant hook is
+// meant for (kernel_impl.h, "Adding a weight format"); they have no kernels yet.
+enum class WeightFormat : int32_t {
+  F32 = 0,            // IEEE float32
+  BF16 = 1,           // bfloat16 (upper half of a float32)
+  F16 = 2,            // reserved: IEEE half (F16C / AVX-512 vcvtph2ps dequant)
+  FP8_E4M3_BLOCK = 3, // reserved: fp8 e4m3 with one float32 scale per 128x128 block (DeepSeek style)
+  MXFP4 = 4,          // reserved: OCP MX fp4 (e2m1), one e8m0 scale per 32 elements (gpt-oss)
+};
+
+// Format of the activation operand a kernel consumes (x for phase 1, a for phase 2).
+// F32 kernels dequantize weights to float32 lanes and FMA; the AVX-512-BF16 kernel feeds
+// `vdpbf16ps`, which needs both operands in bf16.
+enum class ActFormat : int32_t { F32 = 0, BF16 = 1 };
+
+// Instruction-set levels, ordered: a level implies every lower one is usable on the same CPU.
+enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
+constexpr int kNumIsa = 4;
+const char* isa_name(Isa isa);
+
+// CPU feature bits (a bitmask), detected with cpuid + xgetbv (OS support for the register state).
+enum CpuFeature : uint32_t {
+  kFeatAvx2 = 1u << 0,
+  kFeatFma = 1u << 1,
+  kFeatAvx512F = 1u << 2,
+  kFeatAvx512BW = 1u << 3,
+  kFeatAvx512VL = 1u << 4,
+  kFeatAvx512Bf16 = 1u << 5,
+  kFeatAmxBf16 = 1u << 6,   // reported only: AMX tiles do not help a bandwidth-bound GEMV
+  kFeatF16C = 1u << 7,
+  kFeatAvx512Fp16 = 1u << 8, // reported only
+};
+
+// The features of the CPU this process runs on (cached after the first call).
+uint32_t detect_cpu_features();
+
+// The highest ISA level whose requirements `features` meets, capped at `cap`, that has a kernel for
+// `fmt`. Pure function of its arguments (tests call it with fake feature sets):
+//   avx512bf16: avx512f+bw+vl + avx512_bf16 (bf16 weights only; f32 weights use the avx512 kernel)
+//   avx512:     avx512f+bw+vl   (bw/vl: masked 16-bit loads for bf16 tails)
+//   avx2:       avx2 + fma
+//   scalar:     always
+// Returns -1 when `fmt` has no kernel at all (a reserved format).
+int select_isa(uint32_t features, int cap, WeightFormat fmt);
+
+// A bank of weight rows as a kernel sees it. `data` points at row 0; row r starts at
+// data + r * row_stride_bytes. `scales`/`scale_*` are the dequant side data of block-scaled formats
+// (unused by F32/BF16).
+struct WeightView {
+  const void* data;
+  int64_t row_stride_bytes;
+  const void* scales;
+  int64_t scale_row_stride_bytes;
+  int32_t scale_block;
+};
+
+// Row-block GEMV, the one kernel signature every (ISA, format) pair implements:
+//   y[j * ldy + r] = sum_{k < K} W[row0 + r][k] * act[j][k]     for r < nrows, j < n
+// `act[j]` points at token j's activation row (format given by the kernel's ActFormat). Any n >= 1
+// and K >= 1; tails need no padding. Accumulation is float32. Deterministic: the result of one
+// (r, j) never depends on nrows, n, or which thread runs it.
+using GemvFn = void (*)(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act,
+                        int n, float* y, int64_t ldy);
+
+// Parallel-read test kernel: sum of n floats (the bandwidth benchmark's "true read").
+using SumFn = double (*)(const float* p, int64_t n);
+
+struct KernelSet {
+  GemvFn gemv;         // nullptr: no kernel for this (ISA, format)
+  ActFormat act;       // activation format `gemv` consumes
+  SumFn sum_f32;
+};
+
+// Kernel table of one ISA level, one entry per WeightFormat value (index = int(fmt)).
+constexpr int kNumFormats = 5;
+struct IsaKernels {
+  KernelSet by_format[kNumFormats];
+};
+
+// Defined in kernels_<isa>.cpp, each compiled for its own target via `#pragma GCC target`.
+const IsaKernels& kernels_scalar();
+const IsaKernels& kernels_avx2();
+const IsaKernels& kernels_avx512();
+const IsaKernels& kernels_avx512bf16();
+const IsaKernels& kernels_for(Isa isa);
+
+}  // namespace edgemoe

@@ -1,0 +1,534 @@
+"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool (DESIGN.md §2, §9).
+
+The torch-ops executor reaches about a third of the host's DRAM read bandwidth on decode batches
+(31 of 93 GB/s on the H200 host); a routed expert at T <= 8 is two GEMVs bound by the bytes of
+weights read. This executor computes a step's CPU set with kernels that read every weight row once
+for all of the expert's tokens, split across all cores by output rows (``csrc/executor.h``).
+
+- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 13 s
+  on 2 cores) into ``~/.cache/edgemoe/torch_ext/<hash>/`` (``EDGEMOE_CACHE`` moves the root); the
+  hash covers the sources, torch and Python versions, so an edit rebuilds and versions never mix.
+  Without ninja (which ``load`` requires) the compiler is called directly with the same flags
+  (``<hash>/direct/``). No compiler (or ``EDGEMOE_NATIVE=0``): :class:`NativeUnavailable` with a
+  one-line reason, and :func:`edgemoe.experts.cpu_executor.make_cpu_executor` falls back to the
+  torch executor.
+- **ISA**: one binary for every x86-64 CPU; each kernel is compiled for its own target and picked at
+  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
+  > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
+  never selected.
+- **Numerics**: float32 accumulation. For bf16 weights, x and the SiLU·up activation are rounded
+  to bf16 (round-to-nearest-even, as ``x.to(torch.bfloat16)`` in the torch path and on the GPU);
+  float32 weights compute in float32 throughout. Results do not depend on the thread count.
+- **Threads**: one per physical core by default; the caller is thread 0, the others are pinned
+  (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
+  ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
+  during a step.
+- **CUDA-graph host node** (DESIGN.md §2, not wired yet): :meth:`NativeCpuExecutor.make_step`
+  registers buffers once and returns a :class:`RegisteredStep` whose ``fn_address``/``address`` are
+  ``void edgemoe_run_step(void*)`` and its argument, ready for ``cudaLaunchHostFunc``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from edgemoe.experts.pool import HostExpertPool
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("bindings.cpp", "executor.cpp", "cpu_features.cpp", "kernels_scalar.cpp", "kernels_avx2.cpp",
+           "kernels_avx512.cpp", "kernels_avx512bf16.cpp")
+HEADERS = ("kernels.h", "kernel_impl.h", "executor.h")
+EXTRA_CFLAGS = ("-O3",)
+EXT_NAME = "edgemoe_cpu_ext"
+
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ Isa value
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # edgemoe::WeightFormat
+X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+
+DEFAULT_SPIN_US = 300
+# Steps reading fewer weight bytes run on the calling thread alone: waking the pool costs more.
+DEFAULT_MIN_PARALLEL_BYTES = 256 * 1024
+# An expert with more tokens than this in one step runs on the torch-ops path (oneDNN GEMM; AMX where
+# present), which wins once the work stops being a bandwidth-bound GEMV (prefill on the CPU). Measured
+# crossover on the 2-core dev VM (1 thread, Qwen3-30B-A3B expert): ~12 tokens; docs/benchmarks/cpu_executor.md.
+DEFAULT_MAX_TOKENS_PER_EXPERT = 16
+
+_STATUS = {
+    1: (IndexError, "token index outside [0, T)"),
+    2: (IndexError, "flat expert id outside [0, num_ids)"),
+    3: (ValueError, "route offsets are not non-decreasing from 0"),
+    4: (ValueError, "invalid arguments"),
+    5: (ValueError, "step larger than the registered capacity"),
+    6: (RuntimeError, "no kernel for this weight format on this CPU"),
+    7: (RuntimeError, "internal error (allocation failure)"),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native executor cannot be used here; ``str(err)`` is a one-line reason."""
+
+
+# ---------------------------------------------------------------------------------------------- build
+_lock = threading.Lock()
+_ext = None
+_error: str | None = None
+build_info: dict = {}  # after a successful load: seconds, cached (bool), dir, builder
+
+
+def build_dir() -> Path:
+    """``<EDGEMOE_CACHE or ~/.cache/edgemoe>/torch_ext/<name>-<hash>``: per user, per source version."""
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(EXTRA_CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    h.update(platform.machine().encode())
+    root = Path(os.environ.get("EDGEMOE_CACHE", Path.home() / ".cache" / "edgemoe"))
+    return root / "torch_ext" / f"{EXT_NAME}-{h.hexdigest()[:16]}"
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension cannot be built or loaded here, without trying (``None``: it can)."""
+    if os.environ.get("EDGEMOE_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        return "disabled by EDGEMOE_NATIVE=0"
+    if sys.platform != "linux":
+        return f"native CPU kernels are built for Linux only (this is {sys.platform})"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler found ({cxx!r} is not on PATH; install g++ or set CXX)"
+    return None
+
+
+def _build_direct(bdir: Path, verbose: bool = False):
+    """Build without ninja (``cpp_extension.load`` requires it): the compiler called directly, one
+    process per source in parallel, same flags, output cached in ``bdir``; returns the module.
+
+    The sources use no torch headers (only pybind11, shipped inside torch), so nothing links
+    against libtorch. A file lock serializes concurrent builders; the ``.so`` appears atomically.
+    """
+    import fcntl
+    import importlib.util
+    import subprocess
+    import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils.cpp_extension import include_paths
+
+    bdir.mkdir(parents=True, exist_ok=True)
+    so = bdir / f"{EXT_NAME}.so"
+    with open(bdir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not so.exists():
+            cxx = os.environ.get("CXX", "c++")
+            flags = [*EXTRA_CFLAGS, "-std=c++17", "-fPIC", f"-DTORCH_EXTENSION_NAME={EXT_NAME}",
+                     *(f"-isystem{p}" for p in include_paths()), f"-isystem{sysconfig.get_paths()['include']}"]
+
+            def compile_one(src: str) -> Path:
+                obj = bdir / (Path(src).stem + ".o")
+                cmd = [cxx, *flags, "-c", str(CSRC / src), "-o", str(obj)]
+                if verbose:
+                    print(" ".join(cmd), flush=True)
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{cxx} failed on {src}: {r.stderr.strip()}")
+                return obj
+
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                objs = list(pool.map(compile_one, SOURCES))
+            tmp = bdir / f"{EXT_NAME}.so.tmp{os.getpid()}"
+            r = subprocess.run([cxx, "-shared", *map(str, objs), "-o", str(tmp), "-lpthread"], capture_output=True,
+                               text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cxx} failed to link: {r.stderr.strip()}")
+            os.replace(tmp, so)
+    spec = importlib.util.spec_from_file_location(EXT_NAME, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_extension(verbose: bool = False):
+    """The compiled module, building it on first use (cached per user and source version).
+
+    Raises:
+        NativeUnavailable: no compiler, disabled, or the build failed (reason in the message;
+            the same reason is raised again on later calls without retrying).
+    """
+    global _ext, _error
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _error is not None:
+            raise NativeUnavailable(_error)
+        reason = unavailable_reason()
+        if reason is not None:
+            _error = reason
+            raise NativeUnavailable(reason)
+        from torch.utils.cpp_extension import is_ninja_available, load
+
+        ninja = is_ninja_available()
+        t0 = time.perf_counter()
+        try:
+            bdir = build_dir() if ninja else build_dir() / "direct"  # reads the sources: they may be missing
+            cached = any(bdir.glob(f"{EXT_NAME}*.so"))
+            if not cached:
+                log.info("edgemoe: compiling native CPU expert kernels into %s (first use)", bdir)
+            bdir.mkdir(parents=True, exist_ok=True)
+            if ninja:
+                _ext = load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(EXTRA_CFLAGS),
+                            build_directory=str(bdir), verbose=verbose)
+            else:  # e.g. a GPU host without network: no `pip install ninja` there
+                _ext = _build_direct(bdir, verbose)
+        except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            _error = f"native CPU kernels failed to build: {first}"
+            raise NativeUnavailable(_error) from e
+        build_info.update(seconds=time.perf_counter() - t0, cached=cached, dir=str(bdir),
+                          builder="torch.utils.cpp_extension.load" if ninja else "direct (no ninja)")
+        return _ext
+
+
+def available() -> bool:
+    """Whether the extension builds/loads on this machine (builds it if needed)."""
+    try:
+        load_extension()
+        return True
+    except NativeUnavailable:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- ISA
+def feature_bits() -> dict[str, int]:
+    """Name → bit of the C++ feature mask (``avx2``, ``fma``, ``avx512f``, ``avx512bw``, ...)."""
+    return dict(load_extension().feature_bits())
+
+
+def cpu_features() -> dict[str, bool]:
+    """Features of this CPU as the kernels see them (cpuid, and xgetbv for OS register support)."""
+    mask = load_extension().cpu_features()
+    return {name: bool(mask & bit) for name, bit in feature_bits().items()}
+
+
+def _mask(features) -> int:
+    if isinstance(features, int):
+        return features
+    bits = feature_bits()
+    unknown = set(features) - set(bits)
+    if unknown:
+        raise ValueError(f"unknown CPU feature(s) {sorted(unknown)}; known: {sorted(bits)}")
+    m = 0
+    for name in features:
+        m |= bits[name]
+    return m
+
+
+def _level(isa: str | None) -> int:
+    if isa is None or isa in ("", "auto", "best"):
+        return -1
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"unknown ISA level {isa!r}; choose one of {ISA_LEVELS} (or 'auto')")
+    return ISA_LEVELS.index(isa)
+
+
+def isa_cap_from_env() -> str | None:
+    """``EDGEMOE_CPU_ISA``: the highest ISA level the executor may use (unset/``auto``: no cap)."""
+    v = os.environ.get("EDGEMOE_CPU_ISA", "").strip().lower()
+    return None if v in ("", "auto", "best") else v
+
+
+def select_isa(features, cap: str | None = None, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """The ISA level the executor picks for ``features`` (names or a mask) — the C++ function itself.
+
+    Args:
+        features: iterable of feature names (see :func:`feature_bits`) or a bitmask; may be fake.
+        cap: highest level allowed (``None``: no cap).
+        dtype: weight dtype (``float32`` has no ``avx512bf16`` kernel and gets ``avx512``).
+
+    Returns:
+        A name from :data:`ISA_LEVELS`, or ``None`` when the dtype has no native kernel.
+    """
+    fmt = WEIGHT_FORMATS.get(dtype)
+    if fmt is None:
+        return None
+    level = load_extension().select_isa(_mask(features), _level(cap), fmt)
+    return None if level < 0 else ISA_LEVELS[level]
+
+
+def supported_isas(dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every level this CPU can run for ``dtype``, lowest first (what the tests force in turn)."""
+    mask = load_extension().cpu_features()
+    out = []
+    for cap in ISA_LEVELS:
+        lvl = select_isa(mask, cap, dtype)
+        if lvl is not None and lvl not in out:
+            out.append(lvl)
+    return out
+
+
+def isa_report() -> dict:
+    """Features, supported levels and the level picked per dtype under ``EDGEMOE_CPU_ISA``."""
+    cap = isa_cap_from_env()
+    return {
+        "features": cpu_features(),
+        "supported": {str(d).replace("torch.", ""): supported_isas(d) for d in WEIGHT_FORMATS},
+        "cap": cap,
+        "selected": {str(d).replace("torch.", ""): select_isa(load_extension().cpu_features(), cap, d)
+                     for d in WEIGHT_FORMATS},
+    }
+
+
+def physical_core_cpus() -> list[int]:
+    """One logical CPU per physical core among those this process may run on, in CPU order.
+
+    Reads ``/sys/devices/system/cpu/cpuN/topology`` (package, core); where it cannot, every allowed
+    CPU counts as a core.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    seen, out = set(), []
+    for cpu in allowed:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            core = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+        except OSError:
+            core = ("cpu", str(cpu))
+        if core not in seen:
+            seen.add(core)
+            out.append(cpu)
+    return out or [0]
+
+
+# ---------------------------------------------------------------------------------------------- executor
+def _raise_status(status: int, where: str) -> None:
+    exc, msg = _STATUS.get(status, (RuntimeError, f"status {status}"))
+    raise exc(f"{where}: {msg}")
+
+
+class NativeCpuExecutor:
+    """Runs a step's CPU set of routed experts with the native kernels (same API as ``TorchCpuExecutor``).
+
+    Args:
+        pool: the host expert pool; bf16 or float32 banks (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
+        threads: worker threads including the caller (``None``: one per physical core).
+        isa: highest ISA level to use (``None``: ``EDGEMOE_CPU_ISA``, else the best this CPU has).
+        pin: pin workers 1..n-1 to one CPU per physical core (skipped when threads exceed cores).
+        spin_us: µs a worker spins after a step before sleeping (``None``: ``EDGEMOE_CPU_SPIN_US`` or 300).
+        min_parallel_bytes: steps reading fewer weight bytes run on the caller alone (0: always parallel).
+        max_tokens_per_expert: experts with more tokens than this in a step run on the torch-ops path.
+
+    Attributes:
+        name: ``"native-<isa>"``, e.g. ``native-avx512bf16``. isa: the level in use for the pool's
+        dtype. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
+
+    Raises:
+        NativeUnavailable: the extension cannot be built/loaded, or the pool's dtype has no kernel.
+        ValueError: unknown ``isa``.
+    """
+
+    def __init__(self, pool: HostExpertPool, threads: int | None = None, *, isa: str | None = None, pin: bool = True,
+                 spin_us: int | None = None, min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
+                 max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None):
+        ext = load_extension()
+        if pool.dtype not in WEIGHT_FORMATS:
+            raise NativeUnavailable(f"{str(pool.dtype).replace('torch.', '')} expert weights have no native kernel "
+                                    f"(bfloat16 and float32 do)")
+        self.pool = pool
+        self._fmt = WEIGHT_FORMATS[pool.dtype]
+        self.max_tokens_per_expert = int(max_tokens_per_expert)
+        if _core is None:
+            cpus = physical_core_cpus()
+            n = int(threads) if threads else len(cpus)
+            if n < 1:
+                raise ValueError(f"threads must be >= 1, got {threads}")
+            if spin_us is None:
+                spin_us = int(os.environ.get("EDGEMOE_CPU_SPIN_US", DEFAULT_SPIN_US))
+            cap = isa if isa is not None else isa_cap_from_env()
+            _core = ext.Executor(n, cpus if pin and n <= len(cpus) else [], _level(cap), int(spin_us),
+                                 int(min_parallel_bytes))
+        self._core = _core
+        level = self._core.isa_for(self._fmt)
+        if level < 0:
+            raise NativeUnavailable("no native kernel for this weight dtype on this CPU")
+        self.isa = ISA_LEVELS[level]
+        self.name = f"native-{self.isa}"
+        self.threads = self._core.threads
+        self.pinned = list(self._core.pinned)
+        self._torch = None
+
+    def with_pool(self, pool: HostExpertPool) -> "NativeCpuExecutor":
+        """An executor over another pool sharing this one's threads (e.g. a bandwidth-rotation pool)."""
+        return NativeCpuExecutor(pool, max_tokens_per_expert=self.max_tokens_per_expert, _core=self._core)
+
+    def _torch_path(self):
+        if self._torch is None:
+            from edgemoe.experts.cpu_executor import TorchCpuExecutor
+
+            self._torch = TorchCpuExecutor(self.pool, None)  # keeps torch's thread setting
+        return self._torch
+
+    def run(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+        """Accumulate ``Σ weight · expert(x[token])`` into ``out`` (the GIL is released meanwhile).
+
+        Args:
+            x: ``[T, H]`` hidden states on the CPU (float32 and bfloat16 are used as they are; other
+                float dtypes are converted to float32).
+            work: per expert ``(flat_id, token_idx [n] int, weight [n] float)``. Experts with more
+                than ``max_tokens_per_expert`` tokens run on the torch-ops path after the others,
+                which run natively, accumulated in list order.
+            out: ``[T, H]`` float32 contiguous CPU accumulator (added to, not overwritten).
+
+        Raises:
+            TypeError: ``out`` is not a contiguous float32 CPU tensor, or a tensor is not on the CPU.
+            ValueError: shape mismatch (``x``/``out``/``H``, token and weight counts).
+            IndexError: a token index outside ``[0, T)`` or an expert id outside the pool.
+        """
+        if not work:
+            return
+        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+            raise TypeError(f"out must be a contiguous float32 CPU tensor, got {out.dtype} on {out.device}")
+        if x.device.type != "cpu":
+            raise TypeError(f"x must be on the CPU, got {x.device}")
+        if x.dim() != 2 or x.shape[1] != self.pool.hidden or tuple(out.shape) != tuple(x.shape):
+            raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must both be [T, {self.pool.hidden}]")
+        fids, offsets, toks, wts, heavy = [], [0], [], [], []
+        for item in work:
+            fid, tok, wt = item
+            n = tok.numel()
+            if wt.numel() != n:
+                raise ValueError(f"expert {fid}: {n} token indices but {wt.numel()} weights")
+            if n > self.max_tokens_per_expert:
+                heavy.append(item)
+                continue
+            fids.append(int(fid))
+            offsets.append(offsets[-1] + n)
+            toks.append(tok)
+            wts.append(wt)
+        if fids:
+            self._run_native(x, fids, offsets, toks, wts, out)
+        if heavy:  # GEMM-sized experts: the torch-ops path (oneDNN) is faster there
+            self._torch_path().run(x, heavy, out)
+
+    def _run_native(self, x, fids, offsets, toks, wts, out) -> None:
+        if x.dtype not in X_FORMATS:
+            x = x.float()
+        x = x.contiguous()
+        tok = (toks[0] if len(toks) == 1 else torch.cat(toks)).to(torch.int64).contiguous()
+        wt = (wts[0] if len(wts) == 1 else torch.cat(wts)).to(torch.float32).contiguous()
+        if tok.device.type != "cpu" or wt.device.type != "cpu":
+            raise TypeError("token indices and weights must be CPU tensors")
+        w13, w2 = self.pool.w13, self.pool.w2
+        st = self._core.run(w13.data_ptr(), w2.data_ptr(), self.pool.num_ids, self.pool.hidden, self.pool.intermediate,
+                            self._fmt, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
+                            tok.data_ptr(), wt.data_ptr())
+        if st:
+            _raise_status(st, f"{self.name}.run")
+
+    def sum_f32(self, t: torch.Tensor) -> float:
+        """Sum of a contiguous float32 CPU tensor read by all threads (the read-bandwidth test)."""
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError("sum_f32 needs a contiguous float32 CPU tensor")
+        return self._core.sum_f32(t.data_ptr(), t.numel())
+
+    def make_step(self, max_tokens: int, max_experts: int, max_routes: int | None = None,
+                  x_dtype: torch.dtype = torch.float32, zero_out: bool = True) -> "RegisteredStep":
+        """Register buffers for the C entry point (see :class:`RegisteredStep`)."""
+        return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out)
+
+
+class RegisteredStep:
+    """A step over pre-registered host buffers, callable from C as ``edgemoe_run_step(address)``.
+
+    This is the interface a CUDA-graph host node uses (DESIGN.md §2): the graph's producer writes
+    the step into the buffers below (device→pinned-host copies or a kernel writing mapped memory),
+    then ``cudaLaunchHostFunc(stream, fn_address, address)`` runs it with no Python involved.
+
+    Buffers (CPU tensors; pin them with ``cudaHostRegister`` for device access):
+        x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call
+        when ``zero_out``), dims int64 ``[2]`` = (T, n_experts), fids int64 ``[max_experts]``,
+        offsets int64 ``[max_experts + 1]``, tok int64 ``[max_routes]``, wt float32 ``[max_routes]``.
+
+    Attributes:
+        address: the ``edgemoe_step*`` (int). fn_address: ``void edgemoe_run_step(void*)`` (int).
+    """
+
+    def __init__(self, executor: NativeCpuExecutor, max_tokens: int, max_experts: int, max_routes: int | None,
+                 x_dtype: torch.dtype, zero_out: bool):
+        if x_dtype not in X_FORMATS:
+            raise ValueError(f"x_dtype must be float32 or bfloat16, got {x_dtype}")
+        ext = load_extension()
+        pool = executor.pool
+        max_routes = int(max_routes if max_routes is not None else max_tokens * max_experts)
+        self.executor = executor
+        self.x = torch.zeros(max_tokens, pool.hidden, dtype=x_dtype)
+        self.out = torch.zeros(max_tokens, pool.hidden, dtype=torch.float32)
+        self.dims = torch.zeros(2, dtype=torch.int64)
+        self.fids = torch.zeros(max_experts, dtype=torch.int64)
+        self.offsets = torch.zeros(max_experts + 1, dtype=torch.int64)
+        self.tok = torch.zeros(max_routes, dtype=torch.int64)
+        self.wt = torch.zeros(max_routes, dtype=torch.float32)
+        self._ext = ext
+        self.address = ext.step_create(executor._core, pool.w13.data_ptr(), pool.w2.data_ptr(), pool.num_ids,
+                                       pool.hidden, pool.intermediate, executor._fmt, X_FORMATS[x_dtype],
+                                       self.x.data_ptr(), self.out.data_ptr(), self.dims.data_ptr(),
+                                       self.fids.data_ptr(), self.offsets.data_ptr(), self.tok.data_ptr(),
+                                       self.wt.data_ptr(), max_tokens, max_experts, max_routes, bool(zero_out))
+        self.fn_address = ext.run_step_address()
+        self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn_address)  # releases the GIL while running
+
+    def set_work(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Host-side producer: write ``x [T, H]`` and ``work`` (as for ``run``) into the buffers."""
+        T, E = x.shape[0], len(work)
+        R = sum(t.numel() for _, t, _ in work)
+        if T > self.x.shape[0] or E > self.fids.numel() or R > self.tok.numel():
+            raise ValueError(f"step (T={T}, experts={E}, routes={R}) exceeds the registered capacity")
+        self.x[:T].copy_(x)
+        self.dims.copy_(torch.tensor([T, E]))
+        off = 0
+        for e, (fid, tok, wt) in enumerate(work):
+            n = tok.numel()
+            self.fids[e] = int(fid)
+            self.offsets[e] = off
+            self.tok[off:off + n].copy_(tok)
+            self.wt[off:off + n].copy_(wt)
+            off += n
+        self.offsets[E] = off
+
+    def __call__(self) -> None:
+        """Run the registered step through the C entry point (as a host node would).
+
+        Raises:
+            IndexError / ValueError / RuntimeError: the status the step left (see ``_STATUS``).
+        """
+        self._fn(self.address)
+        st = self._ext.step_status(self.address)
+        if st:
+            _raise_status(st, "edgemoe_run_step")
+
+    @property
+    def calls(self) -> int:
+        return self._ext.step_calls(self.address)
+
+    def close(self) -> None:
+        if getattr(self, "address", 0):
+            self._ext.step_destroy(self.address)
+            self.address = 0
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,385 @@
+"""Native CPU expert kernels (``edgemoe/experts/native.py``, ``edgemoe/experts/csrc/``).
+
+- every ISA level this CPU supports (forced through the ``isa`` cap) matches a float64 reference for
+  every shape class (tails: H/I not multiples of 16/32; the Qwen3-30B-A3B expert H=2048, I=768),
+  T = 1, 3, 8, 17, threads 1, 2, 3, bf16 and float32 weights;
+- results do not depend on the thread count (bit-identical);
+- the native executor matches the torch-ops executor within bf16 tolerance;
+- ISA selection never picks a level the CPU lacks (fake feature sets), the env cap works;
+- the C entry point over registered buffers (the future CUDA-graph host node) computes the same step;
+- fallback to the torch executor when the extension cannot be built.
+
+Skipped as a whole, with the reason, when the extension cannot be built here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from edgemoe.config import EngineConfig
+from edgemoe.experts import native
+from edgemoe.experts.cpu_executor import TorchCpuExecutor, make_cpu_executor
+from edgemoe.experts.pool import HostExpertPool
+
+try:
+    native.load_extension()
+    UNAVAILABLE = None
+except native.NativeUnavailable as e:  # no compiler / ninja here
+    UNAVAILABLE = str(e)
+
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
+
+SHAPES = {  # name: (H, I, experts in the pool)
+    "tiny-tails": (37, 23, 8),       # nothing a multiple of 8: every vector/row/chunk tail
+    "tails-16": (80, 48, 6),         # multiples of 16 but not 32 (bf16 line tails)
+    "qwen3-30b-a3b": (2048, 768, 4),
+}
+TOKENS = (1, 3, 8, 17)
+THREADS = (1, 2, 3)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TOL = {torch.bfloat16: 1e-3, torch.float32: 1e-5}  # max |error| / max |reference|
+
+_pools: dict = {}
+_cores: dict = {}
+_refs: dict = {}
+
+
+def _pool(shape: str, dtype: torch.dtype) -> HostExpertPool:
+    key = (shape, dtype)
+    if key not in _pools:
+        H, I, N = SHAPES[shape]
+        p = HostExpertPool(N, H, I, dtype)
+        p.fill_random(seed=11, std=0.05)
+        _pools[key] = p
+    return _pools[key]
+
+
+def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuExecutor:
+    """One thread pool per (ISA cap, threads), rebound to each test's pool."""
+    key = (isa, threads)
+    if key not in _cores:
+        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
+                                               max_tokens_per_expert=1 << 30)
+    return _cores[key].with_pool(pool)
+
+
+def _skip_unsupported(isa: str, dtype: torch.dtype) -> None:
+    if isa not in native.supported_isas(dtype):
+        pytest.skip(f"this CPU (or dtype {dtype}) has no {isa} kernel: supported {native.supported_isas(dtype)}")
+
+
+def _work(T: int, num_ids: int, seed: int, k: int = 4):
+    """Each token routed to k distinct experts with random weights, grouped per expert (random order)."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(k, num_ids)
+    ids = torch.stack([torch.randperm(num_ids, generator=g)[:k] for _ in range(T)])  # [T, k]
+    w = torch.rand(T, k, generator=g) + 0.1
+    work = []
+    for fid in torch.randperm(num_ids, generator=g).tolist():
+        tok, kpos = (ids == fid).nonzero(as_tuple=True)
+        if tok.numel():
+            work.append((fid, tok, w[tok, kpos]))
+    return work
+
+
+def _x(T: int, H: int, seed: int) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(pool: HostExpertPool, x: torch.Tensor, work) -> torch.Tensor:
+    """float64 ``Σ w · down(silu(gate(x)) · up(x))`` with the kernels' documented operand rounding:
+    for bf16 weights, x and the SiLU·up activation are rounded to bf16 (as in the torch path)."""
+    bf16 = pool.dtype == torch.bfloat16
+    I = pool.intermediate
+    xr = (x.to(torch.bfloat16) if bf16 else x).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for fid, tok, wt in work:
+        h = xr[tok] @ pool.w13[fid].double().T  # [n, 2I]
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        if bf16:
+            a = a.to(torch.bfloat16).double()
+        out.index_add_(0, tok, (a @ pool.w2[fid].double().T) * wt.double()[:, None])
+    return out
+
+
+def _ref(shape, dtype, T):
+    key = (shape, dtype, T)
+    if key not in _refs:
+        pool = _pool(shape, dtype)
+        x, work = _x(T, pool.hidden, seed=T), _work(T, pool.num_ids, seed=100 + T)
+        _refs[key] = (x, work, reference(pool, x, work))
+    return _refs[key]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_kernels_match_float64_reference(isa, dtype, shape, T, threads):
+    dtype = DTYPES[dtype]
+    _skip_unsupported(isa, dtype)
+    pool = _pool(shape, dtype)
+    x, work, ref = _ref(shape, dtype, T)
+    ex = _executor(pool, isa, threads)
+    assert ex.isa == isa and ex.name == f"native-{isa}" and ex.threads == threads
+    out = torch.zeros(T, pool.hidden)
+    ex.run(x, work, out)
+    assert _rel_err(out, ref) < TOL[dtype], f"{ex.name}: relative error {_rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_results_do_not_depend_on_thread_count(isa):
+    pool = _pool("qwen3-30b-a3b", torch.bfloat16)
+    _skip_unsupported(isa, pool.dtype)
+    x, work, _ = _ref("qwen3-30b-a3b", torch.bfloat16, 8)
+    outs = []
+    for threads in THREADS:
+        out = torch.zeros(8, pool.hidden)
+        _executor(pool, isa, threads).run(x, work, out)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_accumulates_into_out_and_accepts_bf16_x():
+    pool = _pool("tails-16", torch.bfloat16)
+    x, work, ref = _ref("tails-16", torch.bfloat16, 3)
+    ex = _executor(pool, native.supported_isas()[-1], 2)
+    base = torch.randn(3, pool.hidden)
+    out = base.clone()
+    ex.run(x.to(torch.bfloat16), work, out)  # bf16 x is used as is (same values the kernel rounds to)
+    assert _rel_err(out - base, ref) < TOL[torch.bfloat16]
+    out16 = torch.zeros(3, pool.hidden)
+    ex.run(x.to(torch.float16), work, out16)  # other float dtypes are converted
+    assert _rel_err(out16, reference(pool, x.to(torch.float16).float(), work)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("T", (1, 8))
+@pytest.mark.parametrize("shape", ("tiny-tails", "qwen3-30b-a3b"))
+def test_native_matches_torch_executor(shape, T, dtype):
+    dtype = DTYPES[dtype]
+    pool = _pool(shape, dtype)
+    x, work, _ = _ref(shape, dtype, T)
+    ex = make_cpu_executor(pool, None, "native")
+    assert isinstance(ex, native.NativeCpuExecutor)
+    out, ref = torch.zeros(T, pool.hidden), torch.zeros(T, pool.hidden)
+    ex.run(x, work, out)
+    TorchCpuExecutor(pool).run(x, work, ref)
+    scale = float(ref.abs().max())
+    # the torch path also rounds gate/up, SiLU, the product and y to bf16; the native one only x and a
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, ref, atol=tol * scale, rtol=0)
+
+
+def test_large_per_expert_batches_take_the_torch_path():
+    pool = _pool("tails-16", torch.float32)
+    ex = native.NativeCpuExecutor(pool, 2, max_tokens_per_expert=4, min_parallel_bytes=0)
+    T = 9
+    x = _x(T, pool.hidden, seed=5)
+    work = [(1, torch.arange(T), torch.rand(T)), (3, torch.tensor([2, 7]), torch.rand(2))]  # heavy + light
+    out = torch.zeros(T, pool.hidden)
+    ex.run(x, work, out)
+    assert ex._torch is not None  # the heavy expert went to torch ops
+    assert _rel_err(out, reference(pool, x, work)) < TOL[torch.float32]
+
+
+# ------------------------------------------------------------------------------------------ ISA dispatch
+def test_select_isa_with_fake_feature_sets():
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert native.select_isa(set(), None, bf16) == "scalar"
+    assert native.select_isa({"avx2"}, None, bf16) == "scalar"  # AVX2 kernels need FMA too
+    assert native.select_isa({"avx2", "fma"}, None, bf16) == "avx2"
+    assert native.select_isa({"avx2", "fma", "avx512f"}, None, bf16) == "avx2"  # no BW/VL: no masked bf16 tails
+    assert native.select_isa(avx512, None, bf16) == "avx512"
+    assert native.select_isa(avx512 | {"avx512_bf16"}, None, bf16) == "avx512bf16"
+    assert native.select_isa(avx512 | {"avx512_bf16"}, None, f32) == "avx512"  # no bf16 dot for fp32 weights
+    assert native.select_isa({"avx512_bf16", "amx_bf16"}, None, bf16) == "scalar"  # bf16 bit alone is not enough
+    assert native.select_isa(avx512 | {"avx512_bf16"}, "avx2", bf16) == "avx2"
+    assert native.select_isa(avx512 | {"avx512_bf16"}, "scalar", bf16) == "scalar"
+    assert native.select_isa({"avx2", "fma"}, "avx512bf16", bf16) == "avx2"  # a cap is not a request
+    assert native.select_isa(avx512, None, torch.float16) is None  # no fp16 kernel
+    with pytest.raises(ValueError):
+        native.select_isa({"sse9"}, None, bf16)
+    with pytest.raises(ValueError):
+        native.select_isa(set(), "avx1024", bf16)
+
+
+@pytest.mark.parametrize("cap", native.ISA_LEVELS)
+def test_executor_never_selects_an_isa_the_cpu_lacks(cap):
+    feats = {name for name, on in native.cpu_features().items() if on}
+    pool = _pool("tiny-tails", torch.bfloat16)
+    ex = native.NativeCpuExecutor(pool, 1, isa=cap)
+    assert ex.isa == native.select_isa(feats, cap, pool.dtype)
+    assert ex.isa in native.supported_isas(pool.dtype)
+    assert native.ISA_LEVELS.index(ex.isa) <= native.ISA_LEVELS.index(cap)
+
+
+def test_env_var_caps_the_isa(monkeypatch):
+    pool = _pool("tiny-tails", torch.bfloat16)
+    monkeypatch.setenv("EDGEMOE_CPU_ISA", "scalar")
+    assert native.NativeCpuExecutor(pool, 1).name == "native-scalar"
+    monkeypatch.setenv("EDGEMOE_CPU_ISA", "avx1024")
+    with pytest.raises(ValueError, match="avx1024"):
+        native.NativeCpuExecutor(pool, 1)
+    monkeypatch.setenv("EDGEMOE_CPU_ISA", "avx2")
+    report = native.isa_report()
+    assert report["cap"] == "avx2" and report["selected"]["bfloat16"] in ("scalar", "avx2")
+    assert report["supported"]["bfloat16"][0] == "scalar"
+
+
+# ------------------------------------------------------------------------------------------ C entry point
+@pytest.mark.parametrize("x_dtype", (torch.float32, torch.bfloat16))
+def test_registered_step_through_the_c_entry_point(x_dtype):
+    pool = _pool("qwen3-30b-a3b", torch.bfloat16)
+    ex = _executor(pool, native.supported_isas()[-1], 2)
+    x, work, ref = _ref("qwen3-30b-a3b", torch.bfloat16, 3)
+    step = ex.make_step(max_tokens=8, max_experts=4, x_dtype=x_dtype)
+    assert step.fn_address and step.address
+    step.set_work(x, work)
+    step()
+    step()  # zero_out: a replay recomputes, it does not accumulate
+    assert step.calls == 2
+    direct = torch.zeros(3, pool.hidden)
+    ex.run(x.to(x_dtype), work, direct)
+    assert torch.equal(step.out[:3], direct)
+    assert _rel_err(step.out[:3], ref) < TOL[torch.bfloat16]
+    step.dims[0] = 9  # beyond the registered capacity
+    with pytest.raises(ValueError, match="capacity"):
+        step()
+    with pytest.raises(ValueError, match="capacity"):
+        step.set_work(_x(9, pool.hidden, 0), work)
+    step.close()
+
+
+# ------------------------------------------------------------------------------------------ errors, pool
+def test_invalid_steps_raise_and_leave_out_untouched():
+    pool = _pool("tiny-tails", torch.float32)
+    ex = _executor(pool, "scalar", 2)
+    x, out = _x(3, pool.hidden, 0), torch.zeros(3, pool.hidden)
+    with pytest.raises(IndexError, match="token"):
+        ex.run(x, [(0, torch.tensor([0, 3]), torch.ones(2))], out)
+    with pytest.raises(IndexError, match="expert"):
+        ex.run(x, [(0, torch.tensor([0]), torch.ones(1)), (pool.num_ids, torch.tensor([1]), torch.ones(1))], out)
+    assert not out.any()
+    with pytest.raises(ValueError, match="weights"):
+        ex.run(x, [(0, torch.tensor([0, 1]), torch.ones(1))], out)
+    with pytest.raises(TypeError):
+        ex.run(x, [(0, torch.tensor([0]), torch.ones(1))], torch.zeros(3, pool.hidden, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        ex.run(x[:, :-1], [(0, torch.tensor([0]), torch.ones(1))], out[:, :-1].contiguous())
+    ex.run(x, [], out)  # nothing to do
+    assert not out.any()
+    work = [(2, torch.tensor([], dtype=torch.int64), torch.ones(0)), (5, torch.tensor([1, 1]), torch.tensor([0.5, 0.25]))]
+    ex.run(x, work, out)  # an expert without tokens is skipped; a token twice on one expert adds twice
+    assert _rel_err(out, reference(pool, x, work)) < TOL[torch.float32]
+
+
+def test_workers_wake_after_sleeping():
+    pool = _pool("tails-16", torch.float32)
+    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0)  # workers sleep at once
+    x, work, ref = _ref("tails-16", torch.float32, 8)
+    for _ in range(3):
+        time.sleep(0.02)
+        out = torch.zeros(8, pool.hidden)
+        ex.run(x, work, out)
+        assert _rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_parallel_sum_reads_every_element():
+    ex = _executor(_pool("tiny-tails", torch.float32), native.supported_isas(torch.float32)[-1], 3)
+    t = torch.rand(1_000_003)
+    assert ex.sum_f32(t) == pytest.approx(float(t.double().sum()), rel=1e-6)
+
+
+def test_physical_core_cpus():
+    import os
+
+    cpus = native.physical_core_cpus()
+    assert cpus and set(cpus) <= os.sched_getaffinity(0)
+
+
+# ------------------------------------------------------------------------------------------ factory, config
+def test_factory_kinds_and_fallback(monkeypatch, caplog):
+    pool = _pool("tiny-tails", torch.bfloat16)
+    assert isinstance(make_cpu_executor(pool, None, "torch"), TorchCpuExecutor)
+    ex = make_cpu_executor(pool, None, "auto")
+    assert isinstance(ex, native.NativeCpuExecutor) and ex.name.startswith("native-")
+    with pytest.raises(ValueError):
+        make_cpu_executor(pool, None, "fastest")
+    # no compiler: a one-line warning and the torch executor
+    monkeypatch.setattr(native, "_ext", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    assert "no-such-compiler-xyz" in native.unavailable_reason()
+    with caplog.at_level(logging.WARNING, logger="edgemoe.experts.cpu_executor"):
+        ex = make_cpu_executor(pool, None, "native")
+    assert isinstance(ex, TorchCpuExecutor) and ex.name == "torch"
+    assert any("no C++ compiler" in r.getMessage() and "torch-ops executor" in r.getMessage() for r in caplog.records)
+
+
+def test_factory_falls_back_for_dtypes_without_kernel():
+    pool = HostExpertPool(2, 16, 8, torch.float16)
+    pool.fill_random(seed=0)
+    assert isinstance(make_cpu_executor(pool, None, "auto"), TorchCpuExecutor)
+
+
+def test_engine_config_validates_cpu_executor():
+    assert EngineConfig(cpu_executor="torch").cpu_executor == "torch"
+    with pytest.raises(ValueError, match="cpu_executor"):
+        EngineConfig(cpu_executor="gpu")
+
+
+def test_measure_cpu_uses_the_executor():
+    from edgemoe.experts.bandwidth import measure_cpu
+
+    pool = _pool("tails-16", torch.bfloat16)
+    ex = _executor(pool, native.supported_isas()[-1], 2)
+    assert measure_cpu(pool, ex, 0.02) > 0
+    assert measure_cpu(pool, TorchCpuExecutor(pool), 0.02, tokens=2, experts_per_call=2) > 0
+
+
+def test_build_without_ninja(monkeypatch):
+    """The direct-compiler build (hosts without ninja, e.g. the offline GPU host) gives a working module."""
+    mod = native._build_direct(native.build_dir() / "direct")
+    monkeypatch.setattr(native, "_ext", mod)
+    pool = _pool("tails-16", torch.bfloat16)
+    x, work, ref = _ref("tails-16", torch.bfloat16, 3)
+    ex = native.NativeCpuExecutor(pool, 2, min_parallel_bytes=0)
+    out = torch.zeros(3, pool.hidden)
+    ex.run(x, work, out)
+    assert _rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def _child_step(ex, x, work, conn):
+    out = torch.zeros(x.shape)
+    ex.run(x, work, out)  # the pool's workers did not survive fork(): the caller does all the work
+    conn.send(out.tolist())
+
+
+def test_executor_keeps_working_in_a_forked_child():
+    import multiprocessing
+
+    pool = _pool("tails-16", torch.float32)
+    x, work, ref = _ref("tails-16", torch.float32, 3)
+    ex = native.NativeCpuExecutor(pool, 2, min_parallel_bytes=0)
+    ex.run(x, work, torch.zeros(3, pool.hidden))  # workers started and used in the parent
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child_step, args=(ex, x, work, send))
+    p.start()
+    assert recv.poll(60), "child did not answer (hung in the thread pool?)"
+    out = torch.tensor(recv.recv())
+    p.join(30)
+    assert p.exitcode == 0
+    assert _rel_err(out, ref) < TOL[torch.float32]
