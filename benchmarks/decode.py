@@ -86,6 +86,23 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     }
 
 
+def route_uniformly(runner: ModelRunner, seed: int) -> None:
+    """Replace each router's choice by k distinct experts drawn uniformly per token and layer (weights:
+    the router's own softmax at those experts, renormalized). Random-weight models route almost the
+    same experts every step, which would flatter any cache; uniform routing is the no-locality case."""
+    g = torch.Generator(device=runner.device).manual_seed(seed)
+    for blk in runner.model.moe_blocks():
+        router = blk.gate
+
+        def forward(x, router=router):
+            probs = torch.softmax(torch.nn.functional.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
+            ids = torch.rand(probs.shape, generator=g, device=x.device).topk(router.top_k, dim=-1).indices  # [T, k]
+            w = probs.gather(1, ids)
+            return ids, (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+        router.forward = forward
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
@@ -102,6 +119,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-seconds", type=float, default=1.0)
     ap.add_argument("--decode-input", default="random", choices=["random", "greedy"],
                     help="token fed to each decode step: random (uniform routing) or the greedy output")
+    ap.add_argument("--routing", default="uniform", choices=["uniform", "model"],
+                    help="uniform: k distinct experts drawn uniformly per token and layer (no locality); "
+                         "model: the (random) router's own choice")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling run")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
@@ -119,6 +139,8 @@ def main(argv=None) -> int:
     prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
                    runner.cpu_executor, a.profile_seconds, 2_000_000_000)
     runner.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+    if a.routing == "uniform":
+        route_uniformly(runner, seed=1)
     print(runner.summary(), flush=True)
     print(f"profile: isolated {prof['isolated']}, concurrent {prof['concurrent']}", flush=True)
 
@@ -149,7 +171,7 @@ def main(argv=None) -> int:
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
         "bandwidths_used": {"b_p": runner.bandwidths.pcie, "b_h": runner.bandwidths.cpu, "source": runner.bandwidths.source},
-        "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input,
+        "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

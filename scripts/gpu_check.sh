@@ -15,8 +15,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-echo "== GPU tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py tests/gpu 2>&1 | tee "$OUT/pytest.log" | tail -n 15
+echo "== GPU tests + native CPU kernel tests"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py tests/gpu tests/test_cpu_kernels.py 2>&1 \
+  | tee "$OUT/pytest.log" | tail -n 15
+
+echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
+timeout 240 python3 benchmarks/cpu_executor.py --threads 6,16 --batch 1,8 --experts-per-call 8 --out "$OUT/cpu_executor.json" \
+  2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14
 
 echo "== decode benchmark (Qwen3-30B-A3B geometry, dummy weights)"
 timeout 420 python3 benchmarks/decode.py --out "$OUT" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v "^{'policy'"

@@ -125,3 +125,15 @@ def test_chunked_prefill_matches_whole(checkpoint):
     runner.execute([StepInput(2, PROMPT[:5], 0)], Phase.PREFILL)
     part = runner.execute([StepInput(2, PROMPT[5:], 5)], Phase.PREFILL)
     torch.testing.assert_close(part, whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offloaded_fill_all_is_bit_identical_to_resident(checkpoint, device):
+    """Which wave or slot computed a route never changes the result (fixed-order sum over k)."""
+    path, _ = checkpoint
+    cfg = dict(device=device, dtype="float32", expert_policy="fill-all")
+    resident = _edgemoe(ModelRunner(path, EngineConfig(expert_cache_slots=10_000, **cfg), progress=False), DECODE_STEPS)
+    # 5 slots: fewer than one layer's 16 experts, enough for a decode step's top-4 (all on the device)
+    offloaded = _edgemoe(ModelRunner(path, EngineConfig(expert_cache_slots=5, **cfg), progress=False), DECODE_STEPS)
+    assert offloaded[1] == resident[1]
+    assert torch.equal(offloaded[0], resident[0])

@@ -168,36 +168,38 @@ class HybridExperts:
             routes[fid] = _Route(fid, tok, kpos)
         plan = plan_step(self.cache, self.policy, {f: r.tok.numel() for f, r in routes.items()}, phase, step)
         x_cpu = x.to("cpu") if plan.cpu else None  # D2H before the device work is enqueued
-        out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+        # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
+        # summed in a fixed order: the result does not depend on which wave or branch computed a route
+        routed = torch.zeros((T, topk_ids.shape[1], x.shape[1]), dtype=self.cache.dtype, device=x.device)  # [T, k, H]
         if phase is Phase.DECODE:  # at most one wave: hits and fills computed together
             fills = plan.waves[0] if plan.waves else []
             for fid, slot in fills:
                 self._copy_in(fid, slot)
             placed = {**plan.hits, **dict(fills)}
             if placed and topk_ids.numel() <= PAIR_PATH_MAX_ROUTES:
-                self._run_device_pairs(x, topk_weights, flat, placed, out)
+                self._run_device_pairs(x, topk_weights, flat, placed, routed)
             elif placed:
-                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(placed.items())], out)
+                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(placed.items())], routed)
         else:  # prefill: hits, then each wave's copies and compute, stream-ordered on the device
-            self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(plan.hits.items())], out)
+            self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(plan.hits.items())], routed)
             for wave in plan.waves:
                 for fid, slot in wave:
                     self._copy_in(fid, slot)
-                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(wave)], out)
+                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(wave)], routed)
         if plan.cpu:  # CPU branch, concurrent with the device work enqueued above
             out_cpu = torch.zeros((T, x.shape[1]), dtype=torch.float32)
             w_cpu = topk_weights.to("cpu")
             work = [(f, routes[f].tok, w_cpu[routes[f].tok, routes[f].kpos]) for f in sorted(plan.cpu)]
             self.cpu.run(x_cpu, work, out_cpu)
-            out += out_cpu.to(x.device)
-        return out.to(x.dtype)
+            return (routed.sum(dim=1, dtype=torch.float32) + out_cpu.to(x.device)).to(x.dtype)
+        return routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
 
     def _run_device_pairs(self, x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, placed: dict[int, int],
-                          out: torch.Tensor) -> None:
+                          routed: torch.Tensor) -> None:
         """Small batches: every (token, k) route in one batched GEMV pair over gathered slot weights.
 
-        Routes whose expert is not on the device (CPU set) are computed against slot 0 and zeroed, so
-        the sum over k runs in a fixed order (deterministic, no atomics).
+        Writes every row of ``routed [T, k, H]``; routes whose expert is not on the device (CPU set)
+        are computed against slot 0 and zeroed.
         """
         T, k = flat.shape
         slot_tk = torch.tensor([placed.get(f, -1) for f in flat.view(-1).tolist()], dtype=torch.int64)
@@ -211,10 +213,10 @@ class HybridExperts:
         y = torch.bmm(w2.index_select(0, s), a[:, :, None]).squeeze(-1)  # [P, H]
         y = y * w.reshape(-1, 1).to(y.dtype)
         y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-        out += y.view(T, k, -1).float().sum(dim=1)
+        routed.copy_(y.view(T, k, -1))
 
-    def _run_device(self, x: torch.Tensor, w: torch.Tensor, items: list[tuple[_Route, int]], out: torch.Tensor) -> None:
-        """Per-expert path (prefill, large batches): tokens of each resident expert, in expert-id order."""
+    def _run_device(self, x: torch.Tensor, w: torch.Tensor, items: list[tuple[_Route, int]], routed: torch.Tensor) -> None:
+        """Per-expert path (prefill, large batches): writes the ``routed [T, k, H]`` rows of each item's routes."""
         if not items:
             return
         w13, w2 = self.cache.banks
@@ -223,7 +225,7 @@ class HybridExperts:
             tok = r.tok.to(x.device, non_blocking=True)
             kpos = r.kpos.to(x.device, non_blocking=True)
             y = swiglu_expert(x.index_select(0, tok).to(dtype), w13[slot], w2[slot])  # [n, H]
-            out.index_add_(0, tok, (y * w[tok, kpos].to(dtype)[:, None]).float())
+            routed[tok, kpos] = y * w[tok, kpos].to(dtype)[:, None]
 
     def stats(self) -> dict:
         return {ph: c.as_dict() for ph, c in self.cache.counters.items()}

@@ -39,7 +39,7 @@ def test_pool_is_pinned_and_fill_all_is_bit_identical_to_resident(small):
     runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
     assert runner.pinned
     resident, rt = _greedy(runner)
-    runner.set_expert_cache(7, "fill-all")
+    runner.set_expert_cache(12, "fill-all")  # < one layer (32 experts), >= a step's top-8
     offloaded, ot = _greedy(runner)
     assert ot == rt
     assert torch.equal(offloaded, resident)
