@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from edgemoe.server.parsers.base import ParseEvent, find_first, partial_suffix, text_event
+from edgemoe.server.parsers.base import ParseEvent, find_first, text_event
 from edgemoe.server.parsers.tagged import ToolParser, compile_pattern
 
 __all__ = ["Qwen3CoderToolParser"]
@@ -40,7 +40,8 @@ class Qwen3CoderToolParser(ToolParser):
     """``<function=NAME><parameter=KEY>value</parameter></function>`` (Qwen3-Coder)."""
 
     name = "qwen3_coder"
-    _OPEN = ("<tool_call>", "<function=")
+    open_tags = ("<tool_call>", "<function=")
+    drop_after_call = ("</tool_call>",)
     _CONTENT, _HEADER, _PARAMS, _VALUE = range(4)
 
     def __init__(self, tools: list[dict] | None = None):
@@ -104,7 +105,7 @@ class Qwen3CoderToolParser(ToolParser):
             if m is not None and m.partial:
                 return False
             if m is None:
-                tag = next(t for t in self._OPEN if buf.startswith(t))
+                tag = next(t for t in self.open_tags if buf.startswith(t))
                 out += text_event("content", self._ws + tag)
                 self._ws, self._buf, self._state = "", buf[len(tag):], self._CONTENT
                 return True
@@ -146,31 +147,6 @@ class Qwen3CoderToolParser(ToolParser):
         self._index += 1
         self._state = self._CONTENT
         self._after_call = after
-
-    def _content(self, out: list[ParseEvent]) -> bool:
-        buf = self._buf
-        if self._after_call:
-            stripped = buf.lstrip()
-            if stripped.startswith("</tool_call>"):
-                self._buf = stripped[len("</tool_call>"):]
-                return True
-            if not stripped or "</tool_call>".startswith(stripped):
-                return False
-            buf = stripped
-            self._after_call = False
-        i, _ = find_first(buf, self._OPEN)
-        if i >= 0:
-            before = self._ws + buf[:i]
-            text = before.rstrip()
-            out += text_event("content", text)
-            self._ws, self._buf, self._state = before[len(text):], buf[i:], self._HEADER
-            return True
-        hold = partial_suffix(buf, self._OPEN)
-        body = self._ws + buf[: len(buf) - hold]
-        text = body.rstrip()
-        out += text_event("content", text)
-        self._ws, self._buf = body[len(text):], buf[len(buf) - hold:]
-        return False
 
     def finish(self) -> list[ParseEvent]:
         out: list[ParseEvent] = []

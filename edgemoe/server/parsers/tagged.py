@@ -73,6 +73,40 @@ class ToolParser(OutputParser):
         template cannot render them; ``None`` when the template does it."""
         return None
 
+    # -------------------------------------------------------------- answer text between calls
+    # Subclasses keep ``_buf`` (unparsed text), ``_ws`` (held-back whitespace), ``_state`` and
+    # ``_after_call``, define ``_HEADER`` (the state that reads a call's header) and set the tags below.
+    open_tags: ClassVar[tuple[str, ...]] = ()
+    drop_after_call: ClassVar[tuple[str, ...]] = ()
+
+    def _content(self, out: list[ParseEvent]) -> bool:
+        """Emit answer text up to the next open tag (held back while it may be a tag's prefix);
+        returns whether a call starts (state moved to ``_HEADER``)."""
+        buf = self._buf
+        if self._after_call:
+            stripped = buf.lstrip()
+            for tag in self.drop_after_call:
+                if stripped.startswith(tag):
+                    self._buf = stripped[len(tag):]
+                    return True
+            if not stripped or partial_suffix(stripped, self.drop_after_call) == len(stripped):
+                return False  # only whitespace or a possible marker so far
+            buf = stripped
+            self._after_call = False
+        i, _ = find_first(buf, self.open_tags)
+        if i >= 0:
+            before = self._ws + buf[:i]
+            text = before.rstrip()
+            out += text_event("content", text)
+            self._ws, self._buf, self._state = before[len(text):], buf[i:], self._HEADER
+            return True
+        hold = partial_suffix(buf, self.open_tags)
+        body = self._ws + buf[: len(buf) - hold]
+        text = body.rstrip()
+        out += text_event("content", text)
+        self._ws, self._buf = body[len(text):], buf[len(buf) - hold:]
+        return False
+
 
 class TaggedJsonToolParser(ToolParser):
     """Generic parser for ``open tag + header + JSON arguments + tail`` formats.
@@ -87,10 +121,8 @@ class TaggedJsonToolParser(ToolParser):
             this tag as one JSON object ``{"name": ..., "arguments": ...}``.
     """
 
-    open_tags: ClassVar[tuple[str, ...]] = ()
     header: ClassVar[Any] = None
     tail: ClassVar[Any] = None
-    drop_after_call: ClassVar[tuple[str, ...]] = ()
     close_tag: ClassVar[str | None] = None
 
     _CONTENT, _HEADER, _ARGS, _TAIL, _BODY = range(5)
@@ -184,32 +216,6 @@ class TaggedJsonToolParser(ToolParser):
         self._args = None
         self._state = self._CONTENT
         self._after_call = strip_after
-
-    def _content(self, out: list[ParseEvent]) -> bool:
-        buf = self._buf
-        if self._after_call:
-            stripped = buf.lstrip()
-            for tag in self.drop_after_call:
-                if stripped.startswith(tag):
-                    self._buf = stripped[len(tag):]
-                    return True
-            if not stripped or partial_suffix(stripped, self.drop_after_call) == len(stripped):
-                return False  # only whitespace or a possible marker so far
-            buf = stripped
-            self._after_call = False
-        i, _ = find_first(buf, self.open_tags)
-        if i >= 0:
-            before = self._ws + buf[:i]
-            text = before.rstrip()
-            out += text_event("content", text)
-            self._ws, self._buf, self._state = before[len(text):], buf[i:], self._HEADER
-            return True
-        hold = partial_suffix(buf, self.open_tags)
-        body = self._ws + buf[: len(buf) - hold]
-        text = body.rstrip()
-        out += text_event("content", text)
-        self._ws, self._buf = body[len(text):], buf[len(buf) - hold:]
-        return False
 
     def finish(self) -> list[ParseEvent]:
         out: list[ParseEvent] = []
