@@ -167,7 +167,8 @@ class HybridExperts:
             tok, kpos = (flat == fid).nonzero(as_tuple=True)
             routes[fid] = _Route(fid, tok, kpos)
         plan = plan_step(self.cache, self.policy, {f: r.tok.numel() for f, r in routes.items()}, phase, step)
-        x_cpu = x.to("cpu") if plan.cpu else None  # D2H before the device work is enqueued
+        if plan.cpu:  # D2H before the device work is enqueued: a copy after it would wait for it
+            x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
         # summed in a fixed order: the result does not depend on which wave or branch computed a route
         routed = torch.zeros((T, topk_ids.shape[1], x.shape[1]), dtype=self.cache.dtype, device=x.device)  # [T, k, H]
@@ -188,7 +189,6 @@ class HybridExperts:
                 self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(wave)], routed)
         if plan.cpu:  # CPU branch, concurrent with the device work enqueued above
             out_cpu = torch.zeros((T, x.shape[1]), dtype=torch.float32)
-            w_cpu = topk_weights.to("cpu")
             work = [(f, routes[f].tok, w_cpu[routes[f].tok, routes[f].kpos]) for f in sorted(plan.cpu)]
             self.cpu.run(x_cpu, work, out_cpu)
             return (routed.sum(dim=1, dtype=torch.float32) + out_cpu.to(x.device)).to(x.dtype)
