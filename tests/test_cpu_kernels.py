@@ -41,6 +41,8 @@ SHAPES = {  # name: (H, I, experts in the pool)
 TOKENS = (1, 3, 8, 17)
 THREADS = (1, 2, 3)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# avx512bf16 (vdpbf16ps) has only a bf16-weight kernel: float32 weights stop at avx512 by design
+ISA_DTYPES = [(isa, d) for isa in native.ISA_LEVELS for d in DTYPES if not (isa == "avx512bf16" and d == "fp32")]
 TOL = {torch.bfloat16: 1e-3, torch.float32: 1e-5}  # max |error| / max |reference|
 
 _pools: dict = {}
@@ -123,8 +125,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+@pytest.mark.parametrize("isa,dtype", ISA_DTYPES)
 def test_kernels_match_float64_reference(isa, dtype, shape, T, threads):
     dtype = DTYPES[dtype]
     _skip_unsupported(isa, dtype)
