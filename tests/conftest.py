@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,19 +142,43 @@ class AgentServer:
             time.sleep(0.02)
 
 
-def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None,
-                       prefill_chunk_tokens: int | None = None, **app_options):
-    """Context manager: load ``model_dir`` (CPU), serve it as ``name``; yields an :class:`AgentServer`."""
-    import contextlib
+@contextlib.contextmanager
+def running_server(llm, served_model_name: str | None = None, **app_options) -> Iterator[str]:
+    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
     import socket
     import threading
     import time
 
     import uvicorn
 
+    from edgemoe.server.app import build_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(build_app(llm, served_model_name, **app_options), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
+def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None,
+                       prefill_chunk_tokens: int | None = None, **app_options):
+    """Context manager: load ``model_dir`` (CPU), serve it as ``name``; yields an :class:`AgentServer`."""
+    import contextlib
+
     from edgemoe.config import EngineConfig
     from edgemoe.engine.async_engine import AsyncLLM
-    from edgemoe.server.app import build_app
 
     @contextlib.contextmanager
     def run():
@@ -165,23 +191,8 @@ def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | Non
             eos = sorted(llm.engine.eos_token_ids)[0]
             scripts = ScriptedOutputs(tok, eos)
             llm.call_in_engine_thread(scripts.install, timeout=30)
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-            config = uvicorn.Config(build_app(llm, name, **app_options), log_level="warning", lifespan="off")
-            server = uvicorn.Server(config)
-            thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-            thread.start()
-            deadline = time.monotonic() + 20
-            while not server.started:
-                assert time.monotonic() < deadline, "uvicorn did not start"
-                time.sleep(0.02)
-            try:
-                yield AgentServer(llm, f"http://127.0.0.1:{port}", scripts, app_options.get("api_key"))
-            finally:
-                server.should_exit = True
-                thread.join(20)
-                sock.close()
+            with running_server(llm, name, **app_options) as base:
+                yield AgentServer(llm, base, scripts, app_options.get("api_key"))
         finally:
             llm.shutdown()
 

@@ -4,9 +4,7 @@ uvicorn server on 127.0.0.1 (a free port, run in a background thread)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,39 +14,16 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
-from edgemoe.server.app import build_app
+from conftest import running_server
 from edgemoe.server.parsers.think import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a brave little expert."}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-
-
-@contextlib.contextmanager
-def running_server(llm: AsyncLLM, served_model_name: str | None = None) -> Iterator[str]:
-    """Serve ``llm`` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(llm, served_model_name), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
 
 
 @dataclass
