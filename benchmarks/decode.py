@@ -32,6 +32,9 @@ from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure  # noqa: E402
 
 
+PREFILL_CHUNK = 8192
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -49,7 +52,8 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     dev = runner.device
     _sync(dev)
     t0 = time.perf_counter()
-    logits = runner.execute([StepInput(0, prompt, 0)], Phase.PREFILL)
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        logits = runner.execute([StepInput(0, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
     tok = int(logits[0].argmax())
     _sync(dev)
     prefill_s = time.perf_counter() - t0
@@ -76,7 +80,8 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     uses = d["hits"] + d["misses"]
     row = runner.pool.row_bytes
     return {
-        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9,
+        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt),
+        "decode_path": runner.decode_path,
         "tokens_per_s": tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
         "hit_rate": d["hits"] / uses if uses else 0.0,
         "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
@@ -123,6 +128,9 @@ def main(argv=None) -> int:
                     help="uniform: k distinct experts drawn uniformly per token and layer (no locality); "
                          "model: the (random) router's own choice")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling run")
+    ap.add_argument("--contexts", default="",
+                    help="extra all-resident runs at these context lengths (tokens), e.g. 8192,32768")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
 
@@ -132,7 +140,8 @@ def main(argv=None) -> int:
 
         model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset)
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
-                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, max_model_len=4096)
+                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
+                       max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]]))
     t0 = time.perf_counter()
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
@@ -156,10 +165,23 @@ def main(argv=None) -> int:
         r["budget_gb"] = "all (resident)"
         results.append(r)
         print(r, flush=True)
+        for ctx in [int(c) for c in a.contexts.split(",") if c]:
+            long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
+            r = run_one(runner, runner.pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed)
+            r["budget_gb"] = "all (resident)"
+            results.append(r)
+            print(r, flush=True)
+    resident_ms = next((r["ms_per_token"] for r in results if r["context"] == a.prompt_len), None)
+    b_p, b_h = runner.bandwidths.pcie, runner.bandwidths.cpu
     for gb in [float(x) for x in a.budgets.split(",") if x]:
         for pol in a.policies.split(","):
             r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
             r["budget_gb"] = gb
+            if resident_ms is not None and b_p and b_h:
+                # bytes-bound limit: the resident step plus the slower of the two concurrent miss branches
+                miss_ms = max(r["fills_per_token"] * row / (b_p * 1e9), r["cpu_per_token"] * row / (b_h * 1e9)) * 1e3
+                r["bound_ms"] = resident_ms + miss_ms
+                r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
             results.append(r)
             print(r, flush=True)
     meta = {
@@ -171,19 +193,22 @@ def main(argv=None) -> int:
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
         "bandwidths_used": {"b_p": runner.bandwidths.pcie, "b_h": runner.bandwidths.cpu, "source": runner.bandwidths.source},
-        "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
+        "decode_path": runner.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
-        f"| budget (GB) | policy | slots | tokens/s | ms/token | hit rate | fills/token | CPU experts/token | q*/m (policy) | q/m (observed) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| budget (GB) | policy | context | tokens/s | ms/token | bound ms | bound/measured | hit rate | fills/token "
+        "| CPU experts/token | q*/m (policy) | q/m (observed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
-        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['slots']} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.1f} | "
-                     f"{r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | {r['q_ratio_policy']:.3f} | {qo} |")
+        bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
+        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | "
+                     f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
+                     f"{r['q_ratio_policy']:.3f} | {qo} |")
     table = "\n".join(lines)
     (out / "decode.md").write_text(table + "\n")
     print(table)

@@ -61,6 +61,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-verify-weights", dest="verify_weights", action="store_false", default=None,
                    help="skip FTW bank checksums while loading")
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
+    g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+                   help="never capture CUDA graphs for decode")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -76,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace):
     kw["load_format"] = args.load_format
     kw["verify_weights"] = args.verify_weights
     kw["cpu_executor"] = args.cpu_executor
+    kw["enforce_eager"] = args.enforce_eager
     try:
         return EngineConfig.from_kwargs(**kw)
     except (TypeError, ValueError) as exc:

@@ -209,6 +209,7 @@ class EngineConfig:
         seed: seed for dummy weights.
         verify_weights: check FTW bank checksums while loading (``None`` = the default: on, unless
             ``EDGEMOE_FTW_VERIFY=0``).
+        enforce_eager: never capture CUDA graphs (decode still takes the device path on CUDA).
     """
 
     device: str = "auto"
@@ -229,6 +230,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     verify_weights: bool | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.expert_policy not in EXPERT_POLICIES:

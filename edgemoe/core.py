@@ -39,6 +39,24 @@ class SeqSlice:
 
 
 @dataclass
+class DecodeMeta:
+    """Fixed-shape decode metadata for the device path (Triton paged attention, CUDA graphs).
+
+    Attributes:
+        block_tables: ``[B, max_pages]`` int32 page ids of each sequence (padding rows point at a
+            scratch page).
+        context_lens: ``[B]`` int32 KV length of each sequence after this step.
+        valid: ``[B]`` bool, ``False`` on the padding rows of a captured batch size.
+        attn_scratch: partition buffers of ``edgemoe.kernels.decode_attention`` (reused by every layer).
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    valid: torch.Tensor
+    attn_scratch: object
+
+
+@dataclass
 class ForwardBatch:
     """Everything a forward step needs beyond the weights.
 
@@ -55,6 +73,8 @@ class ForwardBatch:
             topk_weights [T, k])``, called by every MoE layer right after its router (``moe_layer`` is
             the MoE-layer ordinal; weights as the experts receive them, i.e. after ``norm_topk_prob``).
             ``None`` when off (one attribute test per layer). See ``edgemoe.bench.trace.RoutingRecorder``.
+        decode: fixed-shape decode metadata when the step runs on the device decode path (CUDA),
+            else ``None`` (the per-sequence ``seqs`` path).
     """
 
     phase: Phase
@@ -65,6 +85,7 @@ class ForwardBatch:
     logits_index: torch.Tensor
     step: int = 0
     record: object | None = field(default=None, repr=False)
+    decode: DecodeMeta | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

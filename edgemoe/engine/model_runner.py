@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from edgemoe.config import EngineConfig, ModelConfig, parse_dtype
-from edgemoe.core import ForwardBatch, Phase, SeqSlice
+from edgemoe.core import DecodeMeta, ForwardBatch, Phase, SeqSlice
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
+from edgemoe.experts.device_decode import DeviceDecode, device_path_available
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import make_policy
 from edgemoe.experts.pool import HostExpertPool
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelRunner", "StepInput", "KVCacheFullError"]
 
 DEFAULT_MAX_MODEL_LEN = 32768
+GRAPH_BATCH_SIZES = (1, 2, 4, 8)  # decode batch sizes with a captured CUDA graph (smaller batches pad up)
 GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache is sized automatically
 
 
@@ -114,6 +116,8 @@ class ModelRunner:
                               self.dtype, self.device)
         for attn in attn_layers:
             attn.kv = self.kv
+        self._decode_inputs = None  # static decode inputs of the device path (built with the expert cache)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
         self.cpu_executor = make_cpu_executor(self.pool, config.cpu_threads, config.cpu_executor)
         self.cache = None
@@ -182,6 +186,31 @@ class ModelRunner:
                                      self.model_config.num_experts, self.device)
         for blk in self.model.moe_blocks():
             blk.experts = self.experts
+        self._setup_device_decode()
+
+    def _setup_device_decode(self) -> None:
+        """Enable the device decode path (routing control on the device, Triton kernels, CUDA graphs)
+        when CUDA and Triton are present and the cache has slots; otherwise decode takes the eager path."""
+        self.graphs.clear()
+        self.decode_path = "eager"
+        reason = device_path_available(self.device)
+        if reason is None and self.cache.num_slots == 0:
+            reason = "no expert cache slots"
+        if reason is not None:
+            self.decode_path_reason = reason
+            return
+        cfg, ecfg = self.model_config, self.engine_config
+        max_bs = max(ecfg.max_num_seqs, 1)
+        dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k, max_bs)
+        self.experts.device_decode = dd
+        if self._decode_inputs is None:
+            self._decode_inputs = _DecodeInputs(self, max_bs)
+        graphs = not ecfg.enforce_eager and dd.capturable and getattr(self.model, "supports_cuda_graphs", False)
+        self.decode_path = "device + CUDA graphs" if graphs else "device"
+        self.decode_path_reason = None if graphs else (
+            "--enforce-eager" if ecfg.enforce_eager else
+            "the CPU branch needs the native executor to be captured" if not dd.capturable else
+            "this architecture is not captured yet")
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -223,6 +252,13 @@ class ModelRunner:
             need += self.kv.pages_needed(inp.seq_id, end)
         if need > self.kv.free_pages:
             raise KVCacheFullError(f"KV cache full: step needs {need} pages, {self.kv.free_pages} free")
+        self._step += 1
+        if self.cache.num_slots:
+            self.cache.clock.fill_(self._step)
+        if phase is Phase.DECODE and self.experts.device_decode is not None:
+            for inp in inputs:
+                self.kv.allocate(inp.seq_id, inp.start_pos + 1)
+            return self._execute_device_decode(inputs)
         ids, pos, slots, seqs, last = [], [], [], [], []
         q = 0
         for inp in inputs:
@@ -235,7 +271,6 @@ class ModelRunner:
             q += n
             last.append(q - 1)
         dev = self.device
-        self._step += 1
         batch = ForwardBatch(
             phase=phase,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -247,6 +282,33 @@ class ModelRunner:
             record=self.record,
         )
         return self.model(batch)
+
+    def _execute_device_decode(self, inputs: list[StepInput]) -> torch.Tensor:
+        """A decode step on the device path: fixed-shape inputs, replayed from a CUDA graph when one is
+        captured for the (padded) batch size; the first step of each size runs eagerly and captures."""
+        B = len(inputs)
+        d = self._decode_inputs
+        sizes = [b for b in GRAPH_BATCH_SIZES if b >= B and b <= d.max_bs]
+        use_graphs = self.decode_path == "device + CUDA graphs" and self.record is None and sizes
+        bs = sizes[0] if use_graphs else B
+        batch = d.load(self, inputs, bs, self._step)
+        if use_graphs and bs in self.graphs:
+            graph, logits = self.graphs[bs]
+            graph.replay()
+            return logits[:B].clone()
+        logits = self.model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
+        if use_graphs:
+            self._capture(bs, batch)
+        return logits[:B]
+
+    def _capture(self, bs: int, batch: ForwardBatch) -> None:
+        """Capture the decode step for batch size ``bs`` over the static inputs (no kernel runs)."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph, pool=self._decode_inputs.graph_pool):
+            logits = self.model(batch)
+        self.graphs[bs] = (graph, logits)
+        log.info("captured the decode step for batch size %d", bs)
 
     # ------------------------------------------------------------------ reporting
     def expert_stats(self) -> dict:
@@ -283,5 +345,77 @@ class ModelRunner:
             f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",
             f"  bandwidth    B_P {fmt(bw.pcie)}, B_H {fmt(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}",
+            f"  decode path  {self.decode_path}" + (f" ({self.decode_path_reason})" if self.decode_path_reason else ""),
         ]
         return "\n".join(lines)
+
+
+class _DecodeInputs:
+    """Static (fixed-address) inputs of device-path decode steps, for batch sizes up to ``max_bs``.
+
+    A step of ``B`` sequences padded to ``bs`` rows fills rows ``[0, bs)``; padding rows decode token 0
+    at position 0 into a scratch KV page no sequence owns, attend to one key, and route like row 0
+    with weight 0 (``ForwardBatch.decode.valid``), so they change nothing a real row reads.
+    """
+
+    def __init__(self, runner: "ModelRunner", max_bs: int):
+        from edgemoe.kernels.decode_attention import make_scratch
+
+        dev, cfg, kv = runner.device, runner.model_config, runner.kv
+        self.max_bs = max_bs
+        self.max_pages = -(-runner.max_model_len // kv.page_size)
+        kv.allocate(_SCRATCH_SEQ, 1)  # the padding rows' page
+        self.scratch_page = int(kv.page_table(_SCRATCH_SEQ)[0])
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.kv_slots = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.logits_index = torch.arange(max_bs, dtype=i64, device=dev)
+        self.block_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, device=dev)
+        self.context_lens = torch.ones(max_bs, dtype=i32, device=dev)
+        self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        self.attn_scratch = make_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
+        self.graph_pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        # host staging: one pinned buffer per input, copied in with one transfer each
+        pin = dev.type == "cuda"
+        self._h_i64 = torch.zeros(3, max_bs, dtype=i64, pin_memory=pin)
+        self._h_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, pin_memory=pin)
+        self._h_lens = torch.zeros(max_bs, dtype=i32, pin_memory=pin)
+        self._h_valid = torch.zeros(max_bs, dtype=torch.bool, pin_memory=pin)
+
+    def load(self, runner: "ModelRunner", inputs: list[StepInput], bs: int, step: int) -> ForwardBatch:
+        """Write ``inputs`` (one token each; their KV pages already allocated) into rows ``[0, bs)``."""
+        kv, ps = runner.kv, runner.kv.page_size
+        h = self._h_i64
+        h[:, :bs] = 0
+        h[2, :bs] = self.scratch_page * ps
+        self._h_tables[:bs] = self.scratch_page
+        self._h_lens[:bs] = 1
+        self._h_valid[:bs] = False
+        seqs = []
+        for row, inp in enumerate(inputs):
+            pos = inp.start_pos
+            pages = kv.pages_of(inp.seq_id)
+            h[0, row], h[1, row] = inp.token_ids[0], pos
+            h[2, row] = pages[pos // ps] * ps + pos % ps
+            self._h_tables[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._h_lens[row] = pos + 1
+            self._h_valid[row] = True
+            seqs.append(SeqSlice(inp.seq_id, row, 1, pos + 1, None))
+        self.input_ids[:bs].copy_(h[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(h[1, :bs], non_blocking=True)
+        self.kv_slots[:bs].copy_(h[2, :bs], non_blocking=True)
+        self.block_tables[:bs].copy_(self._h_tables[:bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self._h_lens[:bs], non_blocking=True)
+        self.valid[:bs].copy_(self._h_valid[:bs], non_blocking=True)
+        if runner.device.type == "cuda":  # the staging buffers are rewritten by the next step
+            torch.cuda.current_stream(runner.device).synchronize()
+        return ForwardBatch(
+            phase=Phase.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            kv_slots=self.kv_slots[:bs], seqs=seqs, logits_index=self.logits_index[:bs], step=step,
+            record=runner.record,
+            decode=DecodeMeta(self.block_tables[:bs], self.context_lens[:bs], self.valid[:bs], self.attn_scratch),
+        )
+
+
+_SCRATCH_SEQ = -1  # KV pool owner id of the padding rows' scratch page

@@ -64,6 +64,7 @@ class ExpertCache:
         self.owner_of = torch.full((S,), -1, dtype=torch.int64)
         self.last_used = torch.full((S,), -1, dtype=torch.int64)
         self.pinned = torch.zeros(S, dtype=torch.bool)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=self.device)  # the LRU clock (model step)
         self.counters = {"prefill": CacheCounters(), "decode": CacheCounters()}
 
     @property

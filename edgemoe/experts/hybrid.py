@@ -123,6 +123,7 @@ class HybridExperts:
         self.pool, self.cache, self.policy, self.cpu = pool, cache, policy, cpu
         self.num_experts = num_experts
         self.device = torch.device(device)
+        self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
         if isinstance(policy, StaticPolicy):
             self.place_static()
 
@@ -160,6 +161,8 @@ class HybridExperts:
         Returns:
             ``[T, H]`` in ``x.dtype``: ``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``.
         """
+        if phase is Phase.DECODE and self.device_decode is not None:
+            return self.device_decode.forward(moe_layer, x, topk_ids, topk_weights)
         T = x.shape[0]
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
         routes: dict[int, _Route] = {}
@@ -228,4 +231,9 @@ class HybridExperts:
             routed[tok, kpos] = y * w[tok, kpos].to(dtype)[:, None]
 
     def stats(self) -> dict:
-        return {ph: c.as_dict() for ph, c in self.cache.counters.items()}
+        """Per-phase counters; decode includes the device path's counters (read with one sync)."""
+        out = {ph: c.as_dict() for ph, c in self.cache.counters.items()}
+        if self.device_decode is not None:
+            for key, v in self.device_decode.counter_dict().items():
+                out["decode"][key] += v
+        return out

@@ -23,9 +23,10 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
   ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
   during a step.
-- **CUDA-graph host node** (DESIGN.md §2, not wired yet): :meth:`NativeCpuExecutor.make_step`
-  registers buffers once and returns a :class:`RegisteredStep` whose ``fn_address``/``address`` are
-  ``void edgemoe_run_step(void*)`` and its argument, ready for ``cudaLaunchHostFunc``.
+- **CUDA-graph host node** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
+  buffers once and returns a :class:`RegisteredStep` whose ``fn_address``/``address`` are
+  ``void edgemoe_run_step(void*)`` and its argument; ``edgemoe/experts/device_decode.py`` enqueues it
+  with ``cudaLaunchHostFunc`` inside the captured decode step.
 """
 
 from __future__ import annotations
@@ -444,9 +445,11 @@ class NativeCpuExecutor:
         return self._core.sum_f32(t.data_ptr(), t.numel())
 
     def make_step(self, max_tokens: int, max_experts: int, max_routes: int | None = None,
-                  x_dtype: torch.dtype = torch.float32, zero_out: bool = True) -> "RegisteredStep":
-        """Register buffers for the C entry point (see :class:`RegisteredStep`)."""
-        return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out)
+                  x_dtype: torch.dtype = torch.float32, zero_out: bool = True,
+                  pin_memory: bool = False) -> "RegisteredStep":
+        """Register buffers for the C entry point (see :class:`RegisteredStep`); ``pin_memory``
+        page-locks them so device copies into and out of them are asynchronous (and capturable)."""
+        return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out, pin_memory)
 
 
 class RegisteredStep:
@@ -456,7 +459,7 @@ class RegisteredStep:
     the step into the buffers below (device→pinned-host copies or a kernel writing mapped memory),
     then ``cudaLaunchHostFunc(stream, fn_address, address)`` runs it with no Python involved.
 
-    Buffers (CPU tensors; pin them with ``cudaHostRegister`` for device access):
+    Buffers (CPU tensors, pinned when ``pin_memory``):
         x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call
         when ``zero_out``), dims int64 ``[2]`` = (T, n_experts), fids int64 ``[max_experts]``,
         offsets int64 ``[max_experts + 1]``, tok int64 ``[max_routes]``, wt float32 ``[max_routes]``.
@@ -466,20 +469,21 @@ class RegisteredStep:
     """
 
     def __init__(self, executor: NativeCpuExecutor, max_tokens: int, max_experts: int, max_routes: int | None,
-                 x_dtype: torch.dtype, zero_out: bool):
+                 x_dtype: torch.dtype, zero_out: bool, pin_memory: bool = False):
         if x_dtype not in X_FORMATS:
             raise ValueError(f"x_dtype must be float32 or bfloat16, got {x_dtype}")
         ext = load_extension()
         pool = executor.pool
         max_routes = int(max_routes if max_routes is not None else max_tokens * max_experts)
         self.executor = executor
-        self.x = torch.zeros(max_tokens, pool.hidden, dtype=x_dtype)
-        self.out = torch.zeros(max_tokens, pool.hidden, dtype=torch.float32)
-        self.dims = torch.zeros(2, dtype=torch.int64)
-        self.fids = torch.zeros(max_experts, dtype=torch.int64)
-        self.offsets = torch.zeros(max_experts + 1, dtype=torch.int64)
-        self.tok = torch.zeros(max_routes, dtype=torch.int64)
-        self.wt = torch.zeros(max_routes, dtype=torch.float32)
+        pm = dict(pin_memory=bool(pin_memory))
+        self.x = torch.zeros(max_tokens, pool.hidden, dtype=x_dtype, **pm)
+        self.out = torch.zeros(max_tokens, pool.hidden, dtype=torch.float32, **pm)
+        self.dims = torch.zeros(2, dtype=torch.int64, **pm)
+        self.fids = torch.zeros(max_experts, dtype=torch.int64, **pm)
+        self.offsets = torch.zeros(max_experts + 1, dtype=torch.int64, **pm)
+        self.tok = torch.zeros(max_routes, dtype=torch.int64, **pm)
+        self.wt = torch.zeros(max_routes, dtype=torch.float32, **pm)
         self._ext = ext
         self.address = ext.step_create(executor._core, pool.w13.data_ptr(), pool.w2.data_ptr(), pool.num_ids,
                                        pool.hidden, pool.intermediate, executor._fmt, X_FORMATS[x_dtype],

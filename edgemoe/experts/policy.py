@@ -46,6 +46,12 @@ class ExpertPolicy:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
 
+    def device_params(self) -> tuple[float, int]:
+        """``(ratio, q_min)`` such that ``num_fills(m) == clamp(floor(m·ratio + 0.5), min(q_min, m), m)``
+        for every ``m`` — the form the device-side routing control evaluates
+        (``edgemoe.kernels.route_control``)."""
+        raise NotImplementedError
+
 
 class QStarPolicy(ExpertPolicy):
     """``q = clamp(round(m·B_P/B_H), min(1, m), m)``; ``q = m`` when ``B_H ≤ B_P``.
@@ -72,6 +78,13 @@ class QStarPolicy(ExpertPolicy):
         q = math.floor(m * self.bw.pcie / self.bw.cpu + 0.5)
         return max(1, min(m, q))
 
+    def device_params(self) -> tuple[float, int]:
+        if self.bw.pcie is None or self.bw.cpu is None:
+            return 0.0, 0
+        if self.bw.cpu <= self.bw.pcie:
+            return 1.0, 0
+        return self.bw.pcie / self.bw.cpu, 1
+
 
 class FillAllPolicy(ExpertPolicy):
     """Every miss is transferred to the device (no CPU execution)."""
@@ -80,6 +93,9 @@ class FillAllPolicy(ExpertPolicy):
 
     def num_fills(self, m: int) -> int:
         return max(m, 0)
+
+    def device_params(self) -> tuple[float, int]:
+        return 1.0, 0
 
 
 class CpuAllPolicy(ExpertPolicy):
@@ -91,6 +107,9 @@ class CpuAllPolicy(ExpertPolicy):
 
     def num_fills(self, m: int) -> int:
         return 0
+
+    def device_params(self) -> tuple[float, int]:
+        return 0.0, 0
 
 
 class StaticPolicy(CpuAllPolicy):

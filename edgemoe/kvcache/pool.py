@@ -86,6 +86,10 @@ class PagedKVPool:
         for p in reversed(self._pages.pop(seq_id, [])):
             self._free.append(p)
 
+    def pages_of(self, seq_id: int) -> list[int]:
+        """Page ids of ``seq_id`` in token order (empty for an unknown id)."""
+        return list(self._pages.get(seq_id, ()))
+
     def page_table(self, seq_id: int) -> torch.Tensor:
         """``[num_pages_of_seq]`` int64 page ids of ``seq_id`` on the pool's device."""
         return torch.tensor(self._pages.get(seq_id, []), dtype=torch.int64, device=self.device)

@@ -87,5 +87,12 @@ class Qwen3Attention(nn.Module):
         kv = self.kv
         kv.k[self.attn_index].index_copy_(0, batch.kv_slots, k.to(kv.k.dtype))
         kv.v[self.attn_index].index_copy_(0, batch.kv_slots, v.to(kv.v.dtype))
-        o = paged_attention(q, kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
+        if batch.decode is not None:  # fixed-shape decode (device path, graph-capturable)
+            from edgemoe.kernels.decode_attention import paged_decode_attention
+
+            o = torch.empty_like(q)  # [B, Hq, D]
+            paged_decode_attention(q, kv.k[self.attn_index], kv.v[self.attn_index], batch.decode.block_tables,
+                                   batch.decode.context_lens, self.head_dim ** -0.5, o, batch.decode.attn_scratch)
+        else:
+            o = paged_attention(q, kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

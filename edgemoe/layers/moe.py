@@ -46,6 +46,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ids, weights = self.gate(x)
+        if batch.decode is not None:  # padding rows of a captured batch: route like row 0, weight 0
+            valid = batch.decode.valid[:, None]  # [T, 1]
+            ids = torch.where(valid, ids, ids[:1])
+            weights = weights * valid.to(weights.dtype)
         if batch.record is not None:
             batch.record(batch, self.moe_layer, ids, weights)
         return self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)

@@ -58,6 +58,8 @@ class Qwen3MoeForCausalLM(nn.Module):
     Build on the meta device, then let the weight loader materialize parameters.
     """
 
+    supports_cuda_graphs = True  # the decode step has fixed shapes on the device path
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
