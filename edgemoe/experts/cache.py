@@ -18,8 +18,10 @@ import torch
 class CacheCounters:
     """Per-phase counts of (layer, expert) uses, deduplicated over the tokens of a step.
 
-    ``hits``: resident when routed. ``misses``: not resident. ``fills``: misses copied into a slot.
-    ``cpu``: misses computed by the CPU executor (``misses == fills + cpu``).
+    ``hits``: resident when routed. ``misses``: not resident. ``fills``: experts copied into a slot.
+    ``cpu``: misses computed by the CPU executor. ``misses == fills + cpu``, except in a streamed
+    prefill step (``edgemoe.experts.prefill``), which copies every non-resident expert of each layer
+    before its routing is known: there ``cpu == 0`` and ``fills >= misses``.
     """
 
     hits: int = 0
@@ -122,6 +124,16 @@ class ExpertCache:
         self.owner_of[slot] = flat_id
         self.slot_of[flat_id] = slot
         self.last_used[slot] = step
+
+    def evict(self, slots: list[int]) -> None:
+        """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.int64)
+        owners = self.owner_of[idx]
+        self.slot_of[owners[owners >= 0]] = -1
+        self.owner_of[idx] = -1
+        self.last_used[idx] = -1
 
     def clear(self) -> None:
         """Drop all residency (data stays allocated)."""

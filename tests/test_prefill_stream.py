@@ -1,0 +1,260 @@
+"""Streamed (double-buffered) prefill on CPU: bit-identity with all-resident execution and with the
+wave path, residency tables, counters, the fallback, and decode after a streamed prefill."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, FillAllPolicy
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts.prefill import copy_runs, run_sorted_experts
+
+L, E, K, H, I = 3, 8, 2, 16, 8  # MoE layers, experts per layer, top-k, hidden, expert intermediate
+N = L * E
+
+
+def _pool(seed: int = 0) -> HostExpertPool:
+    torch.manual_seed(seed)
+    pool = HostExpertPool(N, H, I, torch.float32)
+    pool.w13.normal_()
+    pool.w2.normal_()
+    return pool
+
+
+def _hybrid(pool: HostExpertPool, slots: int, policy=None) -> HybridExperts:
+    cache = ExpertCache(slots, N, [(2 * I, H), (H, I)], torch.float32, torch.device("cpu"))
+    return HybridExperts(pool, cache, policy or FillAllPolicy(), TorchCpuExecutor(pool), E, torch.device("cpu"))
+
+
+def _routing(T: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per MoE layer ``(x [T, H], topk_ids [T, K], topk_weights [T, K])``; layer 0 leaves expert 7 unrouted."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in range(L):
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E - (layer == 0), generator=g)[:K] for _ in range(T)])
+        out.append((x, ids, torch.rand(T, K, generator=g)))
+    return out
+
+
+def _step(hy: HybridExperts, layers, phase: Phase, step: int) -> list[torch.Tensor]:
+    return [hy.forward(layer, x, ids, w, phase, step) for layer, (x, ids, w) in enumerate(layers)]
+
+
+def _dense(pool: HostExpertPool, layer: int, x, ids, w) -> torch.Tensor:
+    """float64 reference: ``Σ_k w · expert(x)``, token by token."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            f = layer * E + int(ids[t, j])
+            out[t] += float(w[t, j]) * swiglu_expert(x[t:t + 1].double(), pool.w13[f].double(), pool.w2[f].double())[0]
+    return out
+
+
+def _distinct(layers) -> int:
+    return sum(len(torch.unique(ids)) for _, ids, _ in layers)
+
+
+# (slots, streams): every expert; two regions + 4 spare; exactly two regions; too small -> waves
+CACHE_SIZES = [(N, True), (2 * E + 4, True), (2 * E, True), (2 * E - 1, False), (5, False)]
+
+
+@pytest.mark.parametrize("slots,streams", CACHE_SIZES)
+def test_streamed_prefill_is_bit_identical_to_all_resident(slots, streams):
+    pool = _pool()
+    resident = _hybrid(pool, N)
+    resident.prefill.mode = "off"  # the wave path, every expert resident after the first step
+    hy = _hybrid(pool, slots)
+    assert hy.prefill.can_stream(6 * K) is streams
+    routed = 0
+    for step, seed in enumerate((1, 2, 3), start=1):  # three chunks: cold cache, then warm ones
+        layers = _routing(6, seed)
+        routed += _distinct(layers)
+        ref = _step(resident, layers, Phase.PREFILL, step)
+        got = _step(hy, layers, Phase.PREFILL, step)
+        for layer, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b), f"step {step} layer {layer}"
+            x, ids, w = layers[layer]
+            torch.testing.assert_close(a.double(), _dense(pool, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+        hy.cache.check_invariants()
+        assert hy.cache.slots_used <= slots
+        c = hy.cache.counters["prefill"]
+        assert c.cpu == 0 and c.hits + c.misses == routed
+        if not streams:
+            assert c.misses == c.fills  # the wave path fills exactly the misses
+    # the cache holds exactly the rows the tables say
+    for slot, fid in enumerate(hy.cache.owner_of.tolist()):
+        if fid >= 0:
+            assert torch.equal(hy.cache.banks[0][slot], pool.w13[fid]) and torch.equal(hy.cache.banks[1][slot], pool.w2[fid])
+
+
+@pytest.mark.parametrize("mode", ["serial", "off"])
+def test_modes_agree_bit_for_bit(mode):
+    pool = _pool(1)
+    a, b = _hybrid(pool, 2 * E + 3), _hybrid(pool, 2 * E + 3)
+    b.prefill.mode = mode
+    for step in (1, 2):
+        layers = _routing(7, 10 + step)
+        for x, y in zip(_step(a, layers, Phase.PREFILL, step), _step(b, layers, Phase.PREFILL, step)):
+            assert torch.equal(x, y)
+    if mode == "serial":  # the same staging decisions, only the stream order differs
+        assert torch.equal(a.cache.owner_of, b.cache.owner_of)
+        assert a.cache.counters["prefill"].as_dict() == b.cache.counters["prefill"].as_dict()
+
+
+def test_exactly_two_regions_leave_the_last_two_layers_resident_with_counters():
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E)
+    layers = _routing(6, 5)
+    _step(hy, layers, Phase.PREFILL, 4)
+    c = hy.cache.counters["prefill"]
+    # cold cache: every expert of every layer is copied (layer 0's unrouted expert 7 too), none hit
+    assert (c.hits, c.misses, c.fills, c.cpu) == (0, _distinct(layers), N, 0)
+    assert sorted(hy.cache.owner_of.tolist()) == list(range(E, N))  # layers 1 and 2
+    assert hy.cache.last_used.tolist() == [4] * (2 * E)
+    hy.cache.check_invariants()
+    # the next streamed step chooses its regions anew: all 2E slots, so nothing survives to hit
+    _step(hy, _routing(6, 6), Phase.PREFILL, 5)
+    assert (c.hits, c.fills) == (0, 2 * N)
+
+
+def test_residents_outside_the_regions_are_hits_and_not_copied():
+    pool = _pool()
+    hy = _hybrid(pool, N - 2)  # all but two experts fit: regions take 2E, N - 2 - 2E stay resident
+    _step(hy, _routing(6, 1), Phase.PREFILL, 1)  # cold: free slots absorb the first layers
+    assert hy.cache.slots_used == N - 2
+    c = hy.cache.counters["prefill"]
+    fills_before = c.fills
+    assert fills_before == N  # every expert copied once
+    layers = _routing(6, 2)
+    kept = set(hy.cache.owner_of.tolist())
+    _step(hy, layers, Phase.PREFILL, 2)
+    # 2E slots were carved (their residents evicted), the other N - 2 - 2E residents were used in place
+    assert c.fills - fills_before == N - (N - 2 - 2 * E)
+    survivors = kept & set(hy.cache.owner_of.tolist())
+    assert len(survivors) >= N - 2 - 2 * E
+    hy.cache.check_invariants()
+
+
+def test_short_chunks_take_the_wave_path():
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E + 4)
+    layers = _routing(3, 7)  # T·k = 6 < E routes per layer
+    assert not hy.prefill.can_stream(3 * K)
+    out = _step(hy, layers, Phase.PREFILL, 1)
+    c = hy.cache.counters["prefill"]
+    assert c.fills == c.misses == _distinct(layers)  # only routed experts were copied
+    for layer, (x, ids, w) in enumerate(layers):
+        torch.testing.assert_close(out[layer].double(), _dense(pool, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+def test_unfinished_streamed_step_is_closed_by_the_next_call():
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E)
+    x, ids, w = _routing(6, 3)[0]
+    hy.forward(0, x, ids, w, Phase.PREFILL, 1)  # the step stops after its first MoE layer
+    hy.cache.check_invariants()
+    # a decode step follows: not claimed by the streamer, its result is exact
+    xd, idd = torch.randn(1, H), torch.tensor([[1, 2]])
+    got = hy.forward(1, xd, idd, torch.ones(1, 2), Phase.DECODE, 2)
+    torch.testing.assert_close(got.double(), _dense(pool, 1, xd, idd, torch.ones(1, 2)), rtol=1e-5, atol=1e-5)
+    layers = _routing(6, 4)  # and a new streamed prefill step runs from layer 0
+    for layer, out in enumerate(_step(hy, layers, Phase.PREFILL, 3)):
+        torch.testing.assert_close(out.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
+    hy.cache.check_invariants()
+
+
+def test_run_sorted_experts_matches_float64_reference():
+    pool = _pool(2)
+    g = torch.Generator().manual_seed(0)
+    T = 11
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ids[:, 1] = (ids[:, 0] + 1) % E  # distinct per token
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+    slots = list(range(E, 2 * E))  # layer 1's rows of the pool used as "slots"
+    routed = torch.full((T, K, H), float("nan"))
+    run_sorted_experts(x, w, order, counts, slots, pool.w13, pool.w2, routed)
+    torch.testing.assert_close(routed.sum(1).double(), _dense(pool, 1, x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+def test_copy_runs_coalesce_consecutive_ids_and_slots():
+    assert copy_runs([3, 4, 5, 9, 10], [0, 1, 2, 3, 4]) == [(3, 0, 3), (9, 3, 2)]
+    assert copy_runs([1, 2, 3], [5, 7, 8]) == [(1, 5, 1), (2, 7, 2)]
+    assert copy_runs([], []) == []
+
+
+# ---------------------------------------------------------------- through the model runner (tiny model)
+def _greedy(runner: ModelRunner, prompt: list[int], chunk: int, steps: int):
+    logits, pos = None, 0
+    while pos < len(prompt):  # chunked prefill
+        logits = runner.execute([StepInput(0, prompt[pos:pos + chunk], pos)], Phase.PREFILL)
+        pos += chunk
+    out, toks = [logits[0]], [int(logits[0].argmax())]
+    for i in range(steps):
+        logits = runner.execute([StepInput(0, [toks[-1]], len(prompt) + i)], Phase.DECODE)
+        out.append(logits[0])
+        toks.append(int(logits[0].argmax()))
+    runner.free(0)
+    return torch.stack(out), toks
+
+
+def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, EngineConfig(device="cpu", expert_policy="fill-all", expert_cache_slots=10**6,
+                                                      cpu_executor="torch"),
+                         progress=False)
+    E_, L_ = runner.model_config.num_experts, runner.model_config.num_moe_layers
+    prompt = [(7 * i + 3) % 1000 for i in range(40)]
+    runner.experts.prefill.mode = "off"
+    ref, rt = _greedy(runner, prompt, chunk=20, steps=4)
+    for slots, policy in [(2 * E_, "fill-all"), (2 * E_ + 7, "fill-all"), (2 * E_ + 7, "qstar")]:
+        if policy == "qstar":
+            runner.bandwidths = Bandwidths(10.0, 25.0, "test")
+        runner.set_expert_cache(slots, policy)
+        streamer, calls = runner.experts.prefill, []
+        forward = streamer.forward
+        streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
+        got, gt = _greedy(runner, prompt, chunk=20, steps=4)
+        assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= E = 16)
+        pf = runner.experts.stats()["prefill"]
+        assert pf["fills"] >= pf["misses"] > 0 and pf["cpu"] == 0
+        runner.cache.check_invariants()
+        assert gt == rt
+        assert torch.equal(got[0], ref[0])  # prefill logits: bit-identical
+        if policy == "fill-all":
+            assert torch.equal(got, ref)
+        else:  # qstar decode runs some misses on the CPU executor
+            assert runner.experts.stats()["decode"]["cpu"] > 0
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the benchmark's CPU smoke mode
+def test_prefill_benchmark_cpu_smoke(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
+    spec = importlib.util.spec_from_file_location("prefill_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rc = bench.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--slots", "32,40",
+                     "--chunk", "32", "--chunks", "2", "--bp-seconds", "0.05", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "prefill.json").read_text())
+    rows = res["results"]
+    assert {(r["slots"], r["mode"], r["chunk_index"]) for r in rows} == {
+        (s, m, c) for s in (32, 40) for m in ("overlap", "serial") for c in (0, 1)}
+    for r in rows:
+        assert r["streamed"] and r["seconds"] > 0 and r["transferred_bytes"] > 0
+        assert r["transferred_bytes"] == r["fills"] * res["meta"]["expert_bytes"]
+        assert r["ratio_to_routed_bound"] == pytest.approx(r["seconds"] / (r["routed_bytes"] / (res["meta"]["b_p_gbps"] * 1e9)))
+    assert "| 32 |" in (tmp_path / "prefill.md").read_text()
