@@ -3,6 +3,7 @@ wave path, residency tables, counters, the fallback, and decode after a streamed
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, FillAllPolicy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts import prefill as prefill_mod
 from edgemoe.experts.prefill import copy_runs, run_sorted_experts
 
 L, E, K, H, I = 3, 8, 2, 16, 8  # MoE layers, experts per layer, top-k, hidden, expert intermediate
@@ -76,10 +78,10 @@ def test_streamed_prefill_is_bit_identical_to_all_resident(slots, streams):
     resident = _hybrid(pool, N)
     resident.prefill.mode = "off"  # the wave path, every expert resident after the first step
     hy = _hybrid(pool, slots)
-    assert hy.prefill.can_stream(6 * K) is streams
+    assert hy.prefill.can_stream(10 * K) is streams
     routed = 0
     for step, seed in enumerate((1, 2, 3), start=1):  # three chunks: cold cache, then warm ones
-        layers = _routing(6, seed)
+        layers = _routing(10, seed)
         routed += _distinct(layers)
         ref = _step(resident, layers, Phase.PREFILL, step)
         got = _step(hy, layers, Phase.PREFILL, step)
@@ -105,7 +107,7 @@ def test_modes_agree_bit_for_bit(mode):
     a, b = _hybrid(pool, 2 * E + 3), _hybrid(pool, 2 * E + 3)
     b.prefill.mode = mode
     for step in (1, 2):
-        layers = _routing(7, 10 + step)
+        layers = _routing(9, 10 + step)
         for x, y in zip(_step(a, layers, Phase.PREFILL, step), _step(b, layers, Phase.PREFILL, step)):
             assert torch.equal(x, y)
     if mode == "serial":  # the same staging decisions, only the stream order differs
@@ -116,7 +118,7 @@ def test_modes_agree_bit_for_bit(mode):
 def test_exactly_two_regions_leave_the_last_two_layers_resident_with_counters():
     pool = _pool()
     hy = _hybrid(pool, 2 * E)
-    layers = _routing(6, 5)
+    layers = _routing(10, 5)
     _step(hy, layers, Phase.PREFILL, 4)
     c = hy.cache.counters["prefill"]
     # cold cache: every expert of every layer is copied (layer 0's unrouted expert 7 too), none hit
@@ -125,19 +127,19 @@ def test_exactly_two_regions_leave_the_last_two_layers_resident_with_counters():
     assert hy.cache.last_used.tolist() == [4] * (2 * E)
     hy.cache.check_invariants()
     # the next streamed step chooses its regions anew: all 2E slots, so nothing survives to hit
-    _step(hy, _routing(6, 6), Phase.PREFILL, 5)
+    _step(hy, _routing(10, 6), Phase.PREFILL, 5)
     assert (c.hits, c.fills) == (0, 2 * N)
 
 
 def test_residents_outside_the_regions_are_hits_and_not_copied():
     pool = _pool()
     hy = _hybrid(pool, N - 2)  # all but two experts fit: regions take 2E, N - 2 - 2E stay resident
-    _step(hy, _routing(6, 1), Phase.PREFILL, 1)  # cold: free slots absorb the first layers
+    _step(hy, _routing(10, 1), Phase.PREFILL, 1)  # cold: free slots absorb the first layers
     assert hy.cache.slots_used == N - 2
     c = hy.cache.counters["prefill"]
     fills_before = c.fills
     assert fills_before == N  # every expert copied once
-    layers = _routing(6, 2)
+    layers = _routing(10, 2)
     kept = set(hy.cache.owner_of.tolist())
     _step(hy, layers, Phase.PREFILL, 2)
     # 2E slots were carved (their residents evicted), the other N - 2 - 2E residents were used in place
@@ -150,8 +152,8 @@ def test_residents_outside_the_regions_are_hits_and_not_copied():
 def test_short_chunks_take_the_wave_path():
     pool = _pool()
     hy = _hybrid(pool, 2 * E + 4)
-    layers = _routing(3, 7)  # T·k = 6 < E routes per layer
-    assert not hy.prefill.can_stream(3 * K)
+    layers = _routing(7, 7)  # T·k = 14 < 2E routes per layer
+    assert not hy.prefill.can_stream(7 * K) and hy.prefill.can_stream(8 * K)
     out = _step(hy, layers, Phase.PREFILL, 1)
     c = hy.cache.counters["prefill"]
     assert c.fills == c.misses == _distinct(layers)  # only routed experts were copied
@@ -162,17 +164,88 @@ def test_short_chunks_take_the_wave_path():
 def test_unfinished_streamed_step_is_closed_by_the_next_call():
     pool = _pool()
     hy = _hybrid(pool, 2 * E)
-    x, ids, w = _routing(6, 3)[0]
+    x, ids, w = _routing(10, 3)[0]
     hy.forward(0, x, ids, w, Phase.PREFILL, 1)  # the step stops after its first MoE layer
     hy.cache.check_invariants()
     # a decode step follows: not claimed by the streamer, its result is exact
     xd, idd = torch.randn(1, H), torch.tensor([[1, 2]])
     got = hy.forward(1, xd, idd, torch.ones(1, 2), Phase.DECODE, 2)
     torch.testing.assert_close(got.double(), _dense(pool, 1, xd, idd, torch.ones(1, 2)), rtol=1e-5, atol=1e-5)
-    layers = _routing(6, 4)  # and a new streamed prefill step runs from layer 0
+    layers = _routing(10, 4)  # and a new streamed prefill step runs from layer 0
     for layer, out in enumerate(_step(hy, layers, Phase.PREFILL, 3)):
         torch.testing.assert_close(out.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
     hy.cache.check_invariants()
+
+
+def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
+    """The CUDA protocol, run on CPU with recording stand-ins for streams and events: layer l+1's copy
+    is issued on the copy stream before layer l computes, after the event of layer l-1's compute (the
+    region's previous reader); layer l's compute waits for the event after layer l's copy."""
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.id))
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.id = Event.count
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    compute_stream, copy_stream = Stream("compute"), Stream("copy")
+    current = [compute_stream]
+
+    @contextlib.contextmanager
+    def use(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: copy_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    run = prefill_mod.run_sorted_experts
+    monkeypatch.setattr(prefill_mod, "run_sorted_experts",
+                        lambda *a: (log.append(("compute", current[-1].name)), run(*a))[1])
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E + 2)
+    hy.prefill._cuda = True  # the CUDA branches, with the stand-ins above
+    hy.prefill._copy_stream = copy_stream
+    copy = hy.prefill._copy
+    hy.prefill._copy = lambda runs: (log.append(("copy", current[-1].name, runs[0][0] // E)), copy(runs))[1]
+    for step in (1, 2):
+        log.clear()
+        layers = _routing(10, step)
+        for layer, out in enumerate(_step(hy, layers, Phase.PREFILL, step)):
+            torch.testing.assert_close(out.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
+        assert log[0] == ("wait_stream", "copy", "compute")  # earlier steps' readers of the slots
+        copies = [i for i, e in enumerate(log) if e[0] == "copy"]
+        computes = [i for i, e in enumerate(log) if e[0] == "compute"]
+        assert [log[i][1:] for i in copies] == [("copy", layer) for layer in range(L)]
+        assert len(computes) == L and all(log[i][1] == "compute" for i in computes)
+        copy_done = [log[i + 1][2] for i in copies]  # the event recorded right after each layer's copy
+        compute_done = [log[i + 1][2] for i in computes]  # (the sum over k is not logged)
+        assert all(log[i + 1][:2] == ("record", "copy") for i in copies)
+        assert all(log[i + 1][:2] == ("record", "compute") for i in computes)
+        for layer in range(L):
+            if layer + 1 < L:
+                assert copies[layer + 1] < computes[layer]  # prefetch issued before this layer computes
+            prev = computes[layer - 1] if layer else 0
+            assert ("wait", "compute", copy_done[layer]) in log[prev:computes[layer]]
+            if layer >= 2:  # region reuse waits for the compute that last read it
+                assert log[copies[layer] - 1] == ("wait", "copy", compute_done[layer - 2])
 
 
 def test_run_sorted_experts_matches_float64_reference():
@@ -227,7 +300,7 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
         forward = streamer.forward
         streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
         got, gt = _greedy(runner, prompt, chunk=20, steps=4)
-        assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= E = 16)
+        assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= 2E = 32)
         pf = runner.experts.stats()["prefill"]
         assert pf["fills"] >= pf["misses"] > 0 and pf["cpu"] == 0
         runner.cache.check_invariants()
@@ -258,3 +331,15 @@ def test_prefill_benchmark_cpu_smoke(tmp_path):
         assert r["transferred_bytes"] == r["fills"] * res["meta"]["expert_bytes"]
         assert r["ratio_to_routed_bound"] == pytest.approx(r["seconds"] / (r["routed_bytes"] / (res["meta"]["b_p_gbps"] * 1e9)))
     assert "| 32 |" in (tmp_path / "prefill.md").read_text()
+
+
+def test_admit_many_and_evict_keep_tables_inverse():
+    c = ExpertCache(4, N, [(2, 2)], torch.float32, torch.device("cpu"))
+    c.admit(5, 0, 1)
+    c.admit_many([6, 7], [0, 2], 3)  # slot 0's resident (5) is evicted
+    assert c.owner_of.tolist() == [6, -1, 7, -1] and int(c.slot_of[5]) == -1 and c.last_used.tolist() == [3, -1, 3, -1]
+    with pytest.raises(RuntimeError):
+        c.admit_many([8, 7], [1, 3], 4)
+    c.evict([2, 3])
+    assert c.owner_of.tolist() == [6, -1, -1, -1] and int(c.slot_of[7]) == -1 and c.last_used.tolist() == [3, -1, -1, -1]
+    c.check_invariants()

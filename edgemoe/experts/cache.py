@@ -125,6 +125,23 @@ class ExpertCache:
         self.slot_of[flat_id] = slot
         self.last_used[slot] = step
 
+    def admit_many(self, flat_ids: list[int], slots: list[int], step: int) -> None:
+        """:meth:`admit` for many pairs at once (distinct ids, distinct slots): one vectorized update.
+
+        Raises:
+            RuntimeError: one of ``flat_ids`` is already resident.
+        """
+        if not flat_ids:
+            return
+        ids, idx = torch.tensor(flat_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+        prev = self.slot_of[ids]
+        if bool((prev >= 0).any()):
+            raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
+        self.evict(slots)
+        self.slot_of[ids] = idx
+        self.owner_of[idx] = ids
+        self.last_used[idx] = step
+
     def evict(self, slots: list[int]) -> None:
         """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""
         if not slots:

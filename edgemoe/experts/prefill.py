@@ -27,10 +27,10 @@ prefill step streams whole layers through the expert cache and is bound by the h
   :class:`~edgemoe.experts.hybrid.HybridExperts` does, so streamed prefill is bit-identical to
   all-resident execution.
 
-A step streams only when the policy streams prefill, the chunk has at least ``E`` routes per layer
-(``T·k ≥ E``: fewer tokens leave most of a layer's experts unrouted, and copying them all would cost
-more than the on-demand path saves), and the cache can give two regions (or its free slots hold
-every missing expert). Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill
+A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
+(then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
+chunk leaves many unrouted, and copying whole layers would move more bytes than the on-demand path
+copies), and the cache can give two regions (or its free slots hold every missing expert). Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill
 on demand (the fallback).
 """
 
@@ -45,6 +45,8 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import swiglu_expert
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
+
+STREAM_MIN_ROUTES_PER_EXPERT = 2  # a prefill step streams when T·k >= this x E
 
 PREFILL_MODES = ("overlap", "serial", "off")
 """``overlap``: copies on the copy stream, one layer ahead (the default). ``serial``: each layer's
@@ -154,7 +156,8 @@ class PrefillStreamer:
     def can_stream(self, routes: int) -> bool:
         """Whether a prefill step with ``routes`` ``(token, k)`` pairs per layer would stream now."""
         cache, E = self.cache, self.num_experts
-        if self.mode == "off" or not self.policy.streams_prefill or cache.num_slots == 0 or routes < E:
+        if (self.mode == "off" or not self.policy.streams_prefill or cache.num_slots == 0
+                or routes < STREAM_MIN_ROUTES_PER_EXPERT * E):
             return False
         if cache.evictable(exclude=[]) >= 2 * E:
             return True
@@ -217,8 +220,8 @@ class PrefillStreamer:
         if len(dest) < len(missing):
             raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts of layer {layer}")
         del cur.spare[:n_spare]
+        cache.admit_many([base + e for e in missing], dest, cur.step)
         for e, s in zip(missing, dest):
-            cache.admit(base + e, s, cur.step)
             slots[e] = s
         cache.counters[Phase.PREFILL.value].fills += len(missing)
         runs = copy_runs([base + e for e in missing], dest)
@@ -260,13 +263,12 @@ class PrefillStreamer:
             cur.staged[moe_layer + 1] = self._stage(moe_layer + 1, wait=cur.compute_done)
         flat = topk_ids.reshape(-1)  # [P]
         order = torch.argsort(flat, stable=True)  # [P]
-        counts_dev = torch.bincount(flat, minlength=E)  # [E]
+        counts = torch.bincount(flat, minlength=E).tolist()  # the layer's host sync: waits for the router
         # serial: this layer's copies go on the compute stream now, after its router, before its compute
         staged = cur.staged.pop(moe_layer) if overlap else self._stage(moe_layer, wait=None)
         compute = torch.cuda.current_stream(self.device) if self._cuda else None
         if staged.copy_done is not None:
             compute.wait_event(staged.copy_done)
-        counts = counts_dev.tolist()  # the layer's one host sync (waits for the router, not the copies)
         routed_e = [e for e, n in enumerate(counts) if n]
         hit_slots = [staged.slots[e] for e in routed_e if staged.resident[e]]
         counters = cache.counters[Phase.PREFILL.value]
