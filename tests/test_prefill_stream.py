@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -314,7 +315,8 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
 
 
 # ---------------------------------------------------------------- the benchmark's CPU smoke mode
-def test_prefill_benchmark_cpu_smoke(tmp_path):
+def test_prefill_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts its folders on sys.path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
     spec = importlib.util.spec_from_file_location("prefill_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
@@ -330,6 +332,8 @@ def test_prefill_benchmark_cpu_smoke(tmp_path):
         assert r["streamed"] and r["seconds"] > 0 and r["transferred_bytes"] > 0
         assert r["transferred_bytes"] == r["fills"] * res["meta"]["expert_bytes"]
         assert r["ratio_to_routed_bound"] == pytest.approx(r["seconds"] / (r["routed_bytes"] / (res["meta"]["b_p_gbps"] * 1e9)))
+    assert {(t["slots"], t["mode"], t["tokens"]) for t in res["prompts"]} == {
+        (s, m, 64) for s in (32, 40) for m in ("overlap", "serial")}
     assert "| 32 |" in (tmp_path / "prefill.md").read_text()
 
 
