@@ -111,6 +111,8 @@ def test_modes_agree_bit_for_bit(mode):
         layers = _routing(9, 10 + step)
         for x, y in zip(_step(a, layers, Phase.PREFILL, step), _step(b, layers, Phase.PREFILL, step)):
             assert torch.equal(x, y)
+    with pytest.raises(ValueError):
+        b.prefill.mode = "double"
     if mode == "serial":  # the same staging decisions, only the stream order differs
         assert torch.equal(a.cache.owner_of, b.cache.owner_of)
         assert a.cache.counters["prefill"].as_dict() == b.cache.counters["prefill"].as_dict()

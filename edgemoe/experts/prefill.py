@@ -30,8 +30,8 @@ prefill step streams whole layers through the expert cache and is bound by the h
 A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
 (then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
 chunk leaves many unrouted, and copying whole layers would move more bytes than the on-demand path
-copies), and the cache can give two regions (or its free slots hold every missing expert). Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill
-on demand (the fallback).
+copies), and the cache can give two regions (or its free slots hold every missing expert).
+Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on demand (the fallback).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class PrefillStreamer:
         device: compute device; on CUDA a copy stream is created.
 
     Attributes:
-        mode: one of :data:`PREFILL_MODES` (settable between steps).
+        mode: one of :data:`PREFILL_MODES` (settable between steps; ``ValueError`` for another value).
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, num_experts: int,
@@ -147,10 +147,20 @@ class PrefillStreamer:
         self.num_experts = num_experts
         self.num_layers = pool.num_ids // num_experts
         self.device = torch.device(device)
-        self.mode = "overlap"
+        self._mode = "overlap"
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._cur: _StreamedStep | None = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in PREFILL_MODES:
+            raise ValueError(f"prefill mode {value!r}: choose one of {PREFILL_MODES}")
+        self._mode = value
 
     # ------------------------------------------------------------------ step control
     def can_stream(self, routes: int) -> bool:
