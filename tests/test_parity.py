@@ -29,6 +29,7 @@ VARIANTS = {
 MODES = [
     ("fill-all", None),  # resident: slots = all experts (set below)
     ("fill-all", 5),
+    ("fill-all", 32),  # two staging regions of E slots: streamed prefill (edgemoe.experts.prefill)
     ("qstar", 5),
     ("cpu-all", 5),
     ("static", 5),

@@ -35,7 +35,7 @@ class ExpertCacheCollector:
     _COUNTERS = (
         ("hits", "edgemoe_expert_cache_hits", "Routed-expert uses served from the expert cache"),
         ("misses", "edgemoe_expert_cache_misses", "Routed-expert uses not resident in the expert cache"),
-        ("fills", "edgemoe_expert_cache_fills", "Misses copied host->device into a cache slot"),
+        ("fills", "edgemoe_expert_cache_fills", "Experts copied host->device into a cache slot (streamed prefill copies whole layers)"),
         ("cpu", "edgemoe_expert_cpu_executed", "Misses computed by the CPU executor from host memory"),
     )
 

@@ -18,8 +18,10 @@ import torch
 class CacheCounters:
     """Per-phase counts of (layer, expert) uses, deduplicated over the tokens of a step.
 
-    ``hits``: resident when routed. ``misses``: not resident. ``fills``: misses copied into a slot.
-    ``cpu``: misses computed by the CPU executor (``misses == fills + cpu``).
+    ``hits``: resident when routed. ``misses``: not resident. ``fills``: experts copied into a slot.
+    ``cpu``: misses computed by the CPU executor. ``misses == fills + cpu``, except in a streamed
+    prefill step (``edgemoe.experts.prefill``), which copies every non-resident expert of each layer
+    before its routing is known: there ``cpu == 0`` and ``fills >= misses``.
     """
 
     hits: int = 0
@@ -123,6 +125,33 @@ class ExpertCache:
         self.owner_of[slot] = flat_id
         self.slot_of[flat_id] = slot
         self.last_used[slot] = step
+
+    def admit_many(self, flat_ids: list[int], slots: list[int], step: int) -> None:
+        """:meth:`admit` for many pairs at once (distinct ids, distinct slots): one vectorized update.
+
+        Raises:
+            RuntimeError: one of ``flat_ids`` is already resident.
+        """
+        if not flat_ids:
+            return
+        ids, idx = torch.tensor(flat_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+        prev = self.slot_of[ids]
+        if bool((prev >= 0).any()):
+            raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
+        self.evict(slots)
+        self.slot_of[ids] = idx
+        self.owner_of[idx] = ids
+        self.last_used[idx] = step
+
+    def evict(self, slots: list[int]) -> None:
+        """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.int64)
+        owners = self.owner_of[idx]
+        self.slot_of[owners[owners >= 0]] = -1
+        self.owner_of[idx] = -1
+        self.last_used[idx] = -1
 
     def clear(self) -> None:
         """Drop all residency (data stays allocated)."""

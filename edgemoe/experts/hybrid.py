@@ -10,8 +10,11 @@ Per MoE layer and step (DESIGN.md §2):
    (device kernels are enqueued first and run asynchronously while the CPU computes);
 5. ``out = Σ_routes weight · expert(x)``: device and CPU partials are accumulated in float32 and added.
 
-Prefill under a streaming policy brings every needed expert through the cache in *waves* of at most
-the cache's evictable capacity, so it never exceeds the budget however small the cache is.
+Prefill under a streaming policy streams whole layers through two staging regions of the cache,
+copies of layer l+1 overlapping the compute of layer l (``edgemoe.experts.prefill``). When the cache
+cannot spare two layers' slots, or the chunk is short, every needed expert is brought through the
+cache on demand in *waves* of at most the cache's evictable capacity, so prefill never exceeds the
+budget however small the cache is.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
 from edgemoe.experts.policy import ExpertPolicy, StaticPolicy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts.prefill import PrefillStreamer
 
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
@@ -124,6 +128,7 @@ class HybridExperts:
         self.num_experts = num_experts
         self.device = torch.device(device)
         self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
+        self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device)
         if isinstance(policy, StaticPolicy):
             self.place_static()
 
@@ -161,6 +166,8 @@ class HybridExperts:
         Returns:
             ``[T, H]`` in ``x.dtype``: ``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``.
         """
+        if self.prefill.claims(moe_layer, phase, x.shape[0], topk_ids.shape[1], step):  # streamed prefill
+            return self.prefill.forward(moe_layer, x, topk_ids, topk_weights)
         if phase is Phase.DECODE and self.device_decode is not None:
             return self.device_decode.forward(moe_layer, x, topk_ids, topk_weights)
         T = x.shape[0]

@@ -1,0 +1,212 @@
+"""Prefill benchmark: time per chunk of the streamed (double-buffered) prefill against its PCIe bound.
+
+Loads the model once (``--load-format dummy`` by default: the full geometry from config.json, random
+weights, no disk), measures B_P on this machine (``edgemoe.experts.bandwidth.measure_copy`` over the
+pool), then for each expert-cache budget rebuilds the cache cold and prefills one prompt of
+``--chunks`` chunks of ``--chunk`` tokens (default 2 x 8192: an 8192-token chunk, and 16k as two
+chunks), once with copies overlapping compute (``overlap``) and once serialized on one stream
+(``serial``: each layer's copy, then its compute). Per chunk it reports the time, tokens/s, the
+expert bytes transferred (fills x bytes per expert), the bytes of all routed experts and the ratio
+
+    time / (bytes of all routed experts / B_P)       (issue target: <= 1.15 for an 8192-token chunk)
+
+beside the same ratio against the bytes actually transferred (residents outside the staging regions
+are not copied, so a larger cache transfers less). Writes ``prefill.json`` and ``prefill.md``.
+
+    python benchmarks/prefill.py --out results/                       # GPU host, Qwen3-30B-A3B geometry
+    python benchmarks/prefill.py --preset tiny --device cpu --slots 32,40 --chunk 32 --out /tmp/p  # smoke
+
+Routing is uniform by default (each token draws k distinct experts per layer): random-weight routers
+send nearly every token to the same few experts, which would not touch every expert as a real
+8192-token chunk does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import route_uniformly  # noqa: E402
+
+from edgemoe.config import EngineConfig  # noqa: E402
+from edgemoe.core import Phase  # noqa: E402
+from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
+from edgemoe.experts.bandwidth import measure_copy  # noqa: E402
+
+TARGET_RATIO = 1.15
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prompt: list[int], chunk: int,
+               b_p_gbps: float) -> list[dict]:
+    """Rebuild the expert cache (cold, ``slots`` slots), prefill ``prompt`` in chunks; one record per chunk."""
+    runner.set_expert_cache(slots, policy)
+    runner.experts.prefill.mode = mode
+    dev, row, k = runner.device, runner.pool.row_bytes, runner.model_config.top_k
+    rows = []
+    for c, start in enumerate(range(0, len(prompt), chunk)):
+        tokens = prompt[start:start + chunk]
+        streamed = runner.experts.prefill.can_stream(len(tokens) * k)
+        before = dict(runner.experts.stats()["prefill"])
+        _sync(dev)
+        t0 = time.perf_counter()
+        runner.execute([StepInput(0, tokens, start)], Phase.PREFILL)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        d = {key: v - before[key] for key, v in runner.experts.stats()["prefill"].items()}
+        routed_b, moved_b = (d["hits"] + d["misses"]) * row, d["fills"] * row
+        rows.append({
+            "slots": slots, "cache_gb": slots * row / 1e9, "policy": policy, "mode": mode, "streamed": streamed,
+            "chunk_index": c, "tokens": len(tokens), "context_end": start + len(tokens),
+            "seconds": dt, "tokens_per_s": len(tokens) / dt, **d,
+            "routed_bytes": routed_b, "transferred_bytes": moved_b,
+            "routed_bound_s": routed_b / (b_p_gbps * 1e9), "transfer_bound_s": moved_b / (b_p_gbps * 1e9),
+            "ratio_to_routed_bound": dt / (routed_b / (b_p_gbps * 1e9)) if routed_b else None,
+            "ratio_to_transfer_bound": dt / (moved_b / (b_p_gbps * 1e9)) if moved_b else None,
+            "effective_gbps": moved_b / dt / 1e9,
+        })
+    runner.free(0)
+    return rows
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: one row per (cache, chunk), the overlapped run beside the serialized one."""
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    by = {(r["slots"], r["chunk_index"], r["mode"]): r for r in results}
+    lines = [
+        "| cache (GB) | slots | chunk | tokens | streamed | time (s) | tokens/s | GB moved | GB routed | routed GB / B_P (s) "
+        "| ratio (≤ 1.15) | moved GB / B_P (s) | ratio to moved | serial time (s) | serial ratio | overlap speed-up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (slots, c, mode), r in by.items():
+        if mode != "overlap":
+            continue
+        s = by.get((slots, c, "serial"))
+        lines.append(
+            f"| {r['cache_gb']:.1f} | {slots} | {c} | {r['tokens']} | {'yes' if r['streamed'] else 'no (waves)'} "
+            f"| {f(r['seconds'], 3)} | {r['tokens_per_s']:.0f} | {r['transferred_bytes'] / 1e9:.2f} "
+            f"| {r['routed_bytes'] / 1e9:.2f} | {f(r['routed_bound_s'], 3)} | {f(r['ratio_to_routed_bound'])} "
+            f"| {f(r['transfer_bound_s'], 3)} | {f(r['ratio_to_transfer_bound'])} "
+            f"| {f(s and s['seconds'], 3)} | {f(s and s['ratio_to_routed_bound'])} "
+            f"| {f(s and s['seconds'] / r['seconds'])} |")
+    return "\n".join(lines)
+
+
+def prompt_totals(results: list[dict]) -> list[dict]:
+    """Whole-prompt figures per (cache, mode): the chunks' times summed (e.g. 16k tokens as two chunks)."""
+    totals: dict[tuple[int, str], dict] = {}
+    for r in results:
+        t = totals.setdefault((r["slots"], r["mode"]), {"slots": r["slots"], "cache_gb": r["cache_gb"], "mode": r["mode"],
+                                                        "tokens": 0, "seconds": 0.0, "transferred_bytes": 0})
+        t["tokens"] += r["tokens"]
+        t["seconds"] += r["seconds"]
+        t["transferred_bytes"] += r["transferred_bytes"]
+    for t in totals.values():
+        t["tokens_per_s"] = t["tokens"] / t["seconds"]
+    return list(totals.values())
+
+
+def totals_table(totals: list[dict]) -> str:
+    lines = ["| cache (GB) | slots | mode | prompt tokens | time (s) | tokens/s | GB moved |", "|---|---|---|---|---|---|---|"]
+    for t in totals:
+        lines.append(f"| {t['cache_gb']:.1f} | {t['slots']} | {t['mode']} | {t['tokens']} | {t['seconds']:.3f} "
+                     f"| {t['tokens_per_s']:.0f} | {t['transferred_bytes'] / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--budgets", default="8,16,32", help="expert-cache budgets in GB")
+    ap.add_argument("--slots", help="expert-cache sizes in slots (replaces --budgets; for small models)")
+    ap.add_argument("--policy", default="fill-all", help="expert policy (prefill streams under qstar and fill-all)")
+    ap.add_argument("--modes", default="overlap,serial")
+    ap.add_argument("--cpu-executor", default="torch", help="CPU executor (unused by streamed prefill; torch "
+                    "skips building the native one)")
+    ap.add_argument("--chunk", type=int, default=8192, help="tokens per prefill chunk")
+    ap.add_argument("--chunks", type=int, default=2, help="chunks of one prompt (2 x 8192 = a 16k prompt)")
+    ap.add_argument("--bp-seconds", type=float, default=1.0, help="seconds of the B_P measurement")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up prompt")
+    ap.add_argument("--routing", default="uniform", choices=["uniform", "model"])
+    ap.add_argument("--out", default=".", help="folder for prefill.json and prefill.md")
+    a = ap.parse_args(argv)
+
+    model = a.model
+    if model is None:
+        from edgemoe.weights.make_model import write_config_only
+
+        model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset)
+    total = a.chunk * a.chunks
+    cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
+                       expert_policy="cpu-all", cpu_executor=a.cpu_executor, max_model_len=total,
+                       kv_cache_tokens=total)
+    t0 = time.perf_counter()
+    runner = ModelRunner(model, cfg, progress=False)
+    load_s = time.perf_counter() - t0
+    measure_copy(runner.pool, runner.device, 0.05)  # warm-up
+    b_p = measure_copy(runner.pool, runner.device, a.bp_seconds)
+    if a.routing == "uniform":
+        route_uniformly(runner, seed=1)
+    print(runner.summary(), flush=True)
+    print(f"B_P {b_p:.1f} GB/s (measure_copy over the pool, {a.bp_seconds} s); load {load_s:.1f} s", flush=True)
+
+    row = runner.pool.row_bytes
+    sizes = ([int(s) for s in a.slots.split(",") if s] if a.slots
+             else [int(float(gb) * 1e9 // row) for gb in a.budgets.split(",") if gb])
+    modes = [m for m in a.modes.split(",") if m]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, runner.model_config.vocab_size, (total,), generator=g).tolist()
+    if not a.no_warmup:  # first-call costs (kernel selection, allocator growth) out of the timings
+        run_prompt(runner, sizes[0], a.policy, modes[0], prompt[:a.chunk], a.chunk, b_p)
+    results = []
+    for slots in sizes:
+        for mode in modes:
+            for r in run_prompt(runner, slots, a.policy, mode, prompt, a.chunk, b_p):
+                results.append(r)
+                print(f"cache {r['cache_gb']:.1f} GB ({slots} slots) {mode:8s} chunk {r['chunk_index']}: "
+                      f"{r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tok/s, {r['transferred_bytes'] / 1e9:.2f} GB moved, "
+                      f"ratio {r['ratio_to_routed_bound'] or 0:.3f}", flush=True)
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else None,
+                    "torch": torch.__version__},
+        "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
+        "moe_layers": runner.model_config.num_moe_layers, "experts_per_layer": runner.model_config.num_experts,
+        "top_k": runner.model_config.top_k, "expert_bytes": row, "pool_gb": runner.pool.nbytes / 1e9,
+        "pinned": runner.pinned, "load_s": load_s, "b_p_gbps": b_p, "b_p_applies": runner.device.type == "cuda",
+        "policy": a.policy, "chunk": a.chunk, "chunks": a.chunks, "routing": a.routing, "target_ratio": TARGET_RATIO,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    totals = prompt_totals(results)
+    (out / "prefill.json").write_text(json.dumps({"meta": meta, "results": results, "prompts": totals}, indent=2))
+    md = (f"B_P = {b_p:.1f} GB/s (measured in this run); expert {row / 1e6:.2f} MB; pool {runner.pool.nbytes / 1e9:.2f} GB; "
+          f"chunk {a.chunk} tokens x {a.chunks}; policy {a.policy}; routing {a.routing}\n\n{table(results)}\n\n"
+          f"Whole prompts ({a.chunks} chunks, cold cache at the start):\n\n{totals_table(totals)}\n")
+    (out / "prefill.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

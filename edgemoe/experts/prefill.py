@@ -1,0 +1,297 @@
+"""Double-buffered, layer-streamed prefill (DESIGN.md §3; FreeToken, arXiv 2608.16157, prefill).
+
+A prefill chunk of thousands of tokens routes to nearly every expert of every MoE layer, so a
+prefill step streams whole layers through the expert cache and is bound by the host→device link:
+
+- **Staging regions.** At the start of a streamed step, two groups of ``E`` slots (``E`` = experts
+  per layer) are carved out of the expert cache itself: the ``2E`` least recently used evictable
+  slots, whose residents are evicted. MoE layer ``l`` stages into region ``l % 2``. Free slots left
+  outside the regions are used first (an expert staged there stays resident, so a cold cache warms
+  during its first prefill). When the free slots can take every non-resident expert of the model,
+  no region is carved.
+- **What is copied.** A layer's routing is unknown before its router runs, so every expert of layer
+  ``l + 1`` that is not resident is copied; a resident expert is used from its slot.
+- **Overlap.** When layer ``l``'s MoE block starts, layer ``l + 1``'s copies are issued on a dedicated
+  copy stream, after an event recorded when layer ``l − 1``'s expert compute finished (the region
+  held ``l − 1``). Layer ``l``'s expert compute waits on the event recorded after layer ``l``'s copies,
+  which were issued one layer earlier. The first MoE layer of a step issues its own copies (and
+  layer 1's). On a CPU device the copies are plain copies in program order.
+- **Residency.** Staged experts are admitted into the residency tables as they are staged
+  (``last_used`` = the step), and evicted when their region slot is reused two layers later; after
+  the step the regions hold the last two layers' experts as ordinary residents, so decode hits them.
+  Regions are chosen anew at every streamed step.
+- **Compute.** The ``[T·k]`` routes are sorted by expert once on the device (stable ``argsort``); each
+  expert multiplies its contiguous block of routes (a Python loop with device-side indices; the
+  per-expert route counts come to the host once per layer). Each ``(token, k)`` route lands in its own
+  row of ``routed [T, k, H]`` and the ``k`` rows are summed in a fixed order, exactly as
+  :class:`~edgemoe.experts.hybrid.HybridExperts` does, so streamed prefill is bit-identical to
+  all-resident execution.
+
+A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
+(then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
+chunk leaves many unrouted, and copying whole layers would move more bytes than the on-demand path
+copies), and the cache can give two regions (or its free slots hold every missing expert).
+Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on demand (the fallback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from edgemoe.core import Phase
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import swiglu_expert
+from edgemoe.experts.policy import ExpertPolicy
+from edgemoe.experts.pool import HostExpertPool
+
+STREAM_MIN_ROUTES_PER_EXPERT = 2  # a prefill step streams when T·k >= this x E
+
+PREFILL_MODES = ("overlap", "serial", "off")
+"""``overlap``: copies on the copy stream, one layer ahead (the default). ``serial``: each layer's
+copies on the compute stream right before its compute (single buffer; the baseline the benchmark
+reports beside ``overlap``). ``off``: never stream (every prefill step takes the wave path)."""
+
+
+def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """Coalesce ``(flat id, slot)`` pairs into runs ``(first id, first slot, length)`` where both advance by 1.
+
+    One copy per bank and run replaces one per expert (the pool's rows and the cache's slots are
+    contiguous along their first dimension).
+    """
+    runs: list[tuple[int, int, int]] = []
+    for f, s in zip(fids, slots):
+        if runs and f == runs[-1][0] + runs[-1][2] and s == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((f, s, 1))
+    return runs
+
+
+def run_sorted_experts(x: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor, counts: list[int],
+                       slots: list[int], w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor) -> None:
+    """Compute every route of one MoE layer, routes grouped by expert, into ``routed``.
+
+    Args:
+        x: ``[T, H]`` hidden states (any float dtype; cast to the weights' dtype).
+        topk_weights: ``[T, k]`` router weights.
+        order: ``[T·k]`` int64, a *stable* argsort of ``topk_ids.reshape(-1)``: the flat routes
+            ``t·k + j`` of expert 0, then expert 1, ..., each in increasing ``(t, j)`` order.
+        counts: host list of ``E`` route counts per expert (``bincount`` of the routed ids).
+        slots: host list of ``E`` cache slots; ``slots[e]`` holds expert ``e`` (read only where ``counts[e] > 0``).
+        w13: ``[S, 2I, H]`` and ``w2``: ``[S, H, I]``, the cache's slot banks.
+        routed: ``[T, k, H]`` in the weights' dtype; every row is overwritten with
+            ``topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])``.
+
+    Each expert sees its tokens in the same order and count as the per-expert loop of
+    ``HybridExperts`` (reference: ``Qwen3MoeExperts.forward``), so results are bit-identical to it.
+    """
+    k = topk_weights.shape[1]
+    dtype = w13.dtype
+    xd = x.to(dtype)  # [T, H]
+    tok = order // k  # [P] token of each sorted route
+    wts = topk_weights.reshape(-1).index_select(0, order).to(dtype)  # [P]
+    out = routed.view(-1, routed.shape[-1])  # [P, H], row t·k + j
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        y = swiglu_expert(xd.index_select(0, tok.narrow(0, start, n)), w13[slots[e]], w2[slots[e]])  # [n, H]
+        out.index_copy_(0, order.narrow(0, start, n), y * wts.narrow(0, start, n)[:, None])
+        start += n
+
+
+@dataclass
+class _StagedLayer:
+    """One MoE layer's experts for this step: ``slots[e]`` (resident or staged), ``resident[e]`` (resident
+    before staging: a hit when routed), ``copy_done`` (CUDA event after its copies; ``None`` when none
+    are pending on the copy stream)."""
+
+    slots: list[int]
+    resident: list[bool]
+    copy_done: torch.cuda.Event | None
+
+
+@dataclass
+class _StreamedStep:
+    """State of the streamed prefill step in progress (lives from its first MoE layer to its last)."""
+
+    step: int
+    regions: tuple[list[int], list[int]]
+    spare: list[int]  # free slots outside the regions, used first; what is staged there stays resident
+    routed: torch.Tensor  # [T, k, H], reused by every layer of the step
+    next_layer: int = 0
+    staged: dict[int, _StagedLayer] = field(default_factory=dict)
+    compute_done: torch.cuda.Event | None = None  # recorded after the previous layer's expert compute
+
+
+class PrefillStreamer:
+    """The streamed prefill path of :class:`~edgemoe.experts.hybrid.HybridExperts` (module docstring).
+
+    Args:
+        pool: host expert pool (source rows, ``[N, ...]`` banks).
+        cache: device expert cache (staging regions are its slots; its tables and prefill counters
+            are updated).
+        policy: prefill streams only when ``policy.streams_prefill``.
+        num_experts: ``E``, experts per MoE layer.
+        device: compute device; on CUDA a copy stream is created.
+
+    Attributes:
+        mode: one of :data:`PREFILL_MODES` (settable between steps; ``ValueError`` for another value).
+    """
+
+    def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, num_experts: int,
+                 device: torch.device):
+        self.pool, self.cache, self.policy = pool, cache, policy
+        self.num_experts = num_experts
+        self.num_layers = pool.num_ids // num_experts
+        self.device = torch.device(device)
+        self._mode = "overlap"
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._cur: _StreamedStep | None = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in PREFILL_MODES:
+            raise ValueError(f"prefill mode {value!r}: choose one of {PREFILL_MODES}")
+        self._mode = value
+
+    # ------------------------------------------------------------------ step control
+    def can_stream(self, routes: int) -> bool:
+        """Whether a prefill step with ``routes`` ``(token, k)`` pairs per layer would stream now."""
+        cache, E = self.cache, self.num_experts
+        if (self.mode == "off" or not self.policy.streams_prefill or cache.num_slots == 0
+                or routes < STREAM_MIN_ROUTES_PER_EXPERT * E):
+            return False
+        if cache.evictable(exclude=[]) >= 2 * E:
+            return True
+        return len(self._free_slots()) >= int((cache.slot_of < 0).sum())
+
+    def claims(self, moe_layer: int, phase: Phase, num_tokens: int, top_k: int, step: int) -> bool:
+        """Whether :meth:`forward` serves this MoE layer's call (``HybridExperts.forward`` asks first).
+
+        A streamed step starts at MoE layer 0 of a prefill step that :meth:`can_stream`, and claims
+        its layers in order. A streamed step left unfinished (an error between layers) is closed: the
+        compute stream is ordered after its pending copies, whose experts the tables already list.
+        """
+        cur = self._cur
+        if cur is not None and phase is Phase.PREFILL and cur.step == step and cur.next_layer == moe_layer:
+            return True
+        if cur is not None:
+            if self._cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self._cur = None
+        if phase is not Phase.PREFILL or moe_layer != 0 or not self.can_stream(num_tokens * top_k):
+            return False
+        self._begin(step, num_tokens, top_k)
+        return True
+
+    def _free_slots(self) -> list[int]:
+        c = self.cache
+        return ((c.owner_of < 0) & ~c.pinned).nonzero().flatten().tolist()
+
+    def _begin(self, step: int, num_tokens: int, top_k: int) -> None:
+        cache, E = self.cache, self.num_experts
+        free = self._free_slots()
+        if len(free) >= int((cache.slot_of < 0).sum()):
+            regions: tuple[list[int], list[int]] = ([], [])
+        else:
+            victims = cache.choose_victims(2 * E, exclude=[])
+            cache.evict(victims)
+            regions = (sorted(victims[:E]), sorted(victims[E:]))
+            free = sorted(set(free) - set(victims))
+        if self._cuda:  # earlier steps' kernels may still read the slots about to be overwritten
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.dtype, device=self.device)
+        self._cur = _StreamedStep(step, regions, free, routed)
+        if self.mode == "overlap":
+            self._cur.staged[0] = self._stage(0, wait=None)
+
+    # ------------------------------------------------------------------ staging
+    def _stage(self, layer: int, wait: torch.cuda.Event | None) -> _StagedLayer:
+        """Admit layer ``layer``'s non-resident experts into spare slots, then its region, and copy them.
+
+        ``wait``: event the copies wait for (the compute that last read the region). Copies go on the
+        copy stream in ``overlap`` mode on CUDA, else on the current stream.
+        """
+        cur, cache, E = self._cur, self.cache, self.num_experts
+        base = layer * E
+        slots = cache.slot_of[base:base + E].tolist()
+        resident = [s >= 0 for s in slots]
+        missing = [e for e in range(E) if not resident[e]]
+        n_spare = min(len(missing), len(cur.spare))
+        dest = cur.spare[:n_spare] + cur.regions[layer % 2][:len(missing) - n_spare]
+        if len(dest) < len(missing):
+            raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts of layer {layer}")
+        del cur.spare[:n_spare]
+        cache.admit_many([base + e for e in missing], dest, cur.step)
+        for e, s in zip(missing, dest):
+            slots[e] = s
+        cache.counters[Phase.PREFILL.value].fills += len(missing)
+        runs = copy_runs([base + e for e in missing], dest)
+        if not (runs and self._cuda and self.mode == "overlap"):
+            self._copy(runs)
+            return _StagedLayer(slots, resident, None)
+        stream = self._copy_stream
+        with torch.cuda.stream(stream):
+            if wait is not None:
+                stream.wait_event(wait)
+            self._copy(runs)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return _StagedLayer(slots, resident, done)
+
+    def _copy(self, runs: list[tuple[int, int, int]]) -> None:
+        non_blocking = self.pool.pinned and self._cuda
+        for fid, slot, n in runs:
+            for dst, src in zip(self.cache.banks, self.pool.banks()):
+                dst[slot:slot + n].copy_(src[fid:fid + n], non_blocking=non_blocking)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed-expert output of one MoE layer of the streamed step (call only after :meth:`claims`).
+
+        Args:
+            moe_layer: MoE layer ordinal; layers come in order ``0 .. L-1``.
+            x: ``[T, H]`` hidden states on the compute device.
+            topk_ids: ``[T, k]`` int64 expert indices within the layer.
+            topk_weights: ``[T, k]`` router weights.
+
+        Returns:
+            ``[T, H]`` in ``x.dtype``: ``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``, summed
+            in float32 over ``k`` in order (as ``HybridExperts.forward``).
+        """
+        cur, cache, E = self._cur, self.cache, self.num_experts
+        overlap = self.mode == "overlap"
+        if overlap and moe_layer + 1 < self.num_layers:  # issued before this layer's host sync below
+            cur.staged[moe_layer + 1] = self._stage(moe_layer + 1, wait=cur.compute_done)
+        flat = topk_ids.reshape(-1)  # [P]
+        order = torch.argsort(flat, stable=True)  # [P]
+        counts = torch.bincount(flat, minlength=E).tolist()  # the layer's host sync: waits for the router
+        # serial: this layer's copies go on the compute stream now, after its router, before its compute
+        staged = cur.staged.pop(moe_layer) if overlap else self._stage(moe_layer, wait=None)
+        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        if staged.copy_done is not None:
+            compute.wait_event(staged.copy_done)
+        routed_e = [e for e, n in enumerate(counts) if n]
+        hit_slots = [staged.slots[e] for e in routed_e if staged.resident[e]]
+        counters = cache.counters[Phase.PREFILL.value]
+        counters.hits += len(hit_slots)
+        counters.misses += len(routed_e) - len(hit_slots)
+        cache.touch(hit_slots, cur.step)
+        w13, w2 = cache.banks
+        run_sorted_experts(x, topk_weights, order, counts, staged.slots, w13, w2, cur.routed)
+        out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
+        if overlap and self._cuda:
+            cur.compute_done = torch.cuda.Event()
+            cur.compute_done.record(compute)
+        cur.next_layer = moe_layer + 1
+        if cur.next_layer == self.num_layers:
+            self._cur = None
+        return out

@@ -1,0 +1,351 @@
+"""Streamed (double-buffered) prefill on CPU: bit-identity with all-resident execution and with the
+wave path, residency tables, counters, the fallback, and decode after a streamed prefill."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, FillAllPolicy
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts import prefill as prefill_mod
+from edgemoe.experts.prefill import copy_runs, run_sorted_experts
+
+L, E, K, H, I = 3, 8, 2, 16, 8  # MoE layers, experts per layer, top-k, hidden, expert intermediate
+N = L * E
+
+
+def _pool(seed: int = 0) -> HostExpertPool:
+    torch.manual_seed(seed)
+    pool = HostExpertPool(N, H, I, torch.float32)
+    pool.w13.normal_()
+    pool.w2.normal_()
+    return pool
+
+
+def _hybrid(pool: HostExpertPool, slots: int, policy=None) -> HybridExperts:
+    cache = ExpertCache(slots, N, [(2 * I, H), (H, I)], torch.float32, torch.device("cpu"))
+    return HybridExperts(pool, cache, policy or FillAllPolicy(), TorchCpuExecutor(pool), E, torch.device("cpu"))
+
+
+def _routing(T: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per MoE layer ``(x [T, H], topk_ids [T, K], topk_weights [T, K])``; layer 0 leaves expert 7 unrouted."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in range(L):
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E - (layer == 0), generator=g)[:K] for _ in range(T)])
+        out.append((x, ids, torch.rand(T, K, generator=g)))
+    return out
+
+
+def _step(hy: HybridExperts, layers, phase: Phase, step: int) -> list[torch.Tensor]:
+    return [hy.forward(layer, x, ids, w, phase, step) for layer, (x, ids, w) in enumerate(layers)]
+
+
+def _dense(pool: HostExpertPool, layer: int, x, ids, w) -> torch.Tensor:
+    """float64 reference: ``Σ_k w · expert(x)``, token by token."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            f = layer * E + int(ids[t, j])
+            out[t] += float(w[t, j]) * swiglu_expert(x[t:t + 1].double(), pool.w13[f].double(), pool.w2[f].double())[0]
+    return out
+
+
+def _distinct(layers) -> int:
+    return sum(len(torch.unique(ids)) for _, ids, _ in layers)
+
+
+# (slots, streams): every expert; two regions + 4 spare; exactly two regions; too small -> waves
+CACHE_SIZES = [(N, True), (2 * E + 4, True), (2 * E, True), (2 * E - 1, False), (5, False)]
+
+
+@pytest.mark.parametrize("slots,streams", CACHE_SIZES)
+def test_streamed_prefill_is_bit_identical_to_all_resident(slots, streams):
+    pool = _pool()
+    resident = _hybrid(pool, N)
+    resident.prefill.mode = "off"  # the wave path, every expert resident after the first step
+    hy = _hybrid(pool, slots)
+    assert hy.prefill.can_stream(10 * K) is streams
+    routed = 0
+    for step, seed in enumerate((1, 2, 3), start=1):  # three chunks: cold cache, then warm ones
+        layers = _routing(10, seed)
+        routed += _distinct(layers)
+        ref = _step(resident, layers, Phase.PREFILL, step)
+        got = _step(hy, layers, Phase.PREFILL, step)
+        for layer, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b), f"step {step} layer {layer}"
+            x, ids, w = layers[layer]
+            torch.testing.assert_close(a.double(), _dense(pool, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+        hy.cache.check_invariants()
+        assert hy.cache.slots_used <= slots
+        c = hy.cache.counters["prefill"]
+        assert c.cpu == 0 and c.hits + c.misses == routed
+        if not streams:
+            assert c.misses == c.fills  # the wave path fills exactly the misses
+    # the cache holds exactly the rows the tables say
+    for slot, fid in enumerate(hy.cache.owner_of.tolist()):
+        if fid >= 0:
+            assert torch.equal(hy.cache.banks[0][slot], pool.w13[fid]) and torch.equal(hy.cache.banks[1][slot], pool.w2[fid])
+
+
+@pytest.mark.parametrize("mode", ["serial", "off"])
+def test_modes_agree_bit_for_bit(mode):
+    pool = _pool(1)
+    a, b = _hybrid(pool, 2 * E + 3), _hybrid(pool, 2 * E + 3)
+    b.prefill.mode = mode
+    for step in (1, 2):
+        layers = _routing(9, 10 + step)
+        for x, y in zip(_step(a, layers, Phase.PREFILL, step), _step(b, layers, Phase.PREFILL, step)):
+            assert torch.equal(x, y)
+    with pytest.raises(ValueError):
+        b.prefill.mode = "double"
+    if mode == "serial":  # the same staging decisions, only the stream order differs
+        assert torch.equal(a.cache.owner_of, b.cache.owner_of)
+        assert a.cache.counters["prefill"].as_dict() == b.cache.counters["prefill"].as_dict()
+
+
+def test_exactly_two_regions_leave_the_last_two_layers_resident_with_counters():
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E)
+    layers = _routing(10, 5)
+    _step(hy, layers, Phase.PREFILL, 4)
+    c = hy.cache.counters["prefill"]
+    # cold cache: every expert of every layer is copied (layer 0's unrouted expert 7 too), none hit
+    assert (c.hits, c.misses, c.fills, c.cpu) == (0, _distinct(layers), N, 0)
+    assert sorted(hy.cache.owner_of.tolist()) == list(range(E, N))  # layers 1 and 2
+    assert hy.cache.last_used.tolist() == [4] * (2 * E)
+    hy.cache.check_invariants()
+    # the next streamed step chooses its regions anew: all 2E slots, so nothing survives to hit
+    _step(hy, _routing(10, 6), Phase.PREFILL, 5)
+    assert (c.hits, c.fills) == (0, 2 * N)
+
+
+def test_residents_outside_the_regions_are_hits_and_not_copied():
+    pool = _pool()
+    hy = _hybrid(pool, N - 2)  # all but two experts fit: regions take 2E, N - 2 - 2E stay resident
+    _step(hy, _routing(10, 1), Phase.PREFILL, 1)  # cold: free slots absorb the first layers
+    assert hy.cache.slots_used == N - 2
+    c = hy.cache.counters["prefill"]
+    fills_before = c.fills
+    assert fills_before == N  # every expert copied once
+    layers = _routing(10, 2)
+    kept = set(hy.cache.owner_of.tolist())
+    _step(hy, layers, Phase.PREFILL, 2)
+    # 2E slots were carved (their residents evicted), the other N - 2 - 2E residents were used in place
+    assert c.fills - fills_before == N - (N - 2 - 2 * E)
+    survivors = kept & set(hy.cache.owner_of.tolist())
+    assert len(survivors) >= N - 2 - 2 * E
+    hy.cache.check_invariants()
+
+
+def test_short_chunks_take_the_wave_path():
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E + 4)
+    layers = _routing(7, 7)  # T·k = 14 < 2E routes per layer
+    assert not hy.prefill.can_stream(7 * K) and hy.prefill.can_stream(8 * K)
+    out = _step(hy, layers, Phase.PREFILL, 1)
+    c = hy.cache.counters["prefill"]
+    assert c.fills == c.misses == _distinct(layers)  # only routed experts were copied
+    for layer, (x, ids, w) in enumerate(layers):
+        torch.testing.assert_close(out[layer].double(), _dense(pool, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+def test_unfinished_streamed_step_is_closed_by_the_next_call():
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E)
+    x, ids, w = _routing(10, 3)[0]
+    hy.forward(0, x, ids, w, Phase.PREFILL, 1)  # the step stops after its first MoE layer
+    hy.cache.check_invariants()
+    # a decode step follows: not claimed by the streamer, its result is exact
+    xd, idd = torch.randn(1, H), torch.tensor([[1, 2]])
+    got = hy.forward(1, xd, idd, torch.ones(1, 2), Phase.DECODE, 2)
+    torch.testing.assert_close(got.double(), _dense(pool, 1, xd, idd, torch.ones(1, 2)), rtol=1e-5, atol=1e-5)
+    layers = _routing(10, 4)  # and a new streamed prefill step runs from layer 0
+    for layer, out in enumerate(_step(hy, layers, Phase.PREFILL, 3)):
+        torch.testing.assert_close(out.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
+    hy.cache.check_invariants()
+
+
+def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
+    """The CUDA protocol, run on CPU with recording stand-ins for streams and events: layer l+1's copy
+    is issued on the copy stream before layer l computes, after the event of layer l-1's compute (the
+    region's previous reader); layer l's compute waits for the event after layer l's copy."""
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.id))
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.id = Event.count
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    compute_stream, copy_stream = Stream("compute"), Stream("copy")
+    current = [compute_stream]
+
+    @contextlib.contextmanager
+    def use(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: copy_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    run = prefill_mod.run_sorted_experts
+    monkeypatch.setattr(prefill_mod, "run_sorted_experts",
+                        lambda *a: (log.append(("compute", current[-1].name)), run(*a))[1])
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E + 2)
+    hy.prefill._cuda = True  # the CUDA branches, with the stand-ins above
+    hy.prefill._copy_stream = copy_stream
+    copy = hy.prefill._copy
+    hy.prefill._copy = lambda runs: (log.append(("copy", current[-1].name, runs[0][0] // E)), copy(runs))[1]
+    for step in (1, 2):
+        log.clear()
+        layers = _routing(10, step)
+        for layer, out in enumerate(_step(hy, layers, Phase.PREFILL, step)):
+            torch.testing.assert_close(out.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
+        assert log[0] == ("wait_stream", "copy", "compute")  # earlier steps' readers of the slots
+        copies = [i for i, e in enumerate(log) if e[0] == "copy"]
+        computes = [i for i, e in enumerate(log) if e[0] == "compute"]
+        assert [log[i][1:] for i in copies] == [("copy", layer) for layer in range(L)]
+        assert len(computes) == L and all(log[i][1] == "compute" for i in computes)
+        copy_done = [log[i + 1][2] for i in copies]  # the event recorded right after each layer's copy
+        compute_done = [log[i + 1][2] for i in computes]  # (the sum over k is not logged)
+        assert all(log[i + 1][:2] == ("record", "copy") for i in copies)
+        assert all(log[i + 1][:2] == ("record", "compute") for i in computes)
+        for layer in range(L):
+            if layer + 1 < L:
+                assert copies[layer + 1] < computes[layer]  # prefetch issued before this layer computes
+            prev = computes[layer - 1] if layer else 0
+            assert ("wait", "compute", copy_done[layer]) in log[prev:computes[layer]]
+            if layer >= 2:  # region reuse waits for the compute that last read it
+                assert log[copies[layer] - 1] == ("wait", "copy", compute_done[layer - 2])
+
+
+def test_run_sorted_experts_matches_float64_reference():
+    pool = _pool(2)
+    g = torch.Generator().manual_seed(0)
+    T = 11
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ids[:, 1] = (ids[:, 0] + 1) % E  # distinct per token
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+    slots = list(range(E, 2 * E))  # layer 1's rows of the pool used as "slots"
+    routed = torch.full((T, K, H), float("nan"))
+    run_sorted_experts(x, w, order, counts, slots, pool.w13, pool.w2, routed)
+    torch.testing.assert_close(routed.sum(1).double(), _dense(pool, 1, x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+def test_copy_runs_coalesce_consecutive_ids_and_slots():
+    assert copy_runs([3, 4, 5, 9, 10], [0, 1, 2, 3, 4]) == [(3, 0, 3), (9, 3, 2)]
+    assert copy_runs([1, 2, 3], [5, 7, 8]) == [(1, 5, 1), (2, 7, 2)]
+    assert copy_runs([], []) == []
+
+
+# ---------------------------------------------------------------- through the model runner (tiny model)
+def _greedy(runner: ModelRunner, prompt: list[int], chunk: int, steps: int):
+    logits, pos = None, 0
+    while pos < len(prompt):  # chunked prefill
+        logits = runner.execute([StepInput(0, prompt[pos:pos + chunk], pos)], Phase.PREFILL)
+        pos += chunk
+    out, toks = [logits[0]], [int(logits[0].argmax())]
+    for i in range(steps):
+        logits = runner.execute([StepInput(0, [toks[-1]], len(prompt) + i)], Phase.DECODE)
+        out.append(logits[0])
+        toks.append(int(logits[0].argmax()))
+    runner.free(0)
+    return torch.stack(out), toks
+
+
+def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, EngineConfig(device="cpu", expert_policy="fill-all", expert_cache_slots=10**6,
+                                                      cpu_executor="torch"),
+                         progress=False)
+    E_, L_ = runner.model_config.num_experts, runner.model_config.num_moe_layers
+    prompt = [(7 * i + 3) % 1000 for i in range(40)]
+    runner.experts.prefill.mode = "off"
+    ref, rt = _greedy(runner, prompt, chunk=20, steps=4)
+    for slots, policy in [(2 * E_, "fill-all"), (2 * E_ + 7, "fill-all"), (2 * E_ + 7, "qstar")]:
+        if policy == "qstar":
+            runner.bandwidths = Bandwidths(10.0, 25.0, "test")
+        runner.set_expert_cache(slots, policy)
+        streamer, calls = runner.experts.prefill, []
+        forward = streamer.forward
+        streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
+        got, gt = _greedy(runner, prompt, chunk=20, steps=4)
+        assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= 2E = 32)
+        pf = runner.experts.stats()["prefill"]
+        assert pf["fills"] >= pf["misses"] > 0 and pf["cpu"] == 0
+        runner.cache.check_invariants()
+        assert gt == rt
+        assert torch.equal(got[0], ref[0])  # prefill logits: bit-identical
+        if policy == "fill-all":
+            assert torch.equal(got, ref)
+        else:  # qstar decode runs some misses on the CPU executor
+            assert runner.experts.stats()["decode"]["cpu"] > 0
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the benchmark's CPU smoke mode
+def test_prefill_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts its folders on sys.path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
+    spec = importlib.util.spec_from_file_location("prefill_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rc = bench.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--slots", "32,40",
+                     "--chunk", "32", "--chunks", "2", "--bp-seconds", "0.05", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "prefill.json").read_text())
+    rows = res["results"]
+    assert {(r["slots"], r["mode"], r["chunk_index"]) for r in rows} == {
+        (s, m, c) for s in (32, 40) for m in ("overlap", "serial") for c in (0, 1)}
+    for r in rows:
+        assert r["streamed"] and r["seconds"] > 0 and r["transferred_bytes"] > 0
+        assert r["transferred_bytes"] == r["fills"] * res["meta"]["expert_bytes"]
+        assert r["ratio_to_routed_bound"] == pytest.approx(r["seconds"] / (r["routed_bytes"] / (res["meta"]["b_p_gbps"] * 1e9)))
+    assert {(t["slots"], t["mode"], t["tokens"]) for t in res["prompts"]} == {
+        (s, m, 64) for s in (32, 40) for m in ("overlap", "serial")}
+    assert "| 32 |" in (tmp_path / "prefill.md").read_text()
+
+
+def test_admit_many_and_evict_keep_tables_inverse():
+    c = ExpertCache(4, N, [(2, 2)], torch.float32, torch.device("cpu"))
+    c.admit(5, 0, 1)
+    c.admit_many([6, 7], [0, 2], 3)  # slot 0's resident (5) is evicted
+    assert c.owner_of.tolist() == [6, -1, 7, -1] and int(c.slot_of[5]) == -1 and c.last_used.tolist() == [3, -1, 3, -1]
+    with pytest.raises(RuntimeError):
+        c.admit_many([8, 7], [1, 3], 4)
+    c.evict([2, 3])
+    assert c.owner_of.tolist() == [6, -1, -1, -1] and int(c.slot_of[7]) == -1 and c.last_used.tolist() == [3, -1, -1, -1]
+    c.check_invariants()
