@@ -24,6 +24,7 @@ from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
+from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
 from edgemoe.models import model_class
 from edgemoe.weights.bootstrap import FALLBACK_POLICY, pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
@@ -114,6 +115,12 @@ class ModelRunner:
                               self.dtype, self.device)
         for attn in attn_layers:
             attn.kv = self.kv
+        # hybrid models: one recurrent-state slot per sequence the engine runs at once
+        spec = self.model.state_spec()
+        self.state = None if spec is None else RecurrentStatePool(spec, config.max_num_seqs, self.dtype, self.device)
+        if self.state is not None:
+            for layer in self.model.state_layers():
+                layer.state = self.state
 
         self.cpu_executor = make_cpu_executor(self.pool, config.cpu_threads, config.cpu_executor)
         self.cache = None
@@ -192,10 +199,56 @@ class ModelRunner:
         return self.kv.free_tokens()
 
     def can_allocate(self, seq_id: int, total_len: int) -> bool:
-        return self.kv.can_allocate(seq_id, total_len)
+        return self.kv.can_allocate(seq_id, total_len) and (self.state is None or self.state.can_hold(seq_id))
 
     def free(self, seq_id: int) -> None:
         self.kv.free(seq_id)
+        if self.state is not None:
+            self.state.free(seq_id)
+
+    def snapshot_state(self, seq_id: int) -> StateSnapshot:
+        """A copy of ``seq_id``'s recurrent state (conv + delta-rule memory of every linear layer) after
+        its last step; opaque to callers, for :meth:`restore_state`.
+
+        Raises:
+            ValueError: the model has no recurrent state. KeyError: ``seq_id`` holds no state.
+        """
+        if self.state is None:
+            raise ValueError(f"{self.model_config.architecture} has no recurrent state")
+        return self.state.snapshot(seq_id)
+
+    def restore_state(self, seq_id: int, snapshot: StateSnapshot) -> None:
+        """Make ``snapshot`` the recurrent state of ``seq_id`` (a slot is allocated if it holds none).
+        The caller provides the matching KV (the snapshot's token count) and continues with
+        ``start_pos`` = that count.
+
+        Raises:
+            ValueError: no recurrent state, or a snapshot of another geometry.
+            StateSlotsFullError: ``seq_id`` holds no slot and none is free.
+        """
+        if self.state is None:
+            raise ValueError(f"{self.model_config.architecture} has no recurrent state")
+        self.state.restore(seq_id, snapshot)
+
+    def _state_slots(self, inputs: list[StepInput]) -> list[int | None]:
+        """Each input's recurrent-state slot; a sequence's first chunk (``start_pos == 0``) gets a zeroed one.
+
+        Raises:
+            StateSlotsFullError: more new sequences than free slots (nothing allocated then).
+            ValueError: a continuing sequence (``start_pos > 0``) without a state.
+        """
+        if self.state is None:
+            return [None] * len(inputs)
+        new = [inp.seq_id for inp in inputs if inp.start_pos == 0 and self.state.slot(inp.seq_id) is None]
+        if len(new) > self.state.free_slots:
+            raise StateSlotsFullError(f"recurrent-state slots full: step needs {len(new)}, "
+                                      f"{self.state.free_slots} free of {self.state.num_slots}")
+        for inp in inputs:
+            if inp.start_pos > 0 and self.state.slot(inp.seq_id) is None:
+                raise ValueError(f"sequence {inp.seq_id}: starts at position {inp.start_pos} without a recurrent "
+                                 "state (restore a state snapshot first; cached KV alone cannot resume it)")
+        return [self.state.allocate(inp.seq_id) if inp.start_pos == 0 else self.state.slot(inp.seq_id)
+                for inp in inputs]
 
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
@@ -210,8 +263,10 @@ class ModelRunner:
             ``[len(inputs), vocab]`` float32 logits of each sequence's last new token, on ``self.device``.
 
         Raises:
-            KVCacheFullError: not enough free KV pages for all inputs (nothing allocated then).
-            ValueError: an empty input or a sequence longer than ``max_model_len``.
+            KVCacheFullError: not enough free KV pages for all inputs, or (``StateSlotsFullError``) not
+                enough recurrent-state slots for the new sequences (nothing allocated then).
+            ValueError: an empty input, a sequence longer than ``max_model_len``, or (hybrid models) a
+                continuing sequence without a recurrent state.
         """
         need = 0
         for inp in inputs:
@@ -223,15 +278,16 @@ class ModelRunner:
             need += self.kv.pages_needed(inp.seq_id, end)
         if need > self.kv.free_pages:
             raise KVCacheFullError(f"KV cache full: step needs {need} pages, {self.kv.free_pages} free")
+        state_slots = self._state_slots(inputs)
         ids, pos, slots, seqs, last = [], [], [], [], []
         q = 0
-        for inp in inputs:
+        for inp, state_slot in zip(inputs, state_slots):
             n, end = len(inp.token_ids), inp.start_pos + len(inp.token_ids)
             self.kv.allocate(inp.seq_id, end)
             ids.extend(inp.token_ids)
             pos.extend(range(inp.start_pos, end))
             slots.append(self.kv.slots(inp.seq_id, inp.start_pos, end))
-            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id)))
+            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id), state_slot))
             q += n
             last.append(q - 1)
         dev = self.device
@@ -245,6 +301,7 @@ class ModelRunner:
             logits_index=torch.tensor(last, dtype=torch.int64, device=dev),
             step=self._step,
             record=self.record,
+            state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
         return self.model(batch)
 
@@ -284,4 +341,7 @@ class ModelRunner:
             f"  bandwidth    B_P {fmt(bw.pcie)}, B_H {fmt(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}",
         ]
+        if self.state is not None:
+            lines.append(f"  state        {self.state.spec.num_layers} linear-attention layers, {self.state.num_slots} "
+                         f"sequence slots = {self.state.nbytes / 1e9:.3f} GB")
         return "\n".join(lines)

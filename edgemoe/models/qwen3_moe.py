@@ -58,6 +58,8 @@ class Qwen3MoeForCausalLM(nn.Module):
     Build on the meta device, then let the weight loader materialize parameters.
     """
 
+    skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors a text-only server skips: none
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -68,6 +70,10 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Qwen3Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def state_spec(self) -> None:
+        """No recurrent state: every layer is full attention."""
+        return None
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
