@@ -103,7 +103,8 @@ def conditional(tiny, tmp_path_factory):
     model = Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
     H = cfg.text_config.hidden_size
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in tensors and any(k.startswith("model.visual.") for k in tensors)
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in tensors  # fused, as released
+    assert any(k.startswith("model.visual.") for k in tensors)
     tensors.update({"mtp.fc.weight": torch.randn(H, 2 * H), "mtp.norm.weight": torch.zeros(H),
                     "mtp.layers.0.mlp.experts.gate_up_proj": torch.randn(16, 64, H)})
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -144,10 +145,11 @@ def test_35b_preset_geometry(tmp_path):
     cfg = ModelConfig.from_hf(out)
     assert cfg.vocab_size == 248320 and cfg.hidden_size == 2048 and cfg.num_layers == 40
     assert cfg.layer_types.count("full_attention") == 10 and cfg.layer_types[3::4] == ("full_attention",) * 10
-    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert (cfg.num_experts, cfg.top_k) == (256, 8)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (512, 512)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.partial_rotary_factor) == (16, 2, 256, 0.25)
-    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (
-        16, 32, 128, 128)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 32)
+    assert (cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (128, 128)
     assert cfg.rope_parameters["rope_theta"] == 1e7 and cfg.max_position_embeddings == 262144
     assert abs(cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel() * 2 / 1e9 - 64.4) < 0.05  # bf16 experts
     from edgemoe.models import model_class
@@ -161,6 +163,17 @@ def test_35b_preset_geometry(tmp_path):
     assert model.state_spec() == StateSpec(num_layers=30, conv_dim=8192, conv_width=3, num_heads=32,
                                            k_head_dim=128, v_head_dim=128)
     assert len(model.attention_layers()) == 10
+
+
+def test_35b_preset_config_only_serves_dummy_weights(tmp_path):
+    """``make-model --config-only`` + ``--load-format dummy`` (the speed-run path), at a reduced depth/width."""
+    small = {"hidden_size": 128, "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+             "num_experts": 8, "vocab_size": 1024}
+    out = write_config_only(tmp_path / "c", "qwen3_5_moe", "qwen3.6-35b-a3b", overrides=small)
+    runner = ModelRunner(out, _engine_config(load_format="dummy", dtype="bfloat16"), progress=False)
+    assert runner.state.spec.conv_width == 3 and runner.state.recurrent.dtype == torch.float32
+    logits, toks = _greedy(runner, PROMPT[:20], 2)
+    assert logits.shape == (3, 1024) and torch.isfinite(logits).all()
 
 
 # ------------------------------------------------------------------------------------------------ delta rule
@@ -358,6 +371,20 @@ def test_state_slots_full_is_kv_pressure(tiny):
     assert runner.kv.pages_needed(2, 4) == 1  # nothing was allocated for the refused sequence
 
 
+def test_failed_step_drops_partly_updated_states(tiny, monkeypatch):
+    runner = ModelRunner(tiny[0], _engine_config(), progress=False)
+    runner.execute([StepInput(1, PROMPT[:6], 0), StepInput(2, PROMPT[:9], 0)], Phase.PREFILL)
+    full_attention = runner.model.attention_layers()[1]  # after the first DeltaNet layers updated their states
+    monkeypatch.setattr(full_attention, "forward", lambda x, batch: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        runner.execute([StepInput(1, [5], 6), StepInput(2, [5], 9)], Phase.DECODE)
+    monkeypatch.undo()
+    assert runner.state.free_slots == runner.state.num_slots
+    with pytest.raises(ValueError, match="without a recurrent state"):
+        runner.execute([StepInput(1, [5], 6)], Phase.DECODE)
+    assert runner.execute([StepInput(1, PROMPT[:7], 0)], Phase.PREFILL).shape[0] == 1  # a restart works
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -371,15 +398,18 @@ def _variant(src, tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda sd: sd.pop("model.layers.2.linear_attn.A_log"), r"missing tensor\(s\) \['model\.layers\.2\.linear_attn\.A_log'\]"),
+    (lambda sd: sd.pop("model.layers.2.linear_attn.A_log"),
+     r"missing tensor\(s\) \['model\.layers\.2\.linear_attn\.A_log'\]"),
     (lambda sd: sd.__setitem__("model.layers.0.linear_attn.conv1d.weight", torch.zeros(128, 1, 3)),
-     r"model\.safetensors: tensor model\.layers\.0\.linear_attn\.conv1d\.weight has shape \(128, 1, 3\), expected \(128, 1, 4\)"),
+     r"model\.safetensors: tensor model\.layers\.0\.linear_attn\.conv1d\.weight has shape \(128, 1, 3\), "
+     r"expected \(128, 1, 4\)"),
     (lambda sd: sd.__setitem__("model.layers.1.linear_attn.A_log", torch.zeros(4)),
      r"unexpected tensor model\.layers\.1\.linear_attn\.A_log"),  # layer 1 is full attention
     (lambda sd: sd.__setitem__("model.language_model.norm.weight", torch.zeros(64)),
      r"unexpected tensor model\.language_model\.norm\.weight"),  # the other layout's prefix
     (lambda sd: sd.pop("model.layers.3.mlp.experts.7.down_proj.weight"), r"MoE layer ordinal 3 expert 7 down_proj"),
-    (lambda sd: sd.pop("model.layers.3.mlp.shared_expert_gate.weight"), r"model\.layers\.3\.mlp\.shared_expert_gate\.weight"),
+    (lambda sd: sd.pop("model.layers.3.mlp.shared_expert_gate.weight"),
+     r"model\.layers\.3\.mlp\.shared_expert_gate\.weight"),
 ], ids=["missing", "shape", "wrong-layer-kind", "wrong-prefix", "missing-expert", "missing-shared-gate"])
 def test_broken_checkpoint_names_the_tensor(tiny, tmp_path, edit, match):
     d = _variant(tiny[0], tmp_path, edit)
@@ -412,10 +442,12 @@ def test_preset_is_the_transformers_layout(tiny):
     saved = load_file(tiny[0] / "model.safetensors")
     cfg = json.loads((tiny[0] / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["model_type"] == "qwen3_5_moe_text"
-    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in saved and "model.layers.1.self_attn.q_proj.weight" in saved
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in saved
+    assert "model.layers.1.self_attn.q_proj.weight" in saved and "model.layers.1.linear_attn.A_log" not in saved
     assert saved["model.layers.1.self_attn.q_proj.weight"].shape == (4 * 32 * 2, 64)  # query + gate
     assert saved["model.layers.0.mlp.experts.15.gate_proj.weight"].shape == (32, 64)
-    assert sum(v.numel() for v in saved.values()) == _param_count(config_for("qwen3_5_moe", PRESET, {"vocab_size": cfg["vocab_size"]}))
+    hf = config_for("qwen3_5_moe", PRESET, {"vocab_size": cfg["vocab_size"]})
+    assert sum(v.numel() for v in saved.values()) == _param_count(hf)
 
 
 def test_cli_make_model_and_generate(tmp_path, capsys):

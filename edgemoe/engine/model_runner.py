@@ -266,7 +266,9 @@ class ModelRunner:
             KVCacheFullError: not enough free KV pages for all inputs, or (``StateSlotsFullError``) not
                 enough recurrent-state slots for the new sequences (nothing allocated then).
             ValueError: an empty input, a sequence longer than ``max_model_len``, or (hybrid models) a
-                continuing sequence without a recurrent state.
+                continuing sequence without a recurrent state. When the forward itself raises, the
+                recurrent states of the step's sequences are dropped (partly updated), so those
+                sequences can only restart from position 0 or a restored snapshot.
         """
         need = 0
         for inp in inputs:
@@ -303,7 +305,13 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self.model(batch)
+        try:
+            return self.model(batch)
+        except Exception:
+            if self.state is not None:  # layers before the failure advanced these states: never reuse them
+                for inp in inputs:
+                    self.state.free(inp.seq_id)
+            raise
 
     # ------------------------------------------------------------------ reporting
     def expert_stats(self) -> dict:

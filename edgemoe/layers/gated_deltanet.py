@@ -169,6 +169,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     kernels = _gpu_kernels() if q.is_cuda else None
     if kernels is not None:
         fn = kernels.fused_recurrent_gated_delta_rule if decode else kernels.chunk_gated_delta_rule
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     else:
         fn = recurrent_gated_delta_rule_torch if decode else chunk_gated_delta_rule_torch
     return fn(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -228,7 +229,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv] float32
         conv_state = self.state.conv[self.state_index]  # [S, C, W]
         memory = self.state.recurrent[self.state_index]  # [S, Hv, Dk, Dv]
-        if batch.phase is Phase.DECODE:  # one token per sequence, in batch order: all sequences at once
+        if batch.phase is Phase.DECODE and T == len(batch.seqs):  # one token per sequence: all at once
             slots = batch.state_slots  # [B]
             window = torch.cat((conv_state.index_select(0, slots), qkv[:, :, None]), dim=-1)  # [B, C, W + 1]
             conv_state.index_copy_(0, slots, window[..., 1:])
@@ -236,7 +237,7 @@ class GatedDeltaNet(nn.Module):
             o, new = gated_delta_rule(q, k, v, g[:, None], beta[:, None], memory.index_select(0, slots), decode=True)
             memory.index_copy_(0, slots, new)
             o = o[:, 0]  # [B, Hv, Dv]
-        else:  # prefill: each sequence's chunk continues its own conv inputs and memory
+        else:  # prefill: each sequence's chunk continues its own conv inputs and memory (chunked form)
             o = torch.empty((T, self.num_v_heads, self.head_v_dim), dtype=x.dtype, device=x.device)
             for s in batch.seqs:
                 rows, slot = slice(s.q_start, s.q_start + s.q_len), s.state_slot

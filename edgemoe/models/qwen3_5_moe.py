@@ -92,7 +92,8 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.model = _MultimodalModel(text) if self.nested else text
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         prefix = re.escape("model.language_model." if self.nested else "model.")
-        self._expert = re.compile(rf"^{prefix}layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+        self._expert = re.compile(rf"^{prefix}layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                                  r"\.weight$")
         self._fused = re.compile(rf"^{prefix}layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
     @property

@@ -764,7 +764,8 @@ def _param_count(config) -> int:
 def _param_count_qwen3_5(config) -> int:
     """Parameter count of a Qwen3.5-MoE text config (embeddings + lm_head + hybrid layers)."""
     h, v = config.hidden_size, config.vocab_size
-    kd, vd = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * config.linear_value_head_dim
+    kd = config.linear_num_key_heads * config.linear_key_head_dim
+    vd = config.linear_num_value_heads * config.linear_value_head_dim
     hv = config.linear_num_value_heads
     conv = 2 * kd + vd
     linear = h * conv + h * vd + 2 * h * hv + conv * config.linear_conv_kernel_dim + 2 * hv \
