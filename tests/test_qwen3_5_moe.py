@@ -37,6 +37,8 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 # (policy, slots): fill-all with every expert cached (resident), the four policies with a cache smaller
 # than one layer's 16 experts, and CPU-only expert execution
 MODES = [("fill-all", 10_000), ("fill-all", 5), ("qstar", 5), ("cpu-all", 5), ("static", 5), ("qstar", 0)]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]  # cuda: the GPU gated-delta path
 
 
 def _engine_config(**kw) -> EngineConfig:
@@ -230,10 +232,12 @@ def test_state_pool_slots():
 # ------------------------------------------------------------------------------------------------ parity
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy,slots", MODES, ids=[f"{p}-{s}" for p, s in MODES])
-def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots):
+def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots, device):
     path, (ref_logits, ref_toks) = tiny
-    runner = ModelRunner(path, _engine_config(expert_policy=policy, expert_cache_slots=slots), progress=False)
+    runner = ModelRunner(path, _engine_config(expert_policy=policy, expert_cache_slots=slots, device=device),
+                         progress=False)
     logits, toks = _greedy(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
@@ -250,10 +254,11 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots):
     assert runner.state.free_slots == runner.state.num_slots
 
 
-def test_conditional_generation_layout_matches_transformers(conditional):
+@pytest.mark.parametrize("device", DEVICES)
+def test_conditional_generation_layout_matches_transformers(conditional, device):
     """Fused experts under ``model.language_model.``; ``model.visual.*`` and ``mtp.*`` skipped."""
     path, (ref_logits, ref_toks) = conditional
-    runner = ModelRunner(path, _engine_config(), progress=False)
+    runner = ModelRunner(path, _engine_config(device=device), progress=False)
     assert runner.model.nested and "model.language_model.layers.1.self_attn.q_proj.weight" in dict(
         runner.model.named_parameters())
     logits, toks = _greedy(runner, PROMPT, DECODE_STEPS)
@@ -261,7 +266,8 @@ def test_conditional_generation_layout_matches_transformers(conditional):
     torch.testing.assert_close(logits, ref_logits, **TOL)
 
 
-def test_real_head_geometry_matches_transformers(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_head_geometry_matches_transformers(tmp_path, device):
     """The 35B preset's head geometry (Dk = Dv = 128, 16/32 DeltaNet heads, head_dim 256) at a small width."""
     from transformers import Qwen3_5MoeForCausalLM
 
@@ -270,7 +276,7 @@ def test_real_head_geometry_matches_transformers(tmp_path):
     out = make_model(tmp_path / "m", "qwen3_5_moe", "qwen3.6-35b-a3b", seed=1, dtype="float32", overrides=small)
     ref_logits, ref_toks = _reference(Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval(),
                                       PROMPT[:70], 2)
-    logits, toks = _greedy(ModelRunner(out, _engine_config(), progress=False), PROMPT[:70], 2)
+    logits, toks = _greedy(ModelRunner(out, _engine_config(device=device), progress=False), PROMPT[:70], 2)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
 
