@@ -233,13 +233,14 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_make_model(args) -> int:
-    from edgemoe.weights.make_model import make_model, write_config_only
+    from edgemoe.weights.make_model import PRESETS, make_model, write_config_only
 
+    arch = args.arch or next(a for a, presets in PRESETS.items() if args.preset in presets)
     try:
         if args.config_only:
-            path = write_config_only(args.out, args.arch, args.preset, tokenizer=args.tokenizer, dtype=args.dtype)
+            path = write_config_only(args.out, arch, args.preset, tokenizer=args.tokenizer, dtype=args.dtype)
         else:
-            path = make_model(args.out, args.arch, args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype)
+            path = make_model(args.out, arch, args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype)
     except (ValueError, FileNotFoundError) as exc:
         raise CLIError(str(exc)) from None
     print(path if path is not None else args.out)
@@ -307,8 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-model", help="write a random-weight test checkpoint")
-    p.add_argument("--arch", default="qwen3_moe")
-    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "qwen3-30b-a3b"))
+    p.add_argument("--arch", default=None, help="HF model_type (default: the one whose preset --preset names)")
+    from edgemoe.weights.make_model import PRESETS
+
+    p.add_argument("--preset", default="tiny", choices=[name for presets in PRESETS.values() for name in presets])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="copy this tokenizer directory instead of building one")
     p.add_argument("--seed", type=int, default=0)

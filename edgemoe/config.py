@@ -45,6 +45,14 @@ class ModelConfig:
     block; the others use a dense MLP of ``intermediate_size``. Routed experts of MoE layer ordinal
     ``j`` (the j-th entry of ``moe_layers``) have the flat id ``j * num_experts + e`` everywhere in
     the expert pool and cache.
+
+    Hybrid models (``qwen3_5_moe``): ``layer_types[i]`` is ``"full_attention"`` (paged KV) or
+    ``"linear_attention"`` (a gated DeltaNet layer with ``linear_num_key_heads`` q/k heads of
+    ``linear_key_head_dim``, ``linear_num_value_heads`` v heads of ``linear_value_head_dim`` and a
+    causal conv1d of ``linear_conv_kernel`` taps); full attention rotates the first
+    ``partial_rotary_factor * head_dim`` dims and, with ``attn_output_gate``, gates its output by a
+    sigmoid of a second ``q_proj`` half; each MoE block adds a shared expert of
+    ``shared_expert_intermediate_size`` (0: none). For ``qwen3_moe`` every layer is full attention.
     """
 
     architecture: str
@@ -71,11 +79,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
 
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
+
+    def is_linear_attention(self, layer: int) -> bool:
+        """Whether decoder ``layer`` is a linear-attention (gated DeltaNet) layer rather than full attention."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def moe_ordinal(self, layer: int) -> int:
         """Index of decoder ``layer`` among the MoE layers (raises ``ValueError`` for a dense layer)."""
@@ -117,10 +138,13 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "")
         arch = archs[0] if archs else ""
+        if model_type in QWEN3_5_MOE_TYPES or arch in QWEN3_5_MOE_ARCHS:
+            return cls._from_qwen3_5_moe(cfg, arch, model_type)
         if model_type != "qwen3_moe" and arch != "Qwen3MoeForCausalLM":
             raise ValueError(
-                f"unsupported architecture {arch or '?'} (model_type {model_type or '?'}); "
-                "edgemoe serves: Qwen3MoeForCausalLM (qwen3_moe)"
+                f"unsupported architecture {arch or '?'} (model_type {model_type or '?'}); edgemoe serves: "
+                "Qwen3MoeForCausalLM (qwen3_moe), Qwen3_5MoeForCausalLM / Qwen3_5MoeForConditionalGeneration "
+                "(qwen3_5_moe, text only)"
             )
 
         def need(key: str, *alts: str):
@@ -176,6 +200,91 @@ class ModelConfig:
             raw=dict(cfg),
         )
 
+    @classmethod
+    def _from_qwen3_5_moe(cls, cfg: dict[str, Any], arch: str, model_type: str) -> "ModelConfig":
+        """Normalize a ``qwen3_5_moe`` config: a ``Qwen3_5MoeForCausalLM`` text config, or the
+        ``Qwen3_5MoeForConditionalGeneration`` config whose language model sits in ``text_config``
+        (served text only). Defaults are those of transformers' ``Qwen3_5MoeTextConfig``.
+
+        Raises:
+            ValueError: a missing required field, or ``layer_types`` of the wrong length or with an
+                unknown entry.
+        """
+        nested = isinstance(cfg.get("text_config"), dict)
+        text = dict(cfg["text_config"]) if nested else dict(cfg)
+        text.setdefault("model_type", "qwen3_5_moe_text")
+
+        def need(key: str):
+            if text.get(key) is None:
+                where = "config.json text_config" if nested else "config.json"
+                raise ValueError(f"{where}: missing required field {key!r}")
+            return text[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(text.get("num_attention_heads", 16))
+        num_layers = int(need("num_hidden_layers"))
+        types = text.get("layer_types")
+        if types is None:  # the reference's rule: every ``full_attention_interval``-th layer is full attention
+            every = int(text.get("full_attention_interval", 4))
+            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(num_layers)]
+        if len(types) != num_layers or not set(types) <= {"full_attention", "linear_attention"}:
+            raise ValueError(f"config.json: layer_types must list {num_layers} entries of 'full_attention' / "
+                             f"'linear_attention', got {types}")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        if rope.get("rope_type") == "mrope":  # text only: the three position streams coincide
+            rope["rope_type"] = "default"
+        rope.setdefault("rope_theta", float(text.get("rope_theta", 10000.0)))
+        rope.setdefault("rope_type", "default")
+        partial = float(rope.get("partial_rotary_factor") or text.get("partial_rotary_factor") or 0.25)
+        rope["partial_rotary_factor"] = partial
+        text["rope_parameters"] = rope
+        eos = text.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        tie = cfg.get("tie_word_embeddings", False) if nested else text.get("tie_word_embeddings", False)
+        return cls(
+            architecture=arch or "Qwen3_5MoeForCausalLM",
+            model_type=model_type or "qwen3_5_moe_text",
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or 2),
+            head_dim=int(text.get("head_dim") or 256),
+            intermediate_size=0,
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_experts=int(need("num_experts")),
+            top_k=int(need("num_experts_per_tok")),
+            norm_topk_prob=True,  # the reference router always renormalizes the top-k weights
+            moe_layers=tuple(range(num_layers)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(tie),
+            attention_bias=bool(text.get("attention_bias", False)),
+            hidden_act=str(text.get("hidden_act", "silu")),
+            torch_dtype=str(text.get("dtype") or cfg.get("dtype") or text.get("torch_dtype")
+                            or cfg.get("torch_dtype") or "bfloat16"),
+            eos_token_ids=eos_ids,
+            bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
+            pad_token_id=text.get("pad_token_id", cfg.get("pad_token_id")),
+            layer_types=tuple(types),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            partial_rotary_factor=partial,
+            attn_output_gate=bool(text.get("attn_output_gate", True)),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 512)),
+            raw=text,
+        )
+
+
+# HF names of the hybrid gated-DeltaNet MoE (``Qwen3_5MoeForCausalLM`` saves ``qwen3_5_moe_text``).
+QWEN3_5_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+QWEN3_5_MOE_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 
 EXPERT_POLICIES = ("qstar", "fill-all", "cpu-all", "static")
 CPU_EXECUTORS = ("auto", "native", "torch")

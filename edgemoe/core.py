@@ -29,6 +29,8 @@ class SeqSlice:
         q_len: number of new tokens computed in this step.
         kv_len: tokens in the KV cache after this step (cached prefix + new tokens).
         page_table: ``[ceil(kv_len / page_size)]`` int64 page ids on the compute device.
+        state_slot: the sequence's slot in the recurrent-state pool (models with linear-attention
+            layers); ``None`` for models without recurrent state.
     """
 
     seq_id: int
@@ -36,6 +38,7 @@ class SeqSlice:
     q_len: int
     kv_len: int
     page_table: torch.Tensor
+    state_slot: int | None = None
 
 
 @dataclass
@@ -75,6 +78,8 @@ class ForwardBatch:
             ``None`` when off (one attribute test per layer). See ``edgemoe.bench.trace.RoutingRecorder``.
         decode: fixed-shape decode metadata when the step runs on the device decode path (CUDA),
             else ``None`` (the per-sequence ``seqs`` path).
+        state_slots: ``[B]`` int64 each sequence's ``state_slot`` on the compute device, in batch
+            order; ``None`` for models without recurrent state.
     """
 
     phase: Phase
@@ -86,6 +91,7 @@ class ForwardBatch:
     step: int = 0
     record: object | None = field(default=None, repr=False)
     decode: DecodeMeta | None = field(default=None, repr=False)
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

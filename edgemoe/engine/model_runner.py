@@ -25,6 +25,7 @@ from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
+from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
 from edgemoe.models import model_class
 from edgemoe.weights.bootstrap import FALLBACK_POLICY, pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
@@ -118,6 +119,13 @@ class ModelRunner:
             attn.kv = self.kv
         self._decode_inputs = None  # static decode inputs of the device path (built with the expert cache)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # hybrid models: one recurrent-state slot per sequence the engine runs at once
+        spec = self.model.state_spec()
+        self.state = None if spec is None else RecurrentStatePool(
+            spec, config.max_num_seqs + (self.device.type == "cuda"), self.dtype, self.device)  # + a scratch slot: padding rows of captured decode batches
+        if self.state is not None:
+            for layer in self.model.state_layers():
+                layer.state = self.state
 
         self.cpu_executor = make_cpu_executor(self.pool, config.cpu_threads, config.cpu_executor)
         self.cache = None
@@ -221,10 +229,56 @@ class ModelRunner:
         return self.kv.free_tokens()
 
     def can_allocate(self, seq_id: int, total_len: int) -> bool:
-        return self.kv.can_allocate(seq_id, total_len)
+        return self.kv.can_allocate(seq_id, total_len) and (self.state is None or self.state.can_hold(seq_id))
 
     def free(self, seq_id: int) -> None:
         self.kv.free(seq_id)
+        if self.state is not None:
+            self.state.free(seq_id)
+
+    def snapshot_state(self, seq_id: int) -> StateSnapshot:
+        """A copy of ``seq_id``'s recurrent state (conv + delta-rule memory of every linear layer) after
+        its last step; opaque to callers, for :meth:`restore_state`.
+
+        Raises:
+            ValueError: the model has no recurrent state. KeyError: ``seq_id`` holds no state.
+        """
+        if self.state is None:
+            raise ValueError(f"{self.model_config.architecture} has no recurrent state")
+        return self.state.snapshot(seq_id)
+
+    def restore_state(self, seq_id: int, snapshot: StateSnapshot) -> None:
+        """Make ``snapshot`` the recurrent state of ``seq_id`` (a slot is allocated if it holds none).
+        The caller provides the matching KV (the snapshot's token count) and continues with
+        ``start_pos`` = that count.
+
+        Raises:
+            ValueError: no recurrent state, or a snapshot of another geometry.
+            StateSlotsFullError: ``seq_id`` holds no slot and none is free.
+        """
+        if self.state is None:
+            raise ValueError(f"{self.model_config.architecture} has no recurrent state")
+        self.state.restore(seq_id, snapshot)
+
+    def _state_slots(self, inputs: list[StepInput]) -> list[int | None]:
+        """Each input's recurrent-state slot; a sequence's first chunk (``start_pos == 0``) gets a zeroed one.
+
+        Raises:
+            StateSlotsFullError: more new sequences than free slots (nothing allocated then).
+            ValueError: a continuing sequence (``start_pos > 0``) without a state.
+        """
+        if self.state is None:
+            return [None] * len(inputs)
+        new = [inp.seq_id for inp in inputs if inp.start_pos == 0 and self.state.slot(inp.seq_id) is None]
+        if len(new) > self.state.free_slots:
+            raise StateSlotsFullError(f"recurrent-state slots full: step needs {len(new)}, "
+                                      f"{self.state.free_slots} free of {self.state.num_slots}")
+        for inp in inputs:
+            if inp.start_pos > 0 and self.state.slot(inp.seq_id) is None:
+                raise ValueError(f"sequence {inp.seq_id}: starts at position {inp.start_pos} without a recurrent "
+                                 "state (restore a state snapshot first; cached KV alone cannot resume it)")
+        return [self.state.allocate(inp.seq_id) if inp.start_pos == 0 else self.state.slot(inp.seq_id)
+                for inp in inputs]
 
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
@@ -239,8 +293,12 @@ class ModelRunner:
             ``[len(inputs), vocab]`` float32 logits of each sequence's last new token, on ``self.device``.
 
         Raises:
-            KVCacheFullError: not enough free KV pages for all inputs (nothing allocated then).
-            ValueError: an empty input or a sequence longer than ``max_model_len``.
+            KVCacheFullError: not enough free KV pages for all inputs, or (``StateSlotsFullError``) not
+                enough recurrent-state slots for the new sequences (nothing allocated then).
+            ValueError: an empty input, a sequence longer than ``max_model_len``, or (hybrid models) a
+                continuing sequence without a recurrent state. When the forward itself raises, the
+                recurrent states of the step's sequences are dropped (partly updated), so those
+                sequences can only restart from position 0 or a restored snapshot.
         """
         need = 0
         for inp in inputs:
@@ -255,19 +313,20 @@ class ModelRunner:
         self._step += 1
         if self.cache.num_slots:
             self.cache.clock.fill_(self._step)
+        state_slots = self._state_slots(inputs)
         if phase is Phase.DECODE and self.experts.device_decode is not None:
             for inp in inputs:
                 self.kv.allocate(inp.seq_id, inp.start_pos + 1)
-            return self._execute_device_decode(inputs)
+            return self._run_model(inputs, lambda: self._execute_device_decode(inputs, state_slots))
         ids, pos, slots, seqs, last = [], [], [], [], []
         q = 0
-        for inp in inputs:
+        for inp, state_slot in zip(inputs, state_slots):
             n, end = len(inp.token_ids), inp.start_pos + len(inp.token_ids)
             self.kv.allocate(inp.seq_id, end)
             ids.extend(inp.token_ids)
             pos.extend(range(inp.start_pos, end))
             slots.append(self.kv.slots(inp.seq_id, inp.start_pos, end))
-            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id)))
+            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id), state_slot))
             q += n
             last.append(q - 1)
         dev = self.device
@@ -280,10 +339,20 @@ class ModelRunner:
             logits_index=torch.tensor(last, dtype=torch.int64, device=dev),
             step=self._step,
             record=self.record,
+            state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self.model(batch)
+        return self._run_model(inputs, lambda: self.model(batch))
 
-    def _execute_device_decode(self, inputs: list[StepInput]) -> torch.Tensor:
+    def _run_model(self, inputs: list[StepInput], forward):
+        try:
+            return forward()
+        except Exception:
+            if self.state is not None:  # layers before the failure advanced these states: never reuse them
+                for inp in inputs:
+                    self.state.free(inp.seq_id)
+            raise
+
+    def _execute_device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         """A decode step on the device path: fixed-shape inputs, replayed from a CUDA graph when one is
         captured for the (padded) batch size; the first step of each size runs eagerly and captures."""
         B = len(inputs)
@@ -291,7 +360,7 @@ class ModelRunner:
         sizes = [b for b in GRAPH_BATCH_SIZES if b >= B and b <= d.max_bs]
         use_graphs = self.decode_path == "device + CUDA graphs" and self.record is None and sizes
         bs = sizes[0] if use_graphs else B
-        batch = d.load(self, inputs, bs, self._step)
+        batch = d.load(self, inputs, state_slots, bs, self._step)
         if use_graphs and bs in self.graphs:
             graph, logits = self.graphs[bs]
             graph.replay()
@@ -347,6 +416,9 @@ class ModelRunner:
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}",
             f"  decode path  {self.decode_path}" + (f" ({self.decode_path_reason})" if self.decode_path_reason else ""),
         ]
+        if self.state is not None:
+            lines.append(f"  state        {self.state.spec.num_layers} linear-attention layers, {self.state.num_slots} "
+                         f"sequence slots = {self.state.nbytes / 1e9:.3f} GB")
         return "\n".join(lines)
 
 
@@ -374,21 +446,29 @@ class _DecodeInputs:
         self.block_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, device=dev)
         self.context_lens = torch.ones(max_bs, dtype=i32, device=dev)
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        self.state_slots = None
+        if runner.state is not None:  # hybrid models: padding rows update a scratch recurrent-state slot
+            self.state_slots = torch.zeros(max_bs, dtype=i64, device=dev)
+            self.scratch_state = runner.state.allocate(_SCRATCH_SEQ)
         self.attn_scratch = make_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
         self.graph_pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         # host staging: one pinned buffer per input, copied in with one transfer each
         pin = dev.type == "cuda"
-        self._h_i64 = torch.zeros(3, max_bs, dtype=i64, pin_memory=pin)
+        self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)
         self._h_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, pin_memory=pin)
         self._h_lens = torch.zeros(max_bs, dtype=i32, pin_memory=pin)
         self._h_valid = torch.zeros(max_bs, dtype=torch.bool, pin_memory=pin)
 
-    def load(self, runner: "ModelRunner", inputs: list[StepInput], bs: int, step: int) -> ForwardBatch:
-        """Write ``inputs`` (one token each; their KV pages already allocated) into rows ``[0, bs)``."""
+    def load(self, runner: "ModelRunner", inputs: list[StepInput], state_slots: list[int | None], bs: int,
+             step: int) -> ForwardBatch:
+        """Write ``inputs`` (one token each; their KV pages and state slots already allocated) into rows
+        ``[0, bs)``."""
         kv, ps = runner.kv, runner.kv.page_size
         h = self._h_i64
         h[:, :bs] = 0
         h[2, :bs] = self.scratch_page * ps
+        if self.state_slots is not None:
+            h[3, :bs] = self.scratch_state
         self._h_tables[:bs] = self.scratch_page
         self._h_lens[:bs] = 1
         self._h_valid[:bs] = False
@@ -398,16 +478,20 @@ class _DecodeInputs:
             pages = kv.pages_of(inp.seq_id)
             h[0, row], h[1, row] = inp.token_ids[0], pos
             h[2, row] = pages[pos // ps] * ps + pos % ps
+            if self.state_slots is not None:
+                h[3, row] = state_slots[row]
             self._h_tables[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
             self._h_lens[row] = pos + 1
             self._h_valid[row] = True
-            seqs.append(SeqSlice(inp.seq_id, row, 1, pos + 1, None))
+            seqs.append(SeqSlice(inp.seq_id, row, 1, pos + 1, None, state_slots[row]))
         self.input_ids[:bs].copy_(h[0, :bs], non_blocking=True)
         self.positions[:bs].copy_(h[1, :bs], non_blocking=True)
         self.kv_slots[:bs].copy_(h[2, :bs], non_blocking=True)
         self.block_tables[:bs].copy_(self._h_tables[:bs], non_blocking=True)
         self.context_lens[:bs].copy_(self._h_lens[:bs], non_blocking=True)
         self.valid[:bs].copy_(self._h_valid[:bs], non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:bs].copy_(h[3, :bs], non_blocking=True)
         if runner.device.type == "cuda":  # the staging buffers are rewritten by the next step
             torch.cuda.current_stream(runner.device).synchronize()
         return ForwardBatch(
@@ -415,6 +499,7 @@ class _DecodeInputs:
             kv_slots=self.kv_slots[:bs], seqs=seqs, logits_index=self.logits_index[:bs], step=step,
             record=runner.record,
             decode=DecodeMeta(self.block_tables[:bs], self.context_lens[:bs], self.valid[:bs], self.attn_scratch),
+            state_slots=None if self.state_slots is None else self.state_slots[:bs],
         )
 
 

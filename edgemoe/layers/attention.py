@@ -15,7 +15,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
-from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 
 
@@ -57,6 +57,28 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
     return out
 
 
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKVPool, layer: int,
+                     batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Write the new tokens' ``k``/``v`` ``[T, Hk, D]`` into their KV slots, then attend ``q [T, Hq, D]``.
+
+    Decode steps on the device path (``batch.decode`` set) use the Triton paged decode kernel over
+    the block tables (fixed shapes, graph-capturable); other steps use :func:`paged_attention`.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q.dtype``.
+    """
+    kv.k[layer].index_copy_(0, batch.kv_slots, k.to(kv.k.dtype))
+    kv.v[layer].index_copy_(0, batch.kv_slots, v.to(kv.v.dtype))
+    if batch.decode is None:
+        return paged_attention(q, kv, layer, batch, scale)
+    from edgemoe.kernels.decode_attention import paged_decode_attention
+
+    o = torch.empty_like(q)  # [B, Hq, D]
+    paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.decode.block_tables, batch.decode.context_lens, scale,
+                           o, batch.decode.attn_scratch)
+    return o
+
+
 class Qwen3Attention(nn.Module):
     """Qwen3 attention: q/k/v/o projections, per-head RMSNorm on q and k, RoPE, paged KV.
 
@@ -84,15 +106,47 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, Hk, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         q, k = self.rotary(q, k, batch.positions)
-        kv = self.kv
-        kv.k[self.attn_index].index_copy_(0, batch.kv_slots, k.to(kv.k.dtype))
-        kv.v[self.attn_index].index_copy_(0, batch.kv_slots, v.to(kv.v.dtype))
-        if batch.decode is not None:  # fixed-shape decode (device path, graph-capturable)
-            from edgemoe.kernels.decode_attention import paged_decode_attention
-
-            o = torch.empty_like(q)  # [B, Hq, D]
-            paged_decode_attention(q, kv.k[self.attn_index], kv.v[self.attn_index], batch.decode.block_tables,
-                                   batch.decode.context_lens, self.head_dim ** -0.5, o, batch.decode.attn_scratch)
-        else:
-            o = paged_attention(q, kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
+        o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class GatedAttention(nn.Module):
+    """Qwen3.5 gated full attention over the paged KV cache (``Qwen3_5MoeAttention``).
+
+    Like :class:`Qwen3Attention` (GQA, per-head q/k RMSNorm, RoPE, paged KV), with three differences:
+    q/k norms are zero-centered (``1 + weight``); RoPE may be partial (``cfg.partial_rotary_factor``);
+    and with ``cfg.attn_output_gate`` ``q_proj`` yields ``[T, Hq, 2D]``, per head a query half and a
+    gate half, and the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj`` (gated
+    attention, Qiu et al. 2025, arXiv 2505.06708). ``forward(x [T, H], batch) -> [T, H]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, attn_index: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.gated = cfg.attn_output_gate
+        bias = cfg.attention_bias
+        q_out = self.num_heads * self.head_dim * (2 if self.gated else 1)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn_index = attn_index
+        self.rotary = rotary  # shared, not a registered submodule's weights
+        self.kv: PagedKVPool | None = None  # bound by the model runner
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T, Hq, D = x.shape[0], self.num_heads, self.head_dim
+        q = self.q_proj(x)  # [T, Hq * D * (2 if gated else 1)]
+        gate = None
+        if self.gated:
+            q, gate = q.view(T, Hq, 2 * D).chunk(2, dim=-1)  # [T, Hq, D] each
+        q = self.q_norm(q.reshape(T, Hq, D))  # [T, Hq, D]
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D))  # [T, Hk, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
+        q, k = self.rotary(q, k, batch.positions)
+        o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, D ** -0.5).reshape(T, Hq * D)  # [T, Hq * D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(T, Hq * D))
+        return self.o_proj(o)

@@ -12,6 +12,7 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
+from edgemoe.layers.mlp import DenseMLP
 
 
 class TopKRouter(nn.Module):
@@ -53,3 +54,22 @@ class SparseMoeBlock(nn.Module):
         if batch.record is not None:
             batch.record(batch, self.moe_layer, ids, weights)
         return self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus a gated shared expert (``Qwen3_5MoeSparseMoeBlock``).
+
+    ``forward(x [T, H], batch) -> [T, H]`` = routed output (as :class:`SparseMoeBlock`) +
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``. The shared expert (a dense SwiGLU MLP of
+    ``cfg.shared_expert_intermediate_size``) and its ``[1, H]`` gate are ordinary parameters on the
+    compute device; only routed experts go through the host pool and expert cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe_layer: int):
+        super().__init__(cfg, moe_layer)
+        self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        routed = super().forward(x, batch)  # [T, H]
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

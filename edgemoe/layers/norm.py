@@ -23,3 +23,42 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """``y = (x / sqrt(mean(x^2) + eps)) * (1 + weight)``: RMSNorm with a zero-centered weight.
+
+    Input ``[..., D]`` of any float dtype; normalization and the ``1 + weight`` scale are applied in
+    float32 and the result is cast back to the input dtype (matching ``Qwen3_5MoeRMSNorm``, whose
+    weights are stored as offsets from 1 and initialized to 0).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``y = weight * rmsnorm(x) * silu(gate)``: the output norm of a gated DeltaNet layer.
+
+    ``forward(x [..., D], gate [..., D]) -> [..., D]`` in ``x.dtype``. The statistic is float32, the
+    normalized value is cast to ``x.dtype`` before the weight multiply and the SiLU gate is applied
+    in float32 (matching ``Qwen3_5MoeRMSNormGated``: norm before gate).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(dtype)

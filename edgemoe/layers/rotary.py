@@ -17,7 +17,7 @@ def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     rope_type = cfg.rope_parameters.get("rope_type", "default")
     if rope_type == "default":
         base = float(cfg.rope_parameters["rope_theta"])
-        dim = cfg.head_dim
+        dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -30,7 +30,10 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to query/key heads by absolute position.
 
     ``forward(q [T, Hq, D], k [T, Hk, D], positions [T] int64) -> (q, k)`` in the input dtype; cos/sin
-    are computed in float32 and cast to the input dtype, as the reference does.
+    are computed in float32 and cast to the input dtype, as the reference does. With a
+    ``partial_rotary_factor`` below 1 only the first ``R = 2 * len(inv_freq)`` dims of each head
+    rotate and the rest pass through (``Qwen3_5MoeTextRotaryEmbedding``; for text the three mRoPE
+    position streams are equal, so mRoPE reduces to this).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -52,10 +55,16 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x2, x1), dim=-1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        freqs = positions[:, None].float() * self.inv_freq(positions.device)[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, D]
+        freqs = positions[:, None].float() * self.inv_freq(positions.device)[None, :]  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R], R = D unless partial
+        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, R]
         sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        R = emb.shape[-1]
+        if R < q.shape[-1]:  # partial rotary: rotate [..., :R], pass [..., R:] through
+            q_rot, k_rot = q[..., :R], k[..., :R]
+            q = torch.cat((q_rot * cos + self._rotate_half(q_rot) * sin, q[..., R:]), dim=-1)
+            k = torch.cat((k_rot * cos + self._rotate_half(k_rot) * sin, k[..., R:]), dim=-1)
+            return q, k
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from edgemoe.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from edgemoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,  # served text only
 }
 
 

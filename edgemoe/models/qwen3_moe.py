@@ -59,6 +59,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     """
 
     supports_cuda_graphs = True  # the decode step has fixed shapes on the device path
+    skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors a text-only server skips: none
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -70,6 +71,10 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Qwen3Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def state_spec(self) -> None:
+        """No recurrent state: every layer is full attention."""
+        return None
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

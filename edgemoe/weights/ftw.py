@@ -751,6 +751,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), "pt", device="cpu")) for f in sorted(set(where.values()))}
         for name, f in where.items():
+            if name.startswith(model.skipped_prefixes):  # e.g. a vision tower: not served, not converted
+                continue
             sl = handles[f].get_slice(name)
             shape, st_dtype = tuple(sl.get_shape()), sl.get_dtype()
             if st_dtype not in _ST_DTYPES:

@@ -72,8 +72,12 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
                     device: torch.device, num_experts: int, progress: bool = True) -> None:
     """Fill ``model`` (built on the meta device) and ``pool`` from the checkpoint in ``model_dir``.
 
+    Tensors under the model's ``skipped_prefixes`` (e.g. a vision tower a text-only server does not
+    run) are skipped; every other tensor is loaded strictly.
+
     Args:
-        model: an edgemoe model exposing ``expert_target(name)``; its parameters may be on ``meta``.
+        model: an edgemoe model exposing ``expert_target(name)`` and ``skipped_prefixes``; its
+            parameters may be on ``meta``.
         pool: host expert pool sized for the model.
         dtype: dtype of parameters and experts after loading (the checkpoint's is cast).
         device: where non-expert parameters live.
@@ -90,6 +94,7 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
                         for r in ("gate_proj", "up_proj", "down_proj")}
     seen_params: set[str] = set()
     by_file: dict[Path, list[str]] = {}
+    where = {name: f for name, f in where.items() if not name.startswith(model.skipped_prefixes)}
     for name, f in where.items():
         by_file.setdefault(f, []).append(name)
     names_total = len(where)

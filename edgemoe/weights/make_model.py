@@ -43,7 +43,11 @@ __all__ = [
 # arch -> (config class name, model class name) in `transformers`
 ARCHS: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+
+# The hybrid layer pattern of Qwen3.5/3.6-MoE: three gated DeltaNet layers, then one full-attention layer.
+_QWEN3_5_LAYER_TYPES_40 = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10
 
 # arch -> preset -> HF config kwargs. `vocab_size` of tiny/small is nominal: make_model sets it
 # from the tokenizer (len rounded up to a multiple of 64).
@@ -116,6 +120,67 @@ PRESETS: dict[str, dict[str, dict]] = {
             pad_token_id=151643,
         ),
     },
+    "qwen3_5_moe": {
+        # Hybrid in miniature: 2 gated DeltaNet + 2 gated full-attention layers (both orders), GQA-style
+        # 2 q/k heads for 4 value heads in the DeltaNet as in the real model, partial rotary.
+        "qwen3.5-moe-tiny": dict(
+            vocab_size=1024,
+            hidden_size=64,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            attn_output_gate=True,
+            initializer_range=0.2,  # see _INIT_NOTE
+        ),
+        # Qwen/Qwen3.6-35B-A3B (same text geometry as Qwen/Qwen3.5-35B-A3B): text_config of the released
+        # config.json, i.e. transformers' Qwen3_5MoeTextConfig defaults (documented there as the
+        # Qwen3.5-35B-A3B checkpoint) plus the released max_position_embeddings 262144, rope theta 1e7,
+        # mRoPE sections [11, 11, 10] and eos 248044. 256 routed experts x 40 layers = 64.4 GB in bf16.
+        "qwen3.6-35b-a3b": dict(
+            vocab_size=248320,
+            hidden_size=2048,
+            num_hidden_layers=40,
+            layer_types=_QWEN3_5_LAYER_TYPES_40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            max_position_embeddings=262144,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            attn_output_gate=True,
+            initializer_range=0.02,
+            bos_token_id=None,
+            eos_token_id=248044,
+            pad_token_id=None,
+        ),
+    },
 }
 
 # _INIT_NOTE: with HF's default std 0.02, tiny's router softmax is nearly flat (entropy 0.996 of
@@ -124,7 +189,7 @@ PRESETS: dict[str, dict[str, dict]] = {
 # and greedy continuations with ~15-25 distinct tokens in 48 (measured over 3 seeds x 3 prompts).
 
 # Presets whose vocab_size is a floor set by a real tokenizer (kept even if the tokenizer is smaller).
-_FIXED_VOCAB = {("qwen3_moe", "qwen3-30b-a3b")}
+_FIXED_VOCAB = {("qwen3_moe", "qwen3-30b-a3b"), ("qwen3_5_moe", "qwen3.6-35b-a3b")}
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -679,6 +744,8 @@ def write_config_only(
 
 def _param_count(config) -> int:
     """Parameter count of a Qwen3-MoE-style config (embeddings + lm_head + layers)."""
+    if config.model_type == "qwen3_5_moe_text":
+        return _param_count_qwen3_5(config)
     h, v, n_layers = config.hidden_size, config.vocab_size, config.num_hidden_layers
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
     attn = h * hd * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) + 2 * hd
@@ -691,4 +758,23 @@ def _param_count(config) -> int:
     for i in range(n_layers):
         sparse = e > 0 and i not in mlp_only and (i + 1) % step == 0
         total += attn + 2 * h + (moe if sparse else dense)
+    return total
+
+
+def _param_count_qwen3_5(config) -> int:
+    """Parameter count of a Qwen3.5-MoE text config (embeddings + lm_head + hybrid layers)."""
+    h, v = config.hidden_size, config.vocab_size
+    kd = config.linear_num_key_heads * config.linear_key_head_dim
+    vd = config.linear_num_value_heads * config.linear_value_head_dim
+    hv = config.linear_num_value_heads
+    conv = 2 * kd + vd
+    linear = h * conv + h * vd + 2 * h * hv + conv * config.linear_conv_kernel_dim + 2 * hv \
+        + config.linear_value_head_dim + vd * h
+    hq, hk, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    full = h * hq * d * 2 + 2 * h * hk * d + hq * d * h + 2 * d
+    e = config.num_experts
+    moe = e * 3 * h * config.moe_intermediate_size + e * h + 3 * h * config.shared_expert_intermediate_size + h
+    total = v * h * (1 if config.tie_word_embeddings else 2) + h
+    for kind in config.layer_types:
+        total += (linear if kind == "linear_attention" else full) + moe + 2 * h
     return total
