@@ -60,6 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU expert executor: auto (native C++ kernels when they build), native, torch")
     g.add_argument("--no-verify-weights", dest="verify_weights", action="store_false", default=None,
                    help="skip FTW bank checksums while loading")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="do not reuse cached KV pages of earlier requests' common prompt prefixes")
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="never capture CUDA graphs for decode")
@@ -79,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace):
     kw["verify_weights"] = args.verify_weights
     kw["cpu_executor"] = args.cpu_executor
     kw["enforce_eager"] = args.enforce_eager
+    kw["enable_prefix_caching"] = args.enable_prefix_caching
     try:
         return EngineConfig.from_kwargs(**kw)
     except (TypeError, ValueError) as exc:

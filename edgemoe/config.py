@@ -314,6 +314,8 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; ``None`` = the model's maximum.
         kv_cache_tokens: KV cache capacity in tokens (all sequences together); ``None`` = derived.
         page_size: tokens per KV page.
+        enable_prefix_caching: share full KV pages between requests through a radix tree, so a
+            request whose prompt starts with a cached prefix prefills only the rest (DESIGN.md §4).
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random values from config.json).
         seed: seed for dummy weights.
         verify_weights: check FTW bank checksums while loading (``None`` = the default: on, unless
@@ -335,6 +337,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     page_size: int = 16
+    enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
     served_model_name: str | None = None

@@ -133,7 +133,7 @@ def test_three_turn_conversation_with_tool_results_and_thinking(server):
     count = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages, tools=TOOLS)
     third = client.messages.create(model=MODEL, max_tokens=300, system=SYSTEM, messages=messages, tools=TOOLS)
     assert third.stop_reason == "end_turn" and third.content[-1].text == "In Paris it is 18 °C and the local time is 14:05."
-    assert count.input_tokens == third.usage.input_tokens
+    assert count.input_tokens == third.usage.input_tokens + third.usage.cache_read_input_tokens
     # The same conversation in OpenAI form renders to exactly these tokens.
     openai_messages = [
         {"role": "system", "content": "You are Claude Code, a coding agent.\n\nBe terse."},
@@ -149,7 +149,7 @@ def test_three_turn_conversation_with_tool_results_and_thinking(server):
     ]
     tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]}} for t in TOOLS]
     text, ids = render_chat(tok, openai_messages, tools=tools)
-    assert third.usage.input_tokens == len(ids)
+    assert third.usage.input_tokens + third.usage.cache_read_input_tokens == len(ids)
     assert '<tool_response>\n22 C\n</tool_response>\n<tool_response>\nError: boom\n</tool_response>' in text
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import KVCacheFullError, ModelRunner
 from edgemoe.engine.sampling import SamplingParams, make_generator, sample
@@ -130,6 +131,8 @@ class RequestOutput:
         finished: True once the request is done (then ``outputs[0].finish_reason`` is set).
         metrics: timestamps (``RequestMetrics``).
         error: message of the exception that failed this request (finish reason ``"error"``).
+        cached_tokens: prompt tokens whose KV came from the prefix cache (not computed) when the
+            request was first admitted; 0 before admission or without prefix caching.
     """
 
     request_id: str
@@ -139,6 +142,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -227,6 +231,7 @@ class LLMEngine:
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.routing_recorder = None
         self.metrics.bind_queues(lambda: self.num_running, lambda: self.num_waiting)
+        self.metrics.bind_prefix_cache(lambda: runner.kv.cached_pages)
         self._requests: dict[str, Request] = {}
 
     @classmethod
@@ -361,7 +366,8 @@ class LLMEngine:
                     req.metrics.first_scheduled_time = now
             if self.routing_recorder is not None:
                 for req, inp in zip(batch.requests, batch.inputs):
-                    if inp.start_pos == 0:  # a new admission (or a recompute after preemption)
+                    if batch.phase is Phase.PREFILL and inp.start_pos == req.num_cached_tokens:
+                        # a new admission (or a recompute after preemption)
                         self.routing_recorder.name_sequence(inp.seq_id, req.request_id)
             rows = self._execute(batch, outputs)
             if self.routing_recorder is not None:
@@ -417,8 +423,14 @@ class LLMEngine:
                 break
         rows = []
         for req, inp, row in done:
+            if batch.phase is Phase.PREFILL:
+                self.metrics.prompt_tokens_computed.inc(len(inp.token_ids))
+                if inp.start_pos == req.num_cached_tokens:  # the first chunk since admission
+                    self.metrics.prefix_cache_hit_tokens.inc(req.num_cached_tokens)
             req.num_computed = inp.start_pos + len(inp.token_ids)
             if req.num_computed == len(req.prompt_token_ids) + len(req.output_token_ids):
+                if batch.phase is Phase.PREFILL:  # the prompt's full pages become reusable at once
+                    self.runner.cache_prefix(req.seq_id, req.token_slice(0, req.num_computed))
                 req.prefill_done = True
                 rows.append((req, row))
         return rows
@@ -492,12 +504,13 @@ class LLMEngine:
             finished=finished,
             metrics=req.metrics,
             error=error,
+            cached_tokens=req.cached_tokens or 0,
         )
 
     def _finish(
         self, req: Request, reason: str, *, stop_reason: str | int | None = None, error: str | None = None
     ) -> RequestOutput:
-        self.scheduler.remove(req)
+        self.scheduler.remove(req, cache=reason != "error")  # a failed step may leave bad KV behind
         self._requests.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -80,6 +80,9 @@ class EngineMetrics:
     Exposed names (Prometheus adds ``_total`` / ``_bucket`` suffixes):
     ``edgemoe_requests_total{finish_reason}``, ``edgemoe_prompt_tokens_total``,
     ``edgemoe_generation_tokens_total``, ``edgemoe_preemptions_total``,
+    ``edgemoe_prefix_cache_hit_tokens_total`` (tokens whose KV came from the prefix cache),
+    ``edgemoe_prompt_tokens_computed_total`` (tokens prefill computed, recomputation after preemption
+    included; hit / (hit + computed) is the prefix-cache hit rate), ``edgemoe_prefix_cache_pages``,
     ``edgemoe_time_to_first_token_seconds``, ``edgemoe_time_per_output_token_seconds``,
     ``edgemoe_e2e_request_latency_seconds``, ``edgemoe_generation_tokens_per_second`` (over the last
     ``window_s`` seconds), ``edgemoe_num_requests_running``, ``edgemoe_num_requests_waiting`` and the
@@ -96,6 +99,13 @@ class EngineMetrics:
         self.prompt_tokens = Counter("edgemoe_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("edgemoe_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("edgemoe_preemptions", "Requests preempted for lack of KV cache", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "edgemoe_prefix_cache_hit_tokens", "Prompt tokens whose KV was reused from the prefix cache", registry=r
+        )
+        self.prompt_tokens_computed = Counter(
+            "edgemoe_prompt_tokens_computed", "Tokens computed by prefill (recompute after preemption included)", registry=r
+        )
+        self.prefix_cache_pages = Gauge("edgemoe_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
         self.ttft = Histogram(
             "edgemoe_time_to_first_token_seconds", "Time to first token (s)", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -118,6 +128,10 @@ class EngineMetrics:
         """Read the running/waiting gauges from the engine at scrape time."""
         self.running.set_function(num_running)
         self.waiting.set_function(num_waiting)
+
+    def bind_prefix_cache(self, cached_pages: Callable[[], int]) -> None:
+        """Read the prefix-cache page gauge from the KV pool at scrape time."""
+        self.prefix_cache_pages.set_function(cached_pages)
 
     def add_expert_stats_source(self, stats_fn: Callable[[], dict | None]) -> None:
         """Register the scrape-time expert-cache collector reading ``stats_fn()``."""

@@ -114,7 +114,7 @@ class ModelRunner:
         ps = config.page_size
         attn_layers = self.model.attention_layers()
         self.kv = PagedKVPool(len(attn_layers), -(-kv_tokens // ps), ps, cfg.num_kv_heads, cfg.head_dim,
-                              self.dtype, self.device)
+                              self.dtype, self.device, prefix_caching=config.enable_prefix_caching)
         for attn in attn_layers:
             attn.kv = self.kv
         self._decode_inputs = None  # static decode inputs of the device path (built with the expert cache)
@@ -280,6 +280,43 @@ class ModelRunner:
         return [self.state.allocate(inp.seq_id) if inp.start_pos == 0 else self.state.slot(inp.seq_id)
                 for inp in inputs]
 
+    # ------------------------------------------------------------------ prefix cache
+    def reusable_prefix(self, token_ids: list[int], n_matched: int) -> int:
+        """How many of the ``n_matched`` leading tokens of ``token_ids`` whose KV pages are cached may
+        really be skipped by prefill. Every layer here keeps its state in those pages, so all of them;
+        a model with recurrent layers (whose state cannot be rebuilt from KV pages) overrides this
+        with the position of a state it can restore. The caller floors the answer to a page boundary.
+        Models with recurrent state reuse nothing here (their restore points come from state checkpoints).
+        """
+        return 0 if self.state is not None else n_matched
+
+    def attach_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give the new sequence ``seq_id`` the longest reusable cached prefix of ``token_ids`` (the
+        tokens it must hold, a prompt or, after preemption, prompt + output).
+
+        At least the last token is always left to compute (its logits are needed); the match is
+        trimmed by :meth:`reusable_prefix` and floored to whole pages.
+
+        Returns:
+            tokens reused: the sequence's prefill starts at this position (0 when prefix caching is off).
+        """
+        cache, ps = self.kv.prefix_cache, self.kv.page_size
+        if cache is None or len(token_ids) <= ps:
+            return 0
+        match = cache.match_prefix(token_ids[:-1])
+        n = min(self.reusable_prefix(token_ids, match.num_tokens), match.num_tokens) // ps * ps
+        if n == 0:
+            return 0
+        if n < match.num_tokens:
+            match = cache.match_prefix(token_ids[:n])
+        self.kv.attach_prefix(seq_id, match)
+        return n
+
+    def cache_prefix(self, seq_id: int, token_ids: list[int]) -> None:
+        """Make the full KV pages of ``seq_id`` (holding ``token_ids`` from position 0) reusable by
+        later requests (no-op when prefix caching is off)."""
+        self.kv.cache_prefix(seq_id, token_ids)
+
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
     def execute(self, inputs: list[StepInput], phase: Phase) -> torch.Tensor:
@@ -413,7 +450,8 @@ class ModelRunner:
             f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
             f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",
             f"  bandwidth    B_P {fmt(bw.pcie)}, B_H {fmt(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",
-            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}",
+            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}; "
+            f"prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",
             f"  decode path  {self.decode_path}" + (f" ({self.decode_path_reason})" if self.decode_path_reason else ""),
         ]
         if self.state is not None:

@@ -15,6 +15,11 @@ Prefill has priority (short TTFT), but never twice in a row while requests are d
 chunked prompt does not stall running streams. Preemption is by recompute (vLLM's default): the
 newest running request frees its pages and returns to the head of ``waiting`` keeping its generated
 tokens; when readmitted, prompt + generated tokens are prefilled again.
+
+Prefix caching (DESIGN.md §4): on admission a request takes the longest reusable cached prefix of its
+tokens from the runner (``attach_prefix``) and its prefill starts there. A request that finishes,
+is aborted or is preempted first caches its full KV pages (``cache_prefix``), so a preempted request
+usually gets its own pages back when readmitted, unless allocation pressure evicted them meanwhile.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class Request:
     Attributes:
         seq_id: runner sequence id while admitted (``None`` while waiting); a fresh id per admission.
         num_computed: tokens of ``prompt + output`` whose KV the runner holds.
+        num_cached_tokens: tokens taken from the prefix cache at the latest admission (prefill
+            started there).
+        cached_tokens: prompt tokens taken from the prefix cache at the first admission (reported in
+            usage); ``None`` before it.
         prefill_done: all tokens but the last sampled one are in the KV cache (decode phase).
         text: detokenized output (after stop-string truncation); ``emitted_chars`` of it were returned.
         emitted_tokens: output token ids already returned.
@@ -66,6 +75,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     seq_id: int | None = None
     num_computed: int = 0
+    num_cached_tokens: int = 0
+    cached_tokens: int | None = None
     prefill_done: bool = False
     text: str = ""
     emitted_chars: int = 0
@@ -103,7 +114,8 @@ class Scheduler:
     """Chooses the next batch and owns admission, preemption and KV release.
 
     Args:
-        runner: provides ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()`` and ``free(seq_id)``.
+        runner: provides ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()``, ``free(seq_id)``,
+            ``attach_prefix(seq_id, token_ids)`` and ``cache_prefix(seq_id, token_ids)``.
         max_num_seqs: most requests admitted at once.
         prefill_chunk_tokens: most tokens in one prefill batch.
     """
@@ -120,18 +132,20 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Drop ``req`` from whichever queue holds it, freeing its KV pages."""
+    def remove(self, req: Request, cache: bool = True) -> None:
+        """Drop ``req`` from whichever queue holds it, freeing its KV pages (after caching its full
+        pages for reuse when ``cache``)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            self._release(req, cache)
         elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
 
     def preempt(self, req: Request) -> None:
-        """Free a running request's pages and requeue it at the head of ``waiting`` for recompute."""
+        """Free a running request's pages (its full pages stay cached) and requeue it at the head of
+        ``waiting`` for recompute."""
         self.running.remove(req)
-        self._release(req)
+        self._release(req, cache=True)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
@@ -143,8 +157,10 @@ class Scheduler:
         self.preempt(victim)
         return victim
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, cache: bool) -> None:
         if req.seq_id is not None:
+            if cache and req.num_computed:
+                self.runner.cache_prefix(req.seq_id, req.token_slice(0, req.num_computed))
             self.runner.free(req.seq_id)
         req.seq_id = None
         req.num_computed = 0
@@ -187,13 +203,16 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.prefill_chunk_tokens
-        free = self.runner.kv_free_tokens()
+        claimed = 0  # KV tokens the batch's earlier entries will allocate
         reqs: list[Request] = []
         inputs: list[Any] = []
 
+        def free() -> int:  # read again after each admission: a cached prefix it locks stops being free
+            return self.runner.kv_free_tokens() - claimed
+
         def fits(seq_id: int, start: int, n: int) -> bool:
             # The first chunk only needs the runner's word; later ones also share the free tokens.
-            return self.runner.can_allocate(seq_id, start + n) and (not reqs or n <= free)
+            return self.runner.can_allocate(seq_id, start + n) and (not reqs or n <= free())
 
         for req in self.running:
             if req.prefill_done or budget <= 0:
@@ -203,23 +222,28 @@ class Scheduler:
                 continue
             reqs.append(req)
             inputs.append(StepInput(req.seq_id, req.token_slice(req.num_computed, req.num_computed + n), req.num_computed))
-            budget, free = budget - n, free - n
+            budget, claimed = budget - n, claimed + n
         # Admit only while the decoding requests keep room for their next page each (a watermark,
         # as in vLLM), so a fresh admission is not preempted again at the very next decode step.
         page = getattr(getattr(self.runner, "engine_config", None), "page_size", 1)
         reserve = page * sum(r.prefill_done for r in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
             seq_id = next(self._seq_ids)
-            if not fits(seq_id, 0, n) or (reserve and n + reserve > free):
+            start = self.runner.attach_prefix(seq_id, req.token_slice(0, req.num_tokens))
+            n = min(req.num_tokens - start, budget)
+            if not fits(seq_id, start, n) or (reserve and n + reserve > free()):
+                self.runner.free(seq_id)
                 break
             self.waiting.popleft()
-            req.seq_id, req.status, req.num_computed = seq_id, RequestStatus.RUNNING, 0
+            req.seq_id, req.status, req.num_computed = seq_id, RequestStatus.RUNNING, start
+            req.num_cached_tokens = start
+            if req.cached_tokens is None:
+                req.cached_tokens = start
             self.running.append(req)
             reqs.append(req)
-            inputs.append(StepInput(seq_id, req.token_slice(0, n), 0))
-            budget, free = budget - n, free - n
+            inputs.append(StepInput(seq_id, req.token_slice(start, start + n), start))
+            budget, claimed = budget - n, claimed + n
         return ScheduledBatch(Phase.PREFILL, reqs, inputs) if reqs else None
 
     def _schedule_decode(self, decoding: list[Request]) -> ScheduledBatch:

@@ -1,13 +1,22 @@
-"""Paged KV cache pool (vLLM's PagedAttention layout, simplified).
+"""Paged KV cache pool (vLLM's PagedAttention layout, simplified), with an optional prefix cache.
 
 Keys and values of every full-attention layer live in two tensors of fixed-size pages; a sequence
-owns a list of pages (its *page table*). Token ``t`` of a sequence is stored at flat slot
+has a list of pages (its *page table*). Token ``t`` of a sequence is stored at flat slot
 ``page_table[t // page_size] * page_size + t % page_size``.
+
+With prefix caching (:class:`~edgemoe.kvcache.radix.RadixCache`), a page table starts with pages the
+sequence *borrows* from the radix tree (a cached prefix, locked while the sequence lives) followed by
+pages it owns. Freeing a sequence unlocks the borrowed pages and returns only its own; cached pages
+nobody references count as free and are evicted (LRU) when an allocation runs out of unused pages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from edgemoe.kvcache.radix import PrefixMatch, RadixCache, RadixNode
 
 
 class KVCacheFullError(RuntimeError):
@@ -23,13 +32,14 @@ class PagedKVPool:
         page_size: tokens per page.
         num_kv_heads, head_dim: per-token KV geometry.
         dtype, device: storage dtype and device of the KV tensors.
+        prefix_caching: keep full pages of sequences in a radix tree (``self.prefix_cache``) for reuse.
 
     Storage: ``k[layer]``/``v[layer]`` are ``[num_pages * page_size, num_kv_heads, head_dim]``.
     Bytes: ``2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype_size``.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, prefix_caching: bool = False):
         if num_pages < 1 or page_size < 1:
             raise ValueError("KV pool needs at least one page of at least one token")
         self.page_size = page_size
@@ -40,6 +50,9 @@ class PagedKVPool:
         self.device = torch.device(device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
+        self.prefix_cache = RadixCache(page_size, self._free.extend) if prefix_caching else None
+        self._borrowed: dict[int, int] = {}  # seq_id -> leading pages of its table owned by the tree
+        self._prefix_node: dict[int, RadixNode] = {}  # seq_id -> the radix node it locks
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -52,10 +65,16 @@ class PagedKVPool:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can get: unused pages plus cached pages no sequence references."""
+        return len(self._free) + (self.prefix_cache.evictable_pages if self.prefix_cache is not None else 0)
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages held by the prefix cache (referenced or not)."""
+        return self.prefix_cache.num_pages if self.prefix_cache is not None else 0
 
     def free_tokens(self) -> int:
-        return len(self._free) * self.page_size
+        return self.free_pages * self.page_size
 
     def pages_needed(self, seq_id: int, total_len: int) -> int:
         """Extra pages ``seq_id`` needs to hold ``total_len`` tokens."""
@@ -63,32 +82,81 @@ class PagedKVPool:
         return max(0, -(-total_len // self.page_size) - have)
 
     def can_allocate(self, seq_id: int, total_len: int) -> bool:
-        return self.pages_needed(seq_id, total_len) <= len(self._free)
+        return self.pages_needed(seq_id, total_len) <= self.free_pages
 
     def allocate(self, seq_id: int, total_len: int) -> None:
-        """Grow ``seq_id``'s page table to hold ``total_len`` tokens.
+        """Grow ``seq_id``'s page table to hold ``total_len`` tokens, evicting unreferenced cached
+        pages (LRU) when unused pages run out.
 
         Raises:
             KVCacheFullError: not enough free pages (nothing is allocated then).
         """
         need = self.pages_needed(seq_id, total_len)
-        if need > len(self._free):
+        if need > self.free_pages:
             raise KVCacheFullError(
-                f"KV cache full: sequence {seq_id} needs {need} more pages, {len(self._free)} free "
+                f"KV cache full: sequence {seq_id} needs {need} more pages, {self.free_pages} free "
                 f"(capacity {self.capacity_tokens} tokens)"
             )
+        if need > len(self._free):
+            self.prefix_cache.evict(need - len(self._free))
         pages = self._pages.setdefault(seq_id, [])
         for _ in range(need):
             pages.append(self._free.pop())
 
     def free(self, seq_id: int) -> None:
-        """Return all pages of ``seq_id`` to the pool (no-op for an unknown id)."""
-        for p in reversed(self._pages.pop(seq_id, [])):
+        """Release ``seq_id``: unlock the cached pages it borrows, return the pages it owns to the
+        pool (no-op for an unknown id)."""
+        pages = self._pages.pop(seq_id, [])
+        borrowed = self._borrowed.pop(seq_id, 0)
+        node = self._prefix_node.pop(seq_id, None)
+        if node is not None:
+            self.prefix_cache.unlock(node)
+        for p in reversed(pages[borrowed:]):
             self._free.append(p)
 
     def pages_of(self, seq_id: int) -> list[int]:
         """Page ids of ``seq_id`` in token order (empty for an unknown id)."""
         return list(self._pages.get(seq_id, ()))
+
+    # ------------------------------------------------------------------ prefix sharing
+    def attach_prefix(self, seq_id: int, match: PrefixMatch) -> None:
+        """Start the new sequence ``seq_id`` with the cached pages of ``match`` (from
+        ``prefix_cache.match_prefix``), locked until :meth:`free`.
+
+        Raises:
+            ValueError: ``seq_id`` already has pages, or prefix caching is off.
+        """
+        if self.prefix_cache is None:
+            raise ValueError("attach_prefix: prefix caching is off")
+        if self._pages.get(seq_id):
+            raise ValueError(f"attach_prefix: sequence {seq_id} already has pages")
+        self._pages[seq_id] = list(match.pages)
+        self._borrowed[seq_id] = len(match.pages)
+        self.prefix_cache.lock(match.node)
+        self._prefix_node[seq_id] = match.node
+
+    def cache_prefix(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Insert the full pages of ``seq_id`` into the prefix cache; the sequence keeps using them
+        (locked). Pages the tree already held under the same tokens replace the sequence's copies,
+        which go back to the pool. No-op without prefix caching.
+
+        Args:
+            token_ids: the tokens whose KV ``seq_id`` holds, from position 0.
+        """
+        if self.prefix_cache is None or seq_id not in self._pages:
+            return
+        table = self._pages[seq_id]
+        n = min(len(token_ids) // self.page_size, len(table))
+        if n <= self._borrowed.get(seq_id, 0):
+            return
+        match = self.prefix_cache.insert(token_ids[:n * self.page_size], table[:n])
+        table[:n] = match.pages
+        self.prefix_cache.lock(match.node)
+        old = self._prefix_node.get(seq_id)
+        if old is not None:
+            self.prefix_cache.unlock(old)
+        self._prefix_node[seq_id] = match.node
+        self._borrowed[seq_id] = n
 
     def page_table(self, seq_id: int) -> torch.Tensor:
         """``[num_pages_of_seq]`` int64 page ids of ``seq_id`` on the pool's device."""

@@ -60,6 +60,7 @@ from edgemoe.server.protocol import (
     ModelCard,
     ModelList,
     ToolCallOut,
+    PromptTokensDetails,
     UsageInfo,
     new_id,
 )
@@ -116,8 +117,12 @@ def _finish_reason(reason: str | None) -> str | None:
     return reason if reason in (None, "stop", "length") else "stop" if reason == "abort" else reason
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo(**out.usage)
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    """Token usage of one or more requests (``prompt_tokens_details.cached_tokens``: prefix-cache hits)."""
+    p = sum(o.num_prompt_tokens for o in outs)
+    c = sum(o.num_generated_tokens for o in outs)
+    cached = PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in outs))
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=cached)
 
 
 def _loc_path(parts: list) -> str:
@@ -337,7 +342,7 @@ def build_app(
             id=prepared.request_id,
             model=name,
             choices=[ChatCompletionChoice(message=message, finish_reason="tool_calls" if calls and reason == "stop" else reason)],
-            usage=_usage(out),
+            usage=_usage([out]),
             system_fingerprint=SYSTEM_FINGERPRINT,
         )
         return JSONResponse(resp.model_dump(exclude_none=False))
@@ -376,13 +381,8 @@ def build_app(
             CompletionChoice(index=i, text=echoes[i] + o.outputs[0].text, finish_reason=_finish_reason(o.outputs[0].finish_reason))
             for i, o in enumerate(outs)
         ]
-        usage = UsageInfo(
-            prompt_tokens=sum(o.num_prompt_tokens for o in outs),
-            completion_tokens=sum(o.num_generated_tokens for o in outs),
-        )
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         resp = CompletionResponse(
-            id=request_id, model=name, choices=choices, usage=usage, system_fingerprint=SYSTEM_FINGERPRINT
+            id=request_id, model=name, choices=choices, usage=_usage(outs), system_fingerprint=SYSTEM_FINGERPRINT
         )
         return JSONResponse(resp.model_dump())
 
@@ -491,7 +491,7 @@ async def _chat_stream(serving: Serving, prepared: Prepared, model: str, include
         if include_usage and final is not None:
             yield _sse(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[], usage=_usage(final),
+                    id=request_id, created=created, model=model, choices=[], usage=_usage([final]),
                     system_fingerprint=SYSTEM_FINGERPRINT,
                 )
             )
@@ -538,12 +538,9 @@ async def _completion_stream(
                 finals[i] = out
                 yield chunk(i, "", _finish_reason(c.finish_reason))
         if include_usage:
-            p = sum(o.num_prompt_tokens for o in finals.values())
-            g = sum(o.num_generated_tokens for o in finals.values())
             yield _sse(
                 CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g),
+                    id=request_id, created=created, model=model, choices=[], usage=_usage(list(finals.values())),
                     system_fingerprint=SYSTEM_FINGERPRINT,
                 )
             )

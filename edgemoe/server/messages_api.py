@@ -13,10 +13,13 @@ What is served (field names and event shapes follow the ``anthropic`` SDK's type
   ``temperature``, ``top_p``, ``top_k``, ``output_config.format`` (structured output → guided JSON;
   any JSON object, the schema is not enforced);
 - responses with ``thinking`` (empty ``signature``), ``text`` and ``tool_use`` blocks, ``stop_reason``
-  ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, usage;
+  ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, usage (prompt tokens served
+  from the prefix cache as ``cache_read_input_tokens``, the rest as ``input_tokens``, as Anthropic
+  counts them);
 - streaming with the exact event sequence: ``message_start``, then per block ``content_block_start``,
   ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``),
-  ``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``; a failure
+  ``content_block_stop``, then ``message_delta`` (stop reason, final usage; ``message_start`` counts
+  the whole prompt as ``input_tokens``, before admission) and ``message_stop``; a failure
   mid-stream is an ``error`` event.
 
 Errors use Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, see ``app.py``).
@@ -166,10 +169,20 @@ class MessagesRequest(CountTokensRequest):
 
 
 class Usage(BaseModel):
+    """Anthropic token usage: the prompt is ``input_tokens + cache_read_input_tokens`` (the part
+    computed and the part whose KV came from the prefix cache); nothing is ever written to a cache on
+    request, so ``cache_creation_input_tokens`` stays 0."""
+
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> "Usage":
+        """The usage of a request's (final) output."""
+        return cls(input_tokens=out.num_prompt_tokens - out.cached_tokens, output_tokens=out.num_generated_tokens,
+                   cache_read_input_tokens=out.cached_tokens)
 
 
 class MessageResponse(BaseModel):
@@ -382,7 +395,7 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                     {
                         "type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": {"input_tokens": n_prompt, "output_tokens": out.num_generated_tokens},
+                        "usage": Usage.of(out).model_dump(),
                     }
                 )
                 yield _sse({"type": "message_stop"})
@@ -416,7 +429,7 @@ def router(serving: Serving) -> APIRouter:
             content=content,
             stop_reason=reason,
             stop_sequence=sequence,
-            usage=Usage(input_tokens=out.num_prompt_tokens, output_tokens=out.num_generated_tokens),
+            usage=Usage.of(out),
         )
         return JSONResponse(resp.model_dump())
 

@@ -32,6 +32,7 @@ __all__ = [
     "ErrorResponse",
     "ModelCard",
     "ModelList",
+    "PromptTokensDetails",
     "StreamOptions",
     "ToolCallOut",
     "UsageInfo",
@@ -203,10 +204,15 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class ErrorInfo(BaseModel):

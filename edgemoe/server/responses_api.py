@@ -311,7 +311,8 @@ class _Shell:
         usage = None
         if out is not None:
             n, g = out.num_prompt_tokens, out.num_generated_tokens
-            usage = ResponseUsage(input_tokens=n, output_tokens=g, total_tokens=n + g)
+            usage = ResponseUsage(input_tokens=n, input_tokens_details={"cached_tokens": out.cached_tokens},
+                                  output_tokens=g, total_tokens=n + g)
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         choice = b.tool_choice or "auto"
         return ResponseObject(
