@@ -98,7 +98,7 @@ def test_eviction_frees_leaves_before_their_parent():
 def test_references_protect_pages():
     tree, released = make_tree()
     a = tree.insert(seq(1, 2, 3), [10, 11, 12]).node
-    b = tree.insert(seq(1, 2, 4), [10, 11, 13]).node  # [10, 11] -> {[12], [13]}
+    tree.insert(seq(1, 2, 4), [10, 11, 13])  # [10, 11] -> {[12], [13]}
     tree.lock(a)
     assert tree.evictable_pages == 1  # only [13]: a's path is in use
     assert tree.evict(10) == 1 and released == [13]
@@ -110,7 +110,6 @@ def test_references_protect_pages():
     assert tree.evictable_pages == 3 and tree.evict(10) == 3 and released == [13, 12, 10, 11]
     with pytest.raises(ValueError, match="unreferenced"):
         tree.unlock(a)
-    del b
 
 
 def test_a_split_keeps_locks_on_the_whole_path():
@@ -130,7 +129,6 @@ def test_random_operations_match_a_reference():
     ref: dict[tuple, int] = {}  # page-aligned token prefix -> the page holding its last page
     next_page = iter(range(1000, 10**6))
     locked: list = []  # (node, pages of its path)
-    owner: dict[int, str] = {}
 
     def ref_match(tokens):
         pages = []
@@ -141,7 +139,7 @@ def test_random_operations_match_a_reference():
             pages.append(p)
         return pages
 
-    for step in range(3000):
+    for _ in range(3000):
         n = rng.randint(1, 6)
         tokens = [rng.randint(0, 2) for _ in range(n * PS + rng.randint(0, PS - 1))]  # small alphabet: shared prefixes
         op = rng.random()
@@ -155,8 +153,6 @@ def test_random_operations_match_a_reference():
                 want.append(ref.setdefault(tuple(full[:k * PS]), pages[k - 1]))
             assert got.pages == want
             assert sorted(released[before:]) == sorted(p for p in pages if p not in want)
-            for p in want:
-                owner[p] = "tree"
             if rng.random() < 0.3:
                 tree.lock(got.node)
                 locked.append((got.node, want))

@@ -400,8 +400,8 @@ def _scripted(runner, script_ids: list[int], eos: int):
         logits = real(inputs, phase)
         forced = torch.full_like(logits, float("-inf"))
         for row, inp in enumerate(inputs):
-            if inp.start_pos == 0:
-                prompt_len[inp.seq_id] = len(inp.token_ids)
+            if phase is Phase.PREFILL and inp.seq_id not in prompt_len:  # may start after a cached prefix
+                prompt_len[inp.seq_id] = inp.start_pos + len(inp.token_ids)
             k = inp.start_pos + len(inp.token_ids) - prompt_len[inp.seq_id]
             forced[row, script_ids[k] if k < len(script_ids) else eos] = 0.0
         return forced

@@ -59,8 +59,8 @@ from edgemoe.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    ToolCallOut,
     PromptTokensDetails,
+    ToolCallOut,
     UsageInfo,
     new_id,
 )
