@@ -11,13 +11,13 @@ transformers' reference functions (``torch_chunk_gated_delta_rule`` and
 which the tests use as the oracle:
 
 - ``chunk_gated_delta_rule`` (prefill): the chunked WY form of section 3 of the paper, chunks of 64
-  tokens. Three kernels: (1) per chunk, the unit lower-triangular system ``(I + A)`` with
-  ``A_ij = beta_i k_i.k_j exp(gc_i - gc_j)`` (i > j, ``gc`` the in-chunk cumulative log decay) is
-  inverted by block forward substitution (16x16 diagonal blocks by row substitution, then the
-  off-diagonal blocks), giving ``w = T (beta exp(gc) k)`` and ``u = T (beta v)``; (2) per value-column
-  block, a sequential scan over chunks carries the fp32 state, writing each chunk's entry state and
-  ``v_new = u - w S``; (3) per chunk, fully parallel, ``o = (q exp(gc)) S + (q k^T * decay, causal) v_new``.
-  This is the structure of flash-linear-attention's chunked gated delta rule; the code here is our own.
+  tokens, five kernels: (1) per chunk, ``A_ij = beta_i k_i.k_j exp(gc_i - gc_j)`` for ``i > j`` (``gc``
+  the in-chunk cumulative log decay); (2) ``T = (I + A)^-1`` by block forward substitution (16x16
+  diagonal blocks by row substitution, then the off-diagonal blocks); (3) ``w = T (beta exp(gc) k)``,
+  ``u = T (beta v)``; (4) per value-column block, a sequential scan over the chunks carries the float32
+  state, writing each chunk's entry state and ``v_new = u - w S``; (5) per chunk, in parallel,
+  ``o = (q exp(gc)) S + (q k^T exp(gc_i - gc_j), i >= j) v_new``. This is the structure of
+  flash-linear-attention's chunked gated delta rule; the code here is our own.
 - ``fused_recurrent_gated_delta_rule`` (decode): one kernel, the token recurrence with the state held in
   registers, updated in place (no host sync, fixed shapes: CUDA-graph capturable).
 
@@ -29,10 +29,12 @@ state have ``Hv`` heads, ``Hv % Hk == 0``; value head ``h`` reads key head ``h /
 reference's ``repeat_interleave``), so callers pass q/k un-repeated (already repeated q/k, ``Hk == Hv``,
 also work). Inputs may be strided views (e.g. splits of the fused qkv projection); the state is float32
 ``[B, Hv, Dk, Dv]``; all accumulation is float32. Matrix products take operands in the input dtype
-(bf16/fp16 tensor cores; fp32 inputs use exact fp32 products), as flash-linear-attention does.
+(bf16/fp16 tensor cores; fp32 inputs use 3-pass tf32, about fp32 accuracy), as flash-linear-attention
+does; the 16x16 triangular blocks are always inverted in exact float32.
 
 Tensors must be on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1`` set before ``triton`` is
-imported (the tests' mode). Each new shape/dtype compiles once: call once before capturing a CUDA graph.
+imported (the tests' mode). The first call per dtype, head size and flags compiles: make it before
+capturing a CUDA graph.
 """
 
 from __future__ import annotations
@@ -57,8 +59,6 @@ def _dot_dtype(dtype: torch.dtype) -> torch.dtype:
 
     The Triton 3.6 interpreter multiplies bfloat16 tiles as their raw uint16 bits, so under the
     interpreter bfloat16 inputs use float32 products."""
-    if dtype not in _TL_DTYPE:
-        raise ValueError(f"unsupported dtype {dtype}: expected float32, float16 or bfloat16")
     return torch.float32 if dtype == torch.bfloat16 and _interpreting() else dtype
 
 
@@ -85,6 +85,8 @@ def _check_qkv(query, key, value, g, beta) -> tuple[int, int, int, int, int, int
         raise ValueError(f"value {tuple(value.shape)} does not match key {tuple(key.shape)} (Hv % Hk must be 0)")
     if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
         raise ValueError(f"g and beta must be [B, T, Hv] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if query.dtype not in _TL_DTYPE:
+        raise ValueError(f"unsupported dtype {query.dtype}: expected float32, float16 or bfloat16")
     if max(DK, DV) > 256:
         raise ValueError(f"head dims up to 256 are supported, got Dk={DK}, Dv={DV}")
     _check_device(query, key, value, g, beta)
@@ -120,31 +122,29 @@ def _load_vec(base, stride_t, t0, T, ROWS: tl.constexpr):
     return tl.load(base + rows * stride_t, mask=rows < T, other=0.0).to(tl.float32)
 
 
-# ------------------------------------------------------------------------------ prefill kernel 1: w and u
+# -------------------------------------------------------- prefill kernels 1-2: the in-chunk triangular inverse
 
 
 @triton.jit
-def _sub_block(k_base, g_base, beta_base, skt, skd, sgt, sbt, t0, j: tl.constexpr, T, DK,
-               BK: tl.constexpr, L2NORM: tl.constexpr):
-    """Sub-block ``j`` (rows ``t0+16j .. t0+16j+16``) of a chunk: keys ``[16, BK]``, in-chunk
-    cumulative log decay ``[16]`` and beta ``[16]``, float32."""
-    kj = _load_rows(k_base, skt, skd, t0 + 16 * j, T, DK, 16, BK, L2NORM)  # [16, BK]
+def _chunk_kkt_kernel(k_ptr, g_ptr, beta_ptr, a_ptr,
+                      skb, skt, skh, skd, sgb, sgt, sgh, sbb, sbt, sbh,
+                      T, H, GROUP, DK,
+                      BK: tl.constexpr, L2NORM: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid ``(chunks, B*Hv)``: ``A_ij = beta_i k_i.k_j exp(gc_i - gc_j)`` for ``i > j`` (else 0) of one
+    chunk, float32, into ``a [B*Hv, T, 64]``."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hv = bh % H
+    t0 = c * 64
     rows = tl.arange(0, 64)
-    g_before = tl.sum(tl.load(g_base + (t0 + rows) * sgt, mask=(rows < 16 * j) & (t0 + rows < T), other=0.0)
-                      .to(tl.float32), axis=0)
-    gc = g_before + tl.cumsum(_load_vec(g_base, sgt, t0 + 16 * j, T, 16), axis=0)  # [16]
-    bj = _load_vec(beta_base, sbt, t0 + 16 * j, T, 16)  # [16]
-    return kj, gc, bj
-
-
-@triton.jit
-def _decayed_kkt(ki, gi, bi, kj, gj, DIAG: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """Block ``(i, j)`` of ``A``: ``beta_r k_r.k_s exp(gc_r - gc_s)``, strictly lower on the diagonal."""
-    a = tl.dot((ki * bi[:, None]).to(DOT_DT), tl.trans(kj.to(DOT_DT)), input_precision=PREC)  # [16, 16]
-    if DIAG:
-        r = tl.arange(0, 16)
-        return a * tl.exp(tl.where(r[:, None] > r[None, :], gi[:, None] - gj[None, :], float("-inf")))
-    return a * tl.exp(gi[:, None] - gj[None, :])
+    k = _load_rows(k_ptr + b * skb + (hv // GROUP) * skh, skt, skd, t0, T, DK, 64, BK, L2NORM)  # [64, BK]
+    gc = tl.cumsum(_load_vec(g_ptr + b * sgb + hv * sgh, sgt, t0, T, 64), axis=0)  # [64]
+    beta = _load_vec(beta_ptr + b * sbb + hv * sbh, sbt, t0, T, 64)  # [64]
+    a = tl.dot((k * beta[:, None]).to(DOT_DT), tl.trans(k.to(DOT_DT)), input_precision=PREC)  # [64, 64]
+    a = a * tl.exp(tl.where(rows[:, None] > rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    tl.store(a_ptr + (bh.to(tl.int64) * T + t0 + rows[:, None]) * 64 + rows[None, :], a,
+             mask=(t0 + rows[:, None]) < T)
 
 
 @triton.jit
@@ -161,51 +161,46 @@ def _inv_unit_lower16(a):
 
 
 @triton.jit
-def _store_wu(w_base, u_base, dw, du, t0, i: tl.constexpr, T, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
-    rows = t0 + 16 * i + tl.arange(0, 16)
-    ck = tl.arange(0, BK)
-    cv = tl.arange(0, BV)
-    tl.store(w_base + rows[:, None] * DK + ck[None, :], dw.to(w_base.dtype.element_ty),
-             mask=(rows[:, None] < T) & (ck[None, :] < DK))
-    tl.store(u_base + rows[:, None] * DV + cv[None, :], du.to(u_base.dtype.element_ty),
-             mask=(rows[:, None] < T) & (cv[None, :] < DV))
+def _block_ptrs(base, t0, i: tl.constexpr, j: tl.constexpr, T):
+    """Pointers and row mask of block ``(i, j)`` (16x16) of a chunk's matrix, rows ``t0+16i..`` of
+    ``base [T, 64]``."""
+    r = tl.arange(0, 16)
+    rows = t0 + 16 * i + r
+    return base + rows[:, None] * 64 + 16 * j + r[None, :], rows[:, None] < T
 
 
 @triton.jit
-def _chunk_wu_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr,
-                     skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sbb, sbt, sbh,
-                     T, H, GROUP, DK, DV,
-                     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                     DOT_DT: tl.constexpr, PREC: tl.constexpr):
-    """Grid ``(chunks, B*Hv)``: ``w [B*Hv, T, Dk]`` and ``u [B*Hv, T, Dv]`` of one chunk."""
+def _load_block(base, t0, i: tl.constexpr, j: tl.constexpr, T):
+    ptrs, mask = _block_ptrs(base, t0, i, j, T)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_block(base, blk, t0, i: tl.constexpr, j: tl.constexpr, T):
+    ptrs, mask = _block_ptrs(base, t0, i, j, T)
+    tl.store(ptrs, blk.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_inverse_kernel(a_ptr, tm_ptr, T):
+    """Grid ``(chunks, B*Hv)``: ``T = (I + A)^-1`` of one chunk, the lower 16x16 blocks of
+    ``tm [B*Hv, T, 64]`` from ``a [B*Hv, T, 64]``. Diagonal blocks by row substitution, then block
+    forward substitution ``T_ij = -T_ii sum_{j<=m<i} A_im T_mj`` (float32 products)."""
     c = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    hv = bh % H
+    bh = tl.program_id(1).to(tl.int64)
     t0 = c * 64
-    k_base = k_ptr + b * skb + (hv // GROUP) * skh
-    v_base = v_ptr + b * svb + hv * svh
-    g_base = g_ptr + b * sgb + hv * sgh
-    beta_base = beta_ptr + b * sbb + hv * sbh
-    w_base = w_ptr + bh.to(tl.int64) * T * DK
-    u_base = u_ptr + bh.to(tl.int64) * T * DV
-
-    k0, g0, b0 = _sub_block(k_base, g_base, beta_base, skt, skd, sgt, sbt, t0, 0, T, DK, BK, L2NORM)
-    k1, g1, b1 = _sub_block(k_base, g_base, beta_base, skt, skd, sgt, sbt, t0, 1, T, DK, BK, L2NORM)
-    k2, g2, b2 = _sub_block(k_base, g_base, beta_base, skt, skd, sgt, sbt, t0, 2, T, DK, BK, L2NORM)
-    k3, g3, b3 = _sub_block(k_base, g_base, beta_base, skt, skd, sgt, sbt, t0, 3, T, DK, BK, L2NORM)
-
-    # Diagonal blocks of T = (I + A)^-1, then the off-diagonal ones: T_ij = -T_ii sum_{j<=m<i} A_im T_mj.
-    a10 = _decayed_kkt(k1, g1, b1, k0, g0, False, DOT_DT, PREC)
-    a20 = _decayed_kkt(k2, g2, b2, k0, g0, False, DOT_DT, PREC)
-    a21 = _decayed_kkt(k2, g2, b2, k1, g1, False, DOT_DT, PREC)
-    a30 = _decayed_kkt(k3, g3, b3, k0, g0, False, DOT_DT, PREC)
-    a31 = _decayed_kkt(k3, g3, b3, k1, g1, False, DOT_DT, PREC)
-    a32 = _decayed_kkt(k3, g3, b3, k2, g2, False, DOT_DT, PREC)
-    t00 = _inv_unit_lower16(_decayed_kkt(k0, g0, b0, k0, g0, True, DOT_DT, PREC))
-    t11 = _inv_unit_lower16(_decayed_kkt(k1, g1, b1, k1, g1, True, DOT_DT, PREC))
-    t22 = _inv_unit_lower16(_decayed_kkt(k2, g2, b2, k2, g2, True, DOT_DT, PREC))
-    t33 = _inv_unit_lower16(_decayed_kkt(k3, g3, b3, k3, g3, True, DOT_DT, PREC))
+    a_base = a_ptr + bh * T * 64
+    tm_base = tm_ptr + bh * T * 64
+    t00 = _inv_unit_lower16(_load_block(a_base, t0, 0, 0, T))
+    t11 = _inv_unit_lower16(_load_block(a_base, t0, 1, 1, T))
+    t22 = _inv_unit_lower16(_load_block(a_base, t0, 2, 2, T))
+    t33 = _inv_unit_lower16(_load_block(a_base, t0, 3, 3, T))
+    a10 = _load_block(a_base, t0, 1, 0, T)
+    a20 = _load_block(a_base, t0, 2, 0, T)
+    a21 = _load_block(a_base, t0, 2, 1, T)
+    a30 = _load_block(a_base, t0, 3, 0, T)
+    a31 = _load_block(a_base, t0, 3, 1, T)
+    a32 = _load_block(a_base, t0, 3, 2, T)
     t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
     t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
     t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision="ieee") + tl.dot(a21, t10, input_precision="ieee"),
@@ -215,40 +210,55 @@ def _chunk_wu_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr,
                   input_precision="ieee")
     t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision="ieee") + tl.dot(a31, t10, input_precision="ieee")
                   + tl.dot(a32, t20, input_precision="ieee"), input_precision="ieee")
-
-    # w_i = sum_{j<=i} T_ij (beta exp(gc) k)_j and u_i = sum_{j<=i} T_ij (beta v)_j, per 16-row block i.
-    x0 = (k0 * (b0 * tl.exp(g0))[:, None]).to(DOT_DT)  # [16, BK]
-    x1 = (k1 * (b1 * tl.exp(g1))[:, None]).to(DOT_DT)
-    x2 = (k2 * (b2 * tl.exp(g2))[:, None]).to(DOT_DT)
-    x3 = (k3 * (b3 * tl.exp(g3))[:, None]).to(DOT_DT)
-    y0 = (_load_rows(v_base, svt, svd, t0, T, DV, 16, BV, False) * b0[:, None]).to(DOT_DT)  # [16, BV]
-    y1 = (_load_rows(v_base, svt, svd, t0 + 16, T, DV, 16, BV, False) * b1[:, None]).to(DOT_DT)
-    y2 = (_load_rows(v_base, svt, svd, t0 + 32, T, DV, 16, BV, False) * b2[:, None]).to(DOT_DT)
-    y3 = (_load_rows(v_base, svt, svd, t0 + 48, T, DV, 16, BV, False) * b3[:, None]).to(DOT_DT)
-    t00, t10, t11 = t00.to(DOT_DT), t10.to(DOT_DT), t11.to(DOT_DT)
-    t20, t21, t22 = t20.to(DOT_DT), t21.to(DOT_DT), t22.to(DOT_DT)
-    t30, t31, t32, t33 = t30.to(DOT_DT), t31.to(DOT_DT), t32.to(DOT_DT), t33.to(DOT_DT)
-    w = tl.dot(t00, x0, input_precision=PREC)
-    u = tl.dot(t00, y0, input_precision=PREC)
-    _store_wu(w_base, u_base, w, u, t0, 0, T, DK, DV, BK, BV)
-    w = tl.dot(t11, x1, tl.dot(t10, x0, input_precision=PREC), input_precision=PREC)
-    u = tl.dot(t11, y1, tl.dot(t10, y0, input_precision=PREC), input_precision=PREC)
-    _store_wu(w_base, u_base, w, u, t0, 1, T, DK, DV, BK, BV)
-    w = tl.dot(t22, x2, tl.dot(t21, x1, tl.dot(t20, x0, input_precision=PREC), input_precision=PREC),
-               input_precision=PREC)
-    u = tl.dot(t22, y2, tl.dot(t21, y1, tl.dot(t20, y0, input_precision=PREC), input_precision=PREC),
-               input_precision=PREC)
-    _store_wu(w_base, u_base, w, u, t0, 2, T, DK, DV, BK, BV)
-    w = tl.dot(t30, x0, input_precision=PREC)
-    w = tl.dot(t33, x3, tl.dot(t32, x2, tl.dot(t31, x1, w, input_precision=PREC), input_precision=PREC),
-               input_precision=PREC)
-    u = tl.dot(t30, y0, input_precision=PREC)
-    u = tl.dot(t33, y3, tl.dot(t32, y2, tl.dot(t31, y1, u, input_precision=PREC), input_precision=PREC),
-               input_precision=PREC)
-    _store_wu(w_base, u_base, w, u, t0, 3, T, DK, DV, BK, BV)
+    _store_block(tm_base, t00, t0, 0, 0, T)
+    _store_block(tm_base, t10, t0, 1, 0, T)
+    _store_block(tm_base, t11, t0, 1, 1, T)
+    _store_block(tm_base, t20, t0, 2, 0, T)
+    _store_block(tm_base, t21, t0, 2, 1, T)
+    _store_block(tm_base, t22, t0, 2, 2, T)
+    _store_block(tm_base, t30, t0, 3, 0, T)
+    _store_block(tm_base, t31, t0, 3, 1, T)
+    _store_block(tm_base, t32, t0, 3, 2, T)
+    _store_block(tm_base, t33, t0, 3, 3, T)
 
 
-# ------------------------------------------------------------------- prefill kernel 2: the scan over chunks
+# ------------------------------------------------------------------------------ prefill kernel 3: w and u
+
+
+@triton.jit
+def _chunk_wu_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr,
+                     skb, skt, skh, skd, svb, svt, svh, svd, sgb, sgt, sgh, sbb, sbt, sbh,
+                     T, H, GROUP, DK, DV,
+                     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                     DOT_DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid ``(chunks, B*Hv)``: ``w = T (beta exp(gc) k)`` ``[B*Hv, T, Dk]`` and ``u = T (beta v)``
+    ``[B*Hv, T, Dv]`` of one chunk."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hv = bh % H
+    bh64 = bh.to(tl.int64)
+    t0 = c * 64
+    rows = tl.arange(0, 64)
+    row_ok = (t0 + rows) < T
+    ck = tl.arange(0, BK)
+    cv = tl.arange(0, BV)
+
+    tm = tl.load(tm_ptr + (bh64 * T + t0 + rows[:, None]) * 64 + rows[None, :],
+                 mask=row_ok[:, None] & (rows[None, :] <= rows[:, None]), other=0.0)  # [64, 64]
+    gc = tl.cumsum(_load_vec(g_ptr + b * sgb + hv * sgh, sgt, t0, T, 64), axis=0)  # [64]
+    beta = _load_vec(beta_ptr + b * sbb + hv * sbh, sbt, t0, T, 64)  # [64]
+    k = _load_rows(k_ptr + b * skb + (hv // GROUP) * skh, skt, skd, t0, T, DK, 64, BK, L2NORM)  # [64, BK]
+    w = tl.dot(tm.to(DOT_DT), (k * (beta * tl.exp(gc))[:, None]).to(DOT_DT), input_precision=PREC)  # [64, BK]
+    tl.store(w_ptr + (bh64 * T + t0 + rows[:, None]) * DK + ck[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (ck[None, :] < DK))
+    v = _load_rows(v_ptr + b * svb + hv * svh, svt, svd, t0, T, DV, 64, BV, False)  # [64, BV]
+    u = tl.dot(tm.to(DOT_DT), (v * beta[:, None]).to(DOT_DT), input_precision=PREC)  # [64, BV]
+    tl.store(u_ptr + (bh64 * T + t0 + rows[:, None]) * DV + cv[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (cv[None, :] < DV))
+
+
+# ------------------------------------------------------------------- prefill kernel 4: the scan over chunks
 
 
 @triton.jit
@@ -298,7 +308,7 @@ def _chunk_state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, h0_ptr, hc_ptr, vnew_ptr, ht
         tl.store(ht_ptr + bh64 * DK * DV + state_off, s, mask=state_mask)
 
 
-# ------------------------------------------------------------------------- prefill kernel 3: the outputs
+# ------------------------------------------------------------------------- prefill kernel 5: the outputs
 
 
 @triton.jit
@@ -362,12 +372,13 @@ def chunk_gated_delta_rule(
         ``[B, Hv, Dk, Dv]`` tensor, or None. Queries are scaled by ``Dk ** -0.5`` as in the reference.
 
     Raises:
-        ValueError: on inconsistent shapes, head dims over 256, unsupported dtypes, mixed devices, or
-            CPU tensors without ``TRITON_INTERPRET=1``.
+        ValueError: on inconsistent shapes, head dims over 256, a query dtype other than float32,
+            float16 or bfloat16, mixed devices, or CPU tensors without ``TRITON_INTERPRET=1``.
 
     Source: Yang et al. 2024 (arXiv 2412.06464) section 3 (chunkwise WY form); oracle: transformers'
-    ``torch_chunk_gated_delta_rule``. Scratch memory: ``w``, ``u``, ``v_new`` (``T x D`` per head) and the
-    chunk entry states (``T/64 x Dk x Dv`` per head) in the input dtype.
+    ``torch_chunk_gated_delta_rule``. Scratch memory per value head: ``A`` (float32) and ``T`` (``T x 64``),
+    ``w``, ``u``, ``v_new`` (``T x D``) and the chunk entry states (``T/64 x Dk x Dv``), all but ``A`` in
+    the input dtype.
     """
     B, T, HK, DK, HV, DV = _check_qkv(query, key, value, g, beta)
     if initial_state is not None:
@@ -377,11 +388,13 @@ def chunk_gated_delta_rule(
     dev = query.device
     dot_dt = _dot_dtype(query.dtype)
     tl_dt = _TL_DTYPE[dot_dt]
-    prec = "ieee" if dot_dt == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+    prec = "tf32x3" if dot_dt == torch.float32 else "tf32"  # fp32: three tf32 products; ignored for 16-bit
     NT = triton.cdiv(T, CHUNK)
     BK, BVF = _block(DK), _block(DV)
     group = HV // HK
 
+    a = torch.empty(B * HV, T, CHUNK, dtype=torch.float32, device=dev)
+    tm = torch.empty(B * HV, T, CHUNK, dtype=dot_dt, device=dev)
     w = torch.empty(B * HV, T, DK, dtype=dot_dt, device=dev)
     u = torch.empty(B * HV, T, DV, dtype=dot_dt, device=dev)
     v_new = torch.empty(B * HV, T, DV, dtype=dot_dt, device=dev)
@@ -389,22 +402,27 @@ def chunk_gated_delta_rule(
     out = torch.empty(B, T, HV, DV, dtype=query.dtype, device=dev)
     final = torch.empty(B, HV, DK, DV, dtype=torch.float32, device=dev) if output_final_state else None
 
+    _chunk_kkt_kernel[(NT, B * HV)](
+        key, g, beta, a, *key.stride(), *g.stride(), *beta.stride(), T, HV, group, DK,
+        BK=BK, L2NORM=use_qk_l2norm_in_kernel, DOT_DT=tl_dt, PREC=prec, num_warps=4,
+    )
+    _chunk_inverse_kernel[(NT, B * HV)](a, tm, T, num_warps=4)
     _chunk_wu_kernel[(NT, B * HV)](
-        key, value, g, beta, w, u, *key.stride(), *value.stride(), *g.stride(), *beta.stride(),
+        key, value, g, beta, tm, w, u, *key.stride(), *value.stride(), *g.stride(), *beta.stride(),
         T, HV, group, DK, DV, BK=BK, BV=BVF, L2NORM=use_qk_l2norm_in_kernel, DOT_DT=tl_dt, PREC=prec,
-        num_warps=4,
+        num_warps=8,
     )
     bv_scan = min(32, BVF)
     _chunk_state_kernel[(triton.cdiv(DV, bv_scan), B * HV)](
         key, g, w, u, initial_state, hc, v_new, final, *key.stride(), *g.stride(),
         T, NT, HV, group, DK, DV, BK=BK, BV=bv_scan, L2NORM=use_qk_l2norm_in_kernel,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DOT_DT=tl_dt, PREC=prec, num_warps=4,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DOT_DT=tl_dt, PREC=prec, num_warps=8,
     )
     bv_out = min(64, BVF)
     _chunk_output_kernel[(triton.cdiv(DV, bv_out), NT, B * HV)](
         query, key, g, hc, v_new, out, *query.stride(), *key.stride(), *g.stride(), *out.stride()[:3],
         T, NT, HV, group, DK, DV, DK**-0.5, BK=BK, BV=bv_out, L2NORM=use_qk_l2norm_in_kernel,
-        DOT_DT=tl_dt, PREC=prec, num_warps=4,
+        DOT_DT=tl_dt, PREC=prec, num_warps=8,
     )
     return out, final
 
@@ -503,7 +521,6 @@ def fused_recurrent_gated_delta_rule(
     once before capture). Oracle: transformers' ``torch_recurrent_gated_delta_rule``.
     """
     B, T, HK, DK, HV, DV = _check_qkv(query, key, value, g, beta)
-    _dot_dtype(query.dtype)
     dev = query.device
     if initial_state is not None:
         _check_state(initial_state, None if state_indices is not None else B, HV, DK, DV)
