@@ -4,6 +4,9 @@ reference functions, in the Triton interpreter on CPU (small shapes: the interpr
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -47,8 +50,9 @@ def _interpreter_loop_bounds():
         mp.setattr(interpreter, "_patch_lang_tensor", patch)
         yield
 
+
 # Dk != Dv and Dv not a power of two exercise the padded tiles; Hv = 2 Hk the grouped heads.
-B, HK, HV, DK, DV = 1, 1, 2, 32, 24
+B, HK, HV, DK, DV = 1, 2, 4, 32, 24
 
 
 def make_inputs(T: int, *, l2norm: bool, seed: int = 0, dtype=torch.float32, b: int = B):
@@ -249,3 +253,44 @@ def test_invalid_arguments_raise():
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, make_state().double())
     with pytest.raises(ValueError, match="state_indices needs"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, None, state_indices=torch.zeros(B, dtype=torch.long))
+
+
+AOT_SCRIPT = r"""
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import edgemoe.kernels.gated_delta as gd
+
+def build(fn, ptrs, consts, num_warps):
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a == "scale" else "i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+for dt, tdt, prec in (("bf16", tl.bfloat16, "tf32"),):
+    P, dot = "*" + dt, dict(DOT_DT=tdt, PREC=prec)
+    build(gd._chunk_kkt_kernel, dict(k_ptr=P, g_ptr="*fp32", beta_ptr=P, a_ptr="*fp32"),
+          dict(BK=128, L2NORM=True, **dot), 4)
+    build(gd._chunk_inverse_kernel, dict(a_ptr="*fp32", tm_ptr=P), {}, 4)
+    build(gd._chunk_wu_kernel, dict(k_ptr=P, v_ptr=P, g_ptr="*fp32", beta_ptr=P, tm_ptr=P, w_ptr=P, u_ptr=P),
+          dict(BK=128, BV=128, L2NORM=True, **dot), 8)
+    build(gd._chunk_state_kernel, dict(k_ptr=P, g_ptr="*fp32", w_ptr=P, u_ptr=P, h0_ptr="*fp32", hc_ptr=P,
+          vnew_ptr=P, ht_ptr="*fp32"), dict(BK=128, BV=32, L2NORM=True, HAS_H0=True, STORE_HT=True, **dot), 8)
+    build(gd._chunk_output_kernel, dict(q_ptr=P, k_ptr=P, g_ptr="*fp32", hc_ptr=P, vnew_ptr=P, o_ptr=P),
+          dict(BK=128, BV=64, L2NORM=True, **dot), 8)
+build(gd._recurrent_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16",
+      h0_ptr="*fp32", ht_ptr="*fp32", o_ptr="*bf16", idx_ptr="*i64"),
+      dict(BK=128, BV=16, L2NORM=True, HAS_H0=True, STORE_HT=True, HAS_IDX=True), 2)
+build(gd._conv_update_kernel, dict(x_ptr="*bf16", state_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16"),
+      dict(bias_ptr=None, K=4, BC=256, BT=1, BS=4, HAS_BIAS=False, SILU=True), 4)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_kernels_compile_for_hopper():
+    """The interpreter does not run Triton's compiler: compile every kernel ahead of time for sm_90 (bf16
+    and fp32 prefill, bf16 decode) in a process without ``TRITON_INTERPRET``; no GPU needed."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
