@@ -22,6 +22,11 @@ QWEN3_TOKENIZER_DIR = FIXTURES / "tokenizers" / "qwen3"
 # machine made a decode step ~10x slower (measured: 100 steps 12.9 s with 2 threads vs 1.0 s with 1).
 torch.set_num_threads(int(os.environ.get("EDGEMOE_TEST_THREADS", "1")))
 
+# Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads the variable when a
+# kernel module is imported, which may happen while collecting any test module (through the model code).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
