@@ -46,6 +46,12 @@ class ExpertPolicy:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
 
+    def fill_rule(self) -> tuple[float, float, float]:
+        """``(num, den, q_min)`` with ``num_fills(m) == clamp(floor(m·num/den + 0.5), min(q_min, m), m)``
+        for every ``m >= 0``, evaluated in float64 in that order (``(m·num)/den``): the encoding the
+        device-side control reads (``edgemoe.kernels.route_control``, a ``[3]`` float64 tensor)."""
+        raise NotImplementedError
+
 
 class QStarPolicy(ExpertPolicy):
     """``q = clamp(round(m·B_P/B_H), min(1, m), m)``; ``q = m`` when ``B_H ≤ B_P``.
@@ -72,6 +78,13 @@ class QStarPolicy(ExpertPolicy):
         q = math.floor(m * self.bw.pcie / self.bw.cpu + 0.5)
         return max(1, min(m, q))
 
+    def fill_rule(self) -> tuple[float, float, float]:
+        if self.bw.pcie is None or self.bw.cpu is None:
+            return (0.0, 1.0, 0.0)
+        if self.bw.cpu <= self.bw.pcie:
+            return (1.0, 1.0, 0.0)
+        return (float(self.bw.pcie), float(self.bw.cpu), 1.0)
+
 
 class FillAllPolicy(ExpertPolicy):
     """Every miss is transferred to the device (no CPU execution)."""
@@ -80,6 +93,9 @@ class FillAllPolicy(ExpertPolicy):
 
     def num_fills(self, m: int) -> int:
         return max(m, 0)
+
+    def fill_rule(self) -> tuple[float, float, float]:
+        return (1.0, 1.0, 0.0)
 
 
 class CpuAllPolicy(ExpertPolicy):
@@ -91,6 +107,9 @@ class CpuAllPolicy(ExpertPolicy):
 
     def num_fills(self, m: int) -> int:
         return 0
+
+    def fill_rule(self) -> tuple[float, float, float]:
+        return (0.0, 1.0, 0.0)
 
 
 class StaticPolicy(CpuAllPolicy):
