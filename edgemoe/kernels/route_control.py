@@ -158,7 +158,6 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     tl.store(fill_fid_ptr + rank, fid, mask=is_fill & first)
 
     # 5. victims in (last_used, slot) order into fill_slot[0 .. q)
-    g = tl.arange(0, G)
     taken = tl.zeros([], tl.int32)
     thr = tl.full([], -1, tl.int64)
     for _ in range(0, q):  # every pass accepts at least one victim
