@@ -139,14 +139,19 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     m = tl.sum((first & miss).to(tl.int32))
     tl.store(last_used_ptr + slot, _HIT, mask=hit)
     tl.debug_barrier()
-    gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, -1, BLOCK_R, G)
 
-    # 3. q from the policy's fill rule (float64, the host formula's operation order)
+    # 3. q from the policy's fill rule (float64, the host formula's operation order), clamped to the
+    #    evictable slots (counted by the first pass of the victim search, skipped when nothing fills)
     num = tl.load(policy_ptr)
     den = tl.load(policy_ptr + 1)
     q_min = tl.load(policy_ptr + 2).to(tl.int32)
     q = (m.to(tl.float64) * num / den + 0.5).to(tl.int32)  # floor of a non-negative value
     q = tl.minimum(tl.maximum(q, tl.minimum(q_min, m)), m)
+    gmin = tl.full([G], _NO_KEY, tl.int64)
+    gsec = tl.full([G], _NO_KEY, tl.int64)
+    n_evict = tl.zeros([], tl.int32)
+    if q > 0:
+        gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, -1, BLOCK_R, G)
     q = tl.minimum(q, n_evict)
 
     # 4. fill order: most-routed misses first, ties to the smaller flat id
@@ -278,10 +283,12 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
     if last_used.numel() != S or pinned.numel() != S:
         raise ValueError(f"owner_of, last_used and pinned must all have S = {S} entries")
     block_p = max(16, triton.next_power_of_2(P))
-    # one CTA of 16 warps: a pass over the slot table loads 4096 slots (8 per thread) per iteration
     if groups < 1 or groups & (groups - 1):
         raise ValueError(f"groups must be a power of two, got {groups}")
-    block_r = max(1, min(triton.next_power_of_2(S), 4096) // groups)
+    # one CTA of 16 warps: a pass over the slot table loads 4096 slots (8 per thread) per iteration, 2048
+    # when the [P, P] route comparisons take the registers (sm_90 compile: 128 registers, spills < 50 B)
+    block_s = 4096 if block_p <= 32 else 2048
+    block_r = max(1, min(triton.next_power_of_2(S), block_s) // groups)
     _route_control_kernel[(1,)](
         topk_ids, topk_weights, int(layer_offset), P, k, T,
         slot_of, owner_of, last_used, pinned, clock, policy, counters, S,
