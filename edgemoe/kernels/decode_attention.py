@@ -112,7 +112,7 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_pt
         mo = b * stride_mb + head * stride_mh + part
         tl.store(m_ptr + mo, m_i, mask=gmask)
         tl.store(l_ptr + mo, l_i, mask=gmask)
-        ao = b * stride_ab + head[:, None] * stride_ah + part * stride_ap + d[None, :]
+        ao = b.to(tl.int64) * stride_ab + head[:, None] * stride_ah + part * stride_ap + d[None, :]
         tl.store(acc_ptr + ao, acc, mask=gmask[:, None])
 
 
@@ -132,7 +132,7 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, stride_mb, stride_mh,
     total = tl.sum(tl.exp2(mv - m_max) * lv)
     d = tl.arange(0, D)
     o = tl.zeros([D], tl.float32)
-    arow = acc_ptr + b * stride_ab + h * stride_ah
+    arow = acc_ptr + b.to(tl.int64) * stride_ab + h * stride_ah
     for c0 in range(0, n, CHUNK):
         pc = c0 + tl.arange(0, CHUNK)
         pmask = pc < n
