@@ -28,6 +28,44 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _patch_triton_interpreter() -> None:
+    """Two bugs of Triton 3.6's interpreter (not of compiled kernels), patched for the tests: a loop bound
+    passed as a kernel argument fails under numpy >= 2.4 (triton-lang/triton#9171), and ``tl.dot``
+    multiplies bfloat16 operands as their raw uint16 bit patterns."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+    except ImportError:
+        return
+    if getattr(it, "_edgemoe_patched", False):
+        return
+    orig_patch, orig_dot = it._patch_lang_tensor, it.InterpreterBuilder.create_dot
+
+    def patch_lang_tensor(tensor, scope):
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def f32(h):
+            if h.dtype.scalar != tl.bfloat16:
+                return h
+            return it.TensorHandle(it._convert_float(h.data, tl.bfloat16, tl.float32, None).view(it.np.float32),
+                                   tl.float32)
+
+        return orig_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+    it._patch_lang_tensor, it.InterpreterBuilder.create_dot = patch_lang_tensor, create_dot
+    it._edgemoe_patched = True
+
+
+# Triton kernels (edgemoe/kernels/) run in Triton's interpreter where there is no CUDA; the switch is read
+# when a kernel module is imported, so it is set here, before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    _patch_triton_interpreter()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The ``tiny`` qwen3_moe preset with the built-in tokenizer, saved in float32 so batched and

@@ -469,7 +469,7 @@ class _DecodeInputs:
     """
 
     def __init__(self, runner: "ModelRunner", max_bs: int):
-        from edgemoe.kernels.decode_attention import make_scratch
+        from edgemoe.kernels.decode_attention import make_decode_scratch
 
         dev, cfg, kv = runner.device, runner.model_config, runner.kv
         self.max_bs = max_bs
@@ -488,7 +488,7 @@ class _DecodeInputs:
         if runner.state is not None:  # hybrid models: padding rows update a scratch recurrent-state slot
             self.state_slots = torch.zeros(max_bs, dtype=i64, device=dev)
             self.scratch_state = runner.state.allocate(_SCRATCH_SEQ)
-        self.attn_scratch = make_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
+        self.attn_scratch = make_decode_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
         self.graph_pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         # host staging: one pinned buffer per input, copied in with one transfer each
         pin = dev.type == "cuda"

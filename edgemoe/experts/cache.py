@@ -3,8 +3,13 @@
 DESIGN.md §2 and §4: a slot pool per expert bank on the compute device, a residency table
 ``slot_of[moe_layer * E + expert]`` (-1 when not resident), its inverse ``owner_of[slot]`` (-1 when
 free), and ``last_used[slot]``, the model step at which the slot was last hit or filled. A hit
-refreshes recency, a fill admits a row into the least recently used slot not needed this step.
-The cache is a performance lever only: shrinking it never changes results.
+refreshes recency, a fill admits a row into the least recently used slot not needed this step
+(ties: the smaller slot index). The cache is a performance lever only: shrinking it never changes
+results.
+
+The tables live on the cache's device, so the device-side control of a decode step
+(``edgemoe.kernels.route_control``) reads and updates the very tensors these methods use; the methods
+work on any device (host reads go through ``.tolist()``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class ExpertCache:
         owner_of: ``[S]`` int64, flat id held by each slot or -1.
         last_used: ``[S]`` int64, LRU clock (model step); free slots hold -1.
         pinned: ``[S]`` bool, slots never evicted (static placement).
+        clock: ``[1]`` int64, the current model step for device-side control (its caller advances it
+            once per step; the eager path passes ``step`` explicitly instead).
+
+    All tables are on ``device``.
     """
 
     num_slots: int
@@ -62,11 +71,12 @@ class ExpertCache:
     def __post_init__(self):
         S = self.num_slots
         self.banks = [torch.empty((S, *shape), dtype=self.dtype, device=self.device) for shape in self.bank_shapes]
-        self.slot_of = torch.full((self.num_ids,), -1, dtype=torch.int64)
-        self.owner_of = torch.full((S,), -1, dtype=torch.int64)
-        self.last_used = torch.full((S,), -1, dtype=torch.int64)
-        self.pinned = torch.zeros(S, dtype=torch.bool)
-        self.clock = torch.zeros(1, dtype=torch.int64, device=self.device)  # the LRU clock (model step)
+        dev = self.device
+        self.slot_of = torch.full((self.num_ids,), -1, dtype=torch.int64, device=dev)
+        self.owner_of = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.last_used = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.pinned = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counters = {"prefill": CacheCounters(), "decode": CacheCounters()}
 
     @property
@@ -77,9 +87,12 @@ class ExpertCache:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.banks)
 
+    def _index(self, idx: list[int]) -> torch.Tensor:
+        return torch.tensor(idx, dtype=torch.int64, device=self.slot_of.device)
+
     def lookup(self, ids: list[int]) -> tuple[dict[int, int], list[int]]:
         """Split flat ids into hits (``{id: slot}``) and misses (ids, in input order)."""
-        slots = self.slot_of[torch.tensor(ids, dtype=torch.int64)].tolist() if ids else []
+        slots = self.slot_of[self._index(ids)].tolist() if ids else []
         hits = {i: s for i, s in zip(ids, slots) if s >= 0}
         misses = [i for i, s in zip(ids, slots) if s < 0]
         return hits, misses
@@ -87,20 +100,22 @@ class ExpertCache:
     def touch(self, slots: list[int], step: int) -> None:
         """Refresh recency of ``slots`` to ``step``."""
         if slots:
-            self.last_used[torch.tensor(slots, dtype=torch.int64)] = step
+            self.last_used[self._index(slots)] = step
 
     def choose_victims(self, k: int, exclude: list[int]) -> list[int]:
         """The ``k`` least recently used slots, skipping ``exclude`` (needed this step) and pinned ones.
 
-        Free slots (``last_used == -1``) come first. Returns fewer than ``k`` when not enough slots
-        are evictable.
+        Free slots (``last_used == -1``) come first; equal ``last_used`` goes to the smaller slot index
+        (the order ``edgemoe.kernels.route_control`` reproduces). Returns the victims in that order,
+        fewer than ``k`` when not enough slots are evictable.
         """
         if k <= 0 or self.num_slots == 0:
             return []
-        key = self.last_used.clone()
+        slot = torch.arange(self.num_slots, dtype=torch.int64, device=self.last_used.device)
+        key = self.last_used * self.num_slots + slot  # [S] unique: (last_used, slot) in lexicographic order
         blocked = self.pinned.clone()
         if exclude:
-            blocked[torch.tensor(exclude, dtype=torch.int64)] = True
+            blocked[self._index(exclude)] = True
         key[blocked] = torch.iinfo(torch.int64).max
         k = min(k, int((~blocked).sum()))
         if k == 0:
@@ -111,16 +126,15 @@ class ExpertCache:
         """Slots that could receive a fill this step (not pinned and not in ``exclude``)."""
         blocked = self.pinned.clone()
         if exclude:
-            blocked[torch.tensor(exclude, dtype=torch.int64)] = True
+            blocked[self._index(exclude)] = True
         return int((~blocked).sum())
 
     def admit(self, flat_id: int, slot: int, step: int) -> None:
         """Make ``slot`` hold ``flat_id`` (evicting its previous owner). Tables only; no data copy."""
-        old = int(self.owner_of[slot])
+        old, prev = torch.stack([self.owner_of[slot], self.slot_of[flat_id]]).tolist()  # one host read
         if old >= 0:
             self.slot_of[old] = -1
-        prev = int(self.slot_of[flat_id])
-        if prev >= 0:
+        if prev >= 0 and old != flat_id:
             raise RuntimeError(f"expert {flat_id} already resident in slot {prev}")
         self.owner_of[slot] = flat_id
         self.slot_of[flat_id] = slot
@@ -166,9 +180,10 @@ class ExpertCache:
         Raises:
             AssertionError: the tables disagree.
         """
-        for slot, owner in enumerate(self.owner_of.tolist()):
+        slot_of, owner_of = self.slot_of.tolist(), self.owner_of.tolist()
+        for slot, owner in enumerate(owner_of):
             if owner >= 0:
-                assert int(self.slot_of[owner]) == slot, f"slot {slot} owner {owner} maps back to {int(self.slot_of[owner])}"
-        for fid, slot in enumerate(self.slot_of.tolist()):
+                assert slot_of[owner] == slot, f"slot {slot} owner {owner} maps back to {slot_of[owner]}"
+        for fid, slot in enumerate(slot_of):
             if slot >= 0:
-                assert int(self.owner_of[slot]) == fid, f"id {fid} -> slot {slot} owned by {int(self.owner_of[slot])}"
+                assert owner_of[slot] == fid, f"id {fid} -> slot {slot} owned by {owner_of[slot]}"

@@ -8,7 +8,7 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
 2. the CPU branch, on a side stream: device→pinned-host copies of ``x`` and the CPU work, a host
    node (``cudaLaunchHostFunc``) that runs the native executor's C entry ``edgemoe_run_step``, and the
    host→device copy of its float32 partial;
-3. meanwhile on the main stream: ``gather_rows`` (one launch copying every fill row of both banks
+3. meanwhile on the main stream: ``gather_fills`` (one launch copying every fill row of both banks
    from pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
    (token, k) route in its own row of ``routed [T, k, H]``);
 4. join: ``out = Σ_k routed (fixed order, float32) + CPU partial``.
@@ -77,16 +77,6 @@ def launch_host_func(stream: torch.cuda.Stream, fn_address: int, arg_address: in
         raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {err}")
 
 
-class _HostPointer:
-    """A host (pinned, UVA-mapped) tensor's address as a Triton pointer argument (zero-copy reads)."""
-
-    def __init__(self, t: torch.Tensor):
-        self._ptr, self.dtype = t.data_ptr(), t.dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
 class DeviceDecode:
     """Buffers and launches of the device-controlled decode step, shared by all MoE layers.
 
@@ -110,41 +100,31 @@ class DeviceDecode:
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor,
                  num_experts: int, top_k: int, max_tokens: int):
-        from edgemoe.kernels import expert_gemv, gather, route_control  # noqa: F401  (import errors early)
+        from edgemoe.kernels.route_control import RouteOutputs
 
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         self.num_experts = num_experts
         dev = self.device = cache.device
         P = max_tokens * top_k
         H, I = pool.hidden, pool.intermediate
-        i32, i64 = torch.int32, torch.int64
-        self.slot_tk = torch.zeros(P, dtype=i32, device=dev)
-        self.fill_fid = torch.zeros(P, dtype=i64, device=dev)
-        self.fill_slot = torch.zeros(P, dtype=i64, device=dev)
-        self.meta = torch.zeros(4, dtype=i32, device=dev)
-        self.cpu_dims = torch.zeros(2, dtype=i64, device=dev)
-        self.cpu_fids = torch.zeros(P, dtype=i64, device=dev)
-        self.cpu_offsets = torch.zeros(P + 1, dtype=i64, device=dev)
-        self.cpu_tok = torch.zeros(P, dtype=i64, device=dev)
-        self.cpu_wt = torch.zeros(P, dtype=torch.float32, device=dev)
+        self.out = RouteOutputs.empty(P, dev)
         self.act = torch.zeros(P, I, dtype=cache.dtype, device=dev)  # [P, I] SiLU(gate)·up scratch
         self.routed = torch.zeros(max_tokens, top_k, H, dtype=cache.dtype, device=dev)  # [T, k, H]
-        self.counters = torch.zeros(4, dtype=i64, device=dev)
-        ratio, q_min = policy.device_params()
-        self.policy = torch.tensor([ratio, q_min], dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
+        num, den, q_min = policy.fill_rule()
+        self.policy = torch.tensor([num, den, q_min], dtype=torch.float64, device=dev)
         evictable = int((~cache.pinned).sum())
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
-        self.cpu_branch = not (all_resident or (ratio >= 1.0 and q_min == 0 and evictable >= P))
+        fills_all = num >= den and q_min == 0
+        self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
         self.cpu = cpu_executor
         self.step = None  # RegisteredStep of the native executor (host-node path)
         self.cpu_out = torch.zeros(max_tokens, H, dtype=torch.float32, device=dev)  # [T, H] CPU partial
         self.cuda = dev.type == "cuda"
         self.side = torch.cuda.Stream(dev) if self.cuda else None
-        if self.cpu_branch and hasattr(cpu_executor, "make_step"):
-            self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=cache.dtype if cache.dtype in
-                                               (torch.float32, torch.bfloat16) else torch.float32,
-                                               zero_out=True, pin_memory=self.cuda)
-        self.src_banks = [_HostPointer(b) if self.cuda else b for b in pool.banks()]
+        if self.cpu_branch and self.cuda and hasattr(cpu_executor, "make_step"):
+            x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=True)
 
     @property
     def capturable(self) -> bool:
@@ -168,52 +148,50 @@ class DeviceDecode:
             ``[T, H]`` in ``x.dtype``.
         """
         from edgemoe.kernels.expert_gemv import expert_gemv
-        from edgemoe.kernels.gather import gather_rows
+        from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import route_control
 
         T, k = topk_ids.shape
         P = T * k
-        c = self.cache
+        c, o = self.cache, self.out
         route_control(topk_ids, topk_weights, moe_layer * self.num_experts, c.slot_of, c.owner_of, c.last_used,
-                      c.pinned, c.clock, self.policy, self.counters, self.slot_tk[:P], self.fill_fid[:P],
-                      self.fill_slot[:P], self.meta, self.cpu_dims, self.cpu_fids[:P], self.cpu_offsets[:P + 1],
-                      self.cpu_tok[:P], self.cpu_wt[:P])
+                      c.pinned, c.clock, self.policy, self.counters, o)
         cpu_out = self.cpu_out[:T]
-        if self.cpu_branch and self.cuda and self.step is not None:
+        if self.cpu_branch and self.step is not None:
             main = torch.cuda.current_stream(self.device)
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
                 st = self.step
                 st.x[:T].copy_(x, non_blocking=True)
-                st.dims.copy_(self.cpu_dims, non_blocking=True)
-                st.fids[:P].copy_(self.cpu_fids[:P], non_blocking=True)
-                st.offsets[:P + 1].copy_(self.cpu_offsets[:P + 1], non_blocking=True)
-                st.tok[:P].copy_(self.cpu_tok[:P], non_blocking=True)
-                st.wt[:P].copy_(self.cpu_wt[:P], non_blocking=True)
+                st.dims.copy_(o.cpu_dims, non_blocking=True)
+                st.fids[:P].copy_(o.cpu_fids[:P], non_blocking=True)
+                st.offsets[:P + 1].copy_(o.cpu_offsets[:P + 1], non_blocking=True)
+                st.tok[:P].copy_(o.cpu_tok[:P], non_blocking=True)
+                st.wt[:P].copy_(o.cpu_wt[:P], non_blocking=True)
                 launch_host_func(self.side, st.fn_address, st.address)
                 cpu_out.copy_(st.out[:T], non_blocking=True)
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
-        gather_rows(self.src_banks, c.banks, self.fill_fid[:P], self.fill_slot[:P], self.meta)
-        routed = self.routed[:T]
         w13, w2 = c.banks
-        expert_gemv(x, self.slot_tk[:P], topk_weights, w13, w2, routed, self.act[:P])
+        gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
+        routed = self.routed[:T]
+        expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
-            if self.cuda and self.step is not None:
+            if self.step is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.side)
             y = y + cpu_out
         return y.to(x.dtype)
 
     def _cpu_branch_sync(self, x: torch.Tensor, cpu_out: torch.Tensor) -> None:
         """The CPU branch without a host node: read the work list back (a sync) and run it here."""
-        T = x.shape[0]
-        n = int(self.cpu_dims[1])
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32)
+        o = self.out
+        n = int(o.cpu_dims[1])
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         if n:
-            offs = self.cpu_offsets[: n + 1].tolist()
-            fids = self.cpu_fids[:n].tolist()
-            tok, wt = self.cpu_tok.cpu(), self.cpu_wt.cpu()
+            offs = o.cpu_offsets[: n + 1].tolist()
+            fids = o.cpu_fids[:n].tolist()
+            tok, wt = o.cpu_tok.cpu(), o.cpu_wt.cpu()
             work = [(fids[e], tok[offs[e]:offs[e + 1]], wt[offs[e]:offs[e + 1]]) for e in range(n)]
             self.cpu.run(x.to("cpu"), work, out)
         cpu_out.copy_(out)

@@ -46,10 +46,10 @@ class ExpertPolicy:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
 
-    def device_params(self) -> tuple[float, int]:
-        """``(ratio, q_min)`` such that ``num_fills(m) == clamp(floor(m·ratio + 0.5), min(q_min, m), m)``
-        for every ``m`` — the form the device-side routing control evaluates
-        (``edgemoe.kernels.route_control``)."""
+    def fill_rule(self) -> tuple[float, float, float]:
+        """``(num, den, q_min)`` with ``num_fills(m) == clamp(floor(m·num/den + 0.5), min(q_min, m), m)``
+        for every ``m >= 0``, evaluated in float64 in that order (``(m·num)/den``): the encoding the
+        device-side control reads (``edgemoe.kernels.route_control``, a ``[3]`` float64 tensor)."""
         raise NotImplementedError
 
 
@@ -78,12 +78,12 @@ class QStarPolicy(ExpertPolicy):
         q = math.floor(m * self.bw.pcie / self.bw.cpu + 0.5)
         return max(1, min(m, q))
 
-    def device_params(self) -> tuple[float, int]:
+    def fill_rule(self) -> tuple[float, float, float]:
         if self.bw.pcie is None or self.bw.cpu is None:
-            return 0.0, 0
+            return (0.0, 1.0, 0.0)
         if self.bw.cpu <= self.bw.pcie:
-            return 1.0, 0
-        return self.bw.pcie / self.bw.cpu, 1
+            return (1.0, 1.0, 0.0)
+        return (float(self.bw.pcie), float(self.bw.cpu), 1.0)
 
 
 class FillAllPolicy(ExpertPolicy):
@@ -94,8 +94,8 @@ class FillAllPolicy(ExpertPolicy):
     def num_fills(self, m: int) -> int:
         return max(m, 0)
 
-    def device_params(self) -> tuple[float, int]:
-        return 1.0, 0
+    def fill_rule(self) -> tuple[float, float, float]:
+        return (1.0, 1.0, 0.0)
 
 
 class CpuAllPolicy(ExpertPolicy):
@@ -108,8 +108,8 @@ class CpuAllPolicy(ExpertPolicy):
     def num_fills(self, m: int) -> int:
         return 0
 
-    def device_params(self) -> tuple[float, int]:
-        return 0.0, 0
+    def fill_rule(self) -> tuple[float, float, float]:
+        return (0.0, 1.0, 0.0)
 
 
 class StaticPolicy(CpuAllPolicy):

@@ -75,7 +75,7 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
 
     o = torch.empty_like(q)  # [B, Hq, D]
     paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.decode.block_tables, batch.decode.context_lens, scale,
-                           o, batch.decode.attn_scratch)
+                           o, batch.decode.attn_scratch, kv.page_size)
     return o
 
 

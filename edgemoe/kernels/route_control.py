@@ -1,0 +1,297 @@
+"""Routing control of one MoE layer's decode step, on the device (DESIGN.md §2).
+
+The device twin of :func:`edgemoe.experts.hybrid.plan_step` (decode branch): one single-program
+Triton launch per MoE layer reads the router's top-k, classifies the step's experts against the
+expert cache's residency table, picks ``q`` of the misses to fill and their LRU victim slots, rewrites
+the tables, and lays out the CPU branch's work in the registered-step format of the native executor
+(``edgemoe_step`` in ``edgemoe/experts/csrc/executor.h``). Nothing is read back to the host, so the
+launch can be captured in a CUDA graph.
+
+Algorithm (``P = T·k`` routes, ``P <= 128``; ``S`` slots; FreeToken, arXiv 2608.16157, §2):
+
+1. Dedupe: pairwise comparison of the ``P`` flat ids; an expert's first route represents it, its
+   route count is its token count.
+2. Lookup ``slot_of``; hits' slots are marked ``last_used = -2`` (a value no clock takes) for the
+   victim search and set to the clock at the end.
+3. ``q = clamp(floor(m·num/den + 0.5), min(q_min, m), m)`` in float64 (exactly the host formula,
+   see :meth:`edgemoe.experts.policy.ExpertPolicy.fill_rule`), clamped to the evictable slots.
+4. Fill order: misses by (tokens descending, flat id ascending) — the rank of each miss is a
+   pairwise count.
+5. Victims: the ``q`` smallest keys ``(last_used + 1)·S + slot`` over evictable slots (not pinned, not
+   hit by this layer's step). The slots are split into ``G`` groups (``slot mod G``); each pass over
+   the table keeps every group's smallest and second-smallest key above the last accepted key. Every
+   group minimum below the smallest second-minimum is among the next smallest keys overall, so a pass
+   accepts at least one victim (typically many); at most ``q`` passes, usually one or two.
+6. The i-th fill takes the i-th victim; the victim's previous owner is evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROUTES = 128  # P = T·k routes one launch handles
+GROUPS = 64  # slot groups of the victim search (default)
+_HIT = tl.constexpr(-2)  # last_used mark of this step's hit slots during the search
+_NO_KEY = tl.constexpr(2**63 - 1)
+
+
+@dataclass
+class RouteOutputs:
+    """Caller-owned, fixed-shape outputs of :func:`route_control` (``K`` = capacity, ``K >= P``).
+
+    Attributes:
+        slot_tk: ``[>= P]`` int32: slot of each route (row-major over ``[T, k]``) for hits and fills,
+            -1 for routes computed on the CPU.
+        fill_fid: ``[K]`` int64: flat ids to copy host→device, in fill order (first ``meta[2]``
+            valid, the rest -1 up to ``P``).
+        fill_slot: ``[K]`` int64: destination slot of each fill (same layout).
+        meta: ``[4]`` int32: ``(n_hits, n_misses, n_fills, n_cpu)`` of this layer's step (deduplicated
+            experts).
+        cpu_dims: ``[2]`` int64: ``(T, n_cpu)``.
+        cpu_fids: ``[K]`` int64: CPU experts in ascending flat id (first ``n_cpu`` valid).
+        cpu_offsets: ``[K + 1]`` int64: routes of CPU expert ``e`` are ``cpu_offsets[e] .. [e + 1]``
+            (entries ``0 .. P`` written; those past ``n_cpu`` hold the total).
+        cpu_tok: ``[K]`` int64: token row of each CPU route, grouped by expert, ascending token.
+        cpu_wt: ``[K]`` float32: router weight of each CPU route.
+
+    The ``cpu_*`` buffers match the native executor's registered step (``RegisteredStep.dims``,
+    ``fids``, ``offsets``, ``tok``, ``wt``); they may be page-locked host tensors (written through
+    their mapped address).
+    """
+
+    slot_tk: torch.Tensor
+    fill_fid: torch.Tensor
+    fill_slot: torch.Tensor
+    meta: torch.Tensor
+    cpu_dims: torch.Tensor
+    cpu_fids: torch.Tensor
+    cpu_offsets: torch.Tensor
+    cpu_tok: torch.Tensor
+    cpu_wt: torch.Tensor
+
+    @classmethod
+    def empty(cls, max_routes: int, device: torch.device | str) -> "RouteOutputs":
+        """Buffers for up to ``max_routes`` routes (``K = max_routes``) on ``device``."""
+        K = int(max_routes)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(slot_tk=torch.full((K,), -1, dtype=torch.int32, device=device), fill_fid=torch.full((K,), -1, **i64),
+                   fill_slot=torch.full((K,), -1, **i64), meta=torch.zeros(4, dtype=torch.int32, device=device),
+                   cpu_dims=torch.zeros(2, **i64), cpu_fids=torch.zeros(K, **i64),
+                   cpu_offsets=torch.zeros(K + 1, **i64), cpu_tok=torch.zeros(K, **i64),
+                   cpu_wt=torch.zeros(K, dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _group_minima(last_used_ptr, pinned_ptr, S, thr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """One pass over the slot table: per group ``g = slot mod G``, the smallest and second-smallest
+    key ``(last_used + 1)·S + slot`` above ``thr`` among evictable slots; and the evictable count."""
+    rows = tl.arange(0, BLOCK_R)[:, None]
+    cols = tl.arange(0, G)[None, :]
+    gmin = tl.full([G], _NO_KEY, tl.int64)
+    gsec = tl.full([G], _NO_KEY, tl.int64)
+    n_ok = tl.zeros([G], tl.int32)
+    for start in range(0, S, BLOCK_R * G):
+        slot = start + rows * G + cols  # [BLOCK_R, G]
+        inb = slot < S
+        lu = tl.load(last_used_ptr + slot, mask=inb, other=_HIT)
+        pin = tl.load(pinned_ptr + slot, mask=inb, other=1)
+        ok = inb & (pin == 0) & (lu != _HIT)
+        n_ok += tl.sum(ok.to(tl.int32), axis=0)
+        key = (tl.where(ok, lu, 0) + 1) * S + slot
+        key = tl.where(ok & (key > thr), key, _NO_KEY)
+        bmin = tl.min(key, axis=0)  # [G]
+        bsec = tl.min(tl.where(key == bmin[None, :], _NO_KEY, key), axis=0)  # [G]
+        gsec = tl.minimum(tl.minimum(gsec, bsec), tl.maximum(gmin, bmin))
+        gmin = tl.minimum(gmin, bmin)
+    return gmin, gsec, tl.sum(n_ok)
+
+
+@triton.jit
+def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
+                          slot_of_ptr, owner_of_ptr, last_used_ptr, pinned_ptr, clock_ptr, policy_ptr,
+                          counters_ptr, S,
+                          slot_tk_ptr, fill_fid_ptr, fill_slot_ptr, meta_ptr,
+                          cpu_dims_ptr, cpu_fids_ptr, cpu_offsets_ptr, cpu_tok_ptr, cpu_wt_ptr,
+                          BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    r = tl.arange(0, BLOCK_P)
+    valid = r < P
+    fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset  # [BP] int64 flat ids
+    wt = tl.load(topk_w_ptr + r, mask=valid, other=0.0).to(tl.float32)  # [BP]
+    clock = tl.load(clock_ptr)
+
+    # 1. dedupe: routes of the same expert; the first route represents it
+    fi, fj = fid[:, None], fid[None, :]
+    ri, rj = r[:, None], r[None, :]
+    same = (fi == fj) & valid[:, None] & valid[None, :]  # [BP, BP]
+    cnt = tl.sum(same.to(tl.int32), axis=1)  # [BP] routes (tokens) of each route's expert
+    within = tl.sum((same & (rj < ri)).to(tl.int32), axis=1)  # [BP] earlier routes of the same expert
+    first = valid & (within == 0)
+
+    # 2. hits and misses; hit slots are marked for the victim search
+    slot = tl.load(slot_of_ptr + fid, mask=valid, other=-1)  # [BP]
+    hit = valid & (slot >= 0)
+    miss = valid & (slot < 0)
+    n_hits = tl.sum((first & hit).to(tl.int32))
+    m = tl.sum((first & miss).to(tl.int32))
+    tl.store(last_used_ptr + slot, _HIT, mask=hit)
+    tl.debug_barrier()
+
+    # 3. q from the policy's fill rule (float64, the host formula's operation order), clamped to the
+    #    evictable slots (counted by the first pass of the victim search, skipped when nothing fills)
+    num = tl.load(policy_ptr)
+    den = tl.load(policy_ptr + 1)
+    q_min = tl.load(policy_ptr + 2).to(tl.int32)
+    q = (m.to(tl.float64) * num / den + 0.5).to(tl.int32)  # floor of a non-negative value
+    q = tl.minimum(tl.maximum(q, tl.minimum(q_min, m)), m)
+    gmin = tl.full([G], _NO_KEY, tl.int64)
+    gsec = tl.full([G], _NO_KEY, tl.int64)
+    n_evict = tl.zeros([], tl.int32)
+    if q > 0:
+        gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, -1, BLOCK_R, G)
+    q = tl.minimum(q, n_evict)
+
+    # 4. fill order: most-routed misses first, ties to the smaller flat id
+    um = (first & miss)[None, :]
+    ci, cj = cnt[:, None], cnt[None, :]
+    rank = tl.sum((um & ((cj > ci) | ((cj == ci) & (fj < fi)))).to(tl.int32), axis=1)  # [BP]
+    is_fill = miss & (rank < q)
+    is_cpu = miss & (rank >= q)
+    tl.store(fill_fid_ptr + rank, fid, mask=is_fill & first)
+
+    # 5. victims in (last_used, slot) order into fill_slot[0 .. q)
+    taken = tl.zeros([], tl.int32)
+    thr = tl.full([], -1, tl.int64)
+    for _ in range(0, q):  # every pass accepts at least one victim
+        if taken < q:
+            cand = gmin < tl.min(gsec)  # [G] group minima that are the next smallest keys overall
+            take = tl.minimum(tl.sum(cand.to(tl.int32)), q - taken)
+            rk = tl.sum((cand[None, :] & (gmin[None, :] < gmin[:, None])).to(tl.int32), axis=1)  # [G]
+            acc = cand & (rk < take)
+            tl.store(fill_slot_ptr + taken + rk, gmin % S, mask=acc)
+            thr = tl.maximum(thr, tl.max(tl.where(acc, gmin, -1)))
+            taken += take
+            if taken < q:
+                gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, thr, BLOCK_R, G)
+    tl.debug_barrier()
+
+    # 6. table updates: evict the victims' owners, admit the fills, refresh recency
+    fl = r < q
+    vic = tl.load(fill_slot_ptr + r, mask=fl, other=0)  # [BP] i-th victim
+    ffid = tl.load(fill_fid_ptr + r, mask=fl, other=0)  # [BP] i-th fill
+    old = tl.load(owner_of_ptr + vic, mask=fl, other=-1)
+    tl.debug_barrier()  # every (replicated) lane has read the old owners before they are overwritten
+    tl.store(slot_of_ptr + old, -1, mask=fl & (old >= 0))
+    tl.store(slot_of_ptr + ffid, vic, mask=fl)
+    tl.store(owner_of_ptr + vic, ffid, mask=fl)
+    tl.store(last_used_ptr + vic, clock, mask=fl)
+    tl.store(last_used_ptr + slot, clock, mask=hit)
+    tl.store(fill_fid_ptr + r, -1, mask=valid & ~fl)
+    tl.store(fill_slot_ptr + r, -1, mask=valid & ~fl)
+
+    # per-route slots (a fill's slot is its victim)
+    vslot = tl.load(fill_slot_ptr + rank, mask=is_fill, other=-1)
+    tl.store(slot_tk_ptr + r, tl.where(hit, slot, vslot).to(tl.int32), mask=valid)
+
+    n_fill = q
+    n_cpu = m - q
+    tl.store(meta_ptr, n_hits)
+    tl.store(meta_ptr + 1, m)
+    tl.store(meta_ptr + 2, n_fill)
+    tl.store(meta_ptr + 3, n_cpu)
+    tl.atomic_add(counters_ptr, n_hits.to(tl.int64))
+    tl.atomic_add(counters_ptr + 1, m.to(tl.int64))
+    tl.atomic_add(counters_ptr + 2, n_fill.to(tl.int64))
+    tl.atomic_add(counters_ptr + 3, n_cpu.to(tl.int64))
+
+    # CPU work: experts ascending by flat id, routes grouped by expert in row-major (token) order
+    cpu_first = is_cpu & first
+    eo = tl.sum((cpu_first[None, :] & (fj < fi)).to(tl.int32), axis=1)  # [BP] CPU-expert ordinal
+    base = tl.sum((is_cpu[None, :] & (fj < fi)).to(tl.int32), axis=1)  # [BP] CPU routes of smaller ids
+    pos = base + within
+    tl.store(cpu_fids_ptr + eo, fid, mask=cpu_first)
+    tl.store(cpu_tok_ptr + pos, (r // K).to(tl.int64), mask=is_cpu)
+    tl.store(cpu_wt_ptr + pos, wt, mask=is_cpu)
+    off = tl.sum((is_cpu[None, :] & (eo[None, :] < ri)).to(tl.int64), axis=1)  # [BP] offsets[e], e = r
+    tl.store(cpu_offsets_ptr + r, off, mask=valid)
+    tl.store(cpu_offsets_ptr + P, tl.sum(is_cpu.to(tl.int64)))
+    tl.store(cpu_dims_ptr, T)
+    tl.store(cpu_dims_ptr + 1, n_cpu.to(tl.int64))
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, min_numel: int) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.numel() < min_numel:
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor of at least {min_numel} elements, got "
+                         f"{t.dtype} {tuple(t.shape)}")
+
+
+def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offset: int,
+                  slot_of: torch.Tensor, owner_of: torch.Tensor, last_used: torch.Tensor, pinned: torch.Tensor,
+                  clock: torch.Tensor, policy: torch.Tensor, counters: torch.Tensor, out: RouteOutputs,
+                  groups: int = GROUPS) -> None:
+    """Plan one MoE layer's decode step on the device and update the expert cache's tables in place.
+
+    Equal, tables included, to ``plan_step(cache, policy, tokens_per_expert, Phase.DECODE, clock)``
+    (:mod:`edgemoe.experts.hybrid`) with ``tokens_per_expert`` counted over ``topk_ids``. One
+    single-program launch; no host synchronization, no allocation: CUDA-graph capturable.
+
+    Args:
+        topk_ids: ``[T, k]`` int64 expert index within the layer (contiguous). ``T·k <= 128``.
+        topk_weights: ``[T, k]`` router weights (float32/bfloat16/float16, contiguous).
+        layer_offset: ``moe_layer · E`` (the flat id of the layer's expert 0).
+        slot_of: ``[N]`` int64 residency table (-1: not resident). owner_of: ``[S]`` int64 (-1: free).
+        last_used: ``[S]`` int64 LRU clock per slot (-1: never used). pinned: ``[S]`` bool (or int8).
+        clock: ``[1]`` int64, the current model step (advanced by the caller once per step).
+        policy: ``[3]`` float64 ``(num, den, q_min)``: ``q = clamp(floor(m·num/den + 0.5),
+            min(q_min, m), m)`` (``torch.tensor(policy.fill_rule(), dtype=torch.float64)``).
+        counters: ``[4]`` int64, atomically incremented by ``(hits, misses, fills, cpu)``.
+        out: the output buffers (:class:`RouteOutputs`, capacity ``>= T·k``).
+        groups: slot groups of the victim search (a power of two; more groups accept more victims
+            per pass over the table; 1 makes it one arg-min pass per victim). Results do not depend on it.
+
+    Raises:
+        ValueError: a shape, dtype or capacity mismatch, ``T·k > 128``, or an empty cache (``S = 0``:
+            every miss runs on the CPU; do not launch).
+    """
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int64 or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be a contiguous [T, k] int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    T, k = topk_ids.shape
+    P = T * k
+    if P < 1 or P > MAX_ROUTES:
+        raise ValueError(f"route_control handles 1..{MAX_ROUTES} routes per launch, got T·k = {P}")
+    if tuple(topk_weights.shape) != (T, k) or not topk_weights.is_contiguous() or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be a contiguous float [T, k] = [{T}, {k}] tensor, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    S = owner_of.numel()
+    if S == 0:
+        raise ValueError("route_control needs at least one cache slot")
+    if pinned.dtype == torch.bool:
+        pinned = pinned.view(torch.int8)
+    for name, t, dtype, n in (("slot_of", slot_of, torch.int64, 1), ("owner_of", owner_of, torch.int64, S),
+                              ("last_used", last_used, torch.int64, S), ("pinned", pinned, torch.int8, S),
+                              ("clock", clock, torch.int64, 1), ("policy", policy, torch.float64, 3),
+                              ("counters", counters, torch.int64, 4), ("slot_tk", out.slot_tk, torch.int32, P),
+                              ("fill_fid", out.fill_fid, torch.int64, P), ("fill_slot", out.fill_slot, torch.int64, P),
+                              ("meta", out.meta, torch.int32, 4), ("cpu_dims", out.cpu_dims, torch.int64, 2),
+                              ("cpu_fids", out.cpu_fids, torch.int64, P),
+                              ("cpu_offsets", out.cpu_offsets, torch.int64, P + 1),
+                              ("cpu_tok", out.cpu_tok, torch.int64, P), ("cpu_wt", out.cpu_wt, torch.float32, P)):
+        _check(name, t, dtype, n)
+    if last_used.numel() != S or pinned.numel() != S:
+        raise ValueError(f"owner_of, last_used and pinned must all have S = {S} entries")
+    block_p = max(16, triton.next_power_of_2(P))
+    if groups < 1 or groups & (groups - 1):
+        raise ValueError(f"groups must be a power of two, got {groups}")
+    # one CTA of 16 warps: a pass over the slot table loads 4096 slots (8 per thread) per iteration, 2048
+    # when the [P, P] route comparisons take the registers (sm_90 compile: 128 registers, spills < 50 B)
+    block_s = 4096 if block_p <= 32 else 2048
+    block_r = max(1, min(triton.next_power_of_2(S), block_s) // groups)
+    _route_control_kernel[(1,)](
+        topk_ids, topk_weights, int(layer_offset), P, k, T,
+        slot_of, owner_of, last_used, pinned, clock, policy, counters, S,
+        out.slot_tk, out.fill_fid, out.fill_slot, out.meta,
+        out.cpu_dims, out.cpu_fids, out.cpu_offsets, out.cpu_tok, out.cpu_wt,
+        BLOCK_P=block_p, BLOCK_R=block_r, G=groups, num_warps=16)
