@@ -41,7 +41,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
-            feed: list[int] | None) -> dict:
+            feed: list[int] | None, skip_prefill: bool = False) -> dict:
     """Prefill ``prompt`` then decode ``warmup + tokens`` tokens; time the last ``tokens``.
 
     ``feed``: the token given to each decode step (teacher forcing); ``None`` feeds back the greedy
@@ -52,9 +52,13 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     dev = runner.device
     _sync(dev)
     t0 = time.perf_counter()
-    for start in range(0, len(prompt), PREFILL_CHUNK):
-        logits = runner.execute([StepInput(0, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
-    tok = int(logits[0].argmax())
+    if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
+        runner.kv.allocate(0, len(prompt))
+        tok = prompt[-1]
+    else:
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            logits = runner.execute([StepInput(0, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
+        tok = int(logits[0].argmax())
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     pos = len(prompt)
@@ -91,17 +95,28 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     }
 
 
-def route_uniformly(runner: ModelRunner, seed: int) -> None:
+def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> None:
     """Replace each router's choice by k distinct experts drawn uniformly per token and layer (weights:
     the router's own softmax at those experts, renormalized). Random-weight models route almost the
-    same experts every step, which would flatter any cache; uniform routing is the no-locality case."""
-    g = torch.Generator(device=runner.device).manual_seed(seed)
+    same experts every step, which would flatter any cache; uniform routing is the no-locality case.
+
+    The draws come from a pre-generated table of random scores read at a device-side counter, so a
+    decode step replayed from a CUDA graph routes differently at every layer and step (a generator
+    call cannot be captured)."""
+    dev, E = runner.device, runner.model_config.num_experts
+    g = torch.Generator(device=dev).manual_seed(seed)
+    rows = 1 << 14
+    table = torch.rand(rows, E, generator=g, device=dev)  # [R, E] random scores
+    counter = torch.zeros(1, dtype=torch.int64, device=dev)
     for blk in runner.model.moe_blocks():
         router = blk.gate
 
         def forward(x, router=router):
+            T = x.shape[0]
             probs = torch.softmax(torch.nn.functional.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
-            ids = torch.rand(probs.shape, generator=g, device=x.device).topk(router.top_k, dim=-1).indices  # [T, k]
+            idx = (counter + torch.arange(T, device=dev)) % rows  # [T]
+            counter.add_(T)
+            ids = table.index_select(0, idx).topk(router.top_k, dim=-1).indices  # [T, k]
             w = probs.gather(1, ids)
             return ids, (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
 
@@ -129,7 +144,8 @@ def main(argv=None) -> int:
                          "model: the (random) router's own choice")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling run")
     ap.add_argument("--contexts", default="",
-                    help="extra all-resident runs at these context lengths (tokens), e.g. 8192,32768")
+                    help="extra all-resident runs at these context lengths (tokens), e.g. 8192,32768; the KV "
+                         "pages are allocated without a prefill (decode time does not depend on their values)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
@@ -167,7 +183,7 @@ def main(argv=None) -> int:
         print(r, flush=True)
         for ctx in [int(c) for c in a.contexts.split(",") if c]:
             long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
-            r = run_one(runner, runner.pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed)
+            r = run_one(runner, runner.pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
             r["budget_gb"] = "all (resident)"
             results.append(r)
             print(r, flush=True)

@@ -148,7 +148,7 @@ class ExpertCache:
         """
         if not flat_ids:
             return
-        ids, idx = torch.tensor(flat_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+        ids, idx = self._index(flat_ids), self._index(slots)
         prev = self.slot_of[ids]
         if bool((prev >= 0).any()):
             raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
@@ -161,7 +161,7 @@ class ExpertCache:
         """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""
         if not slots:
             return
-        idx = torch.tensor(slots, dtype=torch.int64)
+        idx = self._index(slots)
         owners = self.owner_of[idx]
         self.slot_of[owners[owners >= 0]] = -1
         self.owner_of[idx] = -1
