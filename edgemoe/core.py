@@ -78,6 +78,7 @@ class ForwardBatch:
             ``None`` when off (one attribute test per layer). See ``edgemoe.bench.trace.RoutingRecorder``.
         decode: fixed-shape decode metadata when the step runs on the device decode path (CUDA),
             else ``None`` (the per-sequence ``seqs`` path).
+        step_cache: tensors derived once per step and shared by the layers (e.g. RoPE tables).
         state_slots: ``[B]`` int64 each sequence's ``state_slot`` on the compute device, in batch
             order; ``None`` for models without recurrent state.
     """
@@ -91,6 +92,7 @@ class ForwardBatch:
     step: int = 0
     record: object | None = field(default=None, repr=False)
     decode: DecodeMeta | None = field(default=None, repr=False)
+    step_cache: dict = field(default_factory=dict, repr=False)
     state_slots: torch.Tensor | None = None
 
     @property

@@ -113,7 +113,8 @@ class ModelRunner:
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
         ps = config.page_size
         attn_layers = self.model.attention_layers()
-        self.kv = PagedKVPool(len(attn_layers), -(-kv_tokens // ps), ps, cfg.num_kv_heads, cfg.head_dim,
+        scratch_pages = int(self.device.type == "cuda")  # the padding rows' page of captured decode batches
+        self.kv = PagedKVPool(len(attn_layers), -(-kv_tokens // ps) + scratch_pages, ps, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device, prefix_caching=config.enable_prefix_caching)
         for attn in attn_layers:
             attn.kv = self.kv
@@ -199,7 +200,8 @@ class ModelRunner:
     def _setup_device_decode(self) -> None:
         """Enable the device decode path (routing control on the device, Triton kernels, CUDA graphs)
         when CUDA and Triton are present and the cache has slots; otherwise decode takes the eager path."""
-        self.graphs.clear()
+        self.graphs.clear()  # a re-budgeted cache invalidates every captured graph (and their memory pool)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.decode_path = "eager"
         reason = device_path_available(self.device)
         if reason is None and self.cache.num_slots == 0:
@@ -411,7 +413,7 @@ class ModelRunner:
         """Capture the decode step for batch size ``bs`` over the static inputs (no kernel runs)."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph, pool=self._decode_inputs.graph_pool):
+        with torch.cuda.graph(graph, pool=self.graph_pool):
             logits = self.model(batch)
         self.graphs[bs] = (graph, logits)
         log.info("captured the decode step for batch size %d", bs)
@@ -489,7 +491,6 @@ class _DecodeInputs:
             self.state_slots = torch.zeros(max_bs, dtype=i64, device=dev)
             self.scratch_state = runner.state.allocate(_SCRATCH_SEQ)
         self.attn_scratch = make_decode_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
-        self.graph_pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         # host staging: one pinned buffer per input, copied in with one transfer each
         pin = dev.type == "cuda"
         self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)

@@ -105,7 +105,7 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))  # [T, Hq, D]
         k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, Hk, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
-        q, k = self.rotary(q, k, batch.positions)
+        q, k = self.rotary(q, k, batch.positions, batch.step_cache)
         o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
@@ -145,7 +145,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q.reshape(T, Hq, D))  # [T, Hq, D]
         k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D))  # [T, Hk, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
-        q, k = self.rotary(q, k, batch.positions)
+        q, k = self.rotary(q, k, batch.positions, batch.step_cache)
         o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, D ** -0.5).reshape(T, Hq * D)  # [T, Hq * D]
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(T, Hq * D))

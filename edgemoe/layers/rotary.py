@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from edgemoe.config import ModelConfig
+from edgemoe.layers.norm import fused_kernels
 
 
 def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -54,12 +55,26 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, R]`` in ``dtype``: computed in float32, scaled, then cast."""
         freqs = positions[:, None].float() * self.inv_freq(positions.device)[None, :]  # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, R], R = D unless partial
-        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, R]
-        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
-        R = emb.shape[-1]
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, step_cache: dict | None = None):
+        """Rotate ``q``/``k``; ``step_cache`` (``ForwardBatch.step_cache``) shares the cos/sin tables
+        among the layers of one step."""
+        key = ("rope", id(self), q.dtype)
+        if step_cache is not None and key in step_cache:
+            cos, sin = step_cache[key]
+        else:
+            cos, sin = self.tables(positions, q.dtype)  # [T, R]
+            if step_cache is not None:
+                step_cache[key] = (cos, sin)
+        if q.is_cuda and fused_kernels() is not None:  # one launch per tensor, same rounding
+            return fused_kernels().apply_rope(q, cos, sin), fused_kernels().apply_rope(k, cos, sin)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
+        R = cos.shape[-1]
         if R < q.shape[-1]:  # partial rotary: rotate [..., :R], pass [..., R:] through
             q_rot, k_rot = q[..., :R], k[..., :R]
             q = torch.cat((q_rot * cos + self._rotate_half(q_rot) * sin, q[..., R:]), dim=-1)
