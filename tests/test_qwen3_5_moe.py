@@ -195,14 +195,17 @@ def test_delta_rule_matches_transformers(l2norm):
     g, beta = -2 * torch.rand(B, T, Hv), torch.rand(B, T, Hv)
     s0 = torch.randn(B, Hv, Dk, Dv)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
-    ref_o, ref_s = torch_chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    # the references get q/k repeated to the value heads: transformers 5.17's do not repeat them (5.24's do)
+    q_rep, k_rep = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    ref_o, ref_s = torch_chunk_gated_delta_rule(q_rep, k_rep, v, g, beta, **kw)
     o, s = chunk_gated_delta_rule_torch(q, k, v, g, beta, **kw)
     scale = ref_o.abs().max()
     torch.testing.assert_close(o / scale, ref_o / scale, rtol=0, atol=1e-5)
     torch.testing.assert_close(s / ref_s.abs().max(), ref_s / ref_s.abs().max(), rtol=0, atol=1e-5)
     # the recurrent form from the same state, and a prefill split in two chunks from the carried state
     r_o, r_s = recurrent_gated_delta_rule_torch(q[:, :7], k[:, :7], v[:, :7], g[:, :7], beta[:, :7], **kw)
-    ref_r_o, ref_r_s = torch_recurrent_gated_delta_rule(q[:, :7], k[:, :7], v[:, :7], g[:, :7], beta[:, :7], **kw)
+    ref_r_o, ref_r_s = torch_recurrent_gated_delta_rule(q_rep[:, :7], k_rep[:, :7], v[:, :7], g[:, :7], beta[:, :7],
+                                                        **kw)
     torch.testing.assert_close(r_o, ref_r_o, rtol=1e-5, atol=1e-5 * scale)
     torch.testing.assert_close(r_s, ref_r_s, rtol=1e-5, atol=1e-5 * ref_s.abs().max())
     o1, s1 = chunk_gated_delta_rule_torch(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], **kw)
@@ -210,6 +213,52 @@ def test_delta_rule_matches_transformers(l2norm):
                                           initial_state=s1, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
     torch.testing.assert_close(torch.cat([o1, o2], 1) / scale, o / scale, rtol=0, atol=1e-5)
     torch.testing.assert_close(s2 / s.abs().max(), s / s.abs().max(), rtol=0, atol=1e-5)
+
+
+def test_padded_device_decode_batch_runs_as_one_decode(tiny, monkeypatch):
+    """A device-path decode batch (``batch.decode`` set) padded to a captured batch size has more rows than
+    sequences; the padding rows carry a scratch state slot in ``batch.state_slots``. The layer runs all rows
+    as one decode (a per-sequence loop would bake slot numbers into the captured CUDA graph), and the real
+    rows equal an unpadded decode of the same sequences."""
+    import edgemoe.layers.gated_deltanet as gdn
+    from edgemoe.core import DecodeMeta, ForwardBatch, SeqSlice
+
+    cfg = ModelConfig.from_hf(tiny[0])
+    torch.manual_seed(0)
+    layer = gdn.GatedDeltaNet(cfg, 0).float()
+    spec = StateSpec(num_layers=1, conv_dim=layer.conv_dim, conv_width=layer.kernel - 1,
+                     num_heads=layer.num_v_heads, k_head_dim=layer.head_k_dim, v_head_dim=layer.head_v_dim)
+    layer.state = pool = RecurrentStatePool(spec, 5, torch.float32, torch.device("cpu"))
+    pool.conv.normal_()
+    pool.recurrent.normal_(std=0.1)
+    start = (pool.conv.clone(), pool.recurrent.clone())
+    slots, scratch = [3, 0, 1], 4
+    x = torch.randn(len(slots) + 1, cfg.hidden_size)  # three sequences and one padding row
+
+    def batch(rows: int, padded: bool) -> ForwardBatch:
+        seqs = [SeqSlice(i, i, 1, 10, None, s) for i, s in enumerate(slots)]
+        state_slots = torch.tensor((slots + [scratch])[:rows])
+        meta = DecodeMeta(None, None, torch.arange(rows) < len(slots), None) if padded else None
+        return ForwardBatch(Phase.DECODE, torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                            torch.zeros(rows, dtype=torch.long), seqs, torch.arange(len(slots)), decode=meta,
+                            state_slots=state_slots)
+
+    calls, rule = [], gdn.gated_delta_rule
+
+    def spy(q, *args, decode):
+        calls.append((q.shape[0], decode))
+        return rule(q, *args, decode=decode)
+
+    monkeypatch.setattr(gdn, "gated_delta_rule", spy)
+    padded = layer(x, batch(4, padded=True))
+    assert calls == [(4, True)]
+    after = (pool.conv[:, slots].clone(), pool.recurrent[:, slots].clone())
+    pool.conv.copy_(start[0]), pool.recurrent.copy_(start[1])
+    plain = layer(x[:3], batch(3, padded=False))
+    torch.testing.assert_close(padded[:3], plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(after[0], pool.conv[:, slots], rtol=0, atol=0)
+    torch.testing.assert_close(after[1], pool.recurrent[:, slots], rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(padded[3]).all()
 
 
 def test_state_pool_slots():
@@ -279,6 +328,47 @@ def test_real_head_geometry_matches_transformers(tmp_path, device):
     logits, toks = _greedy(ModelRunner(out, _engine_config(device=device), progress=False), PROMPT[:70], 2)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_delta_kernels_match_torch_path(tiny, monkeypatch, device):
+    """The model with its gated delta rule on the Triton kernels (``edgemoe.kernels.gated_delta``; on the
+    CPU in Triton's interpreter) equals the model on the torch functions, at the tiny geometry (Dk = Dv =
+    16, q/k repeated from 2 to 4 heads): a prefill over two 64-token chunks, then decode steps. Covers the
+    dispatch in ``gated_delta_rule`` (layouts, strides, state handling, flags), which the CUDA parity
+    tests otherwise reach only on a GPU."""
+    pytest.importorskip("triton")
+    import edgemoe.layers.gated_deltanet as gdn
+    from edgemoe.kernels import gated_delta
+
+    calls = {"chunk": 0, "recurrent": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    kernels = type("CountedKernels", (), dict(
+        MAX_HEAD_DIM=gated_delta.MAX_HEAD_DIM,
+        chunk_gated_delta_rule=staticmethod(counted("chunk", gated_delta.chunk_gated_delta_rule)),
+        fused_recurrent_gated_delta_rule=staticmethod(counted("recurrent",
+                                                              gated_delta.fused_recurrent_gated_delta_rule)),
+    ))
+
+    def run(dispatch):  # a runner each: CUDA graphs captured under one dispatch would replay it under the other
+        monkeypatch.setattr(gdn, "_kernels_for", dispatch)
+        cfg = _engine_config(expert_policy="fill-all", expert_cache_slots=10_000, device=device)
+        runner = ModelRunner(tiny[0], cfg, progress=False)
+        # the prompt in one prefill, and in three (later chunks start from the carried state)
+        return _greedy(runner, PROMPT, DECODE_STEPS, seq_id=1), _greedy(runner, PROMPT, 2, seq_id=2, chunks=[5, 70])
+
+    reference = run(lambda q: None)
+    assert calls == {"chunk": 0, "recurrent": 0}
+    for (logits, toks), (ref_logits, ref_toks) in zip(run(lambda q: kernels), reference, strict=True):
+        assert toks == ref_toks
+        torch.testing.assert_close(logits, ref_logits, **TOL)
+    assert calls["chunk"] == 2 * 4 and calls["recurrent"] >= 2  # two linear layers; CUDA graphs replay decode
 
 
 def test_chunked_prefill_equals_one_shot(runner, tiny):

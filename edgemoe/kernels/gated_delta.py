@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 64  # tokens per chunk of the prefill kernels (four 16-row sub-blocks)
+MAX_HEAD_DIM = 256  # largest Dk and Dv the kernels take (register tiles of up to 256 x 256 per program)
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -87,8 +88,8 @@ def _check_qkv(query, key, value, g, beta) -> tuple[int, int, int, int, int, int
         raise ValueError(f"g and beta must be [B, T, Hv] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if query.dtype not in _TL_DTYPE:
         raise ValueError(f"unsupported dtype {query.dtype}: expected float32, float16 or bfloat16")
-    if max(DK, DV) > 256:
-        raise ValueError(f"head dims up to 256 are supported, got Dk={DK}, Dv={DV}")
+    if max(DK, DV) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got Dk={DK}, Dv={DV}")
     _check_device(query, key, value, g, beta)
     return B, T, HK, DK, HV, DV
 
@@ -413,9 +414,15 @@ def chunk_gated_delta_rule(
         num_warps=8,
     )
     bv_scan = min(32, BVF)
+    # The scan's state tile has at least 64 rows (zero-padded past Dk). Its update k^T v_new is a
+    # [BK, 64] x [64, BV] product; with BK < 64 (Dk <= 32) Triton 3.6 compiles it for sm_90 to mma.sync on a
+    # tile replicated across the 8 warps, stored to shared memory as the next chunk's wgmma operand. That is
+    # the structural difference from Dk = 128 (correct on an H200) of the Dk = 16 case, whose model outputs
+    # went wrong there while the interpreter matches torch. Padded, every product of the scan is a wgmma.
+    bk_scan = max(64, BK)
     _chunk_state_kernel[(triton.cdiv(DV, bv_scan), B * HV)](
         key, g, w, u, initial_state, hc, v_new, final, *key.stride(), *g.stride(),
-        T, NT, HV, group, DK, DV, BK=BK, BV=bv_scan, L2NORM=use_qk_l2norm_in_kernel,
+        T, NT, HV, group, DK, DV, BK=bk_scan, BV=bv_scan, L2NORM=use_qk_l2norm_in_kernel,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, DOT_DT=tl_dt, PREC=prec, num_warps=8,
     )
     bv_out = min(64, BVF)

@@ -151,6 +151,11 @@ def _gpu_kernels():
         return None
 
 
+def _kernels_for(q: torch.Tensor):
+    """The Triton kernels' module for ``q``'s device (CUDA, when it imports), else ``None`` (torch ops)."""
+    return _gpu_kernels() if q.is_cuda else None
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the gated delta rule from ``state``: the recurrent form for decode, the chunked one otherwise.
@@ -158,16 +163,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Args:
         q, k: ``[B, T, Hv, Dk]`` (already repeated to the value heads); v: ``[B, T, Hv, Dv]``.
         g, beta: ``[B, T, Hv]``.
-        state: ``[B, Hv, Dk, Dv]`` float32, the memory before token 0.
+        state: ``[B, Hv, Dk, Dv]`` float32, the memory before token 0. The kernels' decode updates it in
+            place (and returns it): pass a tensor the caller owns.
         decode: use the recurrent form (``T`` is 1 per sequence).
 
     Returns:
         ``(out [B, T, Hv, Dv] in v.dtype, new_state [B, Hv, Dk, Dv] float32)``. q/k are L2-normalized
-        inside. CUDA tensors go to ``edgemoe.kernels.gated_delta`` when it imports, else the torch
-        functions of this module.
+        inside. CUDA tensors go to ``edgemoe.kernels.gated_delta`` when it imports and ``Dk, Dv <=
+        MAX_HEAD_DIM`` (256, the kernels' limit), else the torch functions of this module.
     """
-    kernels = _gpu_kernels() if q.is_cuda else None
-    if kernels is not None:
+    kernels = _kernels_for(q)
+    if kernels is not None and max(k.shape[-1], v.shape[-1]) <= kernels.MAX_HEAD_DIM:
         fn = kernels.fused_recurrent_gated_delta_rule if decode else kernels.chunk_gated_delta_rule
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     else:
@@ -229,7 +235,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv] float32
         conv_state = self.state.conv[self.state_index]  # [S, C, W]
         memory = self.state.recurrent[self.state_index]  # [S, Hv, Dk, Dv]
-        if batch.phase is Phase.DECODE and T == len(batch.seqs):  # one token per sequence: all at once
+        # decode, one token per row: all rows at once. On the device path (batch.decode) a captured batch size
+        # may add padding rows past batch.seqs; batch.state_slots gives them a scratch slot (and the
+        # per-sequence branch below would bake Python slot numbers into a captured CUDA graph).
+        if batch.phase is Phase.DECODE and (batch.decode is not None or T == len(batch.seqs)):
             slots = batch.state_slots  # [B]
             window = torch.cat((conv_state.index_select(0, slots), qkv[:, :, None]), dim=-1)  # [B, C, W + 1]
             conv_state.index_copy_(0, slots, window[..., 1:])

@@ -71,8 +71,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.tables(positions, q.dtype)  # [T, R]
             if step_cache is not None:
                 step_cache[key] = (cos, sin)
-        if q.is_cuda and fused_kernels() is not None:  # one launch per tensor, same rounding
-            return fused_kernels().apply_rope(q, cos, sin), fused_kernels().apply_rope(k, cos, sin)
+        if (fused := fused_kernels(q)) is not None:  # one launch per tensor, same rounding points
+            return fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
         R = cos.shape[-1]
         if R < q.shape[-1]:  # partial rotary: rotate [..., :R], pass [..., R:] through

@@ -12,8 +12,8 @@ triton = pytest.importorskip("triton")
 
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (  # noqa: E402
     causal_conv1d_update as ref_conv_update,
-    torch_chunk_gated_delta_rule as ref_chunk,
-    torch_recurrent_gated_delta_rule as ref_recurrent,
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
 )
 
 from edgemoe.kernels.gated_delta import (  # noqa: E402
@@ -21,6 +21,21 @@ from edgemoe.kernels.gated_delta import (  # noqa: E402
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
+
+
+def _heads_repeated(ref):
+    """transformers' reference called with q/k repeated to the value heads (``repeat_interleave``): the
+    functions of transformers 5.17 do not repeat them, those of 5.24 do; repeated q/k suit both."""
+
+    def call(query, key, value, *args, **kwargs):
+        rep = value.shape[2] // key.shape[2]
+        return ref(query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2), value, *args, **kwargs)
+
+    return call
+
+
+ref_chunk = _heads_repeated(torch_chunk_gated_delta_rule)
+ref_recurrent = _heads_repeated(torch_recurrent_gated_delta_rule)
 
 HK, HV, D = 16, 32, 128
 CONV_DIM, CONV_K = 2 * HK * D + HV * D, 4
@@ -59,6 +74,38 @@ def test_chunk_prefill_matches_reference(B, T, dtype, tol):
     print(f"\nchunk B={B} T={T} {dtype}: out rel err {rel_err(out, ref_out):.2e}, state {rel_err(ht, ref_ht):.2e}")
     assert rel_err(out, ref_out) < tol
     assert rel_err(ht, ref_ht) < tol
+
+
+@pytest.mark.parametrize("dk, dv", [(16, 16), (32, 32), (64, 64), (16, 48), (24, 40), (128, 128)])
+def test_head_dims_match_torch_path(dk, dv):
+    """Compiled kernels at small and odd head dims (the tiny qwen3.5 test model has Dk = Dv = 16; narrow
+    tiles compile to other instructions than Dk = 128) against the torch functions of
+    ``edgemoe.layers.gated_deltanet``, fp32: a 150-token prefill (three chunks, the last partial) from a
+    state, then three decode steps."""
+    from edgemoe.layers.gated_deltanet import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch
+
+    B, T, hk, hv, steps = 2, 150, 2, 4, 3
+    gen = torch.Generator(device="cuda").manual_seed(dk * 1000 + dv)
+    silu = torch.nn.functional.silu
+    q, k = (silu(torch.randn(B, T + steps, hk, dk, device="cuda", generator=gen)) for _ in range(2))
+    q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)  # as the layer passes them
+    v = silu(torch.randn(B, T + steps, hv, dv, device="cuda", generator=gen))
+    g = -torch.rand(hv, device="cuda", generator=gen).mul(8) * torch.nn.functional.softplus(
+        torch.randn(B, T + steps, hv, device="cuda", generator=gen) - 2)
+    beta = torch.randn(B, T + steps, hv, device="cuda", generator=gen).sigmoid()
+    h0 = torch.randn(B, hv, dk, dv, device="cuda", generator=gen).mul(0.1)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    pre = (q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T])
+    out, state = chunk_gated_delta_rule(*pre, h0, **kw)
+    ref_out, ref_state = chunk_gated_delta_rule_torch(*pre, initial_state=h0, **kw)
+    assert rel_err(out, ref_out) < 1e-4, f"prefill out rel err {rel_err(out, ref_out):.2e}"
+    assert rel_err(state, ref_state) < 1e-4, f"prefill state rel err {rel_err(state, ref_state):.2e}"
+    for t in range(T, T + steps):
+        step = tuple(x[:, t:t + 1] for x in (q, k, v, g, beta))
+        o, state = fused_recurrent_gated_delta_rule(*step, state, **kw)
+        ref_o, ref_state = recurrent_gated_delta_rule_torch(*step, initial_state=ref_state, **kw)
+        assert rel_err(o, ref_o) < 1e-4, f"decode out rel err {rel_err(o, ref_o):.2e}"
+    assert rel_err(state, ref_state) < 1e-4
 
 
 def test_decode_after_prefill_matches_reference():
