@@ -9,8 +9,8 @@ before each edit. Three sessions, shaped like the paper's agentic workloads (DES
   truncates old tool outputs (every tool output but the latest keeps only its head).
 - ``w4``: an email/calendar agent, 13 turns over 5 user requests with a ~24.5k-token system prompt;
   the harness strips the thinking blocks of assistant turns before the latest user request.
-- ``cut``: a log-analysis session whose harness, once the user asks a follow-up, cuts the long tool
-  output in the middle of its block (no anchor at the cut).
+- ``cut``: a log-analysis agent, 3 turns (fetch a long log, fetch metrics, answer); the harness cuts
+  old tool outputs in the middle of their block (keeps 55 %: no anchor near the cut).
 
 Each turn renders the harness's message list with the model's chat template and generates the
 scripted assistant reply (thinking, then a tool call or an answer): the reply's tokens, as the
@@ -132,13 +132,11 @@ def strip_old_thinking(messages: list[dict]) -> list[dict]:
 
 
 def cut_old_tool_outputs(messages: list[dict], fraction: float) -> list[dict]:
-    """Once the user has asked again, tool outputs before the latest user message are cut mid-block,
-    keeping their first ``fraction`` (the ``cut`` harness)."""
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if len(users) < 2:
-        return messages
+    """Every tool output but the latest is cut in the middle of its block, keeping its first
+    ``fraction`` (the ``cut`` harness: compaction that keeps most of a long output)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "tool"), default=-1)
     return [{**m, "content": m["content"][:int(len(m["content"]) * fraction)] + "\n[... cut ...]"}
-            if m["role"] == "tool" and i < users[-1] else m for i, m in enumerate(messages)]
+            if m["role"] == "tool" and i != last else m for i, m in enumerate(messages)]
 
 
 @dataclass
@@ -195,13 +193,15 @@ def build_session(name: str, synth: Synth, scale: float, reply_scale: float) -> 
                     steps.append((_reply(think(), answer()), nxt))
         return Session(name, tools, start, steps, strip_old_thinking)
     if name == "cut":
-        tools = [_tool("fetch_log", "Fetch a service log", service="service name")]
+        tools = [_tool("fetch_log", "Fetch a service log", service="service name"),
+                 _tool("fetch_metrics", "Fetch a service's metrics", service="service name")]
         start = [{"role": "system", "content": "You are an operations agent. " + _INSTRUCTIONS + "\n" + synth.text(3000 * s)},
                  {"role": "user", "content": "Why did the service restart? " + synth.text(80 * s)}]
         steps = [
             (_reply(think(), call=("fetch_log", {"service": "edgemoe"})),
              [{"role": "tool", "content": synth.lines(6000 * s, "2026-11-30T12:00:")}]),
-            (_reply(think(), answer()), [{"role": "user", "content": "And before that? " + synth.text(40 * s)}]),
+            (_reply(think(), call=("fetch_metrics", {"service": "edgemoe"})),
+             [{"role": "tool", "content": synth.lines(300 * s, "M")}]),
             (_reply(think(), answer()), []),
         ]
         return Session(name, tools, start, steps, lambda m: cut_old_tool_outputs(m, 0.55))
@@ -273,18 +273,19 @@ def run_mode(llm: LLM, turns: list[tuple[list[int], list[int]]], mode: str, slot
 
 
 def _markdown(results: dict, modes: list[str]) -> str:
+    """One table per session: per turn the prompt, the shared prefix, and per mode tokens reused,
+    re-prefilled and TTFT; then the totals and the worst TTFT."""
     lines = []
     for name, res in results.items():
         lines += [f"### {name}", "",
-                  "| turn | prompt | shared | " + " | ".join(f"reused {m} | TTFT {m} (s)" for m in modes) + " |",
-                  "|---|---|---|" + "---|---|" * len(modes)]
-        by_mode = [res[m]["turns"] for m in modes]
-        for rows in zip(*by_mode):
-            cells = " | ".join(f"{r['reused']} | {r['ttft_s']:.3f}" for r in rows)
+                  "| turn | prompt | shared | " + " | ".join(f"{m}: reused | prefilled | TTFT (s)" for m in modes) + " |",
+                  "|---|---|---|" + "---|---|---|" * len(modes)]
+        for rows in zip(*(res[m]["turns"] for m in modes)):
+            cells = " | ".join(f"{r['reused']} | {r['prefilled']} | {r['ttft_s']:.3f}" for r in rows)
             lines.append(f"| {rows[0]['turn']} | {rows[0]['prompt_tokens']} | {rows[0]['shared_prefix']} | {cells} |")
-        total = " | ".join(f"**{res[m]['reused']}** / {res[m]['prompt_tokens']} | worst **{res[m]['worst_ttft_s']:.3f}**"
+        total = " | ".join(f"**{res[m]['reused']}** | **{res[m]['prefilled']}** | worst **{res[m]['worst_ttft_s']:.3f}**"
                            for m in modes)
-        lines += [f"| all | | | {total} |", ""]
+        lines += [f"| all | {res[modes[0]]['prompt_tokens']} | | {total} |", ""]
     return "\n".join(lines)
 
 

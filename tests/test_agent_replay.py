@@ -37,6 +37,7 @@ def test_agent_replay_reuse_counts(tmp_path):
     # the edits: W2's turn 3 truncates the first tool output, so it reuses less than its prompt's head
     w2 = results["w2"]["anchors"]["turns"]
     assert w2[2]["shared_prefix"] < w2[1]["prompt_tokens"]
-    # the cut session's last turn resumes inside the cut block with interval checkpoints only
-    cut = results["cut"]
-    assert cut["interval"]["turns"][2]["reused"] % 32 == 0 and cut["interval"]["turns"][2]["reused"] > 0
+    # the cut session's last turn resumes inside the cut log (after turn 1's prompt and reply), with
+    # interval checkpoints only too
+    first, last = results["cut"]["interval"]["turns"][0], results["cut"]["interval"]["turns"][2]
+    assert last["reused"] % 32 == 0 and last["reused"] > first["prompt_tokens"] + first["output_tokens"]
