@@ -77,27 +77,41 @@ _INSTRUCTIONS = ("Answer precisely. Prefer calling a tool over guessing. Keep pr
 
 
 class Synth:
-    """Seeded synthetic text of a given length in tokens (approximately; from the tokenizer's
-    measured tokens per word)."""
+    """Seeded synthetic text of about a given length in tokens of ``tokenizer``."""
 
     def __init__(self, tokenizer, seed: int):
         self.rng = random.Random(seed)
-        sample = " ".join(self.rng.choice(_WORDS) for _ in range(500))
-        self.tokens_per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / 500
+        self.tokenizer = tokenizer
 
-    def _words(self, n_tokens: float) -> list[str]:
-        return [self.rng.choice(_WORDS) for _ in range(max(1, round(n_tokens / self.tokens_per_word)))]
+    def _sized(self, n_tokens: float, render) -> str:
+        """``render(n_words)``, with the word count corrected once so the text has ~``n_tokens`` tokens."""
+        n_words = max(1, round(n_tokens / 2))
+        for _ in range(2):
+            out = render(n_words)
+            have = len(self.tokenizer.encode(out, add_special_tokens=False))
+            if abs(have - n_tokens) <= 0.02 * n_tokens:
+                break
+            n_words = max(1, round(n_words * n_tokens / have))
+        return out
+
+    def _words(self, n: int) -> list[str]:
+        return [self.rng.choice(_WORDS) for _ in range(n)]
 
     def text(self, n_tokens: float) -> str:
         """Sentences of random words."""
-        words = self._words(n_tokens)
-        sentences = [" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, len(words), 12)]
-        return " ".join(sentences)
+        def render(n: int) -> str:
+            words = self._words(n)
+            return " ".join(" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, n, 12))
+
+        return self._sized(n_tokens, render)
 
     def lines(self, n_tokens: float, prefix: str) -> str:
         """Numbered lines of random words (a file listing, a log)."""
-        words = self._words(n_tokens)
-        return "\n".join(f"{prefix}{i // 8 + 1:04d} " + " ".join(words[i:i + 8]) for i in range(0, len(words), 8))
+        def render(n: int) -> str:
+            words = self._words(n)
+            return "\n".join(f"{prefix}{i // 8 + 1:04d} " + " ".join(words[i:i + 8]) for i in range(0, n, 8))
+
+        return self._sized(n_tokens, render)
 
 
 def _tool(name: str, description: str, **params: str) -> dict:
