@@ -43,6 +43,10 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--kv-cache-tokens", "kv_cache_tokens", int, "KV cache capacity in tokens (all requests)"),
     ("--page-size", "page_size", int, "tokens per KV page"),
     ("--seed", "seed", int, "seed for dummy weights"),
+    ("--state-checkpoints", "state_checkpoints", int,
+     "recurrent-state checkpoint slots of hybrid models (default 32; 0 = none)"),
+    ("--state-checkpoint-interval", "state_checkpoint_interval", int,
+     "also checkpoint the recurrent state every N tokens (default 2048; 0 = only at anchor tokens)"),
     ("--served-model-name", "served_model_name", str, "model id reported by the API (default: directory name)"),
 )
 
@@ -65,6 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="never capture CUDA graphs for decode")
+    g.add_argument("--no-anchor-checkpoints", dest="anchor_checkpoints", action="store_false", default=None,
+                   help="checkpoint the recurrent state only every --state-checkpoint-interval tokens, "
+                        "not after </think>, </tool_call>, </tool_response>, <|im_end|>")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -82,6 +89,7 @@ def engine_config_from_args(args: argparse.Namespace):
     kw["cpu_executor"] = args.cpu_executor
     kw["enforce_eager"] = args.enforce_eager
     kw["enable_prefix_caching"] = args.enable_prefix_caching
+    kw["anchor_checkpoints"] = args.anchor_checkpoints
     try:
         return EngineConfig.from_kwargs(**kw)
     except (TypeError, ValueError) as exc:

@@ -321,6 +321,13 @@ class EngineConfig:
         verify_weights: check FTW bank checksums while loading (``None`` = the default: on, unless
             ``EDGEMOE_FTW_VERIFY=0``).
         enforce_eager: never capture CUDA graphs (decode still takes the device path on CUDA).
+        state_checkpoints: recurrent-state checkpoint slots of a hybrid model (DESIGN.md §4; LRU,
+            independent of KV pages); 0 = none, so a hybrid model reuses no cached prefix. Needs
+            prefix caching. Each slot holds one sequence's full state (~64 MB for Qwen3.6-35B-A3B).
+        state_checkpoint_interval: also checkpoint every this many tokens (0 = only at anchors), so
+            an edit that cuts mid-block still reuses most of its prefix.
+        anchor_checkpoints: checkpoint after each anchor token (``</think>``, ``</tool_call>``,
+            ``</tool_response>``, ``<|im_end|>`` and the EOS tokens, as the tokenizer has them).
     """
 
     device: str = "auto"
@@ -343,6 +350,9 @@ class EngineConfig:
     served_model_name: str | None = None
     verify_weights: bool | None = None
     enforce_eager: bool = False
+    state_checkpoints: int = 32
+    state_checkpoint_interval: int = 2048
+    anchor_checkpoints: bool = True
 
     def __post_init__(self):
         if self.expert_policy not in EXPERT_POLICIES:
@@ -355,6 +365,8 @@ class EngineConfig:
             raise ValueError("expert_cache_slots must be >= 0")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.state_checkpoints < 0 or self.state_checkpoint_interval < 0:
+            raise ValueError("state_checkpoints and state_checkpoint_interval must be >= 0")
 
     @classmethod
     def from_kwargs(cls, **kw) -> "EngineConfig":

@@ -31,6 +31,9 @@ class SeqSlice:
         page_table: ``[ceil(kv_len / page_size)]`` int64 page ids on the compute device.
         state_slot: the sequence's slot in the recurrent-state pool (models with linear-attention
             layers); ``None`` for models without recurrent state.
+        checkpoints: prefill only: ``(offset, slot)`` pairs, ascending: after the first ``offset``
+            (``1..q_len``) new tokens, the linear-attention layers save their state into checkpoint
+            ``slot`` of the runner's :class:`~edgemoe.kvcache.state_checkpoints.StateCheckpointStore`.
     """
 
     seq_id: int
@@ -39,6 +42,7 @@ class SeqSlice:
     kv_len: int
     page_table: torch.Tensor
     state_slot: int | None = None
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -232,6 +232,8 @@ class LLMEngine:
         self.routing_recorder = None
         self.metrics.bind_queues(lambda: self.num_running, lambda: self.num_waiting)
         self.metrics.bind_prefix_cache(lambda: runner.kv.cached_pages)
+        self.metrics.bind_state_checkpoints(
+            lambda: 0 if getattr(runner, "checkpoints", None) is None else runner.checkpoints.slots_used)
         self._requests: dict[str, Request] = {}
 
     @classmethod
@@ -427,6 +429,9 @@ class LLMEngine:
                 self.metrics.prompt_tokens_computed.inc(len(inp.token_ids))
                 if inp.start_pos == req.num_cached_tokens:  # the first chunk since admission
                     self.metrics.prefix_cache_hit_tokens.inc(req.num_cached_tokens)
+                    if req.num_cached_tokens and getattr(self.runner, "checkpoints", None) is not None:
+                        self.metrics.state_checkpoint_restores.inc()
+                        self.metrics.state_checkpoint_reused_tokens.inc(req.num_cached_tokens)
             req.num_computed = inp.start_pos + len(inp.token_ids)
             if req.num_computed == len(req.prompt_token_ids) + len(req.output_token_ids):
                 if batch.phase is Phase.PREFILL:  # the prompt's full pages become reusable at once

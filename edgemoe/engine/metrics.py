@@ -83,6 +83,9 @@ class EngineMetrics:
     ``edgemoe_prefix_cache_hit_tokens_total`` (tokens whose KV came from the prefix cache),
     ``edgemoe_prompt_tokens_computed_total`` (tokens prefill computed, recomputation after preemption
     included; hit / (hit + computed) is the prefix-cache hit rate), ``edgemoe_prefix_cache_pages``,
+    ``edgemoe_state_checkpoint_restores_total`` and ``edgemoe_state_checkpoint_reused_tokens_total``
+    (hybrid models: admissions resumed from a recurrent-state checkpoint, and the prompt tokens they
+    skipped, also counted as prefix-cache hits), ``edgemoe_state_checkpoints`` (checkpoints held),
     ``edgemoe_time_to_first_token_seconds``, ``edgemoe_time_per_output_token_seconds``,
     ``edgemoe_e2e_request_latency_seconds``, ``edgemoe_generation_tokens_per_second`` (over the last
     ``window_s`` seconds), ``edgemoe_num_requests_running``, ``edgemoe_num_requests_waiting`` and the
@@ -106,6 +109,16 @@ class EngineMetrics:
             "edgemoe_prompt_tokens_computed", "Tokens computed by prefill (recompute after preemption included)", registry=r
         )
         self.prefix_cache_pages = Gauge("edgemoe_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
+        self.state_checkpoint_restores = Counter(
+            "edgemoe_state_checkpoint_restores", "Admissions that resumed from a recurrent-state checkpoint", registry=r
+        )
+        self.state_checkpoint_reused_tokens = Counter(
+            "edgemoe_state_checkpoint_reused_tokens", "Prompt tokens skipped by resuming from a recurrent-state checkpoint",
+            registry=r,
+        )
+        self.state_checkpoints = Gauge(
+            "edgemoe_state_checkpoints", "Recurrent-state checkpoints held (hybrid models)", registry=r
+        )
         self.ttft = Histogram(
             "edgemoe_time_to_first_token_seconds", "Time to first token (s)", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -132,6 +145,10 @@ class EngineMetrics:
     def bind_prefix_cache(self, cached_pages: Callable[[], int]) -> None:
         """Read the prefix-cache page gauge from the KV pool at scrape time."""
         self.prefix_cache_pages.set_function(cached_pages)
+
+    def bind_state_checkpoints(self, held: Callable[[], int]) -> None:
+        """Read the state-checkpoint gauge from the runner's checkpoint store at scrape time."""
+        self.state_checkpoints.set_function(held)
 
     def add_expert_stats_source(self, stats_fn: Callable[[], dict | None]) -> None:
         """Register the scrape-time expert-cache collector reading ``stats_fn()``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from edgemoe.experts.policy import make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
+from edgemoe.kvcache.state_checkpoints import StateCheckpointStore, anchor_token_ids, checkpoint_positions
 from edgemoe.models import model_class
 from edgemoe.weights.bootstrap import FALLBACK_POLICY, pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
@@ -127,6 +129,9 @@ class ModelRunner:
         if self.state is not None:
             for layer in self.model.state_layers():
                 layer.state = self.state
+        self.checkpoints: StateCheckpointStore | None = None
+        self.set_state_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
+                                   config.anchor_checkpoints)
 
         self.cpu_executor = make_cpu_executor(self.pool, config.cpu_threads, config.cpu_executor)
         self.cache = None
@@ -237,6 +242,7 @@ class ModelRunner:
         self.kv.free(seq_id)
         if self.state is not None:
             self.state.free(seq_id)
+            self._tokens.pop(seq_id, None)
 
     def snapshot_state(self, seq_id: int) -> StateSnapshot:
         """A copy of ``seq_id``'s recurrent state (conv + delta-rule memory of every linear layer) after
@@ -282,22 +288,112 @@ class ModelRunner:
         return [self.state.allocate(inp.seq_id) if inp.start_pos == 0 else self.state.slot(inp.seq_id)
                 for inp in inputs]
 
+    # ------------------------------------------------------------------ state checkpoints
+    def set_state_checkpoints(self, slots: int, interval: int, anchors: bool = True) -> None:
+        """(Re)build the recurrent-state checkpoint store (hybrid models; DESIGN.md §4) at a safe point
+        between steps, dropping the checkpoints it held.
+
+        Args:
+            slots: checkpoints kept, LRU (0: none, so a hybrid model reuses no cached prefix).
+            interval: also checkpoint every ``interval`` tokens (0: only at anchors).
+            anchors: checkpoint after each anchor token (``anchor_token_ids`` of the tokenizer plus
+                the model's EOS ids).
+
+        Checkpoints need the prefix cache (the KV of a checkpoint's whole pages lives in its pages);
+        without it, or without recurrent state, or when nothing would ever be checkpointed, no store
+        is built (``self.checkpoints is None``).
+
+        Raises:
+            ValueError: negative ``slots`` or ``interval``.
+        """
+        if slots < 0 or interval < 0:
+            raise ValueError(f"state checkpoints: slots ({slots}) and interval ({interval}) must be >= 0")
+        self.checkpoint_interval = interval
+        self.anchor_ids = anchor_token_ids(self.tokenizer, self.eos_token_ids) if anchors else frozenset()
+        self._tokens: dict[int, array] = {}  # seq_id -> its tokens so far (the key of its checkpoints)
+        if self.state is None:
+            self.checkpoints = None
+            return
+        layers = self.model.state_layers()
+        self.checkpoints = None  # the old store is released before the new one is allocated
+        for layer in layers:
+            layer.checkpoints = None
+        if slots and self.kv.prefix_cache is not None and (self.anchor_ids or interval):
+            cfg, kv = self.model_config, self.kv
+            self.checkpoints = StateCheckpointStore(self.state.spec, slots, self.dtype, kv.k.shape[0], kv.page_size,
+                                                    cfg.num_kv_heads, cfg.head_dim, kv.k.dtype, self.device)
+            for layer in layers:
+                layer.checkpoints = self.checkpoints
+
+    def _track_tokens(self, inp: StepInput) -> array | None:
+        """Append ``inp``'s tokens to its sequence's token record (cut back to ``start_pos`` first, which
+        a rewind may need); ``None`` (and the record dropped) when the tokens before ``start_pos`` are
+        unknown here, e.g. after a caller's :meth:`restore_state`."""
+        tokens = self._tokens.get(inp.seq_id)
+        if inp.start_pos == 0:
+            tokens = array("q")
+        elif tokens is None or len(tokens) < inp.start_pos:
+            self._tokens.pop(inp.seq_id, None)
+            return None
+        else:
+            del tokens[inp.start_pos:]
+        tokens.extend(inp.token_ids)
+        self._tokens[inp.seq_id] = tokens
+        return tokens
+
+    def _plan_checkpoints(self, inputs: list[StepInput]) -> list[list[tuple[int, int]]]:
+        """Per input, ``(position, checkpoint slot)`` ascending for the positions this step passes where
+        a checkpoint is due (after an anchor token, at a multiple of the interval), each slot reserved
+        (pending) in the store. Only the deepest ``num_slots`` of a sequence are taken (no more can
+        survive the step); positions already checkpointed with the same tokens are skipped."""
+        store = self.checkpoints
+        plans: list[list[tuple[int, int]]] = [[] for _ in inputs]
+        if store is None:
+            return plans
+        for inp, plan in zip(inputs, plans):
+            tokens = self._track_tokens(inp)
+            if tokens is None:
+                continue
+            due = checkpoint_positions(inp.token_ids, inp.start_pos, self.anchor_ids, self.checkpoint_interval)
+            for p in due[-store.num_slots:]:
+                slot = store.reserve(tokens[:p])
+                if slot is not None:
+                    plan.append((p, slot))
+        return plans
+
+    def _commit_checkpoints(self, inputs: list[StepInput], state_slots: list[int | None],
+                            plans: list[list[tuple[int, int]]], phase: Phase) -> None:
+        """After a successful step: complete its checkpoints (a decode step's state is copied here; the
+        layers saved a prefill step's) with the K/V rows of their partial last page."""
+        store, kv = self.checkpoints, self.kv
+        for inp, state_slot, plan in zip(inputs, state_slots, plans):
+            for p, slot in plan:
+                if phase is Phase.DECODE:
+                    store.save_state(slot, self.state, state_slot)
+                if p % kv.page_size:
+                    store.save_kv(slot, kv.k, kv.v, kv.slots(inp.seq_id, p - p % kv.page_size, p))
+                store.commit(slot)
+
     # ------------------------------------------------------------------ prefix cache
     def reusable_prefix(self, token_ids: list[int], n_matched: int) -> int:
         """How many of the ``n_matched`` leading tokens of ``token_ids`` whose KV pages are cached may
-        really be skipped by prefill. Every layer here keeps its state in those pages, so all of them;
-        a model with recurrent layers (whose state cannot be rebuilt from KV pages) overrides this
-        with the position of a state it can restore. The caller floors the answer to a page boundary.
-        Models with recurrent state reuse nothing here (their restore points come from state checkpoints).
+        really be skipped by prefill: all of them, since every layer of a model without recurrent
+        state keeps its state in those pages (a hook for a model that can resume only at some
+        positions). The caller floors the answer to a page boundary. Models with recurrent state do
+        not come here: they resume at a state checkpoint (:meth:`attach_prefix`).
         """
-        return 0 if self.state is not None else n_matched
+        return n_matched
 
     def attach_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Give the new sequence ``seq_id`` the longest reusable cached prefix of ``token_ids`` (the
         tokens it must hold, a prompt or, after preemption, prompt + output).
 
         At least the last token is always left to compute (its logits are needed); the match is
-        trimmed by :meth:`reusable_prefix` and floored to whole pages.
+        trimmed by :meth:`reusable_prefix` and floored to whole pages. A model with recurrent state
+        resumes instead at the deepest state checkpoint (DESIGN.md §4) whose tokens start
+        ``token_ids`` and whose whole KV pages the tree holds: it borrows those pages, gets the
+        checkpoint's partial-page K/V rows in a fresh page of its own and its recurrent state
+        restored; without a usable checkpoint it reuses nothing.
 
         Returns:
             tokens reused: the sequence's prefill starts at this position (0 when prefix caching is off).
@@ -306,6 +402,8 @@ class ModelRunner:
         if cache is None or len(token_ids) <= ps:
             return 0
         match = cache.match_prefix(token_ids[:-1])
+        if self.state is not None:
+            return self._restore_checkpoint(seq_id, token_ids, match.num_tokens)
         n = min(self.reusable_prefix(token_ids, match.num_tokens), match.num_tokens) // ps * ps
         if n == 0:
             return 0
@@ -313,6 +411,32 @@ class ModelRunner:
             match = cache.match_prefix(token_ids[:n])
         self.kv.attach_prefix(seq_id, match)
         return n
+
+    def _restore_checkpoint(self, seq_id: int, token_ids: list[int], kv_tokens: int) -> int:
+        """Resume the new sequence ``seq_id`` at the deepest usable state checkpoint (``kv_tokens``:
+        leading tokens whose whole pages are cached); returns its position, 0 (nothing attached) when
+        none is usable, no state slot is free or no page is free for the partial page."""
+        store = self.checkpoints
+        if store is None or not self.state.can_hold(seq_id):
+            return 0
+        ids = array("q", token_ids)
+        found = store.find(ids, len(ids) - 1, kv_tokens)
+        if found is None:
+            return 0
+        ps, p = self.kv.page_size, found.num_tokens
+        full = p // ps * ps
+        if full:
+            self.kv.attach_prefix(seq_id, self.kv.prefix_cache.match_prefix(token_ids[:full]))
+        if p > full:
+            try:
+                self.kv.allocate(seq_id, p)
+            except KVCacheFullError:
+                self.kv.free(seq_id)
+                return 0
+            store.load_kv(found.slot, self.kv.k, self.kv.v, self.kv.slots(seq_id, full, p))
+        self.state.restore(seq_id, store.snapshot(found.slot))
+        self._tokens[seq_id] = ids[:p]
+        return p
 
     def cache_prefix(self, seq_id: int, token_ids: list[int]) -> None:
         """Make the full KV pages of ``seq_id`` (holding ``token_ids`` from position 0) reusable by
@@ -353,19 +477,22 @@ class ModelRunner:
         if self.cache.num_slots:
             self.cache.clock.fill_(self._step)
         state_slots = self._state_slots(inputs)
+        plans = self._plan_checkpoints(inputs)
         if phase is Phase.DECODE and self.experts.device_decode is not None:
             for inp in inputs:
                 self.kv.allocate(inp.seq_id, inp.start_pos + 1)
-            return self._run_model(inputs, lambda: self._execute_device_decode(inputs, state_slots))
+            return self._run_model(inputs, lambda: self._execute_device_decode(inputs, state_slots),
+                                   state_slots, plans, phase)
         ids, pos, slots, seqs, last = [], [], [], [], []
         q = 0
-        for inp, state_slot in zip(inputs, state_slots):
+        for inp, state_slot, plan in zip(inputs, state_slots, plans):
             n, end = len(inp.token_ids), inp.start_pos + len(inp.token_ids)
             self.kv.allocate(inp.seq_id, end)
             ids.extend(inp.token_ids)
             pos.extend(range(inp.start_pos, end))
             slots.append(self.kv.slots(inp.seq_id, inp.start_pos, end))
-            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id), state_slot))
+            ckpts = [(p - inp.start_pos, c) for p, c in plan] if phase is Phase.PREFILL else []
+            seqs.append(SeqSlice(inp.seq_id, q, n, end, self.kv.page_table(inp.seq_id), state_slot, ckpts))
             q += n
             last.append(q - 1)
         dev = self.device
@@ -380,16 +507,24 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda: self.model(batch))
+        return self._run_model(inputs, lambda: self.model(batch), state_slots, plans, phase)
 
-    def _run_model(self, inputs: list[StepInput], forward):
+    def _run_model(self, inputs: list[StepInput], forward, state_slots: list[int | None],
+                   plans: list[list[tuple[int, int]]], phase: Phase):
         try:
-            return forward()
+            logits = forward()
         except Exception:
             if self.state is not None:  # layers before the failure advanced these states: never reuse them
                 for inp in inputs:
                     self.state.free(inp.seq_id)
+                    self._tokens.pop(inp.seq_id, None)
+                for plan in plans:
+                    for _, slot in plan:
+                        self.checkpoints.discard(slot)
             raise
+        if self.checkpoints is not None:
+            self._commit_checkpoints(inputs, state_slots, plans, phase)
+        return logits
 
     def _execute_device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         """A decode step on the device path: fixed-shape inputs, replayed from a CUDA graph when one is
@@ -459,6 +594,10 @@ class ModelRunner:
         if self.state is not None:
             lines.append(f"  state        {self.state.spec.num_layers} linear-attention layers, {self.state.num_slots} "
                          f"sequence slots = {self.state.nbytes / 1e9:.3f} GB")
+            ck = self.checkpoints
+            lines.append("  checkpoints  off" if ck is None else
+                         f"  checkpoints  {ck.num_slots} slots = {ck.nbytes / 1e9:.3f} GB; at "
+                         f"{len(self.anchor_ids)} anchor tokens, every {self.checkpoint_interval or '-'} tokens")
         return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch, Phase
 from edgemoe.kvcache.state import RecurrentStatePool
+from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
 from edgemoe.layers.norm import GatedRMSNorm
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,10 @@ class GatedDeltaNet(nn.Module):
     ``in_proj_b``/``in_proj_a [Hv, H]``, ``conv1d.weight [conv_dim, 1, kernel]``, ``dt_bias``/``A_log
     [Hv]``, ``norm.weight [Dv]``, ``out_proj [H, Hv·Dv]``). The layer reads and updates its state in
     ``self.state`` (a :class:`RecurrentStatePool` bound by the runner) at each sequence's
-    ``SeqSlice.state_slot``; ``state_index`` is its ordinal among the linear-attention layers.
+    ``SeqSlice.state_slot``; ``state_index`` is its ordinal among the linear-attention layers. A
+    prefill sequence with ``SeqSlice.checkpoints`` runs the delta rule in pieces split at those offsets
+    and saves its conv window and memory at each into ``self.checkpoints`` (a
+    :class:`StateCheckpointStore` bound by the runner).
     """
 
     def __init__(self, cfg: ModelConfig, state_index: int):
@@ -213,6 +217,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
         self.state_index = state_index
         self.state: RecurrentStatePool | None = None  # bound by the model runner
+        self.checkpoints: StateCheckpointStore | None = None  # bound by the runner when checkpoints are on
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU: ``window [B, C, W + t]`` (W = kernel - 1 past inputs) -> ``[B, C, t]``."""
@@ -248,14 +253,23 @@ class GatedDeltaNet(nn.Module):
             o = o[:, 0]  # [B, Hv, Dv]
         else:  # prefill: each sequence's chunk continues its own conv inputs and memory (chunked form)
             o = torch.empty((T, self.num_v_heads, self.head_v_dim), dtype=x.dtype, device=x.device)
+            W = self.kernel - 1
             for s in batch.seqs:
                 rows, slot = slice(s.q_start, s.q_start + s.q_len), s.state_slot
                 window = torch.cat((conv_state[slot], qkv[rows].t()), dim=-1)  # [C, W + t]
-                conv_state[slot] = window[:, window.shape[1] - (self.kernel - 1):]
+                conv_state[slot] = window[:, window.shape[1] - W:]
                 q, k, v = self._heads(self._conv(window[None]).transpose(1, 2))  # [1, t, Hv, D]
-                out, new = gated_delta_rule(q, k, v, g[None, rows], beta[None, rows], memory[slot:slot + 1],
-                                            decode=False)
-                memory[slot] = new[0]
-                o[rows] = out[0]
+                gs, bs = g[None, rows], beta[None, rows]  # [1, t, Hv]
+                state, start = memory[slot:slot + 1], 0  # [1, Hv, Dk, Dv]
+                # split the rule where checkpoints are due (state saved after each piece), then the rest
+                for end, ckpt in [*s.checkpoints, (s.q_len, None)]:
+                    if end > start:
+                        out, state = gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end],
+                                                      gs[:, start:end], bs[:, start:end], state, decode=False)
+                        o[s.q_start + start:s.q_start + end] = out[0]
+                        start = end
+                    if ckpt is not None:
+                        self.checkpoints.save_layer(ckpt, self.state_index, window[:, end:end + W], state[0])
+                memory[slot] = state[0]
         o = self.norm(o, z)  # [T, Hv, Dv]
         return self.out_proj(o.reshape(T, self.value_dim))
