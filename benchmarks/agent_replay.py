@@ -290,7 +290,11 @@ def _markdown(results: dict, modes: list[str]) -> str:
     """One table per session: per turn the prompt, the shared prefix, and per mode tokens reused,
     re-prefilled and TTFT; then the totals and the worst TTFT."""
     lines = []
+    all_modes = modes
     for name, res in results.items():
+        modes = [m for m in all_modes if m in res]  # a run cut short has only some modes
+        if not modes:
+            continue
         lines += [f"### {name}", "",
                   "| turn | prompt | shared | " + " | ".join(f"{m}: reused | prefilled | TTFT (s)" for m in modes) + " |",
                   "|---|---|---|" + "---|---|---|" * len(modes)]
@@ -369,6 +373,13 @@ def main(argv=None) -> int:
             r = results[name][mode]
             print(f"{name:4s} {mode:8s} turns {len(rows):2d}  prompt {r['prompt_tokens']:7d}  reused {r['reused']:7d}  "
                   f"prefilled {r['prefilled']:7d}  worst TTFT {r['worst_ttft_s']:.3f} s  ({r['wall_s']:.1f} s)", flush=True)
+            _write(a, argv, runner, llm, load_s, results, modes)  # after every run: a timeout keeps what finished
+    table = _write(a, argv, runner, llm, load_s, results, modes)
+    print(table)
+    return 0
+
+
+def _write(a, argv, runner, llm, load_s, results, modes) -> str:
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -386,8 +397,7 @@ def main(argv=None) -> int:
     (out / "agent_replay.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     table = _markdown(results, modes)
     (out / "agent_replay.md").write_text(table + "\n")
-    print(table)
-    return 0
+    return table
 
 
 if __name__ == "__main__":
