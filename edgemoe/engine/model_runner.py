@@ -547,6 +547,7 @@ class ModelRunner:
     def _capture(self, bs: int, batch: ForwardBatch) -> None:
         """Capture the decode step for batch size ``bs`` over the static inputs (no kernel runs)."""
         graph = torch.cuda.CUDAGraph()
+        batch.step_cache.clear()  # tensors derived during the eager step must be recomputed inside the graph
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(graph, pool=self.graph_pool):
             logits = self.model(batch)
