@@ -128,7 +128,7 @@ def test_config_normalizes_both_layouts(tiny, conditional):
     for c in (a, b):
         assert c.layer_types == ("linear_attention", "full_attention", "linear_attention", "full_attention")
         assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                c.linear_conv_kernel) == (2, 4, 16, 16, 4)
+                c.linear_conv_kernel) == (2, 4, 32, 32, 4)
         assert (c.num_heads, c.num_kv_heads, c.head_dim, c.partial_rotary_factor) == (4, 2, 32, 0.25)
         assert c.attn_output_gate and c.shared_expert_intermediate_size == 64 and c.norm_topk_prob
         assert c.moe_layers == (0, 1, 2, 3) and c.intermediate_size == 0 and c.num_experts == 16 and c.top_k == 4
@@ -498,7 +498,7 @@ def _variant(src, tmp_path, edit):
      r"missing tensor\(s\) \['model\.layers\.2\.linear_attn\.A_log'\]"),
     (lambda sd: sd.__setitem__("model.layers.0.linear_attn.conv1d.weight", torch.zeros(128, 1, 3)),
      r"model\.safetensors: tensor model\.layers\.0\.linear_attn\.conv1d\.weight has shape \(128, 1, 3\), "
-     r"expected \(128, 1, 4\)"),
+     r"expected \(256, 1, 4\)"),
     (lambda sd: sd.__setitem__("model.layers.1.linear_attn.A_log", torch.zeros(4)),
      r"unexpected tensor model\.layers\.1\.linear_attn\.A_log"),  # layer 1 is full attention
     (lambda sd: sd.__setitem__("model.language_model.norm.weight", torch.zeros(64)),

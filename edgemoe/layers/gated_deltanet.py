@@ -152,6 +152,11 @@ def _gpu_kernels():
         return None
 
 
+# On the H200 the Triton kernels gave wrong results at Dk = Dv = 16 (tests/gpu/test_gated_delta_gpu.py,
+# 2026-11-30) while 24x40, 16x48, 32, 64 and 128 matched; below this the torch path runs.
+MIN_KERNEL_HEAD_DIM = 16
+
+
 def _kernels_for(q: torch.Tensor):
     """The Triton kernels' module for ``q``'s device (CUDA, when it imports), else ``None`` (torch ops)."""
     return _gpu_kernels() if q.is_cuda else None
@@ -171,10 +176,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Returns:
         ``(out [B, T, Hv, Dv] in v.dtype, new_state [B, Hv, Dk, Dv] float32)``. q/k are L2-normalized
         inside. CUDA tensors go to ``edgemoe.kernels.gated_delta`` when it imports and ``Dk, Dv <=
-        MAX_HEAD_DIM`` (256, the kernels' limit), else the torch functions of this module.
+        MAX_HEAD_DIM`` (256, the kernels' limit) and both head dims exceed ``MIN_KERNEL_HEAD_DIM``, else the
+        torch functions of this module.
     """
     kernels = _kernels_for(q)
-    if kernels is not None and max(k.shape[-1], v.shape[-1]) <= kernels.MAX_HEAD_DIM:
+    dims = (k.shape[-1], v.shape[-1])
+    if kernels is not None and min(dims) > MIN_KERNEL_HEAD_DIM and max(dims) <= kernels.MAX_HEAD_DIM:
         fn = kernels.fused_recurrent_gated_delta_rule if decode else kernels.chunk_gated_delta_rule
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     else:
