@@ -16,11 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (  # noqa: E402
-    causal_conv1d_update as ref_conv_update,
-    torch_chunk_gated_delta_rule,
-    torch_recurrent_gated_delta_rule,
-)
+from gated_delta_reference import ref_chunk, ref_conv_update, ref_recurrent  # noqa: E402
 
 from edgemoe.kernels.gated_delta import (  # noqa: E402
     causal_conv1d_update,
@@ -28,20 +24,6 @@ from edgemoe.kernels.gated_delta import (  # noqa: E402
     fused_recurrent_gated_delta_rule,
 )
 
-
-def _heads_repeated(ref):
-    """transformers' reference called with q/k repeated to the value heads (``repeat_interleave``): the
-    functions of transformers 5.17 do not repeat them, those of 5.24 do; repeated q/k suit both."""
-
-    def call(query, key, value, *args, **kwargs):
-        rep = value.shape[2] // key.shape[2]
-        return ref(query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2), value, *args, **kwargs)
-
-    return call
-
-
-ref_chunk = _heads_repeated(torch_chunk_gated_delta_rule)
-ref_recurrent = _heads_repeated(torch_recurrent_gated_delta_rule)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
