@@ -286,7 +286,7 @@ class ModelConfig:
 QWEN3_5_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 QWEN3_5_MOE_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 
-EXPERT_POLICIES = ("qstar", "fill-all", "cpu-all", "static")
+EXPERT_POLICIES = ("qstar", "adaptive", "fill-all", "cpu-all", "static")
 CPU_EXECUTORS = ("auto", "native", "torch")
 
 
@@ -300,8 +300,8 @@ class EngineConfig:
         expert_cache_slots: (layer, expert) slots in the device expert cache; ``None`` derives it
             from ``expert_cache_gb`` (or, on CUDA, from free memory; on CPU it defaults to 0).
         expert_cache_gb: expert-cache budget in GB (1e9 bytes).
-        expert_policy: how decode-step misses are served: ``qstar`` (DESIGN.md §2), ``fill-all``,
-            ``cpu-all`` or ``static``.
+        expert_policy: how decode-step misses are served: ``qstar`` (DESIGN.md §2), ``adaptive`` (q*
+            corrected online by measured step times), ``fill-all``, ``cpu-all`` or ``static``.
         cpu_threads: threads of the CPU expert executor (``None``: one per physical core for the
             native executor, torch's default for the torch one). When set, torch's intra-op threads
             follow it too.

@@ -172,3 +172,69 @@ def test_static_placement_pins_last_layers():
     assert bool(hy.cache.pinned.all())
     for slot, fid in enumerate(hy.cache.owner_of.tolist()):
         assert torch.equal(hy.cache.banks[0][slot], pool.w13[fid]) and torch.equal(hy.cache.banks[1][slot], pool.w2[fid])
+
+
+# ---------------------------------------------------------------- online (adaptive) policy
+def test_adaptive_policy_probes_every_rule_then_keeps_the_fastest():
+    from edgemoe.experts.policy import AdaptivePolicy
+
+    pol = AdaptivePolicy(Bandwidths(50.0, 100.0, "test"), probe_steps=3, exploit_steps=5)
+    cost = {"qstar": 0.030, "fill-all": 0.040, "cpu-all": 0.020}  # cpu-all fastest on this "machine"
+    seen, switches = [], 0
+    for _ in range(4 * 3 + 2):  # a probe of 3 rules (3 counted steps + 1 skipped after each switch)
+        seen.append(pol.active_name)
+        switches += pol.observe(cost[pol.active_name], batch_size=1)
+    assert {"qstar", "fill-all", "cpu-all"} <= set(seen)
+    assert pol.active_name == "cpu-all" and pol.fill_rule() == CpuAllPolicy().fill_rule()
+    assert pol.num_fills(10) == 0 and pol.q_ratio() == pytest.approx(0.5)  # q*/m stays reported
+    for _ in range(5):  # exploit, then the next probe starts again from q*
+        pol.observe(cost[pol.active_name], batch_size=1)
+    assert pol.active_name == "qstar" and switches == 2  # qstar -> fill-all -> cpu-all (kept: no switch)
+
+
+def test_adaptive_policy_restarts_its_probe_when_the_batch_size_changes():
+    from edgemoe.experts.policy import AdaptivePolicy
+
+    pol = AdaptivePolicy(Bandwidths(50.0, 100.0, "test"), probe_steps=2, exploit_steps=100)
+    for _ in range(4):  # the first step sets the batch size, the next is skipped, two are counted
+        pol.observe(0.01, batch_size=1)
+    assert pol.active_name == "fill-all"  # second candidate of the probe
+    pol.observe(0.01, batch_size=4)  # different batch: step times do not compare
+    assert pol.active_name == "qstar"
+    with pytest.raises(ValueError):
+        AdaptivePolicy(Bandwidths(50.0, 100.0, "test"), probe_steps=0)
+
+
+def test_adaptive_engine_runs_match_resident_tokens(tiny_model_dir):
+    """Switching rules between steps never changes results (the cache only changes speed)."""
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.model_runner import ModelRunner, StepInput
+
+    def greedy(runner, steps=24):
+        prompt = list(range(3, 20))
+        tok = int(runner.execute([StepInput(0, prompt, 0)], Phase.PREFILL)[0].argmax())
+        out = [tok]
+        for i in range(steps):
+            tok = int(runner.execute([StepInput(0, [tok], len(prompt) + i)], Phase.DECODE)[0].argmax())
+            out.append(tok)
+        runner.free(0)
+        return out
+
+    kw = dict(device="cpu", dtype="float32", cpu_executor="torch", bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0)
+    resident = greedy(ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=10**6, expert_policy="fill-all", **kw),
+                                  progress=False))
+    runner = ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=6, expert_policy="adaptive", **kw), progress=False)
+    runner.policy.probe_steps = 2
+    seen = set()
+    real = runner.policy.observe
+
+    def observe(seconds, batch_size):
+        seen.add(runner.policy.active_name)
+        return real(seconds, batch_size)
+
+    runner.policy.observe = observe
+    assert greedy(runner) == resident
+    assert seen == {"qstar", "fill-all", "cpu-all"}
+    st = runner.experts.stats()["decode"]
+    assert st["fills"] > 0 and st["cpu"] > 0
+    assert runner.expert_stats()["policy"] == "adaptive"

@@ -70,7 +70,8 @@ class ExpertCacheCollector:
         yield InfoMetricFamily(
             "edgemoe_expert_policy",
             "Expert miss policy and where its bandwidths come from",
-            value={"policy": str(stats.get("policy", "")), "bandwidth_source": str(stats.get("bandwidth_source", ""))},
+            value={"policy": str(stats.get("policy", "")), "active_rule": str(stats.get("policy_active", "")),
+                   "bandwidth_source": str(stats.get("bandwidth_source", ""))},
         )
 
 

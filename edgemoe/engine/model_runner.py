@@ -141,6 +141,7 @@ class ModelRunner:
         else:
             self.set_expert_cache(self._cache_slots(), config.expert_policy)
         self._step = 0
+        self._last_decode = None  # (start time, batch size) of the previous step when it was a decode
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
         self.load_seconds = time.perf_counter() - t0
 
@@ -188,7 +189,7 @@ class ModelRunner:
                 torch.cuda.empty_cache()
         self.cache = ExpertCache(slots, self.pool.num_ids, [tuple(self.pool.w13.shape[1:]), tuple(self.pool.w2.shape[1:])],
                                  self.dtype, self.device)
-        if self.bandwidths is None or (policy == "qstar" and self.bandwidths.pcie is None and slots > 0):
+        if self.bandwidths is None or (policy in ("qstar", "adaptive") and self.bandwidths.pcie is None and slots > 0):
             cfg = self.engine_config
             if cfg.expert_policy != policy:
                 from dataclasses import replace
@@ -478,6 +479,7 @@ class ModelRunner:
             self.cache.clock.fill_(self._step)
         state_slots = self._state_slots(inputs)
         plans = self._plan_checkpoints(inputs)
+        self._observe_step(phase, len(inputs))
         if phase is Phase.DECODE and self.experts.device_decode is not None:
             for inp in inputs:
                 self.kv.allocate(inp.seq_id, inp.start_pos + 1)
@@ -508,6 +510,20 @@ class ModelRunner:
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
         return self._run_model(inputs, lambda: self.model(batch), state_slots, plans, phase)
+
+    def _observe_step(self, phase: Phase, batch_size: int) -> None:
+        """Feed an online policy (``adaptive``) the wall time of the previous decode step: the time
+        from its start to this step's start, counted only between two decode steps of one batch size
+        (the engine samples, a sync, in between). A rule change goes to the device policy tensor."""
+        now = time.perf_counter()
+        prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
+        observe = getattr(self.policy, "observe", None)
+        if observe is None or prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
+            return
+        if observe(now - prev[0], batch_size):
+            dd = self.experts.device_decode
+            if dd is not None:
+                dd.policy.copy_(torch.tensor(self.policy.fill_rule(), dtype=torch.float64))
 
     def _run_model(self, inputs: list[StepInput], forward, state_slots: list[int | None],
                    plans: list[list[tuple[int, int]]], phase: Phase):
@@ -567,6 +583,7 @@ class ModelRunner:
             "b_h_gbps": bw.cpu,
             "bandwidth_source": bw.source,
             "q_ratio": self.policy.q_ratio(),
+            "policy_active": getattr(self.policy, "active_name", self.policy.name),
             **self.experts.stats(),
         }
 

@@ -216,7 +216,7 @@ def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwid
                 return bandwidths_from_profile(prof, f"profile {path} ({measured_with[0]}, {measured_with[1]} threads)")
         if config.profile_path:
             raise ValueError(f"{path}: profile is for another expert shape/device ({exp}, {prof.get('device')})")
-    if config.expert_policy != "qstar" or cache.num_slots == 0:
+    if config.expert_policy not in ("qstar", "adaptive") or cache.num_slots == 0:
         return Bandwidths(None, None, "not measured (not needed by this policy/cache)")
     prof = measure(pool, pool.hidden, pool.intermediate, pool.dtype, cache.device, executor, 0.15, ROTATE_BYTES_QUICK)
     return bandwidths_from_profile(prof, "quick start-up measurement")

@@ -115,7 +115,7 @@ class DeviceDecode:
         self.policy = torch.tensor([num, den, q_min], dtype=torch.float64, device=dev)
         evictable = int((~cache.pinned).sum())
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
-        fills_all = num >= den and q_min == 0
+        fills_all = num >= den and q_min == 0 and not hasattr(policy, "observe")  # an online policy may switch
         self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
         self.cpu = cpu_executor
         self.step = None  # RegisteredStep of the native executor (host-node path)

@@ -119,15 +119,99 @@ class StaticPolicy(CpuAllPolicy):
     name = "static"
 
 
-def make_policy(name: str, bw: Bandwidths) -> ExpertPolicy:
-    """Build the policy named ``qstar | fill-all | cpu-all | static``.
+class AdaptivePolicy(ExpertPolicy):
+    """q* corrected online by measured decode step times (DESIGN.md §2, "going beyond the paper").
+
+    The closed form assumes the two branches overlap and share DRAM as profiled; when a machine does
+    not behave so (another application takes PCIe or DRAM, or the branches serialize), the measured
+    step time is what counts. The policy cycles: *probe* — run ``probe_steps`` decode steps under
+    each candidate rule (q*, fill-all, cpu-all; the first step after a switch is not counted), then
+    *exploit* the one with the lowest median step time for ``exploit_steps`` steps, then probe again.
+    A probe restarts when the decode batch size changes (step times of different sizes do not
+    compare). Steady state is never slower than the better of fill-all and cpu-all as measured; the
+    probes cost at most ``2 · probe_steps`` steps under a worse rule per cycle.
+
+    Args:
+        bw: bandwidths of the q* candidate.
+        probe_steps: counted steps per candidate in a probe (>= 1).
+        exploit_steps: steps under the chosen rule before the next probe (>= 1).
 
     Raises:
-        ValueError: unknown name, or ``qstar`` without usable bandwidths.
+        ValueError: a bandwidth that is given but not positive, or non-positive step counts.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, bw: Bandwidths, probe_steps: int = 8, exploit_steps: int = 512):
+        if probe_steps < 1 or exploit_steps < 1:
+            raise ValueError("probe_steps and exploit_steps must be >= 1")
+        self.candidates: list[ExpertPolicy] = [QStarPolicy(bw), FillAllPolicy(), CpuAllPolicy()]
+        self.probe_steps, self.exploit_steps = int(probe_steps), int(exploit_steps)
+        self.active = 0  # index into candidates
+        self._restart(batch_size=None)
+
+    @property
+    def active_name(self) -> str:
+        return self.candidates[self.active].name
+
+    def num_fills(self, m: int) -> int:
+        return self.candidates[self.active].num_fills(m)
+
+    def fill_rule(self) -> tuple[float, float, float]:
+        return self.candidates[self.active].fill_rule()
+
+    def q_ratio(self) -> float:
+        return self.candidates[0].q_ratio()  # q*/m as reported; ``active_name`` says which rule runs
+
+    def _restart(self, batch_size: int | None) -> None:
+        self._batch = batch_size
+        self._probing, self._probe = True, 0
+        self._times: list[list[float]] = [[] for _ in self.candidates]
+        self._skip = True  # the first step after a switch carries the switch's transients
+        self._exploited = 0
+
+    def observe(self, seconds: float, batch_size: int) -> bool:
+        """Record one decode step's wall time (seconds) at ``batch_size``; returns whether the active
+        rule changed (the caller then pushes :meth:`fill_rule` to the device)."""
+        before = self.active
+        if batch_size != self._batch:
+            self._restart(batch_size)
+            self.active = self._probe
+            return self.active != before
+        if self._skip:
+            self._skip = False
+            return False
+        if self._probing:
+            self._times[self._probe].append(seconds)
+            if len(self._times[self._probe]) >= self.probe_steps:
+                self._probe += 1
+                if self._probe == len(self.candidates):  # probe done: exploit the fastest median
+                    medians = [sorted(t)[len(t) // 2] for t in self._times]
+                    self.active = min(range(len(medians)), key=medians.__getitem__)
+                    self._probing, self._exploited = False, 0
+                else:
+                    self.active = self._probe
+                self._skip = self.active != before
+        else:
+            self._exploited += 1
+            if self._exploited >= self.exploit_steps:
+                self._restart(batch_size)
+                self.active = 0
+                self._skip = self.active != before
+        return self.active != before
+
+
+def make_policy(name: str, bw: Bandwidths) -> ExpertPolicy:
+    """Build the policy named ``qstar | adaptive | fill-all | cpu-all | static``.
+
+    Raises:
+        ValueError: unknown name, or ``qstar``/``adaptive`` with a non-positive bandwidth.
     """
     if name == "qstar":
         return QStarPolicy(bw)
+    if name == "adaptive":
+        return AdaptivePolicy(bw)
     table = {"fill-all": FillAllPolicy, "cpu-all": CpuAllPolicy, "static": StaticPolicy}
     if name not in table:
-        raise ValueError(f"unknown expert policy {name!r}; choose qstar, fill-all, cpu-all or static")
+        raise ValueError(f"unknown expert policy {name!r}; choose qstar, adaptive, fill-all, cpu-all or static")
     return table[name]()
