@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--budgets", default="8,16,32", help="expert-cache budgets in GB")
-    ap.add_argument("--policies", default="qstar,fill-all,cpu-all,static")
+    ap.add_argument("--policies", default="qstar,adaptive,fill-all,cpu-all,static")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
