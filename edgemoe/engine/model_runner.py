@@ -203,6 +203,45 @@ class ModelRunner:
             blk.experts = self.experts
         self._setup_device_decode()
 
+    def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
+        """Change the GPU budget of the expert cache at run time (DESIGN.md §4, elastic memory).
+
+        Call at a safe point (no step in flight: the engine thread between steps). The host pool and
+        the KV cache stay as they are; the new cache starts cold (a static policy re-places layers);
+        decode graphs are captured again. If the new size cannot be allocated, the previous size and
+        policy are restored and the error is raised.
+
+        Args:
+            gb: new budget in GB (1e9 bytes); or ``slots``: new size in (layer, expert) slots.
+            policy: a new expert policy (default: keep the current one).
+
+        Returns:
+            :meth:`expert_stats` after the change.
+
+        Raises:
+            ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative size, an
+                unknown policy, or an allocation failure (the previous cache is back in place).
+        """
+        if gb is not None and slots is not None:
+            raise ValueError("give gb or slots, not both")
+        if (gb is not None and gb < 0) or (slots is not None and slots < 0):
+            raise ValueError("the expert-cache size must be >= 0")
+        if gb is None and slots is None and policy is None:
+            raise ValueError("give gb, slots or policy")
+        old_slots, old_policy = self.cache.num_slots, self.policy.name
+        new_slots = old_slots if gb is None and slots is None else (
+            int(slots) if slots is not None else int(gb * 1e9 // self.pool.row_bytes))
+        try:
+            self.set_expert_cache(new_slots, policy or old_policy)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
+            self.set_expert_cache(old_slots, old_policy)
+            raise ValueError(f"could not allocate {new_slots} expert-cache slots "
+                             f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; kept {old_slots}") from None
+        log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
+                 self.cache.nbytes / 1e9, self.policy.name)
+        return self.expert_stats()
+
     def _setup_device_decode(self) -> None:
         """Enable the device decode path (routing control on the device, Triton kernels, CUDA graphs)
         when CUDA and Triton are present and the cache has slots; otherwise decode takes the eager path."""

@@ -27,16 +27,17 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgemoe import __version__
+from edgemoe.config import EXPERT_POLICIES
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError, RequestFailedError
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
@@ -71,6 +72,16 @@ __all__ = ["APIError", "build_app", "serve"]
 log = logging.getLogger(__name__)
 
 SYSTEM_FINGERPRINT = f"edgemoe-{__version__}"
+ADMIN_TIMEOUT_S = 300.0  # a resize may place a static policy's layers: GBs of copies
+
+
+class ExpertCacheResize(BaseModel):
+    """Body of ``POST /admin/expert-cache``: a new budget (``gb`` or ``slots``) and/or ``policy``."""
+
+    model_config = {"extra": "forbid"}
+    gb: float | None = Field(None, ge=0, description="expert-cache budget in GB (1e9 bytes)")
+    slots: int | None = Field(None, ge=0, description="expert-cache size in (layer, expert) slots")
+    policy: Literal[EXPERT_POLICIES] | None = Field(None, description="expert policy (default: unchanged)")
 # pydantic adds the tried union member to an error's loc (``prompt.list[int]``, ``tool_choice.ChatTool``);
 # not a field name.
 _UNION_TAG = re.compile(
@@ -166,7 +177,7 @@ class _ApiKeyMiddleware:
         self.app, self.api_key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+        if scope["type"] != "http" or not scope.get("path", "").startswith(("/v1/", "/admin/")):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"x-api-key")
@@ -300,6 +311,26 @@ def build_app(
     @app.get("/metrics")
     def metrics():  # sync: runs in the thread pool, may wait for the engine thread's stats
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/expert-cache")
+    def expert_cache_state():  # sync: waits for the engine thread
+        """The expert cache's size, policy, bandwidths and counters (``ModelRunner.expert_stats``)."""
+        return llm.call_in_engine_thread(lambda e: e.runner.expert_stats(), ADMIN_TIMEOUT_S)
+
+    @app.post("/admin/expert-cache")
+    def expert_cache_resize(body: ExpertCacheResize):
+        """Change the expert cache's GPU budget (``gb`` or ``slots``) and/or its ``policy`` at run time.
+
+        Runs on the engine thread between two steps (a safe point): requests in flight continue with
+        the new cache. 400 when the size cannot be allocated (the previous cache is kept).
+        """
+        def resize(engine):
+            try:
+                return engine.runner.resize_expert_cache(body.gb, body.slots, body.policy)
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+
+        return llm.call_in_engine_thread(resize, ADMIN_TIMEOUT_S)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -1,0 +1,73 @@
+"""Elastic expert-cache budget over HTTP (``/admin/expert-cache``): the cache is resized between steps
+of a running server, requests keep their exact results, bad bodies are 400s, the API key guards it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import running_server
+from edgemoe.config import EngineConfig
+from edgemoe.engine.async_engine import AsyncLLM
+
+MESSAGES = [{"role": "user", "content": "Tell me about caches."}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    llm = AsyncLLM(str(tiny_model_dir), EngineConfig(device="cpu", dtype="float32", expert_cache_slots=4,
+                                                     expert_policy="fill-all", cpu_executor="torch",
+                                                     max_model_len=1024), progress=False)
+    assert llm.wait_ready(120)
+    try:
+        with running_server(llm, "tiny") as base:
+            yield base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        llm.shutdown()
+
+
+def _greedy(client) -> str:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    return r.choices[0].message.content
+
+
+def test_resize_between_requests_keeps_results(served):
+    base, client = served
+    state = httpx.get(base + "/admin/expert-cache").json()
+    assert state["slots"] == 4 and state["policy"] == "fill-all"
+    before = _greedy(client)
+    r = httpx.post(base + "/admin/expert-cache", json={"slots": 9, "policy": "qstar"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["slots"] == 9 and r.json()["policy"] == "qstar"
+    assert _greedy(client) == before  # the cache only changes speed
+    row = r.json()["experts_total"]  # sized in GB: slots = gb * 1e9 // row bytes
+    r = httpx.post(base + "/admin/expert-cache", json={"gb": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["slots"] == 0 and r.json()["policy"] == "qstar"
+    assert _greedy(client) == before  # every expert on the CPU executor now
+    r = httpx.post(base + "/admin/expert-cache", json={"slots": row * 10}, timeout=60)
+    assert r.json()["slots"] == row  # capped at the number of experts: all resident
+    assert _greedy(client) == before
+
+
+@pytest.mark.parametrize("body", [{}, {"slots": -1}, {"gb": 1, "slots": 2}, {"policy": "fastest"}, {"size": 3}])
+def test_bad_resize_requests_are_400_and_change_nothing(served, body):
+    base, _ = served
+    before = httpx.get(base + "/admin/expert-cache").json()["slots"]
+    r = httpx.post(base + "/admin/expert-cache", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    assert httpx.get(base + "/admin/expert-cache").json()["slots"] == before
+
+
+def test_admin_routes_need_the_api_key(tiny_model_dir):
+    llm = AsyncLLM(str(tiny_model_dir), EngineConfig(device="cpu", cpu_executor="torch", max_model_len=512),
+                   progress=False)
+    assert llm.wait_ready(120)
+    try:
+        with running_server(llm, "tiny", api_key="s3cret") as base:
+            assert httpx.get(base + "/admin/expert-cache").status_code == 401
+            r = httpx.post(base + "/admin/expert-cache", json={"slots": 2}, headers={"x-api-key": "s3cret"}, timeout=60)
+            assert r.status_code == 200 and r.json()["slots"] == 2
+    finally:
+        llm.shutdown()
