@@ -71,3 +71,14 @@ def test_admin_routes_need_the_api_key(tiny_model_dir):
             assert r.status_code == 200 and r.json()["slots"] == 2
     finally:
         llm.shutdown()
+
+
+def test_resize_rejects_an_unknown_policy_before_touching_the_cache(tiny_model_dir):
+    from edgemoe.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_model_dir), EngineConfig(device="cpu", cpu_executor="torch", expert_cache_slots=3),
+                         progress=False)
+    cache = runner.cache
+    with pytest.raises(ValueError, match="unknown expert policy"):
+        runner.resize_expert_cache(slots=5, policy="fastest")
+    assert runner.cache is cache and runner.experts.cache is cache

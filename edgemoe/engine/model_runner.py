@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.config import EngineConfig, ModelConfig, parse_dtype
+from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig, parse_dtype
 from edgemoe.core import DecodeMeta, ForwardBatch, Phase, SeqSlice
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import ExpertCache
@@ -228,6 +228,8 @@ class ModelRunner:
             raise ValueError("the expert-cache size must be >= 0")
         if gb is None and slots is None and policy is None:
             raise ValueError("give gb, slots or policy")
+        if policy is not None and policy not in EXPERT_POLICIES:
+            raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         old_slots, old_policy = self.cache.num_slots, self.policy.name
         new_slots = old_slots if gb is None and slots is None else (
             int(slots) if slots is not None else int(gb * 1e9 // self.pool.row_bytes))
