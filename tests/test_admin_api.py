@@ -3,6 +3,8 @@ of a running server, requests keep their exact results, bad bodies are 400s, the
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -47,14 +49,18 @@ def test_resize_between_requests_keeps_results(served):
     assert _greedy(client) == before  # every expert on the CPU executor now
     r = httpx.post(base + "/admin/expert-cache", json={"slots": row * 10}, timeout=60)
     assert r.json()["slots"] == row  # capped at the number of experts: all resident
+    r = httpx.post(base + "/admin/expert-cache", json={"gb": 1e300}, timeout=60)
+    assert r.status_code == 200 and r.json()["slots"] == row
     assert _greedy(client) == before
 
 
-@pytest.mark.parametrize("body", [{}, {"slots": -1}, {"gb": 1, "slots": 2}, {"policy": "fastest"}, {"size": 3}])
+@pytest.mark.parametrize("body", [{}, {"slots": -1}, {"gb": 1, "slots": 2}, {"policy": "fastest"}, {"size": 3},
+                                  '{"gb": NaN}'])
 def test_bad_resize_requests_are_400_and_change_nothing(served, body):
     base, _ = served
     before = httpx.get(base + "/admin/expert-cache").json()["slots"]
-    r = httpx.post(base + "/admin/expert-cache", json=body, timeout=60)
+    raw = body if isinstance(body, str) else json.dumps(body)  # NaN: not JSON, but Python's parser takes it
+    r = httpx.post(base + "/admin/expert-cache", content=raw, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
     assert httpx.get(base + "/admin/expert-cache").json()["slots"] == before

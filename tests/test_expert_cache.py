@@ -192,15 +192,19 @@ def test_adaptive_policy_probes_every_rule_then_keeps_the_fastest():
     assert pol.active_name == "qstar" and switches == 2  # qstar -> fill-all -> cpu-all (kept: no switch)
 
 
-def test_adaptive_policy_restarts_its_probe_when_the_batch_size_changes():
+def test_adaptive_policy_keeps_a_probe_per_batch_size():
     from edgemoe.experts.policy import AdaptivePolicy
 
     pol = AdaptivePolicy(Bandwidths(50.0, 100.0, "test"), probe_steps=2, exploit_steps=100)
-    for _ in range(4):  # the first step sets the batch size, the next is skipped, two are counted
+    for _ in range(4):  # the first step at a new size is not counted, two are, then a switch (next skipped)
         pol.observe(0.01, batch_size=1)
-    assert pol.active_name == "fill-all"  # second candidate of the probe
-    pol.observe(0.01, batch_size=4)  # different batch: step times do not compare
+    assert pol.active_name == "fill-all"  # batch size 1 is probing its second candidate
+    pol.observe(0.01, batch_size=4)  # another size: its own probe, from q*
     assert pol.active_name == "qstar"
+    for _ in range(3):
+        pol.observe(0.01, batch_size=4)
+    pol.observe(0.01, batch_size=1)  # back at size 1: its probe resumes where it was, not from scratch
+    assert pol.active_name == "fill-all"
     with pytest.raises(ValueError):
         AdaptivePolicy(Bandwidths(50.0, 100.0, "test"), probe_steps=0)
 

@@ -557,3 +557,35 @@ def test_cli_make_model_and_generate(tmp_path, capsys):
                  "--device", "cpu", "--cpu-executor", "torch", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+
+
+def test_failed_decode_batch_recomputes_hybrid_sequences_instead_of_failing_them(tiny):
+    """A batch failure drops the recurrent states it half-advanced; fault isolation must then
+    recompute those sequences (preempt) rather than re-run them without a state, and give the same
+    tokens as an undisturbed run."""
+    def run(inject: bool):
+        eng = LLMEngine(ModelRunner(tiny[0], _engine_config(expert_policy="fill-all", expert_cache_slots=10_000),
+                                    progress=False))
+        real, injected = eng.runner.model.forward, []
+
+        def forward(batch):
+            out = real(batch)  # every layer advanced its states ...
+            if inject and batch.phase is Phase.DECODE and len(batch.seqs) == 2 and not injected:
+                injected.append(1)
+                raise RuntimeError("injected failure after the layers ran")  # ... then the step fails
+            return out
+
+        eng.runner.model.forward = forward
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        ids = [eng.add_request(None, list(range(3 + i, 13 + i)), params) for i in range(2)]
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = (o.outputs[0].finish_reason, list(o.outputs[0].token_ids))
+        assert not inject or injected
+        return [done[i] for i in ids]
+
+    disturbed = run(inject=True)
+    assert [r[0] for r in disturbed] == ["length", "length"]
+    assert disturbed == run(inject=False)

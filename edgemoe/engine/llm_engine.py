@@ -449,6 +449,12 @@ class LLMEngine:
         log.warning("batch of %d failed (%s); re-running each sequence alone", len(batch.requests), exc)
         done = []
         for req, inp in zip(batch.requests, batch.inputs):
+            if inp.start_pos > 0 and not self.runner.can_resume(inp.seq_id):
+                # a recurrent state the failed step half-advanced was dropped: recompute (or restore a
+                # checkpoint) from the start; a request that fails again then fails alone
+                self.scheduler.preempt(req)
+                self.metrics.preemptions.inc()
+                continue
             try:
                 done.append((req, inp, self.runner.execute([inp], batch.phase)[0]))
             except KVCacheFullError:

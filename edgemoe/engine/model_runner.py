@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -120,6 +121,9 @@ class ModelRunner:
                               self.dtype, self.device, prefix_caching=config.enable_prefix_caching)
         for attn in attn_layers:
             attn.kv = self.kv
+        self._scratch_pages = scratch_pages
+        if scratch_pages:  # reserved now, so it never counts as capacity a request could take
+            self.kv.allocate(_SCRATCH_SEQ, 1)
         self._decode_inputs = None  # static decode inputs of the device path (built with the expert cache)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # hybrid models: one recurrent-state slot per sequence the engine runs at once
@@ -129,6 +133,8 @@ class ModelRunner:
         if self.state is not None:
             for layer in self.model.state_layers():
                 layer.state = self.state
+            if self.device.type == "cuda":  # reserved now: the scheduler sees max_num_seqs free slots
+                self.state.allocate(_SCRATCH_SEQ)
         self.checkpoints: StateCheckpointStore | None = None
         self.set_state_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                    config.anchor_checkpoints)
@@ -177,10 +183,12 @@ class ModelRunner:
         starts cold (a static policy re-places its layers). Counters restart from zero.
 
         Raises:
-            ValueError: negative ``slots`` or an unknown policy.
+            ValueError: negative ``slots`` or an unknown policy (checked before anything changes).
         """
         if slots < 0:
             raise ValueError("expert cache slots must be >= 0")
+        if policy not in EXPERT_POLICIES:
+            raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         slots = min(int(slots), self.pool.num_ids)
         if self.cache is not None:  # free the old banks before allocating the new ones
             self.cache.banks.clear()
@@ -219,8 +227,10 @@ class ModelRunner:
             :meth:`expert_stats` after the change.
 
         Raises:
-            ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative size, an
-                unknown policy, or an allocation failure (the previous cache is back in place).
+            ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative or infinite
+                size, an unknown policy, a pool that could not be pinned (CPU-only), or a failure
+                setting up the new cache (the previous one is back in place; if even that fails, the
+                CPU-only cache of 0 slots is).
         """
         if gb is not None and slots is not None:
             raise ValueError("give gb or slots, not both")
@@ -230,16 +240,27 @@ class ModelRunner:
             raise ValueError("give gb, slots or policy")
         if policy is not None and policy not in EXPERT_POLICIES:
             raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
+        if gb is not None and not math.isfinite(gb):
+            raise ValueError("gb must be a finite number")
         old_slots, old_policy = self.cache.num_slots, self.policy.name
         new_slots = old_slots if gb is None and slots is None else (
-            int(slots) if slots is not None else int(gb * 1e9 // self.pool.row_bytes))
+            min(int(slots), self.pool.num_ids) if slots is not None else
+            int(min(gb * 1e9, self.pool.nbytes) // self.pool.row_bytes))
+        if self.pin_outcome.fallback and (new_slots > 0 or (policy or old_policy) != FALLBACK_POLICY):
+            raise ValueError("the host expert pool could not be pinned at start-up, so experts run on the CPU "
+                             f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
         try:
             self.set_expert_cache(new_slots, policy or old_policy)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure: put the previous cache back
             log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
-            self.set_expert_cache(old_slots, old_policy)
-            raise ValueError(f"could not allocate {new_slots} expert-cache slots "
-                             f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; kept {old_slots}") from None
+            try:
+                self.set_expert_cache(old_slots, old_policy)
+                kept = f"kept {old_slots} slots"
+            except Exception:  # noqa: BLE001 - even the old size failed: the CPU-only cache always fits
+                self.set_expert_cache(0, FALLBACK_POLICY)
+                kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
+            raise ValueError(f"could not set up {new_slots} expert-cache slots "
+                             f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; {kept}") from None
         log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
                  self.cache.nbytes / 1e9, self.policy.name)
         return self.expert_stats()
@@ -248,6 +269,7 @@ class ModelRunner:
         """Enable the device decode path (routing control on the device, Triton kernels, CUDA graphs)
         when CUDA and Triton are present and the cache has slots; otherwise decode takes the eager path."""
         self.graphs.clear()  # a re-budgeted cache invalidates every captured graph (and their memory pool)
+        self.graphs_failed: set[int] = set()  # batch sizes whose capture failed: they run eagerly
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.decode_path = "eager"
         reason = device_path_available(self.device)
@@ -272,7 +294,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ capacity
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.kv.capacity_tokens
+        """Tokens the KV cache holds for requests (the padding rows' scratch page excluded)."""
+        return self.kv.capacity_tokens - self._scratch_pages * self.kv.page_size
 
     def kv_free_tokens(self) -> int:
         return self.kv.free_tokens()
@@ -309,6 +332,12 @@ class ModelRunner:
         if self.state is None:
             raise ValueError(f"{self.model_config.architecture} has no recurrent state")
         self.state.restore(seq_id, snapshot)
+
+    def can_resume(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` can continue from its cached tokens: always for KV-only models; for models
+        with recurrent state, only while its state slot is held (a failed step drops the states it
+        half-advanced, see :meth:`execute`)."""
+        return self.state is None or self.state.slot(seq_id) is not None
 
     def _state_slots(self, inputs: list[StepInput]) -> list[int | None]:
         """Each input's recurrent-state slot; a sequence's first chunk (``start_pos == 0``) gets a zeroed one.
@@ -568,6 +597,8 @@ class ModelRunner:
 
     def _run_model(self, inputs: list[StepInput], forward, state_slots: list[int | None],
                    plans: list[list[tuple[int, int]]], phase: Phase):
+        """Run ``forward()`` (the model step); on failure drop the recurrent states it half-advanced and
+        the checkpoints it planned (``can_resume`` then tells the engine to recompute), and re-raise."""
         try:
             logits = forward()
         except Exception:
@@ -588,8 +619,9 @@ class ModelRunner:
         captured for the (padded) batch size; the first step of each size runs eagerly and captures."""
         B = len(inputs)
         d = self._decode_inputs
-        sizes = [b for b in GRAPH_BATCH_SIZES if b >= B and b <= d.max_bs]
+        sizes = [b for b in (*GRAPH_BATCH_SIZES, d.max_bs) if B <= b <= d.max_bs and b not in self.graphs_failed]
         use_graphs = self.decode_path == "device + CUDA graphs" and self.record is None and sizes
+        sizes = sorted(sizes)
         bs = sizes[0] if use_graphs else B
         batch = d.load(self, inputs, state_slots, bs, self._step)
         if use_graphs and bs in self.graphs:
@@ -598,7 +630,12 @@ class ModelRunner:
             return logits[:B].clone()
         logits = self.model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
         if use_graphs:
-            self._capture(bs, batch)
+            try:
+                self._capture(bs, batch)
+            except Exception:  # noqa: BLE001 - this size stays eager; the eager result stands
+                log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
+                self.graphs_failed.add(bs)
+                torch.cuda.synchronize(self.device)
         return logits[:B]
 
     def _capture(self, bs: int, batch: ForwardBatch) -> None:
@@ -674,8 +711,7 @@ class _DecodeInputs:
         dev, cfg, kv = runner.device, runner.model_config, runner.kv
         self.max_bs = max_bs
         self.max_pages = -(-runner.max_model_len // kv.page_size)
-        kv.allocate(_SCRATCH_SEQ, 1)  # the padding rows' page
-        self.scratch_page = int(kv.page_table(_SCRATCH_SEQ)[0])
+        self.scratch_page = kv.pages_of(_SCRATCH_SEQ)[0]  # reserved by the runner: the padding rows' page
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(max_bs, dtype=i64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=i64, device=dev)
@@ -687,7 +723,7 @@ class _DecodeInputs:
         self.state_slots = None
         if runner.state is not None:  # hybrid models: padding rows update a scratch recurrent-state slot
             self.state_slots = torch.zeros(max_bs, dtype=i64, device=dev)
-            self.scratch_state = runner.state.allocate(_SCRATCH_SEQ)
+            self.scratch_state = runner.state.slot(_SCRATCH_SEQ)  # reserved by the runner
         self.attn_scratch = make_decode_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
         # host staging: one pinned buffer per input, copied in with one transfer each
         pin = dev.type == "cuda"

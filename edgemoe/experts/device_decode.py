@@ -132,6 +132,7 @@ class DeviceDecode:
         return self.cuda and (not self.cpu_branch or self.step is not None)
 
     def counter_dict(self) -> dict[str, int]:
+        """The device counters as ``{hits, misses, fills, cpu}`` (deduplicated experts; one host read)."""
         h, m, f, c = self.counters.tolist()
         return {"hits": h, "misses": m, "fills": f, "cpu": c}
 

@@ -124,12 +124,13 @@ class AdaptivePolicy(ExpertPolicy):
 
     The closed form assumes the two branches overlap and share DRAM as profiled; when a machine does
     not behave so (another application takes PCIe or DRAM, or the branches serialize), the measured
-    step time is what counts. The policy cycles: *probe* — run ``probe_steps`` decode steps under
-    each candidate rule (q*, fill-all, cpu-all; the first step after a switch is not counted), then
-    *exploit* the one with the lowest median step time for ``exploit_steps`` steps, then probe again.
-    A probe restarts when the decode batch size changes (step times of different sizes do not
-    compare). Steady state is never slower than the better of fill-all and cpu-all as measured; the
-    probes cost at most ``2 · probe_steps`` steps under a worse rule per cycle.
+    step time is what counts. For each decode batch size separately (step times of different sizes
+    do not compare; continuous batching changes the size often) the policy cycles: *probe* — run
+    ``probe_steps`` decode steps under each candidate rule (q*, fill-all, cpu-all; the first step
+    after a switch is not counted), then *exploit* the one with the lowest median step time for
+    ``exploit_steps`` steps of that size, then probe again. Steady state is never slower than the
+    better of fill-all and cpu-all as measured; a probe costs at most ``2 · probe_steps`` steps
+    under a worse rule.
 
     Args:
         bw: bandwidths of the q* candidate.
@@ -147,8 +148,8 @@ class AdaptivePolicy(ExpertPolicy):
             raise ValueError("probe_steps and exploit_steps must be >= 1")
         self.candidates: list[ExpertPolicy] = [QStarPolicy(bw), FillAllPolicy(), CpuAllPolicy()]
         self.probe_steps, self.exploit_steps = int(probe_steps), int(exploit_steps)
-        self.active = 0  # index into candidates
-        self._restart(batch_size=None)
+        self.active = 0  # index into candidates: the rule the next step runs
+        self._by_batch: dict[int, dict] = {}  # per decode batch size: its probe/exploit state
 
     @property
     def active_name(self) -> str:
@@ -163,42 +164,36 @@ class AdaptivePolicy(ExpertPolicy):
     def q_ratio(self) -> float:
         return self.candidates[0].q_ratio()  # q*/m as reported; ``active_name`` says which rule runs
 
-    def _restart(self, batch_size: int | None) -> None:
-        self._batch = batch_size
-        self._probing, self._probe = True, 0
-        self._times: list[list[float]] = [[] for _ in self.candidates]
-        self._skip = True  # the first step after a switch carries the switch's transients
-        self._exploited = 0
+    def _fresh(self) -> dict:
+        return {"probing": True, "probe": 0, "times": [[] for _ in self.candidates], "exploited": 0, "choice": 0,
+                "rule": None, "skip": False}
 
     def observe(self, seconds: float, batch_size: int) -> bool:
-        """Record one decode step's wall time (seconds) at ``batch_size``; returns whether the active
-        rule changed (the caller then pushes :meth:`fill_rule` to the device)."""
+        """Record the wall time (seconds) of the decode step just run at ``batch_size`` under the
+        active rule and choose the next step's rule (for that batch size). Returns whether the active
+        rule changed (the caller then pushes :meth:`fill_rule` to the device). A step is counted only
+        when it ran under the rule its batch size expects and is not the first after a switch."""
         before = self.active
-        if batch_size != self._batch:
-            self._restart(batch_size)
-            self.active = self._probe
-            return self.active != before
-        if self._skip:
-            self._skip = False
-            return False
-        if self._probing:
-            self._times[self._probe].append(seconds)
-            if len(self._times[self._probe]) >= self.probe_steps:
-                self._probe += 1
-                if self._probe == len(self.candidates):  # probe done: exploit the fastest median
-                    medians = [sorted(t)[len(t) // 2] for t in self._times]
-                    self.active = min(range(len(medians)), key=medians.__getitem__)
-                    self._probing, self._exploited = False, 0
-                else:
-                    self.active = self._probe
-                self._skip = self.active != before
+        st = self._by_batch.setdefault(batch_size, self._fresh())
+        if st["rule"] == before and not st["skip"]:
+            self._record(st, seconds)
+        rule = st["probe"] if st["probing"] else st["choice"]
+        st["skip"] = rule != before  # the next step carries the switch's transients
+        st["rule"] = self.active = rule
+        return rule != before
+
+    def _record(self, st: dict, seconds: float) -> None:
+        if st["probing"]:
+            st["times"][st["probe"]].append(seconds)
+            if len(st["times"][st["probe"]]) >= self.probe_steps:
+                st["probe"] += 1
+                if st["probe"] == len(self.candidates):  # probe done: exploit the fastest median
+                    medians = [sorted(t)[len(t) // 2] for t in st["times"]]
+                    st.update(probing=False, exploited=0, choice=min(range(len(medians)), key=medians.__getitem__))
         else:
-            self._exploited += 1
-            if self._exploited >= self.exploit_steps:
-                self._restart(batch_size)
-                self.active = 0
-                self._skip = self.active != before
-        return self.active != before
+            st["exploited"] += 1
+            if st["exploited"] >= self.exploit_steps:
+                st.update(probing=True, probe=0, times=[[] for _ in self.candidates], exploited=0)
 
 
 def make_policy(name: str, bw: Bandwidths) -> ExpertPolicy:

@@ -95,10 +95,12 @@ class RecurrentStatePool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all slots' conv and recurrent states."""
         return self.conv.nbytes + self.recurrent.nbytes
 
     @property
     def free_slots(self) -> int:
+        """Slots not held by a sequence."""
         return len(self._free)
 
     def slot(self, seq_id: int) -> int | None:

@@ -131,6 +131,7 @@ class StateCheckpointStore:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all checkpoint slots (states and partial-page K/V rows)."""
         return self.conv.nbytes + self.recurrent.nbytes + self.k.nbytes + self.v.nbytes
 
     @property

@@ -100,6 +100,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
 
     @property
     def text_model(self) -> Qwen3_5MoeTextModel:
+        """The decoder stack (``model`` or, in the conditional-generation layout, ``model.language_model``)."""
         return self.model.language_model if self.nested else self.model
 
     def attention_layers(self) -> list[GatedAttention]:
@@ -120,6 +121,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                          num_heads=la.num_v_heads, k_head_dim=la.head_k_dim, v_head_dim=la.head_v_dim)
 
     def moe_blocks(self) -> list[SharedExpertMoeBlock]:
+        """The MoE block of every layer, in layer order (the runner binds the routed experts to them)."""
         return [layer.mlp for layer in self.text_model.layers]
 
     def expert_target(self, name: str) -> tuple[int, int | None, str] | None:

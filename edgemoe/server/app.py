@@ -79,7 +79,7 @@ class ExpertCacheResize(BaseModel):
     """Body of ``POST /admin/expert-cache``: a new budget (``gb`` or ``slots``) and/or ``policy``."""
 
     model_config = {"extra": "forbid"}
-    gb: float | None = Field(None, ge=0, description="expert-cache budget in GB (1e9 bytes)")
+    gb: float | None = Field(None, ge=0, allow_inf_nan=False, description="expert-cache budget in GB (1e9 bytes)")
     slots: int | None = Field(None, ge=0, description="expert-cache size in (layer, expert) slots")
     policy: Literal[EXPERT_POLICIES] | None = Field(None, description="expert policy (default: unchanged)")
 # pydantic adds the tried union member to an error's loc (``prompt.list[int]``, ``tool_choice.ChatTool``);
@@ -231,7 +231,8 @@ def build_app(
         served_model_name: the model id clients use (default: the model directory's name).
         tool_call_parser / reasoning_parser: parser names (``edgemoe.server.parsers``); ``None`` or
             ``"auto"`` detects them from the checkpoint.
-        api_key: when set, every ``/v1/`` route requires it.
+        api_key: when set, every ``/v1/`` and ``/admin/`` route requires it (without one, keep the
+            server on a loopback address: ``/admin/`` changes the expert cache).
 
     Raises:
         ValueError: an unknown parser name.
