@@ -123,13 +123,27 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
         router.forward = forward
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model options the benchmarks share: a directory, or a preset's config with dummy weights."""
     ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+
+
+def model_dir(a: argparse.Namespace) -> str:
+    """``--model``, or a temporary config-only directory of ``--preset`` (qwen3_moe)."""
+    if a.model is not None:
+        return a.model
+    from edgemoe.weights.make_model import write_config_only
+
+    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--budgets", default="8,16,32", help="expert-cache budgets in GB")
     ap.add_argument("--policies", default="qstar,adaptive,fill-all,cpu-all,static")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -150,11 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
 
-    model = a.model
-    if model is None:
-        from edgemoe.weights.make_model import write_config_only
-
-        model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset)
+    model = model_dir(a)
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
                        max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]]))

@@ -27,7 +27,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import route_uniformly  # noqa: E402
+from decode import add_model_args, model_dir, route_uniformly  # noqa: E402
 
 from edgemoe.config import EngineConfig  # noqa: E402
 from edgemoe.core import Phase  # noqa: E402
@@ -131,11 +130,7 @@ def totals_table(totals: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     ap.add_argument("--budgets", default="8,16,32", help="expert-cache budgets in GB")
     ap.add_argument("--slots", help="expert-cache sizes in slots (replaces --budgets; for small models)")
     ap.add_argument("--policy", default="fill-all", help="expert policy (prefill streams under qstar and fill-all)")
@@ -150,11 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".", help="folder for prefill.json and prefill.md")
     a = ap.parse_args(argv)
 
-    model = a.model
-    if model is None:
-        from edgemoe.weights.make_model import write_config_only
-
-        model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset)
+    model = model_dir(a)
     total = a.chunk * a.chunks
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_executor=a.cpu_executor, max_model_len=total,

@@ -100,8 +100,11 @@ class DeviceDecode:
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor,
                  num_experts: int, top_k: int, max_tokens: int):
-        from edgemoe.kernels.route_control import RouteOutputs
+        from edgemoe.kernels.expert_gemv import expert_gemv
+        from edgemoe.kernels.gather import gather_fills
+        from edgemoe.kernels.route_control import RouteOutputs, route_control
 
+        self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         self.num_experts = num_experts
         dev = self.device = cache.device
@@ -148,14 +151,10 @@ class DeviceDecode:
         Returns:
             ``[T, H]`` in ``x.dtype``.
         """
-        from edgemoe.kernels.expert_gemv import expert_gemv
-        from edgemoe.kernels.gather import gather_fills
-        from edgemoe.kernels.route_control import route_control
-
         T, k = topk_ids.shape
         P = T * k
         c, o = self.cache, self.out
-        route_control(topk_ids, topk_weights, moe_layer * self.num_experts, c.slot_of, c.owner_of, c.last_used,
+        self._route_control(topk_ids, topk_weights, moe_layer * self.num_experts, c.slot_of, c.owner_of, c.last_used,
                       c.pinned, c.clock, self.policy, self.counters, o)
         cpu_out = self.cpu_out[:T]
         if self.cpu_branch and self.step is not None:
@@ -174,9 +173,9 @@ class DeviceDecode:
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
         w13, w2 = c.banks
-        gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
+        self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
         routed = self.routed[:T]
-        expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
+        self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
             if self.step is not None:

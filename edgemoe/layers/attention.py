@@ -110,7 +110,7 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(Qwen3Attention):
     """Qwen3.5 gated full attention over the paged KV cache (``Qwen3_5MoeAttention``).
 
     Like :class:`Qwen3Attention` (GQA, per-head q/k RMSNorm, RoPE, paged KV), with three differences:
@@ -121,20 +121,12 @@ class GatedAttention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, attn_index: int, rotary: RotaryEmbedding):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        super().__init__(cfg, attn_index, rotary)
         self.gated = cfg.attn_output_gate
-        bias = cfg.attention_bias
-        q_out = self.num_heads * self.head_dim * (2 if self.gated else 1)
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        if self.gated:  # q_proj also yields the output gate: [T, Hq, 2D]
+            self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=cfg.attention_bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.attn_index = attn_index
-        self.rotary = rotary  # shared, not a registered submodule's weights
-        self.kv: PagedKVPool | None = None  # bound by the model runner
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hq, D = x.shape[0], self.num_heads, self.head_dim
