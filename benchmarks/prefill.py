@@ -83,6 +83,26 @@ def run_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prompt: 
     return rows
 
 
+def profile_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prompt: list[int], chunk: int,
+                   b_p: float, out: Path) -> int:
+    """Profile one prompt (torch.profiler, CPU and CUDA activity); top operators by device and host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        rows = run_prompt(runner, slots, policy, mode, prompt, chunk, b_p)
+    ka = prof.key_averages()
+    sort_dev = "device_time_total" if runner.device.type == "cuda" else "cpu_time_total"
+    text = "\n".join([
+        "chunks: " + ", ".join(f"{r['seconds']:.3f} s" for r in rows),
+        f"== by device time ({sort_dev})", ka.table(sort_by=sort_dev, row_limit=40, max_name_column_width=70),
+        "== by host self time", ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill-profile.txt").write_text(text)
+    print(text[:12000])
+    return 0
+
+
 def table(results: list[dict]) -> str:
     """Markdown: one row per (cache, chunk), the overlapped run beside the serialized one."""
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -143,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up prompt")
     ap.add_argument("--routing", default="uniform", choices=["uniform", "model"])
     ap.add_argument("--out", default=".", help="folder for prefill.json and prefill.md")
+    ap.add_argument("--profile", action="store_true", help="instead of the timings, profile one prompt at the "
+                    "first budget (torch.profiler) and write the top operators to prefill-profile.txt")
     a = ap.parse_args(argv)
 
     model = model_dir(a)
@@ -168,6 +190,8 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, runner.model_config.vocab_size, (total,), generator=g).tolist()
     if not a.no_warmup:  # first-call costs (kernel selection, allocator growth) out of the timings
         run_prompt(runner, sizes[0], a.policy, modes[0], prompt[:a.chunk], a.chunk, b_p)
+    if a.profile:
+        return profile_prompt(runner, sizes[0], a.policy, modes[0], prompt, a.chunk, b_p, Path(a.out))
     results = []
     for slots in sizes:
         for mode in modes:
