@@ -11,6 +11,7 @@ strict-loading errors, FTW conversion, state snapshot/restore, the presets and t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -287,6 +288,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots, device
     path, (ref_logits, ref_toks) = tiny
     runner = ModelRunner(path, _engine_config(expert_policy=policy, expert_cache_slots=slots, device=device),
                          progress=False)
+    free_at_start = runner.state.free_slots  # on CUDA the padding rows' scratch slot is reserved at start-up
     logits, toks = _greedy(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
@@ -300,7 +302,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots, device
     if policy == "static":
         assert st["fills"] == 0 and runner.experts.stats()["prefill"]["fills"] == 0
     runner.free(0)
-    assert runner.state.free_slots == runner.state.num_slots
+    assert runner.state.free_slots == free_at_start
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -338,6 +340,8 @@ def test_gated_delta_kernels_match_torch_path(tiny, monkeypatch, device):
     dispatch in ``gated_delta_rule`` (layouts, strides, state handling, flags), which the CUDA parity
     tests otherwise reach only on a GPU."""
     pytest.importorskip("triton")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1, set where there is no CUDA)")
     import edgemoe.layers.gated_deltanet as gdn
     from edgemoe.kernels import gated_delta
 

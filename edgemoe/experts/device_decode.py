@@ -5,24 +5,29 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
 1. ``route_control`` (one Triton launch): dedupe the step's experts, classify them against the
    residency table, q from the policy parameters held in a device tensor, LRU victims, table
    rewrite; it emits a fixed-shape fill list and the CPU work in the native executor's format;
-2. the CPU branch, on a side stream: device→pinned-host copies of ``x`` and the CPU work, a host
-   node (``cudaLaunchHostFunc``) that runs the native executor's C entry ``edgemoe_run_step``, and the
-   host→device copy of its float32 partial;
+2. the CPU branch, on a side stream: device→pinned-host copies of ``x`` and the CPU work, then the
+   hand-off to the native executor (``cpu_join``): ``"doorbell"`` (default) rings a doorbell in
+   pinned memory that the executor's server thread polls, and waits on its done word with a
+   one-program polling kernel (:mod:`edgemoe.kernels.doorbell`); ``"host-func"`` enqueues a host node
+   (``cudaLaunchHostFunc``) running ``edgemoe_run_step``, which on the H200 kept the other streams'
+   kernels from running meanwhile (docs/benchmarks/decode.md). Then the host→device copy of the
+   executor's float32 partial;
 3. meanwhile on the main stream: ``gather_fills`` (one launch copying every fill row of both banks
    from pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
    (token, k) route in its own row of ``routed [T, k, H]``);
 4. join: ``out = Σ_k routed (fixed order, float32) + CPU partial``.
 
-Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the CPU branch runs
-synchronously on the calling thread. The executor used by the host node must be the native one;
-with the torch-ops executor the CPU branch reads the work list back to the host (a sync) and the
-step cannot be captured.
+Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the doorbell path runs the
+same way in program order (the wait polls until the server thread is done). The CPU branch needs
+the native executor; with the torch-ops executor it reads the work list back to the host (a sync)
+and the step cannot be captured.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -30,6 +35,8 @@ import torch
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
+
+from edgemoe.config import CPU_JOINS
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +94,11 @@ class DeviceDecode:
         pool: host expert pool (pinned, so the device reads it at its host address).
         cache: the expert cache; its tables and ``clock`` live on the compute device.
         policy: gives the device policy parameters ``(ratio, q_min)``.
-        cpu_executor: the CPU executor (native: the CPU branch is a host node; torch: a host sync).
+        cpu_executor: the CPU executor (native: the CPU branch runs without a host sync; torch: a sync).
         num_experts: ``E``, experts per MoE layer.
         top_k: routed experts per token.
         max_tokens: largest decode batch.
+        cpu_join: ``"doorbell"`` or ``"host-func"`` (module docstring); the latter only on CUDA.
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -99,12 +107,16 @@ class DeviceDecode:
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor,
-                 num_experts: int, top_k: int, max_tokens: int):
+                 num_experts: int, top_k: int, max_tokens: int, cpu_join: str = "doorbell"):
+        if cpu_join not in CPU_JOINS:
+            raise ValueError(f"cpu_join {cpu_join!r}: choose one of {CPU_JOINS}")
+        from edgemoe.kernels import doorbell
         from edgemoe.kernels.expert_gemv import expert_gemv
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
         self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
+        self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         self.num_experts = num_experts
         dev = self.device = cache.device
@@ -121,13 +133,18 @@ class DeviceDecode:
         fills_all = num >= den and q_min == 0 and not hasattr(policy, "observe")  # an online policy may switch
         self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
         self.cpu = cpu_executor
-        self.step = None  # RegisteredStep of the native executor (host-node path)
+        self.step = None  # RegisteredStep of the native executor
         self.cpu_out = torch.zeros(max_tokens, H, dtype=torch.float32, device=dev)  # [T, H] CPU partial
         self.cuda = dev.type == "cuda"
+        self.cpu_join = cpu_join if self.cuda else "doorbell"
         self.side = torch.cuda.Stream(dev) if self.cuda else None
-        if self.cpu_branch and self.cuda and hasattr(cpu_executor, "make_step"):
+        self.seq = torch.zeros(2, dtype=torch.int64, device=dev)  # doorbell counter, timed-out waits
+        self.bell = None
+        if self.cpu_branch and hasattr(cpu_executor, "make_step"):
             x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
-            self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=True)
+            self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
+            if self.cpu_join == "doorbell":
+                self.bell = self.step.serve(pin_memory=self.cuda)
 
     @property
     def capturable(self) -> bool:
@@ -135,9 +152,22 @@ class DeviceDecode:
         return self.cuda and (not self.cpu_branch or self.step is not None)
 
     def counter_dict(self) -> dict[str, int]:
-        """The device counters as ``{hits, misses, fills, cpu}`` (deduplicated experts; one host read)."""
+        """The device counters as ``{hits, misses, fills, cpu}`` (deduplicated experts; one host read).
+
+        Raises:
+            RuntimeError: a doorbell wait gave up (the executor's server stopped answering), so some
+                decode output missed its CPU part.
+        """
         h, m, f, c = self.counters.tolist()
+        if self.bell is not None and int(self.seq[1]):
+            raise RuntimeError(f"{int(self.seq[1])} CPU-branch waits timed out: the native executor's server "
+                               f"did not answer ({self.step.served} steps served)")
         return {"hits": h, "misses": m, "fills": f, "cpu": c}
+
+    def close(self) -> None:
+        """Stop the CPU branch's server thread (if any) and free its registered step."""
+        if self.step is not None:
+            self.step.close()
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer's decode step.
@@ -158,9 +188,10 @@ class DeviceDecode:
                       c.pinned, c.clock, self.policy, self.counters, o)
         cpu_out = self.cpu_out[:T]
         if self.cpu_branch and self.step is not None:
-            main = torch.cuda.current_stream(self.device)
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
+            main = torch.cuda.current_stream(self.device) if self.cuda else None
+            if self.cuda:
+                self.side.wait_stream(main)
+            with torch.cuda.stream(self.side) if self.cuda else nullcontext():
                 st = self.step
                 st.x[:T].copy_(x, non_blocking=True)
                 st.dims.copy_(o.cpu_dims, non_blocking=True)
@@ -168,7 +199,11 @@ class DeviceDecode:
                 st.offsets[:P + 1].copy_(o.cpu_offsets[:P + 1], non_blocking=True)
                 st.tok[:P].copy_(o.cpu_tok[:P], non_blocking=True)
                 st.wt[:P].copy_(o.cpu_wt[:P], non_blocking=True)
-                launch_host_func(self.side, st.fn_address, st.address)
+                if self.bell is not None:
+                    self._ring(self.seq, self.bell)
+                    self._wait(self.seq, self.bell)
+                else:
+                    launch_host_func(self.side, st.fn_address, st.address)
                 cpu_out.copy_(st.out[:T], non_blocking=True)
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
@@ -178,7 +213,7 @@ class DeviceDecode:
         self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
-            if self.step is not None:
+            if self.step is not None and self.cuda:
                 torch.cuda.current_stream(self.device).wait_stream(self.side)
             y = y + cpu_out
         return y.to(x.dtype)

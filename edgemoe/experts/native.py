@@ -455,9 +455,11 @@ class NativeCpuExecutor:
 class RegisteredStep:
     """A step over pre-registered host buffers, callable from C as ``edgemoe_run_step(address)``.
 
-    This is the interface a CUDA-graph host node uses (DESIGN.md §2): the graph's producer writes
-    the step into the buffers below (device→pinned-host copies or a kernel writing mapped memory),
-    then ``cudaLaunchHostFunc(stream, fn_address, address)`` runs it with no Python involved.
+    The graph's producer writes the step into the buffers below (device→pinned-host copies or a
+    kernel writing mapped memory); the step then runs with no Python involved, either through
+    :meth:`serve` (a native thread polling a doorbell that a device kernel rings: the decode path's
+    way, :mod:`edgemoe.kernels.doorbell`) or as a host node,
+    ``cudaLaunchHostFunc(stream, fn_address, address)`` (DESIGN.md §2).
 
     Buffers (CPU tensors, pinned when ``pin_memory``):
         x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call
@@ -526,7 +528,32 @@ class RegisteredStep:
     def calls(self) -> int:
         return self._ext.step_calls(self.address)
 
+    def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000) -> torch.Tensor:
+        """Start a native thread that runs this step whenever its doorbell is rung (idempotent).
+
+        Returns the doorbell: ``[16]`` int64 CPU tensor (pinned when ``pin_memory``): word 0 is the
+        request counter a producer advances after writing the step's buffers, word 8 (its own cache
+        line) the last request served, stored after ``out`` is complete. The thread spins for
+        ``active_spin_us`` after each step (consecutive MoE layers arrive within microseconds), then
+        polls every 50 µs (every 1 ms after a second of silence). :meth:`close` stops it.
+        """
+        if getattr(self, "_server", 0):
+            return self.doorbell
+        self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
+        self._server = self._ext.server_start(self.address, self.doorbell.data_ptr(),
+                                              self.doorbell[8:].data_ptr(), int(active_spin_us))
+        return self.doorbell
+
+    @property
+    def served(self) -> int:
+        """Requests the doorbell server has completed (0 when not serving)."""
+        return self._ext.server_served(self._server) if getattr(self, "_server", 0) else 0
+
     def close(self) -> None:
+        """Stop the doorbell server (if any) and free the registered step."""
+        if getattr(self, "_server", 0):
+            self._ext.server_stop(self._server)
+            self._server = 0
         if getattr(self, "address", 0):
             self._ext.step_destroy(self.address)
             self.address = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
@@ -44,15 +45,13 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
         if s.q_len == 1:  # decode: every cached key is visible
             o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
         else:
-            # prefill: expand KV heads so SDPA can take its fused (flash) path, which GQA + mask cannot
+            # prefill: 4-D inputs with the KV heads expanded and the causal mask as a lower-right bias, so
+            # SDPA takes a fused kernel (flash or memory-efficient: neither accepts 3-D inputs, a boolean
+            # mask, or GQA with a bias); query i sees keys [0, kv_len - q_len + i]
             rep = qs.shape[0] // k.shape[0]
             k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # [Hq, kv_len, D]
-            if s.kv_len == s.q_len:
-                o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
-            else:  # a chunk after a cached prefix: query i sees keys [0, kv_len - q_len + i]
-                qpos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=q.device)
-                mask = pos[None, :] <= qpos[:, None]  # [q_len, kv_len]
-                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=causal_lower_right(s.q_len, s.kv_len),
+                                               scale=scale)[0]
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     return out
 

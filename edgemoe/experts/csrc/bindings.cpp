@@ -100,6 +100,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_destroy", [](uintptr_t s) { delete ptr<edgemoe_step>(s); });
   m.def("step_status", [](uintptr_t s) { return ptr<edgemoe_step>(s)->status; });
   m.def("step_calls", [](uintptr_t s) { return ptr<edgemoe_step>(s)->calls; });
+  m.def(
+      "server_start",
+      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us) {
+        return reinterpret_cast<uintptr_t>(
+            new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request), ptr<int64_t>(done), active_spin_us));
+      },
+      "Start a thread serving a registered step on a doorbell (request/done int64 words); returns its handle");
+  m.def(
+      "server_stop",
+      [](uintptr_t s) {
+        py::gil_scoped_release nogil;  // joins the thread, which may be finishing a step
+        delete ptr<StepServer>(s);
+      },
+      "Stop and join a step server");
+  m.def("server_served", [](uintptr_t s) { return ptr<StepServer>(s)->served(); });
   m.def("run_step_address", [] { return reinterpret_cast<uintptr_t>(&edgemoe_run_step); },
         "Address of the C entry point void edgemoe_run_step(void* step) (cudaLaunchHostFunc-compatible)");
 }

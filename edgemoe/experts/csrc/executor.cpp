@@ -434,3 +434,42 @@ extern "C" void edgemoe_run_step(void* p) {
     st->status = edgemoe::kInternal;
   }
 }
+
+// ============================================================================ StepServer
+namespace edgemoe {
+
+StepServer::StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us)
+    : step_(step), request_(request), done_(done), active_spin_us_(std::max(0, active_spin_us)) {
+  __atomic_store_n(done_, __atomic_load_n(request_, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);  // nothing pending
+  thread_ = std::thread(&StepServer::loop, this);
+}
+
+StepServer::~StepServer() {
+  stop_.store(true, std::memory_order_release);
+  if (thread_.joinable()) thread_.join();
+}
+
+void StepServer::loop() {
+  using clock = std::chrono::steady_clock;
+  int64_t last = __atomic_load_n(done_, __ATOMIC_ACQUIRE);
+  auto t_last = clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);  // written by the device over PCIe
+    if (req != last) {
+      edgemoe_run_step(step_);
+      last = req;
+      __atomic_store_n(done_, req, __ATOMIC_RELEASE);
+      served_.fetch_add(1, std::memory_order_release);
+      t_last = clock::now();
+      continue;
+    }
+    const auto idle_us = std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t_last).count();
+    if (idle_us < active_spin_us_) {
+      for (int i = 0; i < 64; ++i) cpu_relax();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle_us < 1000000 ? 50 : 1000));
+    }
+  }
+}
+
+}  // namespace edgemoe

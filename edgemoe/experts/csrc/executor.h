@@ -184,3 +184,36 @@ typedef struct edgemoe_step {
 void edgemoe_run_step(void* step);
 
 }  // extern "C"
+
+namespace edgemoe {
+
+// Serves a registered step on a doorbell in host memory, so that a device stream can hand the CPU
+// branch to the pool with no host function in its path (a CUDA-graph host node blocks the other
+// streams' kernels on some GPUs; issue 4, docs/benchmarks/decode.md). Protocol, per step:
+//   device: copies the step's inputs into the registered buffers, then stores n = previous n + 1
+//           into *request (a kernel writing mapped pinned memory), then polls *done until >= n;
+//   server: a dedicated thread polls *request; when it exceeds the last value served it runs
+//           edgemoe_run_step(step) (the pool's worker 0 is this thread) and stores that value
+//           into *done (release: out[] is complete before done moves).
+// The thread spins (pause) for `active_spin_us` after each served step, then polls every 50 us, and
+// every 1 ms after a second of silence. The destructor stops and joins the thread.
+class StepServer {
+ public:
+  StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us);
+  ~StepServer();
+  StepServer(const StepServer&) = delete;
+  StepServer& operator=(const StepServer&) = delete;
+  int64_t served() const { return served_.load(std::memory_order_acquire); }
+
+ private:
+  void loop();
+  edgemoe_step* step_;
+  int64_t* request_;
+  int64_t* done_;
+  int active_spin_us_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> served_{0};
+  std::thread thread_;
+};
+
+}  // namespace edgemoe
