@@ -199,17 +199,16 @@ def main(argv=None) -> int:
             print(r, flush=True)
     resident_ms = next((r["ms_per_token"] for r in results if r["context"] == a.prompt_len), None)
     b_p, b_h = runner.bandwidths.pcie, runner.bandwidths.cpu
-    for gb in [float(x) for x in a.budgets.split(",") if x]:
-        for pol in a.policies.split(","):
-            r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
-            r["budget_gb"] = gb
-            if resident_ms is not None and b_p and b_h:
-                # bytes-bound limit: the resident step plus the slower of the two concurrent miss branches
-                miss_ms = max(r["fills_per_token"] * row / (b_p * 1e9), r["cpu_per_token"] * row / (b_h * 1e9)) * 1e3
-                r["bound_ms"] = resident_ms + miss_ms
-                r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
-            results.append(r)
-            print(r, flush=True)
+    for gb, pol in [(float(gb), p) for gb in a.budgets.split(",") if gb for p in a.policies.split(",") if p]:
+        r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
+        r["budget_gb"] = gb
+        if resident_ms is not None and b_p and b_h:
+            # bytes-bound limit: the resident step plus the slower of the two concurrent miss branches
+            miss_ms = max(r["fills_per_token"] * row / (b_p * 1e9), r["cpu_per_token"] * row / (b_h * 1e9)) * 1e3
+            r["bound_ms"] = resident_ms + miss_ms
+            r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
+        results.append(r)
+        print(r, flush=True)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),

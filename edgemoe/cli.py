@@ -53,7 +53,7 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine options (defaults ``None``: :class:`EngineConfig`'s defaults apply)."""
-    from edgemoe.config import CPU_EXECUTORS, CPU_JOINS, EXPERT_POLICIES
+    from edgemoe.config import CPU_EXECUTORS, EXPERT_POLICIES
 
     g = parser.add_argument_group("engine options")
     for flag, dest, typ, help_ in _ENGINE_ARGS:
@@ -69,9 +69,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="never capture CUDA graphs for decode")
-    g.add_argument("--cpu-join", choices=CPU_JOINS, default=None,
-                   help="how the GPU decode step hands its CPU experts to the native executor: doorbell (a polled "
-                        "flag in pinned memory, default) or host-func (a cudaLaunchHostFunc node)")
     g.add_argument("--no-anchor-checkpoints", dest="anchor_checkpoints", action="store_false", default=None,
                    help="checkpoint the recurrent state only every --state-checkpoint-interval tokens, "
                         "not after </think>, </tool_call>, </tool_response>, <|im_end|>")
@@ -91,7 +88,6 @@ def engine_config_from_args(args: argparse.Namespace):
     kw["verify_weights"] = args.verify_weights
     kw["cpu_executor"] = args.cpu_executor
     kw["enforce_eager"] = args.enforce_eager
-    kw["cpu_join"] = args.cpu_join
     kw["enable_prefix_caching"] = args.enable_prefix_caching
     kw["anchor_checkpoints"] = args.anchor_checkpoints
     try:

@@ -288,7 +288,6 @@ QWEN3_5_MOE_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneratio
 
 EXPERT_POLICIES = ("qstar", "adaptive", "fill-all", "cpu-all", "static")
 CPU_EXECUTORS = ("auto", "native", "torch")
-CPU_JOINS = ("doorbell", "host-func")
 
 
 @dataclass(frozen=True)
@@ -322,9 +321,6 @@ class EngineConfig:
         verify_weights: check FTW bank checksums while loading (``None`` = the default: on, unless
             ``EDGEMOE_FTW_VERIFY=0``).
         enforce_eager: never capture CUDA graphs (decode still takes the device path on CUDA).
-        cpu_join: how the device decode step hands its CPU branch to the native executor:
-            ``"doorbell"`` (a polled flag in pinned memory; the default) or ``"host-func"`` (a
-            ``cudaLaunchHostFunc`` node). See ``edgemoe/experts/device_decode.py``.
         state_checkpoints: recurrent-state checkpoint slots of a hybrid model (DESIGN.md §4; LRU,
             independent of KV pages); 0 = none, so a hybrid model reuses no cached prefix. Needs
             prefix caching. Each slot holds one sequence's full state (~64 MB for Qwen3.6-35B-A3B).
@@ -354,7 +350,6 @@ class EngineConfig:
     served_model_name: str | None = None
     verify_weights: bool | None = None
     enforce_eager: bool = False
-    cpu_join: str = "doorbell"
     state_checkpoints: int = 32
     state_checkpoint_interval: int = 2048
     anchor_checkpoints: bool = True
@@ -364,8 +359,6 @@ class EngineConfig:
             raise ValueError(f"expert_policy {self.expert_policy!r}: choose one of {EXPERT_POLICIES}")
         if self.cpu_executor not in CPU_EXECUTORS:
             raise ValueError(f"cpu_executor {self.cpu_executor!r}: choose one of {CPU_EXECUTORS}")
-        if self.cpu_join not in CPU_JOINS:
-            raise ValueError(f"cpu_join {self.cpu_join!r}: choose one of {CPU_JOINS}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r}: choose 'auto' or 'dummy'")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:

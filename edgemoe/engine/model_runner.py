@@ -280,8 +280,7 @@ class ModelRunner:
             return
         cfg, ecfg = self.model_config, self.engine_config
         max_bs = max(ecfg.max_num_seqs, 1)
-        dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k, max_bs,
-                          cpu_join=ecfg.cpu_join)
+        dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k, max_bs)
         if self.experts.device_decode is not None:
             self.experts.device_decode.close()  # its server thread stops; the graphs using it are gone
         self.experts.device_decode = dd

@@ -1,42 +1,41 @@
 """The decode step of a MoE layer with its control on the device (DESIGN.md §2, issue 3).
 
-Per MoE layer, with no host synchronization, so the whole decode step can be captured in a CUDA graph:
+Per MoE layer, with no host synchronization, so the whole decode step can be captured in a CUDA graph
+(one stream; the CPU branch runs on the native executor's threads, not on a GPU stream):
 
 1. ``route_control`` (one Triton launch): dedupe the step's experts, classify them against the
    residency table, q from the policy parameters held in a device tensor, LRU victims, table
-   rewrite; it emits a fixed-shape fill list and the CPU work in the native executor's format;
-2. the CPU branch, on a side stream: device→pinned-host copies of ``x`` and the CPU work, then the
-   hand-off to the native executor (``cpu_join``): ``"doorbell"`` (default) rings a doorbell in
-   pinned memory that the executor's server thread polls, and waits on its done word with a
-   one-program polling kernel (:mod:`edgemoe.kernels.doorbell`); ``"host-func"`` enqueues a host node
-   (``cudaLaunchHostFunc``) running ``edgemoe_run_step``, which on the H200 kept the other streams'
-   kernels from running meanwhile (docs/benchmarks/decode.md). Then the host→device copy of the
-   executor's float32 partial;
-3. meanwhile on the main stream: ``gather_fills`` (one launch copying every fill row of both banks
-   from pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
+   rewrite; it emits a fixed-shape fill list and the CPU work in the native executor's packed format;
+2. hand-off of the CPU branch: two device→pinned-host copies (``x`` and the packed work) and
+   :func:`~edgemoe.kernels.doorbell.ring`, a one-program kernel storing the next request number into
+   a doorbell in pinned memory; the executor's server thread (``RegisteredStep.serve``), polling it,
+   starts computing the CPU experts at once;
+3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill row of both banks from
+   pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
    (token, k) route in its own row of ``routed [T, k, H]``);
-4. join: ``out = Σ_k routed (fixed order, float32) + CPU partial``.
+4. join: :func:`~edgemoe.kernels.doorbell.wait` polls the doorbell's done word, then the
+   executor's float32 partial is copied in and ``out = Σ_k routed (fixed order, float32) + partial``.
 
-Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the doorbell path runs the
-same way in program order (the wait polls until the server thread is done). The CPU branch needs
-the native executor; with the torch-ops executor it reads the work list back to the host (a sync)
-and the step cannot be captured.
+The ring is enqueued before the fills on purpose: ``gather_fills`` is a persistent grid that
+occupies every SM until the last fill row is copied, so a hand-off placed on a second stream
+(as the first version did, with a ``cudaLaunchHostFunc`` node) could not start until the fills
+were done and the two branches ran one after the other (docs/benchmarks/decode.md).
+
+Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the same sequence runs in
+program order, with the server thread on the other side of the doorbell. The CPU branch needs the
+native executor; with the torch-ops executor it reads the work list back to the host (a sync) and
+the step cannot be captured.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-
-from edgemoe.config import CPU_JOINS
 
 log = logging.getLogger(__name__)
 
@@ -50,38 +49,6 @@ def device_path_available(device: torch.device) -> str | None:
     except ImportError:
         return "Triton is not installed"
     return None
-
-
-_CUDART = None
-
-
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime library torch loaded (found in ``/proc/self/maps``), through ctypes."""
-    global _CUDART
-    if _CUDART is None:
-        torch.cuda.init()
-        paths = sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                        if "libcudart.so" in line})
-        if not paths:
-            raise RuntimeError("libcudart is not loaded in this process; cannot launch host functions")
-        lib = ctypes.CDLL(paths[0])
-        lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        lib.cudaLaunchHostFunc.restype = ctypes.c_int
-        _CUDART = lib
-    return _CUDART
-
-
-def launch_host_func(stream: torch.cuda.Stream, fn_address: int, arg_address: int) -> None:
-    """Enqueue ``fn(arg)`` on ``stream`` (``cudaLaunchHostFunc``); recorded as a host node when
-    ``stream`` is being captured into a CUDA graph, and run again on every replay.
-
-    Raises:
-        RuntimeError: the runtime refused the launch (its error code is given).
-    """
-    err = _cudart().cudaLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn_address),
-                                       ctypes.c_void_p(arg_address))
-    if err != 0:
-        raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {err}")
 
 
 class DeviceDecode:
@@ -98,7 +65,6 @@ class DeviceDecode:
         num_experts: ``E``, experts per MoE layer.
         top_k: routed experts per token.
         max_tokens: largest decode batch.
-        cpu_join: ``"doorbell"`` or ``"host-func"`` (module docstring); the latter only on CUDA.
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -107,9 +73,7 @@ class DeviceDecode:
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor,
-                 num_experts: int, top_k: int, max_tokens: int, cpu_join: str = "doorbell"):
-        if cpu_join not in CPU_JOINS:
-            raise ValueError(f"cpu_join {cpu_join!r}: choose one of {CPU_JOINS}")
+                 num_experts: int, top_k: int, max_tokens: int):
         from edgemoe.kernels import doorbell
         from edgemoe.kernels.expert_gemv import expert_gemv
         from edgemoe.kernels.gather import gather_fills
@@ -136,15 +100,12 @@ class DeviceDecode:
         self.step = None  # RegisteredStep of the native executor
         self.cpu_out = torch.zeros(max_tokens, H, dtype=torch.float32, device=dev)  # [T, H] CPU partial
         self.cuda = dev.type == "cuda"
-        self.cpu_join = cpu_join if self.cuda else "doorbell"
-        self.side = torch.cuda.Stream(dev) if self.cuda else None
         self.seq = torch.zeros(2, dtype=torch.int64, device=dev)  # doorbell counter, timed-out waits
         self.bell = None
         if self.cpu_branch and hasattr(cpu_executor, "make_step"):
             x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
-            if self.cpu_join == "doorbell":
-                self.bell = self.step.serve(pin_memory=self.cuda)
+            self.bell = self.step.serve(pin_memory=self.cuda)
 
     @property
     def capturable(self) -> bool:
@@ -159,7 +120,7 @@ class DeviceDecode:
                 decode output missed its CPU part.
         """
         h, m, f, c = self.counters.tolist()
-        if self.bell is not None and int(self.seq[1]):
+        if self.step is not None and int(self.seq[1]):
             raise RuntimeError(f"{int(self.seq[1])} CPU-branch waits timed out: the native executor's server "
                                f"did not answer ({self.step.served} steps served)")
         return {"hits": h, "misses": m, "fills": f, "cpu": c}
@@ -181,30 +142,15 @@ class DeviceDecode:
         Returns:
             ``[T, H]`` in ``x.dtype``.
         """
-        T, k = topk_ids.shape
-        P = T * k
+        T = topk_ids.shape[0]
         c, o = self.cache, self.out
         self._route_control(topk_ids, topk_weights, moe_layer * self.num_experts, c.slot_of, c.owner_of, c.last_used,
                       c.pinned, c.clock, self.policy, self.counters, o)
         cpu_out = self.cpu_out[:T]
-        if self.cpu_branch and self.step is not None:
-            main = torch.cuda.current_stream(self.device) if self.cuda else None
-            if self.cuda:
-                self.side.wait_stream(main)
-            with torch.cuda.stream(self.side) if self.cuda else nullcontext():
-                st = self.step
-                st.x[:T].copy_(x, non_blocking=True)
-                st.dims.copy_(o.cpu_dims, non_blocking=True)
-                st.fids[:P].copy_(o.cpu_fids[:P], non_blocking=True)
-                st.offsets[:P + 1].copy_(o.cpu_offsets[:P + 1], non_blocking=True)
-                st.tok[:P].copy_(o.cpu_tok[:P], non_blocking=True)
-                st.wt[:P].copy_(o.cpu_wt[:P], non_blocking=True)
-                if self.bell is not None:
-                    self._ring(self.seq, self.bell)
-                    self._wait(self.seq, self.bell)
-                else:
-                    launch_host_func(self.side, st.fn_address, st.address)
-                cpu_out.copy_(st.out[:T], non_blocking=True)
+        if self.cpu_branch and self.step is not None:  # hand-off first: the fills below hold every SM
+            self.step.x[:T].copy_(x, non_blocking=True)
+            self.step.pack.copy_(o.cpu_pack, non_blocking=True)
+            self._ring(self.seq, self.bell)
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
         w13, w2 = c.banks
@@ -213,8 +159,9 @@ class DeviceDecode:
         self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
-            if self.step is not None and self.cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self.side)
+            if self.step is not None:
+                self._wait(self.seq, self.bell)
+                cpu_out.copy_(self.step.out[:T], non_blocking=True)
             y = y + cpu_out
         return y.to(x.dtype)
 

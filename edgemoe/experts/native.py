@@ -452,6 +452,31 @@ class NativeCpuExecutor:
         return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out, pin_memory)
 
 
+def cpu_work_words(max_experts: int, max_routes: int) -> int:
+    """int64 words of one step's packed CPU work (see :func:`carve_cpu_work`)."""
+    return 2 + max_experts + (max_experts + 1) + max_routes + (max_routes + 1) // 2
+
+
+def carve_cpu_work(pack: torch.Tensor, max_experts: int, max_routes: int) -> tuple[torch.Tensor, ...]:
+    """Views ``(dims, fids, offsets, tok, wt)`` of one step's CPU work inside one int64 buffer.
+
+    ``pack`` is ``[cpu_work_words(E, R)]`` int64 (device or host): dims ``[2]`` int64, fids ``[E]``
+    int64, offsets ``[E + 1]`` int64, tok ``[R]`` int64, then wt ``[R]`` float32 in the remaining
+    words. One layout for the device producer (``route_control``'s outputs) and the registered
+    host step, so a whole step's work crosses PCIe in one copy.
+
+    Raises:
+        ValueError: ``pack`` is not a contiguous int64 buffer of that size.
+    """
+    E, R = int(max_experts), int(max_routes)
+    if pack.dtype != torch.int64 or pack.dim() != 1 or pack.numel() != cpu_work_words(E, R) or not pack.is_contiguous():
+        raise ValueError(f"pack must be a contiguous [{cpu_work_words(E, R)}] int64 buffer, got {pack.dtype} "
+                         f"{tuple(pack.shape)}")
+    a = 2 + E + E + 1 + R
+    dims, fids, offsets, tok = pack[:2], pack[2:2 + E], pack[2 + E:3 + 2 * E], pack[3 + 2 * E:a]
+    return dims, fids, offsets, tok, pack[a:].view(torch.float32)[:R]
+
+
 class RegisteredStep:
     """A step over pre-registered host buffers, callable from C as ``edgemoe_run_step(address)``.
 
@@ -463,8 +488,9 @@ class RegisteredStep:
 
     Buffers (CPU tensors, pinned when ``pin_memory``):
         x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call
-        when ``zero_out``), dims int64 ``[2]`` = (T, n_experts), fids int64 ``[max_experts]``,
-        offsets int64 ``[max_experts + 1]``, tok int64 ``[max_routes]``, wt float32 ``[max_routes]``.
+        when ``zero_out``), and the work as views of one int64 buffer ``pack`` (:func:`carve_cpu_work`):
+        dims int64 ``[2]`` = (T, n_experts), fids int64 ``[max_experts]``, offsets int64
+        ``[max_experts + 1]``, tok int64 ``[max_routes]``, wt float32 ``[max_routes]``.
 
     Attributes:
         address: the ``edgemoe_step*`` (int). fn_address: ``void edgemoe_run_step(void*)`` (int).
@@ -481,11 +507,8 @@ class RegisteredStep:
         pm = dict(pin_memory=bool(pin_memory))
         self.x = torch.zeros(max_tokens, pool.hidden, dtype=x_dtype, **pm)
         self.out = torch.zeros(max_tokens, pool.hidden, dtype=torch.float32, **pm)
-        self.dims = torch.zeros(2, dtype=torch.int64, **pm)
-        self.fids = torch.zeros(max_experts, dtype=torch.int64, **pm)
-        self.offsets = torch.zeros(max_experts + 1, dtype=torch.int64, **pm)
-        self.tok = torch.zeros(max_routes, dtype=torch.int64, **pm)
-        self.wt = torch.zeros(max_routes, dtype=torch.float32, **pm)
+        self.pack = torch.zeros(cpu_work_words(max_experts, max_routes), dtype=torch.int64, **pm)
+        self.dims, self.fids, self.offsets, self.tok, self.wt = carve_cpu_work(self.pack, max_experts, max_routes)
         self._ext = ext
         self.address = ext.step_create(executor._core, pool.w13.data_ptr(), pool.w2.data_ptr(), pool.num_ids,
                                        pool.hidden, pool.intermediate, executor._fmt, X_FORMATS[x_dtype],

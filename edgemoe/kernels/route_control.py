@@ -58,9 +58,9 @@ class RouteOutputs:
         cpu_tok: ``[K]`` int64: token row of each CPU route, grouped by expert, ascending token.
         cpu_wt: ``[K]`` float32: router weight of each CPU route.
 
-    The ``cpu_*`` buffers match the native executor's registered step (``RegisteredStep.dims``,
-    ``fids``, ``offsets``, ``tok``, ``wt``); they may be page-locked host tensors (written through
-    their mapped address).
+        cpu_pack: ``[cpu_work_words(K, K)]`` int64 holding the ``cpu_*`` buffers above in the native
+            executor's registered-step layout (``edgemoe.experts.native.carve_cpu_work``), so one copy
+            moves a step's CPU work to the host.
     """
 
     slot_tk: torch.Tensor
@@ -72,17 +72,20 @@ class RouteOutputs:
     cpu_offsets: torch.Tensor
     cpu_tok: torch.Tensor
     cpu_wt: torch.Tensor
+    cpu_pack: torch.Tensor
 
     @classmethod
     def empty(cls, max_routes: int, device: torch.device | str) -> "RouteOutputs":
         """Buffers for up to ``max_routes`` routes (``K = max_routes``) on ``device``."""
+        from edgemoe.experts.native import carve_cpu_work, cpu_work_words
+
         K = int(max_routes)
         i64 = dict(dtype=torch.int64, device=device)
+        pack = torch.zeros(cpu_work_words(K, K), **i64)
+        dims, fids, offsets, tok, wt = carve_cpu_work(pack, K, K)
         return cls(slot_tk=torch.full((K,), -1, dtype=torch.int32, device=device), fill_fid=torch.full((K,), -1, **i64),
                    fill_slot=torch.full((K,), -1, **i64), meta=torch.zeros(4, dtype=torch.int32, device=device),
-                   cpu_dims=torch.zeros(2, **i64), cpu_fids=torch.zeros(K, **i64),
-                   cpu_offsets=torch.zeros(K + 1, **i64), cpu_tok=torch.zeros(K, **i64),
-                   cpu_wt=torch.zeros(K, dtype=torch.float32, device=device))
+                   cpu_dims=dims, cpu_fids=fids, cpu_offsets=offsets, cpu_tok=tok, cpu_wt=wt, cpu_pack=pack)
 
 
 @triton.jit
