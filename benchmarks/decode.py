@@ -7,6 +7,10 @@ all-resident run (every expert cached) is the ceiling. Writes a markdown table a
 
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
 
+The bound each run is compared with (bound/measured; issue 3 asks >= 0.7) is the all-resident time per
+token plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
+rate measured alone when the policy uses one branch, and at the concurrent pair's rates when it uses both.
+
 Random weights route near-uniformly, so the hit rate approaches the cache's share of experts: real
 checkpoints have more routing locality (see the routing-trace replay) and hit more.
 """
@@ -203,8 +207,12 @@ def main(argv=None) -> int:
         r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
         r["budget_gb"] = gb
         if resident_ms is not None and b_p and b_h:
-            # bytes-bound limit: the resident step plus the slower of the two concurrent miss branches
-            miss_ms = max(r["fills_per_token"] * row / (b_p * 1e9), r["cpu_per_token"] * row / (b_h * 1e9)) * 1e3
+            # bytes-bound limit: the resident step plus the slower miss branch, each at the rate measured
+            # alone (one branch in use) or while both run (both in use: the concurrent pair)
+            both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
+            rates = prof["concurrent"] if both else prof["isolated"]
+            miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
+                          r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
             r["bound_ms"] = resident_ms + miss_ms
             r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
         results.append(r)
