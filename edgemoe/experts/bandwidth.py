@@ -99,8 +99,7 @@ def _executor_for(pool: HostExpertPool, executor, kind: str = "auto", threads: i
     return executor if executor.pool is pool else executor.with_pool(pool)
 
 
-def measure_cpu(pool: HostExpertPool, executor, seconds: float, stop: threading.Event | None = None,
-                tokens: int = 1, experts_per_call: int = 1) -> float:
+def measure_cpu(pool: HostExpertPool, executor, seconds: float, tokens: int = 1, experts_per_call: int = 1) -> float:
     """B_H in GB/s: weight bytes per second the CPU executor reads computing rotating experts.
 
     Args:
@@ -108,19 +107,30 @@ def measure_cpu(pool: HostExpertPool, executor, seconds: float, stop: threading.
         executor: a CPU executor (``run(x, work, out)``); ``None`` builds the default one
             (``make_cpu_executor``, native where available). One bound to another pool is rebound.
         seconds: measuring time (at least; a call in flight finishes).
-        stop: ends the measurement early when set (concurrent measurements).
         tokens: tokens routed to every expert (1 = batch-1 decode).
         experts_per_call: experts per ``run`` call (1: the per-call overhead is charged to each expert).
+
+    The native executor is driven through a registered step in a C++ loop, as the decode path's
+    doorbell server drives it (no Python per call); the torch executor through ``run``.
 
     Returns:
         GB/s (1e9 bytes of expert weights, both banks, per second).
     """
     executor = _executor_for(pool, executor)
+    order = torch.randperm(pool.num_ids)
+    if hasattr(executor, "make_step"):
+        step = executor.make_step(tokens, experts_per_call, tokens * experts_per_call)
+        try:
+            step.x.copy_(torch.randn(tokens, pool.hidden))
+            calls, dt = step.bench(order, tokens, experts_per_call, seconds)
+        finally:
+            step.close()
+        return calls * experts_per_call * pool.row_bytes / dt / 1e9
     x = torch.randn(tokens, pool.hidden)  # [T, H] float32, as the hybrid path hands it over
     out = torch.zeros(tokens, pool.hidden)  # [T, H]
     tok = torch.arange(tokens)
     wt = torch.full((tokens,), 1.0 / 8)
-    order = torch.randperm(pool.num_ids).tolist()
+    order = order.tolist()
     moved, i = 0, 0
     t0 = time.perf_counter()
     while True:
@@ -130,7 +140,7 @@ def measure_cpu(pool: HostExpertPool, executor, seconds: float, stop: threading.
             moved += pool.row_bytes * experts_per_call
             i += experts_per_call
         dt = time.perf_counter() - t0
-        if dt >= seconds or (stop is not None and stop.is_set()):
+        if dt >= seconds:
             return moved / dt / 1e9
 
 

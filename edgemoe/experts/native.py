@@ -551,6 +551,28 @@ class RegisteredStep:
     def calls(self) -> int:
         return self._ext.step_calls(self.address)
 
+    def bench(self, order: torch.Tensor, tokens: int, experts_per_call: int, seconds: float) -> tuple[int, float]:
+        """Run this step over rotating experts for ``seconds``, no Python per call (B_H measurement).
+
+        Call ``c`` computes experts ``order[c·e .. c·e + e)`` (``e = experts_per_call``, wrapping
+        around), each for tokens ``0 .. tokens - 1`` of ``x``. Overwrites the step's work buffers.
+
+        Args:
+            order: ``[n]`` int64 CPU tensor of flat expert ids.
+
+        Returns:
+            ``(calls, seconds elapsed)``.
+
+        Raises:
+            ValueError: the sizes exceed the registered capacity; IndexError etc.: a failed step.
+        """
+        order = order.to(torch.int64).contiguous()
+        calls, dt, status = self._ext.step_bench(self.address, order.data_ptr(), order.numel(), int(tokens),
+                                                 int(experts_per_call), float(seconds))
+        if status:
+            _raise_status(status, "step_bench")
+        return calls, dt
+
     def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000) -> torch.Tensor:
         """Start a native thread that runs this step whenever its doorbell is rung (idempotent).
 

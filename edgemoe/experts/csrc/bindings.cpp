@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -97,6 +98,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Parallel sum of n float32 at address p (read-bandwidth test)");
 
   m.def("step_create", &step_create, "Allocate an edgemoe_step over registered buffers; returns its address");
+  m.def(
+      "step_bench",
+      [](uintptr_t sp, uintptr_t order, int64_t n_order, int64_t tokens, int64_t experts_per_call,
+         double seconds) -> py::tuple {
+        // B_H the way the decode path calls the executor (no Python per call): run the registered step
+        // over experts order[i .. i + experts_per_call) (rotating), each applied to tokens 0..tokens-1
+        // with weight 1/8, until `seconds` elapse. Returns (calls, elapsed seconds, status).
+        auto* st = ptr<edgemoe_step>(sp);
+        const int64_t E = experts_per_call, T = tokens;
+        if (E < 1 || T < 1 || E > st->max_experts || E * T > st->max_routes || T > st->max_tokens || n_order < 1)
+          return py::make_tuple(int64_t{0}, 0.0, static_cast<int32_t>(kTooLarge));
+        auto* dims = const_cast<int64_t*>(st->dims);
+        auto* fids = const_cast<int64_t*>(st->fids);
+        auto* offsets = const_cast<int64_t*>(st->offsets);
+        auto* tok = const_cast<int64_t*>(st->tok);
+        auto* wt = const_cast<float*>(st->wt);
+        const auto* ord = ptr<const int64_t>(order);
+        dims[0] = T;
+        dims[1] = E;
+        for (int64_t e = 0; e <= E; ++e) offsets[e] = e * T;
+        for (int64_t r = 0; r < E * T; ++r) {
+          tok[r] = r % T;
+          wt[r] = 0.125f;
+        }
+        int64_t calls = 0, i = 0;
+        double dt = 0.0;
+        {
+          py::gil_scoped_release nogil;
+          const auto t0 = std::chrono::steady_clock::now();
+          do {
+            for (int64_t e = 0; e < E; ++e, ++i) fids[e] = ord[i % n_order];
+            edgemoe_run_step(st);
+            ++calls;
+            dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          } while (st->status == kOk && dt < seconds);
+        }
+        return py::make_tuple(calls, dt, st->status);
+      },
+      "Run a registered step over rotating experts for `seconds` (B_H measurement); (calls, seconds, status)");
   m.def("step_destroy", [](uintptr_t s) { delete ptr<edgemoe_step>(s); });
   m.def("step_status", [](uintptr_t s) { return ptr<edgemoe_step>(s)->status; });
   m.def("step_calls", [](uintptr_t s) { return ptr<edgemoe_step>(s)->calls; });
