@@ -347,7 +347,27 @@ def test_measure_cpu_uses_the_executor():
     pool = _pool("tails-16", torch.bfloat16)
     ex = _executor(pool, native.supported_isas()[-1], 2)
     assert measure_cpu(pool, ex, 0.02) > 0
+    assert measure_cpu(pool, ex, 0.02, tokens=2, experts_per_call=3) > 0
     assert measure_cpu(pool, TorchCpuExecutor(pool), 0.02, tokens=2, experts_per_call=2) > 0
+
+
+def test_step_bench_computes_the_rotated_experts():
+    """The C++ measurement loop runs the registered step on the experts it was given: after a run long
+    enough for one call, ``out`` equals the reference of the last call's experts."""
+    pool = _pool("tails-16", torch.bfloat16)
+    ex = _executor(pool, native.supported_isas()[-1], 2)
+    step = ex.make_step(2, 2, 4, zero_out=True)
+    x = torch.randn(2, pool.hidden)
+    step.x.copy_(x)
+    order = torch.tensor([3, 1], dtype=torch.int64)
+    calls, dt = step.bench(order, tokens=2, experts_per_call=2, seconds=0.0)
+    assert calls == 1 and dt >= 0
+    ref = torch.zeros(2, pool.hidden)
+    TorchCpuExecutor(pool).run(x, [(f, torch.arange(2), torch.full((2,), 0.125)) for f in (3, 1)], ref)
+    torch.testing.assert_close(step.out, ref, rtol=2e-2, atol=2e-3)
+    with pytest.raises(ValueError):
+        step.bench(order, tokens=3, experts_per_call=2, seconds=0.0)  # over the registered capacity
+    step.close()
 
 
 def test_build_without_ninja(monkeypatch):
