@@ -70,6 +70,7 @@ class DeviceDecode:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
         cpu_branch: whether the CPU branch is enqueued at all (``False`` when every expert is resident,
             or when every step's misses fit the evictable slots and the policy fills them all).
+        fills: whether ``gather_fills`` is launched (``False`` when every expert is resident).
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor,
@@ -96,6 +97,7 @@ class DeviceDecode:
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
         fills_all = num >= den and q_min == 0 and not hasattr(policy, "observe")  # an online policy may switch
         self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
+        self.fills = not all_resident  # every expert resident: route_control never emits a fill
         self.cpu = cpu_executor
         self.step = None  # RegisteredStep of the native executor
         self.cpu_out = torch.zeros(max_tokens, H, dtype=torch.float32, device=dev)  # [T, H] CPU partial
@@ -154,7 +156,8 @@ class DeviceDecode:
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
         w13, w2 = c.banks
-        self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
+        if self.fills:
+            self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
         routed = self.routed[:T]
         self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
