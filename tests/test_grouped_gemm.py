@@ -7,7 +7,11 @@ checked in ``tests/gpu/test_grouped_gemm_gpu.py``.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -163,3 +167,18 @@ def test_grouped_swiglu_rejects_bad_inputs():
         grouped_swiglu(x, ids.float(), w, slots, w13, w2, out)
     grouped_swiglu(x[:0], ids[:0], w[:0], slots, w13, w2, out[:0])  # no routes: nothing to do
     assert isinstance(choose_config(8, 3, 16, 8, torch.float32), GroupedConfig)
+
+
+def test_benchmark_cpu_smoke(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo on sys.path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("grouped_gemm_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--tokens", "3,24", "--hidden", "32", "--inter", "16", "--experts", "4",
+                       "--top-k", "2", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "grouped_gemm.json").read_text())["results"]
+    assert [r["tokens"] for r in rows] == [3, 24] and [r["config"]["block_m"] for r in rows] == [16, 16]
+    for r in rows:
+        assert r["grouped_s"] > 0 and r["loop_s"] > 0 and r["grouped_tflops"] > 0
+        assert r["max_rel_diff"] <= 2**-7  # bf16: the same rounding points as the torch loop
