@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile agent (default: tests decode prefill)
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile grouped agent (default: tests decode prefill)
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
@@ -39,6 +39,9 @@ for stage in "${stages[@]}"; do
   prefill-profile)
     echo "== prefill profile (torch.profiler, one 2-chunk prompt at the first budget)"
     timeout 300 python3 benchmarks/prefill.py --out "$OUT" --profile ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill-profile.log" | tail -n 100 ;;
+  grouped)
+    echo "== grouped expert GEMM (Triton kernel pair vs per-expert torch loop, Qwen3-30B-A3B geometry)"
+    timeout 300 python3 benchmarks/grouped_gemm.py --out "$OUT" 2>&1 | tee "$OUT/grouped_gemm.log" | tail -n 10 ;;
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;

@@ -29,9 +29,10 @@ if not torch.cuda.is_available():
 
 
 def _patch_triton_interpreter() -> None:
-    """Two bugs of Triton 3.6's interpreter (not of compiled kernels), patched for the tests: a loop bound
-    passed as a kernel argument fails under numpy >= 2.4 (triton-lang/triton#9171), and ``tl.dot``
-    multiplies bfloat16 operands as their raw uint16 bit patterns."""
+    """Three bugs of Triton 3.6's interpreter (not of compiled kernels), patched for the tests: a loop bound
+    passed as a kernel argument fails under numpy >= 2.4 (triton-lang/triton#9171), ``tl.dot``
+    multiplies bfloat16 operands as their raw uint16 bit patterns, and a float32 -> bfloat16 cast
+    truncates (compiled kernels round to nearest even, as torch does)."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter as it
@@ -39,7 +40,7 @@ def _patch_triton_interpreter() -> None:
         return
     if getattr(it, "_edgemoe_patched", False):
         return
-    orig_patch, orig_dot = it._patch_lang_tensor, it.InterpreterBuilder.create_dot
+    orig_patch, orig_dot, orig_cast = it._patch_lang_tensor, it.InterpreterBuilder.create_dot, it.InterpreterBuilder.cast_impl
 
     def patch_lang_tensor(tensor, scope):
         orig_patch(tensor, scope)
@@ -54,7 +55,14 @@ def _patch_triton_interpreter() -> None:
 
         return orig_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
 
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return orig_cast(self, src, dst_type)
+        bf16 = torch.from_numpy(it.np.array(src.data, dtype=it.np.float32)).to(torch.bfloat16)  # a copy, 0-d kept
+        return it.TensorHandle(bf16.view(torch.int16).numpy().view(it.np.uint16), tl.bfloat16)
+
     it._patch_lang_tensor, it.InterpreterBuilder.create_dot = patch_lang_tensor, create_dot
+    it.InterpreterBuilder.cast_impl = cast_impl
     it._edgemoe_patched = True
 
 

@@ -102,6 +102,29 @@ def test_streamed_prefill_is_bit_identical_to_all_resident(slots, streams):
             assert torch.equal(hy.cache.banks[0][slot], pool.w13[fid]) and torch.equal(hy.cache.banks[1][slot], pool.w2[fid])
 
 
+@pytest.mark.parametrize("slots", [N, 2 * E + 4, 5])
+def test_grouped_kernel_path_keeps_streamed_wave_and_resident_bit_identical(monkeypatch, slots):
+    """The CUDA compute path (one grouped Triton kernel pair per call; here in Triton's interpreter on CPU
+    tensors): streamed prefill, the wave path (hits, then fill waves: one call each) and a decode batch
+    above the pair-path size all give the all-resident bits (decode: unless the CPU executor took routes)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(prefill_mod, "use_grouped", lambda x: True)
+    pool = _pool(3)
+    resident = _hybrid(pool, N)
+    resident.prefill.mode = "off"
+    hy = _hybrid(pool, slots)
+    for step, (phase, T) in enumerate([(Phase.PREFILL, 10), (Phase.PREFILL, 12), (Phase.DECODE, 40)], start=1):
+        layers = _routing(T, 20 + step)
+        ref = _step(resident, layers, phase, step)
+        got = _step(hy, layers, phase, step)
+        exact = hy.cache.counters[phase.value].cpu == 0
+        for layer, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b) or not exact, f"step {step} layer {layer}"
+            torch.testing.assert_close(a.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
+        hy.cache.check_invariants()
+    assert hy.cache.counters["prefill"].cpu == 0 and (hy.cache.counters["decode"].cpu > 0) == (slots < E)
+
+
 @pytest.mark.parametrize("mode", ["serial", "off"])
 def test_modes_agree_bit_for_bit(mode):
     pool = _pool(1)
@@ -251,19 +274,27 @@ def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
                 assert log[copies[layer] - 1] == ("wait", "copy", compute_done[layer - 2])
 
 
-def test_run_sorted_experts_matches_float64_reference():
+@pytest.mark.parametrize("zero_missing", [True, False])
+def test_run_sorted_experts_matches_float64_reference(zero_missing):
     pool = _pool(2)
     g = torch.Generator().manual_seed(0)
     T = 11
     x, w = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
     ids = torch.randint(0, E, (T, K), generator=g)
     ids[:, 1] = (ids[:, 0] + 1) % E  # distinct per token
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
-    slots = list(range(E, 2 * E))  # layer 1's rows of the pool used as "slots"
+    slots = torch.arange(E, 2 * E)  # layer 1's rows of the pool used as "slots"
+    slots[3] = -1  # expert 3 is not on the device
     routed = torch.full((T, K, H), float("nan"))
-    run_sorted_experts(x, w, order, counts, slots, pool.w13, pool.w2, routed)
-    torch.testing.assert_close(routed.sum(1).double(), _dense(pool, 1, x, ids, w), rtol=1e-5, atol=1e-5)
+    run_sorted_experts(x, ids, w, slots, pool.w13, pool.w2, routed, zero_missing=zero_missing)
+    missing = ids == 3  # [T, K]
+    assert missing.any()
+    if zero_missing:
+        assert not routed[missing].any()
+    else:
+        assert routed[missing].isnan().all()
+    routed[missing] = 0
+    ref = _dense(pool, 1, x, ids, w * ~missing)
+    torch.testing.assert_close(routed.sum(1).double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_copy_runs_coalesce_consecutive_ids_and_slots():

@@ -25,22 +25,13 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.policy import ExpertPolicy, StaticPolicy
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.experts.prefill import PrefillStreamer
+from edgemoe.experts.prefill import PrefillStreamer, run_sorted_experts
 
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
-
-
-@dataclass
-class _Route:
-    """Tokens routed to one expert in this step: ``tok [n]`` row indices, ``kpos [n]`` top-k column."""
-
-    fid: int
-    tok: torch.Tensor
-    kpos: torch.Tensor
 
 
 @dataclass
@@ -172,11 +163,8 @@ class HybridExperts:
             return self.device_decode.forward(moe_layer, x, topk_ids, topk_weights)
         T = x.shape[0]
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
-        routes: dict[int, _Route] = {}
-        for fid in torch.unique(flat).tolist():
-            tok, kpos = (flat == fid).nonzero(as_tuple=True)
-            routes[fid] = _Route(fid, tok, kpos)
-        plan = plan_step(self.cache, self.policy, {f: r.tok.numel() for f, r in routes.items()}, phase, step)
+        fids, counts = torch.unique(flat, return_counts=True)
+        plan = plan_step(self.cache, self.policy, dict(zip(fids.tolist(), counts.tolist())), phase, step)
         if plan.cpu:  # D2H before the device work is enqueued: a copy after it would wait for it
             x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
@@ -189,17 +177,20 @@ class HybridExperts:
             placed = {**plan.hits, **dict(fills)}
             if placed and topk_ids.numel() <= PAIR_PATH_MAX_ROUTES:
                 self._run_device_pairs(x, topk_weights, flat, placed, routed)
-            elif placed:
-                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(placed.items())], routed)
+            else:
+                self._run_device(moe_layer, x, topk_ids, topk_weights, placed, routed)
         else:  # prefill: hits, then each wave's copies and compute, stream-ordered on the device
-            self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(plan.hits.items())], routed)
+            self._run_device(moe_layer, x, topk_ids, topk_weights, plan.hits, routed)
             for wave in plan.waves:
                 for fid, slot in wave:
                     self._copy_in(fid, slot)
-                self._run_device(x, topk_weights, [(routes[f], s) for f, s in sorted(wave)], routed)
+                self._run_device(moe_layer, x, topk_ids, topk_weights, dict(wave), routed)
         if plan.cpu:  # CPU branch, concurrent with the device work enqueued above
             out_cpu = torch.zeros((T, x.shape[1]), dtype=torch.float32)
-            work = [(f, routes[f].tok, w_cpu[routes[f].tok, routes[f].kpos]) for f in sorted(plan.cpu)]
+            work = []
+            for f in sorted(plan.cpu):
+                tok, kpos = (flat == f).nonzero(as_tuple=True)  # [n] each
+                work.append((f, tok, w_cpu[tok, kpos]))
             self.cpu.run(x_cpu, work, out_cpu)
             return (routed.sum(dim=1, dtype=torch.float32) + out_cpu.to(x.device)).to(x.dtype)
         return routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
@@ -225,17 +216,20 @@ class HybridExperts:
         y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
         routed.copy_(y.view(T, k, -1))
 
-    def _run_device(self, x: torch.Tensor, w: torch.Tensor, items: list[tuple[_Route, int]], routed: torch.Tensor) -> None:
-        """Per-expert path (prefill, large batches): writes the ``routed [T, k, H]`` rows of each item's routes."""
-        if not items:
+    def _run_device(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,
+                    placed: dict[int, int], routed: torch.Tensor) -> None:
+        """Prefill and large batches: the routes of the experts in ``placed`` (``{flat_id: slot}``), each
+        into its row of ``routed [T, k, H]``; other rows are left as they are (zeros, or an earlier
+        wave's). One grouped kernel pair on CUDA, a per-expert loop elsewhere (``run_sorted_experts``)."""
+        if not placed:
             return
+        base = moe_layer * self.num_experts
+        slots = [-1] * self.num_experts
+        for fid, slot in placed.items():
+            slots[fid - base] = slot
+        expert_slots = torch.tensor(slots, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
         w13, w2 = self.cache.banks
-        dtype = w13.dtype
-        for r, slot in items:
-            tok = r.tok.to(x.device, non_blocking=True)
-            kpos = r.kpos.to(x.device, non_blocking=True)
-            y = swiglu_expert(x.index_select(0, tok).to(dtype), w13[slot], w2[slot])  # [n, H]
-            routed[tok, kpos] = y * w[tok, kpos].to(dtype)[:, None]
+        run_sorted_experts(x, topk_ids, w, expert_slots, w13, w2, routed, zero_missing=False)
 
     def stats(self) -> dict:
         """Per-phase counters; decode includes the device path's counters (read with one sync)."""

@@ -23,10 +23,13 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
   ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
   during a step.
-- **CUDA-graph host node** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
-  buffers once and returns a :class:`RegisteredStep` whose ``fn_address``/``address`` are
-  ``void edgemoe_run_step(void*)`` and its argument; ``edgemoe/experts/device_decode.py`` enqueues it
-  with ``cudaLaunchHostFunc`` inside the captured decode step.
+- **Inside the CUDA graph** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
+  buffers once and returns a :class:`RegisteredStep`; :meth:`RegisteredStep.serve` starts a native
+  thread that runs it whenever a device kernel rings its doorbell (``edgemoe/kernels/doorbell.py``),
+  which is how ``edgemoe/experts/device_decode.py`` hands its CPU branch over inside the captured
+  decode step. The C entry ``void edgemoe_run_step(void*)`` (``fn_address``/``address``) also fits
+  ``cudaLaunchHostFunc``; the decode path stopped using that because the host node kept the GPU's
+  other work waiting on the H200 (docs/benchmarks/decode.md).
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ prefill step streams whole layers through the expert cache and is bound by the h
   (``last_used`` = the step), and evicted when their region slot is reused two layers later; after
   the step the regions hold the last two layers' experts as ordinary residents, so decode hits them.
   Regions are chosen anew at every streamed step.
-- **Compute.** The ``[T·k]`` routes are sorted by expert once on the device (stable ``argsort``); each
-  expert multiplies its contiguous block of routes (a Python loop with device-side indices; the
-  per-expert route counts come to the host once per layer). Each ``(token, k)`` route lands in its own
-  row of ``routed [T, k, H]`` and the ``k`` rows are summed in a fixed order, exactly as
-  :class:`~edgemoe.experts.hybrid.HybridExperts` does, so streamed prefill is bit-identical to
-  all-resident execution.
+- **Compute.** :func:`run_sorted_experts`: on CUDA one grouped kernel pair for all the layer's routes
+  (``edgemoe.kernels.grouped_gemm``: routes sorted by expert on the device, no host read); elsewhere
+  (CPU) the routes are sorted by expert and each expert multiplies its contiguous block (a Python
+  loop). Each ``(token, k)`` route lands in its own row of ``routed [T, k, H]`` and the ``k`` rows are
+  summed in a fixed order, exactly as :class:`~edgemoe.experts.hybrid.HybridExperts` does (through the
+  same function), so streamed prefill is bit-identical to all-resident execution. The layer's routed
+  experts come to the host once (hit/miss counters, LRU recency).
 
 A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
 (then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
@@ -36,6 +37,7 @@ Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on dem
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -69,26 +71,58 @@ def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def run_sorted_experts(x: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor, counts: list[int],
-                       slots: list[int], w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor) -> None:
-    """Compute every route of one MoE layer, routes grouped by expert, into ``routed``.
+@functools.lru_cache(maxsize=1)
+def _grouped_swiglu():
+    try:
+        from edgemoe.kernels.grouped_gemm import grouped_swiglu
+    except ImportError:
+        return None
+    return grouped_swiglu
+
+
+def use_grouped(x: torch.Tensor) -> bool:
+    """Whether :func:`run_sorted_experts` runs the grouped Triton kernel pair for ``x``: a CUDA tensor,
+    and Triton imports."""
+    return x.is_cuda and _grouped_swiglu() is not None
+
+
+def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True) -> None:
+    """Compute every route of one MoE layer whose expert is on the device, routes grouped by expert.
+
+    On CUDA with Triton (:func:`use_grouped`): one grouped kernel pair,
+    :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` (no host synchronization). Elsewhere:
+    :func:`run_experts_loop`. Both round where ``swiglu_expert`` does.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; cast to the weights' dtype).
+        topk_ids: ``[T, k]`` int64 layer-local expert ids, on ``x``'s device.
         topk_weights: ``[T, k]`` router weights.
-        order: ``[T·k]`` int64, a *stable* argsort of ``topk_ids.reshape(-1)``: the flat routes
-            ``t·k + j`` of expert 0, then expert 1, ..., each in increasing ``(t, j)`` order.
-        counts: host list of ``E`` route counts per expert (``bincount`` of the routed ids).
-        slots: host list of ``E`` cache slots; ``slots[e]`` holds expert ``e`` (read only where ``counts[e] > 0``).
+        expert_slots: ``[E]`` int64 on ``x``'s device: the slot holding expert ``e``, or -1.
         w13: ``[S, 2I, H]`` and ``w2``: ``[S, H, I]``, the cache's slot banks.
-        routed: ``[T, k, H]`` in the weights' dtype; every row is overwritten with
-            ``topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])``.
-
-    Each expert sees its tokens in the same order and count as the per-expert loop of
-    ``HybridExperts`` (reference: ``Qwen3MoeExperts.forward``), so results are bit-identical to it.
+        routed: ``[T, k, H]`` in the weights' dtype; row ``(t, j)`` is overwritten with
+            ``topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` when that expert has a slot, else
+            with zeros (``zero_missing``) or left as it is.
     """
-    k = topk_weights.shape[1]
+    if use_grouped(x):
+        _grouped_swiglu()(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing=zero_missing)
+    else:
+        run_experts_loop(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing)
+
+
+def run_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True) -> None:
+    """:func:`run_sorted_experts` with torch ops on any device: a stable sort of the routes by expert, then
+    one ``swiglu_expert`` per expert over its block (the per-expert counts and slots are read on the host).
+
+    Each expert sees its tokens in increasing ``(t, j)`` order (reference: ``Qwen3MoeExperts.forward``).
+    """
+    k, E = topk_ids.shape[1], expert_slots.numel()
     dtype = w13.dtype
+    flat = topk_ids.reshape(-1)  # [P]
+    order = torch.argsort(flat, stable=True)  # [P]
+    counts = torch.bincount(flat, minlength=E).tolist()
+    slots = expert_slots.tolist()
     xd = x.to(dtype)  # [T, H]
     tok = order // k  # [P] token of each sorted route
     wts = topk_weights.reshape(-1).index_select(0, order).to(dtype)  # [P]
@@ -97,8 +131,12 @@ def run_sorted_experts(x: torch.Tensor, topk_weights: torch.Tensor, order: torch
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        y = swiglu_expert(xd.index_select(0, tok.narrow(0, start, n)), w13[slots[e]], w2[slots[e]])  # [n, H]
-        out.index_copy_(0, order.narrow(0, start, n), y * wts.narrow(0, start, n)[:, None])
+        rows = order.narrow(0, start, n)  # [n]
+        if slots[e] >= 0:
+            y = swiglu_expert(xd.index_select(0, tok.narrow(0, start, n)), w13[slots[e]], w2[slots[e]])  # [n, H]
+            out.index_copy_(0, rows, y * wts.narrow(0, start, n)[:, None])
+        elif zero_missing:
+            out.index_fill_(0, rows, 0)
         start += n
 
 
@@ -272,21 +310,22 @@ class PrefillStreamer:
         if overlap and moe_layer + 1 < self.num_layers:  # issued before this layer's host sync below
             cur.staged[moe_layer + 1] = self._stage(moe_layer + 1, wait=cur.compute_done)
         flat = topk_ids.reshape(-1)  # [P]
-        order = torch.argsort(flat, stable=True)  # [P]
-        counts = torch.bincount(flat, minlength=E).tolist()  # the layer's host sync: waits for the router
+        # the layer's host read of its routing (which experts are routed: counters, recency); waits for the router
+        seen = torch.zeros(E, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True).tolist()  # [E]
         # serial: this layer's copies go on the compute stream now, after its router, before its compute
         staged = cur.staged.pop(moe_layer) if overlap else self._stage(moe_layer, wait=None)
         compute = torch.cuda.current_stream(self.device) if self._cuda else None
         if staged.copy_done is not None:
             compute.wait_event(staged.copy_done)
-        routed_e = [e for e, n in enumerate(counts) if n]
+        routed_e = [e for e in range(E) if seen[e]]
         hit_slots = [staged.slots[e] for e in routed_e if staged.resident[e]]
         counters = cache.counters[Phase.PREFILL.value]
         counters.hits += len(hit_slots)
         counters.misses += len(routed_e) - len(hit_slots)
         cache.touch(hit_slots, cur.step)
         w13, w2 = cache.banks
-        run_sorted_experts(x, topk_weights, order, counts, staged.slots, w13, w2, cur.routed)
+        base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
+        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], w13, w2, cur.routed)
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
         if overlap and self._cuda:
             cur.compute_done = torch.cuda.Event()

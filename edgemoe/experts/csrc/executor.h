@@ -14,7 +14,8 @@
 // a fixed operation order, so results do not depend on the thread count or on scheduling.
 //
 // Not torch, not Python: the same object serves the pybind module and the C entry point
-// `edgemoe_run_step` below, which a CUDA-graph host node (cudaLaunchHostFunc) can call.
+// `edgemoe_run_step` below, which StepServer (a doorbell a device kernel rings) or a CUDA-graph host
+// node (cudaLaunchHostFunc) can call.
 #pragma once
 
 #include <atomic>
@@ -188,8 +189,8 @@ void edgemoe_run_step(void* step);
 namespace edgemoe {
 
 // Serves a registered step on a doorbell in host memory, so that a device stream can hand the CPU
-// branch to the pool with no host function in its path (a CUDA-graph host node blocks the other
-// streams' kernels on some GPUs; issue 4, docs/benchmarks/decode.md). Protocol, per step:
+// branch to the pool with no host function in its path (the decode step's GPU work runs on while
+// the CPU computes; issue 4, docs/benchmarks/decode.md). Protocol, per step:
 //   device: copies the step's inputs into the registered buffers, then stores n = previous n + 1
 //           into *request (a kernel writing mapped pinned memory), then polls *done until >= n;
 //   server: a dedicated thread polls *request; when it exceeds the last value served it runs

@@ -10,7 +10,7 @@
 // rows once and applies each row to all the expert's tokens while it is in registers / L1.
 //
 // Everything here is plain C++ (no torch, no pybind): the same code serves the Python binding and
-// the C entry point `edgemoe_run_step` that a CUDA-graph host node will call (see executor.h).
+// the C entry point `edgemoe_run_step` that the doorbell server calls (see executor.h).
 #pragma once
 
 #include <cstddef>
