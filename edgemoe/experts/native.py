@@ -34,6 +34,7 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -43,6 +44,7 @@ import shutil
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -88,6 +90,14 @@ class NativeUnavailable(RuntimeError):
 # ---------------------------------------------------------------------------------------------- build
 _lock = threading.Lock()
 _ext = None
+_SERVING: "weakref.WeakSet[RegisteredStep]" = weakref.WeakSet()  # steps whose doorbell server runs
+
+
+@atexit.register
+def _stop_servers() -> None:
+    """Join every doorbell server before the interpreter frees the pinned buffers they poll."""
+    for step in list(_SERVING):
+        step.close()
 _error: str | None = None
 build_info: dict = {}  # after a successful load: seconds, cached (bool), dir, builder
 
@@ -590,6 +600,7 @@ class RegisteredStep:
         self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
         self._server = self._ext.server_start(self.address, self.doorbell.data_ptr(),
                                               self.doorbell[8:].data_ptr(), int(active_spin_us))
+        _SERVING.add(self)
         return self.doorbell
 
     @property
