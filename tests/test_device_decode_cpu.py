@@ -106,6 +106,15 @@ def test_cpu_branch_through_the_doorbell(policy, slots):
     assert dd.step.served == calls and int(dd.seq[0]) == calls and int(dd.bell[8]) == calls
     assert dev.stats()["decode"] == eager.stats()["decode"]  # also checks no wait timed out
     assert dev.stats()["decode"]["cpu"] > 0
+    assert dd.step.failed == 0
+    dd.step.pack.zero_()  # a corrupt hand-off: expert id outside the pool, ringing by hand
+    dd.step.dims[0], dd.step.dims[1], dd.step.offsets[1], dd.step.fids[0] = 1, 1, 1, pool.num_ids
+    from edgemoe.kernels import doorbell
+    doorbell.ring(dd.seq, dd.bell)
+    doorbell.wait(dd.seq, dd.bell)
+    assert dd.step.failed == 1 and dd.step.status != 0
+    with pytest.raises(RuntimeError, match="failed in the native executor"):
+        dd.counter_dict()
     dd.close()
     assert dd.step.served == 0  # stopped
 

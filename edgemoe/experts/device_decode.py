@@ -118,13 +118,16 @@ class DeviceDecode:
         """The device counters as ``{hits, misses, fills, cpu}`` (deduplicated experts; one host read).
 
         Raises:
-            RuntimeError: a doorbell wait gave up (the executor's server stopped answering), so some
-                decode output missed its CPU part.
+            RuntimeError: a doorbell wait gave up (the executor's server stopped answering) or a CPU
+                step failed, so some decode output missed its CPU part.
         """
         h, m, f, c = self.counters.tolist()
         if self.step is not None and int(self.seq[1]):
             raise RuntimeError(f"{int(self.seq[1])} CPU-branch waits timed out: the native executor's server "
                                f"did not answer ({self.step.served} steps served)")
+        if self.step is not None and self.step.failed:
+            raise RuntimeError(f"{self.step.failed} CPU-branch steps failed in the native executor "
+                               f"(last status {self.step.status})")
         return {"hits": h, "misses": m, "fills": f, "cpu": c}
 
     def close(self) -> None:

@@ -608,6 +608,16 @@ class RegisteredStep:
         """Requests the doorbell server has completed (0 when not serving)."""
         return self._ext.server_served(self._server) if getattr(self, "_server", 0) else 0
 
+    @property
+    def status(self) -> int:
+        """Status code the last call left (0 = ok; see ``_STATUS``)."""
+        return self._ext.step_status(self.address)
+
+    @property
+    def failed(self) -> int:
+        """Served requests whose step failed (a bad id or size; ``status`` says which), 0 when not serving."""
+        return self._ext.server_failed(self._server) if getattr(self, "_server", 0) else 0
+
     def close(self) -> None:
         """Stop the doorbell server (if any) and free the registered step."""
         if getattr(self, "_server", 0):

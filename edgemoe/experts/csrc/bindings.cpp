@@ -155,6 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Stop and join a step server");
   m.def("server_served", [](uintptr_t s) { return ptr<StepServer>(s)->served(); });
+  m.def("server_failed", [](uintptr_t s) { return ptr<StepServer>(s)->failed(); });
   m.def("run_step_address", [] { return reinterpret_cast<uintptr_t>(&edgemoe_run_step); },
         "Address of the C entry point void edgemoe_run_step(void* step) (cudaLaunchHostFunc-compatible)");
 }

@@ -457,6 +457,7 @@ void StepServer::loop() {
     const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);  // written by the device over PCIe
     if (req != last) {
       edgemoe_run_step(step_);
+      if (step_->status != kOk) failed_.fetch_add(1, std::memory_order_relaxed);
       last = req;
       __atomic_store_n(done_, req, __ATOMIC_RELEASE);
       served_.fetch_add(1, std::memory_order_release);

@@ -205,6 +205,8 @@ class StepServer {
   StepServer(const StepServer&) = delete;
   StepServer& operator=(const StepServer&) = delete;
   int64_t served() const { return served_.load(std::memory_order_acquire); }
+  // Served requests whose step returned a non-ok status (its out[] is then stale).
+  int64_t failed() const { return failed_.load(std::memory_order_acquire); }
 
  private:
   void loop();
@@ -214,6 +216,7 @@ class StepServer {
   int active_spin_us_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};
+  std::atomic<int64_t> failed_{0};
   std::thread thread_;
 };
 
