@@ -74,6 +74,24 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     _patch_triton_interpreter()
 
 
+@pytest.fixture
+def load_benchmark(monkeypatch):
+    """``load_benchmark(name)``: the module of ``benchmarks/<name>.py``, loaded from its file (the scripts
+    put their folders on ``sys.path``; the fixture restores it after the test)."""
+    import importlib.util
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The ``tiny`` qwen3_moe preset with the built-in tokenizer, saved in float32 so batched and

@@ -4,18 +4,10 @@ sessions): the reuse counts per turn, not the times. Its JSON (and markdown) lan
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_agent_replay_reuse_counts(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import agent_replay
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def test_agent_replay_reuse_counts(tmp_path, load_benchmark):
+    agent_replay = load_benchmark("agent_replay")
     assert agent_replay.main(["--preset", "qwen3.5-moe-tiny", "--device", "cpu", "--dtype", "float32",
                               "--cpu-executor", "torch", "--scale", "0.01", "--reply-scale", "0.1",
                               "--interval", "32", "--out", str(tmp_path)]) == 0

@@ -7,11 +7,8 @@ checked in ``tests/gpu/test_grouped_gemm_gpu.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -169,12 +166,8 @@ def test_grouped_swiglu_rejects_bad_inputs():
     assert isinstance(choose_config(8, 3, 16, 8, torch.float32), GroupedConfig)
 
 
-def test_benchmark_cpu_smoke(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo on sys.path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grouped_gemm.py"
-    spec = importlib.util.spec_from_file_location("grouped_gemm_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_benchmark_cpu_smoke(tmp_path, load_benchmark):
+    bench = load_benchmark("grouped_gemm")
     assert bench.main(["--device", "cpu", "--tokens", "3,24", "--hidden", "32", "--inter", "16", "--experts", "4",
                        "--top-k", "2", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "grouped_gemm.json").read_text())["results"]

@@ -4,10 +4,7 @@ wave path, residency tables, counters, the fallback, and decode after a streamed
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -348,12 +345,8 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
 
 
 # ---------------------------------------------------------------- the benchmark's CPU smoke mode
-def test_prefill_benchmark_cpu_smoke(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts its folders on sys.path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
-    spec = importlib.util.spec_from_file_location("prefill_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_prefill_benchmark_cpu_smoke(tmp_path, load_benchmark):
+    bench = load_benchmark("prefill")
     rc = bench.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--slots", "32,40",
                      "--chunk", "32", "--chunks", "2", "--bp-seconds", "0.05", "--out", str(tmp_path)])
     assert rc == 0
