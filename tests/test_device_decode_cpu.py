@@ -104,8 +104,9 @@ def test_cpu_branch_through_the_doorbell(policy, slots):
             calls += 1
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert dd.step.served == calls and int(dd.seq[0]) == calls and int(dd.bell[8]) == calls
-    assert dev.stats()["decode"] == eager.stats()["decode"]  # also checks no wait timed out
+    assert dev.stats()["decode"] == eager.stats()["decode"]
     assert dev.stats()["decode"]["cpu"] > 0
+    dd.check()  # no wait gave up, no step failed
     assert dd.step.failed == 0
     dd.step.pack.zero_()  # a corrupt hand-off: expert id outside the pool, ringing by hand
     dd.step.dims[0], dd.step.dims[1], dd.step.offsets[1], dd.step.fids[0] = 1, 1, 1, pool.num_ids
@@ -113,23 +114,30 @@ def test_cpu_branch_through_the_doorbell(policy, slots):
     doorbell.ring(dd.seq, dd.bell)
     doorbell.wait(dd.seq, dd.bell)
     assert dd.step.failed == 1 and dd.step.status != 0
+    assert not dd.step.out.any()  # a failed step leaves no stale partial
     with pytest.raises(RuntimeError, match="failed in the native executor"):
-        dd.counter_dict()
+        dd.check()
+    dd.check()  # reported once
+    step = dd.step
     dd.close()
-    assert dd.step.served == 0  # stopped
+    assert step.served == 0 and dd.step is None  # stopped; later calls take the synchronous branch
 
 
 def test_doorbell_wait_gives_up_without_a_server():
-    """A wait nobody answers returns after max_polls and is counted; counter_dict then raises."""
+    """A wait nobody answers returns after max_polls and counts it in bell[1]; later waits then return at
+    once (and count), so a dead server fails steps instead of hanging them."""
     from edgemoe.kernels import doorbell
 
-    seq, bell = torch.zeros(2, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    seq, bell = torch.zeros(1, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
     doorbell.ring(seq, bell)
     assert int(seq[0]) == 1 and int(bell[0]) == 1
-    doorbell.wait(seq, bell, max_polls=3)
-    assert int(seq[1]) == 1
     bell[8] = 1  # answered
     doorbell.wait(seq, bell, max_polls=3)
-    assert int(seq[1]) == 1
+    assert int(bell[1]) == 0
+    doorbell.ring(seq, bell)
+    doorbell.wait(seq, bell, max_polls=3)  # nobody answers
+    assert int(bell[1]) == 1
+    doorbell.wait(seq, bell, max_polls=10**9)  # returns at once: an earlier wait gave up
+    assert int(bell[1]) == 2
     with pytest.raises(ValueError, match="int64"):
         doorbell.ring(seq.int(), bell)

@@ -190,6 +190,10 @@ class ModelRunner:
         if policy not in EXPERT_POLICIES:
             raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         slots = min(int(slots), self.pool.num_ids)
+        old = getattr(getattr(self, "experts", None), "device_decode", None)
+        if old is not None:  # its doorbell server stops now, not whenever the last reference goes
+            old.close()
+            self.experts.device_decode = None
         if self.cache is not None:  # free the old banks before allocating the new ones
             self.cache.banks.clear()
             self.cache = None
@@ -281,8 +285,6 @@ class ModelRunner:
         cfg, ecfg = self.model_config, self.engine_config
         max_bs = max(ecfg.max_num_seqs, 1)
         dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k, max_bs)
-        if self.experts.device_decode is not None:
-            self.experts.device_decode.close()  # its server thread stops; the graphs using it are gone
         self.experts.device_decode = dd
         if self._decode_inputs is None:
             self._decode_inputs = _DecodeInputs(self, max_bs)
@@ -555,7 +557,7 @@ class ModelRunner:
         if phase is Phase.DECODE and self.experts.device_decode is not None:
             for inp in inputs:
                 self.kv.allocate(inp.seq_id, inp.start_pos + 1)
-            return self._run_model(inputs, lambda: self._execute_device_decode(inputs, state_slots),
+            return self._run_model(inputs, lambda: self._checked(self._execute_device_decode(inputs, state_slots)),
                                    state_slots, plans, phase)
         ids, pos, slots, seqs, last = [], [], [], [], []
         q = 0
@@ -582,6 +584,16 @@ class ModelRunner:
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
         return self._run_model(inputs, lambda: self.model(batch), state_slots, plans, phase)
+
+    def _checked(self, logits: torch.Tensor) -> torch.Tensor:
+        """With a CPU branch in the device decode step: wait for the step (the engine's sampling would
+        anyway) and raise if that branch went wrong (``DeviceDecode.check``), so the engine fails
+        those requests instead of sampling from logits that lack the CPU experts."""
+        dd = self.experts.device_decode
+        if dd.step is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            dd.check()
+        return logits
 
     def _observe_step(self, phase: Phase, batch_size: int) -> None:
         """Feed an online policy (``adaptive``) the wall time of the previous decode step: the time

@@ -102,12 +102,13 @@ class DeviceDecode:
         self.step = None  # RegisteredStep of the native executor
         self.cpu_out = torch.zeros(max_tokens, H, dtype=torch.float32, device=dev)  # [T, H] CPU partial
         self.cuda = dev.type == "cuda"
-        self.seq = torch.zeros(2, dtype=torch.int64, device=dev)  # doorbell counter, timed-out waits
+        self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
         self.bell = None
         if self.cpu_branch and hasattr(cpu_executor, "make_step"):
             x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
             self.bell = self.step.serve(pin_memory=self.cuda)
+        self._seen = (0, 0)  # waits given up and executor failures already reported by check()
 
     @property
     def capturable(self) -> bool:
@@ -115,25 +116,36 @@ class DeviceDecode:
         return self.cuda and (not self.cpu_branch or self.step is not None)
 
     def counter_dict(self) -> dict[str, int]:
-        """The device counters as ``{hits, misses, fills, cpu}`` (deduplicated experts; one host read).
-
-        Raises:
-            RuntimeError: a doorbell wait gave up (the executor's server stopped answering) or a CPU
-                step failed, so some decode output missed its CPU part.
-        """
+        """The device counters as ``{hits, misses, fills, cpu}`` (deduplicated experts; one host read)."""
         h, m, f, c = self.counters.tolist()
-        if self.step is not None and int(self.seq[1]):
-            raise RuntimeError(f"{int(self.seq[1])} CPU-branch waits timed out: the native executor's server "
-                               f"did not answer ({self.step.served} steps served)")
-        if self.step is not None and self.step.failed:
-            raise RuntimeError(f"{self.step.failed} CPU-branch steps failed in the native executor "
-                               f"(last status {self.step.status})")
         return {"hits": h, "misses": m, "fills": f, "cpu": c}
 
+    def check(self) -> None:
+        """After the step's work has completed: raise if a CPU branch of it went wrong (host reads only).
+
+        Raises:
+            RuntimeError: a doorbell wait gave up (the executor's server did not answer) or the
+                native executor failed a step since the last check; those layers' outputs lack
+                their CPU part.
+        """
+        if self.step is None:
+            return
+        gave_up, failed = int(self.bell[1]), self.step.failed
+        new = (gave_up - self._seen[0], failed - self._seen[1])
+        self._seen = (gave_up, failed)
+        if new[0]:
+            raise RuntimeError(f"{new[0]} CPU-branch waits gave up: the native executor's server did not answer "
+                               f"({self.step.served} steps served)")
+        if new[1]:
+            raise RuntimeError(f"{new[1]} CPU-branch steps failed in the native executor "
+                               f"(last status {self.step.status})")
+
     def close(self) -> None:
-        """Stop the CPU branch's server thread (if any) and free its registered step."""
+        """Stop the CPU branch's server thread (if any) and free its registered step; a later
+        :meth:`forward` runs the CPU branch synchronously."""
         if self.step is not None:
             self.step.close()
+            self.step = self.bell = None
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer's decode step.

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class NativeUnavailable(RuntimeError):
 # ---------------------------------------------------------------------------------------------- build
 _lock = threading.Lock()
 _ext = None
+_error: str | None = None
+build_info: dict = {}  # after a successful load: seconds, cached (bool), dir, builder
 _SERVING: "weakref.WeakSet[RegisteredStep]" = weakref.WeakSet()  # steps whose doorbell server runs
 
 
@@ -98,8 +101,6 @@ def _stop_servers() -> None:
     """Join every doorbell server before the interpreter frees the pinned buffers they poll."""
     for step in list(_SERVING):
         step.close()
-_error: str | None = None
-build_info: dict = {}  # after a successful load: seconds, cached (bool), dir, builder
 
 
 def build_dir() -> Path:
@@ -465,31 +466,6 @@ class NativeCpuExecutor:
         return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out, pin_memory)
 
 
-def cpu_work_words(max_experts: int, max_routes: int) -> int:
-    """int64 words of one step's packed CPU work (see :func:`carve_cpu_work`)."""
-    return 2 + max_experts + (max_experts + 1) + max_routes + (max_routes + 1) // 2
-
-
-def carve_cpu_work(pack: torch.Tensor, max_experts: int, max_routes: int) -> tuple[torch.Tensor, ...]:
-    """Views ``(dims, fids, offsets, tok, wt)`` of one step's CPU work inside one int64 buffer.
-
-    ``pack`` is ``[cpu_work_words(E, R)]`` int64 (device or host): dims ``[2]`` int64, fids ``[E]``
-    int64, offsets ``[E + 1]`` int64, tok ``[R]`` int64, then wt ``[R]`` float32 in the remaining
-    words. One layout for the device producer (``route_control``'s outputs) and the registered
-    host step, so a whole step's work crosses PCIe in one copy.
-
-    Raises:
-        ValueError: ``pack`` is not a contiguous int64 buffer of that size.
-    """
-    E, R = int(max_experts), int(max_routes)
-    if pack.dtype != torch.int64 or pack.dim() != 1 or pack.numel() != cpu_work_words(E, R) or not pack.is_contiguous():
-        raise ValueError(f"pack must be a contiguous [{cpu_work_words(E, R)}] int64 buffer, got {pack.dtype} "
-                         f"{tuple(pack.shape)}")
-    a = 2 + E + E + 1 + R
-    dims, fids, offsets, tok = pack[:2], pack[2:2 + E], pack[2 + E:3 + 2 * E], pack[3 + 2 * E:a]
-    return dims, fids, offsets, tok, pack[a:].view(torch.float32)[:R]
-
-
 class RegisteredStep:
     """A step over pre-registered host buffers, callable from C as ``edgemoe_run_step(address)``.
 
@@ -531,6 +507,12 @@ class RegisteredStep:
         self.fn_address = ext.run_step_address()
         self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn_address)  # releases the GIL while running
 
+    def _live(self) -> int:
+        """The step's address; raises ``RuntimeError`` once :meth:`close` has freed it."""
+        if not getattr(self, "address", 0):
+            raise RuntimeError("this registered step is closed")
+        return self.address
+
     def set_work(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Host-side producer: write ``x [T, H]`` and ``work`` (as for ``run``) into the buffers."""
         T, E = x.shape[0], len(work)
@@ -555,14 +537,15 @@ class RegisteredStep:
         Raises:
             IndexError / ValueError / RuntimeError: the status the step left (see ``_STATUS``).
         """
-        self._fn(self.address)
+        self._fn(self._live())
         st = self._ext.step_status(self.address)
         if st:
             _raise_status(st, "edgemoe_run_step")
 
     @property
     def calls(self) -> int:
-        return self._ext.step_calls(self.address)
+        """Completed calls of the step."""
+        return self._ext.step_calls(self._live())
 
     def bench(self, order: torch.Tensor, tokens: int, experts_per_call: int, seconds: float) -> tuple[int, float]:
         """Run this step over rotating experts for ``seconds``, no Python per call (B_H measurement).
@@ -578,9 +561,12 @@ class RegisteredStep:
 
         Raises:
             ValueError: the sizes exceed the registered capacity; IndexError etc.: a failed step.
+            RuntimeError: the step is closed, or its doorbell server is running (it shares the buffers).
         """
+        if getattr(self, "_server", 0):
+            raise RuntimeError("bench() would race the doorbell server on the step's buffers")
         order = order.to(torch.int64).contiguous()
-        calls, dt, status = self._ext.step_bench(self.address, order.data_ptr(), order.numel(), int(tokens),
+        calls, dt, status = self._ext.step_bench(self._live(), order.data_ptr(), order.numel(), int(tokens),
                                                  int(experts_per_call), float(seconds))
         if status:
             _raise_status(status, "step_bench")
@@ -597,6 +583,7 @@ class RegisteredStep:
         """
         if getattr(self, "_server", 0):
             return self.doorbell
+        self._live()
         self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
         self._server = self._ext.server_start(self.address, self.doorbell.data_ptr(),
                                               self.doorbell[8:].data_ptr(), int(active_spin_us))
@@ -611,7 +598,7 @@ class RegisteredStep:
     @property
     def status(self) -> int:
         """Status code the last call left (0 = ok; see ``_STATUS``)."""
-        return self._ext.step_status(self.address)
+        return self._ext.step_status(self._live())
 
     @property
     def failed(self) -> int:

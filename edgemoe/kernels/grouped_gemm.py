@@ -82,7 +82,7 @@ def choose_config(routes: int, num_experts: int, hidden: int, inter: int, dtype:
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, K, H, I, stride_x,
+def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, stride_x,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     n_tiles = tl.cdiv(I, BN)
     tile = tl.program_id(0) // n_tiles  # consecutive programs share the tile's x rows and the expert
@@ -93,7 +93,7 @@ def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, K, H, I, stri
         wdt = w13_ptr.dtype.element_ty
         pos = first + tl.arange(0, BM)  # [BM] sorted positions of the tile's routes
         pmask = pos < end
-        tok = tl.load(order_ptr + pos, mask=pmask, other=0) // K  # [BM]
+        tok = tl.load(order_ptr + pos, mask=pmask, other=0) // TOPK  # [BM] token of each route
         cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)  # [BN] rows of g (and of u)
         cmask = cols < I
         kk = tl.arange(0, BK)

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
+
 MAX_ROUTES = 128  # P = T·k routes one launch handles
 GROUPS = 64  # slot groups of the victim search (default)
 _HIT = tl.constexpr(-2)  # last_used mark of this step's hit slots during the search
@@ -59,7 +61,7 @@ class RouteOutputs:
         cpu_wt: ``[K]`` float32: router weight of each CPU route.
 
         cpu_pack: ``[cpu_work_words(K, K)]`` int64 holding the ``cpu_*`` buffers above in the native
-            executor's registered-step layout (``edgemoe.experts.native.carve_cpu_work``), so one copy
+            executor's registered-step layout (:func:`~edgemoe.kernels.cpu_work.carve_cpu_work`), so one copy
             moves a step's CPU work to the host.
     """
 
@@ -77,8 +79,6 @@ class RouteOutputs:
     @classmethod
     def empty(cls, max_routes: int, device: torch.device | str) -> "RouteOutputs":
         """Buffers for up to ``max_routes`` routes (``K = max_routes``) on ``device``."""
-        from edgemoe.experts.native import carve_cpu_work, cpu_work_words
-
         K = int(max_routes)
         i64 = dict(dtype=torch.int64, device=device)
         pack = torch.zeros(cpu_work_words(K, K), **i64)

@@ -107,7 +107,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // with weight 1/8, until `seconds` elapse. Returns (calls, elapsed seconds, status).
         auto* st = ptr<edgemoe_step>(sp);
         const int64_t E = experts_per_call, T = tokens;
-        if (E < 1 || T < 1 || E > st->max_experts || E * T > st->max_routes || T > st->max_tokens || n_order < 1)
+        if (E < 1 || T < 1 || n_order < 1) return py::make_tuple(int64_t{0}, 0.0, static_cast<int32_t>(kBadArgs));
+        if (E > st->max_experts || E * T > st->max_routes || T > st->max_tokens)
           return py::make_tuple(int64_t{0}, 0.0, static_cast<int32_t>(kTooLarge));
         auto* dims = const_cast<int64_t*>(st->dims);
         auto* fids = const_cast<int64_t*>(st->fids);

@@ -429,6 +429,8 @@ extern "C" void edgemoe_run_step(void* p) {
                                  static_cast<edgemoe::WeightFormat>(st->weight_fmt)};
     const edgemoe::StepArgs a{st->x, st->x_fmt, T, st->out, E, st->fids, st->offsets, st->tok, st->wt, st->zero_out};
     st->status = static_cast<edgemoe::Executor*>(st->executor)->run(b, a);
+    if (st->status != edgemoe::kOk && st->zero_out && st->out)  // no stale partial from an earlier call
+      std::memset(st->out, 0, sizeof(float) * st->max_tokens * st->hidden);
     st->calls += 1;
   } catch (...) {
     st->status = edgemoe::kInternal;
@@ -439,13 +441,18 @@ extern "C" void edgemoe_run_step(void* p) {
 namespace edgemoe {
 
 StepServer::StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us)
-    : step_(step), request_(request), done_(done), active_spin_us_(std::max(0, active_spin_us)) {
+    : step_(step), request_(request), done_(done), active_spin_us_(std::max(0, active_spin_us)),
+      owner_pid_(static_cast<long>(getpid())) {
   __atomic_store_n(done_, __atomic_load_n(request_, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);  // nothing pending
   thread_ = std::thread(&StepServer::loop, this);
 }
 
 StepServer::~StepServer() {
   stop_.store(true, std::memory_order_release);
+  if (static_cast<long>(getpid()) != owner_pid_) {  // forked child: the thread is the parent's; leak the handle
+    new std::thread(std::move(thread_));
+    return;
+  }
   if (thread_.joinable()) thread_.join();
 }
 
@@ -459,8 +466,8 @@ void StepServer::loop() {
       edgemoe_run_step(step_);
       if (step_->status != kOk) failed_.fetch_add(1, std::memory_order_relaxed);
       last = req;
+      served_.fetch_add(1, std::memory_order_release);  // before done: a waiter that sees done sees it
       __atomic_store_n(done_, req, __ATOMIC_RELEASE);
-      served_.fetch_add(1, std::memory_order_release);
       t_last = clock::now();
       continue;
     }

@@ -155,10 +155,10 @@ class Executor {
 
 extern "C" {
 
-// A step with pre-registered buffers, for callers that cannot pass arguments (a CUDA-graph host
-// node: cudaLaunchHostFunc(stream, edgemoe_run_step, step)). Everything is registered once; per
-// replay a producer (e.g. a device kernel writing to pinned memory) fills x, dims, fids, offsets,
-// tok and wt, then the host node runs the step. All pointers are host memory. Python allocates it
+// A step with pre-registered buffers, for callers that cannot pass arguments (StepServer below, or a
+// CUDA-graph host node: cudaLaunchHostFunc(stream, edgemoe_run_step, step)). Everything is
+// registered once; per step a producer (device->pinned copies from the decode graph) fills x, dims,
+// fids, offsets, tok and wt, then the consumer runs the step. All pointers are host memory. Python allocates it
 // through the binding (step_create) and never depends on the field layout; C callers only pass the
 // pointer back to edgemoe_run_step.
 typedef struct edgemoe_step {
@@ -193,11 +193,12 @@ namespace edgemoe {
 // the CPU computes; issue 4, docs/benchmarks/decode.md). Protocol, per step:
 //   device: copies the step's inputs into the registered buffers, then stores n = previous n + 1
 //           into *request (a kernel writing mapped pinned memory), then polls *done until >= n;
-//   server: a dedicated thread polls *request; when it exceeds the last value served it runs
+//   server: a dedicated thread polls *request; when it differs from the last value served it runs
 //           edgemoe_run_step(step) (the pool's worker 0 is this thread) and stores that value
 //           into *done (release: out[] is complete before done moves).
 // The thread spins (pause) for `active_spin_us` after each served step, then polls every 50 us, and
-// every 1 ms after a second of silence. The destructor stops and joins the thread.
+// every 1 ms after a second of silence. The destructor stops and joins the thread (in a forked child,
+// where the thread does not exist, it leaks the handle instead, as ThreadPool does).
 class StepServer {
  public:
   StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us);
@@ -217,6 +218,7 @@ class StepServer {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};
   std::atomic<int64_t> failed_{0};
+  long owner_pid_;
   std::thread thread_;
 };
 
