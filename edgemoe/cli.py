@@ -128,6 +128,24 @@ def _recorder(path: str):
     return RoutingRecorder(path)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Raise :class:`CLIError` when ``host:port`` cannot be listened on (e.g. another server holds it)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise CLIError(f"cannot resolve --host {host!r}: {exc}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror} (another server running? "
+                           f"choose another --port)") from None
+
+
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
 
@@ -139,6 +157,7 @@ def _cmd_serve(args) -> int:
         check_parser_names(args.tool_call_parser, args.reasoning_parser)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    _check_port(args.host, args.port)  # before loading weights, which can take minutes
 
     def on_ready(engine) -> None:
         if args.record_routing:

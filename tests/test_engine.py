@@ -272,6 +272,23 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "max_num_seqs" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_busy_port_before_loading(tiny_model_dir, capsys, monkeypatch):
+    """A port another process listens on is an error at once, not after the weights load."""
+    import socket
+
+    import edgemoe.server.app as app
+    from edgemoe.cli import main
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("serve() reached with a busy port"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny_model_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.strip().count("\n") == 0
+
+
 def test_cli_generate_json_and_make_model(tmp_path, capsys):
     from edgemoe.cli import main
 
