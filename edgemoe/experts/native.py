@@ -103,6 +103,19 @@ def _stop_servers() -> None:
         step.close()
 
 
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, imported without its import-time "No CUDA runtime is found"
+    warning: the extension is CPU code and never needs CUDA."""
+    log_ = logging.getLogger("torch.utils.cpp_extension")
+    level = log_.level
+    log_.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension as cpp
+    finally:
+        log_.setLevel(level)
+    return cpp
+
+
 def build_dir() -> Path:
     """``<EDGEMOE_CACHE or ~/.cache/edgemoe>/torch_ext/<name>-<hash>``: per user, per source version."""
     h = hashlib.sha256()
@@ -142,7 +155,7 @@ def _build_direct(bdir: Path, verbose: bool = False):
     import sysconfig
     from concurrent.futures import ThreadPoolExecutor
 
-    from torch.utils.cpp_extension import include_paths
+    include_paths = _cpp_extension().include_paths
 
     bdir.mkdir(parents=True, exist_ok=True)
     so = bdir / f"{EXT_NAME}.so"
@@ -194,7 +207,8 @@ def load_extension(verbose: bool = False):
         if reason is not None:
             _error = reason
             raise NativeUnavailable(reason)
-        from torch.utils.cpp_extension import is_ninja_available, load
+        cpp = _cpp_extension()
+        is_ninja_available, load = cpp.is_ninja_available, cpp.load
 
         ninja = is_ninja_available()
         t0 = time.perf_counter()
