@@ -74,6 +74,30 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     _patch_triton_interpreter()
 
 
+def greedy_decode(runner, prompt: list[int], steps: int, *, seq_id: int = 0, chunk_ends: list[int] | None = None,
+                  free: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Prefill ``prompt`` (in chunks ending at ``chunk_ends``, then at its end), then ``steps`` greedy
+    decode steps through ``runner.execute``; ``free`` releases the sequence after.
+
+    Returns:
+        ``(logits [steps + 1, V] on the CPU, tokens)``: the prompt's last logits, then each step's.
+    """
+    from edgemoe.core import Phase
+    from edgemoe.engine.model_runner import StepInput
+
+    start = 0
+    for end in (chunk_ends or []) + [len(prompt)]:
+        last = runner.execute([StepInput(seq_id, prompt[start:end], start)], Phase.PREFILL)[0]
+        start = end
+    logits, toks = [last], [int(last.argmax())]
+    for i in range(steps):
+        logits.append(runner.execute([StepInput(seq_id, [toks[-1]], len(prompt) + i)], Phase.DECODE)[0])
+        toks.append(int(logits[-1].argmax()))
+    if free:
+        runner.free(seq_id)
+    return torch.stack(logits).cpu(), toks
+
+
 @pytest.fixture
 def load_benchmark(monkeypatch):
     """``load_benchmark(name)``: the module of ``benchmarks/<name>.py``, loaded from its file (the scripts

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
+from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
-from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
 from edgemoe.experts.hybrid import HybridExperts
@@ -301,20 +302,6 @@ def test_copy_runs_coalesce_consecutive_ids_and_slots():
 
 
 # ---------------------------------------------------------------- through the model runner (tiny model)
-def _greedy(runner: ModelRunner, prompt: list[int], chunk: int, steps: int):
-    logits, pos = None, 0
-    while pos < len(prompt):  # chunked prefill
-        logits = runner.execute([StepInput(0, prompt[pos:pos + chunk], pos)], Phase.PREFILL)
-        pos += chunk
-    out, toks = [logits[0]], [int(logits[0].argmax())]
-    for i in range(steps):
-        logits = runner.execute([StepInput(0, [toks[-1]], len(prompt) + i)], Phase.DECODE)
-        out.append(logits[0])
-        toks.append(int(logits[0].argmax()))
-    runner.free(0)
-    return torch.stack(out), toks
-
-
 def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, EngineConfig(device="cpu", expert_policy="fill-all", expert_cache_slots=10**6,
                                                       cpu_executor="torch"),
@@ -322,7 +309,7 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
     E_, L_ = runner.model_config.num_experts, runner.model_config.num_moe_layers
     prompt = [(7 * i + 3) % 1000 for i in range(40)]
     runner.experts.prefill.mode = "off"
-    ref, rt = _greedy(runner, prompt, chunk=20, steps=4)
+    ref, rt = greedy_decode(runner, prompt, 4, chunk_ends=list(range(20, len(prompt), 20)), free=True)
     for slots, policy in [(2 * E_, "fill-all"), (2 * E_ + 7, "fill-all"), (2 * E_ + 7, "qstar")]:
         if policy == "qstar":
             runner.bandwidths = Bandwidths(10.0, 25.0, "test")
@@ -330,7 +317,7 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
         streamer, calls = runner.experts.prefill, []
         forward = streamer.forward
         streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
-        got, gt = _greedy(runner, prompt, chunk=20, steps=4)
+        got, gt = greedy_decode(runner, prompt, 4, chunk_ends=list(range(20, len(prompt), 20)), free=True)
         assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= 2E = 32)
         pf = runner.experts.stats()["prefill"]
         assert pf["fills"] >= pf["misses"] > 0 and pf["cpu"] == 0

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from edgemoe import SamplingParams
+from conftest import greedy_decode
 from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.engine.llm_engine import LLMEngine
@@ -61,19 +62,6 @@ def _reference(model, prompt: list[int], steps: int):
             toks.append(int(out.argmax()))
             ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
     return torch.stack(logits), toks
-
-
-def _greedy(runner: ModelRunner, prompt: list[int], steps: int, seq_id: int = 0, chunks: list[int] | None = None):
-    """Prefill (in chunks ending at the given offsets) then greedy decode; (logits [steps+1, V], tokens)."""
-    start = 0
-    for end in (chunks or []) + [len(prompt)]:
-        last = runner.execute([StepInput(seq_id, prompt[start:end], start)], Phase.PREFILL)[0]
-        start = end
-    logits, toks = [last], [int(last.argmax())]
-    for i in range(steps):
-        logits.append(runner.execute([StepInput(seq_id, [toks[-1]], len(prompt) + i)], Phase.DECODE)[0])
-        toks.append(int(logits[-1].argmax()))
-    return torch.stack(logits).cpu(), toks
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +163,7 @@ def test_35b_preset_config_only_serves_dummy_weights(tmp_path):
     out = write_config_only(tmp_path / "c", "qwen3_5_moe", "qwen3.6-35b-a3b", overrides=small)
     runner = ModelRunner(out, _engine_config(load_format="dummy", dtype="bfloat16"), progress=False)
     assert runner.state.spec.conv_width == 3 and runner.state.recurrent.dtype == torch.float32
-    logits, toks = _greedy(runner, PROMPT[:20], 2)
+    logits, toks = greedy_decode(runner, PROMPT[:20], 2)
     assert logits.shape == (3, 1024) and torch.isfinite(logits).all()
 
 
@@ -289,7 +277,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots, device
     runner = ModelRunner(path, _engine_config(expert_policy=policy, expert_cache_slots=slots, device=device),
                          progress=False)
     free_at_start = runner.state.free_slots  # on CUDA the padding rows' scratch slot is reserved at start-up
-    logits, toks = _greedy(runner, PROMPT, DECODE_STEPS)
+    logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
     runner.cache.check_invariants()
@@ -312,7 +300,7 @@ def test_conditional_generation_layout_matches_transformers(conditional, device)
     runner = ModelRunner(path, _engine_config(device=device), progress=False)
     assert runner.model.nested and "model.language_model.layers.1.self_attn.q_proj.weight" in dict(
         runner.model.named_parameters())
-    logits, toks = _greedy(runner, PROMPT, DECODE_STEPS)
+    logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
 
@@ -327,7 +315,7 @@ def test_real_head_geometry_matches_transformers(tmp_path, device):
     out = make_model(tmp_path / "m", "qwen3_5_moe", "qwen3.6-35b-a3b", seed=1, dtype="float32", overrides=small)
     ref_logits, ref_toks = _reference(Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval(),
                                       PROMPT[:70], 2)
-    logits, toks = _greedy(ModelRunner(out, _engine_config(device=device), progress=False), PROMPT[:70], 2)
+    logits, toks = greedy_decode(ModelRunner(out, _engine_config(device=device), progress=False), PROMPT[:70], 2)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
 
@@ -365,7 +353,7 @@ def test_gated_delta_kernels_match_torch_path(tiny, monkeypatch, device):
         cfg = _engine_config(expert_policy="fill-all", expert_cache_slots=10_000, device=device)
         runner = ModelRunner(tiny[0], cfg, progress=False)
         # the prompt in one prefill, and in three (later chunks start from the carried state)
-        return _greedy(runner, PROMPT, DECODE_STEPS, seq_id=1), _greedy(runner, PROMPT, 2, seq_id=2, chunks=[5, 70])
+        return greedy_decode(runner, PROMPT, DECODE_STEPS, seq_id=1), greedy_decode(runner, PROMPT, 2, seq_id=2, chunk_ends=[5, 70])
 
     reference = run(lambda q: None)
     assert calls == {"chunk": 0, "recurrent": 0}
@@ -376,8 +364,8 @@ def test_gated_delta_kernels_match_torch_path(tiny, monkeypatch, device):
 
 
 def test_chunked_prefill_equals_one_shot(runner, tiny):
-    whole, whole_toks = _greedy(runner, PROMPT, 3, seq_id=1)
-    chunked, chunked_toks = _greedy(runner, PROMPT, 3, seq_id=2, chunks=[5, 6, 70])  # 1-token chunk included
+    whole, whole_toks = greedy_decode(runner, PROMPT, 3, seq_id=1)
+    chunked, chunked_toks = greedy_decode(runner, PROMPT, 3, seq_id=2, chunk_ends=[5, 6, 70])  # 1-token chunk included
     runner.free(1), runner.free(2)
     assert chunked_toks == whole_toks
     torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)  # other chunk boundaries: fp32 rounding
@@ -389,7 +377,7 @@ def test_concurrent_sequences_match_alone(runner):
     a, b = PROMPT[:33], PROMPT[40:][::-1]
     alone = []
     for p in (a, b):
-        alone.append(_greedy(runner, p, 3, seq_id=9))
+        alone.append(greedy_decode(runner, p, 3, seq_id=9))
         runner.free(9)
     first = runner.execute([StepInput(1, a, 0), StepInput(2, b, 0)], Phase.PREFILL)
     logits = [[first[0]], [first[1]]]
@@ -532,7 +520,7 @@ def test_ftw_convert_skips_vision_and_serves_identically(conditional, tmp_path):
     ftw = convert(path, tmp_path / "ftw", progress=False)
     names = load_file(ftw / "non_expert.safetensors")
     assert not any(n.startswith(("model.visual.", "mtp.")) for n in names)
-    logits, toks = _greedy(ModelRunner(ftw, _engine_config(), progress=False), PROMPT, 2)
+    logits, toks = greedy_decode(ModelRunner(ftw, _engine_config(), progress=False), PROMPT, 2)
     assert toks == ref_toks[:3]
     torch.testing.assert_close(logits, ref_logits[:3], **TOL)
 

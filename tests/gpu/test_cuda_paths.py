@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import greedy_decode
 from edgemoe.config import EngineConfig
-from edgemoe.core import Phase
-from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.experts.policy import Bandwidths
 from edgemoe.weights.make_model import make_model
 
@@ -24,23 +24,12 @@ def small(tmp_path_factory):
     return out
 
 
-def _greedy(runner: ModelRunner, steps: int = 12):
-    logits = runner.execute([StepInput(0, PROMPT, 0)], Phase.PREFILL)
-    out, toks = [logits[0]], [int(logits[0].argmax())]
-    for i in range(steps):
-        logits = runner.execute([StepInput(0, [toks[-1]], len(PROMPT) + i)], Phase.DECODE)
-        out.append(logits[0])
-        toks.append(int(logits[0].argmax()))
-    runner.free(0)
-    return torch.stack(out), toks
-
-
 def test_pool_is_pinned_and_fill_all_is_bit_identical_to_resident(small):
     runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
     assert runner.pinned
-    resident, rt = _greedy(runner)
+    resident, rt = greedy_decode(runner, PROMPT, 12, free=True)
     runner.set_expert_cache(12, "fill-all")  # < one layer (32 experts), >= a step's top-8
-    offloaded, ot = _greedy(runner)
+    offloaded, ot = greedy_decode(runner, PROMPT, 12, free=True)
     assert ot == rt
     assert torch.equal(offloaded, resident)
     assert runner.experts.stats()["decode"]["fills"] > 0
@@ -48,10 +37,10 @@ def test_pool_is_pinned_and_fill_all_is_bit_identical_to_resident(small):
 
 def test_qstar_on_cuda_matches_resident_tokens(small):
     runner = ModelRunner(small, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
-    resident, rt = _greedy(runner)
+    resident, rt = greedy_decode(runner, PROMPT, 12, free=True)
     runner.bandwidths = Bandwidths(10.0, 25.0, "test")
     runner.set_expert_cache(20, "qstar")
-    hybrid, ht = _greedy(runner)
+    hybrid, ht = greedy_decode(runner, PROMPT, 12, free=True)
     st = runner.experts.stats()["decode"]
     assert st["fills"] > 0 and st["cpu"] > 0
     assert ht == rt

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import greedy_decode
 from edgemoe.config import EngineConfig
-from edgemoe.core import Phase
-from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.weights.make_model import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -24,26 +24,11 @@ def small(tmp_path_factory):
     return out
 
 
-def _run(runner: ModelRunner, chunk: int = 48, steps: int = 6):
-    logits, pos = None, 0
-    while pos < len(PROMPT):
-        logits = runner.execute([StepInput(0, PROMPT[pos:pos + chunk], pos)], Phase.PREFILL)
-        pos += chunk
-    out, toks = [logits[0]], [int(logits[0].argmax())]
-    for i in range(steps):
-        logits = runner.execute([StepInput(0, [toks[-1]], len(PROMPT) + i)], Phase.DECODE)
-        out.append(logits[0])
-        toks.append(int(logits[0].argmax()))
-    runner.free(0)
-    return torch.stack(out), toks
-
-
-@pytest.mark.parametrize("mode", ["overlap", "serial"])
 def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
     runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
     assert runner.pinned
     runner.experts.prefill.mode = "off"
-    ref, rt = _run(runner)
+    ref, rt = greedy_decode(runner, PROMPT, 6, chunk_ends=list(range(48, len(PROMPT), 48)), free=True)
     E, L = runner.model_config.num_experts, runner.model_config.num_moe_layers
     for slots in (2 * E, 2 * E + 9, 3 * E + 1):
         runner.set_expert_cache(slots, "fill-all")
@@ -51,7 +36,7 @@ def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
         streamer.mode = mode
         forward = streamer.forward
         streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
-        got, gt = _run(runner)
+        got, gt = greedy_decode(runner, PROMPT, 6, chunk_ends=list(range(48, len(PROMPT), 48)), free=True)
         assert calls == list(range(L)) * 2  # both chunks streamed
         assert gt == rt
         assert torch.equal(got, ref), f"slots {slots}"
