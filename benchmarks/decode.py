@@ -202,15 +202,14 @@ def main(argv=None) -> int:
             results.append(r)
             print(r, flush=True)
     resident_ms = next((r["ms_per_token"] for r in results if r["context"] == a.prompt_len), None)
-    b_p, b_h = runner.bandwidths.pcie, runner.bandwidths.cpu
     for gb, pol in [(float(gb), p) for gb in a.budgets.split(",") if gb for p in a.policies.split(",") if p]:
         r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
         r["budget_gb"] = gb
-        if resident_ms is not None and b_p and b_h:
-            # bytes-bound limit: the resident step plus the slower miss branch, each at the rate measured
-            # alone (one branch in use) or while both run (both in use: the concurrent pair)
-            both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
-            rates = prof["concurrent"] if both else prof["isolated"]
+        # bytes-bound limit: the resident step plus the slower miss branch, each at the rate measured
+        # alone (one branch in use) or while both run (both in use: the concurrent pair)
+        both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
+        rates = prof["concurrent"] if both else prof["isolated"]
+        if resident_ms is not None and rates["b_p_gbps"] and rates["b_h_gbps"]:
             miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
                           r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
             r["bound_ms"] = resident_ms + miss_ms

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 PROFILE_VERSION = 2  # 2: B_H measured with DECODE_CPU_EXPERTS experts per call
 ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
 ROTATE_BYTES_QUICK = 512_000_000
+DECODE_CPU_EXPERTS = 4
+"""Experts per CPU-executor call when B_H is measured: a batch-1 decode step of a top-8 model sends a few
+experts of each layer to the CPU in one call (about 3.7 per layer under q* on the H200 host), so the
+per-call cost is shared by that many experts, not charged to each."""
 
 
 def default_profile_path(hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> Path:
@@ -142,12 +146,6 @@ def measure_cpu(pool: HostExpertPool, executor, seconds: float, tokens: int = 1,
         dt = time.perf_counter() - t0
         if dt >= seconds:
             return moved / dt / 1e9
-
-
-DECODE_CPU_EXPERTS = 4
-"""Experts per CPU-executor call when B_H is measured: a batch-1 decode step of a top-8 model sends a few
-experts of each layer to the CPU in one call (about 3.7 per layer under q* on the H200 host), so the
-per-call cost is shared by that many experts, not charged to each."""
 
 
 def measure_concurrent(pool: HostExpertPool, device: torch.device, executor, seconds: float,

@@ -29,15 +29,11 @@ the step cannot be captured.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-
-log = logging.getLogger(__name__)
 
 
 def device_path_available(device: torch.device) -> str | None:
@@ -184,7 +180,8 @@ class DeviceDecode:
         return y.to(x.dtype)
 
     def _cpu_branch_sync(self, x: torch.Tensor, cpu_out: torch.Tensor) -> None:
-        """The CPU branch without a host node: read the work list back (a sync) and run it here."""
+        """The CPU branch without a registered native step (the torch executor): read the work list
+        back (a sync) and run it here."""
         o = self.out
         n = int(o.cpu_dims[1])
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)

@@ -501,6 +501,7 @@ class RegisteredStep:
 
     def __init__(self, executor: NativeCpuExecutor, max_tokens: int, max_experts: int, max_routes: int | None,
                  x_dtype: torch.dtype, zero_out: bool, pin_memory: bool = False):
+        self._server = self.address = 0  # doorbell server handle (serve), edgemoe_step* (below)
         if x_dtype not in X_FORMATS:
             raise ValueError(f"x_dtype must be float32 or bfloat16, got {x_dtype}")
         ext = load_extension()
@@ -523,7 +524,7 @@ class RegisteredStep:
 
     def _live(self) -> int:
         """The step's address; raises ``RuntimeError`` once :meth:`close` has freed it."""
-        if not getattr(self, "address", 0):
+        if not self.address:
             raise RuntimeError("this registered step is closed")
         return self.address
 
@@ -577,7 +578,7 @@ class RegisteredStep:
             ValueError: the sizes exceed the registered capacity; IndexError etc.: a failed step.
             RuntimeError: the step is closed, or its doorbell server is running (it shares the buffers).
         """
-        if getattr(self, "_server", 0):
+        if self._server:
             raise RuntimeError("bench() would race the doorbell server on the step's buffers")
         order = order.to(torch.int64).contiguous()
         calls, dt, status = self._ext.step_bench(self._live(), order.data_ptr(), order.numel(), int(tokens),
@@ -595,7 +596,7 @@ class RegisteredStep:
         ``active_spin_us`` after each step (consecutive MoE layers arrive within microseconds), then
         polls every 50 µs (every 1 ms after a second of silence). :meth:`close` stops it.
         """
-        if getattr(self, "_server", 0):
+        if self._server:
             return self.doorbell
         self._live()
         self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
@@ -607,7 +608,7 @@ class RegisteredStep:
     @property
     def served(self) -> int:
         """Requests the doorbell server has completed (0 when not serving)."""
-        return self._ext.server_served(self._server) if getattr(self, "_server", 0) else 0
+        return self._ext.server_served(self._server) if self._server else 0
 
     @property
     def status(self) -> int:
@@ -617,14 +618,14 @@ class RegisteredStep:
     @property
     def failed(self) -> int:
         """Served requests whose step failed (a bad id or size; ``status`` says which), 0 when not serving."""
-        return self._ext.server_failed(self._server) if getattr(self, "_server", 0) else 0
+        return self._ext.server_failed(self._server) if self._server else 0
 
     def close(self) -> None:
         """Stop the doorbell server (if any) and free the registered step."""
-        if getattr(self, "_server", 0):
+        if self._server:
             self._ext.server_stop(self._server)
             self._server = 0
-        if getattr(self, "address", 0):
+        if self.address:
             self._ext.step_destroy(self.address)
             self.address = 0
 

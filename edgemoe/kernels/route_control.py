@@ -59,7 +59,6 @@ class RouteOutputs:
             (entries ``0 .. P`` written; those past ``n_cpu`` hold the total).
         cpu_tok: ``[K]`` int64: token row of each CPU route, grouped by expert, ascending token.
         cpu_wt: ``[K]`` float32: router weight of each CPU route.
-
         cpu_pack: ``[cpu_work_words(K, K)]`` int64 holding the ``cpu_*`` buffers above in the native
             executor's registered-step layout (:func:`~edgemoe.kernels.cpu_work.carve_cpu_work`), so one copy
             moves a step's CPU work to the host.
