@@ -24,6 +24,7 @@ def small(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("mode", ["overlap", "serial"])
 def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
     runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
     assert runner.pinned
