@@ -245,7 +245,8 @@ def test_padded_device_decode_batch_runs_as_one_decode(tiny, monkeypatch):
     pool.conv.copy_(start[0]), pool.recurrent.copy_(start[1])
     plain = layer(x[:3], batch(3, padded=False))
     torch.testing.assert_close(padded[:3], plain, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(after[0], pool.conv[:, slots], rtol=0, atol=0)
+    # the conv window holds in_proj outputs: a 4-row GEMM may round differently from a 3-row one
+    torch.testing.assert_close(after[0], pool.conv[:, slots], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(after[1], pool.recurrent[:, slots], rtol=1e-6, atol=1e-6)
     assert torch.isfinite(padded[3]).all()
 
