@@ -54,7 +54,6 @@ GB = 1e9
 def child_ttft(model_dir: str, device: str, prompt_tokens: int) -> None:
     """Runs in a fresh process: import, build the runner, prefill, print one JSON line."""
     t_start = time.time()
-    import torch
 
     from edgemoe.config import EngineConfig
     from edgemoe.core import Phase
@@ -123,7 +122,8 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
     """FTW straight from dummy data (no HF checkpoint): returns timings."""
     import torch
 
-    from edgemoe.config import ModelConfig, parse_dtype
+    from edgemoe.config import parse_dtype
+    from edgemoe.models import load_config
     from edgemoe.models import model_class
     from edgemoe.weights.ftw import FTWWriter
     from edgemoe.weights.make_model import write_config_only
@@ -132,7 +132,7 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
     cfg_dir = out.parent / (out.name + ".config")
     shutil.rmtree(cfg_dir, ignore_errors=True)
     write_config_only(cfg_dir, "qwen3_moe", preset, dtype=dtype, overrides=overrides)
-    cfg = ModelConfig.from_hf(cfg_dir)
+    cfg = load_config(cfg_dir)
     dt = parse_dtype(dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
@@ -234,14 +234,15 @@ def read_route(model_dir: Path, label: str, *, direct: bool, verify: bool, stagi
     ``huge_pages``: destination advised ``MADV_HUGEPAGE`` (instead of the pool's default)."""
     import torch
 
-    from edgemoe.config import ModelConfig, parse_dtype
+    from edgemoe.config import parse_dtype
+    from edgemoe.models import load_config
     from edgemoe.experts.pool import HostExpertPool, host_empty
     from edgemoe.weights.bootstrap import read_banks
     from edgemoe.weights.ftw import bank_sources, read_manifest
 
     man = read_manifest(model_dir)
     src = bank_sources(man, model_dir)
-    cfg = ModelConfig.from_hf(model_dir)
+    cfg = load_config(model_dir)
     dtype = parse_dtype(man["banks"]["w13"]["dtype"])
     drop_cache([s.path for s in src.values()])
     gc.collect()

@@ -89,12 +89,12 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     row = runner.pool.row_bytes
     return {
         "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt),
-        "decode_path": runner.decode_path,
+        "decode_path": runner.experts.decode_path,
         "tokens_per_s": tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
         "hit_rate": d["hits"] / uses if uses else 0.0,
         "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
         "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
-        "q_ratio_policy": runner.policy.q_ratio(),
+        "q_ratio_policy": runner.experts.policy.q_ratio(),
         "q_over_m_observed": d["fills"] / d["misses"] if d["misses"] else None,
     }
 
@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
     prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                   runner.cpu_executor, a.profile_seconds, 2_000_000_000)
-    runner.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+                   runner.experts.cpu_executor, a.profile_seconds, 2_000_000_000)
+    runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
     print(runner.summary(), flush=True)
@@ -220,12 +220,12 @@ def main(argv=None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "cpu_threads": runner.cpu_executor.threads, "torch": torch.__version__},
+                    "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
-        "bandwidths_used": {"b_p": runner.bandwidths.pcie, "b_h": runner.bandwidths.cpu, "source": runner.bandwidths.source},
-        "decode_path": runner.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
+        "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu, "source": runner.experts.bandwidths.source},
+        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

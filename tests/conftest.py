@@ -265,8 +265,7 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
         sock.close()
 
 
-def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None,
-                       prefill_chunk_tokens: int | None = None, **app_options):
+def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None, **app_options):
     """Context manager: load ``model_dir`` (CPU), serve it as ``name``; yields an :class:`AgentServer`."""
     import contextlib
 
@@ -275,9 +274,8 @@ def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | Non
 
     @contextlib.contextmanager
     def run():
-        kw = {"prefill_chunk_tokens": prefill_chunk_tokens} if prefill_chunk_tokens else {}
         llm = AsyncLLM(str(model_dir), EngineConfig(device="cpu", **(engine_options or {"max_model_len": 4096})),
-                       progress=False, **kw)
+                       progress=False)
         try:
             assert llm.wait_ready(120)
             tok = llm.tokenizer

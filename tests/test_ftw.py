@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.config import EngineConfig
+from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.pool import HostExpertPool
@@ -93,7 +94,7 @@ def test_round_trip_identical_tensors_and_tokens(hf_runner, ftw_dir):
 
 def test_manifest_layout_and_self_contained(hf, ftw_dir):
     man = read_manifest(ftw_dir)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = load_config(hf)
     n = cfg.num_moe_layers * cfg.num_experts
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     assert man["format"] == "edgemoe-ftw" and man["format_version"] == ftw.FORMAT_VERSION
@@ -117,7 +118,7 @@ def test_manifest_layout_and_self_contained(hf, ftw_dir):
 
 
 def test_fused_hf_layout_converts_identically(hf, ftw_dir, tmp_path):
-    cfg = ModelConfig.from_hf(hf)
+    cfg = load_config(hf)
     d = tmp_path / "fused"
     shutil.copytree(hf, d)
     sd = load_file(d / "model.safetensors")
@@ -426,6 +427,6 @@ def test_runner_serves_with_cpu_all_when_pinning_is_refused(ftw_dir, hf_runner, 
     monkeypatch.setattr(mr, "pin_or_fallback", lambda pool, device: PinOutcome(False, True, 0.0, "refused"))
     cfg = EngineConfig(device="cpu", dtype="float32", expert_policy="fill-all", expert_cache_slots=16)
     r = ModelRunner(ftw_dir, cfg, progress=False)
-    assert r.policy.name == "cpu-all" and r.cache.num_slots == 0 and not r.pinned
+    assert r.experts.policy.name == "cpu-all" and r.experts.cache.num_slots == 0 and not r.pinned
     assert "pinning refused, so policy cpu-all" in r.summary()
     assert greedy(r) == greedy(hf_runner)

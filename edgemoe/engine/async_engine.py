@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from edgemoe.config import EngineConfig
-from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS, LLMEngine, RequestOutput
+from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.sampling import SamplingParams
@@ -67,7 +67,6 @@ class AsyncLLM:
         runner_factory: builds the runner in the engine thread; default
             ``ModelRunner(model_dir, config, progress)``.
         progress: show a loading progress bar.
-        prefill_chunk_tokens: see :class:`LLMEngine`.
         on_ready: called in the engine thread with the engine once the runner is loaded
             (e.g. to print ``runner.summary()``).
         start: start the engine thread (and loading) now.
@@ -82,7 +81,6 @@ class AsyncLLM:
         *,
         runner_factory: Callable[[], Any] | None = None,
         progress: bool = True,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         on_ready: Callable[[LLMEngine], None] | None = None,
         start: bool = True,
     ):
@@ -95,7 +93,6 @@ class AsyncLLM:
 
         self.model_dir = model_dir
         self._runner_factory = runner_factory
-        self._prefill_chunk_tokens = prefill_chunk_tokens
         self._on_ready = on_ready
         self.metrics = EngineMetrics()
         self.metrics.add_expert_stats_source(self._expert_stats)
@@ -252,7 +249,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             runner = self._runner_factory()
-            engine = LLMEngine(runner, prefill_chunk_tokens=self._prefill_chunk_tokens, metrics=self.metrics)
+            engine = LLMEngine(runner, metrics=self.metrics)
             try:
                 self.tokenizer = copy.deepcopy(engine.tokenizer)
             except Exception:  # noqa: BLE001 - share it when it cannot be copied

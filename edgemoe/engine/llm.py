@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS, LLMEngine, RequestOutput
+from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "normalize_messages", "render_chat"]
@@ -100,7 +100,6 @@ class LLM:
 
     Args:
         model_dir: Hugging Face checkpoint directory (or FTW).
-        prefill_chunk_tokens: most prompt tokens per prefill step (default 8192).
         progress: show the weight-loading progress bar.
         **engine_options: fields of :class:`edgemoe.config.EngineConfig` (``device``,
             ``expert_cache_slots``, ``max_num_seqs``, ``max_model_len``, ...).
@@ -114,16 +113,13 @@ class LLM:
         self,
         model_dir: str,
         *,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         progress: bool = True,
         **engine_options: Any,
     ):
         from edgemoe.config import EngineConfig
 
         config = EngineConfig.from_kwargs(**engine_options)
-        self.engine = LLMEngine.from_model_dir(
-            model_dir, config, progress=progress, prefill_chunk_tokens=prefill_chunk_tokens
-        )
+        self.engine = LLMEngine.from_model_dir(model_dir, config, progress=progress)
         self._ids = itertools.count()
 
     @property

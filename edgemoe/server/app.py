@@ -591,7 +591,6 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    prefill_chunk_tokens: int | None = None,
     log_level: str = "info",
     on_ready=None,
     tool_call_parser: str | None = None,
@@ -606,15 +605,9 @@ def serve(
     import uvicorn
 
     from edgemoe.config import EngineConfig
-    from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS
 
     config = config or EngineConfig()
-    llm = AsyncLLM(
-        model_dir,
-        config,
-        prefill_chunk_tokens=prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
-        on_ready=on_ready,
-    )
+    llm = AsyncLLM(model_dir, config, on_ready=on_ready)
     app = build_app(
         llm,
         config.served_model_name,

@@ -731,12 +731,12 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
 
     from safetensors import safe_open
 
-    from edgemoe.models import model_class
+    from edgemoe.models import load_config, model_class
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
     if is_ftw(hf_dir):
         raise ValueError(f"{hf_dir} is already an FTW directory ({MANIFEST} present)")
-    cfg = ModelConfig.from_hf(hf_dir)
+    cfg = load_config(hf_dir)
     _check_target(out.absolute(), overwrite)
     where = checkpoint_files(hf_dir)
     with torch.device("meta"):
