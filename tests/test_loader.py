@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
-from edgemoe.weights.loader import CheckpointError
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
+from edgemoe.weights.index import CheckpointError
 
 CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
 
