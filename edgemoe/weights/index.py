@@ -247,13 +247,11 @@ class CheckpointPlan:
         parts: ``(flat id, "gate_proj" | "up_proj" | "down_proj")`` -> the expert tensor holding that
             projection of expert ``flat id = moe_layer * E + expert`` (a fused tensor holds it at
             index ``expert``); every part of every expert is present.
-        skipped: names under the model's ``skipped_prefixes``.
     """
 
     params: dict[str, TensorInfo] = field(default_factory=dict)
     experts: dict[str, ExpertTensor] = field(default_factory=dict)
     parts: dict[tuple[int, str], ExpertTensor] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
 
     def by_file(self) -> dict[Path, list[TensorInfo]]:
         """The tensors to read, grouped by file (files sorted by path, tensors by offset)."""
@@ -346,7 +344,7 @@ class CheckpointIndex:
                 experts come from elsewhere, e.g. FTW banks).
 
         Returns:
-            The :class:`CheckpointPlan`.
+            The :class:`CheckpointPlan` (tensors under ``model.skipped_prefixes`` left out).
 
         Raises:
             CheckpointError: one line naming the file and the tensor: a tensor that is not
@@ -360,8 +358,7 @@ class CheckpointIndex:
         plan = CheckpointPlan()
         for name, info in self.tensors.items():
             f = info.file
-            if name.startswith(model.skipped_prefixes):
-                plan.skipped.append(name)
+            if name.startswith(model.skipped_prefixes):  # e.g. a vision tower: not loaded, not converted
                 continue
             if not info.dtype.is_floating_point:
                 raise CheckpointError(f"{f}: tensor {name} has dtype {info.dtype}, expected a floating-point dtype")

@@ -37,7 +37,7 @@ from edgemoe.weights.ftw.spec import ALIGN, BankSource, FileSource, FTWChecksumE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReadStats", "check_destination", "default_workers", "read_banks", "tensor_bytes"]
+__all__ = ["ReadStats", "default_workers", "read_banks", "tensor_bytes"]
 
 
 @dataclass
@@ -154,7 +154,7 @@ def _zero_copy_ok(src: BankSource | FileSource, dest: torch.Tensor) -> bool:
             and src.offset % ALIGN == 0 and src.chunk_bytes % ALIGN == 0)
 
 
-def check_destination(src: BankSource | FileSource, dest: torch.Tensor) -> None:
+def _check_destination(src: BankSource | FileSource, dest: torch.Tensor) -> None:
     """Raise ``ValueError`` when ``dest`` does not fit ``src``: ``[rows, *row_shape]`` (any floating
     dtype) for a bank; a page-aligned contiguous CPU ``uint8`` tensor of at least ``nbytes`` rounded up
     to :data:`ALIGN` for a file."""
@@ -179,7 +179,7 @@ def read_banks(jobs: list[tuple[BankSource | FileSource, torch.Tensor]], *, work
     Args:
         jobs: ``(source, dest)`` pairs. A bank's ``dest`` is ``[rows, *row_shape]`` on the CPU, any
             float dtype (cast from the bank's dtype through the staging route when they differ); a
-            file's is a page-aligned ``uint8`` buffer (see :func:`check_destination`).
+            file's is a page-aligned ``uint8`` buffer (page-aligned, at least ``nbytes`` rounded up to :data:`~edgemoe.weights.ftw.spec.ALIGN`).
         workers: reader threads (default :func:`default_workers`).
         direct: try ``O_DIRECT`` (falls back to buffered reads where refused).
         verify: compare each chunk's crc32 with ``source.crcs`` (skipped for sources without crcs).
@@ -198,7 +198,7 @@ def read_banks(jobs: list[tuple[BankSource | FileSource, torch.Tensor]], *, work
         OSError: an I/O error other than a direct-I/O refusal.
     """
     for src, dest in jobs:
-        check_destination(src, dest)
+        _check_destination(src, dest)
     workers = workers or default_workers()
     stats = ReadStats(workers=workers, verified=verify and all(s.crcs is not None for s, _ in jobs))
     files = [_File(src.path, direct) for src, _ in jobs]
@@ -236,7 +236,7 @@ def read_banks(jobs: list[tuple[BankSource | FileSource, torch.Tensor]], *, work
                 raise FTWChecksumError(
                     f"{src.path}: checksum mismatch in bytes [{src.offset + start}, {src.offset + end}) "
                     f"(chunk {k}, {src.describe_rows(start, end)}): crc32 {crc:#010x}, manifest says "
-                    f"{src.crcs[k]:#010x}; the bank is corrupt: re-run `edgemoe convert`")
+                    f"{src.crcs[k]:#010x}; the file is corrupt: re-run `edgemoe convert`")
         if not routes[b]:  # staged bank rows: drop the padding, cast
             r0, n = start // src.row_stride, (end - start) // src.row_stride
             rows = torch.frombuffer(view, dtype=torch.uint8, count=n * src.row_stride).view(n, src.row_stride)

@@ -17,11 +17,11 @@ from edgemoe.weights.ftw.direct_io import tensor_bytes
 from edgemoe.weights.ftw.spec import ALIGN, BANK_FILES, FORMAT, FORMAT_VERSION, MANIFEST, NON_EXPERT_FILE, Manifest
 from edgemoe.weights.index import ExpertGeometry
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "WEIGHT_SUFFIXES", "FTWWriter", "check_target"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "FTWWriter", "check_target"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # target bytes per checksum chunk
 # Files `copy_files` leaves out: weights in any format.
-WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx"}
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx"}
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -191,7 +191,7 @@ class FTWWriter:
         that is not a weight file (``*.safetensors``, ``*.bin``, ...), an index or an FTW file."""
         src_dir = Path(src_dir)
         if names is None:
-            names = sorted(p.name for p in src_dir.iterdir() if p.is_file() and p.suffix not in WEIGHT_SUFFIXES
+            names = sorted(p.name for p in src_dir.iterdir() if p.is_file() and p.suffix not in _WEIGHT_SUFFIXES
                            and not p.name.endswith(".index.json") and p.name != MANIFEST)
         for name in names:
             shutil.copyfile(src_dir / name, self.tmp / name)
