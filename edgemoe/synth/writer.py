@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgemoe.synth.archs import ARCHS, param_count
+from edgemoe.synth.archs import ARCHS, SynthArch, param_count
 from edgemoe.synth.tokenizer import BUILT_VOCAB, build_tokenizer, copy_tokenizer, token_ids
 from edgemoe.weights.dtypes import WEIGHT_DTYPES, parse_dtype
 
@@ -36,7 +36,7 @@ __all__ = ["config_for", "make_model", "write_config_only"]
 _FP32_INIT_MAX_BYTES = 8 << 30
 
 
-def _arch(arch: str, preset: str):
+def _arch(arch: str, preset: str) -> SynthArch:
     """The :class:`~edgemoe.synth.archs.SynthArch` of ``arch``, which must have ``preset``."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choices: {sorted(ARCHS)}")
