@@ -336,7 +336,7 @@ def main(argv=None) -> int:
 
     model = a.model
     if model is None:
-        from edgemoe.weights.make_model import write_config_only
+        from edgemoe.synth import write_config_only
 
         model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-agent-"), "qwen3_5_moe", a.preset, a.tokenizer)
     t0 = time.perf_counter()

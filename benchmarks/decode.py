@@ -140,7 +140,7 @@ def model_dir(a: argparse.Namespace) -> str:
     """``--model``, or a temporary config-only directory of ``--preset`` (qwen3_moe)."""
     if a.model is not None:
         return a.model
-    from edgemoe.weights.make_model import write_config_only
+    from edgemoe.synth import write_config_only
 
     return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset))
 

@@ -263,7 +263,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_make_model(args) -> int:
-    from edgemoe.weights.make_model import PRESETS, make_model, write_config_only
+    from edgemoe.synth import PRESETS, make_model, write_config_only
 
     arch = args.arch or next(a for a, presets in PRESETS.items() if args.preset in presets)
     try:
@@ -284,6 +284,95 @@ def _cmd_profile(args) -> int:
     result = run_profile(model, engine_config_from_args(args), args.out)
     print(format_profile(result))
     return 0
+
+
+# ---------------------------------------------------------------- convert, replay-routing
+
+
+def _cmd_convert(args) -> int:
+    from edgemoe.weights.ftw import FORMAT_VERSION, convert, read_manifest
+
+    try:
+        path = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, dtype=args.dtype,
+                       overwrite=args.overwrite)
+    except FileExistsError as e:
+        print(f"edgemoe: error: {e}", file=sys.stderr)
+        return 2
+    man = read_manifest(path)
+    gb = sum(b.nbytes for b in man.banks.values()) / 1e9
+    print(f"{path}: FTW v{FORMAT_VERSION}, {man.experts.num_rows} experts, {gb:.2f} GB of expert banks "
+          f"({man.banks['w13'].dtype}) + {man.non_expert.nbytes / 1e9:.2f} GB non-expert")
+    return 0
+
+
+def _register_convert(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``edgemoe convert HF_DIR OUT_DIR [--dtype D] [--overwrite] [--no-progress]`` to ``subparsers``
+    (``func`` = the handler, returning the exit status)."""
+    p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to FTW (fast bootstrap)",
+                              description="Write expert banks + manifest for direct-I/O bootstrap (edgemoe.weights.ftw).")
+    p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
+    p.add_argument("out_dir", help="FTW directory to create")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="store weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
+    return p
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``replay-routing``."""
+    from edgemoe.bench.replay import ALL_POLICIES, DEFAULT_CAPACITIES
+
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="routing trace(s), JSONL (edgemoe or Mixtral format)")
+    p.add_argument("--capacity", type=_floats, default=list(DEFAULT_CAPACITIES),
+                   help="cache sizes as fractions of all (layer, expert) ids (default 0.05,0.1,0.2,0.37,0.5)")
+    p.add_argument("--capacity-slots", type=_ints, default=None, help="cache sizes in slots (overrides --capacity)")
+    p.add_argument("--policy", type=_names, default=None,
+                   help=f"comma-separated, from {','.join(ALL_POLICIES)} (default: all; static-calib only "
+                        "with --calibration, prefill-updated only when the trace has prefill)")
+    p.add_argument("--calibration", action="append", default=None, metavar="TRACE",
+                   help="trace(s) that static-calib computes its placement from (repeatable)")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="treat the first N tokens of each request of a trace without prefill records as its prompt")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (for PCIe bytes per token)")
+    g.add_argument("--model", default=None, help="model directory whose config.json gives 3*H*I*dtype bytes")
+    p.add_argument("--plot", default="routing_replay.png", help="PNG to write (default routing_replay.png)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.add_argument("--title", default=None, help="plot title")
+    p.add_argument("--layer-table-slots", type=int, default=None,
+                   help="capacity (slots) of the per-layer hit-rate table (default: the middle capacity)")
+    p.add_argument("--json", default=None, help="write every result (per-layer too) as JSON here")
+
+
+def _register_replay(subparsers) -> argparse.ArgumentParser:
+    """Add ``replay-routing`` to the ``edgemoe`` subcommands (``func`` = :func:`edgemoe.bench.replay.main_replay`)."""
+    from edgemoe.bench.replay import main_replay
+
+    p = subparsers.add_parser("replay-routing", help="simulate expert-cache policies over routing traces",
+                              description="Replay routing traces through expert-cache policies (no model run).")
+    _add_replay_arguments(p)
+    p.set_defaults(func=main_replay)
+    return p
 
 
 # ---------------------------------------------------------------- parser
@@ -339,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a random-weight test checkpoint")
     p.add_argument("--arch", default=None, help="HF model_type (default: the one whose preset --preset names)")
-    from edgemoe.weights.make_model import PRESETS
+    from edgemoe.synth import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=[name for presets in PRESETS.values() for name in presets])
     p.add_argument("--out", required=True, help="output directory")
@@ -355,11 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=_cmd_profile)
 
-    from edgemoe.bench.replay import register_cli as register_replay
-    from edgemoe.weights.ftw import register_cli as register_convert
-
-    register_replay(sub)
-    register_convert(sub)
+    _register_replay(sub)
+    _register_convert(sub)
     return parser
 
 

@@ -14,29 +14,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map ``"bfloat16" | "bf16" | "float32" | "fp32" | "float16"`` (or a ``torch.dtype``) to a dtype.
-
-    Raises:
-        ValueError: the name is not one of the supported dtypes.
-    """
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPES[str(name).lower()]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(set(_DTYPES))}") from None
-
+from edgemoe.weights.dtypes import parse_dtype  # noqa: F401 - re-exported: config options name dtypes
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:

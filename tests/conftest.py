@@ -120,7 +120,7 @@ def load_benchmark(monkeypatch):
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The ``tiny`` qwen3_moe preset with the built-in tokenizer, saved in float32 so batched and
     single-sequence greedy decoding agree exactly (no bf16 rounding ties)."""
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny") / "tiny", "qwen3_moe", "tiny", dtype="float32")
 
@@ -130,7 +130,7 @@ def qwen3_tokenizer_model_dir(tmp_path_factory) -> Path:
     """``tiny`` geometry with the real Qwen3 tokenizer (skipped when the fixture is absent)."""
     if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").exists():
         pytest.skip(f"Qwen3 tokenizer fixture not found at {QWEN3_TOKENIZER_DIR}")
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(
         tmp_path_factory.mktemp("tiny_qwen3tok") / "tiny-qwen3tok",
@@ -149,7 +149,7 @@ DEEPSEEK_V3_TOKENIZER_DIR = FIXTURES / "tokenizers" / "deepseek_v3"
 def _tiny_with_tokenizer(tmp_path_factory, tokenizer_dir: Path, name: str, overrides: dict | None = None) -> Path:
     if not (tokenizer_dir / "tokenizer.json").exists():
         pytest.skip(f"tokenizer fixture not found at {tokenizer_dir}")
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(
         tmp_path_factory.mktemp(name) / name, "qwen3_moe", "tiny", tokenizer=tokenizer_dir, dtype="float32",

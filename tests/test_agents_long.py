@@ -24,7 +24,7 @@ TARGET_TOKENS = 30_000
 def long_model_dir(tmp_path_factory):
     if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").exists():
         pytest.skip(f"Qwen3 tokenizer fixture not found at {QWEN3_TOKENIZER_DIR}")
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     overrides = {"max_position_embeddings": 40960, "num_hidden_layers": 1, "num_attention_heads": 1,
                  "num_key_value_heads": 1, "mlp_only_layers": []}

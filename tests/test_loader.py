@@ -13,8 +13,8 @@ from edgemoe.config import EngineConfig
 from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
-from edgemoe.weights.loader import CheckpointError
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
+from edgemoe.weights.index import CheckpointError
 
 CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
 

@@ -14,7 +14,7 @@ from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 VARIANTS = {
     "base": {},

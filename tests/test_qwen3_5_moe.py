@@ -27,8 +27,8 @@ from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSpec
 from edgemoe.layers.gated_deltanet import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch
-from edgemoe.weights.loader import CheckpointError
-from edgemoe.weights.make_model import _param_count, config_for, make_model, write_config_only
+from edgemoe.synth import config_for, make_model, param_count, write_config_only
+from edgemoe.weights.index import CheckpointError
 
 PRESET = "qwen3.5-moe-tiny"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(80)]  # > one 64-token chunk of the delta rule
@@ -152,8 +152,8 @@ def test_35b_preset_geometry(tmp_path):
         model = model_class(cfg.architecture)(cfg)
     hf = config_for("qwen3_5_moe", "qwen3.6-35b-a3b")
     routed = cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel()
-    assert sum(p.numel() for p in model.parameters()) + routed == _param_count(hf)
-    assert 34.5e9 < _param_count(hf) < 34.8e9  # the text model of the "35B" release
+    assert sum(p.numel() for p in model.parameters()) + routed == param_count(hf)
+    assert 34.5e9 < param_count(hf) < 34.8e9  # the text model of the "35B" release
     assert model.state_spec() == StateSpec(num_layers=30, conv_dim=8192, conv_width=3, num_heads=32,
                                            k_head_dim=128, v_head_dim=128)
     assert len(model.attention_layers()) == 10
@@ -540,7 +540,7 @@ def test_preset_is_the_transformers_layout(tiny):
     assert saved["model.layers.1.self_attn.q_proj.weight"].shape == (4 * 32 * 2, 64)  # query + gate
     assert saved["model.layers.0.mlp.experts.15.gate_proj.weight"].shape == (32, 64)
     hf = config_for("qwen3_5_moe", PRESET, {"vocab_size": cfg["vocab_size"]})
-    assert sum(v.numel() for v in saved.values()) == _param_count(hf)
+    assert sum(v.numel() for v in saved.values()) == param_count(hf)
 
 
 def test_cli_make_model_and_generate(tmp_path, capsys):

@@ -27,7 +27,7 @@ from edgemoe.kvcache.state_checkpoints import (
     anchor_token_ids,
     checkpoint_positions,
 )
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
 PS = 16  # EngineConfig's default page size

@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
 
 import torch
 

@@ -10,7 +10,7 @@ import torch
 from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
