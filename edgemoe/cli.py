@@ -1,7 +1,7 @@
 """The ``edgemoe`` command line: ``serve``, ``chat``, ``generate``, ``make-model``, ``profile`` and more.
 
-Engine options shared by ``serve``, ``generate`` and ``profile`` map 1:1 onto
-:class:`edgemoe.config.EngineConfig` fields (see :func:`add_engine_args`). User errors (a missing
+Engine options shared by ``serve``, ``generate`` and ``profile`` are generated from the fields of
+:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction. User errors (a missing
 model directory, a bad option value) end with one ``edgemoe: error: ...`` line and exit status 2.
 """
 
@@ -11,6 +11,8 @@ import argparse
 import json
 import os
 import sys
+import typing
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,72 +30,65 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# (flag, EngineConfig field, type, help)
-_ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--device", "device", str, "cpu, cuda, cuda:N or auto (default: auto)"),
-    ("--dtype", "dtype", str, "weight/compute dtype: auto, bfloat16, float16, float32"),
-    ("--expert-cache-slots", "expert_cache_slots", int, "(layer, expert) slots in the device expert cache"),
-    ("--expert-cache-gb", "expert_cache_gb", float, "expert-cache budget in GB (1e9 bytes)"),
-    ("--cpu-threads", "cpu_threads", int, "threads of the CPU expert executor"),
-    ("--bandwidth-pcie-gbps", "bandwidth_pcie_gbps", float, "B_P override, GB/s (host->device expert copies)"),
-    ("--bandwidth-cpu-gbps", "bandwidth_cpu_gbps", float, "B_H override, GB/s (CPU expert execution)"),
-    ("--profile", "profile_path", str, "bandwidth profile JSON written by `edgemoe profile`"),
-    ("--max-num-seqs", "max_num_seqs", int, "requests decoded together (default 8)"),
-    ("--max-model-len", "max_model_len", int, "longest prompt + output in tokens"),
-    ("--kv-cache-tokens", "kv_cache_tokens", int, "KV cache capacity in tokens (all requests)"),
-    ("--page-size", "page_size", int, "tokens per KV page"),
-    ("--seed", "seed", int, "seed for dummy weights"),
-    ("--state-checkpoints", "state_checkpoints", int,
-     "recurrent-state checkpoint slots of hybrid models (default 32; 0 = none)"),
-    ("--state-checkpoint-interval", "state_checkpoint_interval", int,
-     "also checkpoint the recurrent state every N tokens (default 2048; 0 = only at anchor tokens)"),
-    ("--served-model-name", "served_model_name", str, "model id reported by the API (default: directory name)"),
-)
+def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per field of the options dataclass ``cls`` (``EngineConfig``, ``ServerConfig``), from
+    the field's metadata (see :func:`edgemoe.config.option`); every default is ``None`` on the command
+    line, so the dataclass's own default applies to an omitted flag."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta or meta.get("cli") is False:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        kw: dict[str, Any] = {"dest": f.name, "default": None}
+        base = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        help_ = meta["help"]
+        if base is bool:
+            off = flag.startswith("--no-")
+            kw["action"] = "store_false" if off else "store_true"
+            help_ = f"turn off {help_}" if off else help_
+        else:
+            kw["type"] = meta.get("type", base)
+            for key in ("choices", "metavar", "nargs"):
+                if key in meta:
+                    kw[key] = meta[key]
+            if f.default is not None and f.default is not MISSING and "choices" not in meta:
+                help_ += f" (default: {f.default})"
+            elif "choices" in meta and f.default is not MISSING:
+                help_ += f" (default: {f.default})"
+        group.add_argument(flag, help=help_, **kw)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine options (defaults ``None``: :class:`EngineConfig`'s defaults apply)."""
-    from edgemoe.config import CPU_EXECUTORS, EXPERT_POLICIES
+def config_from_args(args: argparse.Namespace, cls: type):
+    """Build ``cls`` (an options dataclass) from the flags :func:`add_config_args` added.
 
-    g = parser.add_argument_group("engine options")
-    for flag, dest, typ, help_ in _ENGINE_ARGS:
-        g.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
-    g.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=None, help="how decode-step expert misses are served")
-    g.add_argument("--load-format", choices=("auto", "dummy"), default=None, help="dummy = random weights from config.json")
-    g.add_argument("--cpu-executor", choices=CPU_EXECUTORS, default=None,
-                   help="CPU expert executor: auto (native C++ kernels when they build), native, torch")
-    g.add_argument("--no-verify-weights", dest="verify_weights", action="store_false", default=None,
-                   help="skip FTW bank checksums while loading")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                   help="do not reuse cached KV pages of earlier requests' common prompt prefixes")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
-    g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
-                   help="never capture CUDA graphs for decode")
-    g.add_argument("--no-anchor-checkpoints", dest="anchor_checkpoints", action="store_false", default=None,
-                   help="checkpoint the recurrent state only every --state-checkpoint-interval tokens, "
-                        "not after </think>, </tool_call>, </tool_response>, <|im_end|>")
+    Raises:
+        CLIError: a value the options reject.
+    """
+    kw = {f.name: vars(args)[f.name] for f in fields(cls) if vars(args).get(f.name) is not None}
+    try:
+        return cls(**kw)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    """Build an :class:`EngineConfig` from parsed engine options.
+    """The :class:`~edgemoe.config.EngineConfig` of the parsed engine flags.
 
     Raises:
         CLIError: an option value ``EngineConfig`` rejects.
     """
     from edgemoe.config import EngineConfig
 
-    kw = {dest: getattr(args, dest) for _, dest, _, _ in _ENGINE_ARGS}
-    kw["expert_policy"] = args.expert_policy
-    kw["load_format"] = args.load_format
-    kw["verify_weights"] = args.verify_weights
-    kw["cpu_executor"] = args.cpu_executor
-    kw["enforce_eager"] = args.enforce_eager
-    kw["enable_prefix_caching"] = args.enable_prefix_caching
-    kw["anchor_checkpoints"] = args.anchor_checkpoints
-    try:
-        return EngineConfig.from_kwargs(**kw)
-    except (TypeError, ValueError) as exc:
-        raise CLIError(str(exc)) from None
+    return config_from_args(args, EngineConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine options: one flag per :class:`~edgemoe.config.EngineConfig` field."""
+    from edgemoe.config import EngineConfig
+
+    add_config_args(parser, EngineConfig, "engine options")
 
 
 def _model_dir(path: str) -> str:
@@ -103,14 +98,6 @@ def _model_dir(path: str) -> str:
     if not (p / "config.json").is_file():
         raise CLIError(f"{path!r} is not a model directory (no config.json)")
     return str(p)
-
-
-def _prefill_chunk(args) -> dict:
-    if args.prefill_chunk_tokens is None:
-        return {}
-    if args.prefill_chunk_tokens < 1:
-        raise CLIError("--prefill-chunk-tokens must be >= 1")
-    return {"prefill_chunk_tokens": args.prefill_chunk_tokens}
 
 
 # ---------------------------------------------------------------- subcommands
@@ -175,7 +162,6 @@ def _cmd_serve(args) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
-        **_prefill_chunk(args),
     )
     return 0
 
@@ -199,9 +185,6 @@ def _cmd_chat(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from dataclasses import fields
-
-    from edgemoe.config import EngineConfig
     from edgemoe.engine.llm import LLM
     from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
 
@@ -227,8 +210,7 @@ def _cmd_generate(args) -> int:
             raise CLIError(f"--chat-template-kwargs: not valid JSON ({exc})") from None
         if not isinstance(template_kwargs, dict):
             raise CLIError("--chat-template-kwargs: must be a JSON object")
-    options = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
-    llm = LLM(model, progress=not args.json, **_prefill_chunk(args), **options)
+    llm = LLM(model, progress=not args.json, **{f.name: getattr(config, f.name) for f in fields(config)})
     if args.record_routing:
         llm.engine.attach_routing_recorder(_recorder(args.record_routing))
     if args.chat:
@@ -278,7 +260,8 @@ def _cmd_make_model(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from edgemoe.experts.bandwidth import format_profile, run_profile
+    from edgemoe.bench.profile import run_profile
+    from edgemoe.experts.bandwidth import format_profile
 
     model = _model_dir(args.model)
     result = run_profile(model, engine_config_from_args(args), args.out)

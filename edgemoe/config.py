@@ -184,8 +184,8 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 def option(default, help: str, **cli) -> Any:  # noqa: A002 - ``help`` as in argparse
     """A dataclass field with the metadata the CLI generates its flag from.
 
-    ``cli`` may give ``flag`` (default ``--`` + the field name with dashes; a boolean that defaults
-    to True is switched off by a ``--no-...`` flag), ``choices``, ``metavar``, ``type`` (for
+    ``cli`` may give ``flag`` (default ``--`` + the field name with dashes; a boolean given a
+    ``--no-...`` flag is switched off by it, its help naming what it turns off), ``choices``, ``metavar``, ``type`` (for
     ``None`` defaults whose type cannot be read from the annotation) and ``cli=False`` (no flag).
     """
     return field(default=default, metadata={"help": help, **cli})
@@ -227,21 +227,22 @@ class EngineConfig:
     page_size: int = option(16, "tokens per KV page")
     prefill_chunk_tokens: int = option(DEFAULT_PREFILL_CHUNK_TOKENS, "most prompt tokens computed in one "
                                        "prefill step (chunked prefill)")
-    enable_prefix_caching: bool = option(True, "reuse cached KV pages of earlier requests' common prompt prefixes",
-                                         flag="--no-prefix-caching")
+    enable_prefix_caching: bool = option(True, "the prefix cache: a request reuses the cached KV pages of a common "
+                                         "prompt prefix (on by default)", flag="--no-prefix-caching")
     load_format: str = option("auto", "auto (safetensors or FTW), dummy (random weights of config.json's "
                               "geometry, no weight files)", choices=LOAD_FORMATS)
     seed: int = option(0, "seed of dummy weights")
     served_model_name: str | None = option(None, "model id reported by the API (default: the directory name)",
                                            type=str)
-    verify_weights: bool | None = option(None, "skip the FTW bank checksums while loading (default: checked "
-                                         "unless EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")
+    verify_weights: bool | None = option(None, "the FTW bank checksums while loading (on unless "
+                                         "EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")
     enforce_eager: bool = option(False, "never capture CUDA graphs for decode (decode still takes the device path)")
     state_checkpoints: int = option(32, "recurrent-state checkpoint slots of hybrid models (LRU; 0 = none)")
     state_checkpoint_interval: int = option(2048, "also checkpoint the recurrent state every N tokens "
                                             "(0 = only at anchor tokens)")
-    anchor_checkpoints: bool = option(True, "checkpoint the recurrent state after </think>, </tool_call>, "
-                                      "</tool_response>, <|im_end|> and EOS", flag="--no-anchor-checkpoints")
+    anchor_checkpoints: bool = option(True, "recurrent-state checkpoints after </think>, </tool_call>, "
+                                      "</tool_response>, <|im_end|> and EOS (on by default)",
+                                      flag="--no-anchor-checkpoints")
 
     def __post_init__(self):
         for name, choices in (("expert_policy", EXPERT_POLICIES), ("cpu_executor", CPU_EXECUTORS),
