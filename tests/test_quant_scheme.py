@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from edgemoe.quant.scheme import PatternSyntax, QuantConfigError, QuantMethod, detect_scheme, scheme_from_config
+from edgemoe.quant.scheme import (
+    PatternSyntax,
+    QuantConfigError,
+    QuantMethod,
+    detect_scheme,
+    scheme_from_config,
+)
 
 # quantization_config objects as the releases ship them
 QWEN3_30B_A3B_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",

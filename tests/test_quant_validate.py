@@ -73,7 +73,8 @@ def test_nvfp4_shapes_and_dtypes(scheme):
     glob = "weight_scale_2" if scheme.method is QuantMethod.NVFP4_MODELOPT else "weight_global_scale"
     _raises(rf"{packed} has shape \[200, 320\], expected \[200, 160\]", scheme,
             {**t, packed: torch.zeros(200, 320, dtype=torch.uint8)})
-    _raises(r"weight_scale has dtype float32, expected float8_e4m3fn", scheme, {**t, "weight_scale": torch.ones(200, 20)})
+    _raises(r"weight_scale has dtype float32, expected float8_e4m3fn", scheme,
+            {**t, "weight_scale": torch.ones(200, 20)})
     _raises(r"weight_scale has shape \[200, 10\], expected \[200, 20\]", scheme,
             {**t, "weight_scale": torch.ones(200, 10).to(torch.float8_e4m3fn)})
     _raises(rf"{glob} has shape \[2\]", scheme, {**t, glob: torch.ones(2)})
@@ -98,7 +99,8 @@ def test_header_metadata_from_safetensors(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file(t, str(path))
     with safe_open(str(path), "pt") as h:
-        metas = {k.removeprefix(MOD + "."): TensorMeta.from_safetensors(h, k) for k in h.keys()}
+        names = h.keys()  # a safe_open handle is not a mapping
+        metas = {k.removeprefix(MOD + "."): TensorMeta.from_safetensors(h, k) for k in names}
     assert metas["weight"] == TensorMeta(torch.float8_e4m3fn, (200, 320))
     assert validate_linear(FP8, MOD, metas, (200, 320), str(path)) is WeightFormat.FP8_BLOCK
 

@@ -263,7 +263,8 @@ class ExpertLayout:
         for role, w, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
             self._check_role(role, w, shape)
         if self.has_bias != (b13 is not None) or self.has_bias != (b2 is not None):
-            raise LayoutError(f"layout has_bias={self.has_bias} but b13 / b2 given: {b13 is not None} / {b2 is not None}")
+            raise LayoutError(f"layout has_bias={self.has_bias} but b13 / b2 given: "
+                              f"{b13 is not None} / {b2 is not None}")
         if out is None:
             out = torch.empty(self.row_bytes, dtype=torch.uint8)
         if out.dtype != torch.uint8 or tuple(out.shape) != (self.row_bytes,) or not out.is_contiguous():

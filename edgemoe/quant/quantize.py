@@ -94,7 +94,11 @@ def quantize_fp8_block(w: torch.Tensor, block_size: tuple[int, int] = FP8_DEFAUL
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float ``[..., R, C]`` (``C % 32 == 0``) -> gpt-oss ``(blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32])``."""
+    """Float ``[..., R, C]`` (``C % 32 == 0``) -> gpt-oss ``(blocks, scales)``.
+
+    Returns:
+        blocks uint8 ``[..., R, C/32, 16]`` and E8M0 scales uint8 ``[..., R, C/32]``.
+    """
     if w.shape[-1] % MXFP4_GROUP:
         raise ValueError(f"MXFP4 needs the last dimension to be a multiple of 32, got {tuple(w.shape)}")
     g = w.float().unflatten(-1, (-1, MXFP4_GROUP))  # [..., R, G, 32]
@@ -109,10 +113,11 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_nvfp4(w: torch.Tensor, convention: QuantMethod = QuantMethod.NVFP4_MODELOPT
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float ``[O, I]`` (``I % 16 == 0``) -> ``(packed uint8 [O, I/2], block scales float8_e4m3fn [O, I/16], per-tensor)``.
+    """Float ``[O, I]`` (``I % 16 == 0``) -> NVFP4 ``(packed, block_scale, per_tensor)``.
 
-    The per-tensor value is float32 ``[]``: ModelOpt's multiplier ``weight_scale_2`` for
-    ``NVFP4_MODELOPT``, compressed-tensors' ``weight_global_scale`` (its reciprocal convention) for ``NVFP4_CT``.
+    ``packed`` is uint8 ``[O, I/2]``, ``block_scale`` float8_e4m3fn ``[O, I/16]``. The per-tensor value is
+    float32 ``[]``: ModelOpt's multiplier ``weight_scale_2`` for ``NVFP4_MODELOPT``, compressed-tensors'
+    ``weight_global_scale`` (its reciprocal convention) for ``NVFP4_CT``.
     """
     if w.shape[-1] % NVFP4_GROUP:
         raise ValueError(f"NVFP4 needs in_features to be a multiple of 16, got {tuple(w.shape)}")

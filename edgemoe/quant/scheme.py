@@ -14,8 +14,8 @@ FP8 e4m3 with block scales (DeepSeek-V3, the Qwen3 ``*-FP8`` releases)::
 
 MXFP4 as gpt-oss ships it::
 
-    {"quant_method": "mxfp4",
-     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                         "model.embed_tokens", "lm_head"]}
 
   Only the fused routed experts are quantized (``mlp.experts.{gate_up,down}_proj_{blocks,scales}``); the
   patterns follow the same ``transformers`` rules.
