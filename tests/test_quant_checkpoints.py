@@ -82,6 +82,7 @@ def _module_tensors(h, module: str, params) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["qwen3-bf16-scales", "dsv3-f32-scales"])
 def test_fp8_block_checkpoint_loads_in_transformers(qwen3_moe_bf16, tmp_path, scale_dtype):
+    pytest.importorskip("accelerate")  # transformers' FP8 loader requires it (test extra)
     d = tmp_path / "fp8"
     _write_quantized(qwen3_moe_bf16, d, release_scheme(QuantMethod.FP8_BLOCK), scale_dtype=scale_dtype)
     scheme = detect_scheme(d)
