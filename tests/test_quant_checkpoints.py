@@ -230,7 +230,7 @@ def test_nvfp4_modelopt_checkpoint(qwen3_moe_bf16, tmp_path):
     f = str(d / "model.safetensors")
     with safe_open(f, "pt") as h:
         names = h.keys()
-        metas = {n: TensorMeta.from_safetensors(h, n) for n in names}
+        metas = {n: TensorMeta.from_safetensors(h, n, f) for n in names}
     src = load_file(str(qwen3_moe_bf16 / "model.safetensors"))
     quantized = 0
     for mod, ps in _by_module(metas).items():

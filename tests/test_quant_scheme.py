@@ -83,6 +83,9 @@ def test_modelopt_both_spellings(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": MODELOPT_CONFIG}))
     s = detect_scheme(tmp_path)  # both files: exclusions merged
     assert s.excludes("model.layers.0.self_attn.k_proj") and s.excludes("model.layers.5.mlp.gate")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": DEEPSEEK_V3}))
+    with pytest.raises(QuantConfigError, match="declares a ModelOpt quantization"):
+        detect_scheme(tmp_path)
     bad = {**MODELOPT_CONFIG, "quant_algo": "FP8"}
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": bad}))
     with pytest.raises(QuantConfigError, match="disagrees with"):
@@ -115,6 +118,7 @@ def test_unquantized_and_text_config(tmp_path):
     ({**MODELOPT_CONFIG, "quant_algo": "W4A8_AWQ"}, "'W4A8_AWQ' is not supported"),
     ({**MODELOPT_CONFIG, "group_size": 32}, "NVFP4 uses groups of 16"),
     ({**CT_NVFP4, "quantization_status": "frozen"}, "only compressed checkpoints"),
+    ({**CT_NVFP4, "ignore": ["re:(unclosed"]}, "is not a valid regular expression"),
     ({**CT_NVFP4, "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
                                                 "weights": {"num_bits": 8, "type": "float"}}}}, "is not supported"),
 ])

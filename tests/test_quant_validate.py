@@ -100,7 +100,7 @@ def test_header_metadata_from_safetensors(tmp_path):
     save_file(t, str(path))
     with safe_open(str(path), "pt") as h:
         names = h.keys()  # a safe_open handle is not a mapping
-        metas = {k.removeprefix(MOD + "."): TensorMeta.from_safetensors(h, k) for k in names}
+        metas = {k.removeprefix(MOD + "."): TensorMeta.from_safetensors(h, k, str(path)) for k in names}
     assert metas["weight"] == TensorMeta(torch.float8_e4m3fn, (200, 320))
     assert validate_linear(FP8, MOD, metas, (200, 320), str(path)) is WeightFormat.FP8_BLOCK
 

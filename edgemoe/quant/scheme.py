@@ -152,11 +152,18 @@ def _fail(source: str, msg: str) -> QuantConfigError:
     return QuantConfigError(f"{source}: {msg}")
 
 
-def _pattern_list(value: Any, source: str, field: str) -> tuple[str, ...]:
+def _pattern_list(value: Any, source: str, field: str, syntax: PatternSyntax) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
         raise _fail(source, f"{field} must be a list of strings, got {value!r}")
+    for p in value:
+        regex = p if syntax is PatternSyntax.TRANSFORMERS else p[3:] if p.startswith("re:") else None
+        if regex is not None and syntax is not PatternSyntax.FNMATCH:
+            try:
+                re.compile(regex)
+            except re.error as e:
+                raise _fail(source, f"{field}: pattern {p!r} is not a valid regular expression ({e})") from None
     return tuple(value)
 
 
@@ -182,14 +189,15 @@ def _fp8(cfg: Mapping[str, Any], source: str) -> QuantScheme:
         ignore = cfg.get("ignored_layers")
     return QuantScheme(QuantMethod.FP8_BLOCK, block_size=(block[0], block[1]),
                        scale_fmt="ue8m0" if scale_fmt == "ue8m0" else "float",
-                       ignore=_pattern_list(ignore, source, "quantization_config.modules_to_not_convert"),
+                       ignore=_pattern_list(ignore, source, "quantization_config.modules_to_not_convert",
+                                            PatternSyntax.TRANSFORMERS),
                        pattern_syntax=PatternSyntax.TRANSFORMERS, source=source)
 
 
 def _mxfp4(cfg: Mapping[str, Any], source: str) -> QuantScheme:
     return QuantScheme(QuantMethod.MXFP4, group_size=MXFP4_GROUP,
                        ignore=_pattern_list(cfg.get("modules_to_not_convert"), source,
-                                            "quantization_config.modules_to_not_convert"),
+                                            "quantization_config.modules_to_not_convert", PatternSyntax.TRANSFORMERS),
                        pattern_syntax=PatternSyntax.TRANSFORMERS, source=source)
 
 
@@ -212,7 +220,7 @@ def _modelopt(cfg: Mapping[str, Any], source: str, nested: bool) -> tuple[str, i
         raise _fail(source, f"{where}.quant_algo is missing")
     if nested:
         group = _group_size(q.get("group_size"), source, f"{where}.group_size")
-        ignore = _pattern_list(q.get("exclude_modules"), source, f"{where}.exclude_modules")
+        ignore = _pattern_list(q.get("exclude_modules"), source, f"{where}.exclude_modules", PatternSyntax.FNMATCH)
     else:
         group_raw = q.get("group_size")
         for name, grp in (q.get("config_groups") or {}).items():
@@ -221,7 +229,8 @@ def _modelopt(cfg: Mapping[str, Any], source: str, nested: bool) -> tuple[str, i
                 group_raw = w["group_size"]
                 _group_size(group_raw, source, f"{where}.config_groups.{name}.weights.group_size")
         group = _group_size(group_raw, source, f"{where}.group_size")
-        ignore = _pattern_list(q.get("ignore", q.get("exclude_modules")), source, f"{where}.ignore")
+        ignore = _pattern_list(q.get("ignore", q.get("exclude_modules")), source, f"{where}.ignore",
+                               PatternSyntax.FNMATCH)
     return algo, group, ignore
 
 
@@ -246,7 +255,8 @@ def _compressed_tensors(cfg: Mapping[str, Any], source: str) -> QuantScheme:
             raise _fail(source, f"{field}: format {fmt!r} with weights {dict(w)!r} is not supported; only "
                                 "'nvfp4-pack-quantized' (4-bit float, tensor_group, group_size 16, symmetric) is")
     return QuantScheme(QuantMethod.NVFP4_CT, group_size=NVFP4_GROUP,
-                       ignore=_pattern_list(cfg.get("ignore"), source, "quantization_config.ignore"),
+                       ignore=_pattern_list(cfg.get("ignore"), source, "quantization_config.ignore",
+                                            PatternSyntax.COMPRESSED_TENSORS),
                        pattern_syntax=PatternSyntax.COMPRESSED_TENSORS, source=source)
 
 
@@ -282,6 +292,9 @@ def scheme_from_config(quantization_config: Mapping[str, Any] | None, source: st
         if not isinstance(quantization_config, Mapping):
             raise _fail(source, "quantization_config must be an object")
         cfg_method = str(quantization_config.get("quant_method", "")).lower()
+        if modelopt is not None and not cfg_method.startswith("modelopt"):
+            raise _fail(source, f"quantization_config.quant_method = {cfg_method!r}, but {hf_quant_source} declares a "
+                                "ModelOpt quantization")
     if cfg_method == "fp8":
         return _fp8(quantization_config, source)
     if cfg_method == "mxfp4":

@@ -127,12 +127,16 @@ class TensorMeta:
         return t if isinstance(t, TensorMeta) else cls(t.dtype, tuple(t.shape))
 
     @classmethod
-    def from_safetensors(cls, handle, name: str) -> TensorMeta:
-        """From an open ``safetensors.safe_open`` handle, reading only the header."""
+    def from_safetensors(cls, handle, name: str, file: str) -> TensorMeta:
+        """From an open ``safetensors.safe_open`` handle of ``file``, reading only the header.
+
+        Raises:
+            QuantTensorError: a dtype torch cannot represent (named with ``file`` and the tensor).
+        """
         sl = handle.get_slice(name)
         code = sl.get_dtype()
         if code not in SAFETENSORS_DTYPES:
-            raise QuantTensorError(f"tensor {name} has safetensors dtype {code}, which edgemoe does not read")
+            raise QuantTensorError(f"{file}: tensor {name} has safetensors dtype {code}, which edgemoe does not read")
         return cls(SAFETENSORS_DTYPES[code], tuple(sl.get_shape()))
 
 
