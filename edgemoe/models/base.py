@@ -9,7 +9,11 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
 - ``attention_layers()`` (owners of KV pages) and, for hybrid models, ``state_layers()`` and
   ``state_spec()`` (owners of recurrent state; empty by default);
 - class-level capabilities (``supports_cuda_graphs``) and ``skipped_prefixes`` (checkpoint tensors a
-  text-only server does not load, e.g. a vision tower or a multi-token-prediction head).
+  text-only server does not load, e.g. a vision tower or a multi-token-prediction head);
+- for ``edgemoe make-model`` and the parity tests: ``hf_classes`` (the ``transformers`` config and
+  model classes of the reference implementation, whose ``save_pretrained`` writes the release
+  layout) and ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
+  ``fixed_vocab_presets`` keep their ``vocab_size`` instead of taking the tokenizer's).
 
 The base class supplies what every architecture shares: the checkpoint-name → expert-bank mapping
 from the declared layer prefix (:meth:`MoECausalLM.expert_target`), :meth:`MoECausalLM.bind` (the
@@ -75,6 +79,9 @@ class MoECausalLM(nn.Module):
     supports_cuda_graphs: ClassVar[bool] = True
     skipped_prefixes: ClassVar[tuple[str, ...]] = ()
     expert_module: ClassVar[str] = "mlp.experts"
+    hf_classes: ClassVar[tuple[str, str]] = ("", "")
+    presets: ClassVar[dict[str, dict]] = {}
+    fixed_vocab_presets: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cfg: ModelConfig, decoder_prefix: str = "model."):
         super().__init__()
@@ -109,6 +116,14 @@ class MoECausalLM(nn.Module):
         return None
 
     # ------------------------------------------------------------------ shared
+    @classmethod
+    def param_count(cls, cfg: ModelConfig) -> int:
+        """Parameters of the checkpoint of ``cfg``: this model's own (built on the meta device) plus
+        every routed expert (which live in the host pool, not in the module)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        return sum(p.numel() for p in model.parameters()) + cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel()
+
     @property
     def decoder(self) -> nn.Module:
         """The decoder stack (``embed_tokens``, ``layers``, ``norm``) at ``decoder_prefix``."""

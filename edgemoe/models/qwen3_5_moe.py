@@ -16,7 +16,7 @@ expert pool, per expert or fused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ from edgemoe.models.base import MoECausalLM
 
 CONDITIONAL_GENERATION = "Qwen3_5MoeForConditionalGeneration"
 LAYER_TYPES = ("full_attention", "linear_attention")
+# The hybrid layer pattern of Qwen3.5/3.6-MoE: three gated DeltaNet layers, then one full-attention layer.
+_QWEN3_5_LAYER_TYPES_40 = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10
 
 
 class DecoderLayer(nn.Module):
@@ -83,6 +85,69 @@ class Qwen3_5MoeForCausalLM(MoECausalLM):
     architectures = ("Qwen3_5MoeForCausalLM", CONDITIONAL_GENERATION)  # the latter served text only
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     skipped_prefixes = ("model.visual.", "mtp.")  # vision tower, multi-token-prediction head
+    hf_classes = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")
+    fixed_vocab_presets = frozenset({"qwen3.6-35b-a3b"})
+    presets: ClassVar[dict[str, dict]] = {
+        # Hybrid in miniature: 2 gated DeltaNet + 2 gated full-attention layers (both orders), GQA-style
+        # 2 q/k heads for 4 value heads in the DeltaNet as in the real model, partial rotary.
+        "qwen3.5-moe-tiny": {
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,  # the GPU kernels miscompute at 16 x 16 (tests/gpu/test_gated_delta_gpu.py)
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "attn_output_gate": True,
+            "initializer_range": 0.2,  # as Qwen3-MoE's tiny preset
+        },
+        # Qwen/Qwen3.6-35B-A3B (same text geometry as Qwen/Qwen3.5-35B-A3B): text_config of the released
+        # config.json, i.e. transformers' Qwen3_5MoeTextConfig defaults (documented there as the
+        # Qwen3.5-35B-A3B checkpoint) plus the released max_position_embeddings 262144, rope theta 1e7,
+        # mRoPE sections [11, 11, 10] and eos 248044. 256 routed experts x 40 layers = 64.4 GB in bf16.
+        "qwen3.6-35b-a3b": {
+            "vocab_size": 248320,
+            "hidden_size": 2048,
+            "num_hidden_layers": 40,
+            "layer_types": _QWEN3_5_LAYER_TYPES_40,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "attn_output_gate": True,
+            "initializer_range": 0.02,
+            "bos_token_id": None,
+            "eos_token_id": 248044,
+            "pad_token_id": None,
+        },
+    }
 
     def __init__(self, cfg: ModelConfig):
         nested = cfg.architecture == CONDITIONAL_GENERATION
