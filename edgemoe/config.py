@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from edgemoe.weights.dtypes import parse_dtype  # noqa: F401 - re-exported: config options name dtypes
+from edgemoe.weights.dtypes import parse_dtype  # re-exported: config options name dtypes
+
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
@@ -30,6 +31,35 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+
+
+@dataclass(frozen=True)
+class GroupLimitedRoutingConfig:
+    """Sigmoid routing with a score-correction bias and group-limited top-k (DeepSeek-V3's ``noaux_tc``
+    routing, also GLM-4.5's; read by :class:`~edgemoe.layers.router.GroupLimitedSigmoidRouter`).
+
+    The ``E`` routed experts form ``n_group`` groups of ``E / n_group``; a token picks its top-k experts
+    among the ``topk_group`` groups whose two best bias-corrected scores sum highest. The experts'
+    weights are their uncorrected sigmoid scores (renormalized when ``ModelConfig.norm_topk_prob``)
+    times ``routed_scaling_factor``.
+    """
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+    def check(self, num_experts: int, top_k: int, where: str = "config.json") -> None:
+        """Raise ``ValueError`` (naming ``where`` and the fields) unless ``num_experts`` experts split into
+        ``n_group`` groups of at least two, ``1 <= topk_group <= n_group``, and the kept groups hold at
+        least ``top_k`` experts."""
+        g = self.n_group
+        if g < 1 or num_experts % g or num_experts // g < 2:
+            raise ValueError(f"{where}: n_group {g} must divide n_routed_experts {num_experts} into groups of >= 2")
+        if not 1 <= self.topk_group <= g:
+            raise ValueError(f"{where}: topk_group {self.topk_group} must be in [1, n_group = {g}]")
+        if self.topk_group * (num_experts // g) < top_k:
+            raise ValueError(f"{where}: topk_group {self.topk_group} groups of {num_experts // g} experts hold fewer "
+                             f"than num_experts_per_tok {top_k}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,10 @@ class ModelConfig:
     every layer is full attention. Full attention rotates the first ``partial_rotary_factor *
     head_dim`` dims and, with ``attn_output_gate``, gates its output by a sigmoid of a second
     ``q_proj`` half. ``shared_expert_intermediate_size`` > 0 adds a shared expert to every MoE block.
+    ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3 always; optional for GLM-4.5).
+    ``group_routing`` replaces the softmax top-k router by sigmoid, bias-corrected, group-limited
+    routing. ``num_mtp_layers`` multi-token-prediction layers follow the decoder in the checkpoint
+    (decoder layer indices ``num_layers, num_layers + 1, ...``); they are not served.
     ``raw`` is the architecture's HF config dict (the text config of a multimodal checkpoint), kept
     for ``hf_config`` (transformers' RoPE initializers and the reference implementation in tests).
     """
@@ -82,6 +116,9 @@ class ModelConfig:
     attn_output_gate: bool = False
     shared_expert_intermediate_size: int = 0
     linear_attention: LinearAttentionConfig | None = None
+    qk_norm: bool = True
+    group_routing: GroupLimitedRoutingConfig | None = None
+    num_mtp_layers: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
 
     @property
@@ -181,7 +218,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
 
-def option(default, help: str, **cli) -> Any:  # noqa: A002 - ``help`` as in argparse
+def option(default, help: str, **cli) -> Any:  # ``help`` as in argparse
     """A dataclass field with the metadata the CLI generates its flag from.
 
     ``cli`` may give ``flag`` (default ``--`` + the field name with dashes; a boolean given a

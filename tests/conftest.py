@@ -126,6 +126,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def glm_model_dir(tmp_path_factory) -> Path:
+    """The ``tiny`` glm4_moe preset (float32) with the GLM-style tokenizer and chat template make-model builds."""
+    from edgemoe.synth import make_model
+
+    return make_model(tmp_path_factory.mktemp("glm") / "glm-tiny", "glm4_moe", "tiny", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def qwen3_tokenizer_model_dir(tmp_path_factory) -> Path:
     """``tiny`` geometry with the real Qwen3 tokenizer (skipped when the fixture is absent)."""
     if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").exists():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,15 +85,48 @@ def render_chat(
             **(chat_template_kwargs or {}),
         )
 
-    try:
-        text = apply(msgs)
-    except Exception:
-        # Assistant tool-call turns come with content=None (OpenAI's shape, which e.g. DeepSeek-V3's
-        # template requires); templates that apply string operations to it (Qwen3's) get "".
-        if not any(m.get("content") is None for m in msgs):
-            raise
-        text = apply([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+    # Assistant tool-call turns come with content=None and arguments as JSON strings (OpenAI's shape,
+    # which e.g. DeepSeek-V3's template requires and Qwen3's prints verbatim); templates that apply
+    # string operations to the content (Qwen3's) get "", then templates that iterate the arguments
+    # as a mapping (GLM-4.5's ``arguments.items()``) get them decoded.
+    attempts = [msgs]
+    if any(m.get("content") is None for m in msgs):
+        attempts.append([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+    decoded = _arguments_as_objects(attempts[-1])
+    if decoded is not None:
+        attempts.append(decoded)
+    for i, attempt in enumerate(attempts):
+        try:
+            text = apply(attempt)
+            break
+        except Exception:
+            if i == len(attempts) - 1:
+                raise
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _arguments_as_objects(messages: list[Message]) -> list[Message] | None:
+    """``messages`` with every tool call's JSON-string arguments decoded (those that decode to an
+    object); ``None`` when there are none to decode."""
+    out, changed = [], False
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            new_calls = []
+            for tc in calls:
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str):
+                    try:
+                        value = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        value = None
+                    if isinstance(value, dict):
+                        tc, changed = {**tc, "function": {**fn, "arguments": value}}, True
+                new_calls.append(tc)
+            m = {**m, "tool_calls": new_calls}
+        out.append(m)
+    return out if changed else None
 
 
 class LLM:

@@ -11,12 +11,14 @@ from typing import Any
 
 from edgemoe.config import ModelConfig, read_hf_config
 from edgemoe.models.base import MoECausalLM
+from edgemoe.models.glm4_moe import Glm4MoeForCausalLM
 from edgemoe.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from edgemoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
 FAMILIES: tuple[type[MoECausalLM], ...] = (
     Qwen3MoeForCausalLM,
     Qwen3_5MoeForCausalLM,
+    Glm4MoeForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {arch: cls for cls in FAMILIES for arch in cls.architectures}
@@ -53,6 +55,6 @@ def load_config(source: dict[str, Any] | str | Path) -> ModelConfig:
     arch = archs[0] if archs and isinstance(archs, list) else ""
     cls = MODEL_REGISTRY.get(arch) or _BY_MODEL_TYPE.get(str(raw.get("model_type", "")))
     if cls is None:
-        raise ValueError(f"{where}: unsupported architecture {arch or '?'} (model_type {raw.get('model_type') or '?'}); "
-                         f"edgemoe serves: {_served()}")
+        raise ValueError(f"{where}: unsupported architecture {arch or '?'} "
+                         f"(model_type {raw.get('model_type') or '?'}); edgemoe serves: {_served()}")
     return cls.config_from_hf(raw, where)

@@ -9,11 +9,16 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
 - ``attention_layers()`` (owners of KV pages) and, for hybrid models, ``state_layers()`` and
   ``state_spec()`` (owners of recurrent state; empty by default);
 - class-level capabilities (``supports_cuda_graphs``) and ``skipped_prefixes`` (checkpoint tensors a
-  text-only server does not load, e.g. a vision tower or a multi-token-prediction head);
+  text-only server does not load, e.g. a vision tower or a multi-token-prediction head; the
+  ``cfg.num_mtp_layers`` layers stored after the decoder are added per instance);
+- ``float32_parameters``: parameter-name suffixes kept in float32 at every model dtype (as the
+  reference's ``_keep_in_fp32_modules_strict``, e.g. a sigmoid router and its correction bias);
 - for ``edgemoe make-model`` and the parity tests: ``hf_classes`` (the ``transformers`` config and
   model classes of the reference implementation, whose ``save_pretrained`` writes the release
-  layout) and ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
-  ``fixed_vocab_presets`` keep their ``vocab_size`` instead of taking the tokenizer's).
+  layout), ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
+  ``fixed_vocab_presets`` keep their ``vocab_size`` instead of taking the tokenizer's) and
+  ``synth_tokenizer`` (the name of the tokenizer flavour make-model builds: special tokens and chat
+  template in the family's own markup, ``edgemoe.synth.tokenizer.TOKENIZERS``).
 
 The base class supplies what every architecture shares: the checkpoint-name → expert-bank mapping
 from the declared layer prefix (:meth:`MoECausalLM.expert_target`), :meth:`MoECausalLM.bind` (the
@@ -77,16 +82,20 @@ class MoECausalLM(nn.Module):
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
     supports_cuda_graphs: ClassVar[bool] = True
-    skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+    skipped_prefixes: tuple[str, ...] = ()  # the class's; an instance adds its MTP layers
+    float32_parameters: ClassVar[tuple[str, ...]] = ()
     expert_module: ClassVar[str] = "mlp.experts"
     hf_classes: ClassVar[tuple[str, str]] = ("", "")
     presets: ClassVar[dict[str, dict]] = {}
     fixed_vocab_presets: ClassVar[frozenset[str]] = frozenset()
+    synth_tokenizer: ClassVar[str] = "qwen3"
 
     def __init__(self, cfg: ModelConfig, decoder_prefix: str = "model."):
         super().__init__()
         self.config = cfg
         self.decoder_prefix = decoder_prefix
+        self.skipped_prefixes = type(self).skipped_prefixes + tuple(
+            f"{decoder_prefix}layers.{cfg.num_layers + i}." for i in range(cfg.num_mtp_layers))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         prefix = re.escape(f"{decoder_prefix}layers.")
         module = re.escape(self.expert_module)
@@ -131,6 +140,15 @@ class MoECausalLM(nn.Module):
         for part in self.decoder_prefix.rstrip(".").split("."):
             module = module.get_submodule(part)
         return module
+
+    def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the parameters (uninitialized) on ``device`` in ``dtype``, those matching
+        ``float32_parameters`` in float32; the loaders then copy the checkpoint's values in."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.endswith(self.float32_parameters):
+                p.data = p.data.float()
+        self.to_empty(device=device)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         """The routed-expert block of every MoE layer, in layer order."""

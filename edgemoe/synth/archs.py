@@ -1,5 +1,6 @@
 """What checkpoint generation knows about each architecture: its ``transformers`` classes and presets,
-read from the architecture's own file in ``edgemoe.models`` (``hf_classes``, ``presets``).
+read from the architecture's own file in ``edgemoe.models`` (``hf_classes``, ``presets``,
+``synth_tokenizer``).
 
 One :class:`SynthArch` per served architecture. The ``transformers`` model class defines the
 checkpoint's tensor names and shapes (its own init and ``save_pretrained`` write them, as for a real
@@ -36,6 +37,7 @@ class SynthArch:
             tokenizer is smaller).
         param_count: parameters of a ``config_class`` instance (embeddings, lm_head and every layer,
             routed experts included).
+        tokenizer: the :data:`~edgemoe.synth.tokenizer.TOKENIZERS` flavour built when no tokenizer is given.
     """
 
     model_type: str
@@ -44,6 +46,7 @@ class SynthArch:
     presets: dict[str, dict]
     param_count: Callable[[transformers.PretrainedConfig], int]
     fixed_vocab: frozenset[str] = field(default_factory=frozenset)
+    tokenizer: str = "qwen3"
 
     def classes(self) -> tuple[type, type]:
         """The ``transformers`` (config class, model class)."""
@@ -63,7 +66,8 @@ def _param_count(config: transformers.PretrainedConfig) -> int:
 def _synth_arch(cls) -> SynthArch:
     config_class, model_class = cls.hf_classes
     return SynthArch(model_type=cls.model_types[0], config_class=config_class, model_class=model_class,
-                     presets=cls.presets, param_count=_param_count, fixed_vocab=cls.fixed_vocab_presets)
+                     presets=cls.presets, param_count=_param_count, fixed_vocab=cls.fixed_vocab_presets,
+                     tokenizer=cls.synth_tokenizer)
 
 
 def _archs() -> dict[str, SynthArch]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgemoe.synth.archs import ARCHS, SynthArch, param_count
-from edgemoe.synth.tokenizer import BUILT_VOCAB, build_tokenizer, copy_tokenizer, token_ids
+from edgemoe.synth.tokenizer import BUILT_VOCAB, TOKENIZERS, build_tokenizer, copy_tokenizer, token_ids
 from edgemoe.weights.dtypes import WEIGHT_DTYPES, parse_dtype
 
 if TYPE_CHECKING:  # transformers takes ~2 s to import; import it only where it is used
@@ -95,8 +95,12 @@ def _prepare(out_dir: Path, arch: str, preset: str, tokenizer: str | Path | None
     """Write the tokenizer into out_dir and return (config, tokenizer ids)."""
     spec = _arch(arch, preset)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = copy_tokenizer(tokenizer, out_dir) if tokenizer is not None else build_tokenizer(out_dir, BUILT_VOCAB)
-    ids = token_ids(tok)
+    flavour = TOKENIZERS[spec.tokenizer]
+    if tokenizer is not None:
+        tok = copy_tokenizer(tokenizer, out_dir)
+    else:
+        tok = build_tokenizer(out_dir, BUILT_VOCAB, flavour)
+    ids = token_ids(tok, flavour)
     vocab = _round_up(len(tok))
     if preset in spec.fixed_vocab:
         vocab = max(vocab, spec.presets[preset]["vocab_size"])
@@ -107,7 +111,7 @@ def _prepare(out_dir: Path, arch: str, preset: str, tokenizer: str | Path | None
 
 
 def _write_generation_config(out_dir: Path, ids: dict[str, Any], config) -> None:
-    """generation_config.json: eos [<|im_end|>, <|endoftext|>], pad <|endoftext|>, bos null."""
+    """generation_config.json: the tokenizer's eos list (Qwen3: [<|im_end|>, <|endoftext|>]) and pad, bos null."""
     gen = {
         "bos_token_id": None,
         "eos_token_id": ids["eos_token_id"] if ids["eos_token_id"] is not None else config.eos_token_id,
@@ -155,7 +159,8 @@ def make_model(
     ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` when larger than
     ``max_shard_size``), ``config.json`` (with eos/pad ids and, besides transformers 5's keys, the
     release spellings ``num_experts``/``rope_theta``), ``generation_config.json``
-    (eos ``[<|im_end|>, <|endoftext|>]``, pad ``<|endoftext|>``, bos null) and the tokenizer files.
+    (the tokenizer flavour's eos list, e.g. ``[<|im_end|>, <|endoftext|>]``, and pad, bos null) and the
+    tokenizer files.
     Experts are saved per expert: ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``.
 
     Weights come from the model class's own init (normal, std ``initializer_range``; RMSNorm
@@ -168,9 +173,10 @@ def make_model(
 
     Args:
         out_dir: output directory.
-        arch: a key of :data:`~edgemoe.synth.archs.ARCHS` (``"qwen3_moe"``, ``"qwen3_5_moe"``).
+        arch: a key of :data:`~edgemoe.synth.archs.ARCHS` (``"qwen3_moe"``, ``"qwen3_5_moe"``, ``"glm4_moe"``).
         preset: one of that architecture's presets.
-        tokenizer: a directory whose tokenizer files are copied; None builds one (``build_tokenizer``).
+        tokenizer: a directory whose tokenizer files are copied; None builds one in the architecture's
+            flavour (``build_tokenizer``).
             ``vocab_size`` becomes ``len(tokenizer)`` rounded up to a multiple of 64 (at least
             151936 for ``qwen3-30b-a3b``).
         seed: torch RNG seed of the init.

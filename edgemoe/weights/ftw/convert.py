@@ -123,7 +123,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                 tensors = {}
                 for name, info in plan.params.items():
                     t = handles[info.file].get_tensor(name)
-                    tensors[name] = t.to(bank_dtype) if dtype is not None else t
+                    keep = dtype is None or name.endswith(model.float32_parameters)
+                    tensors[name] = t if keep else t.to(bank_dtype)
                 w.write_non_expert(tensors)
                 del tensors
                 w.copy_files(hf_dir)

@@ -72,14 +72,14 @@ def _view(buf: torch.Tensor, t: TensorInfo) -> torch.Tensor:
     return raw.view(t.dtype).view(t.shape)
 
 
-def _load_non_expert(model: nn.Module, buf: torch.Tensor, nbytes: int, path: Path, dtype: torch.dtype) -> None:
+def _load_non_expert(model: nn.Module, buf: torch.Tensor, nbytes: int, path: Path) -> None:
     """Strictly copy the non-expert tensors of the safetensors file in ``buf`` (its first ``nbytes``
-    bytes) into ``model`` (cast to ``dtype``)."""
+    bytes) into ``model`` (each cast to its parameter's dtype)."""
     plan = CheckpointIndex(path, _header(buf, nbytes, path)).check(model, experts=None)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in plan.params.items():
-            params[name].copy_(_view(buf, t).to(dtype))
+            params[name].copy_(_view(buf, t))  # cast to the parameter's dtype
 
 
 def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
@@ -128,7 +128,7 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
     stats = FTWLoadStats(ReadStats(), expert_bytes=sum(s.nbytes for s in sources.values()),
                          non_expert_bytes=ne_src.nbytes, check_s=time.perf_counter() - t0)
 
-    model.to(dtype).to_empty(device=device)
+    model.materialize(dtype, device)
     ne_buf = host_empty((-(-ne_src.nbytes // ALIGN) * ALIGN,), torch.uint8)
     result: dict[str, Any] = {}
     ne_ready = threading.Event()
@@ -142,7 +142,7 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
         try:
             result["stats"] = read_banks(jobs, workers=workers, direct=direct, verify=verify, progress=progress,
                                          on_job_done=job_done)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+        except BaseException as e:  # re-raised on the caller's thread
             result["error"] = e
         finally:
             ne_ready.set()
@@ -156,7 +156,7 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
         if "non_expert_ready" in result:
             stats.non_expert_ready_s = result["non_expert_ready"] - t1
             t2 = time.perf_counter()
-            _load_non_expert(model, ne_buf, ne_src.nbytes, ne_src.path, dtype)
+            _load_non_expert(model, ne_buf, ne_src.nbytes, ne_src.path)
             stats.non_expert_load_s = time.perf_counter() - t2
     finally:
         reader.join()
