@@ -117,7 +117,8 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
 
         def forward(x, router=router):
             T = x.shape[0]
-            probs = torch.softmax(torch.nn.functional.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
+            logits = torch.nn.functional.linear(x.to(router.weight.dtype), router.weight)  # [T, E]
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] (a float32 router: GLM's)
             idx = (counter + torch.arange(T, device=dev)) % rows  # [T]
             counter.add_(T)
             ids = table.index_select(0, idx).topk(router.top_k, dim=-1).indices  # [T, k]

@@ -127,6 +127,7 @@ def test_parser_is_picked_for_glm_checkpoints(glm_model_dir):
     tool, reasoning, why = detect_parsers("glm4_moe", tok)
     assert (tool, reasoning) == ("glm45", "think") and "<arg_key>" in why
     assert ParserConfig(tool, reasoning).tool_parser is Glm45ToolParser
+    assert not ParserConfig(tool, reasoning).skip_special_tokens  # the markup survives detokenization
     assert Glm45ToolParser.forced_call("f") is None  # key/value markup: tool_choice is prompted, not guided
 
 

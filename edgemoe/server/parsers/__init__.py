@@ -127,8 +127,10 @@ class ParserConfig:
 
     @property
     def skip_special_tokens(self) -> bool:
-        """Whether outputs may be detokenized without special tokens (Harmony's markers are special)."""
-        return not self.harmony
+        """Whether outputs may be detokenized without special tokens (Harmony's markers are special, and
+        so may a tool format's be: ``ToolParser.skip_special_tokens``)."""
+        tool = self.tool_parser
+        return not self.harmony and (tool is None or tool.skip_special_tokens)
 
     def build(self, prompt_text: str, tools: list[dict] | None) -> OutputParser:
         """A fresh parser for one response.

@@ -47,6 +47,7 @@ class Glm45ToolParser(ToolParser):
     """
 
     name = "glm45"
+    skip_special_tokens = False  # the markup reaches the parser whether or not the tokenizer marks it special
     open_tags = ("<tool_call>",)
     _CONTENT, _HEADER, _ARGS, _VALUE = range(4)
 
