@@ -39,13 +39,15 @@ Policies (``S`` slots over all ``N = L * E`` ids):
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import math
+import random
 import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -59,14 +61,15 @@ if TYPE_CHECKING:
     from argparse import Namespace
 
 __all__ = [
-    "ALL_POLICIES", "DEFAULT_CAPACITIES", "DEFAULT_POLICIES", "Access", "ReplayResult", "Workload",
+    "ALL_POLICIES", "DEFAULT_CAPACITIES", "DEFAULT_POLICIES", "Access", "Policy", "ReplayResult", "ResidentPolicy",
+    "Workload", "remap_workload", "uniform_workload",
     "build_workload", "expert_bytes_from_config", "load_workload", "main_replay", "replay", "simulate",
 ]
 
 DEFAULT_CAPACITIES = (0.05, 0.1, 0.2, 0.37, 0.5)
-ALL_POLICIES = ("lru", "layer-lru", "lfu", "static-oracle", "static-calib", "static-layers", "prefill-updated",
-                "belady")
-DEFAULT_POLICIES = ALL_POLICIES
+ALL_POLICIES = ("lru", "layer-lru", "lfu", "lru-2", "lrfu", "arc", "2q", "ucp", "static-oracle", "static-calib",
+                "static-layers", "prefill-updated", "belady", "lru-engine")
+DEFAULT_POLICIES = ALL_POLICIES[:-1]  # lru-engine equals lru (the engine's code path; slow)
 NEVER = math.inf
 NO_FILL = {"static-oracle", "static-calib", "static-layers", "prefill-updated"}  # policies that never admit a miss
 
@@ -85,6 +88,8 @@ class Access:
         ids: distinct flat ids ``layer * E + e``, ascending (the engine's ``torch.unique`` order).
         counts: tokens routed to each id (aligned with ``ids``).
         req_counts: prefill only: ``{request: {flat id: tokens}}``.
+        predicted: distinct flat ids predicted for this access before it ran (the trace's
+            ``predicted`` rows, top ``k`` of each token), or ``None`` when the trace has none.
     """
 
     phase: str
@@ -93,6 +98,7 @@ class Access:
     ids: list[int]
     counts: list[int]
     req_counts: dict[str, Counter] | None = None
+    predicted: list[int] | None = None
 
 
 @dataclass
@@ -146,10 +152,14 @@ class Workload:
         return c
 
 
-def _make_access(phase: str, step: int, layer: int, recs: list[RouteRecord], E: int) -> Access:
+def _make_access(phase: str, step: int, layer: int, recs: list[RouteRecord], E: int, k: int) -> Access:
     cnt: Counter = Counter()
     per_req: dict[str, Counter] | None = {} if phase == "prefill" else None
+    pred = None
     for r in recs:
+        if r.predicted is not None:
+            pred = pred if pred is not None else set()
+            pred.update(layer * E + e for row in r.predicted for e in row[:k])
         rc = per_req.setdefault(r.request, Counter()) if per_req is not None else None
         for row in r.experts:
             for e in row:
@@ -158,7 +168,7 @@ def _make_access(phase: str, step: int, layer: int, recs: list[RouteRecord], E: 
                 if rc is not None:
                     rc[f] += 1
     ids = sorted(cnt)
-    return Access(phase, step, layer, ids, [cnt[f] for f in ids], per_req)
+    return Access(phase, step, layer, ids, [cnt[f] for f in ids], per_req, None if pred is None else sorted(pred))
 
 
 def build_workload(records: list[RouteRecord], info: TraceInfo | None = None, prefill_tokens: int = 0) -> Workload:
@@ -201,7 +211,7 @@ def build_workload(records: list[RouteRecord], info: TraceInfo | None = None, pr
             for s in sorted(steps):
                 clock += 1
                 for layer in sorted(steps[s]):
-                    accesses.append(_make_access(phase_of[s], clock, layer, steps[s][layer], E))
+                    accesses.append(_make_access(phase_of[s], clock, layer, steps[s][layer], E, k))
         if plain:
             by_req: dict[str, dict[int, dict[int, RouteRecord]]] = {}
             for r in plain:
@@ -220,12 +230,12 @@ def build_workload(records: list[RouteRecord], info: TraceInfo | None = None, pr
                             layers.setdefault(layer, []).append(r)
                         tokens["prefill"].add((req, p))
                     for layer in sorted(layers):
-                        accesses.append(_make_access("prefill", clock, layer, layers[layer], E))
+                        accesses.append(_make_access("prefill", clock, layer, layers[layer], E, k))
                 for p in dec:
                     clock += 1
                     tokens["decode"].add((req, p))
                     for layer in sorted(by_pos[p]):
-                        accesses.append(_make_access("decode", clock, layer, [by_pos[p][layer]], E))
+                        accesses.append(_make_access("decode", clock, layer, [by_pos[p][layer]], E, k))
     requests = len({r.request for r in records})
     return Workload(accesses, int(L), int(E), int(k), len(tokens["decode"]), len(tokens["prefill"]), requests,
                     info.get("expert_bytes"), list(dict.fromkeys(r.source for r in records)))
@@ -237,74 +247,208 @@ def load_workload(paths: list[str | Path], prefill_tokens: int = 0) -> Workload:
     return build_workload(records, info, prefill_tokens)
 
 
+def uniform_workload(num_layers: int, num_experts: int, top_k: int, tokens: int, requests: int = 1,
+                     seed: int = 0) -> Workload:
+    """A decode-only workload without locality: every token draws ``top_k`` distinct experts uniformly
+    in every layer (the decode benchmark's ``--routing uniform``), ``tokens`` per request.
+
+    Raises:
+        ValueError: ``top_k`` outside ``1 .. num_experts`` or a non-positive size.
+    """
+    if not 1 <= top_k <= num_experts or min(num_layers, tokens, requests) < 1:
+        raise ValueError(f"bad geometry {num_layers} x {num_experts}, top-{top_k}, {tokens} tokens x {requests}")
+    rng = random.Random(seed)
+    recs = [RouteRecord("uniform", 0, f"u{r}", "decode", r * tokens + t + 1, layer, [t],
+                        [rng.sample(range(num_experts), top_k)], None)
+            for r in range(requests) for t in range(tokens) for layer in range(num_layers)]
+    info = TraceInfo([{"num_moe_layers": num_layers, "num_experts": num_experts, "top_k": top_k}])
+    return build_workload(recs, info)
+
+
+def remap_workload(wl: Workload, num_layers: int, num_experts: int, top_k: int, seed: int = 0) -> Workload:
+    """``wl``'s routing on another geometry, keeping its temporal structure: target layer ``j`` replays
+    source layer ``j mod L_src``; each source expert ``e`` stands for ``top_k / k_src`` experts of block
+    ``e`` (``num_experts / E_src`` experts wide), a fixed random choice per (target layer, source
+    expert). E.g. Mixtral (32 x 8, top-2) on Qwen3-30B-A3B (48 x 128, top-8): each routed Mixtral expert
+    becomes 4 of a block of 16, so a layer uses 32 of its 128 experts. Token counts per expert are
+    kept; ``predicted`` rows are dropped.
+
+    Raises:
+        ValueError: ``num_experts`` not a multiple of the source's, or ``top_k`` not of its ``k``.
+    """
+    Es, ks, Ls = wl.num_experts, wl.top_k, wl.num_layers
+    if num_experts % Es or top_k % ks or top_k // ks > num_experts // Es:
+        raise ValueError(f"cannot map {Ls} x {Es} top-{ks} onto {num_layers} x {num_experts} top-{top_k}")
+    B, r = num_experts // Es, top_k // ks
+    rng = random.Random(seed)
+    pick = [[rng.sample(range(B), r) for _ in range(Es)] for _ in range(num_layers)]
+    by_step: dict[int, dict[int, Access]] = {}
+    for a in wl.accesses:
+        by_step.setdefault(a.step, {})[a.layer] = a
+    out: list[Access] = []
+    for step in sorted(by_step):
+        src = by_step[step]
+        for j in range(num_layers):
+            a = src.get(j % Ls)
+            if a is None:
+                continue
+            cnt: Counter = Counter()
+            for f, n in zip(a.ids, a.counts):
+                e = f - a.layer * Es
+                for o in pick[j][e]:
+                    cnt[j * num_experts + e * B + o] += n
+            ids = sorted(cnt)
+            out.append(Access(a.phase, step, j, ids, [cnt[f] for f in ids]))
+    return Workload(out, num_layers, num_experts, top_k, wl.decode_tokens, wl.prefill_tokens, wl.requests,
+                    None, list(wl.sources))
+
+
 # ---------------------------------------------------------------------- policies
 
 
 class Policy:
-    """A cache of ``slots`` (layer, expert) slots; ``access(a, i) -> (hits, misses)`` for access ``i``."""
+    """A cache of ``slots`` (layer, expert) slots; ``access(a, i, q) -> (hits, misses)`` for access ``i``.
+
+    ``q``: the miss policy, ``q(m)`` = how many of the access's ``m`` misses may fill (``None``: every
+    one that finds a victim, the ``fill-all`` semantic of the miss-rate curves); the step-time
+    simulation (:mod:`edgemoe.bench.steptime`) passes the engine's ``ExpertPolicy.num_fills``. After an
+    access, ``fills`` holds how many misses it filled. ``tenure_net``/``tenures``: the net-reuse
+    accounting of fills (:class:`ResidentPolicy`), ``None`` for a policy without it.
+    """
 
     name = "base"
+    admits = True
 
     def __init__(self, wl: Workload, slots: int):
         self.wl, self.slots = wl, int(slots)
+        self.fills = 0
+        self.reuse_net: list[int] | None = None
+        self.fills_by_layer: list[int] | None = None
 
-    def access(self, a: Access, i: int) -> tuple[int, int]:
+    def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def free_slots(self, layer: int) -> int:
+        """Slots a miss of MoE layer ``layer`` can fill without evicting anything."""
         raise NotImplementedError
 
 
 class GlobalLRU(Policy):
-    """The engine's global LRU under ``fill-all``: :func:`edgemoe.experts.hybrid.plan_step` (the very
-    control the engine runs each MoE layer step) over the engine's :class:`ExpertCache`, without data."""
+    """The engine's global LRU: :func:`edgemoe.experts.hybrid.plan_step` (the very control the engine
+    runs each MoE layer step) over the engine's :class:`ExpertCache`, without data. Slow (torch ops per
+    access); :class:`SlotLRU` is its pure-Python twin (equal counts, tested)."""
 
-    name = "lru"
+    name = "lru-engine"
 
     def __init__(self, wl: Workload, slots: int):
         super().__init__(wl, slots)
         self.cache = ExpertCache(self.slots, wl.num_ids, [], torch.float32, torch.device("cpu"))
-        self.policy = FillAllPolicy()
 
-    def access(self, a: Access, i: int) -> tuple[int, int]:
+    def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
         phase = Phase.PREFILL if a.phase == "prefill" else Phase.DECODE
-        plan = plan_step(self.cache, self.policy, dict(zip(a.ids, a.counts)), phase, a.step)
+        counters = self.cache.counters[phase.value]
+        before = counters.fills
+        plan = plan_step(self.cache, FillAllPolicy() if q is None else _Fills(q), dict(zip(a.ids, a.counts)), phase,
+                         a.step)
+        self.fills = counters.fills - before
         return len(plan.hits), len(a.ids) - len(plan.hits)
 
 
-class _Resident(Policy):
-    """Shared miss loop for the pure-Python policies (see the module docstring for the rule)."""
+class _Fills(FillAllPolicy):
+    """An ``ExpertPolicy`` whose ``num_fills`` is a given ``q(m)`` (drives :class:`GlobalLRU`)."""
 
-    admits = True
+    def __init__(self, q: Callable[[int], int]):
+        self.q = q
+
+    def num_fills(self, m: int, layer: int = 0) -> int:
+        return self.q(m)
+
+
+class ResidentPolicy(Policy):
+    """Shared miss loop for the pure-Python policies (see the module docstring for the rule), with the
+    net-reuse accounting of fills (:class:`edgemoe.experts.policy.LayerObservation`).
+
+    Reuse accounting: a fill remembers the id it displaced (its *ghost*, while the filled id stays
+    resident). Each access of a resident id adds 1 to ``reuse_net[layer of the id]``; each access of
+    a ghost subtracts 1 from ``reuse_net`` of the layer whose fill displaced it; ``fills_by_layer``
+    counts fills. Over a window, ``reuse_net / fills`` is the hits a fill of the layer buys net of
+    the hits it costs (zero in expectation when routing has no locality).
+    """
 
     def __init__(self, wl: Workload, slots: int):
         super().__init__(wl, slots)
         self.res: set[int] = set()
+        self.ghost_of: dict[int, int] = {}  # displaced id -> the resident id whose fill displaced it
+        self.ghost_by: dict[int, int] = {}  # resident id -> the id its fill displaced
+        self.reuse_net = [0] * wl.num_layers
+        self.fills_by_layer = [0] * wl.num_layers
 
-    def access(self, a: Access, i: int) -> tuple[int, int]:
+    def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
         res = self.res
         hits = [f for f in a.ids if f in res]
         n_miss = len(a.ids) - len(hits)
+        E, net = self.wl.num_experts, self.reuse_net
+        for f in hits:
+            net[f // E] += 1
+        if len(hits) < len(a.ids) and self.ghost_of:
+            for f in a.ids:
+                g = self.ghost_of.get(f)
+                if g is not None and f not in res:
+                    net[g // E] -= 1
         self.on_access(a, i, hits)
+        self.fills = 0
         if n_miss and self.admits:
-            group = set(a.ids)
             misses = sorted((self.miss_key(f, n, a, i, j), f) for j, (f, n) in enumerate(zip(a.ids, a.counts))
                             if f not in res)
-            for _, f in misses:
-                if not self.has_room(f):
-                    v = self.victim(f, group, a, i)
-                    if v is None and a.phase == "prefill":
-                        v = self.victim(f, None, a, i)
-                    if v is None:
-                        continue
-                    self.evict(v)
-                self.admit(f, a, i)
+            self.fills = self._fill([f for _, f in misses], set(a.ids), a, i, None if q is None else q(n_miss))
         self.end_access(a, i)
         return len(hits), n_miss
 
+    def prefetch(self, a: Access, ids: list[int], protected: set[int], i: int) -> int:
+        """Fill ``ids`` (not resident; in this order) ahead of access ``a`` without evicting ``protected``
+        (a next-layer prefetch; not counted as requests). Returns the number filled."""
+        return self._fill([f for f in ids if f not in self.res], protected, a, i, None, prefill=False)
+
+    def _fill(self, misses: list[int], group: set[int], a: Access, i: int, limit: int | None,
+              prefill: bool | None = None) -> int:
+        prefill = a.phase == "prefill" if prefill is None else prefill
+        filled = 0
+        for f in misses:
+            if limit is not None and filled >= limit:
+                break
+            self.prepare(f, a, i)
+            v = -1
+            if not self.has_room(f):
+                v = self.victim(f, group, a, i)
+                if v is None and prefill:
+                    v = self.victim(f, None, a, i)
+                if v is None:
+                    continue
+                g = self.ghost_by.pop(v, None)
+                if g is not None and self.ghost_of.get(g) == v:
+                    del self.ghost_of[g]
+                self.evict(v)
+            self.admit(f, a, i)
+            self.ghost_of.pop(f, None)
+            if v >= 0:
+                self.ghost_of[v], self.ghost_by[f] = f, v
+            self.fills_by_layer[f // self.wl.num_experts] += 1
+            filled += 1
+        return filled
+
     def miss_key(self, f: int, n: int, a: Access, i: int, j: int):
-        """Order in which an access's misses are filled: most-routed first (the engine's order)."""
+        """Order in which an access's misses are filled: most-routed first, then the smaller id (the
+        engine's order)."""
         return -n
+
+    def prepare(self, f: int, a: Access, i: int) -> None:
+        """Called before miss ``f`` looks for room (ARC adapts its target here)."""
 
     def has_room(self, f: int) -> bool:
         return len(self.res) < self.slots
+
+    def free_slots(self, layer: int) -> int:
+        return self.slots - len(self.res)
 
     def on_access(self, a: Access, i: int, hits: list[int]) -> None:
         pass
@@ -322,7 +466,94 @@ class _Resident(Policy):
         pass
 
 
-class LayerLRU(_Resident):
+class _KeyHeap:
+    """Residents keyed for eviction (smallest key first), a heap with lazy invalidation: an entry is
+    live while ``key[f]`` still equals it and ``f`` is resident."""
+
+    def __init__(self):
+        self.heap: list = []
+        self.key: dict[int, tuple] = {}
+
+    def push(self, f: int, key: tuple) -> None:
+        self.key[f] = key
+        heapq.heappush(self.heap, (key, f))
+
+    def drop(self, f: int) -> None:
+        self.key.pop(f, None)
+
+    def pop_min(self, res: set[int], protected: set[int] | None) -> int | None:
+        stash, found = [], None
+        while self.heap:
+            key, f = heapq.heappop(self.heap)
+            if f not in res or self.key.get(f) != key:
+                continue  # stale
+            if protected is not None and f in protected:
+                stash.append((key, f))
+                continue
+            found = f
+            del self.key[f]
+            break
+        for e in stash:
+            heapq.heappush(self.heap, e)
+        return found
+
+
+class SlotLRU(ResidentPolicy):
+    """Global LRU exactly as the engine's :class:`ExpertCache` keeps it: slots indexed ``0 .. S-1``, the
+    model step as the clock (every layer of a step has the same age), victims in ``(last_used, slot)``
+    order with free slots first. Pure Python; counts equal :class:`GlobalLRU`'s (tested)."""
+
+    name = "lru"
+
+    def __init__(self, wl: Workload, slots: int):
+        super().__init__(wl, slots)
+        self.slot_of: dict[int, int] = {}
+        self.free = list(range(self.slots))  # a heap: the smallest free slot first
+        self.lru: list[tuple[int, int]] = []  # heap of (last_used, slot), lazily invalidated
+        self.last = [-1] * self.slots
+        self.owner = [-1] * self.slots
+        self._slot = -1
+
+    def has_room(self, f: int) -> bool:
+        return bool(self.free)
+
+    def on_access(self, a, i, hits):
+        for f in hits:
+            s = self.slot_of[f]
+            self.last[s] = a.step
+            heapq.heappush(self.lru, (a.step, s))
+
+    def victim(self, f, protected, a, i):
+        stash, found = [], None
+        while self.lru:
+            t, s = heapq.heappop(self.lru)
+            if self.owner[s] < 0 or self.last[s] != t:
+                continue
+            if protected is not None and self.owner[s] in protected:
+                stash.append((t, s))
+                continue
+            found = s
+            break
+        for e in stash:
+            heapq.heappush(self.lru, e)
+        if found is None:
+            return None
+        self._slot = found
+        return self.owner[found]
+
+    def evict(self, v):
+        super().evict(v)
+        self.owner[self.slot_of.pop(v)] = -1
+
+    def admit(self, f, a, i):
+        super().admit(f, a, i)
+        s = self._slot if self._slot >= 0 else heapq.heappop(self.free)
+        self._slot = -1
+        self.slot_of[f], self.owner[s], self.last[s] = s, f, a.step
+        heapq.heappush(self.lru, (a.step, s))
+
+
+class LayerLRU(ResidentPolicy):
     """One LRU per MoE layer over an equal share of the slots."""
 
     name = "layer-lru"
@@ -337,6 +568,9 @@ class LayerLRU(_Resident):
     def has_room(self, f: int) -> bool:
         l = f // self.E
         return len(self.lru[l]) < self.cap[l]
+
+    def free_slots(self, layer: int) -> int:
+        return self.cap[layer] - len(self.lru[layer])
 
     def on_access(self, a, i, hits):
         od = self.lru[a.layer]
@@ -358,7 +592,7 @@ class LayerLRU(_Resident):
         self.lru[f // self.E][f] = True
 
 
-class LFU(_Resident):
+class LFU(ResidentPolicy):
     """Global LFU with history (counts survive eviction); ties evict the least recently used."""
 
     name = "lfu"
@@ -367,39 +601,282 @@ class LFU(_Resident):
         super().__init__(wl, slots)
         self.freq: Counter = Counter()
         self.last: dict[int, int] = {}
-        self.heap: list[tuple[int, int, int]] = []
-
-    def _push(self, f: int) -> None:
-        heapq.heappush(self.heap, (self.freq[f], self.last[f], f))
+        self.keys = _KeyHeap()
 
     def on_access(self, a, i, hits):
         for f in a.ids:
             self.freq[f] += 1
             self.last[f] = i
         for f in hits:
-            self._push(f)
+            self.keys.push(f, (self.freq[f], self.last[f]))
 
     def victim(self, f, protected, a, i):
-        stash, found = [], None
-        while self.heap:
-            n, t, v = heapq.heappop(self.heap)
-            if v not in self.res or (n, t) != (self.freq[v], self.last[v]):
-                continue  # stale
-            if protected is not None and v in protected:
-                stash.append((n, t, v))
-                continue
-            found = v
-            break
-        for e in stash:
-            heapq.heappush(self.heap, e)
-        return found
+        return self.keys.pop_min(self.res, protected)
 
     def admit(self, f, a, i):
         super().admit(f, a, i)
-        self._push(f)
+        self.keys.push(f, (self.freq[f], self.last[f]))
 
 
-class StaticPlacement(_Resident):
+class LRU2(ResidentPolicy):
+    """LRU-K with K = 2 (O'Neil, O'Neil and Weikum, SIGMOD 1993): evict the resident whose second most
+    recent access is oldest (ids accessed once first), ties to the older last access. Access history
+    is kept for every id (evicted ones too); the clock is the model step, as the engine's."""
+
+    name = "lru-2"
+
+    def __init__(self, wl: Workload, slots: int):
+        super().__init__(wl, slots)
+        self.hist: dict[int, tuple[int, int]] = {}  # id -> (second most recent, most recent) step
+        self.keys = _KeyHeap()
+
+    def on_access(self, a, i, hits):
+        for f in a.ids:
+            self.hist[f] = (self.hist.get(f, (-1, -1))[1], a.step)
+        for f in hits:
+            self.keys.push(f, (*self.hist[f], f))
+
+    def victim(self, f, protected, a, i):
+        return self.keys.pop_min(self.res, protected)
+
+    def admit(self, f, a, i):
+        super().admit(f, a, i)
+        self.keys.push(f, (*self.hist[f], f))
+
+
+class LRFU(ResidentPolicy):
+    """LRFU (Lee et al., IEEE Trans. Computers 50(12), 2001): each id's combined recency and frequency
+    ``CRF(t) = Σ_i 2^(−λ(t − t_i))`` over its past accesses ``t_i`` (model steps); evict the smallest.
+    ``λ → 0`` is LFU, ``λ = 1`` close to LRU. ``CRF`` decays by the same factor for every id, so the
+    order is kept by the time-invariant key ``log2 CRF(t_last) + λ·t_last``. History is kept for every id."""
+
+    name = "lrfu"
+
+    def __init__(self, wl: Workload, slots: int, lam: float = 0.1):
+        super().__init__(wl, slots)
+        self.lam = float(lam)
+        self.crf: dict[int, tuple[float, int]] = {}  # id -> (CRF at its last access, last access step)
+        self.keys = _KeyHeap()
+
+    def _key(self, f: int) -> tuple:
+        c, t = self.crf[f]
+        return (math.log2(c) + self.lam * t, f)
+
+    def on_access(self, a, i, hits):
+        for f in a.ids:
+            c, t = self.crf.get(f, (0.0, a.step))
+            self.crf[f] = (1.0 + c * 2.0 ** (-self.lam * (a.step - t)), a.step)
+        for f in hits:
+            self.keys.push(f, self._key(f))
+
+    def victim(self, f, protected, a, i):
+        return self.keys.pop_min(self.res, protected)
+
+    def admit(self, f, a, i):
+        super().admit(f, a, i)
+        self.keys.push(f, self._key(f))
+
+
+class ARC(ResidentPolicy):
+    """ARC (Megiddo and Modha, FAST 2003): LRU lists T1 (seen once recently) and T2 (seen at least twice)
+    of residents, ghost lists B1/B2 of their recent evictions, and a target size ``p`` of T1 that a
+    ghost hit in B1 raises and one in B2 lowers. Victims skip the ids the access needs (from the other
+    list when the chosen one has none)."""
+
+    name = "arc"
+
+    def __init__(self, wl: Workload, slots: int):
+        super().__init__(wl, slots)
+        self.t1, self.t2, self.b1, self.b2 = OrderedDict(), OrderedDict(), OrderedDict(), OrderedDict()
+        self.p = 0.0
+        self._ghost = True
+
+    def on_access(self, a, i, hits):
+        for f in hits:
+            self.t1.pop(f, None)
+            self.t2.pop(f, None)
+            self.t2[f] = True
+
+    def prepare(self, f, a, i):
+        c = self.slots
+        self._ghost = True
+        if f in self.b1:
+            self.p = min(c, self.p + max(len(self.b2) / len(self.b1), 1.0))
+        elif f in self.b2:
+            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
+        elif len(self.t1) + len(self.b1) >= c:
+            if len(self.t1) < c and self.b1:
+                self.b1.popitem(last=False)
+            else:
+                self._ghost = False  # T1 alone fills the cache: its LRU is dropped without a ghost
+        elif len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= 2 * c and self.b2:
+            self.b2.popitem(last=False)
+
+    def victim(self, f, protected, a, i):
+        t1_first = bool(self.t1) and (len(self.t1) > self.p or (f in self.b2 and len(self.t1) == self.p))
+        for od in ((self.t1, self.t2) if t1_first else (self.t2, self.t1)):
+            for v in od:
+                if protected is None or v not in protected:
+                    return v
+        return None
+
+    def evict(self, v):
+        super().evict(v)
+        if v in self.t1:
+            del self.t1[v]
+            if self._ghost:
+                self.b1[v] = True
+        else:
+            del self.t2[v]
+            self.b2[v] = True
+        c = self.slots
+        while len(self.t1) + len(self.b1) > c and self.b1:
+            self.b1.popitem(last=False)
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c and self.b2:
+            self.b2.popitem(last=False)
+
+    def admit(self, f, a, i):
+        super().admit(f, a, i)
+        if f in self.b1 or f in self.b2:
+            self.b1.pop(f, None)
+            self.b2.pop(f, None)
+            self.t2[f] = True
+        else:
+            self.t1[f] = True
+
+
+class TwoQ(ResidentPolicy):
+    """2Q (Johnson and Shasha, VLDB 1994), full version: first-time ids enter a FIFO ``A1in`` (25 % of
+    the slots); ids evicted from it are remembered in a ghost FIFO ``A1out`` (50 %); a miss found in
+    ``A1out`` goes to the LRU ``Am``. Victims: the oldest of ``A1in`` while it exceeds its share,
+    else the LRU of ``Am``."""
+
+    name = "2q"
+
+    def __init__(self, wl: Workload, slots: int):
+        super().__init__(wl, slots)
+        self.kin, self.kout = max(1, slots // 4), max(1, slots // 2)
+        self.a1in, self.a1out, self.am = OrderedDict(), OrderedDict(), OrderedDict()
+
+    def on_access(self, a, i, hits):
+        for f in hits:
+            if f in self.am:
+                self.am.move_to_end(f)
+
+    def victim(self, f, protected, a, i):
+        order = (self.a1in, self.am) if len(self.a1in) > self.kin or not self.am else (self.am, self.a1in)
+        for od in order:
+            for v in od:
+                if protected is None or v not in protected:
+                    return v
+        return None
+
+    def evict(self, v):
+        super().evict(v)
+        if v in self.a1in:
+            del self.a1in[v]
+            self.a1out[v] = True
+            if len(self.a1out) > self.kout:
+                self.a1out.popitem(last=False)
+        else:
+            del self.am[v]
+
+    def admit(self, f, a, i):
+        super().admit(f, a, i)
+        if f in self.a1out:
+            del self.a1out[f]
+            self.am[f] = True
+        else:
+            self.a1in[f] = True
+
+
+class UCP(ResidentPolicy):
+    """Per-layer LRU under layer quotas chosen by utility (utility-based cache partitioning, Qureshi and
+    Patt, MICRO 2006): each layer keeps a shadow LRU stack of all its experts and counts hits at every
+    stack depth (the hits an LRU of that many slots would get); every ``epoch`` decode steps the
+    slots are re-divided by the lookahead algorithm (repeatedly give the layer with the best hits per
+    slot its best run of slots) and the depth counts halve. Until the first epoch the split is equal.
+    A fill of a layer under its quota takes a free slot or the LRU id of the layer furthest over its
+    quota; a layer at its quota evicts its own LRU id."""
+
+    name = "ucp"
+
+    def __init__(self, wl: Workload, slots: int, epoch: int = 32):
+        super().__init__(wl, slots)
+        L, E = wl.num_layers, wl.num_experts
+        self.E, self.epoch = E, int(epoch)
+        self.quota = [slots // L + (1 if l < slots % L else 0) for l in range(L)]
+        self.lru: list[OrderedDict] = [OrderedDict() for _ in range(L)]
+        self.stack: list[list[int]] = [[] for _ in range(L)]  # shadow LRU stack, most recent first
+        self.depth_hits = [[0.0] * E for _ in range(L)]
+        self._steps, self._last_step = 0, None
+
+    def on_access(self, a, i, hits):
+        od = self.lru[a.layer]
+        for f in hits:
+            od.move_to_end(f)
+        st, dh = self.stack[a.layer], self.depth_hits[a.layer]
+        pos = {f: st.index(f) for f in a.ids if f in st}  # depths before this access (its ids are needed at once)
+        for d in pos.values():
+            dh[d] += 1
+        self.stack[a.layer] = list(a.ids) + [f for f in st if f not in pos]
+        if a.phase == "decode" and a.step != self._last_step:
+            self._last_step = a.step
+            self._steps += 1
+            if self._steps % self.epoch == 0:
+                self._repartition()
+
+    def _repartition(self) -> None:
+        L, E = len(self.quota), self.E
+        util = [[0.0] + list(itertools.accumulate(dh)) for dh in self.depth_hits]  # [L][E + 1]
+        alloc, left = [0] * L, min(self.slots, L * E)
+        while left > 0:
+            best = None
+            for l in range(L):
+                a, u = alloc[l], util[l]
+                for n in range(1, min(left, E - a) + 1):
+                    mu = (u[a + n] - u[a]) / n
+                    if best is None or mu > best[0]:
+                        best = (mu, l, n)
+            if best is None:
+                break
+            _, l, n = best
+            alloc[l] += n
+            left -= n
+        self.quota = alloc
+        self.depth_hits = [[h / 2 for h in dh] for dh in self.depth_hits]
+
+    def has_room(self, f):
+        l = f // self.E
+        return len(self.res) < self.slots and len(self.lru[l]) < self.quota[l]
+
+    def free_slots(self, layer: int) -> int:
+        return max(0, min(self.slots - len(self.res), self.quota[layer] - len(self.lru[layer])))
+
+    def victim(self, f, protected, a, i):
+        l = f // self.E
+        if len(self.lru[l]) >= self.quota[l]:
+            order = [l]
+        else:
+            over = sorted(((len(od) - q, j) for j, (od, q) in enumerate(zip(self.lru, self.quota)) if len(od) > q),
+                          reverse=True)
+            order = [j for _, j in over] + [l]
+        for j in order:
+            for v in self.lru[j]:
+                if protected is None or v not in protected:
+                    return v
+        return None
+
+    def evict(self, v):
+        super().evict(v)
+        del self.lru[v // self.E][v]
+
+    def admit(self, f, a, i):
+        super().admit(f, a, i)
+        self.lru[f // self.E][f] = True
+
+
+class StaticPlacement(ResidentPolicy):
     """A fixed placement (pre-loaded for free, never changed); misses run on the CPU."""
 
     admits = False
@@ -415,7 +892,7 @@ def top_ids(freq: Counter, n: int) -> list[int]:
     return [f for f, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
 
 
-class PrefillUpdated(_Resident):
+class PrefillUpdated(ResidentPolicy):
     """KTransformers-style: the placement is recomputed from each prompt's prefill routing."""
 
     name = "prefill-updated"
@@ -439,7 +916,7 @@ class PrefillUpdated(_Resident):
         self.res = set(self.order)
 
 
-class Belady(_Resident):
+class Belady(ResidentPolicy):
     """Belady's MIN, global over all layers: the victim is the resident id (not needed by this access)
     whose next use is farthest. A prefill access needing more ids than the cache holds leaves the
     cache holding the ``S`` ids of (residents ∪ the access's ids) with the nearest next use."""
@@ -452,10 +929,10 @@ class Belady(_Resident):
         self.cur: dict[int, float] = {}  # resident id -> its next use (== i while needed by access i)
         self.heap: list[tuple[float, int]] = []  # (-next use, id), lazily invalidated
 
-    def access(self, a: Access, i: int) -> tuple[int, int]:
+    def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
         res = self.res
         n_hits = sum(1 for f in a.ids if f in res)
-        if a.phase == "prefill" and len(res | set(a.ids)) > self.slots:
+        if a.phase == "prefill" and q is None and len(res | set(a.ids)) > self.slots:
             pool = {f: nu for f, nu in self.cur.items() if f in res}
             pool.update(zip(a.ids, self.nxt[i]))
             keep = sorted(pool, key=lambda f: (pool[f], f))[: self.slots]
@@ -463,8 +940,9 @@ class Belady(_Resident):
             self.cur = {f: pool[f] for f in keep}
             self.heap = [(-pool[f], f) for f in keep]
             heapq.heapify(self.heap)
+            self.fills = sum(1 for f in a.ids if f in self.res) - n_hits
             return n_hits, len(a.ids) - n_hits
-        return super().access(a, i)
+        return super().access(a, i, q)
 
     def miss_key(self, f, n, a, i, j):
         return self.nxt[i][j]  # nearest next use first
@@ -502,12 +980,10 @@ def make_policy(name: str, wl: Workload, slots: int, calibration: Workload | Non
     Raises:
         ValueError: unknown name, or ``static-calib`` without a calibration workload of the same geometry.
     """
-    if name == "lru":
-        return GlobalLRU(wl, slots)
-    if name == "layer-lru":
-        return LayerLRU(wl, slots)
-    if name == "lfu":
-        return LFU(wl, slots)
+    simple = {"lru": SlotLRU, "lru-engine": GlobalLRU, "layer-lru": LayerLRU, "lfu": LFU, "lru-2": LRU2,
+              "lrfu": LRFU, "arc": ARC, "2q": TwoQ, "ucp": UCP}
+    if name in simple:
+        return simple[name](wl, slots)
     if name == "static-oracle":
         return StaticPlacement(wl, slots, top_ids(wl.frequencies("decode"), slots), name)
     if name == "static-calib":

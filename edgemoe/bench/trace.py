@@ -23,7 +23,10 @@ line, appended (several recording sessions may share a file; each starts with a 
     MoE-layer ordinal ``j`` (flat expert id ``j * E + e``), ``dlayer`` the decoder layer index
     (omitted when unknown), ``request_id`` omitted until the engine names the sequence. ``step`` is
     the runner's model-step counter: sequences batched in one step share it, and its order is the
-    order in which the expert cache saw the accesses.
+    order in which the expert cache saw the accesses. Optional ``"predicted": [[p ints]] * T``: the
+    experts of this layer predicted for each token before the layer ran (its router applied to the
+    previous MoE layer's hidden state, the next-layer prefetch), most likely first; the header's
+    ``prediction`` field says from which hidden state.
 
 Also read (auto-detected per line): per-token lines ``{"problem_id", "layer", "token_idx",
 "experts": [k], "gating_probs": [k], "dataset"?}`` (the Mixtral-8x7B decode traces of
@@ -71,6 +74,7 @@ class RouteRecord:
         experts: ``[T][k]`` expert indices within the layer.
         weights: ``[T][k]`` router weights, or ``None`` when the trace has none.
         seq_id, request_id, dlayer: as in the line, when present.
+        predicted: ``[T][p]`` predicted expert indices (most likely first), or ``None``.
     """
 
     source: str
@@ -85,6 +89,7 @@ class RouteRecord:
     seq_id: int | None = None
     request_id: str | None = None
     dlayer: int | None = None
+    predicted: list[list[int]] | None = None
 
 
 @dataclass
@@ -154,14 +159,17 @@ class RoutingRecorder:
         self._write({"type": "request", "seq_id": int(seq_id), "request_id": str(request_id)})
 
     # ------------------------------------------------------------------ the callback
-    def __call__(self, batch, moe_layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """``ForwardBatch.record``: ``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` (any float dtype)."""
+    def __call__(self, batch, moe_layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 predicted: torch.Tensor | None = None) -> None:
+        """``ForwardBatch.record``: ``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` (any float dtype),
+        optionally ``predicted [T, p]`` int64 (the experts predicted for this layer before it ran)."""
         if not self._header_written:
             self.write_header()
         if batch is not self._batch:  # positions are shared by all layers of a step
             self._batch, self._pos = batch, batch.positions.to("cpu").numpy().tolist()
         ids = topk_ids.detach().to("cpu").numpy().tolist()  # numpy's tolist is ~6x faster than torch's
         w = np.round(topk_weights.detach().to("cpu", torch.float32).numpy().astype(np.float64), WEIGHT_DECIMALS).tolist()
+        pred = None if predicted is None else predicted.detach().to("cpu").numpy().tolist()
         phase = getattr(batch.phase, "value", batch.phase)
         dlayer = self._moe_layers[moe_layer] if self._moe_layers is not None else None
         lines = []
@@ -175,6 +183,8 @@ class RoutingRecorder:
             if dlayer is not None:
                 rec["dlayer"] = dlayer
             rec.update(pos=self._pos[a:b], experts=ids[a:b], weights=w[a:b])
+            if pred is not None:
+                rec["predicted"] = pred[a:b]
             lines.append(json.dumps(rec, separators=(",", ":")))
         with self._lock:
             self._f.write("\n".join(lines) + "\n")
@@ -201,6 +211,10 @@ class RoutingRecorder:
 
 
 # ---------------------------------------------------------------------- reading
+
+
+def _predicted(rows) -> list[list[int]] | None:
+    return None if rows is None else [[int(e) for e in row] for row in rows]
 
 
 def iter_trace(path: str | Path, info: TraceInfo | None = None) -> Iterator[RouteRecord]:
@@ -236,7 +250,7 @@ def iter_trace(path: str | Path, info: TraceInfo | None = None) -> Iterator[Rout
                     yield RouteRecord(str(path), seg, rid if rid else f"{path.name}#{seg}:seq{sid}", o["phase"],
                                       int(o["step"]), int(o["layer"]), [int(p) for p in o["pos"]],
                                       [[int(e) for e in row] for row in o["experts"]], o.get("weights"),
-                                      sid, rid, o.get("dlayer"))
+                                      sid, rid, o.get("dlayer"), _predicted(o.get("predicted")))
                 elif kind == "header":
                     if not fresh:
                         info.segments += 1

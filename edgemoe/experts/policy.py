@@ -10,8 +10,11 @@ cache warming. The formula decides *how many* misses fill; the cache's LRU decid
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class ExpertPolicy:
     - ``admits``: the policy ever fills the cache at run time;
     - ``places_static``: whole MoE layers are placed in the cache at load and pinned there;
     - ``online``: the rule may change between steps (:meth:`observe` returns ``True`` then), so the
-      device path must keep its CPU branch even when the current rule fills every miss.
+      device path must keep its CPU branch even when the current rule fills every miss;
+    - ``fills_free_slots``: a decode step fills at least ``min(m, free slots)`` misses whatever
+      :meth:`num_fills` says (a fill into a free slot displaces nothing).
     """
 
     name = "base"
@@ -47,18 +52,25 @@ class ExpertPolicy:
     admits = True
     places_static = False
     online = False
+    fills_free_slots = False
 
     @property
     def active_name(self) -> str:
         """The rule the next step runs (an online policy switches between rules)."""
         return self.name
 
-    def num_fills(self, m: int) -> int:
+    def num_fills(self, m: int, layer: int = 0) -> int:
+        """Misses to fill among ``m`` misses of MoE layer ``layer`` (the rest run on the CPU)."""
         raise NotImplementedError
 
     def observe(self, seconds: float, batch_size: int) -> bool:
         """Record the wall time (s) of the decode step just run at ``batch_size``; returns whether the
         rule changed (the caller then pushes :meth:`fill_rule` to the device). Fixed rules ignore it."""
+        return False
+
+    def observe_layers(self, obs: "LayerObservation") -> bool:
+        """Record per-layer measurements (reuse of fills, branch times); returns whether the rule
+        changed. Fixed rules ignore them."""
         return False
 
     def q_ratio(self) -> float:
@@ -89,7 +101,7 @@ class QStarPolicy(ExpertPolicy):
                 raise ValueError(f"qstar needs positive B_P and B_H, got B_P={bw.pcie} B_H={bw.cpu}")
         self.bw = bw
 
-    def num_fills(self, m: int) -> int:
+    def num_fills(self, m: int, layer: int = 0) -> int:
         if m <= 0 or self.bw.pcie is None or self.bw.cpu is None:
             return 0
         if self.bw.cpu <= self.bw.pcie:
@@ -110,7 +122,7 @@ class FillAllPolicy(ExpertPolicy):
 
     name = "fill-all"
 
-    def num_fills(self, m: int) -> int:
+    def num_fills(self, m: int, layer: int = 0) -> int:
         return max(m, 0)
 
     def fill_rule(self) -> tuple[float, float, float]:
@@ -124,7 +136,7 @@ class CpuAllPolicy(ExpertPolicy):
     streams_prefill = False
     admits = False
 
-    def num_fills(self, m: int) -> int:
+    def num_fills(self, m: int, layer: int = 0) -> int:
         return 0
 
     def fill_rule(self) -> tuple[float, float, float]:
@@ -176,8 +188,8 @@ class AdaptivePolicy(ExpertPolicy):
     def active_name(self) -> str:
         return self.candidates[self.active].name
 
-    def num_fills(self, m: int) -> int:
-        return self.candidates[self.active].num_fills(m)
+    def num_fills(self, m: int, layer: int = 0) -> int:
+        return self.candidates[self.active].num_fills(m, layer)
 
     def fill_rule(self) -> tuple[float, float, float]:
         return self.candidates[self.active].fill_rule()
@@ -215,6 +227,272 @@ class AdaptivePolicy(ExpertPolicy):
             st["exploited"] += 1
             if st["exploited"] >= self.exploit_steps:
                 st.update(probing=True, probe=0, times=[[] for _ in self.candidates], exploited=0)
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """Time model of one MoE layer's decode step, in seconds, for a split of its misses into ``fills``
+    (copied host→device, then computed on the device) and ``cpu`` (computed by the CPU executor):
+
+    - fill branch ``[f > 0]·fill_fixed_s + f·fill_s`` (``fill_conc_s`` while the CPU branch runs);
+    - CPU branch ``[c > 0]·cpu_fixed_s + c·cpu_s`` (``cpu_conc_s`` while fills run); a step whose CPU
+      branch is armed but empty pays ``idle_handoff_s`` instead (a hand-off without work);
+    - the two overlap (``max``) when ``overlap``, else they add (a CPU-only machine, where the "device"
+      is the same cores); plus ``hits·hit_s + base_s`` (the layer's other work).
+
+    Per-expert seconds are ``expert_bytes / bandwidth``: ``fill_s`` from B_P, ``cpu_s`` from the CPU
+    executor's bandwidth at many experts per call (its fixed cost per call is ``cpu_fixed_s``). The
+    two fixed costs are what the bandwidth-only q* rule leaves out: with one or two misses per layer
+    a CPU hand-off can cost more than filling the expert.
+    """
+
+    fill_s: float
+    fill_conc_s: float
+    cpu_s: float
+    cpu_conc_s: float
+    fill_fixed_s: float = 0.0
+    cpu_fixed_s: float = 0.0
+    idle_handoff_s: float = 0.0
+    hit_s: float = 0.0
+    base_s: float = 0.0
+    overlap: bool = True
+
+    @classmethod
+    def from_bandwidths(cls, expert_bytes: float, b_p: float, b_h: float, b_p_conc: float | None = None,
+                        b_h_conc: float | None = None, **fixed) -> "MissCosts":
+        """From GB/s (1e9 bytes/s): ``b_p``/``b_h`` alone, ``*_conc`` while both branches run (default: alone).
+
+        Raises:
+            ValueError: a bandwidth that is not positive.
+        """
+        bws = (b_p, b_h, b_p_conc or b_p, b_h_conc or b_h)
+        if min(bws) <= 0:
+            raise ValueError(f"bandwidths must be positive, got {bws}")
+        s = float(expert_bytes) / 1e9
+        return cls(s / b_p, s / (b_p_conc or b_p), s / b_h, s / (b_h_conc or b_h), **fixed)
+
+    def branches(self, fills: int, cpu: int, armed: bool = True) -> tuple[float, float]:
+        """(fill branch, CPU branch) seconds of a layer step (see the class docstring)."""
+        both = fills > 0 and cpu > 0
+        g = (self.fill_fixed_s + fills * (self.fill_conc_s if both else self.fill_s)) if fills > 0 else 0.0
+        if cpu > 0:
+            c = self.cpu_fixed_s + cpu * (self.cpu_conc_s if both else self.cpu_s)
+        else:
+            c = self.idle_handoff_s if armed else 0.0
+        return g, c
+
+    def layer_seconds(self, hits: int, fills: int, cpu: int, armed: bool = True) -> float:
+        """Seconds of one MoE layer's decode step with ``hits`` resident experts."""
+        g, c = self.branches(fills, cpu, armed)
+        return self.base_s + hits * self.hit_s + (max(g, c) if self.overlap else g + c)
+
+    def split_seconds(self, m: int, q: int, armed: bool = True) -> float:
+        """The layer time without hits and base of filling ``q`` of ``m`` misses and running ``m − q``
+        on the CPU (what a miss policy's choice changes)."""
+        g, c = self.branches(q, m - q, armed)
+        return max(g, c) if self.overlap else g + c
+
+
+def lower_hull(ys: list[float]) -> tuple[list[int], list[float]]:
+    """The lower convex hull of the points ``(q, ys[q])``: its vertices ``q`` (ascending; collinear
+    points dropped) and the slope of the edge ending at each vertex (``-inf`` for the first).
+
+    ``argmin_q ys[q] − V·q`` (ties to the larger ``q``) is then the last vertex whose slope is ``<= V``.
+    """
+    hull: list[int] = []
+    for q, y in enumerate(ys):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (ys[b] - ys[a]) * (q - a) >= (y - ys[a]) * (b - a):  # b is on or above the chord a-q
+                hull.pop()
+            else:
+                break
+        hull.append(q)
+    slopes = [-math.inf] + [(ys[b] - ys[a]) / (b - a) for a, b in zip(hull, hull[1:])]
+    return hull, slopes
+
+
+def _close(a: MissCosts, b: MissCosts | None, tol: float) -> bool:
+    """Every field of ``a`` within relative ``tol`` of ``b``'s."""
+    if b is None:
+        return False
+    for x, y in ((a.fill_s, b.fill_s), (a.fill_conc_s, b.fill_conc_s), (a.cpu_s, b.cpu_s), (a.cpu_conc_s, b.cpu_conc_s),
+                 (a.fill_fixed_s, b.fill_fixed_s), (a.cpu_fixed_s, b.cpu_fixed_s), (a.idle_handoff_s, b.idle_handoff_s)):
+        if abs(x - y) > tol * max(abs(x), abs(y), 1e-9):
+            return False
+    return a.overlap == b.overlap
+
+
+class EwLinearFit:
+    """Exponentially weighted least squares of ``t = a + b·n`` (a branch's fixed cost and per-expert time)
+    over samples ``(n, t)``, anchored by the prior model ``(a0, b0)`` as pseudo-samples at ``n = 1`` and
+    ``n = 4`` of weight ``prior_weight`` each (so a run of equal ``n`` cannot make the split of ``a`` and
+    ``b`` arbitrary). ``halflife``: samples after which a sample's weight halves.
+    """
+
+    def __init__(self, a0: float, b0: float, halflife: float = 256.0, prior_weight: float = 2.0):
+        self.prior = (float(a0), float(b0), float(prior_weight))
+        self.decay = 0.5 ** (1.0 / float(halflife))
+        self.sw = self.sn = self.snn = self.st = self.snt = 0.0
+
+    def add(self, n: float, t: float, weight: float = 1.0) -> None:
+        d = self.decay
+        self.sw = self.sw * d + weight
+        self.sn = self.sn * d + weight * n
+        self.snn = self.snn * d + weight * n * n
+        self.st = self.st * d + weight * t
+        self.snt = self.snt * d + weight * n * t
+
+    @property
+    def params(self) -> tuple[float, float]:
+        """``(a, b)``, both clamped to >= 0 (the prior's ``b`` when the fit would give ``b <= 0``)."""
+        a0, b0, w = self.prior
+        sw, sn, snn = self.sw + 2 * w, self.sn + 5 * w, self.snn + 17 * w
+        st, snt = self.st + w * (2 * a0 + 5 * b0), self.snt + w * (5 * a0 + 17 * b0)
+        det = sw * snn - sn * sn
+        b = (sw * snt - sn * st) / det
+        if b <= 0:
+            return max(0.0, (st - b0 * sn) / sw), b0
+        a = (st - b * sn) / sw
+        if a < 0:
+            return 0.0, max(snt / snn, 1e-12)
+        return a, b
+
+
+@dataclass
+class LayerObservation:
+    """What the engine measured over one or more decode steps, for :meth:`ExpertPolicy.observe_layers`.
+
+    Attributes:
+        reuse_net: ``[L]`` int, per MoE layer: hits on experts the layer filled minus requests of the
+            experts those fills displaced (while the filled expert is still resident), counted since
+            the previous observation. ``fills``: ``[L]`` int, the layer's fills in the same window.
+            Their ratio is the net reuse of a fill (zero in expectation without routing locality).
+        fill_samples: ``(fills, seconds, concurrent)`` of fill branches measured (any layers).
+        cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
+    """
+
+    reuse_net: list[int] | None = None
+    fills: list[int] | None = None
+    fill_samples: list[tuple[int, float, bool]] = field(default_factory=list)
+    cpu_samples: list[tuple[int, float, bool]] = field(default_factory=list)
+
+
+class AutoPolicy(ExpertPolicy):
+    """A per-layer split from a cost model, with the reuse value of a fill measured online.
+
+    For MoE layer ``l`` and ``m`` misses it fills the ``q`` that minimizes
+
+        J_l(q) = T(q, m − q) − V_l · q,      V_l = max(r_l, 0) · t_save
+
+    where ``T`` is :class:`MissCosts`'s layer time (both branches, their fixed costs, the bandwidths
+    alone or concurrent), ``r_l`` the measured net reuse of a fill of layer ``l`` (hits its slot got
+    during its tenure minus the requests of the expert it displaced, :class:`LayerObservation`), and
+    ``t_save = fill_s·cpu_s / (fill_s + cpu_s)`` the time a miss costs at the balance of the two
+    branches. Ties go to the larger ``q``. With ``r = 0`` and no fixed costs this is the q* balance of
+    FreeToken (arXiv 2608.16157); fixed costs make few misses fill (a hand-off costs more than a copy)
+    or stay on the CPU; reuse makes a layer whose fills are hit again fill every miss.
+
+    Online: :meth:`observe_layers` updates ``r_l`` (exponentially weighted over ``reuse_halflife``
+    tenures, prior 0 with weight ``reuse_prior_weight``) and the branch costs (per branch an
+    :class:`EwLinearFit` of fixed cost and per-expert time over measured branch times, concurrent
+    samples scaled to the isolated ones by the model's ratio), then recomputes the table ``q_l(m)``
+    (``[L, M + 1]``, :meth:`fill_table`) when any entry changes. No probe steps: every decision uses
+    the current estimates.
+
+    Args:
+        costs: the prior cost model (from the measured bandwidths and fixed costs).
+        num_layers: ``L``, MoE layers.
+        max_misses: ``M``, the largest miss count the table covers (larger ``m`` use row ``M``'s ratio).
+        armed: whether the CPU branch is armed on every layer step (costs ``idle_handoff_s`` without work).
+
+    Raises:
+        ValueError: ``num_layers`` or ``max_misses`` below 1.
+    """
+
+    name = "auto"
+    online = True
+    fills_free_slots = True
+    rebuild_tolerance = 0.01  # cost estimates closer than this (relative) to the last ones keep the split hulls
+
+    def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
+                 reuse_halflife: float = 32.0, reuse_prior_weight: float = 4.0, fit_halflife: float = 256.0):
+        if num_layers < 1 or max_misses < 1:
+            raise ValueError(f"num_layers and max_misses must be >= 1, got {num_layers}, {max_misses}")
+        self.prior, self.costs, self.armed = costs, costs, armed
+        self.L, self.M = int(num_layers), int(max_misses)
+        self.reuse_decay = 0.5 ** (1.0 / float(reuse_halflife))
+        self.reuse_prior_weight = float(reuse_prior_weight)
+        self._net = [0.0] * self.L
+        self._n = [0.0] * self.L
+        self.fill_fit = EwLinearFit(costs.fill_fixed_s, costs.fill_s, fit_halflife)
+        self.cpu_fit = EwLinearFit(costs.cpu_fixed_s, costs.cpu_s, fit_halflife)
+        self._table: list[list[int]] = []
+        self._tensor: torch.Tensor | None = None
+        self._hulls: list[tuple[list[int], list[float]]] = []
+        self._hull_costs: MissCosts | None = None
+        self._rebuild()
+
+    @property
+    def reuse(self) -> list[float]:
+        """``r_l``: estimated net reuse (hits) of one fill, per MoE layer."""
+        w = self.reuse_prior_weight
+        return [net / (n + w) for net, n in zip(self._net, self._n)]
+
+    def num_fills(self, m: int, layer: int = 0) -> int:
+        if m <= 0:
+            return 0
+        row = self._table[layer]
+        if m <= self.M:
+            return row[m]
+        return min(m, math.floor(m * row[self.M] / self.M + 0.5))
+
+    def q_ratio(self) -> float:
+        return sum(row[self.M] for row in self._table) / (self.L * self.M)
+
+    def fill_rule(self) -> tuple[float, float, float]:
+        raise NotImplementedError("the auto policy is encoded per layer: use fill_table()")
+
+    def fill_table(self) -> torch.Tensor:
+        """``[L, M + 1]`` int32: ``q_l(m)`` for ``m = 0 .. M`` (the device encoding)."""
+        if self._tensor is None:
+            self._tensor = torch.tensor(self._table, dtype=torch.int32)
+        return self._tensor
+
+    def _rebuild(self) -> bool:
+        c = self.costs
+        if not _close(c, self._hull_costs, self.rebuild_tolerance):  # new hulls (M + 1 of at most M + 1 points)
+            self._hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)])
+                           for m in range(self.M + 1)]
+            self._hull_costs = c
+        t_save = c.fill_s * c.cpu_s / (c.fill_s + c.cpu_s)
+        table = []
+        for r in self.reuse:
+            v = max(r, 0.0) * t_save
+            table.append([hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in self._hulls])
+        changed = table != self._table
+        if changed:
+            self._table, self._tensor = table, None
+        return changed
+
+    def observe_layers(self, obs: LayerObservation) -> bool:
+        """Update the reuse and cost estimates from ``obs`` and rebuild the table; returns whether it
+        changed (the caller then pushes :meth:`fill_table` to the device)."""
+        if obs.fills is not None:
+            d = self.reuse_decay
+            for layer, (net, n) in enumerate(zip(obs.reuse_net, obs.fills)):
+                self._net[layer] = self._net[layer] * d + net
+                self._n[layer] = self._n[layer] * d + n
+        p = self.prior
+        if obs.fill_samples or obs.cpu_samples:
+            for n, t, conc in obs.fill_samples:
+                self.fill_fit.add(n, t * (p.fill_s / p.fill_conc_s if conc else 1.0))
+            for n, t, conc in obs.cpu_samples:
+                self.cpu_fit.add(n, t * (p.cpu_s / p.cpu_conc_s if conc else 1.0))
+            (fa, fb), (ca, cb) = self.fill_fit.params, self.cpu_fit.params
+            self.costs = replace(p, fill_fixed_s=fa, fill_s=fb, fill_conc_s=fb * p.fill_conc_s / p.fill_s,
+                                 cpu_fixed_s=ca, cpu_s=cb, cpu_conc_s=cb * p.cpu_conc_s / p.cpu_s)
+        return self._rebuild()
 
 
 def make_policy(name: str, bw: Bandwidths) -> ExpertPolicy:
