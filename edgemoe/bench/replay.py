@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 DEFAULT_CAPACITIES = (0.05, 0.1, 0.2, 0.37, 0.5)
-ALL_POLICIES = ("lru", "layer-lru", "lfu", "lru-2", "lrfu", "arc", "2q", "ucp", "static-oracle", "static-calib",
+ALL_POLICIES = ("lru", "layer-lru", "layer-quota", "ucp", "lfu", "lru-2", "lrfu", "arc", "2q", "static-oracle", "static-calib",
                 "static-layers", "prefill-updated", "belady", "lru-engine")
 DEFAULT_POLICIES = ALL_POLICIES[:-1]  # lru-engine equals lru (the engine's code path; slow)
 NEVER = math.inf
@@ -790,23 +790,24 @@ class TwoQ(ResidentPolicy):
             self.a1in[f] = True
 
 
-class UCP(ResidentPolicy):
-    """Per-layer LRU under layer quotas chosen by utility (utility-based cache partitioning, Qureshi and
-    Patt, MICRO 2006): each layer keeps a shadow LRU stack of all its experts and counts hits at every
-    stack depth (the hits an LRU of that many slots would get); every ``epoch`` decode steps the
-    slots are re-divided by the lookahead algorithm (repeatedly give the layer with the best hits per
-    slot its best run of slots) and the depth counts halve. Until the first epoch the split is equal.
-    A fill of a layer under its quota takes a free slot or the LRU id of the layer furthest over its
-    quota; a layer at its quota evicts its own LRU id."""
+class QuotaLRU(ResidentPolicy):
+    """LRU within each MoE layer under per-layer slot quotas (soft): a miss takes a free slot if there
+    is one (any layer's); else a layer under its quota evicts the least recently used id among the
+    layers over theirs (oldest first across them, the model step as the clock), and a layer at its
+    quota evicts its own least recently used id. Quotas are equal (``layer-quota``) or chosen by
+    utility (``ucp``: utility-based cache partitioning, Qureshi and Patt, MICRO 2006): each layer keeps
+    a shadow LRU stack of its experts and counts hits at every stack depth (the hits an LRU of that
+    many slots would get); every ``epoch`` decode steps the slots are re-divided by the lookahead
+    algorithm (repeatedly give the layer with the best hits per slot its best run of slots) and the
+    depth counts halve. Until the first epoch the quotas are equal."""
 
-    name = "ucp"
-
-    def __init__(self, wl: Workload, slots: int, epoch: int = 32):
+    def __init__(self, wl: Workload, slots: int, utility: bool = False, epoch: int = 32):
         super().__init__(wl, slots)
         L, E = wl.num_layers, wl.num_experts
-        self.E, self.epoch = E, int(epoch)
+        self.name = "ucp" if utility else "layer-quota"
+        self.E, self.epoch, self.utility = E, int(epoch), utility
         self.quota = [slots // L + (1 if l < slots % L else 0) for l in range(L)]
-        self.lru: list[OrderedDict] = [OrderedDict() for _ in range(L)]
+        self.lru: list[OrderedDict] = [OrderedDict() for _ in range(L)]  # id -> last use step, oldest first
         self.stack: list[list[int]] = [[] for _ in range(L)]  # shadow LRU stack, most recent first
         self.depth_hits = [[0.0] * E for _ in range(L)]
         self._steps, self._last_step = 0, None
@@ -815,6 +816,9 @@ class UCP(ResidentPolicy):
         od = self.lru[a.layer]
         for f in hits:
             od.move_to_end(f)
+            od[f] = a.step
+        if not self.utility:
+            return
         st, dh = self.stack[a.layer], self.depth_hits[a.layer]
         pos = {f: st.index(f) for f in a.ids if f in st}  # depths before this access (its ids are needed at once)
         for d in pos.values():
@@ -846,26 +850,23 @@ class UCP(ResidentPolicy):
         self.quota = alloc
         self.depth_hits = [[h / 2 for h in dh] for dh in self.depth_hits]
 
-    def has_room(self, f):
-        l = f // self.E
-        return len(self.res) < self.slots and len(self.lru[l]) < self.quota[l]
-
     def free_slots(self, layer: int) -> int:
-        return max(0, min(self.slots - len(self.res), self.quota[layer] - len(self.lru[layer])))
+        return self.slots - len(self.res)
 
     def victim(self, f, protected, a, i):
         l = f // self.E
         if len(self.lru[l]) >= self.quota[l]:
-            order = [l]
+            layers = [l]
         else:
-            over = sorted(((len(od) - q, j) for j, (od, q) in enumerate(zip(self.lru, self.quota)) if len(od) > q),
-                          reverse=True)
-            order = [j for _, j in over] + [l]
-        for j in order:
-            for v in self.lru[j]:
+            layers = [j for j, (od, q) in enumerate(zip(self.lru, self.quota)) if len(od) > q] or [l]
+        best = None
+        for j in layers:
+            for v, t in self.lru[j].items():
                 if protected is None or v not in protected:
-                    return v
-        return None
+                    if best is None or t < best[0]:
+                        best = (t, v)
+                    break
+        return None if best is None else best[1]
 
     def evict(self, v):
         super().evict(v)
@@ -873,7 +874,7 @@ class UCP(ResidentPolicy):
 
     def admit(self, f, a, i):
         super().admit(f, a, i)
-        self.lru[f // self.E][f] = True
+        self.lru[f // self.E][f] = a.step
 
 
 class StaticPlacement(ResidentPolicy):
@@ -981,9 +982,11 @@ def make_policy(name: str, wl: Workload, slots: int, calibration: Workload | Non
         ValueError: unknown name, or ``static-calib`` without a calibration workload of the same geometry.
     """
     simple = {"lru": SlotLRU, "lru-engine": GlobalLRU, "layer-lru": LayerLRU, "lfu": LFU, "lru-2": LRU2,
-              "lrfu": LRFU, "arc": ARC, "2q": TwoQ, "ucp": UCP}
+              "lrfu": LRFU, "arc": ARC, "2q": TwoQ}
     if name in simple:
         return simple[name](wl, slots)
+    if name in ("layer-quota", "ucp"):
+        return QuotaLRU(wl, slots, utility=name == "ucp")
     if name == "static-oracle":
         return StaticPlacement(wl, slots, top_ids(wl.frequencies("decode"), slots), name)
     if name == "static-calib":
