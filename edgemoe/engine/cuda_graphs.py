@@ -34,7 +34,8 @@ class DecodeInputs:
     Args:
         kv: the KV pool (``SCRATCH_SEQ`` holds its scratch page).
         state: the recurrent-state pool (``SCRATCH_SEQ`` holds its scratch slot), or ``None``.
-        num_heads, head_dim: attention geometry (the decode kernel's scratch).
+        num_heads, head_dim: attention geometry (the paged decode kernel's scratch; a latent KV pool's
+            attention needs none).
         max_model_len: longest sequence (pages per block-table row).
         max_bs: largest batch.
         device: the CUDA device.
@@ -57,7 +58,8 @@ class DecodeInputs:
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=device)
         self.state_slots = None if state is None else torch.zeros(max_bs, dtype=i64, device=device)
         self.scratch_state = None if state is None else state.slot(SCRATCH_SEQ)
-        self.attn_scratch = make_decode_scratch(max_bs, num_heads, head_dim, max_model_len, device)
+        self.attn_scratch = None if kv.spec.is_latent else make_decode_scratch(max_bs, num_heads, head_dim,
+                                                                                max_model_len, device)
         # host staging: one pinned buffer per input, copied in with one transfer each
         pin = device.type == "cuda"
         self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)

@@ -103,9 +103,8 @@ class ModelRunner:
         # on CUDA one scratch page and one scratch state slot take the padding rows of captured decode
         # batches; reserved now, so they never count as capacity a request could take
         self._scratch_pages = int(cuda)
-        self.kv = PagedKVPool(len(self.model.attention_layers()), -(-kv_tokens // ps) + self._scratch_pages, ps,
-                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-                              prefix_caching=config.enable_prefix_caching)
+        self.kv = PagedKVPool(self.model.kv_spec(), -(-kv_tokens // ps) + self._scratch_pages, ps, self.dtype,
+                              self.device, prefix_caching=config.enable_prefix_caching)
         if cuda:
             self.kv.allocate(SCRATCH_SEQ, 1)
         spec = self.model.state_spec()
@@ -113,12 +112,12 @@ class ModelRunner:
                                                                   self.device)
         if self.state is not None and cuda:
             self.state.allocate(SCRATCH_SEQ)
-        self.prefix = PrefixStateManager(self.kv, self.state, cfg, self.tokenizer, self.eos_token_ids, self.dtype,
+        self.prefix = PrefixStateManager(self.kv, self.state, self.tokenizer, self.eos_token_ids, self.dtype,
                                          self.device)
         self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                     config.anchor_checkpoints)
         self.experts = ExpertRuntime(self.pool, cfg, config, self.device, fallback=self.pin_outcome.fallback,
-                                     graphs_supported=model_cls.supports_cuda_graphs)
+                                     no_graphs_reason=None if model_cls.supports_cuda_graphs else model_cls.no_graphs_reason)
         self.graphs: DecodeGraphs | None = None
         self._bind()
         self._step = 0
@@ -384,6 +383,12 @@ class ModelRunner:
         """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`)."""
         return self.experts.stats()
 
+    def _kv_form(self) -> str:
+        spec = self.kv.spec
+        if spec.is_latent:
+            return f"{spec.num_layers} layers x one latent row of {spec.latent_dim}"
+        return f"{spec.num_layers} layers x K/V of {spec.num_kv_heads} x {spec.head_dim}"
+
     def summary(self) -> str:
         """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
         cfg = self.model_config
@@ -397,7 +402,8 @@ class ModelRunner:
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
             *self.experts.summary_lines(self.pinned),
-            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; "
+            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
+            f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self._kv_form()}) = {self.kv.nbytes / 1e9:.3f} GB; "
             f"max_model_len {self.max_model_len}; prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",
         ]
         if self.state is not None:

@@ -1,7 +1,10 @@
-"""The sparse MoE block: top-k softmax router, then routed experts through the hybrid executor.
+"""The sparse MoE block: a router, then routed experts through the hybrid executor.
 
-Router math follows ``Qwen3MoeTopKRouter``: ``softmax(x·Wᵀ)`` in float32, top-k, optional
-renormalization of the k weights (``norm_topk_prob``), cast back to the hidden dtype.
+The default router follows ``Qwen3MoeTopKRouter``: ``softmax(x·Wᵀ)`` in float32, top-k, optional
+renormalization of the k weights (``norm_topk_prob``), cast back to the hidden dtype. DeepSeek-V3's
+sigmoid group-limited router is :class:`~edgemoe.layers.router.SigmoidGroupRouter`
+(:class:`GroupRoutedMoeBlock`). Every execution path (eager, device decode, streamed prefill, CPU
+executor) receives the router's ``(topk_ids, topk_weights)``, so routing is the same on all of them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.layers.mlp import DenseMLP
+from edgemoe.layers.router import SigmoidGroupRouter
 
 
 class TopKRouter(nn.Module):
@@ -37,11 +41,13 @@ class SparseMoeBlock(nn.Module):
 
     The experts' weights are not parameters of this module: they live in the host pool and the
     device expert cache, reached through ``self.experts`` (a ``HybridExperts`` bound by the runner).
+    ``gate`` is the router (default :class:`TopKRouter`): ``gate(x [T, H]) -> (ids [T, k] int64,
+    weights [T, k])``.
     """
 
-    def __init__(self, cfg: ModelConfig, moe_layer: int):
+    def __init__(self, cfg: ModelConfig, moe_layer: int, gate: nn.Module | None = None):
         super().__init__()
-        self.gate = TopKRouter(cfg)
+        self.gate = TopKRouter(cfg) if gate is None else gate
         self.moe_layer = moe_layer
         self.experts = None  # HybridExperts, bound by the model runner
 
@@ -73,3 +79,21 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         routed = super().forward(x, batch)  # [T, H]
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class GroupRoutedMoeBlock(SparseMoeBlock):
+    """Sigmoid group-limited routing plus ungated shared experts (``DeepseekV3MoE``).
+
+    ``forward(x [T, H], batch) -> [T, H]`` = routed output (router
+    :class:`~edgemoe.layers.router.SigmoidGroupRouter`, weights scaled by ``routed_scaling_factor``)
+    ``+ shared_experts(x)``, a dense SwiGLU MLP of ``cfg.shared_expert_intermediate_size`` (the
+    ``n_shared_experts`` shared experts as one MLP, as the reference stores them).
+    """
+
+    def __init__(self, cfg: ModelConfig, moe_layer: int):
+        super().__init__(cfg, moe_layer, SigmoidGroupRouter.from_config(cfg))
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        routed = super().forward(x, batch)  # [T, H]
+        return routed + self.shared_experts(x)

@@ -11,12 +11,14 @@ from typing import Any
 
 from edgemoe.config import ModelConfig, read_hf_config
 from edgemoe.models.base import MoECausalLM
+from edgemoe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from edgemoe.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from edgemoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
 FAMILIES: tuple[type[MoECausalLM], ...] = (
     Qwen3MoeForCausalLM,
     Qwen3_5MoeForCausalLM,
+    DeepseekV3ForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {arch: cls for cls in FAMILIES for arch in cls.architectures}

@@ -6,10 +6,14 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
 - ``config_from_hf(raw)``: the architecture's ``config.json`` normalized into a
   :class:`~edgemoe.config.ModelConfig` (the only place its raw names are read);
 - its layers, under the checkpoint's own parameter names, so non-expert weights load by name;
-- ``attention_layers()`` (owners of KV pages) and, for hybrid models, ``state_layers()`` and
-  ``state_spec()`` (owners of recurrent state; empty by default);
-- class-level capabilities (``supports_cuda_graphs``) and ``skipped_prefixes`` (checkpoint tensors a
-  text-only server does not load, e.g. a vision tower or a multi-token-prediction head);
+- ``attention_layers()`` (owners of KV pages) and ``kv_spec()`` (what one token stores per attention
+  layer: grouped-query K/V by default, or one latent row for multi-head latent attention); for hybrid
+  models, ``state_layers()`` and ``state_spec()`` (owners of recurrent state; empty by default);
+- class-level capabilities (``supports_cuda_graphs``, and ``no_graphs_reason``: why not, shown as the
+  decode-path reason), ``float32_params`` (parameters kept in float32 at
+  any serving dtype, as transformers' ``_keep_in_fp32_modules_strict``) and ``skipped_prefixes``
+  (checkpoint tensors a text-only server does not load, e.g. a vision tower or a multi-token-prediction
+  head; a model whose prefixes depend on its config sets them on the instance);
 - for ``edgemoe make-model`` and the parity tests: ``hf_classes`` (the ``transformers`` config and
   model classes of the reference implementation, whose ``save_pretrained`` writes the release
   layout) and ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
@@ -20,7 +24,7 @@ from the declared layer prefix (:meth:`MoECausalLM.expert_target`), :meth:`MoECa
 runner attaches the KV pool, the routed-expert executor, the recurrent-state pool and the state
 checkpoints in one call) and the forward tail (embedding → decoder layers → final norm of the rows
 whose logits are needed → LM head, tied or not). Models are built on the meta device; the weight
-loader materializes them.
+loader materializes them (:meth:`MoECausalLM.materialize`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.layers.moe import SparseMoeBlock
+
+from edgemoe.kvcache.pool import KVSpec
 
 if TYPE_CHECKING:
     from edgemoe.kvcache.pool import PagedKVPool
@@ -77,7 +83,9 @@ class MoECausalLM(nn.Module):
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
     supports_cuda_graphs: ClassVar[bool] = True
-    skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+    no_graphs_reason: ClassVar[str] = "this architecture's decode step is not captured yet"
+    float32_params: ClassVar[tuple[str, ...]] = ()  # name suffixes of parameters kept in float32
+    skipped_prefixes: tuple[str, ...] = ()  # a class default; a config-dependent set is an instance attribute
     expert_module: ClassVar[str] = "mlp.experts"
     hf_classes: ClassVar[tuple[str, str]] = ("", "")
     presets: ClassVar[dict[str, dict]] = {}
@@ -107,6 +115,11 @@ class MoECausalLM(nn.Module):
         """The layers that own KV pages, in order (their index is their slot in the KV pool)."""
         raise NotImplementedError
 
+    def kv_spec(self) -> KVSpec:
+        """What one token stores per attention layer: by default grouped-query K/V of the config's
+        ``num_kv_heads x head_dim``, for every layer of :meth:`attention_layers`."""
+        return KVSpec.heads(len(self.attention_layers()), self.config.num_kv_heads, self.config.head_dim)
+
     def state_layers(self) -> list[nn.Module]:
         """The layers that own recurrent state (gated DeltaNet), in order; none by default."""
         return []
@@ -123,6 +136,17 @@ class MoECausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         return sum(p.numel() for p in model.parameters()) + cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel()
+
+    def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Give the (meta-built) parameters storage on ``device`` in ``dtype``, except those named by
+        ``float32_params``, which stay float32 (e.g. a router whose selection a bf16 rounding could
+        change). Values are uninitialized: the loader fills them."""
+        self.to(dtype)
+        if self.float32_params:
+            for name, p in self.named_parameters():
+                if name.endswith(self.float32_params):
+                    p.data = p.data.float()
+        self.to_empty(device=device)
 
     @property
     def decoder(self) -> nn.Module:

@@ -35,7 +35,8 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
             parameters may be on ``meta``.
         pool: host expert pool sized for the model (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
         model_dir: the checkpoint directory.
-        dtype: dtype of parameters and experts after loading (the checkpoint's is cast).
+        dtype: dtype of parameters and experts after loading (the checkpoint's is cast; the model's
+            ``float32_params`` stay float32).
         device: where non-expert parameters live.
         num_experts: ``E`` per MoE layer.
         progress: a tqdm bar over tensors.
@@ -46,7 +47,7 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
     """
     geometry = ExpertGeometry(pool.num_ids // num_experts, num_experts, pool.hidden, pool.intermediate)
     plan = CheckpointIndex.open(model_dir).check(model, geometry)
-    model.to(dtype).to_empty(device=device)
+    model.materialize(dtype, device)
     params = dict(model.named_parameters())
     I, E = pool.intermediate, num_experts
     bar = None
@@ -64,7 +65,7 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
                         raise CheckpointError(f"{f}: tensor {info.name}: cannot read ({e})") from None
                     x = plan.experts.get(info.name)
                     if x is None:
-                        params[info.name].copy_(t.to(dtype))
+                        params[info.name].copy_(t)  # cast to the parameter's dtype
                     elif x.expert is None:  # fused [E, 2I, H] / [E, H, I]
                         row = x.moe_layer * E
                         (pool.w13 if x.role == "gate_up_proj" else pool.w2)[row:row + E].copy_(t)
@@ -87,7 +88,7 @@ def init_dummy(model: nn.Module, pool: HostExpertPool, dtype: torch.dtype, devic
 
     Norm weights are 1, every other parameter ``N(0, std)``; the expert pool gets distinct random rows.
     """
-    model.to(dtype).to_empty(device=device)
+    model.materialize(dtype, device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -50,8 +50,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
         hf_dir: HF checkpoint directory (config.json + safetensors, per-expert or fused expert layout).
         out_dir: the FTW directory to create.
         progress: tqdm bar over bytes written.
-        dtype: bank and non-expert dtype (``"bfloat16"``, ...); ``None`` keeps the checkpoint's
-            (``config.json``'s when the expert tensors mix dtypes or have none of the weight dtypes).
+        dtype: bank and non-expert dtype (``"bfloat16"``, ...; the model's ``float32_params`` are kept as
+            stored); ``None`` keeps the checkpoint's (``config.json``'s when the expert tensors mix dtypes
+            or have none of the weight dtypes).
         overwrite: replace an existing non-empty ``out_dir``.
         chunk_bytes: target bytes per checksum chunk (default 16 MiB).
 
@@ -123,7 +124,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                 tensors = {}
                 for name, info in plan.params.items():
                     t = handles[info.file].get_tensor(name)
-                    tensors[name] = t.to(bank_dtype) if dtype is not None else t
+                    keep = dtype is None or name.endswith(model.float32_params)  # e.g. a float32 router bias
+                    tensors[name] = t if keep else t.to(bank_dtype)
                 w.write_non_expert(tensors)
                 del tensors
                 w.copy_files(hf_dir)

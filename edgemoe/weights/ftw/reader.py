@@ -79,7 +79,7 @@ def _load_non_expert(model: nn.Module, buf: torch.Tensor, nbytes: int, path: Pat
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in plan.params.items():
-            params[name].copy_(_view(buf, t).to(dtype))
+            params[name].copy_(_view(buf, t))  # cast to the parameter's dtype
 
 
 def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
@@ -128,7 +128,7 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
     stats = FTWLoadStats(ReadStats(), expert_bytes=sum(s.nbytes for s in sources.values()),
                          non_expert_bytes=ne_src.nbytes, check_s=time.perf_counter() - t0)
 
-    model.to(dtype).to_empty(device=device)
+    model.materialize(dtype, device)
     ne_buf = host_empty((-(-ne_src.nbytes // ALIGN) * ALIGN,), torch.uint8)
     result: dict[str, Any] = {}
     ne_ready = threading.Event()
