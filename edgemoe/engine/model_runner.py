@@ -117,7 +117,8 @@ class ModelRunner:
         self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                     config.anchor_checkpoints)
         self.experts = ExpertRuntime(self.pool, cfg, config, self.device, fallback=self.pin_outcome.fallback,
-                                     no_graphs_reason=None if model_cls.supports_cuda_graphs else model_cls.no_graphs_reason)
+                                     no_graphs_reason=None if model_cls.supports_cuda_graphs
+                                     else model_cls.no_graphs_reason)
         self.graphs: DecodeGraphs | None = None
         self._bind()
         self._step = 0

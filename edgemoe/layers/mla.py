@@ -47,10 +47,11 @@ def latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, slots: torch.
         scale: softmax scale.
 
     Returns:
-        ``[B, H, C]`` in ``q.dtype``: ``softmax(scale · q · rowsᵀ) · rows[:, :C]`` (softmax in float32).
+        ``[B, H, C]`` in ``q.dtype``: ``softmax(scale · q · rowsᵀ) · rows[:, :C]`` (the softmax in float32,
+        or in ``q.dtype`` when that is wider).
     """
     rows = latent[slots].to(q.dtype)  # [B, L, W]
-    scores = torch.bmm(q, rows.transpose(1, 2)).float() * scale  # [B, H, L]
+    scores = torch.bmm(q, rows.transpose(1, 2)).to(torch.promote_types(q.dtype, torch.float32)) * scale  # [B, H, L]
     if lengths is not None:
         valid = torch.arange(slots.shape[1], device=slots.device)[None, :] < lengths[:, None]  # [B, L]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -125,7 +126,8 @@ class LatentAttention(nn.Module):
         for s in batch.seqs:
             rows = latent.index_select(0, self._seq_slots(s)).to(q_nope.dtype)  # [L, C + R]
             L = rows.shape[0]
-            k_nope, v = self.kv_b_proj(rows[:, :C]).view(L, H, Dn + Dv).split([Dn, Dv], dim=-1)  # [L, H, Dn], [L, H, Dv]
+            kv = self.kv_b_proj(rows[:, :C]).view(L, H, Dn + Dv)
+            k_nope, v = kv.split([Dn, Dv], dim=-1)  # [L, H, Dn], [L, H, Dv]
             k = torch.cat([k_nope, rows[:, None, C:].expand(L, H, self.rope_dim)], dim=-1)  # [L, H, Dn + R]
             a, b = s.q_start, s.q_start + s.q_len
             q = torch.cat([q_nope[a:b], q_pe[a:b]], dim=-1)  # [q_len, H, Dn + R]

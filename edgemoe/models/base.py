@@ -37,9 +37,8 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
-from edgemoe.layers.moe import SparseMoeBlock
-
 from edgemoe.kvcache.pool import KVSpec
+from edgemoe.layers.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from edgemoe.kvcache.pool import PagedKVPool

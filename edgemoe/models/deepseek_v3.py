@@ -245,7 +245,8 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             if not ok:
                 raise ValueError(f"{where}: {field} {raw.get(field)!r} is not served: {rule}")
 
-        check("scoring_func", raw.get("scoring_func", "sigmoid") == "sigmoid", "DeepSeek-V3 routing scores with sigmoid")
+        check("scoring_func", raw.get("scoring_func", "sigmoid") == "sigmoid",
+              "DeepSeek-V3 routing scores with sigmoid")
         check("topk_method", raw.get("topk_method", "noaux_tc") == "noaux_tc",
               "DeepSeek-V3 routing is noaux_tc (score-correction bias, group-limited top-k)")
         check("moe_layer_freq", int(raw.get("moe_layer_freq", 1) or 1) == 1,
