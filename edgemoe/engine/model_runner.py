@@ -68,15 +68,17 @@ class ModelRunner:
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
         configure_torch_threads(config.cpu_threads)
-        # the tokenizer (and the transformers import behind it) loads while the weights are read
+        model_cls = model_class(cfg.architecture)
+        # built before the tokenizer thread starts: a scaled RoPE imports transformers' initializers here, and
+        # transformers' lazy module is not safe to import from two threads at once
+        with torch.device("meta"):
+            self.model = model_cls(cfg)
+        self.model.eval()
+        # the tokenizer (and the rest of the transformers import behind it) loads while the weights are read
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="edgemoe-tokenizer")
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        model_cls = model_class(cfg.architecture)
-        with torch.device("meta"):
-            self.model = model_cls(cfg)
-        self.model.eval()
         self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
                                    cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
