@@ -114,7 +114,8 @@ def test_anthropic_multi_turn_tool_use(server):
                                 tools=tools) as stream:
         second = stream.get_final_message()
     (use,) = [b for b in second.content if b.type == "tool_use"]
-    assert second.stop_reason == "tool_use" and (use.name, use.input) == ("get_weather", {"city": "Lyon", "unit": "celsius"})
+    assert second.stop_reason == "tool_use"
+    assert (use.name, use.input) == ("get_weather", {"city": "Lyon", "unit": "celsius"})
     assert second.usage.cache_read_input_tokens >= 16  # the first turn's latent pages, reused
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "20 C"}]}]
@@ -134,7 +135,8 @@ def test_responses_multi_turn_function_calls(server):
     assert r1.status == "completed" and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "Europe/Paris"})]
     history = [{"role": "user", "content": question}]
-    history += [{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls]
+    history += [{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+                for c in calls]
     history += [{"type": "function_call_output", "call_id": c.call_id, "output": out}
                 for c, out in zip(calls, ["18 C", "14:05"])]
     with client.responses.stream(model=MODEL, input=history, tools=tools, temperature=0) as stream:
