@@ -70,8 +70,7 @@ class DecodeMeta:
             scratch page).
         context_lens: ``[B]`` int32 KV length of each sequence after this step.
         valid: ``[B]`` bool, ``False`` on the padding rows of a captured batch size.
-        attn_scratch: partition buffers of ``edgemoe.kernels.decode_attention`` (reused by every layer);
-            ``None`` for a latent KV pool.
+        attn_scratch: partition buffers of ``edgemoe.kernels.decode_attention`` (reused by every layer).
     """
 
     block_tables: torch.Tensor

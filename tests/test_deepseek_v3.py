@@ -200,7 +200,7 @@ def test_full_presets_and_kv_bytes_per_token(tmp_path):
         with torch.device("meta"):
             model = model_class(cfg.architecture)(cfg)
         spec = model.kv_spec()
-        assert spec == KVSpec.latent(61, 576)
+        assert spec == KVSpec.latent(61, 576, 512)
         # 61 layers x (512 + 64) bf16 values = 70,272 bytes per token ...
         assert spec.bytes_per_token(torch.bfloat16) == 61 * 576 * 2 == 70272
     # ... against the per-head keys (192) and values (128) the attention computes with: 4,997,120 bytes per
@@ -211,14 +211,15 @@ def test_full_presets_and_kv_bytes_per_token(tmp_path):
 
 
 def test_latent_kv_pool_layout():
-    pool = PagedKVPool(KVSpec.latent(3, 48), 4, 16, torch.float32, torch.device("cpu"), prefix_caching=True)
+    pool = PagedKVPool(KVSpec.latent(3, 48, 32), 4, 16, torch.float32, torch.device("cpu"), prefix_caching=True)
     assert pool.k is None and pool.v is None and pool.latent.shape == (3, 64, 48) and pool.planes == (pool.latent,)
     assert pool.bytes_per_token == 3 * 48 * 4 and pool.nbytes == 64 * 3 * 48 * 4
     gqa = PagedKVPool(KVSpec.heads(2, 2, 8), 4, 16, torch.bfloat16, torch.device("cpu"))
     assert gqa.latent is None and gqa.k.shape == gqa.v.shape == (2, 64, 2, 8) and gqa.planes == (gqa.k, gqa.v)
     assert gqa.bytes_per_token == 2 * 2 * 2 * 8 * 2
     for bad in (dict(num_layers=1), dict(num_layers=1, num_kv_heads=2, head_dim=4, latent_dim=8),
-                dict(num_layers=1, num_kv_heads=2)):
+                dict(num_layers=1, num_kv_heads=2), dict(num_layers=1, latent_dim=8), dict(num_layers=1, latent_dim=8,
+                                                                                        value_dim=9)):
         with pytest.raises(ValueError, match="KV spec"):
             KVSpec(**bad)
 
@@ -295,7 +296,8 @@ def _batch(phase: Phase, seqs: list[tuple[int, int, torch.Tensor]], pool: PagedK
 def test_absorbed_decode_equals_naive_form(v3):
     """The same new token attended in the absorbed (decode) and the naive (prefill) form, float64."""
     cfg = load_config(v3[0])
-    pool = PagedKVPool(KVSpec.latent(1, cfg.latent_attention.latent_dim), 8, 4, torch.float64, torch.device("cpu"))
+    mla = cfg.latent_attention
+    pool = PagedKVPool(KVSpec.latent(1, mla.latent_dim, mla.kv_lora_rank), 8, 4, torch.float64, torch.device("cpu"))
     layer = _mla_layer(cfg, pool)
     tables = [torch.tensor([5, 2, 7]), torch.tensor([0, 3])]
     lens = [11, 6]
@@ -316,6 +318,37 @@ def test_absorbed_decode_equals_naive_form(v3):
     b.seqs = b.seqs[:2]  # as DecodeInputs.load: the padding row has no sequence
     padded = layer(torch.cat([x, torch.randn(1, cfg.hidden_size, dtype=torch.float64)]), b)
     torch.testing.assert_close(padded[:2], decode, rtol=1e-12, atol=1e-12)
+
+
+def test_device_decode_kernel_path_matches_torch(v3, monkeypatch):
+    """The device path's latent attention through the Triton kernel (on the CPU in Triton's interpreter)
+    equals the torch path: contexts over several partitions and pages, a padding row."""
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
+    import edgemoe.layers.mla as mla_mod
+    from edgemoe.kernels import decode_attention
+
+    cfg = load_config(v3[0])
+    mla = cfg.latent_attention
+    pool = PagedKVPool(KVSpec.latent(1, mla.latent_dim, mla.kv_lora_rank), 64, 4, torch.float32, torch.device("cpu"))
+    layer = _mla_layer(cfg, pool).float()
+    pool.latent.normal_()
+    g = torch.Generator().manual_seed(2)
+    lens = [150, 70, 1]  # two sequences over 3 and 2 partitions of 64 rows; a padding row
+    tables = torch.stack([torch.randperm(64, generator=g)[:40] for _ in lens]).to(torch.int32)
+    scratch = decode_attention.make_decode_scratch(3, cfg.num_heads, mla.kv_lora_rank, 160, "cpu", partition_size=64)
+    meta = DecodeMeta(tables, torch.tensor(lens, dtype=torch.int32), torch.tensor([True, True, False]), scratch)
+    seqs = [(1, n, t.long()) for n, t in zip(lens, tables)]
+    x = torch.randn(3, cfg.hidden_size, generator=g)
+    torch_path = layer(x, _batch(Phase.DECODE, seqs, pool, [n - 1 for n in lens], decode=meta))
+    calls = []
+    monkeypatch.setattr(mla_mod, "kernel_module", lambda name, device: calls.append(name) or decode_attention)
+    kernel_path = layer(x, _batch(Phase.DECODE, seqs, pool, [n - 1 for n in lens], decode=meta))
+    assert calls == ["decode_attention"]
+    torch.testing.assert_close(kernel_path, torch_path, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ parity
@@ -546,7 +579,7 @@ def test_config_only_preset_serves_dummy_weights(tmp_path):
              "intermediate_size": 256, "moe_intermediate_size": 64}
     out = write_config_only(tmp_path / "c", ARCH, "deepseek-v3", overrides=small)
     runner = ModelRunner(out, _engine_config(load_format="dummy", dtype="bfloat16"), progress=False)
-    assert runner.kv.spec == KVSpec.latent(4, 576) and runner.model_config.latent_attention.q_lora_rank == 1536
+    assert runner.kv.spec == KVSpec.latent(4, 576, 512) and runner.model_config.latent_attention.q_lora_rank == 1536
     assert "(4 layers x one latent row of 576)" in runner.summary()
     logits, _ = greedy_decode(runner, PROMPT[:20], 2)
     assert logits.shape == (3, 1024) and torch.isfinite(logits).all()

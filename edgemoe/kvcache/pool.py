@@ -29,7 +29,8 @@ class KVSpec:
 
     Exactly one form: ``num_kv_heads`` and ``head_dim`` (a key and a value of ``[num_kv_heads,
     head_dim]`` per token and layer), or ``latent_dim`` (one row of that many values per token and
-    layer). Build with :meth:`heads` or :meth:`latent`.
+    layer, attended by every query head; its first ``value_dim`` values are also the value, as in
+    multi-head latent attention's absorbed form). Build with :meth:`heads` or :meth:`latent`.
 
     Raises:
         ValueError: neither or both forms, or a non-positive size.
@@ -39,12 +40,15 @@ class KVSpec:
     num_kv_heads: int = 0
     head_dim: int = 0
     latent_dim: int = 0
+    value_dim: int = 0
 
     def __post_init__(self):
         heads = self.num_kv_heads > 0 and self.head_dim > 0
-        if self.num_layers < 0 or heads == (self.latent_dim > 0) or min(self.num_kv_heads, self.head_dim,
-                                                                          self.latent_dim) < 0:
-            raise ValueError(f"KV spec needs num_kv_heads and head_dim, or latent_dim, all positive: {self}")
+        latent = 0 < self.value_dim <= self.latent_dim
+        if self.num_layers < 0 or heads == (self.latent_dim > 0) or (self.latent_dim > 0 and not latent) \
+                or min(self.num_kv_heads, self.head_dim, self.latent_dim, self.value_dim) < 0:
+            raise ValueError(f"KV spec needs num_kv_heads and head_dim, or latent_dim and value_dim <= latent_dim, "
+                             f"all positive: {self}")
 
     @classmethod
     def heads(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVSpec:
@@ -52,9 +56,10 @@ class KVSpec:
         return cls(num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     @classmethod
-    def latent(cls, num_layers: int, latent_dim: int) -> KVSpec:
-        """One latent row of ``latent_dim`` values per token and layer (multi-head latent attention)."""
-        return cls(num_layers, latent_dim=latent_dim)
+    def latent(cls, num_layers: int, latent_dim: int, value_dim: int) -> KVSpec:
+        """One latent row of ``latent_dim`` values per token and layer, the first ``value_dim`` of which are
+        the value (multi-head latent attention: ``kv_lora_rank + qk_rope_head_dim`` and ``kv_lora_rank``)."""
+        return cls(num_layers, latent_dim=latent_dim, value_dim=value_dim)
 
     @property
     def is_latent(self) -> bool:

@@ -13,9 +13,12 @@ per-head keys and values. With ``W_UK [H, Dn, C]`` and ``W_UV [H, Dv, C]`` the t
   (``Σ p · c``) and ``W_UV`` maps it to each head's value space. Both forms equal the reference's up to
   float rounding.
 
-Decode reads the rows through page tables with torch ops (a gather of each sequence's rows and two
-batched matmuls), on every device: there is no fused paged-latent decode kernel yet, so the decode
-step is not captured in CUDA graphs (``DeepseekV3ForCausalLM.supports_cuda_graphs``).
+On the device decode path (``batch.decode`` set: CUDA, fixed shapes, CUDA-graph capturable) the latent
+attention is the Triton split-KV kernel ``edgemoe.kernels.decode_attention.paged_latent_decode_attention``
+over the block tables. Elsewhere (the eager path, and shapes the kernel does not take) it is
+:func:`latent_decode_attention` with torch ops over gathered rows: exact lengths on the eager path; on the
+device path every row of the block table, masked by the device context lengths, so the step stays
+capturable (at a cost proportional to ``max_model_len`` instead of the context).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch, Phase, SeqSlice
+from edgemoe.kernels import kernel_module
 from edgemoe.kvcache.pool import PagedKVPool
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -144,16 +148,27 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(H, Dn + self.v_dim, C)
         w_uk, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, C], [H, Dv, C]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, C + R]
-        ps, L = self.kv.page_size, max(s.kv_len for s in batch.seqs)
-        if batch.decode is not None:  # device path: block tables of every row, lengths on the device
-            tables = batch.decode.block_tables[:, :-(-L // ps)].long()  # [B, P]
-            lengths = batch.decode.context_lens.long()
+        q = torch.cat([q_lat, q_pe], dim=-1).to(latent.dtype)  # [B, H, C + R]
+        ps, d = self.kv.page_size, batch.decode
+        if d is not None and self._kernel_fits() and (kernels := kernel_module("decode_attention", q.device)):
+            o_lat = q.new_empty(q.shape[0], H, C)  # [B, H, C]
+            kernels.paged_latent_decode_attention(q, latent, d.block_tables, d.context_lens, self.scale, o_lat,
+                                                  d.attn_scratch, ps)
         else:
-            tables = pad_sequence([s.page_table for s in batch.seqs], batch_first=True)  # [B, P]
-            lens = [s.kv_len for s in batch.seqs]
-            lengths = None if min(lens) == L else torch.tensor(lens, device=tables.device)
-        pos = torch.arange(L, device=tables.device)
-        slots = tables[:, pos // ps] * ps + pos % ps  # [B, L]
-        o_lat = latent_decode_attention(q, latent, slots, lengths, C, self.scale)  # [B, H, C]
+            if d is not None:  # fixed shapes: every row of the block tables, lengths on the device
+                tables, lengths = d.block_tables.long(), d.context_lens.long()  # [B, P], [B]
+                L = tables.shape[1] * ps
+            else:
+                lens = [s.kv_len for s in batch.seqs]
+                L = max(lens)
+                tables = pad_sequence([s.page_table for s in batch.seqs], batch_first=True)  # [B, P]
+                lengths = None if min(lens) == L else torch.tensor(lens, device=tables.device)
+            pos = torch.arange(L, device=tables.device)
+            slots = tables[:, pos // ps] * ps + pos % ps  # [B, L]
+            o_lat = latent_decode_attention(q, latent, slots, lengths, C, self.scale)  # [B, H, C]
+        o_lat = o_lat.to(q_nope.dtype)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+
+    def _kernel_fits(self) -> bool:
+        """Whether the Triton latent kernel takes this geometry (widths powers of two >= 16)."""
+        return all(n >= 16 and not n & (n - 1) for n in (self.kv_lora_rank, self.rope_dim))

@@ -104,10 +104,6 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3", "kimi_k2")
     hf_classes = ("DeepseekV3Config", "DeepseekV3ForCausalLM")
-    supports_cuda_graphs = False
-    no_graphs_reason = ("multi-head latent attention decodes with torch ops over the latent pages (no fused "
-                        "paged-latent kernel yet): per layer a gather of each sequence's rows and two matmuls, "
-                        "uncaptured (one launch sequence per step on the host)")
     float32_params = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
     fixed_vocab_presets = frozenset({"deepseek-v3", "kimi-k2"})
     # The tiny presets draw weights with std 0.2 (``initializer_range``), as Qwen3-MoE's: trained-like
@@ -317,5 +313,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         return [layer.self_attn for layer in self.model.layers]
 
     def kv_spec(self) -> KVSpec:
-        """One latent row of ``kv_lora_rank + qk_rope_head_dim`` per token and layer."""
-        return KVSpec.latent(len(self.attention_layers()), self.config.latent_attention.latent_dim)
+        """One latent row of ``kv_lora_rank + qk_rope_head_dim`` per token and layer (the first ``kv_lora_rank``
+        values are the value of the absorbed form)."""
+        mla = self.config.latent_attention
+        return KVSpec.latent(len(self.attention_layers()), mla.latent_dim, mla.kv_lora_rank)
