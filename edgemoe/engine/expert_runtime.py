@@ -60,8 +60,7 @@ class ExpertRuntime:
         config: engine options (cache budget, policy, bandwidth overrides, CPU executor, threads).
         device: the compute device.
         fallback: pinning was refused at start-up: no expert cache, every expert on the CPU.
-        no_graphs_reason: ``None`` when the architecture's decode step can be captured in CUDA graphs (a
-            class capability), else why not (reported as the decode-path reason).
+        graphs_supported: the architecture's decode step can be captured (a class capability).
 
     Attributes:
         cache, policy, bandwidths, hybrid, cpu_executor: the current objects (rebuilt by
@@ -70,10 +69,10 @@ class ExpertRuntime:
     """
 
     def __init__(self, pool: HostExpertPool, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, *, fallback: bool, no_graphs_reason: str | None = None):
+                 device: torch.device, *, fallback: bool, graphs_supported: bool):
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
         self.fallback = fallback
-        self.no_graphs_reason = no_graphs_reason
+        self.graphs_supported = graphs_supported
         self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor)
         self.cache: ExpertCache | None = None
         self.bandwidths: Bandwidths | None = None
@@ -198,12 +197,12 @@ class ExpertRuntime:
         dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k,
                           self.config.max_num_seqs)
         self.hybrid.device_decode = dd
-        graphs = not self.config.enforce_eager and dd.capturable and self.no_graphs_reason is None
+        graphs = not self.config.enforce_eager and dd.capturable and self.graphs_supported
         self.decode_path = DecodePath.DEVICE_GRAPHS if graphs else DecodePath.DEVICE
         self.decode_path_reason = None if graphs else (
             "--enforce-eager" if self.config.enforce_eager else
             "the CPU branch needs the native executor to be captured" if not dd.capturable else
-            self.no_graphs_reason)
+            "this architecture is not captured yet")
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, step: int, phase: Phase, batch_size: int) -> None:

@@ -119,8 +119,7 @@ class ModelRunner:
         self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                     config.anchor_checkpoints)
         self.experts = ExpertRuntime(self.pool, cfg, config, self.device, fallback=self.pin_outcome.fallback,
-                                     no_graphs_reason=None if model_cls.supports_cuda_graphs
-                                     else model_cls.no_graphs_reason)
+                                     graphs_supported=model_cls.supports_cuda_graphs)
         self.graphs: DecodeGraphs | None = None
         self._bind()
         self._step = 0
@@ -386,12 +385,6 @@ class ModelRunner:
         """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`)."""
         return self.experts.stats()
 
-    def _kv_form(self) -> str:
-        spec = self.kv.spec
-        if spec.is_latent:
-            return f"{spec.num_layers} layers x one latent row of {spec.latent_dim}"
-        return f"{spec.num_layers} layers x K/V of {spec.num_kv_heads} x {spec.head_dim}"
-
     def summary(self) -> str:
         """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
         cfg = self.model_config
@@ -406,7 +399,8 @@ class ModelRunner:
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
             *self.experts.summary_lines(self.pinned),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
-            f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self._kv_form()}) = {self.kv.nbytes / 1e9:.3f} GB; "
+            f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
+            f"{self.kv.nbytes / 1e9:.3f} GB; "
             f"max_model_len {self.max_model_len}; prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",
         ]
         if self.state is not None:

@@ -72,6 +72,12 @@ class KVSpec:
             return ((self.latent_dim,),)
         return ((self.num_kv_heads, self.head_dim),) * 2
 
+    def describe(self) -> str:
+        """One line for the start-up summary, e.g. ``61 layers x one latent row of 576``."""
+        if self.is_latent:
+            return f"{self.num_layers} layers x one latent row of {self.latent_dim}"
+        return f"{self.num_layers} layers x K/V of {self.num_kv_heads} x {self.head_dim}"
+
     def elements_per_token(self) -> int:
         """Values one token stores across all layers."""
         per_layer = self.latent_dim if self.is_latent else 2 * self.num_kv_heads * self.head_dim

@@ -9,8 +9,7 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
 - ``attention_layers()`` (owners of KV pages) and ``kv_spec()`` (what one token stores per attention
   layer: grouped-query K/V by default, or one latent row for multi-head latent attention); for hybrid
   models, ``state_layers()`` and ``state_spec()`` (owners of recurrent state; empty by default);
-- class-level capabilities (``supports_cuda_graphs``, and ``no_graphs_reason``: why not, shown as the
-  decode-path reason), ``float32_params`` (parameters kept in float32 at
+- class-level capabilities (``supports_cuda_graphs``), ``float32_params`` (parameters kept in float32 at
   any serving dtype, as transformers' ``_keep_in_fp32_modules_strict``) and ``skipped_prefixes``
   (checkpoint tensors a text-only server does not load, e.g. a vision tower or a multi-token-prediction
   head; a model whose prefixes depend on its config sets them on the instance);
@@ -82,7 +81,6 @@ class MoECausalLM(nn.Module):
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
     supports_cuda_graphs: ClassVar[bool] = True
-    no_graphs_reason: ClassVar[str] = "this architecture's decode step is not captured yet"
     float32_params: ClassVar[tuple[str, ...]] = ()  # name suffixes of parameters kept in float32
     skipped_prefixes: tuple[str, ...] = ()  # a class default; a config-dependent set is an instance attribute
     expert_module: ClassVar[str] = "mlp.experts"
