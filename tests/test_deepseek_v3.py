@@ -596,3 +596,15 @@ def test_cli_make_model_and_generate(tmp_path, capsys):
                  "--device", "cpu", "--cpu-executor", "torch", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+
+
+def test_decode_benchmark_cpu_smoke(tmp_path, load_benchmark):
+    """``benchmarks/decode.py --arch deepseek_v3 --layers N`` (the GPU host's reduced-depth DeepSeek-V3 run)
+    on the tiny preset: it serves, routes uniformly through the float32 router and reports the KV layout."""
+    bench = load_benchmark("decode")
+    assert bench.main(["--arch", ARCH, "--preset", "tiny", "--layers", "3", "--device", "cpu", "--budgets", "0.0001",
+                       "--policies", "qstar", "--tokens", "3", "--warmup", "1", "--profile-seconds", "0.1",
+                       "--out", str(tmp_path)]) == 0
+    meta = json.loads((tmp_path / "decode.json").read_text())["meta"]
+    assert meta["model"] == "DeepseekV3ForCausalLM" and meta["kv_layout"] == "3 layers x one latent row of 48"
+    assert meta["kv_bytes_per_token"] == 3 * 48 * 2  # bf16

@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE, Su et al. 2021) with the rope types Qwen3 checkpoints use.
+"""Rotary position embedding (RoPE, Su et al. 2021) with the rope types Qwen3 and DeepSeek-V3 checkpoints
+use, rotating halves or (DeepSeek-V3) interleaved pairs.
 
 Inverse frequencies and the attention scaling factor come from ``transformers``'
 ``ROPE_INIT_FUNCTIONS`` (default, linear, dynamic, yarn, llama3, longrope), so scaled variants match
