@@ -6,7 +6,7 @@ reuses the longest cached run of whole pages its prompt starts with. A hybrid mo
 layers summarize the whole prefix in a state that cannot be partly reused, so it resumes instead at
 the deepest *state checkpoint* whose tokens start the prompt: checkpoints are taken after anchor
 tokens (where agent harnesses edit context: ``</think>``, ``</tool_call>``, ``</tool_response>``,
-end of turn) and every ``interval`` tokens, each holding the full recurrent state plus the K/V rows
+end of turn) and every ``interval`` tokens, each holding the full recurrent state plus the KV rows
 of its partial last page, LRU-evicted independently of KV pages (FreeToken, arXiv 2608.16157).
 """
 
@@ -89,7 +89,7 @@ class PrefixStateManager:
         At least the last token is always left to compute (its logits are needed); the match is
         floored to whole pages. A model with recurrent state resumes instead at the deepest state
         checkpoint whose tokens start ``token_ids`` and whose whole KV pages the tree holds: it
-        borrows those pages, gets the checkpoint's partial-page K/V rows in a fresh page of its own
+        borrows those pages, gets the checkpoint's partial-page KV rows in a fresh page of its own
         and its recurrent state restored; without a usable checkpoint it reuses nothing.
 
         Returns:
@@ -180,7 +180,7 @@ class PrefixStateManager:
     def commit(self, inputs: list[StepInput], state_slots: list[int | None], plans: list[Plan],
                phase: Phase) -> None:
         """After a successful step: complete its checkpoints (a decode step's state is copied here; the
-        layers saved a prefill step's) with the K/V rows of their partial last page."""
+        layers saved a prefill step's) with the KV rows of their partial last page."""
         store, kv = self.checkpoints, self.kv
         if store is None:
             return
