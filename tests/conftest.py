@@ -154,21 +154,23 @@ def qwen3_tokenizer_model_dir(tmp_path_factory) -> Path:
 DEEPSEEK_V3_TOKENIZER_DIR = FIXTURES / "tokenizers" / "deepseek_v3"
 
 
-def _tiny_with_tokenizer(tmp_path_factory, tokenizer_dir: Path, name: str, overrides: dict | None = None) -> Path:
+def _tiny_with_tokenizer(tmp_path_factory, tokenizer_dir: Path, name: str, overrides: dict | None = None,
+                         arch: str = "qwen3_moe") -> Path:
     if not (tokenizer_dir / "tokenizer.json").exists():
         pytest.skip(f"tokenizer fixture not found at {tokenizer_dir}")
     from edgemoe.synth import make_model
 
     return make_model(
-        tmp_path_factory.mktemp(name) / name, "qwen3_moe", "tiny", tokenizer=tokenizer_dir, dtype="float32",
+        tmp_path_factory.mktemp(name) / name, arch, "tiny", tokenizer=tokenizer_dir, dtype="float32",
         overrides=overrides,
     )
 
 
 @pytest.fixture(scope="session")
 def deepseek_tokenizer_model_dir(tmp_path_factory) -> Path:
-    """``tiny`` geometry with the real DeepSeek-V3 tokenizer and chat template (skipped when absent)."""
-    return _tiny_with_tokenizer(tmp_path_factory, DEEPSEEK_V3_TOKENIZER_DIR, "tiny-dsv3tok")
+    """The ``deepseek_v3`` architecture's ``tiny`` geometry with the real DeepSeek-V3 tokenizer and chat
+    template (skipped when absent)."""
+    return _tiny_with_tokenizer(tmp_path_factory, DEEPSEEK_V3_TOKENIZER_DIR, "tiny-dsv3tok", arch="deepseek_v3")
 
 
 class ScriptedOutputs:
