@@ -23,7 +23,7 @@ PROVIDERS = {
 
 
 def opencode_config(base: str, package: str) -> dict:
-    """``opencode.json``: edgemoe as a provider with a context and output limit, tools allowed."""
+    """``opencode.json``: edgemoe as a provider, with a context and output limit."""
     return {
         "$schema": "https://opencode.ai/config.json",
         "provider": {
@@ -35,7 +35,6 @@ def opencode_config(base: str, package: str) -> dict:
             }
         },
         "model": f"edgemoe/{MODEL}",
-        "permission": {"edit": "allow", "bash": "allow"},
     }
 
 
