@@ -19,6 +19,7 @@ from harness import (
 
 CONTENT = "hello from edgemoe\n"
 FINAL = "Done: hello.txt holds the greeting."
+THINK = "<think>\nThe user wants a new file: a patch adds it.\n</think>\n\n"
 PATCH = "apply_patch <<'EOF'\n*** Begin Patch\n*** Add File: hello.txt\n+hello from edgemoe\n*** End Patch\nEOF"
 
 
@@ -51,7 +52,8 @@ def session(tmp_path_factory):
         codex_home = server.home / ".codex"
         codex_home.mkdir()
         (codex_home / "config.toml").write_text(codex_config(server.base))
-        turns = [tool_call("exec_command", {"cmd": PATCH}), tool_call("exec_command", {"cmd": "cat hello.txt"}), FINAL]
+        turns = [THINK + tool_call("exec_command", {"cmd": PATCH}), tool_call("exec_command", {"cmd": "cat hello.txt"}),
+                 FINAL]
         server.scripts.rule = lambda prompt: turns[min(tool_results(prompt), 2)] if "<tools>" in prompt else "OK"
         env = server.env(CODEX_HOME=str(codex_home), EDGEMOE_API_KEY="edgemoe-test")
         run = server.run([codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write",
@@ -68,6 +70,9 @@ def test_session(session):
     assert len(turns) == 3, server.explain(run)
     outputs = [item for item in turns[2].body["input"] if item.get("type") == "function_call_output"]
     assert len(outputs) == 2 and CONTENT.strip() in str(outputs[1]["output"]), server.explain(run)
+    # the first turn's reasoning went back as a reasoning item
+    reasoning = [item for item in turns[1].body["input"] if item.get("type") == "reasoning"]
+    assert [c["text"] for item in reasoning for c in item["content"]] == ["The user wants a new file: a patch adds it."]
     assert {e.body["model"] for e in turns} == {MODEL}
 
 
