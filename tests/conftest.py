@@ -246,8 +246,12 @@ class AgentServer:
 
 
 @contextlib.contextmanager
-def running_server(llm, served_model_name: str | None = None, **app_options) -> Iterator[str]:
-    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
+def running_server(llm, served_model_name: str | None = None, *, wrap=None, uds: str | None = None,
+                   **app_options) -> Iterator[str]:
+    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL.
+
+    ``wrap(app) -> app``: an ASGI wrapper put around the app (e.g. a recorder of the exchanges);
+    ``uds``: also listen on this Unix socket path."""
     import socket
     import threading
     import time
@@ -259,9 +263,14 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(llm, served_model_name, **app_options), log_level="warning", lifespan="off")
+    sockets = [sock]
+    if uds:
+        sockets.append(socket.socket(socket.AF_UNIX))
+        sockets[-1].bind(uds)
+    app = build_app(llm, served_model_name, **app_options)
+    config = uvicorn.Config(wrap(app) if wrap else app, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
@@ -272,7 +281,8 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
     finally:
         server.should_exit = True
         thread.join(20)
-        sock.close()
+        for s in sockets:
+            s.close()
 
 
 def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None, **app_options):
