@@ -47,7 +47,6 @@ _ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
      "recurrent-state checkpoint slots of hybrid models (default 32; 0 = none)"),
     ("--state-checkpoint-interval", "state_checkpoint_interval", int,
      "also checkpoint the recurrent state every N tokens (default 2048; 0 = only at anchor tokens)"),
-    ("--served-model-name", "served_model_name", str, "model id reported by the API (default: directory name)"),
 )
 
 
@@ -148,13 +147,16 @@ def _check_port(host: str, port: int) -> None:
 
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
-
-    from edgemoe.server.parsers import check_parser_names
+    from edgemoe.server.config import ServerConfig
 
     model = _model_dir(args.model)
     config = engine_config_from_args(args)
     try:
-        check_parser_names(args.tool_call_parser, args.reasoning_parser)
+        server_config = ServerConfig(
+            host=args.host, port=args.port, log_level=args.log_level, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser, api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
+            served_model_name=tuple(args.served_model_name or ()),
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     _check_port(args.host, args.port)  # before loading weights, which can take minutes
@@ -165,18 +167,7 @@ def _cmd_serve(args) -> int:
         print(engine.runner.summary(), flush=True)
         print(f"edgemoe: serving on http://{args.host}:{args.port}/v1", flush=True)
 
-    serve(
-        model,
-        config,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        on_ready=on_ready,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
-        **_prefill_chunk(args),
-    )
+    serve(model, config, server_config, on_ready=on_ready, **_prefill_chunk(args))
     return 0
 
 
@@ -307,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", help="auto (from the checkpoint), think, harmony, none")
     p.add_argument("--api-key", default=None,
                    help="require this key on /v1/ routes (Authorization: Bearer / x-api-key; default $EDGEMOE_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients may ask for; the first is the id reported (default: directory name)")
     add_engine_args(p)
     _add_record_routing(p)
     p.set_defaults(func=_cmd_serve)

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from edgemoe.config import EngineConfig
+from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS, LLMEngine, RequestOutput
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import ModelRunner
@@ -156,6 +156,17 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self._require_engine().max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's normalized configuration (read-only; raises ``EngineNotReadyError`` while loading)."""
+        return self._require_engine().runner.model_config
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's ``generation_config.json`` as saved (``{}`` when absent; read-only; raises
+        ``EngineNotReadyError`` while loading)."""
+        return self._require_engine().runner.generation_config
 
     @property
     def num_running(self) -> int:

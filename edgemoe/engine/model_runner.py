@@ -108,6 +108,7 @@ class ModelRunner:
             load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
                             progress=progress)
         self.tokenizer = tokenizer_future.result()
+        self.generation_config: dict = _read_json(self.model_dir / "generation_config.json")  # raw, as saved
         self.eos_token_ids = self._eos_ids()
         self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling (DESIGN.md §5)
         self.pinned = self.pin_outcome.pinned
@@ -158,8 +159,7 @@ class ModelRunner:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     def _eos_ids(self) -> list[int]:
-        gen = _read_json(self.model_dir / "generation_config.json")
-        eos = gen.get("eos_token_id")
+        eos = self.generation_config.get("eos_token_id")
         if eos is None:
             eos = list(self.model_config.eos_token_ids) or self.tokenizer.eos_token_id
         ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])

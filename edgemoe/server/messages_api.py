@@ -32,17 +32,27 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
+from edgemoe.server.common import (
+    APIError,
+    TokenCounts,
+    content_text,
+    event_stream,
+    part_text,
+    request_failed,
+    sse_event,
+    stream_failure,
+)
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import APIError, ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "MessageResponse", "router", "to_chat_spec"]
 
-IMAGE_NOTE = "[image omitted: this model reads text only]"
+TEXT_BLOCKS = ("text", "image")  # blocks read as text (an image as a note) in user and assistant turns
 
 
 class _In(BaseModel):
@@ -181,8 +191,8 @@ class Usage(BaseModel):
     @classmethod
     def of(cls, out: RequestOutput) -> "Usage":
         """The usage of a request's (final) output."""
-        return cls(input_tokens=out.num_prompt_tokens - out.cached_tokens, output_tokens=out.num_generated_tokens,
-                   cache_read_input_tokens=out.cached_tokens)
+        n = TokenCounts.of([out])
+        return cls(input_tokens=n.prompt - n.cached, output_tokens=n.completion, cache_read_input_tokens=n.cached)
 
 
 class MessageResponse(BaseModel):
@@ -202,20 +212,7 @@ class MessageResponse(BaseModel):
 
 
 def _result_text(block: ToolResultBlockParam, where: str) -> str:
-    content = block.content
-    if content is None or isinstance(content, str):
-        text = content or ""
-    else:
-        parts = []
-        for k, part in enumerate(content):
-            kind = part.get("type")
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif kind == "image":
-                parts.append(IMAGE_NOTE)
-            else:
-                raise APIError(400, f"{where}.content[{k}]: {kind!r} blocks are not supported in tool results", param="messages")
-        text = "\n".join(parts)
+    text = content_text(block.content, f"{where}.content", "messages", sep="\n")
     return f"Error: {text}" if block.is_error else text
 
 
@@ -234,10 +231,8 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
         texts, reasoning, calls = [], [], []
         for j, b in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
-            if isinstance(b, TextBlockParam):
-                texts.append(b.text)
-            elif isinstance(b, OtherBlockParam) and b.type == "image":
-                texts.append(IMAGE_NOTE)
+            if isinstance(b, (TextBlockParam, OtherBlockParam)) and b.type in TEXT_BLOCKS:
+                texts.append(part_text(b.model_dump(), where, "messages"))
             elif m.role == "user" and isinstance(b, ToolResultBlockParam):
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b, where)})
             elif m.role == "assistant" and isinstance(b, ThinkingBlockParam):
@@ -334,7 +329,7 @@ def message_content(parsed: ParsedOutput) -> list[dict[str, Any]]:
 
 
 def _sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return sse_event(event["type"], json.dumps(event, ensure_ascii=False))
 
 
 async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIterator[str]:
@@ -400,7 +395,7 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                 )
                 yield _sse({"type": "message_stop"})
     except RequestFailedError as exc:
-        yield _sse({"type": "error", "error": {"type": "api_error", "message": f"the request failed: {exc}"}})
+        yield _sse({"type": "error", "error": {"type": "api_error", "message": stream_failure(exc)}})
     finally:
         if not finished:
             serving.llm.abort(prepared.request_id)
@@ -416,11 +411,11 @@ def router(serving: Serving) -> APIRouter:
         serving.ready()
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("msg"))
         if body.stream:
-            return StreamingResponse(_stream(serving, prepared, serving.name), media_type="text/event-stream")
+            return event_stream(_stream(serving, prepared, serving.name))
         try:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
-            raise APIError(500, f"the request failed: {exc}", type="server_error") from None
+            raise request_failed(exc) from None
         content = message_content(parsed)
         reason, sequence = _stop(out, any(b["type"] == "tool_use" for b in content))
         resp = MessageResponse(

@@ -29,17 +29,24 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
+from edgemoe.server.common import (
+    APIError,
+    TokenCounts,
+    content_text,
+    event_stream,
+    request_failed,
+    sse_event,
+    stream_failure,
+)
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import APIError, ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
 __all__ = ["ResponsesRequest", "router", "to_chat_spec"]
-
-IMAGE_NOTE = "[image omitted: this model reads text only]"
 
 
 class _In(BaseModel):
@@ -172,24 +179,6 @@ class ResponseObject(BaseModel):
 # ---------------------------------------------------------------------------- request conversion
 
 
-def _parts_text(content: str | list[dict[str, Any]], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    out = []
-    for k, part in enumerate(content):
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text", "refusal"):
-            value = part.get("text", part.get("refusal"))
-            if not isinstance(value, str):
-                raise APIError(400, f"{where}[{k}].text: must be a string", param="input")
-            out.append(value)
-        elif kind == "input_image":
-            out.append(IMAGE_NOTE)
-        else:
-            raise APIError(400, f"{where}[{k}]: content parts of type {kind!r} are not supported", param="input")
-    return "".join(out)
-
-
 def _function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     out = []
     for i, t in enumerate(tools or []):
@@ -234,21 +223,21 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
         where = f"input[{i}]"
         if isinstance(item, ReasoningItem):
             parts = item.content or item.summary
-            reasoning.append(_parts_text(parts, f"{where}.content"))
+            reasoning.append(content_text(parts, f"{where}.content", "input"))
         elif isinstance(item, FunctionCallItem):
             turn = assistant if assistant is not None else open_assistant()
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             turn.setdefault("tool_calls", []).append(call)
         elif isinstance(item, MessageItem) and item.role == "assistant":
             turn = assistant if assistant is not None and not assistant.get("tool_calls") else open_assistant()
-            turn["content"] = (turn["content"] or "") + _parts_text(item.content, f"{where}.content")
+            turn["content"] = (turn["content"] or "") + content_text(item.content, f"{where}.content", "input")
         elif isinstance(item, MessageItem):
             assistant = None
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _parts_text(item.content, f"{where}.content")})
+            messages.append({"role": role, "content": content_text(item.content, f"{where}.content", "input")})
         elif isinstance(item, FunctionCallOutputItem):
             assistant = None
-            output = _parts_text(item.output, f"{where}.output")
+            output = content_text(item.output, f"{where}.output", "input")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             raise APIError(400, f"{where}: input items of type {item.type!r} are not supported", param="input")
@@ -310,9 +299,9 @@ class _Shell:
         b = self.body
         usage = None
         if out is not None:
-            n, g = out.num_prompt_tokens, out.num_generated_tokens
-            usage = ResponseUsage(input_tokens=n, input_tokens_details={"cached_tokens": out.cached_tokens},
-                                  output_tokens=g, total_tokens=n + g)
+            n = TokenCounts.of([out])
+            usage = ResponseUsage(input_tokens=n.prompt, input_tokens_details={"cached_tokens": n.cached},
+                                  output_tokens=n.completion, total_tokens=n.prompt + n.completion)
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         choice = b.tool_choice or "auto"
         return ResponseObject(
@@ -350,7 +339,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
         nonlocal seq
         seq += 1
         data = {"type": kind, "sequence_number": seq - 1, **fields}
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return sse_event(kind, json.dumps(data, ensure_ascii=False))
 
     def open_item(kind: str, key: tuple, name: str | None) -> list[str]:
         nonlocal cur
@@ -423,7 +412,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 yield ev(kind, response=shell.response(status, output, out))
     except RequestFailedError as exc:
-        yield ev("error", code="server_error", message=f"the request failed: {exc}", param=None)
+        yield ev("error", code="server_error", message=stream_failure(exc), param=None)
     finally:
         if not finished:
             serving.llm.abort(prepared.request_id)
@@ -440,11 +429,11 @@ def router(serving: Serving) -> APIRouter:
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("resp"))
         shell = _Shell(body, prepared, serving.name)
         if body.stream:
-            return StreamingResponse(_stream(serving, prepared, shell), media_type="text/event-stream")
+            return event_stream(_stream(serving, prepared, shell))
         try:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
-            raise APIError(500, f"the request failed: {exc}", type="server_error") from None
+            raise request_failed(exc) from None
         return JSONResponse(shell.response(_status(out), output_items(parsed), out))
 
     return api

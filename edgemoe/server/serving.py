@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,32 +29,17 @@ from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
 from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
 from edgemoe.server import guided
+from edgemoe.server.common import APIError
+from edgemoe.server.config import ServerConfig
 from edgemoe.server.parsers import OutputParser, ParsedOutput, ParseEvent, ParserConfig, collect, resolve_parsers
 from edgemoe.server.protocol import sampling_kwargs
 
-__all__ = ["APIError", "ChatSpec", "Prepared", "Serving", "new_tool_call_id"]
+__all__ = ["ChatSpec", "Prepared", "Serving", "new_tool_call_id"]
 
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
-
-
-class APIError(Exception):
-    """An error returned to the client (in the shape of the API that was called).
-
-    Args:
-        status: HTTP status code.
-        message: human-readable message.
-        type: OpenAI error type (``invalid_request_error``, ``server_error``, ...); the Anthropic
-            type is derived from ``status``.
-        param: the offending request field, if any.
-        code: a machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
-    """
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
 @dataclass
@@ -114,24 +99,20 @@ class Serving:
 
     Args:
         llm: the engine (may still be loading).
-        name: the served model id.
-        tool_parser / reasoning_parser: parser names, ``None``/``"auto"`` to detect from the checkpoint.
-        render: renders a conversation (default :func:`edgemoe.engine.llm.render_chat`).
+        config: the server's options (served names, parsers).
     """
 
-    def __init__(
-        self,
-        llm: AsyncLLM,
-        name: str,
-        *,
-        tool_parser: str | None = None,
-        reasoning_parser: str | None = None,
-        render: Callable[..., tuple[str, list[int]]] = render_chat,
-    ):
-        self.llm, self.name, self._render_fn = llm, name, render
-        self._parser_options = (tool_parser, reasoning_parser)
+    def __init__(self, llm: AsyncLLM, config: ServerConfig):
+        self.llm, self.config = llm, config
+        default = Path(llm.model_dir).name if llm.model_dir else "edgemoe"
+        self.names: tuple[str, ...] = config.served_model_name or (default,)
         self._parsers: ParserConfig | None = None
         self._defaults: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        """The model id reported in responses (the first served name)."""
+        return self.names[0]
 
     # ------------------------------------------------------------------ checks and configuration
 
@@ -144,26 +125,17 @@ class Serving:
         return llm
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served name (or the model directory); ``None`` passes."""
-        if model is not None and model not in (self.name, self.llm.model_dir):
+        """404 unless ``model`` is a served name (or the model directory); ``None`` passes."""
+        if model is not None and model not in self.names and model != self.llm.model_dir:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-    def _model_json(self, name: str) -> dict:
-        if not self.llm.model_dir:
-            return {}
-        path = Path(self.llm.model_dir) / name
-        try:
-            return json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            log.warning("could not read %s", path)
-            return {}
 
     @property
     def parsers(self) -> ParserConfig:
         """The reasoning/tool-call parser choice (resolved once the tokenizer is loaded)."""
         if self._parsers is None:
-            model_type = self._model_json("config.json").get("model_type")
-            self._parsers = resolve_parsers(*self._parser_options, model_type, self.ready().tokenizer)
+            llm = self.ready()
+            self._parsers = resolve_parsers(self.config.tool_call_parser, self.config.reasoning_parser,
+                                            llm.model_config.model_type, llm.tokenizer)
             log.info("parsers: tool-call %s, reasoning %s (%s)", self._parsers.tool, self._parsers.reasoning, self._parsers.why)
         return self._parsers
 
@@ -171,9 +143,18 @@ class Serving:
     def generation_defaults(self) -> dict[str, Any]:
         """temperature / top_p / top_k from the checkpoint's ``generation_config.json``."""
         if self._defaults is None:
-            gen = self._model_json("generation_config.json")
+            gen = self.ready().generation_config
             self._defaults = {k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
         return self._defaults
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+        """Check a prompt against the context and KV limits (raises :class:`APIError` 400 naming ``param``)."""
+        try:
+            self.ready().check_prompt(prompt_ids, params)
+        except PromptTooLongError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     # ------------------------------------------------------------------ preparing a request
 
@@ -212,7 +193,7 @@ class Serving:
             else:
                 messages = [{"role": "system", "content": text}, *messages]
         try:
-            text, ids = self._render_fn(llm.tokenizer, messages, tools=tools, chat_template_kwargs=spec.chat_template_kwargs)
+            text, ids = render_chat(llm.tokenizer, messages, tools=tools, chat_template_kwargs=spec.chat_template_kwargs)
             return text, ids, tools
         except ValueError as exc:
             raise APIError(400, str(exc).replace("messages", spec.messages_field, 1), param=spec.messages_field) from None
@@ -257,12 +238,7 @@ class Serving:
         except SamplingParamsError as exc:
             name = spec.field_names.get(exc.field, exc.field)
             raise APIError(400, f"{name}: {exc.reason}", param=name) from None
-        try:
-            llm.check_prompt(prompt_ids, params)
-        except PromptTooLongError as exc:
-            raise APIError(400, str(exc), param=spec.messages_field, code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=spec.messages_field) from None
+        self.admit(prompt_ids, params, spec.messages_field)
         return Prepared(request_id, prompt_text, prompt_ids, params, tools, self.parsers)
 
     async def _guided_params(self, llm: AsyncLLM, kwargs: dict, grammar: guided.Grammar) -> SamplingParams:
