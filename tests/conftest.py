@@ -249,13 +249,14 @@ def running_server(llm, served_model_name: str | tuple[str, ...] | None = None, 
 
     from edgemoe.server.app import build_app
     from edgemoe.server.config import ServerConfig
+    from edgemoe.server.transport import uvicorn_config
 
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
     server_config = ServerConfig(served_model_name=names, **server_options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(llm, server_config), log_level="warning", lifespan="off")
+    config = uvicorn_config(build_app(llm, server_config), server_config, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

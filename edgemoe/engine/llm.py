@@ -9,7 +9,7 @@ from typing import Any
 from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS, LLMEngine, RequestOutput
 from edgemoe.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "normalize_messages", "render_chat"]
+__all__ = ["LLM", "normalize_messages", "render_chat", "render_chat_text"]
 
 Message = dict[str, Any]
 
@@ -44,6 +44,38 @@ def normalize_messages(messages: Sequence[Message]) -> list[Message]:
     return out
 
 
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render a conversation with the tokenizer's chat template, as text (see :func:`render_chat`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
+    msgs = normalize_messages(messages)
+
+    def apply(msgs: list[Message]) -> str:
+        return tokenizer.apply_chat_template(
+            msgs,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+
+    try:
+        return apply(msgs)
+    except Exception:
+        # Assistant tool-call turns come with content=None (OpenAI's shape, which e.g. DeepSeek-V3's
+        # template requires); templates that apply string operations to it (Qwen3's) get "".
+        if not any(m.get("content") is None for m in msgs):
+            raise
+        return apply([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Message],
@@ -71,27 +103,8 @@ def render_chat(
     Raises:
         ValueError: no chat template, or malformed messages.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
-    msgs = normalize_messages(messages)
-
-    def apply(msgs: list[Message]) -> str:
-        return tokenizer.apply_chat_template(
-            msgs,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-
-    try:
-        text = apply(msgs)
-    except Exception:
-        # Assistant tool-call turns come with content=None (OpenAI's shape, which e.g. DeepSeek-V3's
-        # template requires); templates that apply string operations to it (Qwen3's) get "".
-        if not any(m.get("content") is None for m in msgs):
-            raise
-        text = apply([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+    text = render_chat_text(tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                            add_generation_prompt=add_generation_prompt)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

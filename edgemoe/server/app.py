@@ -34,10 +34,11 @@ from edgemoe import __version__
 from edgemoe.config import EXPERT_POLICIES, EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
 from edgemoe.server import messages_api, openai_api, responses_api
-from edgemoe.server.common import APIError
+from edgemoe.server.common import APIError, ContextLengthError
 from edgemoe.server.config import ServerConfig
 from edgemoe.server.protocol import ErrorInfo, ErrorResponse
 from edgemoe.server.serving import Serving
+from edgemoe.server.transport import RequestLimits, uvicorn_config
 
 __all__ = ["build_app", "serve"]
 
@@ -73,15 +74,21 @@ _ANTHROPIC_ERROR_TYPES = {
 }
 
 
-def _is_anthropic(path: str) -> bool:
-    return path.startswith("/v1/messages")
+def is_anthropic(scope: dict) -> bool:
+    """Whether a request speaks Anthropic's API: ``/v1/messages...``, or ``/v1/models...`` with the
+    ``anthropic-version`` header every Anthropic SDK sends."""
+    path = scope.get("path", "")
+    if path.startswith("/v1/messages"):
+        return True
+    return path.startswith("/v1/models") and any(k == b"anthropic-version" for k, _ in scope.get("headers") or ())
 
 
-def error_response(path: str, exc: APIError) -> JSONResponse:
-    """``exc`` as a JSON response in the error shape of the API at ``path``."""
-    if _is_anthropic(path):
+def error_response(scope: dict, exc: APIError) -> JSONResponse:
+    """``exc`` as a JSON response in the error shape of the API the request speaks (:func:`is_anthropic`)."""
+    if is_anthropic(scope):
         kind = _ANTHROPIC_ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-        body: dict = {"type": "error", "error": {"type": kind, "message": exc.message}}
+        message = exc.anthropic_message if isinstance(exc, ContextLengthError) else exc.message
+        body: dict = {"type": "error", "error": {"type": kind, "message": message}}
     else:
         body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)).model_dump()
     return JSONResponse(body, status_code=exc.status)
@@ -139,7 +146,7 @@ class _ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         message = "Invalid API key" if given is not None else "Missing API key (Authorization: Bearer KEY or x-api-key: KEY)"
         err = APIError(401, message, type="invalid_request_error", code="invalid_api_key")
-        return await error_response(scope["path"], err)(scope, receive, send)
+        return await error_response(scope, err)(scope, receive, send)
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
@@ -155,34 +162,36 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="edgemoe", version=__version__)
     serving = Serving(llm, config)
     app.state.serving = serving
-    if config.api_key:
+    app.add_middleware(RequestLimits, max_bytes=config.max_request_bytes, body_timeout_s=config.body_timeout_s,
+                       error_response=error_response)
+    if config.api_key:  # outermost: a request without the key is refused before its body is read
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
 
     # ------------------------------------------------------------ errors
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(request.url.path, exc)
+        return error_response(request.scope, exc)
 
     @app.exception_handler(EngineNotReadyError)
     async def _not_ready(request: Request, exc: EngineNotReadyError):
-        return error_response(request.url.path, APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready"))
+        return error_response(request.scope, APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc)
-        return error_response(request.url.path, APIError(400, message, param=param))
+        return error_response(request.scope, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(request.url.path, APIError(exc.status_code, str(exc.detail), type=kind))
+        return error_response(request.scope, APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("request failed")
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        return error_response(request.url.path, err)
+        return error_response(request.scope, err)
 
     # ------------------------------------------------------------ routes
 
@@ -249,6 +258,6 @@ def serve(
     )
     app = build_app(llm, server_config)
     try:
-        uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
+        uvicorn.Server(uvicorn_config(app, server_config)).run()
     finally:
         llm.shutdown()

@@ -4,11 +4,14 @@ error type, SSE framing, message-content flattening, token counts, finish reason
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
@@ -26,9 +29,13 @@ __all__ = [
     "sse_data",
     "sse_event",
     "stream_failure",
+    "valid_unicode",
 ]
 
+log = logging.getLogger(__name__)
+
 IMAGE_NOTE = "[image omitted: this model reads text only]"
+DOCUMENT_NOTE = "[document omitted: this model reads text only]"
 SSE_DONE = "data: [DONE]\n\n"
 
 # Content-part types whose text is read as is (OpenAI chat ``text``, Responses ``input_text`` /
@@ -36,6 +43,12 @@ SSE_DONE = "data: [DONE]\n\n"
 _TEXT_PARTS = ("text", "input_text", "output_text", "reasoning_text", "summary_text", "refusal")
 # Image parts of the three APIs (OpenAI chat ``image_url``, Responses ``input_image``, Anthropic ``image``).
 _IMAGE_PARTS = ("image_url", "input_image", "image")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# Integer request fields, bounded so that no value can overflow the sampler's 64-bit tensors.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a 64-bit generator takes, signed or unsigned
+TopK = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+MaxTokens = Annotated[int, Field(lt=2**63)]
 
 
 class APIError(Exception):
@@ -55,6 +68,66 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+class ContextLengthError(APIError):
+    """400: a prompt that can never fit (``context_length_exceeded``).
+
+    Attributes:
+        prompt_tokens: tokens in the prompt.
+        limit: the largest prompt accepted.
+        anthropic_message: the wording Anthropic clients parse (``prompt is too long: N tokens > M maximum``).
+    """
+
+    def __init__(self, message: str, param: str, prompt_tokens: int, limit: int):
+        super().__init__(400, message, param=param, code="context_length_exceeded")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+        self.anthropic_message = f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+
+
+def valid_unicode(value: Any) -> Any:
+    """Replace lone UTF-16 surrogates (``"\\ud800"`` in JSON, which Python decodes but no UTF-8 text can
+    hold) by U+FFFD in every string and key of a parsed JSON value, in place (dicts and lists).
+
+    JavaScript clients produce them by cutting a string between the two halves of a surrogate pair.
+    """
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if any(isinstance(k, str) and _SURROGATE.search(k) for k in node):
+                items = [(valid_unicode(k) if isinstance(k, str) else k, v) for k, v in node.items()]
+                node.clear()
+                node.update(items)
+            for k, v in node.items():
+                if isinstance(v, str):
+                    if _SURROGATE.search(v):
+                        node[k] = _SURROGATE.sub("\ufffd", v)
+                elif isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if isinstance(v, str):
+                    if _SURROGATE.search(v):
+                        node[i] = _SURROGATE.sub("\ufffd", v)
+                elif isinstance(v, (dict, list)):
+                    stack.append(v)
+    return value
+
+
+class RequestBody(BaseModel):
+    """Base of the top-level request bodies of the three APIs: unknown fields are accepted (SDKs send
+    newer parameters) and text is made valid Unicode before validation (:func:`valid_unicode`), so no
+    field, ``model`` included, can carry a lone surrogate into the tokenizer or a response."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return valid_unicode(data)
+
+
 def part_text(part: Any, where: str, param: str) -> str:
     """The text of one content part or block: its text, or :data:`IMAGE_NOTE` for an image (the
     models served read text only).
@@ -70,7 +143,28 @@ def part_text(part: Any, where: str, param: str) -> str:
         return part[key]
     if kind in _IMAGE_PARTS:
         return IMAGE_NOTE
+    if kind == "document":
+        return _document_text(part, where, param)
     raise APIError(400, f"{where}: content parts of type {kind!r} are not supported", param=param)
+
+
+def _document_text(block: dict, where: str, param: str) -> str:
+    """An Anthropic ``document`` block: its title, context and text (``source.type`` ``text``, or
+    ``content`` blocks); a PDF or a URL becomes :data:`DOCUMENT_NOTE`."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text":
+        if not isinstance(source.get("data"), str):
+            raise APIError(400, f"{where}.source.data: must be a string", param=param)
+        body = source["data"]
+    elif kind == "content":
+        body = content_text(source.get("content"), f"{where}.source.content", param, sep="\n\n")
+    elif kind in ("base64", "url", "file"):
+        body = DOCUMENT_NOTE
+    else:
+        raise APIError(400, f"{where}.source.type: documents of type {kind!r} are not supported", param=param)
+    head = [block[k] for k in ("title", "context") if isinstance(block.get(k), str) and block[k]]
+    return "\n\n".join([*head, body])
 
 
 def content_text(content: str | list[Any] | None, where: str, param: str, sep: str = "") -> str:
@@ -123,8 +217,12 @@ def request_failed(exc: RequestFailedError) -> APIError:
 
 
 def stream_failure(exc: Exception) -> str:
-    """The message of an error that ended a stream after its first event."""
-    return f"the request failed: {exc}"
+    """The message of an error that ended a stream after its first event (logged unless the engine
+    reported it as a failure of this request)."""
+    if isinstance(exc, RequestFailedError):
+        return f"the request failed: {exc}"
+    log.exception("stream failed", exc_info=exc)
+    return f"internal error: {type(exc).__name__}: {exc}"
 
 
 def sse_data(data: str) -> str:

@@ -14,6 +14,7 @@ from edgemoe.server.parsers import REASONING_PARSERS, TOOL_PARSERS, check_parser
 __all__ = ["LOG_LEVELS", "ServerConfig"]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,18 @@ class ServerConfig:
         "help": "reasoning format: auto (from the checkpoint), " + ", ".join(REASONING_PARSERS),
         "choices": ("auto", *REASONING_PARSERS)})
     log_level: str = field(default="info", metadata={"help": "server log level", "choices": LOG_LEVELS})
+    default_max_tokens: int | None = field(default=None, metadata={
+        "help": "output cap for requests that set none (default: generation_config.json max_new_tokens, "
+                "else up to the context limit)"})
+    max_request_bytes: int = field(default=32 * MiB, metadata={
+        "help": "largest request body in bytes (413 above it)"})
+    max_messages: int = field(default=10_000, metadata={
+        "help": "most messages (or Responses input items) in one request (400 above it)"})
+    header_timeout_s: float = field(default=10.0, metadata={
+        "help": "seconds a connection has to send a request's headers before it is closed"})
+    body_timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds a client has to send a request's body once its headers arrived (408 after)"})
+
 
     def __post_init__(self):
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
@@ -48,3 +61,11 @@ class ServerConfig:
         if not isinstance(self.served_model_name, tuple) or not all(
                 isinstance(n, str) and n for n in self.served_model_name):
             raise ValueError(f"--served-model-name: non-empty names expected, got {self.served_model_name!r}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens: must be >= 1, got {self.default_max_tokens}")
+        for name in ("max_request_bytes", "max_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")

@@ -39,7 +39,10 @@ from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
 from edgemoe.server.common import (
     APIError,
+    MaxTokens,
+    RequestBody,
     TokenCounts,
+    TopK,
     content_text,
     event_stream,
     part_text,
@@ -52,7 +55,7 @@ from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "MessageResponse", "router", "to_chat_spec"]
 
-TEXT_BLOCKS = ("text", "image")  # blocks read as text (an image as a note) in user and assistant turns
+TEXT_BLOCKS = ("text", "image", "document")  # read as text (an image or a PDF as a note) in any turn
 
 
 class _In(BaseModel):
@@ -119,7 +122,10 @@ ContentBlockParam = Annotated[
 
 
 class MessageParam(_In):
-    role: Literal["user", "assistant"]
+    """A turn. ``system`` turns inside ``messages`` (Claude Code's mid-conversation system prompts) are
+    accepted: leading ones join ``system``, later ones stay system turns in their place."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 
@@ -130,6 +136,7 @@ class ToolParam(_In):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    strict: bool | None = None
 
 
 class ToolChoiceParam(_In):
@@ -155,7 +162,7 @@ class OutputConfigParam(_In):
     effort: str | None = None
 
 
-class CountTokensRequest(_In):
+class CountTokensRequest(RequestBody):
     """``POST /v1/messages/count_tokens`` body."""
 
     model: str
@@ -170,12 +177,12 @@ class CountTokensRequest(_In):
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages`` body (unknown fields such as ``metadata`` are accepted and ignored)."""
 
-    max_tokens: int
+    max_tokens: MaxTokens
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
 
 
 class Usage(BaseModel):
@@ -222,10 +229,8 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     Raises:
         APIError: 400 for an unsupported content block (named ``messages[i].content[j]``).
     """
+    system = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
     messages: list[dict[str, Any]] = []
-    system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system or [])
-    if system:
-        messages.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         blocks = [TextBlockParam(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         texts, reasoning, calls = [], [], []
@@ -245,18 +250,27 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
             else:
                 raise APIError(400, f"{where}: {b.type!r} blocks are not supported in {m.role} messages", param="messages")
         text = "\n\n".join(texts)
-        if m.role == "user":
+        if m.role == "system":
+            if messages:
+                messages.append({"role": "system", "content": text})
+            else:
+                system.append(text)
+        elif m.role == "user":
             if texts or isinstance(m.content, str):
                 messages.append({"role": "user", "content": text})
-            continue
-        msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-        if calls:
-            msg["tool_calls"] = calls
-        if reasoning:
-            msg["reasoning_content"] = "\n\n".join(reasoning)
-        messages.append(msg)
+        else:
+            msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                msg["tool_calls"] = calls
+            if reasoning:
+                msg["reasoning_content"] = "\n\n".join(reasoning)
+            messages.append(msg)
+    system_text = "\n\n".join(t for t in system if t)
+    if system_text:
+        messages.insert(0, {"role": "system", "content": system_text})
     tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema,
+                                          **({"strict": True} if t.strict else {})}}
         for t in body.tools or []
         if t.input_schema is not None
     ]
@@ -281,7 +295,9 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
         messages=messages,
         tools=tools or None,
         tool_choice=choice,
-        json_mode=body.output_config is not None and body.output_config.format is not None,
+        output_schema=(body.output_config.format.schema_ or {"type": "object"})
+        if body.output_config is not None and body.output_config.format is not None else None,
+        output_field="output_config.format",
         chat_template_kwargs=kwargs,
         sampling=sampling,
         field_names={"stop": "stop_sequences"},
@@ -394,7 +410,7 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                     }
                 )
                 yield _sse({"type": "message_stop"})
-    except RequestFailedError as exc:
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event, never a cut stream
         yield _sse({"type": "error", "error": {"type": "api_error", "message": stream_failure(exc)}})
     finally:
         if not finished:
@@ -432,7 +448,7 @@ def router(serving: Serving) -> APIRouter:
     async def count_tokens(body: CountTokensRequest):
         serving.check_model(body.model)
         serving.ready()
-        _, ids, _ = serving.render_prompt(to_chat_spec(body))
-        return {"input_tokens": len(ids)}
+        rendered = await serving.render(to_chat_spec(body))
+        return {"input_tokens": len(rendered.prompt_ids)}
 
     return api

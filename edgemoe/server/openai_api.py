@@ -152,7 +152,7 @@ def router(serving: Serving) -> APIRouter:
             messages=chat_messages(body.messages),
             tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             tool_choice={"name": choice.function.name} if not isinstance(choice, str) else choice,
-            json_mode=body.response_format is not None and body.response_format.type != "text",
+            output_schema=body.response_format.schema() if body.response_format is not None else None,
             chat_template_kwargs=body.chat_template_kwargs,
             sampling=body.sampling_fields(body.effective_max_tokens),
         )
@@ -311,7 +311,7 @@ async def _chat_stream(serving: Serving, prepared: Prepared, include_usage: bool
         if include_usage and final is not None:
             yield _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                     usage=_usage([final]), system_fingerprint=SYSTEM_FINGERPRINT))
-    except RequestFailedError as exc:
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event and [DONE], never a cut stream
         yield _error_event(exc)
     finally:
         if final is None:
@@ -355,7 +355,7 @@ async def _completion_stream(
             yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                 usage=_usage(list(finals.values())),
                                                 system_fingerprint=SYSTEM_FINGERPRINT))
-    except RequestFailedError as exc:
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event and [DONE], never a cut stream
         yield _error_event(exc)
     finally:
         if len(finals) < len(gens):

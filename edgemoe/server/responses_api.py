@@ -36,7 +36,11 @@ from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
 from edgemoe.server.common import (
     APIError,
+    MaxTokens,
+    RequestBody,
+    Seed,
     TokenCounts,
+    TopK,
     content_text,
     event_stream,
     request_failed,
@@ -108,7 +112,17 @@ InputItem = Annotated[
 
 
 class TextFormat(_In):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``),
+    enforced by structured output."""
+
     type: Literal["text", "json_object", "json_schema"] = "text"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow (``None`` for text)."""
+        if self.type == "text":
+            return None
+        return self.schema_ if self.type == "json_schema" and self.schema_ is not None else {"type": "object"}
 
 
 class TextConfig(_In):
@@ -120,7 +134,7 @@ class FunctionToolChoice(_In):
     name: str
 
 
-class ResponsesRequest(_In):
+class ResponsesRequest(RequestBody):
     """``POST /v1/responses`` body (unknown fields such as ``store``, ``include``, ``metadata`` are
     accepted and ignored)."""
 
@@ -130,11 +144,11 @@ class ResponsesRequest(_In):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stream: bool = False
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
@@ -242,12 +256,13 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
         else:
             raise APIError(400, f"{where}: input items of type {item.type!r} are not supported", param="input")
     choice = body.tool_choice or "auto"
-    fmt = body.text.format.type if body.text is not None and body.text.format is not None else "text"
+    fmt = body.text.format if body.text is not None else None
     return ChatSpec(
         messages=messages,
         tools=_function_tools(body.tools) or None,
         tool_choice=choice if isinstance(choice, str) else {"name": choice.name},
-        json_mode=fmt != "text",
+        output_schema=fmt.schema() if fmt is not None else None,
+        output_field="text.format",
         sampling=dict(
             max_tokens=body.max_output_tokens,
             temperature=body.temperature,
@@ -295,7 +310,8 @@ class _Shell:
         self.body, self.prepared, self.model = body, prepared, model
         self.created = int(time.time())
 
-    def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None = None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None = None,
+                 error: dict[str, str] | None = None) -> dict[str, Any]:
         b = self.body
         usage = None
         if out is not None:
@@ -308,6 +324,7 @@ class _Shell:
             id=self.prepared.request_id,
             created_at=self.created,
             status=status,
+            error=error,
             incomplete_details=incomplete,
             instructions=b.instructions,
             max_output_tokens=b.max_output_tokens,
@@ -411,8 +428,11 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 status = _status(out)
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 yield ev(kind, response=shell.response(status, output, out))
-    except RequestFailedError as exc:
-        yield ev("error", code="server_error", message=stream_failure(exc), param=None)
+    except Exception as exc:  # noqa: BLE001 - the client gets error + response.failed, never a cut stream
+        message = stream_failure(exc)
+        yield ev("error", code="server_error", message=message, param=None)
+        failed = shell.response("failed", output, error={"code": "server_error", "message": message})
+        yield ev("response.failed", response=failed)
     finally:
         if not finished:
             serving.llm.abort(prepared.request_id)

@@ -124,11 +124,12 @@ class ParserConfig:
         """Whether outputs may be detokenized without special tokens (Harmony's markers are special)."""
         return not self.harmony
 
-    def build(self, prompt_text: str, tools: list[dict] | None) -> OutputParser:
+    def build(self, generation_prompt: str, tools: list[dict] | None) -> OutputParser:
         """A fresh parser for one response.
 
         Args:
-            prompt_text: the rendered prompt (a think block left open there starts output in reasoning).
+            generation_prompt: the text the chat template wrote after the last message to open the
+                answer (a think block left open there starts the output in reasoning).
             tools: the tools offered to the model; ``None``/empty disables tool-call parsing
                 (``tool_choice: "none"`` or no tools).
         """
@@ -136,7 +137,7 @@ class ParserConfig:
             return HarmonyParser(tools)
         reasoning: OutputParser = PassThrough()
         if REASONING_PARSERS[self.reasoning] is ThinkParser:
-            reasoning = ThinkParser(prompt_ends_in_reasoning(prompt_text))
+            reasoning = ThinkParser(prompt_ends_in_reasoning(generation_prompt))
         tool_cls = self.tool_parser
         return ChainParser(reasoning, tool_cls(tools) if tools and tool_cls is not None else PassThrough())
 

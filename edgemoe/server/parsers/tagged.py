@@ -47,19 +47,23 @@ class ToolParser(OutputParser):
     Class attributes:
         name: registry name (``--tool-call-parser``).
         skip_special_tokens: the format's markers survive detokenization with special tokens skipped.
+        call_trigger: the text every call starts with, when answer text cannot contain it otherwise
+            (``strict`` tools under ``tool_choice: auto`` are constrained from there on; ``None``: not
+            constrained in that mode).
     """
 
     name: ClassVar[str] = ""
     skip_special_tokens: ClassVar[bool] = True
+    call_trigger: ClassVar[str | None] = None
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
 
     @classmethod
     def forced_call(cls, name: str) -> tuple[str, str] | None:
-        """``(prefix, suffix)`` around the JSON arguments of a call to ``name`` (guided decoding of
-        ``tool_choice: required`` / a named function), or ``None`` when the format's arguments are
-        not one JSON object."""
+        """``(prefix, suffix)`` around the JSON arguments of a call to ``name`` (structured output of
+        ``tool_choice: required`` / a named function; the prefix starts with :attr:`call_trigger` when
+        that is set), or ``None`` when the format's arguments are not one JSON object."""
         return None
 
     @classmethod
