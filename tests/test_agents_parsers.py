@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgemoe.server import json_prefix
-from edgemoe.server.parsers import ParserConfig, ParsedOutput, ToolCall, collect, detect_parsers, resolve_parsers
+from edgemoe.server.parsers import ParsedOutput, ParserConfig, ToolCall, collect, detect_parsers, resolve_parsers
 from edgemoe.server.parsers.deepseek_v3 import DeepSeekV3ToolParser
 from edgemoe.server.parsers.harmony import HarmonyParser
 from edgemoe.server.parsers.qwen3 import Qwen3ToolParser
@@ -86,7 +86,7 @@ def test_qwen3_variants_and_text_around_calls():
     [
         ("<tool_call>\nnot json at all\n</tool_call> after", "<tool_call>\nnot json at all\n</tool_call> after", []),
         ('<tool_call>{"name": 5, "arguments": {}}</tool_call>', '<tool_call>{"name": 5, "arguments": {}}</tool_call>', []),
-        ("answer <tool_call>\n{\"name\": \"f\"", "answer <tool_call>\n{\"name\": \"f\"", []),  # cut in the header
+        ("answer <tool_call>\n{\"name\": \"f\"", "answer", []),  # cut in the header (max_tokens): markup dropped
         ("a <tool_c", "a <tool_c", []),  # half a tag at the end is text
         ("x <tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1]}</tool_call>", "x]}</tool_call>",
          [ToolCall(0, "f", '{"a": 1')]),  # broke after the call was announced: the rest is text
@@ -156,8 +156,8 @@ def test_deepseek_v3_malformed_is_text():
     bad = f"{B}{CB}garbage without sep{CE}{E}"
     out = parse_all_ways(chain(DeepSeekV3ToolParser), bad)
     assert out.content == bad and not out.tool_calls
-    out = parse_all_ways(chain(DeepSeekV3ToolParser), f"ok {B}")
-    assert out.content == f"ok {B}"
+    out = parse_all_ways(chain(DeepSeekV3ToolParser), f"ok {B}")  # cut after the open tag: markup dropped
+    assert out.content == "ok" and not out.tool_calls
 
 
 # ---------------------------------------------------------------- Harmony (gpt-oss)
@@ -185,8 +185,8 @@ def test_harmony_channels_and_calls():
 def test_harmony_malformed_is_text():
     out = parse_all_ways(chain(HarmonyParser), "no header here")
     assert out.content == "no header here"
-    out = parse_all_ways(chain(HarmonyParser), "<|channel|>analysis")  # header cut off
-    assert out.content == "<|channel|>analysis" and out.reasoning is None
+    out = parse_all_ways(chain(HarmonyParser), "<|channel|>analysis")  # header cut off: markup dropped
+    assert not out.content and out.reasoning is None and not out.tool_calls
 
 
 # ---------------------------------------------------------------- think

@@ -169,6 +169,18 @@ class AsyncLLM:
         return self._require_engine().runner.generation_config
 
     @property
+    def kv_cache_pages(self) -> tuple[int, int] | None:
+        """``(used, total)`` KV-cache pages: ``total`` those requests can hold, ``used`` those held by
+        requests in flight (unreferenced prefix-cache pages count as free: they are evicted on
+        demand); ``None`` while loading. Read-only counters, safe from any thread."""
+        if not self.is_ready:
+            return None
+        runner = self.engine.runner
+        page = runner.engine_config.page_size
+        total = runner.kv_capacity_tokens // page
+        return total - runner.kv_free_tokens() // page, total
+
+    @property
     def num_running(self) -> int:
         """Admitted requests (0 while loading)."""
         return self.engine.num_running if self.engine is not None else 0

@@ -26,7 +26,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,8 +34,9 @@ from edgemoe import __version__
 from edgemoe.config import EXPERT_POLICIES, EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
 from edgemoe.server import messages_api, openai_api, responses_api
-from edgemoe.server.common import APIError, ContextLengthError
+from edgemoe.server.common import APIError, ContextLengthError, is_anthropic
 from edgemoe.server.config import ServerConfig
+from edgemoe.server.metrics import gateway_registry
 from edgemoe.server.protocol import ErrorInfo, ErrorResponse
 from edgemoe.server.serving import Serving
 from edgemoe.server.transport import RequestLimits, uvicorn_config
@@ -72,15 +73,6 @@ _ANTHROPIC_ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-
-
-def is_anthropic(scope: dict) -> bool:
-    """Whether a request speaks Anthropic's API: ``/v1/messages...``, or ``/v1/models...`` with the
-    ``anthropic-version`` header every Anthropic SDK sends."""
-    path = scope.get("path", "")
-    if path.startswith("/v1/messages"):
-        return True
-    return path.startswith("/v1/models") and any(k == b"anthropic-version" for k, _ in scope.get("headers") or ())
 
 
 def error_response(scope: dict, exc: APIError) -> JSONResponse:
@@ -203,9 +195,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
             return JSONResponse({"status": "error", "message": str(llm.load_error)}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
+    gateway = gateway_registry(llm, serving.name)
+
     @app.get("/metrics")
     def metrics():  # sync: runs in the thread pool, may wait for the engine thread's stats
-        return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(llm.metrics.render() + generate_latest(gateway), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/expert-cache")
     def expert_cache_state():  # sync: waits for the engine thread

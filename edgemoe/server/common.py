@@ -23,6 +23,7 @@ __all__ = [
     "TokenCounts",
     "content_text",
     "event_stream",
+    "is_anthropic",
     "openai_finish_reason",
     "part_text",
     "request_failed",
@@ -204,6 +205,15 @@ class TokenCounts:
         outs = list(outs)
         return cls(sum(o.num_prompt_tokens for o in outs), sum(o.num_generated_tokens for o in outs),
                    sum(o.cached_tokens for o in outs))
+
+
+def is_anthropic(scope: dict) -> bool:
+    """Whether a request speaks Anthropic's API: ``/v1/messages...``, or ``/v1/models...`` with the
+    ``anthropic-version`` header every Anthropic SDK sends (the OpenAI SDK sends none)."""
+    path = scope.get("path", "")
+    if path.startswith("/v1/messages"):
+        return True
+    return path.startswith("/v1/models") and any(k == b"anthropic-version" for k, _ in scope.get("headers") or ())
 
 
 def openai_finish_reason(reason: str | None) -> str | None:

@@ -42,8 +42,9 @@ class ServerConfig:
     default_max_tokens: int | None = field(default=None, metadata={
         "help": "output cap for requests that set none (default: generation_config.json max_new_tokens, "
                 "else up to the context limit)"})
-    max_request_bytes: int = field(default=32 * MiB, metadata={
-        "help": "largest request body in bytes (413 above it)"})
+    max_request_bytes: int = field(default=8 * MiB, metadata={
+        "help": "largest request body in bytes (413 above it; the text of a 256k-token prompt is ~1 MB, "
+                "images and PDFs are omitted for text-only models but travel in the body)"})
     max_messages: int = field(default=10_000, metadata={
         "help": "most messages (or Responses input items) in one request (400 above it)"})
     header_timeout_s: float = field(default=10.0, metadata={

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -53,7 +53,7 @@ from edgemoe.server.common import (
 from edgemoe.server.parsers import ParsedOutput
 from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
-__all__ = ["MessagesRequest", "CountTokensRequest", "MessageResponse", "router", "to_chat_spec"]
+__all__ = ["CountTokensRequest", "MessageResponse", "MessagesRequest", "router", "to_chat_spec"]
 
 TEXT_BLOCKS = ("text", "image", "document")  # read as text (an image or a PDF as a note) in any turn
 
@@ -109,14 +109,7 @@ def _block_tag(value: Any) -> str:
 
 
 ContentBlockParam = Annotated[
-    Union[
-        Annotated[TextBlockParam, Tag("Text")],
-        Annotated[ToolUseBlockParam, Tag("ToolUse")],
-        Annotated[ToolResultBlockParam, Tag("ToolResult")],
-        Annotated[ThinkingBlockParam, Tag("Thinking")],
-        Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")],
-        Annotated[OtherBlockParam, Tag("Other")],
-    ],
+    Annotated[TextBlockParam, Tag("Text")] | Annotated[ToolUseBlockParam, Tag("ToolUse")] | Annotated[ToolResultBlockParam, Tag("ToolResult")] | Annotated[ThinkingBlockParam, Tag("Thinking")] | Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")] | Annotated[OtherBlockParam, Tag("Other")],
     Discriminator(_block_tag),
 ]
 
@@ -196,7 +189,7 @@ class Usage(BaseModel):
     cache_read_input_tokens: int = 0
 
     @classmethod
-    def of(cls, out: RequestOutput) -> "Usage":
+    def of(cls, out: RequestOutput) -> Usage:
         """The usage of a request's (final) output."""
         n = TokenCounts.of([out])
         return cls(input_tokens=n.prompt - n.cached, output_tokens=n.completion, cache_read_input_tokens=n.cached)
@@ -284,13 +277,13 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
         kwargs = {"enable_thinking": body.thinking.type != "disabled"}
     sampling: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
-        sampling = dict(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            stop=body.stop_sequences or None,
-        )
+        sampling = {
+            "max_tokens": body.max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stop": body.stop_sequences or None,
+        }
     return ChatSpec(
         messages=messages,
         tools=tools or None,

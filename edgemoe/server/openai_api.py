@@ -9,7 +9,9 @@ What is served (field names and event shapes follow the ``openai`` SDK's types):
   answers with ``reasoning_content``, ``content`` and ``tool_calls`` (finish reason ``tool_calls``),
   streamed as deltas (a call's first delta carries its id, type and name, then pieces of arguments);
 - completions: one prompt or a batch (texts or token ids), ``echo``, streaming;
-- models: the served model (``max_model_len`` added).
+- models: ``GET /v1/models`` and ``GET /v1/models/{id}`` for every served name, in OpenAI's shape with
+  Anthropic's fields beside, or in Anthropic's shape for a client sending ``anthropic-version``
+  (every Anthropic SDK does); ``max_model_len`` added.
 
 Usage counts the prompt tokens served from the prefix cache as ``prompt_tokens_details.cached_tokens``.
 A stream ends with ``data: [DONE]``; a failure after its first event is an ``{"error": ...}`` event.
@@ -21,6 +23,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -37,6 +40,7 @@ from edgemoe.server.common import (
     TokenCounts,
     content_text,
     event_stream,
+    is_anthropic,
     openai_finish_reason,
     request_failed,
     sse_data,
@@ -133,11 +137,31 @@ def router(serving: Serving) -> APIRouter:
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
 
-    @api.get("/v1/models")
-    async def models() -> ModelList:
+    created = int(time.time())
+    created_at = datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def card(name: str) -> ModelCard:
         llm = serving.llm
-        max_len = llm.max_model_len if llm.is_ready else None
-        return ModelList(data=[ModelCard(id=name, root=llm.model_dir, max_model_len=max_len) for name in serving.names])
+        return ModelCard(id=name, created=created, root=llm.model_dir, display_name=name, created_at=created_at,
+                         max_model_len=llm.max_model_len if llm.is_ready else None)
+
+    def anthropic_card(name: str) -> dict[str, Any]:
+        return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+
+    @api.get("/v1/models")
+    async def models(raw: Request):
+        """Every served name (the first is the one responses report), in the shape the client speaks."""
+        names = serving.names
+        if is_anthropic(raw.scope):
+            return {"data": [anthropic_card(n) for n in names], "has_more": False, "first_id": names[0],
+                    "last_id": names[-1]}
+        return ModelList(data=[card(n) for n in names], first_id=names[0], last_id=names[-1])
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, raw: Request):
+        serving.check_model(model_id)
+        name = model_id if model_id in serving.names else serving.name
+        return anthropic_card(name) if is_anthropic(raw.scope) else card(name)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

@@ -21,11 +21,11 @@ from edgemoe.server.common import MaxTokens, RequestBody, Seed, TopK
 
 __all__ = [
     "ChatCompletionRequest",
-    "ChatMessageParam",
-    "ChatTool",
     "ChatCompletionResponse",
     "ChatCompletionStreamResponse",
     "ChatMessage",
+    "ChatMessageParam",
+    "ChatTool",
     "CompletionRequest",
     "CompletionResponse",
     "CompletionStreamResponse",
@@ -165,17 +165,17 @@ class _SamplingFields(RequestBody):
 
     def sampling_fields(self, max_tokens: int | None) -> dict[str, Any]:
         """The request's sampling fields by :class:`SamplingParams` name (``None`` where omitted)."""
-        return dict(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -332,14 +332,26 @@ class CompletionStreamResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A model in OpenAI's shape (``id``, ``object``, ``created``, ``owned_by``) with Anthropic's fields
+    beside (``type``, ``display_name``, ``created_at``), so either SDK reads it; ``max_model_len`` is
+    the context length."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "edgemoe"
     root: str | None = None
     max_model_len: int | None = None
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""
 
 
 class ModelList(BaseModel):
+    """OpenAI's model list, with Anthropic's pagination fields (one page)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None

@@ -6,7 +6,8 @@ What is served (field names and event shapes follow the ``openai`` SDK's ``types
   ``developer``; ``input_text`` / ``output_text`` parts, images become an ``[image omitted]`` note),
   ``function_call``, ``function_call_output`` and ``reasoning`` items (their ``reasoning_text``
   content or summary goes back to the template as the assistant's reasoning); ``instructions``;
-- ``tools`` of type ``function`` (built-in tool types such as ``web_search`` are ignored),
+- ``tools`` of type ``function`` and ``namespace`` (flattened into its functions; a call to one of
+  them carries its ``namespace``); other types (``custom``, ``web_search``, ...) are a 400 naming the tool;
   ``tool_choice`` (``auto``, ``none``, ``required``, ``{"type": "function", "name"}``),
   ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (``json_object`` /
   ``json_schema`` → guided JSON), ``reasoning`` (accepted; the effort is not used);
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -50,7 +51,7 @@ from edgemoe.server.common import (
 from edgemoe.server.parsers import ParsedOutput
 from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
-__all__ = ["ResponsesRequest", "router", "to_chat_spec"]
+__all__ = ["ResponsesRequest", "function_tools", "router", "to_chat_spec"]
 
 
 class _In(BaseModel):
@@ -100,13 +101,7 @@ def _item_tag(value: Any) -> str:
 
 
 InputItem = Annotated[
-    Union[
-        Annotated[MessageItem, Tag("Message")],
-        Annotated[FunctionCallItem, Tag("FunctionCall")],
-        Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
-        Annotated[ReasoningItem, Tag("Reasoning")],
-        Annotated[OtherItem, Tag("Other")],
-    ],
+    Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")] | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")] | Annotated[ReasoningItem, Tag("Reasoning")] | Annotated[OtherItem, Tag("Other")],
     Discriminator(_item_tag),
 ]
 
@@ -193,16 +188,43 @@ class ResponseObject(BaseModel):
 # ---------------------------------------------------------------------------- request conversion
 
 
-def _function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    out = []
-    for i, t in enumerate(tools or []):
+def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The request's tools as chat-template function tools, and the namespace of each function that came
+    from a ``namespace`` tool (Codex groups e.g. its sub-agent functions so); a namespace is flattened
+    into its functions.
+
+    Raises:
+        APIError: 400 naming the tool for a type this server cannot serve (``custom``, ``web_search``,
+            ``file_search``, ...: OpenAI-hosted or free-form tools), a function without a name, or two
+            functions of one name.
+    """
+    out: list[dict[str, Any]] = []
+    namespace_of: dict[str, str] = {}
+
+    def add(t: dict[str, Any], where: str, namespace: str | None) -> None:
         if t.get("type") != "function":
-            continue  # built-in tools (web_search, file_search, ...) are OpenAI-hosted
-        if not isinstance(t.get("name"), str):
-            raise APIError(400, f"tools[{i}].name: a function tool needs a string name", param="tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+            inner = "in a namespace " if namespace is not None else ""
+            raise APIError(400, f"{where}: tools of type {t.get('type')!r} {inner}are not supported by this server "
+                                "(function tools and namespaces of them are)", param="tools")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"{where}.name: a function tool needs a string name", param="tools")
+        if any(o["function"]["name"] == name for o in out):
+            raise APIError(400, f"{where}.name: a second function named {name!r}", param="tools")
+        out.append({"type": "function",
+                    "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}})
+        if namespace is not None:
+            namespace_of[name] = namespace
+
+    for i, t in enumerate(tools or []):
+        if t.get("type") == "namespace":
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
+                raise APIError(400, f"tools[{i}]: a namespace needs a string name and a list of tools", param="tools")
+            for j, sub in enumerate(t["tools"]):
+                add(sub if isinstance(sub, dict) else {}, f"tools[{i}].tools[{j}]", t["name"])
+        else:
+            add(t, f"tools[{i}]", None)
+    return out, namespace_of
 
 
 def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
@@ -259,17 +281,17 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
     fmt = body.text.format if body.text is not None else None
     return ChatSpec(
         messages=messages,
-        tools=_function_tools(body.tools) or None,
+        tools=function_tools(body.tools)[0] or None,
         tool_choice=choice if isinstance(choice, str) else {"name": choice.name},
         output_schema=fmt.schema() if fmt is not None else None,
         output_field="text.format",
-        sampling=dict(
-            max_tokens=body.max_output_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-        ),
+        sampling={
+            "max_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "seed": body.seed,
+        },
         field_names={"max_tokens": "max_output_tokens"},
         messages_field="input",
     )
@@ -287,19 +309,25 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, namespaces: dict[str, str],
+               status: str = "completed") -> dict[str, Any]:
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+    if name in namespaces:
+        item["namespace"] = namespaces[name]
+    return item
 
 
-def output_items(parsed: ParsedOutput) -> list[dict[str, Any]]:
-    """Output items of a whole response: reasoning, message, function calls."""
+def output_items(parsed: ParsedOutput, namespaces: dict[str, str]) -> list[dict[str, Any]]:
+    """Output items of a whole response: reasoning, message, function calls (with the ``namespace`` of
+    a function that came from one)."""
     items = []
     if parsed.reasoning:
         items.append(_reasoning_item(new_tool_call_id("rs"), parsed.reasoning))
     if parsed.content:
         items.append(_message_item(new_tool_call_id("msg"), parsed.content))
     for call in parsed.tool_calls:
-        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments))
+        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments, namespaces))
     return items
 
 
@@ -309,6 +337,7 @@ class _Shell:
     def __init__(self, body: ResponsesRequest, prepared: Prepared, model: str):
         self.body, self.prepared, self.model = body, prepared, model
         self.created = int(time.time())
+        self.namespaces = function_tools(body.tools)[1]
 
     def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None = None,
                  error: dict[str, str] | None = None) -> dict[str, Any]:
@@ -335,7 +364,7 @@ class _Shell:
             temperature=b.temperature,
             text={"format": {"type": b.text.format.type if b.text and b.text.format else "text"}},
             tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
-            tools=[t for t in b.tools or [] if t.get("type") == "function"],
+            tools=list(b.tools or []),
             top_p=b.top_p,
             usage=usage,
         ).model_dump()
@@ -371,7 +400,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             item, part = _message_item(cur["id"], "", "in_progress"), {"type": "output_text", "text": "", "annotations": []}
         else:
             cur = {"kind": kind, "key": key, "id": new_tool_call_id("fc"), "text": "", "call_id": new_tool_call_id("call"), "name": name or ""}
-            item, part = _call_item(cur["id"], cur["call_id"], cur["name"], "", "in_progress"), None
+            item, part = _call_item(cur["id"], cur["call_id"], cur["name"], "", shell.namespaces, "in_progress"), None
         output.append(item)
         events = [ev("response.output_item.added", output_index=idx, item=item)]
         if part is not None:
@@ -390,7 +419,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             item, part = _message_item(item_id, text), {"type": "output_text", "text": text, "annotations": []}
             events = [ev("response.output_text.done", item_id=item_id, output_index=idx, content_index=0, text=text, logprobs=[])]
         else:
-            item, part = _call_item(item_id, cur["call_id"], cur["name"], text), None
+            item, part = _call_item(item_id, cur["call_id"], cur["name"], text, shell.namespaces), None
             events = [ev("response.function_call_arguments.done", item_id=item_id, output_index=idx, name=cur["name"], arguments=text)]
         if part is not None:
             events.append(ev("response.content_part.done", item_id=item_id, output_index=idx, content_index=0, part=part))
@@ -454,6 +483,6 @@ def router(serving: Serving) -> APIRouter:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
             raise request_failed(exc) from None
-        return JSONResponse(shell.response(_status(out), output_items(parsed), out))
+        return JSONResponse(shell.response(_status(out), output_items(parsed, shell.namespaces), out))
 
     return api

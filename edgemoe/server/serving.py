@@ -42,8 +42,8 @@ from edgemoe.server.parsers import (
     resolve_parsers,
 )
 from edgemoe.server.parsers.think import THINK_END, ThinkParser, prompt_ends_in_reasoning
-from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
 from edgemoe.server.protocol import sampling_kwargs
+from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
 
 __all__ = ["ChatSpec", "Prepared", "Serving", "new_tool_call_id"]
 

@@ -28,8 +28,8 @@ from typing import Any
 from edgemoe.server.parsers.base import (
     ChainParser,
     OutputParser,
-    ParseEvent,
     ParsedOutput,
+    ParseEvent,
     PassThrough,
     ToolCall,
     collect,

@@ -14,7 +14,8 @@ back when they render the history). Malformed output never disappears:
 - arguments that stop being JSON after the call was announced: the call keeps the valid prefix and
   the rest is answer text;
 - a tail that does not match: the call is complete and the tail is answer text;
-- output cut inside the arguments (``max_tokens``): the call keeps its partial arguments.
+- output cut inside the arguments (``max_tokens``): the call keeps its partial arguments; cut inside
+  a header that could still have become a call, the markup is dropped (it is not answer text).
 """
 
 from __future__ import annotations
@@ -227,9 +228,10 @@ class TaggedJsonToolParser(ToolParser):
         if s == self._CONTENT:
             text = buf.strip() if self._after_call else self._ws + buf
             out += text_event("content", text)
-        elif s in (self._HEADER, self._BODY):
+        elif s == self._BODY:
             out += text_event("content", self._ws + buf)
-        # _ARGS: cut inside the arguments, the call keeps what it has; _TAIL: a partial tail is markup.
+        # _HEADER: a call cut before its arguments (max_tokens) is dropped, not answer text; _ARGS: cut
+        # inside the arguments, the call keeps what it has; _TAIL: a partial tail is markup.
         self._state, self._buf, self._ws = self._CONTENT, "", ""
         return out
 
