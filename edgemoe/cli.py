@@ -155,7 +155,9 @@ def _cmd_serve(args) -> int:
         server_config = ServerConfig(
             host=args.host, port=args.port, log_level=args.log_level, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
-            served_model_name=tuple(args.served_model_name or ()),
+            served_model_name=tuple(args.served_model_name or ()), default_max_tokens=args.default_max_tokens,
+            max_request_bytes=args.max_request_bytes, max_messages=args.max_messages,
+            header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -300,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this key on /v1/ routes (Authorization: Bearer / x-api-key; default $EDGEMOE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients may ask for; the first is the id reported (default: directory name)")
+    from dataclasses import fields
+
+    from edgemoe.server.config import ServerConfig
+
+    for f in fields(ServerConfig):  # the limits, until the whole serve parser is generated from ServerConfig
+        if f.name in ("default_max_tokens", "max_request_bytes", "max_messages", "header_timeout_s", "body_timeout_s"):
+            p.add_argument("--" + f.name.replace("_", "-"), type=float if f.type == "float" else int, default=f.default,
+                           help=f.metadata["help"])
     add_engine_args(p)
     _add_record_routing(p)
     p.set_defaults(func=_cmd_serve)

@@ -2,16 +2,18 @@
 
 What is served (field names and event shapes follow the ``anthropic`` SDK's types):
 
-- ``system`` as a string or text blocks; ``messages`` with ``text``, ``tool_use``, ``tool_result``,
-  ``thinking`` and ``redacted_thinking`` blocks (images, in messages or tool results, become a
-  ``[image omitted]`` note: the models served are text-only; other block types are a 400 naming
-  the block);
-- ``tools`` (client tools with an ``input_schema``; Anthropic-hosted server tools are ignored),
-  ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``disable_parallel_tool_use`` is accepted
-  and not enforced), ``thinking`` (``enabled``/``adaptive`` → the template's ``enable_thinking``,
-  ``disabled`` → off; omitted = the model's default), ``stop_sequences``, ``max_tokens``,
-  ``temperature``, ``top_p``, ``top_k``, ``output_config.format`` (structured output → guided JSON;
-  any JSON object, the schema is not enforced);
+- ``system`` as a string or text blocks, and ``system`` turns inside ``messages`` (Claude Code's
+  mid-conversation system prompts: leading ones join ``system``, later ones stay in place);
+  ``messages`` with ``text``, ``image``, ``document``, ``tool_use``, ``tool_result``, ``thinking`` and
+  ``redacted_thinking`` blocks (images become an ``[image omitted]`` note, text documents their title
+  and text, PDF documents a ``[document omitted]`` note: the models served are text-only; other block
+  types are a 400 naming the block);
+- ``tools`` (client tools with an ``input_schema``, ``strict`` enforced; Anthropic-hosted server tools
+  are ignored), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``any`` / ``tool`` calls
+  follow ``input_schema``; ``disable_parallel_tool_use`` is accepted and not enforced), ``thinking``
+  (``enabled``/``adaptive`` → the template's ``enable_thinking``, ``disabled`` → off; omitted = the
+  model's default), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``output_config.format`` (a JSON schema, enforced by structured output);
 - responses with ``thinking`` (empty ``signature``), ``text`` and ``tool_use`` blocks, ``stop_reason``
   ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, usage (prompt tokens served
   from the prefix cache as ``cache_read_input_tokens``, the rest as ``input_tokens``, as Anthropic
@@ -22,7 +24,8 @@ What is served (field names and event shapes follow the ``anthropic`` SDK's type
   the whole prompt as ``input_tokens``, before admission) and ``message_stop``; a failure
   mid-stream is an ``error`` event.
 
-Errors use Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, see ``app.py``).
+Errors use Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, see ``app.py``); a
+prompt over the context is ``prompt is too long: N tokens > M maximum``, the wording clients parse.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ class OutputFormatParam(_In):
 
 
 class OutputConfigParam(_In):
-    """``output_config``: ``format`` (structured output) is served as guided JSON; ``effort`` is ignored."""
+    """``output_config``: ``format`` (a JSON schema the answer must follow, enforced); ``effort`` is ignored."""
 
     format: OutputFormatParam | None = None
     effort: str | None = None

@@ -10,13 +10,14 @@ What is served (field names and event shapes follow the ``openai`` SDK's ``types
   them carries its ``namespace``); other types (``custom``, ``web_search``, ...) are a 400 naming the tool;
   ``tool_choice`` (``auto``, ``none``, ``required``, ``{"type": "function", "name"}``),
   ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (``json_object`` /
-  ``json_schema`` → guided JSON), ``reasoning`` (accepted; the effort is not used);
+  ``json_schema``, enforced by structured output), ``reasoning`` (accepted; the effort is not used);
 - output items ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``) and
   ``function_call``; ``status`` ``completed`` or ``incomplete`` (``max_output_tokens``); usage;
 - streaming: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
   ``response.content_part.added``, ``response.reasoning_text.delta`` / ``response.output_text.delta``
   / ``response.function_call_arguments.delta``, the matching ``.done`` events,
-  ``response.output_item.done``, and finally ``response.completed`` (or ``response.incomplete``).
+  ``response.output_item.done``, and finally ``response.completed`` (or ``response.incomplete``); a
+  failure mid-stream is an ``error`` event then ``response.failed``.
 
 Responses are not stored: ``previous_response_id`` is a 400 (send the whole conversation, as Codex
 does with ``store: false``).

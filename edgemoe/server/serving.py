@@ -2,10 +2,12 @@
 OpenAI Responses).
 
 Each route converts its body into a :class:`ChatSpec` (OpenAI-style messages and function tools,
-tool choice, JSON mode, sampling fields), then :meth:`Serving.prepare` renders the chat template,
-builds the sampling parameters (the checkpoint's ``generation_config.json`` defaults filling omitted
-fields; guided decoding for JSON mode and forced tool calls), checks the prompt against the context
-and KV limits, and picks the output parser. :meth:`Serving.events` streams the parsed output
+tool choice, output schema, sampling fields), then :meth:`Serving.prepare` renders the chat template
+and tokenizes (on a worker thread), builds the sampling parameters (the checkpoint's
+``generation_config.json`` defaults filling omitted fields, the server's default output cap), checks
+the prompt against the context and KV limits, attaches the grammar of structured output (an output
+schema, a forced tool call, ``strict`` tools; ``structured.py``) and picks the output parser, whose
+start state comes from the generation prompt. :meth:`Serving.events` streams the parsed output
 (:class:`~edgemoe.server.parsers.ParseEvent` lists) next to the engine's outputs; each API turns them
 into its own wire format.
 """
