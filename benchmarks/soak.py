@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
