@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -287,15 +287,23 @@ class Serving:
         except GrammarError as exc:
             raise APIError(400, f"structured output is not available for this model: {exc}") from None
 
-    def _grammar(self, spec: ChatSpec, rendered: Rendered, vocab: GrammarVocab) -> Grammar | None:
-        """The grammar the answer must follow (``None``: unconstrained): the output schema, a forced
-        tool call, or ``strict`` tools' calls."""
+    def _grammar(self, spec: ChatSpec, rendered: Rendered) -> Callable[[GrammarVocab], Grammar] | None:
+        """What builds the grammar the answer must follow, from the grammar vocabulary (``None``:
+        unconstrained, and the vocabulary is not needed): the output schema, a forced tool call, or
+        ``strict`` tools' calls.
+
+        Raises:
+            APIError: 400 for a ``tool_choice`` naming no offered tool.
+        """
         parsers = self.parsers
-        lead = ""
-        if REASONING_PARSERS[parsers.reasoning] is ThinkParser and prompt_ends_in_reasoning(rendered.generation_prompt):
-            lead = vocab.literal(THINK_END + "\n\n")  # the prompt opened a think block: close it at once
+        # The prompt opened a think block: a constrained answer closes it at once.
+        opened = REASONING_PARSERS[parsers.reasoning] is ThinkParser and prompt_ends_in_reasoning(rendered.generation_prompt)
+
+        def lead(vocab: GrammarVocab) -> str:
+            return vocab.literal(THINK_END + "\n\n") if opened else ""
+
         if spec.output_schema is not None:
-            return Grammar.json_schema(spec.output_schema, spec.output_field, lead)
+            return lambda vocab: Grammar.json_schema(spec.output_schema, spec.output_field, lead(vocab))
         tools = rendered.tools
         if not tools:
             return None
@@ -305,12 +313,16 @@ class Serving:
             trigger = cls.call_trigger if cls is not None else None
             if trigger is None or not any(fn.get("strict") for fn in by_name.values()):
                 return None
-            calls = []
-            for name, fn in by_name.items():
-                prefix, suffix = cls.forced_call(name)
-                calls.append(vocab.call(prefix[len(trigger):], fn.get("parameters") if fn.get("strict") else None,
-                                        suffix))
-            return Grammar.tool_calls(calls, "strict tool call", trigger=vocab.literal(trigger))
+
+            def strict_calls(vocab: GrammarVocab) -> Grammar:
+                calls = []
+                for name, fn in by_name.items():
+                    prefix, suffix = cls.forced_call(name)
+                    calls.append(vocab.call(prefix[len(trigger):], fn.get("parameters") if fn.get("strict") else None,
+                                            suffix))
+                return Grammar.tool_calls(calls, "strict tool call", trigger=vocab.literal(trigger))
+
+            return strict_calls
         names = list(by_name)
         if isinstance(spec.tool_choice, dict):
             wanted = spec.tool_choice.get("name")
@@ -322,8 +334,9 @@ class Serving:
             log.info("tool_choice %r: the %s format is not constrained; relying on the prompt", spec.tool_choice,
                      parsers.tool)
             return None
-        calls = [vocab.call(prefix, by_name[n].get("parameters"), suffix) for n, (prefix, suffix) in zip(names, forced)]
-        return Grammar.tool_calls(calls, "forced tool call", lead=lead)
+        return lambda vocab: Grammar.tool_calls(
+            [vocab.call(prefix, by_name[n].get("parameters"), suffix) for n, (prefix, suffix) in zip(names, forced)],
+            "forced tool call", lead=lead(vocab))
 
     async def prepare(self, spec: ChatSpec, request_id: str) -> Prepared:
         """Render, parametrize and admit a request (raises :class:`APIError` with a 4xx)."""
@@ -339,10 +352,10 @@ class Serving:
             name = spec.field_names.get(exc.field, exc.field)
             raise APIError(400, f"{name}: {exc.reason}", param=name) from None
         params = self.admit(rendered.prompt_ids, params, spec.messages_field)
-        constrained = spec.output_schema is not None or bool(rendered.tools)
-        grammar = self._grammar(spec, rendered, await self.grammar_vocab()) if constrained else None
-        if grammar is not None:
-            proc = await asyncio.to_thread(self._constrain, await self.grammar_vocab(), grammar, params.max_tokens, spec)
+        build = self._grammar(spec, rendered)
+        if build is not None:
+            vocab = await self.grammar_vocab()
+            proc = await asyncio.to_thread(self._constrain, vocab, build(vocab), params.max_tokens, spec)
             params = replace(params, logits_processors=[proc])
         return Prepared(request_id, rendered.prompt_ids, rendered.generation_prompt, params, rendered.tools,
                         self.parsers)
