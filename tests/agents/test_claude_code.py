@@ -67,9 +67,6 @@ def test_session(session):
     assert {e.body["model"] for e in turns} == {MODEL}
 
 
-@pytest.mark.xfail(strict=True, reason="edgemoe answers 400 'messages[1].role: Input should be 'user' or 'assistant'' "
-                   "to Claude Code's first request (its mid-conversation-system beta puts a role 'system' turn inside "
-                   "messages); Claude Code then retries without the beta")
 def test_every_request_accepted(session):
     server, run = session
     server.assert_ok(run, FINAL)
