@@ -6,6 +6,7 @@ policy rebuilds the expert cache in place, prefills a prompt and times greedy de
 all-resident run (every expert cached) is the ceiling. Writes a markdown table and a JSON file.
 
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
+    python benchmarks/decode.py --arch deepseek_v3 --preset deepseek-v3 --layers 8 --budgets 8,16,32 --out results/
 
 The bound each run is compared with (bound/measured; issue 3 asks >= 0.7) is the all-resident time per
 token plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
@@ -131,19 +132,23 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model options the benchmarks share: a directory, or a preset's config with dummy weights."""
     ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
+    ap.add_argument("--arch", default="qwen3_moe", help="architecture of --preset (a make-model --arch)")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, help="num_hidden_layers of --preset's config (the full geometry, fewer "
+                    "layers, where host RAM cannot hold every layer's experts)")
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
 
 
 def model_dir(a: argparse.Namespace) -> str:
-    """``--model``, or a temporary config-only directory of ``--preset`` (qwen3_moe)."""
+    """``--model``, or a temporary config-only directory of ``--arch``'s ``--preset`` (``--layers`` deep)."""
     if a.model is not None:
         return a.model
     from edgemoe.synth import write_config_only
 
-    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset))
+    overrides = None if a.layers is None else {"num_hidden_layers": a.layers}
+    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), a.arch, a.preset, overrides=overrides))
 
 
 def main(argv=None) -> int:
@@ -224,6 +229,7 @@ def main(argv=None) -> int:
                     "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
+        "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
         "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu, "source": runner.experts.bandwidths.source},
         "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,

@@ -34,6 +34,37 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Geometry of multi-head latent attention (MLA: DeepSeek-V2, arXiv 2405.04434 §2.1; DeepSeek-V3).
+
+    Queries come from the hidden state directly (``q_lora_rank is None``) or through a rank-``q_lora_rank``
+    bottleneck with an RMSNorm. Keys and values are compressed into one latent per token: a
+    ``kv_lora_rank``-wide vector ``c`` (RMS-normalized) plus a ``qk_rope_head_dim``-wide rotary key
+    ``k_pe`` shared by all heads; the KV cache stores exactly these ``kv_lora_rank +
+    qk_rope_head_dim`` values per token and layer. Per head, ``kv_b_proj`` up-projects ``c`` into a
+    ``qk_nope_head_dim`` key part and a ``v_head_dim`` value.
+
+    ``rope_interleave``: the rotary dims are rotated as interleaved pairs (transformers'
+    ``apply_rotary_pos_emb_interleave``), else as halves. ``softmax_scale`` is
+    ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for
+    a scaled rope type with ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the KV cache keeps per token and layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class GroupLimitedRoutingConfig:
     """Sigmoid routing with a score-correction bias and group-limited top-k (DeepSeek-V3's ``noaux_tc``
     routing, also GLM-4.5's; read by :class:`~edgemoe.layers.router.GroupLimitedSigmoidRouter`).
@@ -117,6 +148,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     linear_attention: LinearAttentionConfig | None = None
     qk_norm: bool = True
+    latent_attention: LatentAttentionConfig | None = None
     group_routing: GroupLimitedRoutingConfig | None = None
     num_mtp_layers: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
@@ -269,8 +301,6 @@ class EngineConfig:
     load_format: str = option("auto", "auto (safetensors or FTW), dummy (random weights of config.json's "
                               "geometry, no weight files)", choices=LOAD_FORMATS)
     seed: int = option(0, "seed of dummy weights")
-    served_model_name: str | None = option(None, "model id reported by the API (default: the directory name)",
-                                           type=str)
     verify_weights: bool | None = option(None, "the FTW bank checksums while loading (on unless "
                                          "EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")
     enforce_eager: bool = option(False, "never capture CUDA graphs for decode (decode still takes the device path)")

@@ -20,6 +20,7 @@ from edgemoe.core import Phase
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.kvcache.pool import KVSpec
 from edgemoe.kvcache.state import StateSpec
 from edgemoe.kvcache.state_checkpoints import (
     ANCHOR_TOKENS,
@@ -146,8 +147,8 @@ def _tokens_in_order(text: str) -> list[str]:
 
 def _store(slots: int) -> StateCheckpointStore:
     spec = StateSpec(num_layers=2, conv_dim=6, conv_width=3, num_heads=2, k_head_dim=4, v_head_dim=4)
-    return StateCheckpointStore(spec, slots, torch.float32, num_attn_layers=2, page_size=4, num_kv_heads=1,
-                                head_dim=8, kv_dtype=torch.float32, device=torch.device("cpu"))
+    return StateCheckpointStore(spec, slots, torch.float32, kv_spec=KVSpec.heads(2, 1, 8), page_size=4,
+                                kv_dtype=torch.float32, device=torch.device("cpu"))
 
 
 def _take(store: StateCheckpointStore, tokens: list[int]) -> int:

@@ -34,7 +34,8 @@ class DecodeInputs:
     Args:
         kv: the KV pool (``SCRATCH_SEQ`` holds its scratch page).
         state: the recurrent-state pool (``SCRATCH_SEQ`` holds its scratch slot), or ``None``.
-        num_heads, head_dim: attention geometry (the decode kernel's scratch).
+        num_heads, head_dim: query heads and head size (the paged decode kernel's scratch; for a latent KV
+            pool the scratch holds ``num_heads`` outputs of the pool's ``value_dim``).
         max_model_len: longest sequence (pages per block-table row).
         max_bs: largest batch.
         device: the CUDA device.
@@ -42,7 +43,7 @@ class DecodeInputs:
 
     def __init__(self, kv: PagedKVPool, state: RecurrentStatePool | None, num_heads: int, head_dim: int,
                  max_model_len: int, max_bs: int, device: torch.device):
-        from edgemoe.kernels.decode_attention import make_decode_scratch
+        from edgemoe.kernels.decode_attention import LATENT_PARTITION, make_decode_scratch
 
         self.kv, self.device, self.max_bs = kv, device, max_bs
         self.max_pages = -(-max_model_len // kv.page_size)
@@ -57,7 +58,11 @@ class DecodeInputs:
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=device)
         self.state_slots = None if state is None else torch.zeros(max_bs, dtype=i64, device=device)
         self.scratch_state = None if state is None else state.slot(SCRATCH_SEQ)
-        self.attn_scratch = make_decode_scratch(max_bs, num_heads, head_dim, max_model_len, device)
+        if kv.spec.is_latent:
+            self.attn_scratch = make_decode_scratch(max_bs, num_heads, kv.spec.value_dim, max_model_len, device,
+                                                    partition_size=LATENT_PARTITION)
+        else:
+            self.attn_scratch = make_decode_scratch(max_bs, num_heads, head_dim, max_model_len, device)
         # host staging: one pinned buffer per input, copied in with one transfer each
         pin = device.type == "cuda"
         self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)

@@ -68,15 +68,17 @@ class ModelRunner:
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
         configure_torch_threads(config.cpu_threads)
-        # the tokenizer (and the transformers import behind it) loads while the weights are read
+        model_cls = model_class(cfg.architecture)
+        # built before the tokenizer thread starts: a scaled RoPE imports transformers' initializers here, and
+        # transformers' lazy module is not safe to import from two threads at once
+        with torch.device("meta"):
+            self.model = model_cls(cfg)
+        self.model.eval()
+        # the tokenizer (and the rest of the transformers import behind it) loads while the weights are read
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="edgemoe-tokenizer")
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        model_cls = model_class(cfg.architecture)
-        with torch.device("meta"):
-            self.model = model_cls(cfg)
-        self.model.eval()
         self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
                                    cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
@@ -92,6 +94,7 @@ class ModelRunner:
             load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
                             progress=progress)
         self.tokenizer = tokenizer_future.result()
+        self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
         self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
         self.pinned = self.pin_outcome.pinned
@@ -103,9 +106,8 @@ class ModelRunner:
         # on CUDA one scratch page and one scratch state slot take the padding rows of captured decode
         # batches; reserved now, so they never count as capacity a request could take
         self._scratch_pages = int(cuda)
-        self.kv = PagedKVPool(len(self.model.attention_layers()), -(-kv_tokens // ps) + self._scratch_pages, ps,
-                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-                              prefix_caching=config.enable_prefix_caching)
+        self.kv = PagedKVPool(self.model.kv_spec(), -(-kv_tokens // ps) + self._scratch_pages, ps, self.dtype,
+                              self.device, prefix_caching=config.enable_prefix_caching)
         if cuda:
             self.kv.allocate(SCRATCH_SEQ, 1)
         spec = self.model.state_spec()
@@ -113,7 +115,7 @@ class ModelRunner:
                                                                   self.device)
         if self.state is not None and cuda:
             self.state.allocate(SCRATCH_SEQ)
-        self.prefix = PrefixStateManager(self.kv, self.state, cfg, self.tokenizer, self.eos_token_ids, self.dtype,
+        self.prefix = PrefixStateManager(self.kv, self.state, self.tokenizer, self.eos_token_ids, self.dtype,
                                          self.device)
         self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                     config.anchor_checkpoints)
@@ -132,14 +134,13 @@ class ModelRunner:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     def _eos_ids(self) -> list[int]:
-        gen = self.generation_config()
-        eos = gen.get("eos_token_id")
+        eos = self.generation_config.get("eos_token_id")
         if eos is None:
             eos = list(self.model_config.eos_token_ids) or self.tokenizer.eos_token_id
         ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         return [int(i) for i in ids]
 
-    def generation_config(self) -> dict:
+    def _read_generation_config(self) -> dict:
         """The checkpoint's ``generation_config.json`` (``{}`` when it has none).
 
         Raises:
@@ -397,7 +398,9 @@ class ModelRunner:
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
             *self.experts.summary_lines(self.pinned),
-            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; "
+            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
+            f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
+            f"{self.kv.nbytes / 1e9:.3f} GB; "
             f"max_model_len {self.max_model_len}; prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",
         ]
         if self.state is not None:

@@ -6,7 +6,7 @@ reuses the longest cached run of whole pages its prompt starts with. A hybrid mo
 layers summarize the whole prefix in a state that cannot be partly reused, so it resumes instead at
 the deepest *state checkpoint* whose tokens start the prompt: checkpoints are taken after anchor
 tokens (where agent harnesses edit context: ``</think>``, ``</tool_call>``, ``</tool_response>``,
-end of turn) and every ``interval`` tokens, each holding the full recurrent state plus the K/V rows
+end of turn) and every ``interval`` tokens, each holding the full recurrent state plus the KV rows
 of its partial last page, LRU-evicted independently of KV pages (FreeToken, arXiv 2608.16157).
 """
 
@@ -16,7 +16,6 @@ from array import array
 
 import torch
 
-from edgemoe.config import ModelConfig
 from edgemoe.core import Phase, StepInput
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool
@@ -32,7 +31,6 @@ class PrefixStateManager:
     Args:
         kv: the paged KV pool (its radix tree is the prefix cache; ``None`` tree = prefix caching off).
         state: the recurrent-state pool, or ``None`` for models without recurrent state.
-        model_config: geometry (KV heads and head size of the checkpoints' partial pages).
         tokenizer: looks up the anchor tokens.
         eos_token_ids: also anchors.
         dtype, device: of the checkpoint store.
@@ -43,9 +41,9 @@ class PrefixStateManager:
         anchor_ids: the anchor token ids in use. interval: the checkpoint interval (0: anchors only).
     """
 
-    def __init__(self, kv: PagedKVPool, state: RecurrentStatePool | None, model_config: ModelConfig, tokenizer,
+    def __init__(self, kv: PagedKVPool, state: RecurrentStatePool | None, tokenizer,
                  eos_token_ids: list[int], dtype: torch.dtype, device: torch.device):
-        self.kv, self.state, self.model_config = kv, state, model_config
+        self.kv, self.state = kv, state
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.dtype, self.device = dtype, device
         self.checkpoints: StateCheckpointStore | None = None
@@ -75,9 +73,9 @@ class PrefixStateManager:
         self.checkpoints = None  # the old store is released before the new one is allocated
         if self.state is None or not slots or self.kv.prefix_cache is None or not (self.anchor_ids or interval):
             return
-        cfg, kv = self.model_config, self.kv
-        self.checkpoints = StateCheckpointStore(self.state.spec, slots, self.dtype, kv.k.shape[0], kv.page_size,
-                                                cfg.num_kv_heads, cfg.head_dim, kv.k.dtype, self.device)
+        kv = self.kv
+        self.checkpoints = StateCheckpointStore(self.state.spec, slots, self.dtype, kv.spec, kv.page_size,
+                                                kv.planes[0].dtype, self.device)
 
     def forget(self, seq_id: int) -> None:
         """Drop ``seq_id``'s token record (it finished, or a failed step dropped its state)."""
@@ -91,7 +89,7 @@ class PrefixStateManager:
         At least the last token is always left to compute (its logits are needed); the match is
         floored to whole pages. A model with recurrent state resumes instead at the deepest state
         checkpoint whose tokens start ``token_ids`` and whose whole KV pages the tree holds: it
-        borrows those pages, gets the checkpoint's partial-page K/V rows in a fresh page of its own
+        borrows those pages, gets the checkpoint's partial-page KV rows in a fresh page of its own
         and its recurrent state restored; without a usable checkpoint it reuses nothing.
 
         Returns:
@@ -132,7 +130,7 @@ class PrefixStateManager:
             except KVCacheFullError:
                 self.kv.free(seq_id)
                 return 0
-            store.load_kv(found.slot, self.kv.k, self.kv.v, self.kv.slots(seq_id, full, p))
+            store.load_kv(found.slot, self.kv.planes, self.kv.slots(seq_id, full, p))
         self.state.restore(seq_id, store.snapshot(found.slot))
         self._tokens[seq_id] = ids[:p]
         return p
@@ -182,7 +180,7 @@ class PrefixStateManager:
     def commit(self, inputs: list[StepInput], state_slots: list[int | None], plans: list[Plan],
                phase: Phase) -> None:
         """After a successful step: complete its checkpoints (a decode step's state is copied here; the
-        layers saved a prefill step's) with the K/V rows of their partial last page."""
+        layers saved a prefill step's) with the KV rows of their partial last page."""
         store, kv = self.checkpoints, self.kv
         if store is None:
             return
@@ -191,7 +189,7 @@ class PrefixStateManager:
                 if phase is Phase.DECODE:
                     store.save_state(slot, self.state, state_slot)
                 if p % kv.page_size:
-                    store.save_kv(slot, kv.k, kv.v, kv.slots(inp.seq_id, p - p % kv.page_size, p))
+                    store.save_kv(slot, kv.planes, kv.slots(inp.seq_id, p - p % kv.page_size, p))
                 store.commit(slot)
 
     def discard(self, inputs: list[StepInput], plans: list[Plan]) -> None:

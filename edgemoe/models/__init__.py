@@ -11,6 +11,7 @@ from typing import Any
 
 from edgemoe.config import ModelConfig, read_hf_config
 from edgemoe.models.base import MoECausalLM
+from edgemoe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from edgemoe.models.glm4_moe import Glm4MoeForCausalLM
 from edgemoe.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from edgemoe.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -19,6 +20,7 @@ FAMILIES: tuple[type[MoECausalLM], ...] = (
     Qwen3MoeForCausalLM,
     Qwen3_5MoeForCausalLM,
     Glm4MoeForCausalLM,
+    DeepseekV3ForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {arch: cls for cls in FAMILIES for arch in cls.architectures}

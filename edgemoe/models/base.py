@@ -6,8 +6,9 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
 - ``config_from_hf(raw)``: the architecture's ``config.json`` normalized into a
   :class:`~edgemoe.config.ModelConfig` (the only place its raw names are read);
 - its layers, under the checkpoint's own parameter names, so non-expert weights load by name;
-- ``attention_layers()`` (owners of KV pages) and, for hybrid models, ``state_layers()`` and
-  ``state_spec()`` (owners of recurrent state; empty by default);
+- ``attention_layers()`` (owners of KV pages) and ``kv_spec()`` (what one token stores per attention
+  layer: grouped-query K/V by default, or one latent row for multi-head latent attention); for hybrid
+  models, ``state_layers()`` and ``state_spec()`` (owners of recurrent state; empty by default);
 - class-level capabilities (``supports_cuda_graphs``) and ``skipped_prefixes`` (checkpoint tensors a
   text-only server does not load, e.g. a vision tower or a multi-token-prediction head; the
   ``cfg.num_mtp_layers`` layers stored after the decoder are added per instance);
@@ -25,7 +26,7 @@ from the declared layer prefix (:meth:`MoECausalLM.expert_target`), :meth:`MoECa
 runner attaches the KV pool, the routed-expert executor, the recurrent-state pool and the state
 checkpoints in one call) and the forward tail (embedding → decoder layers → final norm of the rows
 whose logits are needed → LM head, tied or not). Models are built on the meta device; the weight
-loader materializes them.
+loader materializes them (:meth:`MoECausalLM.materialize`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
+from edgemoe.kvcache.pool import KVSpec
 from edgemoe.layers.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
@@ -115,6 +117,11 @@ class MoECausalLM(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         """The layers that own KV pages, in order (their index is their slot in the KV pool)."""
         raise NotImplementedError
+
+    def kv_spec(self) -> KVSpec:
+        """What one token stores per attention layer: by default grouped-query K/V of the config's
+        ``num_kv_heads x head_dim``, for every layer of :meth:`attention_layers`."""
+        return KVSpec.heads(len(self.attention_layers()), self.config.num_kv_heads, self.config.head_dim)
 
     def state_layers(self) -> list[nn.Module]:
         """The layers that own recurrent state (gated DeltaNet), in order; none by default."""
