@@ -14,6 +14,13 @@ rate measured alone when the policy uses one branch, and at the concurrent pair'
 
 Random weights route near-uniformly, so the hit rate approaches the cache's share of experts: real
 checkpoints have more routing locality (see the routing-trace replay) and hit more.
+
+Routing (``--routing``): ``uniform`` (k distinct experts drawn per token and layer: no locality),
+``model`` (the random router's own choice: with ``--decode-input random`` each step routes by a random
+token, with ``greedy`` the repeated output token routes the same experts every step: degenerate), or
+``trace`` (``--trace FILE,...``: recorded routing, e.g. the Mixtral-8x7B traces, mapped onto this
+model's geometry with its temporal structure kept, ``edgemoe.bench.replay.remap_workload``, and
+replayed step after step: realistic locality).
 """
 
 from __future__ import annotations
@@ -24,18 +31,17 @@ import platform
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
-from edgemoe.experts.bandwidth import bandwidths_from_profile, measure  # noqa: E402
-
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
 
 PREFILL_CHUNK = 8192
 
@@ -129,6 +135,51 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
         router.forward = forward
 
 
+def route_from_trace(runner: ModelRunner, paths: list[str], seed: int = 0) -> int:
+    """Replace each router's choice by recorded routing: the traces' decode steps mapped onto this model's
+    (MoE layers, experts, top-k) (:func:`edgemoe.bench.replay.remap_workload`), MoE layer ``j`` reading
+    step ``c_j``, ``c_j + 1``, ... of its own table at a device-side counter (a prefill restarts it at
+    0 and reads rows too, so every run replays the same steps; a CUDA graph replays with the counter).
+    Weights: the router's softmax at the chosen experts, renormalized. Returns the number of recorded
+    steps (the tables wrap around).
+
+    Raises:
+        ValueError: the traces cannot be mapped onto the model (see ``remap_workload``).
+    """
+    from edgemoe.bench.replay import load_workload, remap_workload
+
+    cfg, dev = runner.model_config, runner.device
+    blocks = list(runner.model.moe_blocks())
+    L, E, k = len(blocks), cfg.num_experts, cfg.top_k
+    wl = remap_workload(load_workload(paths), L, E, k, seed=seed)
+    rows: dict[int, list[list[int]]] = {}
+    for a in wl.accesses:
+        if a.phase == "decode" and len(a.ids) == k:
+            rows.setdefault(a.layer, []).append([f - a.layer * E for f in a.ids])
+    n = min(len(r) for r in rows.values()) if len(rows) == L else 0
+    if n == 0:
+        raise ValueError(f"{paths}: no decode steps with {k} experts in every one of {L} MoE layers after remapping")
+    table = torch.tensor([rows[j][:n] for j in range(L)], dtype=torch.int64, device=dev)  # [L, R, k]
+    counters = torch.zeros(L, dtype=torch.int64, device=dev)
+    for j, blk in enumerate(blocks):
+        router = blk.gate
+
+        def forward(x, router=router, j=j):
+            T = x.shape[0]
+            if T > 1:  # a prefill: every run replays the trace from its start
+                counters[j:j + 1].zero_()
+            logits = torch.nn.functional.linear(x.to(router.weight.dtype), router.weight)  # [T, E]
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+            idx = (counters[j] + torch.arange(T, device=dev)) % n  # [T]
+            counters[j:j + 1].add_(T)
+            ids = table[j].index_select(0, idx)  # [T, k]
+            w = probs.gather(1, ids)
+            return ids, (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+        router.forward = forward
+    return n
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model options the benchmarks share: a directory, or a preset's config with dummy weights."""
     ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
@@ -155,17 +206,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--budgets", default="8,16,32", help="expert-cache budgets in GB")
-    ap.add_argument("--policies", default="qstar,adaptive,fill-all,cpu-all,static")
+    ap.add_argument("--policies", default="qstar,auto,adaptive,fill-all,cpu-all,static")
+    ap.add_argument("--eviction", default="layer-lru", choices=["layer-lru", "global-lru"],
+                    help="the expert cache's eviction rule (EngineConfig.expert_eviction)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int)
     ap.add_argument("--profile-seconds", type=float, default=1.0)
+    ap.add_argument("--rotate-gb", type=float, default=2.0,
+                    help="expert bytes the bandwidth profile rotates over (far above the L3, so reads come from DRAM)")
     ap.add_argument("--decode-input", default="random", choices=["random", "greedy"],
                     help="token fed to each decode step: random (uniform routing) or the greedy output")
-    ap.add_argument("--routing", default="uniform", choices=["uniform", "model"],
+    ap.add_argument("--routing", default="uniform", choices=["uniform", "model", "trace"],
                     help="uniform: k distinct experts drawn uniformly per token and layer (no locality); "
-                         "model: the (random) router's own choice")
+                         "model: the (random) router's own choice; trace: --trace's recorded routing")
+    ap.add_argument("--trace", default="", help="--routing trace: routing trace files, comma-separated")
     ap.add_argument("--no-resident", action="store_true", help="skip the all-resident ceiling run")
     ap.add_argument("--contexts", default="",
                     help="extra all-resident runs at these context lengths (tokens), e.g. 8192,32768; the KV "
@@ -177,15 +233,22 @@ def main(argv=None) -> int:
     model = model_dir(a)
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
-                       max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]]))
+                       expert_eviction=a.eviction,
+                       max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8
+                                                  for c in a.contexts.split(",") if c]]))
     t0 = time.perf_counter()
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
     prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                   runner.experts.cpu_executor, a.profile_seconds, 2_000_000_000)
+                   runner.experts.cpu_executor, a.profile_seconds, int(a.rotate_gb * 1e9))
     runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+    trace_steps = None
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
+    elif a.routing == "trace":
+        if not a.trace:
+            ap.error("--routing trace needs --trace FILE[,FILE...]")
+        trace_steps = route_from_trace(runner, [p for p in a.trace.split(",") if p])
     print(runner.summary(), flush=True)
     print(f"profile: isolated {prof['isolated']}, concurrent {prof['concurrent']}", flush=True)
 
@@ -223,16 +286,20 @@ def main(argv=None) -> int:
         results.append(r)
         print(r, flush=True)
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "machine": {"platform": platform.platform(),
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
         "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
-        "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu, "source": runner.experts.bandwidths.source},
-        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
+        "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu,
+                            "source": runner.experts.bandwidths.source},
+        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
+        "decode_input": a.decode_input, "routing": a.routing,
+        "trace": a.trace or None, "trace_steps": trace_steps, "eviction": a.eviction,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +312,8 @@ def main(argv=None) -> int:
     for r in results:
         qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
         bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
-        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | "
+        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['context']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ms_per_token']:.2f} | "
                      f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
                      f"{r['q_ratio_policy']:.3f} | {qo} |")
     table = "\n".join(lines)

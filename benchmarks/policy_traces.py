@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.bench.trace import RoutingRecorder  # noqa: E402
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
+from edgemoe.bench.trace import RoutingRecorder
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
 
 PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "Explain how a hash map handles collisions, with an example in Python.",

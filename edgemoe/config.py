@@ -244,7 +244,8 @@ def hf_dtype(*cfgs: dict[str, Any]) -> str:
     return "bfloat16"
 
 
-EXPERT_POLICIES = ("qstar", "adaptive", "fill-all", "cpu-all", "static")
+EXPERT_POLICIES = ("qstar", "auto", "adaptive", "fill-all", "cpu-all", "static")
+EXPERT_EVICTIONS = ("layer-lru", "global-lru")
 CPU_EXECUTORS = ("auto", "native", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -276,8 +277,13 @@ class EngineConfig:
     expert_cache_gb: float | None = option(None, "expert-cache budget in GB (1e9 bytes)", type=float)
     expert_policy: str = option(
         "qstar", "how decode-step expert misses are served: qstar (fill q* = m*B_P/B_H of m misses, the rest on "
-        "the CPU), adaptive (q* corrected by measured step times), fill-all, cpu-all, static (whole layers "
-        "placed at load)", choices=EXPERT_POLICIES)
+        "the CPU), auto (per-layer cost model: the bandwidths, the fixed cost of a copy and of a CPU call, and "
+        "the measured reuse of a fill), adaptive (q* corrected by measured step times), fill-all, cpu-all, "
+        "static (whole layers placed at load)", choices=EXPERT_POLICIES)
+    expert_eviction: str = option(
+        "layer-lru", "which cached expert a decode fill replaces: layer-lru (the least recently used of the "
+        "layer's equal share of the slots; fewest misses on recorded routing) or global-lru (the least recently "
+        "used of all slots)", choices=EXPERT_EVICTIONS)
     cpu_threads: int | None = option(
         None, "threads of the CPU expert executor (default: one per physical core for the native executor)",
         type=int)
@@ -312,7 +318,8 @@ class EngineConfig:
                                       flag="--no-anchor-checkpoints")
 
     def __post_init__(self):
-        for name, choices in (("expert_policy", EXPERT_POLICIES), ("cpu_executor", CPU_EXECUTORS),
+        for name, choices in (("expert_policy", EXPERT_POLICIES), ("expert_eviction", EXPERT_EVICTIONS),
+                              ("cpu_executor", CPU_EXECUTORS),
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")

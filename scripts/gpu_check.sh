@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile grouped agent (default: tests decode prefill)
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile grouped agent policy (default: tests decode prefill)
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
@@ -45,6 +45,37 @@ for stage in "${stages[@]}"; do
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
+  policy)
+    # expert-policy study: every miss policy in three routing regimes, budgets 2/6/16 GB, 6 and 16 CPU threads;
+    # one decode-benchmark process per (regime, threads), realistic first, all within POLICY_SECONDS (default 540)
+    echo "== expert policies x routing regimes (Qwen3-30B-A3B geometry, dummy weights)"
+    traces=${POLICY_TRACES:-}
+    for d in shared/fixtures/routing_traces ../shared/fixtures/routing_traces; do
+      [ -z "$traces" ] && [ -d "$d" ] && traces=$(ls "$d"/*.jsonl | paste -sd, -)
+    done
+    common="--budgets ${POLICY_BUDGETS:-2,6,16} --policies ${POLICY_POLICIES:-qstar,auto,fill-all,cpu-all,static} \
+      --tokens ${POLICY_TOKENS:-32} --warmup 8 --profile-seconds 0.5 --no-resident ${POLICY_ARGS:-}"
+    deadline=$(( $(date +%s) + ${POLICY_SECONDS:-540} ))
+    mkdir -p "$OUT/policy"
+    for regime in realistic no-locality degenerate; do
+      case "$regime" in
+        realistic) [ -z "$traces" ] && { echo "   realistic: no routing traces (POLICY_TRACES), skipped"; continue; }
+                   flags="--routing trace --trace $traces" ;;
+        no-locality) flags="--routing model --decode-input random" ;;
+        degenerate) flags="--routing model --decode-input greedy" ;;
+      esac
+      for threads in ${POLICY_THREADS:-6 16}; do
+        left=$(( deadline - $(date +%s) ))
+        [ "$left" -lt 30 ] && { echo "   $regime t$threads: out of time, skipped"; continue; }
+        per=$(( left < ${POLICY_RUN_SECONDS:-110} ? left : ${POLICY_RUN_SECONDS:-110} ))
+        dir="$OUT/policy/$regime-t$threads"
+        echo "-- $regime, $threads threads (limit ${per}s)"
+        timeout "$per" python3 benchmarks/decode.py $common $flags --cpu-threads "$threads" --out "$dir" \
+          > "$dir.log" 2>&1 || echo "   exit $? (see $dir.log)"
+        tail -n 17 "$dir.log" | grep "^|" || true
+      done
+    done
+    python3 benchmarks/policy_summary.py "$OUT/policy" ;;
   *) echo "unknown stage $stage" ;;
   esac
 done

@@ -31,6 +31,7 @@ MODES = [
     ("fill-all", 5),
     ("fill-all", 32),  # two staging regions of E slots: streamed prefill (edgemoe.experts.prefill)
     ("qstar", 5),
+    ("auto", 5),
     ("cpu-all", 5),
     ("static", 5),
     ("qstar", 0),  # CPU-only expert execution

@@ -45,9 +45,10 @@ import math
 import random
 import sys
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -61,15 +62,29 @@ if TYPE_CHECKING:
     from argparse import Namespace
 
 __all__ = [
-    "ALL_POLICIES", "DEFAULT_CAPACITIES", "DEFAULT_POLICIES", "Access", "Policy", "ReplayResult", "ResidentPolicy",
-    "Workload", "remap_workload", "uniform_workload",
-    "build_workload", "expert_bytes_from_config", "load_workload", "main_replay", "replay", "simulate",
+    "ALL_POLICIES",
+    "DEFAULT_CAPACITIES",
+    "DEFAULT_POLICIES",
+    "Access",
+    "Policy",
+    "ReplayResult",
+    "ResidentPolicy",
+    "Workload",
+    "build_workload",
+    "expert_bytes_from_config",
+    "load_workload",
+    "main_replay",
+    "remap_workload",
+    "replay",
+    "simulate",
+    "uniform_workload",
 ]
 
 DEFAULT_CAPACITIES = (0.05, 0.1, 0.2, 0.37, 0.5)
-ALL_POLICIES = ("lru", "layer-lru", "layer-quota", "ucp", "lfu", "lru-2", "lrfu", "arc", "2q", "static-oracle", "static-calib",
-                "static-layers", "prefill-updated", "belady", "lru-engine")
-DEFAULT_POLICIES = ALL_POLICIES[:-1]  # lru-engine equals lru (the engine's code path; slow)
+ALL_POLICIES = ("lru", "layer-lru", "layer-quota", "ucp", "lfu", "lru-2", "lrfu", "arc", "2q", "static-oracle",
+                "static-calib",
+                "static-layers", "prefill-updated", "belady", "lru-engine", "layer-lru-engine")
+DEFAULT_POLICIES = ALL_POLICIES[:-2]  # the engine's own code paths (slow), equal to lru and layer-lru
 NEVER = math.inf
 NO_FILL = {"static-oracle", "static-calib", "static-layers", "prefill-updated"}  # policies that never admit a miss
 
@@ -334,15 +349,17 @@ class Policy:
 
 
 class GlobalLRU(Policy):
-    """The engine's global LRU: :func:`edgemoe.experts.hybrid.plan_step` (the very control the engine
-    runs each MoE layer step) over the engine's :class:`ExpertCache`, without data. Slow (torch ops per
-    access); :class:`SlotLRU` is its pure-Python twin (equal counts, tested)."""
+    """The engine's LRU: :func:`edgemoe.experts.hybrid.plan_step` (the very control the engine runs each
+    MoE layer step) over the engine's :class:`ExpertCache`, without data; global (``lru-engine``) or
+    per layer (``layer-lru-engine``, the cache's ``partition_layers``). Slow (torch ops per access);
+    :class:`SlotLRU` is the global one's pure-Python twin (equal counts, tested), :class:`LayerLRU`
+    the per-layer one's (equal counts on decode-only traces, tested)."""
 
-    name = "lru-engine"
-
-    def __init__(self, wl: Workload, slots: int):
+    def __init__(self, wl: Workload, slots: int, partition_layers: bool = False):
         super().__init__(wl, slots)
-        self.cache = ExpertCache(self.slots, wl.num_ids, [], torch.float32, torch.device("cpu"))
+        self.name = "layer-lru-engine" if partition_layers else "lru-engine"
+        self.cache = ExpertCache(self.slots, wl.num_ids, [], torch.float32, torch.device("cpu"),
+                                 num_experts=wl.num_experts, partition_layers=partition_layers)
 
     def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
         phase = Phase.PREFILL if a.phase == "prefill" else Phase.DECODE
@@ -985,6 +1002,8 @@ def make_policy(name: str, wl: Workload, slots: int, calibration: Workload | Non
               "lrfu": LRFU, "arc": ARC, "2q": TwoQ}
     if name in simple:
         return simple[name](wl, slots)
+    if name == "layer-lru-engine":
+        return GlobalLRU(wl, slots, partition_layers=True)
     if name in ("layer-quota", "ucp"):
         return QuotaLRU(wl, slots, utility=name == "ucp")
     if name == "static-oracle":
@@ -1097,7 +1116,7 @@ def slots_for(capacities: list[float], num_ids: int) -> list[int]:
     for f in capacities:
         if not 0 <= f <= 1:
             raise ValueError(f"capacity {f} is not a fraction in [0, 1] (use --capacity-slots for slot counts)")
-        out.append(min(num_ids, int(round(f * num_ids))))
+        out.append(min(num_ids, round(f * num_ids)))
     return out
 
 

@@ -38,9 +38,18 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
-from edgemoe.bench.replay import Access, Workload, ResidentPolicy, make_policy
-from edgemoe.experts.policy import (AdaptivePolicy, AutoPolicy, Bandwidths, ExpertPolicy, FillAllPolicy,
-                                    LayerObservation, MissCosts, QStarPolicy)
+from edgemoe.bench.replay import Access, ResidentPolicy, Workload, make_policy
+from edgemoe.experts.policy import (
+    REUSE_READ_STEPS,
+    AdaptivePolicy,
+    AutoPolicy,
+    Bandwidths,
+    ExpertPolicy,
+    FillAllPolicy,
+    LayerObservation,
+    MissCosts,
+    QStarPolicy,
+)
 
 __all__ = ["COST_PRESETS", "MISS_POLICIES", "Contention", "TimeResult", "profiled_bandwidths", "simulate_time"]
 
@@ -52,10 +61,15 @@ COST_PRESETS: dict[str, MissCosts] = {
     # B_P 54.0 / 48.8 GB/s alone / concurrent; CPU executor 68.9 GB/s at 4 experts per call and 84 at 8
     # (in decode) give 200 us per call + 88 us per expert (107 GB/s asymptotic, 100 concurrent);
     # gather_fills at one row reaches ~92 % of B_P (~15 us fixed); an armed hand-off without work
-    # (2 copies, ring, wait) costs ~32 us per layer (qstar vs fill-all at 0.97 hit rate, 16 layers);
-    # the resident step is 6.56 ms for 48 layers (137 us per layer).
+    # (2 copies, ring, wait) cost ~32 us per layer when it always rang (qstar vs fill-all at 0.97 hit
+    # rate, 16 layers); the resident step is 6.56 ms for 48 layers (137 us per layer).
+    "h200-ring-always": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 54.0, 107.0, 48.8, 100.0,
+                                                  fill_fixed_s=15e-6, cpu_fixed_s=200e-6, idle_handoff_s=32e-6,
+                                                  base_s=137e-6),
+    # The same host as the device path is now built: a layer step without CPU work does not ring, so an
+    # armed branch costs two small copies and three launches (~8 us, an estimate until measured).
     "h200": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 54.0, 107.0, 48.8, 100.0, fill_fixed_s=15e-6,
-                                      cpu_fixed_s=200e-6, idle_handoff_s=32e-6, base_s=137e-6),
+                                      cpu_fixed_s=200e-6, idle_handoff_s=8e-6, base_s=137e-6),
     # The same host with the hand-off folded into the device control (no copies or polling when a
     # layer step has no CPU work): ~1 us per armed layer step without work.
     "h200-folded": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 54.0, 107.0, 48.8, 100.0,
@@ -154,18 +168,23 @@ def _miss_policy(name: str, wl: Workload, costs: MissCosts, **auto_kw) -> Expert
         return AdaptivePolicy(bw)
     if name == "fill-all":
         return FillAllPolicy()
-    if name == "auto":
-        return AutoPolicy(costs, wl.num_layers, min(wl.num_experts, 4 * wl.top_k), **auto_kw)
+    if name == "auto":  # as the engine builds it: the profiled pair and the fixed costs of a copy and a CPU call
+        bw = replace(bw, fill_fixed_s=costs.fill_fixed_s, cpu_fixed_s=costs.cpu_fixed_s)
+        return AutoPolicy.from_bandwidths(bw, QWEN3_30B_EXPERT_BYTES, wl.num_layers,
+                                          min(wl.num_experts, 4 * wl.top_k), **auto_kw)
     return None  # cpu-all / static: no fills
 
 
 def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, eviction: str = "lru", *,
                   contention: Contention | None = None, noise: float = 0.0, seed: int = 0, prefetch: bool = False,
-                  token_base_s: float = 0.0, auto_kw: dict | None = None) -> TimeResult:
+                  token_base_s: float = 0.0, auto_kw: dict | None = None,
+                  measure_branches: bool = False) -> TimeResult:
     """Replay ``wl`` under miss policy ``policy`` (one of :data:`MISS_POLICIES`) with ``slots`` cache
     slots under ``eviction`` (a :func:`~edgemoe.bench.replay.make_policy` name) on a machine of ``costs``
     (see the module docstring). ``token_base_s``: time per decode step outside the MoE layers (LM
     head, embeddings). ``noise``: log-normal sigma of the branch and step times the policies see.
+    ``auto`` sees, as in the engine, the fills' net reuse every ``REUSE_READ_STEPS`` decode steps;
+    ``measure_branches`` also gives it every layer step's branch times (which the engine does not time).
 
     Raises:
         ValueError: an unknown policy or eviction rule, or ``prefetch`` on a trace without predictions.
@@ -202,7 +221,8 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         if a.step != cur_step:
             if cur_step is not None:
                 clock = _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock)
-                obs = LayerObservation(fill_samples=[], cpu_samples=[])
+                if len(res.step_seconds) % REUSE_READ_STEPS == 0:
+                    obs = LayerObservation(fill_samples=[], cpu_samples=[])
             cur_step, step_t, carry, prev = a.step, 0.0, 0.0, None
         c = contention.apply(costs, clock + step_t) if contention is not None else costs
         if prefetch and rule is not None and rule.admits and a.predicted and prev is not None:
@@ -221,9 +241,9 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         t = c.layer_seconds(h, f, cpu, armed) + carry
         step_t += t
         prev_window = t - g
-        if f:
+        if f and measure_branches:
             obs.fill_samples.append((f, sense(g), cpu > 0))
-        if cpu:
+        if cpu and measure_branches:
             obs.cpu_samples.append((cpu, sense(b), f > 0))
         res.hits += h
         res.misses += m
@@ -252,6 +272,8 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
     res.step_seconds.append(seconds)
     if pol is not None:
         pol.observe(sense(seconds), 1)
+        if len(res.step_seconds) % REUSE_READ_STEPS:
+            return clock + seconds
         if rule is not None and rule.reuse_net is not None:
             net, n = rule.reuse_net, rule.fills_by_layer
             obs.reuse_net = [x - y for x, y in zip(net, seen[0])]

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -148,7 +148,7 @@ class RoutingRecorder:
 
     def write_header(self, **meta) -> None:
         """Start a recording session (segment); ``meta`` adds fields (model geometry, notes)."""
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        created = datetime.now(UTC).isoformat(timespec="seconds")
         self._write({"type": "header", "format": FORMAT, "version": VERSION, "created": created, **meta})
         self._header_written = True
 
@@ -168,7 +168,8 @@ class RoutingRecorder:
         if batch is not self._batch:  # positions are shared by all layers of a step
             self._batch, self._pos = batch, batch.positions.to("cpu").numpy().tolist()
         ids = topk_ids.detach().to("cpu").numpy().tolist()  # numpy's tolist is ~6x faster than torch's
-        w = np.round(topk_weights.detach().to("cpu", torch.float32).numpy().astype(np.float64), WEIGHT_DECIMALS).tolist()
+        w32 = topk_weights.detach().to("cpu", torch.float32).numpy()
+        w = np.round(w32.astype(np.float64), WEIGHT_DECIMALS).tolist()
         pred = None if predicted is None else predicted.detach().to("cpu").numpy().tolist()
         phase = getattr(batch.phase, "value", batch.phase)
         dlayer = self._moe_layers[moe_layer] if self._moe_layers is not None else None

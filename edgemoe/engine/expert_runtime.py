@@ -20,12 +20,12 @@ import torch
 
 from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
-from edgemoe.experts.bandwidth import resolve_bandwidths
+from edgemoe.experts.bandwidth import BANDWIDTH_POLICIES, resolve_bandwidths
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
-from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
+from edgemoe.experts.policy import REUSE_READ_STEPS, Bandwidths, ExpertPolicy, LayerObservation, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels import unavailable_reason
 from edgemoe.weights.bootstrap import FALLBACK_POLICY
@@ -81,6 +81,8 @@ class ExpertRuntime:
         self.decode_path = DecodePath.EAGER
         self.decode_path_reason: str | None = None
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
+        self._reuse_seen: list[list[int]] | None = None  # the cache's reuse counters at the last read
+        self._decode_steps = 0
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
@@ -129,11 +131,16 @@ class ExpertRuntime:
                 torch.cuda.empty_cache()
         pool = self.pool
         self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                                 pool.dtype, self.device)
-        if self.bandwidths is None or (policy in ("qstar", "adaptive") and self.bandwidths.pcie is None and slots > 0):
+                                 pool.dtype, self.device, num_experts=self.model_config.num_experts,
+                                 partition_layers=self.config.expert_eviction == "layer-lru")
+        if self.bandwidths is None or (policy in BANDWIDTH_POLICIES and self.bandwidths.pcie is None and slots > 0):
             self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
                                                  self.cpu_executor)
-        self.policy = make_policy(policy, self.bandwidths)
+        cfg = self.model_config
+        self.policy = make_policy(policy, self.bandwidths, num_layers=cfg.num_moe_layers,
+                                  max_misses=min(cfg.num_experts, self.config.max_num_seqs * cfg.top_k),
+                                  expert_bytes=pool.row_bytes)
+        self._reuse_seen = None
         self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
                                     self.device)
         self._setup_device_decode()
@@ -170,12 +177,12 @@ class ExpertRuntime:
                              f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
         try:
             self.set_cache(new_slots, policy or old_policy)
-        except Exception as exc:  # noqa: BLE001 - any failure: put the previous cache back
+        except Exception as exc:
             log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
             try:
                 self.set_cache(old_slots, old_policy)
                 kept = f"kept {old_slots} slots"
-            except Exception:  # noqa: BLE001 - even the old size failed: the CPU-only cache always fits
+            except Exception:
                 self.set_cache(0, FALLBACK_POLICY)
                 kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
             raise ValueError(f"could not set up {new_slots} expert-cache slots "
@@ -211,12 +218,28 @@ class ExpertRuntime:
         one batch size; the engine samples, a sync, in between). A rule change goes to the device."""
         if self.cache.num_slots:
             self.cache.clock.fill_(step)
+        if phase is Phase.DECODE and self.policy.per_layer:
+            self._decode_steps += 1
+            if self._decode_steps % REUSE_READ_STEPS == 0:
+                self._observe_reuse()
         now = time.perf_counter()
         prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
         if prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
             return
         if self.policy.observe(now - prev[0], batch_size) and self.device_decode is not None:
-            self.device_decode.policy.copy_(torch.tensor(self.policy.fill_rule(), dtype=torch.float64))
+            self.device_decode.push_policy()
+
+    def _observe_reuse(self) -> None:
+        """Feed a per-layer policy the cache's reuse counters since the last read (one small host read,
+        between steps: the previous step's sampling already synchronized) and push a changed table."""
+        now = self.cache.reuse.tolist()  # [L][net reuse, fills]
+        seen, self._reuse_seen = self._reuse_seen, now
+        if seen is None:
+            seen = [[0, 0]] * len(now)
+        obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(now, seen)],
+                               fills=[a[1] - b[1] for a, b in zip(now, seen)])
+        if self.policy.observe_layers(obs) and self.device_decode is not None:
+            self.device_decode.push_policy()
 
     def check_decode_step(self) -> None:
         """After a device-path decode step with a CPU branch: wait for it (the engine's sampling would

@@ -24,7 +24,7 @@ import os
 import platform
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ PROFILE_VERSION = 2  # 2: B_H measured with DECODE_CPU_EXPERTS experts per call
 ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
 ROTATE_BYTES_QUICK = 512_000_000
 DECODE_CPU_EXPERTS = 4
+BANDWIDTH_POLICIES = ("qstar", "auto", "adaptive")  # the policies that need B_P and B_H
 """Experts per CPU-executor call when B_H is measured: a batch-1 decode step of a top-8 model sends a few
 experts of each layer to the CPU in one call (about 3.7 per layer under q* on the H200 host), so the
 per-call cost is shared by that many experts, not charged to each."""
@@ -172,10 +173,12 @@ def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: 
     bp = measure_copy(rot, device, seconds)
     bh = measure_cpu(rot, executor, seconds, experts_per_call=DECODE_CPU_EXPERTS)
     cp, ch = measure_concurrent(rot, device, executor, seconds)
+    bp1 = measure_copy(rot, device, seconds / 2, rows_per_copy=1)
+    bh1 = measure_cpu(rot, executor, seconds / 2, experts_per_call=1)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "version": PROFILE_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_threads": executor.threads, "gpu": gpu},
         "cpu_executor": executor.name,
@@ -187,16 +190,33 @@ def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: 
         "concurrent": {"b_p_gbps": cp, "b_h_gbps": ch},
         "seconds_each": seconds,
         "cpu_experts_per_call": DECODE_CPU_EXPERTS,
+        "fixed_costs": fixed_costs(rot.row_bytes, (1, bp1), (8, bp), (1, bh1), (DECODE_CPU_EXPERTS, bh)),
     }
 
 
+def fixed_costs(row_bytes: int, copy1: tuple[int, float], copy2: tuple[int, float], cpu1: tuple[int, float],
+                cpu2: tuple[int, float]) -> dict:
+    """Fixed cost per call (seconds) of a copy and of a CPU-executor call: the intercept of the time per
+    call ``n·row_bytes / B(n)`` through two measurements ``(n, GB/s)`` each, clamped to >= 0."""
+    def intercept(a: tuple[int, float], b: tuple[int, float]) -> float:
+        (na, ga), (nb, gb) = a, b
+        ta, tb = na * row_bytes / (ga * 1e9), nb * row_bytes / (gb * 1e9)
+        return max(0.0, (nb * ta - na * tb) / (nb - na))
+
+    return {"fill_call_s": intercept(copy1, copy2), "cpu_call_s": intercept(cpu1, cpu2)}
+
+
 def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
-    """The pair the q* policy uses: the concurrent one when present (``B_H := B_P,c + B_H,c``), else isolated."""
+    """The pair the q* policy uses: the concurrent one when present (``B_H := B_P,c + B_H,c``), else isolated;
+    with the fixed costs per call when the profile has them (``fixed_costs``; profiles written before
+    they were measured give 0)."""
     conc = prof.get("concurrent") or {}
+    fixed = prof.get("fixed_costs") or {}
+    fx = {"fill_fixed_s": float(fixed.get("fill_call_s", 0.0)), "cpu_fixed_s": float(fixed.get("cpu_call_s", 0.0))}
     if conc.get("b_p_gbps") and conc.get("b_h_gbps"):
-        return Bandwidths(conc["b_p_gbps"], conc["b_p_gbps"] + conc["b_h_gbps"], f"{source} (concurrent pair)")
+        return Bandwidths(conc["b_p_gbps"], conc["b_p_gbps"] + conc["b_h_gbps"], f"{source} (concurrent pair)", **fx)
     iso = prof["isolated"]
-    return Bandwidths(iso["b_p_gbps"], iso["b_h_gbps"], f"{source} (isolated pair)")
+    return Bandwidths(iso["b_p_gbps"], iso["b_h_gbps"], f"{source} (isolated pair)", **fx)
 
 
 def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwidths:
@@ -228,7 +248,7 @@ def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwid
                 return bandwidths_from_profile(prof, f"profile {path} ({measured_with[0]}, {measured_with[1]} threads)")
         if config.profile_path:
             raise ValueError(f"{path}: profile is for another expert shape/device ({exp}, {prof.get('device')})")
-    if config.expert_policy not in ("qstar", "adaptive") or cache.num_slots == 0:
+    if config.expert_policy not in BANDWIDTH_POLICIES or cache.num_slots == 0:
         return Bandwidths(None, None, "not measured (not needed by this policy/cache)")
     prof = measure(pool, pool.hidden, pool.intermediate, pool.dtype, cache.device, executor, 0.15, ROTATE_BYTES_QUICK)
     return bandwidths_from_profile(prof, "quick start-up measurement")
@@ -246,6 +266,10 @@ def format_profile(prof: dict) -> str:
         f"isolated    B_P {iso['b_p_gbps']:7.2f} GB/s   B_H {iso['b_h_gbps']:7.2f} GB/s{note}",
         f"concurrent  B_P {conc['b_p_gbps']:7.2f} GB/s   B_H {conc['b_h_gbps']:7.2f} GB/s",
     ]
+    if prof.get("fixed_costs"):
+        fx = prof["fixed_costs"]
+        lines.append(f"fixed cost per call: copy {1e6 * fx['fill_call_s']:.1f} us, CPU executor "
+                     f"{1e6 * fx['cpu_call_s']:.1f} us (auto policy)")
     for label, bw in (("isolated", bandwidths_from_profile({"isolated": iso}, "")),
                       ("concurrent", bandwidths_from_profile(prof, ""))):
         lines.append(f"q*/m ({label} pair) = {QStarPolicy(bw).q_ratio():.3f}")

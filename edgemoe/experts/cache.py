@@ -1,11 +1,25 @@
-"""The device expert cache: (layer, expert) slots under one global LRU across all MoE layers.
+"""The device expert cache: (layer, expert) slots under LRU, global across MoE layers or per layer.
 
 DESIGN.md §2 and §4: a slot pool per expert bank on the compute device, a residency table
 ``slot_of[moe_layer * E + expert]`` (-1 when not resident), its inverse ``owner_of[slot]`` (-1 when
 free), and ``last_used[slot]``, the model step at which the slot was last hit or filled. A hit
 refreshes recency, a fill admits a row into the least recently used slot not needed this step
-(ties: the smaller slot index). The cache is a performance lever only: shrinking it never changes
+(ties: the smaller slot index) among the layer's *victim range*: every slot under global LRU
+(FreeToken's rule), or, under per-layer LRU (``partition_layers``), the layer's equal share of the
+slots (``S // L`` each, the first ``S mod L`` layers one more). Hits are found in any slot, so
+experts another layer or a streamed prefill left in a partition stay usable until that partition's
+layer evicts them. On the Mixtral-8x7B decode traces per-layer LRU misses less than global LRU at
+every capacity (50.5 % against 57.2 % at a 37 % cache, ``docs/benchmarks/policy.md``): with the model
+step as the clock all layers of a step share one age, and a global victim is often an expert the
+next layers of the step are about to route. The cache is a performance lever only: shrinking it never changes
 results.
+
+Reuse accounting (for the ``auto`` miss policy, which values a fill by what it buys): a fill
+remembers the id it displaced, its *ghost* (``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``),
+while the filled id stays in that slot. In decode, ``reuse[l, 0]`` gains MoE layer ``l``'s hits and
+loses one for every miss of a ghost that a fill of layer ``l`` displaced; ``reuse[l, 1]`` counts layer
+``l``'s fills. Their ratio over a window is the net reuse of a fill (the hits it bought minus the hits
+it cost; zero in expectation without routing locality).
 
 The tables live on the cache's device, so the device-side control of a decode step
 (``edgemoe.kernels.route_control``) reads and updates the very tensors these methods use; the methods
@@ -47,6 +61,9 @@ class ExpertCache:
         num_ids: ``N``, flat expert ids (``num_moe_layers * num_experts``).
         bank_shapes: per-row shape of each expert bank, e.g. ``[(2I, H), (H, I)]``.
         dtype, device: slot storage.
+        num_experts: ``E``, experts per MoE layer (the layer of a flat id is ``id // E``); 0: one layer.
+        partition_layers: per-layer LRU (each MoE layer evicts only within its share of the slots);
+            ``False``: one global LRU. With fewer slots than layers the cache stays global.
 
     Attributes:
         banks: one ``[S, *row_shape]`` tensor per expert bank, on ``device``.
@@ -56,6 +73,9 @@ class ExpertCache:
         pinned: ``[S]`` bool, slots never evicted (static placement).
         clock: ``[1]`` int64, the current model step for device-side control (its caller advances it
             once per step; the eager path passes ``step`` explicitly instead).
+        ghost_slot: ``[N]`` int64, the slot whose current owner's fill displaced the id, or -1.
+        slot_ghost: ``[S]`` int64, the id the slot's current owner displaced, or -1.
+        reuse: ``[L, 2]`` int64, per MoE layer (net reuse hits, fills) in decode since creation.
 
     All tables are on ``device``.
     """
@@ -65,6 +85,8 @@ class ExpertCache:
     bank_shapes: list[tuple[int, ...]]
     dtype: torch.dtype
     device: torch.device
+    num_experts: int = 0
+    partition_layers: bool = False
     banks: list[torch.Tensor] = field(init=False)
     counters: dict[str, CacheCounters] = field(init=False)
 
@@ -77,6 +99,12 @@ class ExpertCache:
         self.last_used = torch.full((S,), -1, dtype=torch.int64, device=dev)
         self.pinned = torch.zeros(S, dtype=torch.bool, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.num_experts = self.num_experts or max(1, self.num_ids)
+        self.num_layers = max(1, -(-self.num_ids // self.num_experts))
+        self.ghost_slot = torch.full((self.num_ids,), -1, dtype=torch.int64, device=dev)
+        self.slot_ghost = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.reuse = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=dev)
+        self.partition_layers = self.partition_layers and S >= self.num_layers
         self.counters = {"prefill": CacheCounters(), "decode": CacheCounters()}
 
     @property
@@ -102,8 +130,25 @@ class ExpertCache:
         if slots:
             self.last_used[self._index(slots)] = step
 
-    def choose_victims(self, k: int, exclude: list[int]) -> list[int]:
-        """The ``k`` least recently used slots, skipping ``exclude`` (needed this step) and pinned ones.
+    def victim_range(self, layer: int | None) -> tuple[int, int]:
+        """``(lo, hi)``: the slots a fill of MoE layer ``layer`` may evict (all when global, or ``None``)."""
+        if layer is None or not self.partition_layers:
+            return 0, self.num_slots
+        S, L = self.num_slots, self.num_layers
+        return layer * (S // L) + min(layer, S % L), (layer + 1) * (S // L) + min(layer + 1, S % L)
+
+    def _blocked(self, exclude: list[int], layer: int | None) -> torch.Tensor:
+        blocked = self.pinned.clone()
+        if exclude:
+            blocked[self._index(exclude)] = True
+        lo, hi = self.victim_range(layer)
+        blocked[:lo] = True
+        blocked[hi:] = True
+        return blocked
+
+    def choose_victims(self, k: int, exclude: list[int], layer: int | None = None) -> list[int]:
+        """The ``k`` least recently used slots of ``layer``'s victim range (:meth:`victim_range`),
+        skipping ``exclude`` (needed this step) and pinned ones.
 
         Free slots (``last_used == -1``) come first; equal ``last_used`` goes to the smaller slot index
         (the order ``edgemoe.kernels.route_control`` reproduces). Returns the victims in that order,
@@ -113,21 +158,17 @@ class ExpertCache:
             return []
         slot = torch.arange(self.num_slots, dtype=torch.int64, device=self.last_used.device)
         key = self.last_used * self.num_slots + slot  # [S] unique: (last_used, slot) in lexicographic order
-        blocked = self.pinned.clone()
-        if exclude:
-            blocked[self._index(exclude)] = True
+        blocked = self._blocked(exclude, layer)
         key[blocked] = torch.iinfo(torch.int64).max
         k = min(k, int((~blocked).sum()))
         if k == 0:
             return []
         return torch.topk(key, k, largest=False, sorted=True).indices.tolist()
 
-    def evictable(self, exclude: list[int]) -> int:
-        """Slots that could receive a fill this step (not pinned and not in ``exclude``)."""
-        blocked = self.pinned.clone()
-        if exclude:
-            blocked[self._index(exclude)] = True
-        return int((~blocked).sum())
+    def evictable(self, exclude: list[int], layer: int | None = None) -> int:
+        """Slots of ``layer``'s victim range that could receive a fill this step (not pinned and not in
+        ``exclude``)."""
+        return int((~self._blocked(exclude, layer)).sum())
 
     def admit(self, flat_id: int, slot: int, step: int) -> None:
         """Make ``slot`` hold ``flat_id`` (evicting its previous owner). Tables only; no data copy."""
@@ -136,6 +177,7 @@ class ExpertCache:
             self.slot_of[old] = -1
         if prev >= 0 and old != flat_id:
             raise RuntimeError(f"expert {flat_id} already resident in slot {prev}")
+        self._displace(self._index([flat_id]), self._index([slot]), self._index([old]))
         self.owner_of[slot] = flat_id
         self.slot_of[flat_id] = slot
         self.last_used[slot] = step
@@ -152,7 +194,9 @@ class ExpertCache:
         prev = self.slot_of[ids]
         if bool((prev >= 0).any()):
             raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
+        olds = self.owner_of[idx].clone()
         self.evict(slots)
+        self._displace(ids, idx, olds)
         self.slot_of[ids] = idx
         self.owner_of[idx] = ids
         self.last_used[idx] = step
@@ -162,10 +206,41 @@ class ExpertCache:
         if not slots:
             return
         idx = self._index(slots)
+        self._forget_ghosts(idx)
         owners = self.owner_of[idx]
         self.slot_of[owners[owners >= 0]] = -1
         self.owner_of[idx] = -1
         self.last_used[idx] = -1
+
+    def _forget_ghosts(self, idx: torch.Tensor) -> None:
+        """The ghosts of slots ``idx`` are forgotten (their owners leave or are replaced)."""
+        g = self.slot_ghost[idx]
+        live = g >= 0
+        g, at = g[live], idx[live]
+        mine = self.ghost_slot[g] == at  # a ghost that was filled since is someone else's
+        self.ghost_slot[g[mine]] = -1
+        self.slot_ghost[idx] = -1
+
+    def _displace(self, ids: torch.Tensor, idx: torch.Tensor, olds: torch.Tensor) -> None:
+        """Ghost tables for fills of ``ids`` into slots ``idx`` whose previous owners were ``olds`` (-1: free)."""
+        self._forget_ghosts(idx)
+        self.ghost_slot[ids] = -1
+        had = olds >= 0
+        self.ghost_slot[olds[had]] = idx[had]
+        self.slot_ghost[idx] = olds
+
+    def count_reuse(self, layer: int, hits: int, misses: list[int], fills: int) -> None:
+        """Decode reuse accounting of one MoE layer's step (module docstring): ``hits`` resident experts,
+        the ``misses`` (flat ids) as looked up before this step's fills, ``fills`` filled."""
+        if misses:
+            gs = self.ghost_slot[self._index(misses)]
+            gs = gs[gs >= 0]
+            if gs.numel():
+                owners = self.owner_of[gs]
+                owners = owners[owners >= 0]
+                self.reuse[:, 0].index_add_(0, owners // self.num_experts, torch.full_like(owners, -1))
+        if hits or fills:
+            self.reuse[layer] += self._index([hits, fills])
 
     def clear(self) -> None:
         """Drop all residency (data stays allocated)."""
@@ -173,6 +248,8 @@ class ExpertCache:
         self.owner_of.fill_(-1)
         self.last_used.fill_(-1)
         self.pinned.fill_(False)
+        self.ghost_slot.fill_(-1)
+        self.slot_ghost.fill_(-1)
 
     def check_invariants(self) -> None:
         """Assert ``slot_of`` and ``owner_of`` are inverse maps (used by tests).

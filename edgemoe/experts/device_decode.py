@@ -9,7 +9,9 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
 2. hand-off of the CPU branch: two device→pinned-host copies (``x`` and the packed work) and
    :func:`~edgemoe.kernels.doorbell.ring`, a one-program kernel storing the next request number into
    a doorbell in pinned memory; the executor's server thread (``RegisteredStep.serve``), polling it,
-   starts computing the CPU experts at once;
+   starts computing the CPU experts at once. A layer step without CPU work does not ring (the ring
+   reads the work count ``route_control`` wrote), so its wait returns at once and the stale partial
+   is not added: an armed CPU branch costs a layer without misses two small copies and two launches;
 3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill row of both banks from
    pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
    (token, k) route in its own row of ``routed [T, k, H]``);
@@ -46,11 +48,15 @@ class DeviceDecode:
     Args:
         pool: host expert pool (pinned, so the device reads it at its host address).
         cache: the expert cache; its tables and ``clock`` live on the compute device.
-        policy: gives the device policy parameters ``(ratio, q_min)``.
+        policy: gives the device policy parameters: ``fill_rule()`` as ``[3]`` float64, or a
+            ``per_layer`` policy's ``fill_table()`` ``[L, M + 1]`` int32 (:meth:`push_policy` refreshes them).
         cpu_executor: the CPU executor (native: the CPU branch runs without a host sync; torch: a sync).
         num_experts: ``E``, experts per MoE layer.
         top_k: routed experts per token.
         max_tokens: largest decode batch.
+
+    Raises:
+        ValueError: ``cache.num_experts`` is not ``num_experts`` (its reuse rows would be wrong).
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -69,6 +75,9 @@ class DeviceDecode:
         self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
         self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
+        if cache.num_experts != num_experts:
+            raise ValueError(f"the expert cache counts {cache.num_experts} experts per layer, the model {num_experts} "
+                             "(ExpertCache(num_experts=...))")
         self.num_experts = num_experts
         dev = self.device = cache.device
         P = max_tokens * top_k
@@ -77,9 +86,12 @@ class DeviceDecode:
         self.act = torch.zeros(P, I, dtype=cache.dtype, device=dev)  # [P, I] SiLU(gate)·up scratch
         self.routed = torch.zeros(max_tokens, top_k, H, dtype=cache.dtype, device=dev)  # [T, k, H]
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
-        num, den, q_min = policy.fill_rule()
-        self.policy = torch.tensor([num, den, q_min], dtype=torch.float64, device=dev)
-        evictable = int((~cache.pinned).sum())
+        self.rule = policy
+        self.policy = torch.zeros(3, dtype=torch.float64, device=dev)  # [3] (num, den, q_min) of a one-rule policy
+        self.fill_table = policy.fill_table().to(dev) if policy.per_layer else None  # [L, M + 1] int32
+        self.push_policy()
+        num, den, q_min = (0.0, 1.0, 0.0) if policy.per_layer else policy.fill_rule()
+        evictable = min(cache.evictable([], layer) for layer in range(cache.num_layers))  # per victim range
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
         fills_all = num >= den and q_min == 0 and not policy.online  # an online policy may switch
         self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
@@ -95,6 +107,14 @@ class DeviceDecode:
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
             self.bell = self.step.serve(pin_memory=self.cuda)
         self._seen = (0, 0)  # waits given up and executor failures already reported by check()
+
+    def push_policy(self) -> None:
+        """Copy the policy's current rule (or per-layer table) into the device tensors the control reads
+        (between steps; a captured graph reads the same tensors)."""
+        if self.fill_table is not None:
+            self.fill_table.copy_(self.rule.fill_table())
+        else:
+            self.policy.copy_(torch.tensor(self.rule.fill_rule(), dtype=torch.float64))
 
     @property
     def capturable(self) -> bool:
@@ -133,7 +153,8 @@ class DeviceDecode:
             self.step.close()
             self.step = self.bell = None
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer's decode step.
 
         Args:
@@ -148,12 +169,14 @@ class DeviceDecode:
         T = topk_ids.shape[0]
         c, o = self.cache, self.out
         self._route_control(topk_ids, topk_weights, moe_layer * self.num_experts, c.slot_of, c.owner_of, c.last_used,
-                      c.pinned, c.clock, self.policy, self.counters, o)
+                            c.pinned, c.clock, self.policy, self.counters, o, fill_table=self.fill_table,
+                            moe_layer=moe_layer, reuse=(c.ghost_slot, c.slot_ghost, c.reuse),
+                            num_experts=self.num_experts, slots=c.victim_range(moe_layer))
         cpu_out = self.cpu_out[:T]
         if self.cpu_branch and self.step is not None:  # hand-off first: the fills below hold every SM
             self.step.x[:T].copy_(x, non_blocking=True)
             self.step.pack.copy_(o.cpu_pack, non_blocking=True)
-            self._ring(self.seq, self.bell)
+            self._ring(self.seq, self.bell, work=o.meta[3:])  # rings only when this layer has CPU work
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
         w13, w2 = c.banks
@@ -164,9 +187,11 @@ class DeviceDecode:
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
             if self.step is not None:
-                self._wait(self.seq, self.bell)
+                self._wait(self.seq, self.bell)  # returns at once when the ring was skipped
                 cpu_out.copy_(self.step.out[:T], non_blocking=True)
-            y = y + cpu_out
+                y = torch.where(o.meta[3] > 0, y + cpu_out, y)  # without CPU work the partial is a stale one
+            else:
+                y = y + cpu_out
         return y.to(x.dtype)
 
     def _cpu_branch_sync(self, x: torch.Tensor, cpu_out: torch.Tensor) -> None:

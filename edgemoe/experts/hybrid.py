@@ -25,12 +25,11 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.compute import run_sorted_experts
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.experts.compute import run_sorted_experts
 from edgemoe.experts.prefill import PrefillStreamer
-
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
 
@@ -55,11 +54,12 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
               step: int) -> StepPlan:
     """Classify a step's routed experts, choose fills and LRU victims, and update the residency tables.
 
-    This is the whole control of DESIGN.md §2: hits refresh recency; ``q = policy(m)`` clamped to the
-    slots evictable this step; the most-routed misses fill; victims are the least recently used slots
-    not needed this step. Prefill under a streaming policy fills every miss, in waves of at most the
-    evictable slots. The engine executes the plan; the routing-trace replay (``edgemoe.bench.replay``)
-    runs this same function without data.
+    This is the whole control of DESIGN.md §2: hits refresh recency; ``q = policy(m, layer)`` clamped
+    to the slots evictable this step; the most-routed misses fill; victims are the least recently used
+    slots of the layer's victim range (``ExpertCache.victim_range``) not needed this step. Prefill under
+    a streaming policy fills every miss, in waves of at most the evictable slots. Decode steps update
+    the cache's reuse accounting (``ExpertCache.count_reuse``). The engine executes the plan; the
+    routing-trace replay (``edgemoe.bench.replay``) runs this same function without data.
 
     Args:
         cache: the expert cache (tables are mutated; counters of ``phase`` are incremented).
@@ -91,10 +91,14 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
                 cache.admit(fid, slot, step)
             exclude, evictable = [], cache.evictable(exclude=[])
     else:
-        n_fill = min(policy.num_fills(len(misses)) if policy.admits else 0, evictable)
+        layer = next(iter(tokens_per_expert), 0) // cache.num_experts  # a step's experts share one layer
+        evictable = cache.evictable(exclude=exclude, layer=layer)
+        n_fill = min(policy.num_fills(len(misses), layer) if policy.admits else 0, evictable)
         fill, cpu = misses[:n_fill], misses[n_fill:]
+        if phase is Phase.DECODE:
+            cache.count_reuse(layer, len(hits), misses, len(fill))
         if fill:
-            waves.append(list(zip(fill, cache.choose_victims(len(fill), exclude))))
+            waves.append(list(zip(fill, cache.choose_victims(len(fill), exclude, layer))))
             for fid, slot in waves[0]:
                 cache.admit(fid, slot, step)
     counters.fills += len(misses) - len(cpu)

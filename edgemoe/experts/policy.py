@@ -11,11 +11,14 @@ cache warming. The formula decides *how many* misses fill; the cache's LRU decid
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
+REUSE_READ_STEPS = 8
+"""Decode steps between the runtime's reads of the cache's reuse counters for a ``per_layer`` policy."""
 
 @dataclass(frozen=True)
 class Bandwidths:
@@ -23,12 +26,19 @@ class Bandwidths:
 
     ``pcie``: B_P, host→device copy of expert rows. ``cpu``: B_H, CPU expert execution reading weights
     from DRAM. ``source``: e.g. ``"profile:/path (concurrent)"``, ``"measured at start-up (isolated)"``,
-    ``"command line"``.
+    ``"command line"``. ``fill_fixed_s`` / ``cpu_fixed_s``: the fixed cost (seconds) of one copy call
+    and of one CPU-executor call, the intercepts of the measured time against experts per call (0 when
+    not measured); ``copy_rows`` / ``cpu_experts``: experts per call of the B_P / B_H measurement (so the
+    per-expert times are ``bytes/B − fixed/n``). The ``auto`` policy's cost model uses them, q* does not.
     """
 
     pcie: float | None
     cpu: float | None
     source: str = "unset"
+    fill_fixed_s: float = 0.0
+    cpu_fixed_s: float = 0.0
+    copy_rows: int = 8
+    cpu_experts: int = 4
 
 
 class ExpertPolicy:
@@ -44,7 +54,10 @@ class ExpertPolicy:
     - ``online``: the rule may change between steps (:meth:`observe` returns ``True`` then), so the
       device path must keep its CPU branch even when the current rule fills every miss;
     - ``fills_free_slots``: a decode step fills at least ``min(m, free slots)`` misses whatever
-      :meth:`num_fills` says (a fill into a free slot displaces nothing).
+      :meth:`num_fills` says (a fill into a free slot displaces nothing; step-time simulation only);
+    - ``per_layer``: ``q`` depends on the MoE layer: the device reads :meth:`fill_table` (``[L, M + 1]``)
+      instead of :meth:`fill_rule`, and the runtime feeds :meth:`observe_layers` the cache's reuse
+      counters between steps.
     """
 
     name = "base"
@@ -53,6 +66,7 @@ class ExpertPolicy:
     places_static = False
     online = False
     fills_free_slots = False
+    per_layer = False
 
     @property
     def active_name(self) -> str:
@@ -76,6 +90,14 @@ class ExpertPolicy:
     def q_ratio(self) -> float:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
+
+    def fill_table(self) -> torch.Tensor:
+        """``[L, M + 1]`` int32 ``q_l(m)`` of a ``per_layer`` policy (the device encoding).
+
+        Raises:
+            NotImplementedError: the policy is not per layer (use :meth:`fill_rule`).
+        """
+        raise NotImplementedError(f"{self.name} has one rule for every layer: use fill_rule()")
 
     def fill_rule(self) -> tuple[float, float, float]:
         """``(num, den, q_min)`` with ``num_fills(m) == clamp(floor(m·num/den + 0.5), min(q_min, m), m)``
@@ -308,7 +330,7 @@ def lower_hull(ys: list[float]) -> tuple[list[int], list[float]]:
             else:
                 break
         hull.append(q)
-    slopes = [-math.inf] + [(ys[b] - ys[a]) / (b - a) for a, b in zip(hull, hull[1:])]
+    slopes = [-math.inf] + [(ys[b] - ys[a]) / (b - a) for a, b in itertools.pairwise(hull)]
     return hull, slopes
 
 
@@ -317,7 +339,8 @@ def _close(a: MissCosts, b: MissCosts | None, tol: float) -> bool:
     if b is None:
         return False
     for x, y in ((a.fill_s, b.fill_s), (a.fill_conc_s, b.fill_conc_s), (a.cpu_s, b.cpu_s), (a.cpu_conc_s, b.cpu_conc_s),
-                 (a.fill_fixed_s, b.fill_fixed_s), (a.cpu_fixed_s, b.cpu_fixed_s), (a.idle_handoff_s, b.idle_handoff_s)):
+                 (a.fill_fixed_s, b.fill_fixed_s), (a.cpu_fixed_s, b.cpu_fixed_s),
+                 (a.idle_handoff_s, b.idle_handoff_s)):
         if abs(x - y) > tol * max(abs(x), abs(y), 1e-9):
             return False
     return a.overlap == b.overlap
@@ -412,7 +435,7 @@ class AutoPolicy(ExpertPolicy):
 
     name = "auto"
     online = True
-    fills_free_slots = True
+    per_layer = True
     rebuild_tolerance = 0.01  # cost estimates closer than this (relative) to the last ones keep the split hulls
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
@@ -432,6 +455,33 @@ class AutoPolicy(ExpertPolicy):
         self._hulls: list[tuple[list[int], list[float]]] = []
         self._hull_costs: MissCosts | None = None
         self._rebuild()
+
+    @classmethod
+    def from_bandwidths(cls, bw: Bandwidths, expert_bytes: int, num_layers: int, max_misses: int,
+                        **kw) -> "AutoPolicy":
+        """The engine's prior: the measured fixed costs of a copy and of a CPU call (``bw.fill_fixed_s``,
+        ``bw.cpu_fixed_s``) and per-expert times from the bandwidths net of them: a fill ``expert_bytes /
+        B_P − fill_fixed_s / copy_rows``, a CPU expert ``expert_bytes / (B_H − B_P) − cpu_fixed_s /
+        cpu_experts`` (the pair is the concurrent one, ``B_H = B_P,c + B_H,c``: the CPU's share while fills
+        run); the two branches overlapped; an armed CPU branch free when it has no work (the device path
+        rings the CPU executor only for work). Without bandwidths (no cache to fill) every miss runs on
+        the CPU.
+
+        Raises:
+            ValueError: a non-positive ``expert_bytes``, ``num_layers`` or ``max_misses``.
+        """
+        if expert_bytes <= 0:
+            raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
+        if bw.pcie is None or bw.cpu is None:
+            costs = MissCosts(fill_s=1.0, fill_conc_s=1.0, cpu_s=1e-9, cpu_conc_s=1e-9)
+        else:
+            residual = max(bw.cpu - bw.pcie, 1e-3 * bw.pcie)  # B_H <= B_P: the CPU adds (almost) nothing
+            b = expert_bytes / 1e9
+            fill = max(b / bw.pcie - bw.fill_fixed_s / bw.copy_rows, 1e-3 * b / bw.pcie)
+            cpu = max(b / residual - bw.cpu_fixed_s / bw.cpu_experts, 1e-3 * b / residual)
+            costs = MissCosts(fill_s=fill, fill_conc_s=fill, cpu_s=cpu, cpu_conc_s=cpu, fill_fixed_s=bw.fill_fixed_s,
+                              cpu_fixed_s=bw.cpu_fixed_s)
+        return cls(costs, num_layers, max_misses, armed=False, **kw)
 
     @property
     def reuse(self) -> list[float]:
@@ -495,8 +545,12 @@ class AutoPolicy(ExpertPolicy):
         return self._rebuild()
 
 
-def make_policy(name: str, bw: Bandwidths) -> ExpertPolicy:
-    """Build the policy named ``qstar | adaptive | fill-all | cpu-all | static``.
+def make_policy(name: str, bw: Bandwidths, *, num_layers: int = 1, max_misses: int = 128,
+                expert_bytes: int = 1) -> ExpertPolicy:
+    """Build the policy named ``auto | qstar | adaptive | fill-all | cpu-all | static``.
+
+    ``num_layers``, ``max_misses`` (the most misses one MoE layer's decode step can have: ``min(E, T·k)``)
+    and ``expert_bytes`` size the ``auto`` policy (:meth:`AutoPolicy.from_bandwidths`).
 
     Raises:
         ValueError: unknown name, or ``qstar``/``adaptive`` with a non-positive bandwidth.
@@ -505,7 +559,9 @@ def make_policy(name: str, bw: Bandwidths) -> ExpertPolicy:
         return QStarPolicy(bw)
     if name == "adaptive":
         return AdaptivePolicy(bw)
+    if name == "auto":
+        return AutoPolicy.from_bandwidths(bw, expert_bytes, num_layers, max_misses)
     table = {"fill-all": FillAllPolicy, "cpu-all": CpuAllPolicy, "static": StaticPolicy}
     if name not in table:
-        raise ValueError(f"unknown expert policy {name!r}; choose qstar, adaptive, fill-all, cpu-all or static")
+        raise ValueError(f"unknown expert policy {name!r}; choose auto, qstar, adaptive, fill-all, cpu-all or static")
     return table[name]()

@@ -32,10 +32,14 @@ MAX_POLLS = 1 << 24  # ~20-30 s of PCIe reads: far beyond any CPU step; only a d
 
 
 @triton.jit
-def _ring_kernel(seq_ptr, bell_ptr):
-    n = tl.load(seq_ptr) + 1
-    tl.store(seq_ptr, n)
-    tl.store(bell_ptr, n, cache_modifier=".wt")  # write through to host memory
+def _ring_kernel(seq_ptr, bell_ptr, work_ptr, WORK: tl.constexpr):
+    ring = True
+    if WORK:
+        ring = tl.load(work_ptr) > 0
+    if ring:
+        n = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, n)
+        tl.store(bell_ptr, n, cache_modifier=".wt")  # write through to host memory
 
 
 @triton.jit
@@ -56,8 +60,10 @@ def _check(seq: torch.Tensor, bell: torch.Tensor) -> None:
         raise ValueError("seq must be [1] int64 and the doorbell [16] int64 (RegisteredStep.serve)")
 
 
-def ring(seq: torch.Tensor, bell: torch.Tensor) -> None:
-    """Advance ``seq[0]`` and store it into the doorbell's request word ``bell[0]`` (one program).
+def ring(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor | None = None) -> None:
+    """Advance ``seq[0]`` and store it into the doorbell's request word ``bell[0]`` (one program); with
+    ``work`` (a ``[1]`` int32 device tensor: the step's CPU experts), only when ``work[0] > 0`` (the
+    following :func:`wait` then returns at once).
 
     Args:
         seq: ``[1]`` int64 on the device (see the module docstring).
@@ -68,7 +74,9 @@ def ring(seq: torch.Tensor, bell: torch.Tensor) -> None:
         ValueError: wrong dtypes or sizes.
     """
     _check(seq, bell)
-    _ring_kernel[(1,)](seq, bell, num_warps=1)
+    if work is not None and (work.dtype != torch.int32 or work.numel() < 1):
+        raise ValueError("work must be a [1] int32 tensor (the step's CPU expert count)")
+    _ring_kernel[(1,)](seq, bell, seq if work is None else work, WORK=work is not None, num_warps=1)
 
 
 def wait(seq: torch.Tensor, bell: torch.Tensor, max_polls: int = MAX_POLLS) -> None:

@@ -14,15 +14,25 @@ Algorithm (``P = T·k`` routes, ``P <= 128``; ``S`` slots; FreeToken, arXiv 2608
 2. Lookup ``slot_of``; hits' slots are marked ``last_used = -2`` (a value no clock takes) for the
    victim search and set to the clock at the end.
 3. ``q = clamp(floor(m·num/den + 0.5), min(q_min, m), m)`` in float64 (exactly the host formula,
-   see :meth:`edgemoe.experts.policy.ExpertPolicy.fill_rule`), clamped to the evictable slots.
+   see :meth:`edgemoe.experts.policy.ExpertPolicy.fill_rule`), or, for a per-layer policy, ``q =
+   table[layer, min(m, M)]`` (:meth:`edgemoe.experts.policy.AutoPolicy.fill_table`); clamped to the
+   evictable slots.
 4. Fill order: misses by (tokens descending, flat id ascending) — the rank of each miss is a
    pairwise count.
 5. Victims: the ``q`` smallest keys ``(last_used + 1)·S + slot`` over evictable slots (not pinned, not
-   hit by this layer's step). The slots are split into ``G`` groups (``slot mod G``); each pass over
+   hit by this layer's step) of the layer's victim range (all slots under global LRU, the layer's
+   partition under per-layer LRU). The slots are split into ``G`` groups (``slot mod G``); each pass over
    the table keeps every group's smallest and second-smallest key above the last accepted key. Every
    group minimum below the smallest second-minimum is among the next smallest keys overall, so a pass
    accepts at least one victim (typically many); at most ``q`` passes, usually one or two.
 6. The i-th fill takes the i-th victim; the victim's previous owner is evicted.
+
+Reuse accounting (optional, the tables of :class:`edgemoe.experts.cache.ExpertCache`): a fill remembers
+the id it displaced (its *ghost*: ``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``) while the
+filled id stays in the slot. Per MoE layer ``l``, ``reuse[l, 0]`` gains the layer's hits and loses one
+for each miss of a ghost displaced by a fill of layer ``l`` (charged to the filler's layer);
+``reuse[l, 1]`` counts the layer's fills. ``reuse[l, 0] / reuse[l, 1]`` over a window is the net reuse
+of a fill: the hits it bought minus the hits it cost (zero in expectation without routing locality).
 """
 
 from __future__ import annotations
@@ -88,17 +98,18 @@ class RouteOutputs:
 
 
 @triton.jit
-def _group_minima(last_used_ptr, pinned_ptr, S, thr, BLOCK_R: tl.constexpr, G: tl.constexpr):
-    """One pass over the slot table: per group ``g = slot mod G``, the smallest and second-smallest
-    key ``(last_used + 1)·S + slot`` above ``thr`` among evictable slots; and the evictable count."""
+def _group_minima(last_used_ptr, pinned_ptr, S, lo, hi, thr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """One pass over slots ``lo .. hi - 1``: per group ``g = (slot - lo) mod G``, the smallest and
+    second-smallest key ``(last_used + 1)·S + slot`` above ``thr`` among evictable slots; and the
+    evictable count."""
     rows = tl.arange(0, BLOCK_R)[:, None]
     cols = tl.arange(0, G)[None, :]
     gmin = tl.full([G], _NO_KEY, tl.int64)
     gsec = tl.full([G], _NO_KEY, tl.int64)
     n_ok = tl.zeros([G], tl.int32)
-    for start in range(0, S, BLOCK_R * G):
-        slot = start + rows * G + cols  # [BLOCK_R, G]
-        inb = slot < S
+    for start in range(0, hi - lo, BLOCK_R * G):
+        slot = lo + start + rows * G + cols  # [BLOCK_R, G]
+        inb = slot < hi
         lu = tl.load(last_used_ptr + slot, mask=inb, other=_HIT)
         pin = tl.load(pinned_ptr + slot, mask=inb, other=1)
         ok = inb & (pin == 0) & (lu != _HIT)
@@ -118,7 +129,10 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
                           counters_ptr, S,
                           slot_tk_ptr, fill_fid_ptr, fill_slot_ptr, meta_ptr,
                           cpu_dims_ptr, cpu_fids_ptr, cpu_offsets_ptr, cpu_tok_ptr, cpu_wt_ptr,
-                          BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+                          table_ptr, table_cols, moe_layer, ghost_slot_ptr, slot_ghost_ptr, reuse_ptr, E,
+                          slot_lo, slot_hi,
+                          BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
+                          TABLE: tl.constexpr, REUSE: tl.constexpr):
     r = tl.arange(0, BLOCK_P)
     valid = r < P
     fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset  # [BP] int64 flat ids
@@ -140,20 +154,31 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     n_hits = tl.sum((first & hit).to(tl.int32))
     m = tl.sum((first & miss).to(tl.int32))
     tl.store(last_used_ptr + slot, _HIT, mask=hit)
+    if REUSE:  # before any table changes: hits of this layer, misses of ghosts charged to their filler's layer
+        gs = tl.load(ghost_slot_ptr + fid, mask=first & miss, other=-1)  # [BP]
+        gown = tl.load(owner_of_ptr + gs, mask=first & miss & (gs >= 0), other=-1)  # [BP]
+        pen = first & miss & (gs >= 0) & (gown >= 0)
+        tl.atomic_add(reuse_ptr + (gown // E) * 2, tl.full([BLOCK_P], -1, tl.int64), mask=pen)
+        tl.atomic_add(reuse_ptr + moe_layer * 2, n_hits.to(tl.int64))
     tl.debug_barrier()
 
-    # 3. q from the policy's fill rule (float64, the host formula's operation order), clamped to the
-    #    evictable slots (counted by the first pass of the victim search, skipped when nothing fills)
-    num = tl.load(policy_ptr)
-    den = tl.load(policy_ptr + 1)
-    q_min = tl.load(policy_ptr + 2).to(tl.int32)
-    q = (m.to(tl.float64) * num / den + 0.5).to(tl.int32)  # floor of a non-negative value
-    q = tl.minimum(tl.maximum(q, tl.minimum(q_min, m)), m)
+    # 3. q from the policy's fill rule (float64, the host formula's operation order) or its per-layer
+    #    table, clamped to the evictable slots (counted by the first pass of the victim search, skipped
+    #    when nothing fills)
+    if TABLE:
+        q = tl.load(table_ptr + moe_layer * table_cols + tl.minimum(m, table_cols - 1)).to(tl.int32)
+        q = tl.minimum(tl.maximum(q, 0), m)
+    else:
+        num = tl.load(policy_ptr)
+        den = tl.load(policy_ptr + 1)
+        q_min = tl.load(policy_ptr + 2).to(tl.int32)
+        q = (m.to(tl.float64) * num / den + 0.5).to(tl.int32)  # floor of a non-negative value
+        q = tl.minimum(tl.maximum(q, tl.minimum(q_min, m)), m)
     gmin = tl.full([G], _NO_KEY, tl.int64)
     gsec = tl.full([G], _NO_KEY, tl.int64)
     n_evict = tl.zeros([], tl.int32)
     if q > 0:
-        gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, -1, BLOCK_R, G)
+        gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, slot_lo, slot_hi, -1, BLOCK_R, G)
     q = tl.minimum(q, n_evict)
 
     # 4. fill order: most-routed misses first, ties to the smaller flat id
@@ -177,7 +202,7 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
             thr = tl.maximum(thr, tl.max(tl.where(acc, gmin, -1)))
             taken += take
             if taken < q:
-                gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, thr, BLOCK_R, G)
+                gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, slot_lo, slot_hi, thr, BLOCK_R, G)
     tl.debug_barrier()
 
     # 6. table updates: evict the victims' owners, admit the fills, refresh recency
@@ -191,6 +216,16 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     tl.store(owner_of_ptr + vic, ffid, mask=fl)
     tl.store(last_used_ptr + vic, clock, mask=fl)
     tl.store(last_used_ptr + slot, clock, mask=hit)
+    if REUSE:  # the victims' old ghosts are forgotten, their owners become the fills' ghosts
+        g = tl.load(slot_ghost_ptr + vic, mask=fl, other=-1)  # [BP]
+        g_at = tl.load(ghost_slot_ptr + g, mask=fl & (g >= 0), other=-1)
+        tl.debug_barrier()
+        tl.store(ghost_slot_ptr + g, -1, mask=fl & (g >= 0) & (g_at == vic))
+        tl.store(ghost_slot_ptr + ffid, -1, mask=fl)
+        tl.debug_barrier()
+        tl.store(ghost_slot_ptr + old, vic, mask=fl & (old >= 0))
+        tl.store(slot_ghost_ptr + vic, old, mask=fl)
+        tl.atomic_add(reuse_ptr + moe_layer * 2 + 1, q.to(tl.int64))
     tl.store(fill_fid_ptr + r, -1, mask=valid & ~fl)
     tl.store(fill_slot_ptr + r, -1, mask=valid & ~fl)
 
@@ -233,7 +268,9 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, min_numel: int) -> No
 def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offset: int,
                   slot_of: torch.Tensor, owner_of: torch.Tensor, last_used: torch.Tensor, pinned: torch.Tensor,
                   clock: torch.Tensor, policy: torch.Tensor, counters: torch.Tensor, out: RouteOutputs,
-                  groups: int = GROUPS) -> None:
+                  groups: int = GROUPS, *, fill_table: torch.Tensor | None = None, moe_layer: int = 0,
+                  reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, num_experts: int = 1,
+                  slots: tuple[int, int] | None = None) -> None:
     """Plan one MoE layer's decode step on the device and update the expert cache's tables in place.
 
     Equal, tables included, to ``plan_step(cache, policy, tokens_per_expert, Phase.DECODE, clock)``
@@ -253,13 +290,22 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
         out: the output buffers (:class:`RouteOutputs`, capacity ``>= T·k``).
         groups: slot groups of the victim search (a power of two; more groups accept more victims
             per pass over the table; 1 makes it one arg-min pass per victim). Results do not depend on it.
+        fill_table: ``[L, M + 1]`` int32, a per-layer policy's ``q`` for ``m = 0 .. M`` misses (row
+            ``moe_layer``; ``m > M`` reads column ``M``); replaces ``policy`` when given.
+        moe_layer: MoE layer ordinal (``layer_offset / num_experts``): the table row and reuse row.
+        reuse: ``(ghost_slot [N] int64, slot_ghost [S] int64, reuse [L, 2] int64)`` (the cache's
+            reuse tables, see the module docstring), updated in place; ``None``: no reuse accounting.
+        num_experts: ``E``, experts per MoE layer (the layer of a flat id), with ``reuse``.
+        slots: ``(lo, hi)``: victims only among slots ``lo .. hi - 1`` (the layer's partition of a
+            per-layer LRU, :meth:`edgemoe.experts.cache.ExpertCache.victim_range`); ``None``: all ``S``.
 
     Raises:
         ValueError: a shape, dtype or capacity mismatch, ``T·k > 128``, or an empty cache (``S = 0``:
             every miss runs on the CPU; do not launch).
     """
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int64 or not topk_ids.is_contiguous():
-        raise ValueError(f"topk_ids must be a contiguous [T, k] int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+        raise ValueError(f"topk_ids must be a contiguous [T, k] int64 tensor, got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
     T, k = topk_ids.shape
     P = T * k
     if P < 1 or P > MAX_ROUTES:
@@ -282,6 +328,21 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
                               ("cpu_offsets", out.cpu_offsets, torch.int64, P + 1),
                               ("cpu_tok", out.cpu_tok, torch.int64, P), ("cpu_wt", out.cpu_wt, torch.float32, P)):
         _check(name, t, dtype, n)
+    if fill_table is not None:
+        if fill_table.dim() != 2 or fill_table.dtype != torch.int32 or not fill_table.is_contiguous() \
+                or not 0 <= moe_layer < fill_table.shape[0]:
+            raise ValueError(f"fill_table must be a contiguous [L, M + 1] int32 tensor with row {moe_layer}, got "
+                             f"{fill_table.dtype} {tuple(fill_table.shape)}")
+    if reuse is not None:
+        ghost_slot, slot_ghost, counts = reuse
+        _check("ghost_slot", ghost_slot, torch.int64, slot_of.numel())
+        _check("slot_ghost", slot_ghost, torch.int64, S)
+        _check("reuse", counts, torch.int64, 2 * (moe_layer + 1))
+        if num_experts < 1:
+            raise ValueError("reuse accounting needs num_experts >= 1")
+    lo, hi = (0, S) if slots is None else (int(slots[0]), int(slots[1]))
+    if not 0 <= lo <= hi <= S:
+        raise ValueError(f"slots must be a range within 0..{S}, got {slots}")
     if last_used.numel() != S or pinned.numel() != S:
         raise ValueError(f"owner_of, last_used and pinned must all have S = {S} entries")
     block_p = max(16, triton.next_power_of_2(P))
@@ -290,10 +351,13 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
     # one CTA of 16 warps: a pass over the slot table loads 4096 slots (8 per thread) per iteration, 2048
     # when the [P, P] route comparisons take the registers (sm_90 compile: 128 registers, spills < 50 B)
     block_s = 4096 if block_p <= 32 else 2048
-    block_r = max(1, min(triton.next_power_of_2(S), block_s) // groups)
+    block_r = max(1, min(triton.next_power_of_2(max(1, hi - lo)), block_s) // groups)
     _route_control_kernel[(1,)](
         topk_ids, topk_weights, int(layer_offset), P, k, T,
         slot_of, owner_of, last_used, pinned, clock, policy, counters, S,
         out.slot_tk, out.fill_fid, out.fill_slot, out.meta,
         out.cpu_dims, out.cpu_fids, out.cpu_offsets, out.cpu_tok, out.cpu_wt,
-        BLOCK_P=block_p, BLOCK_R=block_r, G=groups, num_warps=16)
+        policy if fill_table is None else fill_table, 1 if fill_table is None else fill_table.shape[1], int(moe_layer),
+        *(reuse if reuse is not None else (slot_of, owner_of, counters)), int(num_experts), lo, hi,
+        BLOCK_P=block_p, BLOCK_R=block_r, G=groups, TABLE=fill_table is not None, REUSE=reuse is not None,
+        num_warps=16)

@@ -1,0 +1,73 @@
+"""One table from the decode benchmark runs of the expert-policy study (``scripts/gpu_check.sh policy``):
+for every (regime, CPU threads, budget) each policy's tokens/s, the best fixed policy (``fill-all``,
+``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it.
+
+    python benchmarks/policy_summary.py OUT/policy        # reads OUT/policy/*/decode.json, writes summary.md/.json
+
+A run folder is named ``<regime>-t<threads>`` (e.g. ``realistic-t16``); its ``decode.json`` is
+``benchmarks/decode.py``'s output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+FIXED = ("fill-all", "cpu-all", "static", "qstar")
+ORDER = ("qstar", "auto", "fill-all", "cpu-all", "static", "adaptive")
+
+
+def summarize(root: Path) -> tuple[list[dict], str]:
+    """Rows (one per regime, threads, budget) and their markdown table.
+
+    Raises:
+        FileNotFoundError: no ``*/decode.json`` under ``root``.
+    """
+    runs = sorted(root.glob("*/decode.json"))
+    if not runs:
+        raise FileNotFoundError(f"{root}: no */decode.json (run scripts/gpu_check.sh policy first)")
+    rows = []
+    for path in runs:
+        regime, _, threads = path.parent.name.rpartition("-t")
+        data = json.loads(path.read_text())
+        by_budget: dict[float, dict[str, float]] = {}
+        for r in data["results"]:
+            if isinstance(r["budget_gb"], (int, float)):
+                by_budget.setdefault(float(r["budget_gb"]), {})[r["policy"]] = r["tokens_per_s"]
+        for gb, tps in sorted(by_budget.items()):
+            fixed = {p: tps[p] for p in FIXED if p in tps}
+            best = max(fixed, key=fixed.get) if fixed else None
+            rows.append({"regime": regime, "threads": int(threads) if threads.isdigit() else threads, "budget_gb": gb,
+                         "tokens_per_s": tps, "best_fixed": best,
+                         "auto_ratio": tps["auto"] / fixed[best] if best and "auto" in tps else None})
+    policies = [p for p in ORDER if any(p in r["tokens_per_s"] for r in rows)]
+    lines = ["| regime | threads | budget (GB) | " + " | ".join(policies) + " | best fixed | auto / best fixed |",
+             "|---|---|---|" + "---|" * len(policies) + "---|---|"]
+    for r in rows:
+        cells = [f"{r['tokens_per_s'][p]:.1f}" if p in r["tokens_per_s"] else "-" for p in policies]
+        ratio = "-" if r["auto_ratio"] is None else f"{r['auto_ratio']:.3f}"
+        lines.append(f"| {r['regime']} | {r['threads']} | {r['budget_gb']:g} | " + " | ".join(cells)
+                     + f" | {r['best_fixed'] or '-'} | {ratio} |")
+    return rows, "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", help="folder holding <regime>-t<threads>/decode.json")
+    a = ap.parse_args(argv)
+    root = Path(a.root)
+    try:
+        rows, table = summarize(root)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    (root / "summary.md").write_text(table + "\n")
+    (root / "summary.json").write_text(json.dumps(rows, indent=1))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The ``auto`` miss policy (per-layer cost model with the measured reuse of a fill) and the expert
+cache's reuse accounting it reads: the cost model's choices, the cache's ghost counters against the
+routing replay's, and the engine feeding the policy between steps with exact outputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from edgemoe.bench.replay import SlotLRU, uniform_workload
+from edgemoe.core import Phase
+from edgemoe.experts.bandwidth import fixed_costs
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.hybrid import plan_step
+from edgemoe.experts.policy import (
+    AutoPolicy,
+    Bandwidths,
+    FillAllPolicy,
+    LayerObservation,
+    MissCosts,
+    QStarPolicy,
+    make_policy,
+)
+
+ROW = 9_437_184  # bytes of a Qwen3-30B-A3B bf16 expert
+
+
+def test_without_fixed_costs_or_reuse_auto_is_the_qstar_balance():
+    bw = Bandwidths(50.0, 150.0)
+    auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=64)
+    c = auto.costs
+    for m in range(1, 65):
+        q, qs = auto.num_fills(m, 1), QStarPolicy(bw).num_fills(m)
+        assert c.split_seconds(m, q, armed=False) <= c.split_seconds(m, qs, armed=False) + 1e-12
+        assert abs(q - m / 3) <= 1  # B_P / B_H = 1/3
+
+
+def test_fixed_costs_decide_few_misses():
+    # B_H measured at 4 experts per call that cost 400 us each: the call, not the experts, is the CPU's
+    # cost, so of 2 misses both fill (q* fills 1), and many misses go to the CPU in one call
+    bw = Bandwidths(50.0, 150.0, fill_fixed_s=1e-5, cpu_fixed_s=4e-4)
+    handoff = AutoPolicy.from_bandwidths(bw, ROW, 1, 64)
+    assert handoff.num_fills(2) == 2 and QStarPolicy(bw).num_fills(2) == 1
+    assert handoff.num_fills(11) == 2 < QStarPolicy(bw).num_fills(11)
+    for m in range(1, 65):
+        q = handoff.num_fills(m)
+        assert all(handoff.costs.split_seconds(m, q, False) <= handoff.costs.split_seconds(m, x, False) + 1e-12
+                   for x in range(m + 1))
+    assert handoff.num_fills(64) < 64
+    # a copy that costs 1 ms to start: a single miss stays on the CPU
+    copy = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0, fill_fixed_s=1e-3), ROW, 1, 64)
+    assert copy.num_fills(1) == 0
+
+
+def test_measured_reuse_makes_a_layer_fill_every_miss():
+    auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0), ROW, num_layers=3, max_misses=16)
+    before = auto.fill_table().clone()
+    assert auto.observe_layers(LayerObservation(reuse_net=[0, 400, -50], fills=[100, 100, 100]))
+    t = auto.fill_table()
+    assert t.shape == (3, 17) and t.dtype == torch.int32
+    assert t[1].tolist() == list(range(17))  # reuse ~3.8 hits per fill: fill every miss
+    assert torch.equal(t[0], before[0]) and torch.equal(t[2], before[2])  # no (or negative) reuse: the balance
+    assert auto.num_fills(40, 1) == 40  # beyond the table: row M's ratio
+    assert not auto.observe_layers(LayerObservation(reuse_net=[0, 0, 0], fills=[0, 0, 0]))  # nothing new
+
+
+def test_fixed_costs_from_two_call_sizes():
+    # t(n) = 20 us + n * 100 us for a copy, 150 us + n * 80 us for a CPU call
+    row = 1_000_000
+
+    def gbps(a, b, n):
+        return n * row / (a + b * n) / 1e9
+
+    fx = fixed_costs(row, (1, gbps(2e-5, 1e-4, 1)), (8, gbps(2e-5, 1e-4, 8)), (1, gbps(1.5e-4, 8e-5, 1)),
+                     (4, gbps(1.5e-4, 8e-5, 4)))
+    assert fx["fill_call_s"] == pytest.approx(2e-5) and fx["cpu_call_s"] == pytest.approx(1.5e-4)
+
+
+def test_make_policy_auto_and_errors():
+    pol = make_policy("auto", Bandwidths(10.0, 30.0), num_layers=4, max_misses=8, expert_bytes=ROW)
+    assert pol.per_layer and pol.online and pol.fill_table().shape == (4, 9)
+    with pytest.raises(NotImplementedError):
+        pol.fill_rule()
+    with pytest.raises(NotImplementedError):
+        FillAllPolicy().fill_table()
+    with pytest.raises(ValueError, match="expert_bytes"):
+        AutoPolicy.from_bandwidths(Bandwidths(10.0, 30.0), 0, 1, 8)
+    none = make_policy("auto", Bandwidths(None, None), num_layers=2, max_misses=8, expert_bytes=ROW)
+    assert none.num_fills(5, 0) == 0  # no bandwidths (no cache to fill): everything on the CPU
+    assert isinstance(pol.costs, MissCosts)
+
+
+@pytest.mark.parametrize("rule", ["fill-all", "qstar"])
+def test_cache_reuse_counters_equal_the_replay_accounting(rule):
+    """The engine's ghost counters (ExpertCache.count_reuse through plan_step) equal the routing replay's
+    net-reuse accounting of the same global LRU (SlotLRU), layer by layer."""
+    L, E, k, S = 3, 10, 3, 9
+    wl = uniform_workload(L, E, k, tokens=60, requests=2, seed=3)
+    pol = FillAllPolicy() if rule == "fill-all" else QStarPolicy(Bandwidths(10.0, 25.0))
+    cache = ExpertCache(S, L * E, [], torch.float32, torch.device("cpu"), num_experts=E)
+    ref = SlotLRU(wl, S)
+    for i, a in enumerate(wl.accesses):
+        plan_step(cache, pol, dict(zip(a.ids, a.counts)), Phase.DECODE, a.step)
+        ref.access(a, i, pol.num_fills)
+    assert cache.reuse[:, 0].tolist() == ref.reuse_net
+    assert cache.reuse[:, 1].tolist() == ref.fills_by_layer
+    assert sum(ref.fills_by_layer) > 0 and any(ref.reuse_net)
+    cache.check_invariants()
+    # ghosts point at slots whose owner displaced them, and only at non-resident ids
+    for fid, slot in enumerate(cache.ghost_slot.tolist()):
+        if slot >= 0:
+            assert cache.slot_of[fid] < 0 and cache.slot_ghost[slot] == fid
+
+
+def test_reuse_is_positive_with_locality_and_near_zero_without():
+    L, E, S = 2, 16, 8
+    rng = random.Random(0)
+    out = {}
+    for name, draw in (("hot", lambda: rng.sample(range(4), 2) if rng.random() < 0.9 else rng.sample(range(E), 2)),
+                       ("uniform", lambda: rng.sample(range(E), 2))):
+        cache = ExpertCache(S, L * E, [], torch.float32, torch.device("cpu"), num_experts=E)
+        for step in range(1, 1500):
+            for layer in range(L):
+                plan_step(cache, FillAllPolicy(), {layer * E + e: 1 for e in draw()}, Phase.DECODE, step)
+        net, fills = cache.reuse.sum(0).tolist()
+        out[name] = net / fills
+    assert out["hot"] > 2.0
+    assert abs(out["uniform"]) < 0.15
+
+
+def test_engine_feeds_auto_between_steps_and_outputs_stay_exact(tiny_model_dir):
+    """Greedy tokens under auto equal fill-all's (placement only); the runtime reads the cache's reuse
+    counters every few decode steps and the policy's table follows them."""
+    from edgemoe import LLM, SamplingParams
+    from edgemoe.experts.policy import REUSE_READ_STEPS
+
+    params = SamplingParams(max_tokens=3 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True)
+    prompt = "Tell me about the number 42 and why"
+    toks = {}
+    for policy in ("fill-all", "auto"):
+        llm = LLM(str(tiny_model_dir), device="cpu", expert_policy=policy, expert_cache_slots=12,
+                  bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+        toks[policy] = llm.generate([prompt], params)[0].outputs[0].token_ids
+        rt = llm.runner.experts
+        if policy == "auto":
+            assert rt.policy.per_layer and any(r != 0 for r in rt.policy.reuse)  # the counters reached it
+            st = rt.stats()["decode"]
+            assert st["fills"] > 0 and st["misses"] == st["fills"] + st["cpu"]
+    assert toks["auto"] == toks["fill-all"]
+
+
+def test_per_layer_lru_partitions_and_matches_the_replay():
+    """The engine's per-layer LRU (ExpertCache.partition_layers through plan_step) keeps each layer's fills
+    in its share of the slots and misses within 2 % of the replay's LayerLRU (they differ only in how
+    equal recencies are ordered); with fewer slots than layers it stays global."""
+    from edgemoe.bench.replay import simulate
+
+    wl = uniform_workload(4, 16, 3, tokens=150, requests=2, seed=1)
+    for slots in (8, 13, 30):
+        a, b = simulate(wl, "layer-lru", slots), simulate(wl, "layer-lru-engine", slots)
+        assert abs(a.misses - b.misses) <= 0.02 * a.misses
+    c = ExpertCache(10, 4 * 16, [], torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
+    assert [c.victim_range(layer) for layer in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert c.victim_range(None) == (0, 10)
+    assert c.evictable([], layer=1) == 3 and c.choose_victims(5, [], layer=2) == [6, 7]
+    small = ExpertCache(3, 4 * 16, [], torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
+    assert not small.partition_layers and small.victim_range(2) == (0, 3)

@@ -1,0 +1,44 @@
+"""The expert-policy study's benchmark plumbing on CPU at tiny scale: ``benchmarks/decode.py --routing
+trace`` (recorded routing replayed per layer) and ``benchmarks/policy_summary.py`` (the table the
+GPU host's ``scripts/gpu_check.sh policy`` stage prints)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "routing_traces"
+MIXTRAL = sorted(TRACES.glob("mixtral*.jsonl")) if TRACES.is_dir() else []
+
+
+@pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")
+def test_decode_benchmark_replays_traces_and_summary_table(tmp_path, load_benchmark):
+    bench = load_benchmark("decode")
+    run = tmp_path / "policy" / "realistic-t1"
+    traces = ",".join(map(str, MIXTRAL))
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--budgets", "0.0005",
+                       "--policies", "qstar,auto,fill-all",
+                       "--routing", "trace", "--trace", traces, "--tokens", "4", "--warmup", "1",
+                       "--profile-seconds", "0.05", "--rotate-gb", "0.05", "--no-resident", "--cpu-threads", "1",
+                       "--out", str(run)]) == 0
+    data = json.loads((run / "decode.json").read_text())
+    assert data["meta"]["routing"] == "trace" and data["meta"]["trace_steps"] > 100
+    assert data["meta"]["eviction"] == "layer-lru"
+    res = {r["policy"]: r for r in data["results"]}
+    assert set(res) == {"qstar", "auto", "fill-all"}
+    assert res["fill-all"]["hit_rate"] > 0  # the replayed trace repeats experts across steps
+    summary = load_benchmark("policy_summary")
+    assert summary.main([str(tmp_path / "policy")]) == 0
+    rows = json.loads((tmp_path / "policy" / "summary.json").read_text())
+    assert len(rows) == 1 and rows[0]["regime"] == "realistic" and rows[0]["threads"] == 1
+    best = rows[0]["best_fixed"]
+    assert best in ("qstar", "fill-all")
+    assert rows[0]["auto_ratio"] == pytest.approx(res["auto"]["tokens_per_s"] / res[best]["tokens_per_s"])
+    assert "| realistic | 1 | 0.0005 |" in (tmp_path / "policy" / "summary.md").read_text()
+
+
+def test_policy_summary_without_runs(tmp_path, load_benchmark, capsys):
+    assert load_benchmark("policy_summary").main([str(tmp_path)]) == 1
+    assert "no */decode.json" in capsys.readouterr().err
