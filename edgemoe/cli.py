@@ -1,8 +1,8 @@
 """The ``edgemoe`` command line: ``serve``, ``chat``, ``generate``, ``make-model``, ``profile`` and more.
 
 Engine options shared by ``serve``, ``generate`` and ``profile`` are generated from the fields of
-:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction. User errors (a missing
-model directory, a bad option value) end with one ``edgemoe: error: ...`` line and exit status 2.
+:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction. User
+errors (a missing model directory, a bad option value) end with one ``edgemoe: error: ...`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -283,7 +283,8 @@ def _register_convert(subparsers: argparse._SubParsersAction) -> argparse.Argume
     """Add ``edgemoe convert HF_DIR OUT_DIR [--dtype D] [--overwrite] [--no-progress]`` to ``subparsers``
     (``func`` = the handler, returning the exit status)."""
     p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to FTW (fast bootstrap)",
-                              description="Write expert banks + manifest for direct-I/O bootstrap (edgemoe.weights.ftw).")
+                              description="Write expert banks + manifest for direct-I/O bootstrap "
+                                          "(edgemoe.weights.ftw).")
     p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
     p.add_argument("out_dir", help="FTW directory to create")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
@@ -336,6 +337,15 @@ def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-table-slots", type=int, default=None,
                    help="capacity (slots) of the per-layer hit-rate table (default: the middle capacity)")
     p.add_argument("--json", default=None, help="write every result (per-layer too) as JSON here")
+    from edgemoe.bench.steptime import COST_PRESETS
+
+    p.add_argument("--prefetch", action="store_true",
+                   help="also replay with next-layer prefetch (traces recorded with predicted experts)")
+    p.add_argument("--step-time", choices=sorted(COST_PRESETS), default=None,
+                   help="also simulate decode tokens/s of every miss policy (fill-all, cpu-all, static, qstar, "
+                        "adaptive, auto) on this machine model")
+    p.add_argument("--eviction", default="layer-lru", help="eviction rule of the step-time simulation (a --policy "
+                   "name that fills on a miss; default layer-lru, the engine's)")
 
 
 def _register_replay(subparsers) -> argparse.ArgumentParser:

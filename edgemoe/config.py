@@ -246,6 +246,7 @@ def hf_dtype(*cfgs: dict[str, Any]) -> str:
 
 EXPERT_POLICIES = ("qstar", "auto", "adaptive", "fill-all", "cpu-all", "static")
 EXPERT_EVICTIONS = ("layer-lru", "global-lru")
+EXPERT_PREFETCH = ("off", "next-layer")
 CPU_EXECUTORS = ("auto", "native", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -284,6 +285,10 @@ class EngineConfig:
         "layer-lru", "which cached expert a decode fill replaces: layer-lru (the least recently used of the "
         "layer's equal share of the slots; fewest misses on recorded routing) or global-lru (the least recently "
         "used of all slots)", choices=EXPERT_EVICTIONS)
+    prefetch: str = option(
+        "off", "expert prefetch in decode: next-layer (after a MoE layer, apply the next MoE layer's router to its "
+        "hidden state and fill the predicted experts that are not resident; placement only, outputs unchanged)",
+        choices=EXPERT_PREFETCH)
     cpu_threads: int | None = option(
         None, "threads of the CPU expert executor (default: one per physical core for the native executor)",
         type=int)
@@ -319,7 +324,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name, choices in (("expert_policy", EXPERT_POLICIES), ("expert_eviction", EXPERT_EVICTIONS),
-                              ("cpu_executor", CPU_EXECUTORS),
+                              ("prefetch", EXPERT_PREFETCH), ("cpu_executor", CPU_EXECUTORS),
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")

@@ -167,3 +167,21 @@ def test_per_layer_lru_partitions_and_matches_the_replay():
     assert c.evictable([], layer=1) == 3 and c.choose_victims(5, [], layer=2) == [6, 7]
     small = ExpertCache(3, 4 * 16, [], torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
     assert not small.partition_layers and small.victim_range(2) == (0, 3)
+
+
+def test_next_layer_prefetch_keeps_greedy_tokens(tiny_model_dir):
+    """--prefetch next-layer only changes placement: greedy tokens equal those without it, on CPU."""
+    from edgemoe import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["Tell me about the number 42 and why", "List three colours"]
+    out, stats = {}, {}
+    for prefetch in ("off", "next-layer"):
+        llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="qstar", expert_cache_slots=20, prefetch=prefetch,
+                  bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=2, progress=False)
+        out[prefetch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats[prefetch] = llm.runner.experts.stats()
+    assert out["next-layer"] == out["off"]
+    pf = stats["next-layer"]["prefetch"]
+    assert pf["prefetched"] > 0 and 0 <= pf["prefetch_hits"] <= pf["prefetched"]
+    assert stats["off"]["prefetch"]["prefetched"] == 0

@@ -150,3 +150,45 @@ def test_doorbell_wait_gives_up_without_a_server():
     assert int(bell[1]) == 2
     with pytest.raises(ValueError, match="int64"):
         doorbell.ring(seq.int(), bell)
+
+
+class _Batch:
+    """The fields of ``ForwardBatch`` that ``HybridExperts.prefetch_next`` reads (a decode step)."""
+
+    def __init__(self, step: int):
+        self.phase, self.step, self.decode = Phase.DECODE, step, None
+
+
+@pytest.mark.parametrize("partition", [False, True])
+def test_next_layer_prefetch_device_equals_eager(partition):
+    """Next-layer prefetch on the device path (route_control under fill-all into its own buffers, then
+    gather_fills) fills the same experts into the same slots as the eager path, outputs unchanged."""
+    pool = _pool()
+    eager, dev = _pair(pool, 9, "qstar", partition)
+    g = torch.Generator().manual_seed(3)
+    routers = [torch.nn.Linear(H, E, bias=False) for _ in range(LAYERS)]
+
+    def router(lin):
+        return lambda x: (lin(x).topk(K, dim=-1).indices, None)
+
+    for hx in (eager, dev):
+        hx.set_prefetch([router(r) for r in routers])
+    for step in range(1, 6):
+        for c in (eager.cache, dev.cache):
+            c.clock.fill_(step)
+        for layer in range(LAYERS):
+            x = torch.randn(2, H, generator=g)
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(2)])  # [2, k]
+            w = torch.softmax(torch.randn(2, K, generator=g), dim=-1)
+            with torch.no_grad():
+                a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
+                b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+                eager.prefetch_next(layer, x, _Batch(step))
+                dev.prefetch_next(layer, x, _Batch(step))
+            for name in ("slot_of", "owner_of", "last_used"):
+                assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
+            for bank_d, bank_e in zip(dev.cache.banks, eager.cache.banks):  # the prefetched rows were copied
+                used = dev.cache.owner_of >= 0
+                assert torch.equal(bank_d[used], bank_e[used])
+    assert dev.stats()["prefetch"]["prefetched"] == eager.stats()["prefetch"]["prefetched"] > 0

@@ -135,7 +135,12 @@ def test_offloaded_fill_all_is_bit_identical_to_resident(checkpoint, device):
     path, _ = checkpoint
     cfg = dict(device=device, dtype="float32", expert_policy="fill-all")
     resident = _edgemoe(ModelRunner(path, EngineConfig(expert_cache_slots=10_000, **cfg), progress=False), DECODE_STEPS)
-    # 5 slots: fewer than one layer's 16 experts, enough for a decode step's top-4 (all on the device)
-    offloaded = _edgemoe(ModelRunner(path, EngineConfig(expert_cache_slots=5, **cfg), progress=False), DECODE_STEPS)
-    assert offloaded[1] == resident[1]
-    assert torch.equal(offloaded[0], resident[0])
+    # fewer slots than one layer's 16 experts, enough for a decode step's top-4 (all on the device): 5 slots
+    # under global LRU; 12 under per-layer LRU (4 for each of the 3 MoE layers)
+    for slots, eviction in ((5, "global-lru"), (12, "layer-lru")):
+        runner = ModelRunner(path, EngineConfig(expert_cache_slots=slots, expert_eviction=eviction, **cfg),
+                             progress=False)
+        offloaded = _edgemoe(runner, DECODE_STEPS)
+        assert offloaded[1] == resident[1]
+        assert torch.equal(offloaded[0], resident[0])
+        assert runner.experts.stats()["decode"]["cpu"] == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgemoe.bench.replay import DEFAULT_POLICIES, Workload, build_workload, load_workload, main_replay, simulate
-from edgemoe.bench.trace import RouteRecord, RoutingRecorder, TraceFormatError, read_traces
+from edgemoe.bench.trace import RouteRecord, RoutingRecorder, TraceFormatError, TraceInfo, read_traces
 from edgemoe.cli import build_parser
 from edgemoe.core import ForwardBatch, Phase, SeqSlice
 
@@ -288,3 +288,39 @@ def test_generate_cli_records_routing_per_request(tiny_dir, tmp_path):
     assert all(r["request_id"] == "llm-0" for r in routes)
     wl = load_workload([path])
     assert wl.decode_tokens == 4 and wl.requests == 1  # 5 tokens: the first comes from prefill
+
+
+def test_cli_prefetch_and_step_time(tmp_path, capsys):
+    """replay-routing --prefetch replays traces recorded with predictions, --step-time adds the simulated
+    tokens/s of every miss policy; --prefetch without predictions is an error."""
+    L, E = 2, 8
+    recs = []
+    for t in range(40):
+        for layer in range(L):
+            ids = [(t + layer) % E, (t // 3 + 1) % E]
+            recs.append(RouteRecord("x", 0, "r", "decode", t + 1, layer, [t], [ids], None,
+                                    predicted=[[(t + layer) % E, (t + 5) % E]] if layer else None))
+    info = TraceInfo([{"num_moe_layers": L, "num_experts": E, "top_k": 2}])
+    wl = build_workload(recs, info)
+    assert wl.accesses[1].predicted is not None and wl.accesses[0].predicted is None
+    plain = simulate(wl, "layer-lru", 6)
+    pre = simulate(wl, "layer-lru", 6, prefetch=True)
+    assert pre.policy == "layer-lru+prefetch" and pre.decode_misses[1] < plain.decode_misses[1]
+    assert pre.decode_misses[0] == plain.decode_misses[0]  # layer 0 has no prediction (its ids are protected)
+    path = tmp_path / "p.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps({"type": "header", "num_moe_layers": L, "num_experts": E, "top_k": 2}) + "\n")
+        for r in recs:
+            line = {"type": "route", "seq_id": 0, "phase": "decode", "step": r.step, "layer": r.layer,
+                    "pos": r.positions, "experts": r.experts}
+            if r.predicted is not None:
+                line["predicted"] = r.predicted
+            f.write(json.dumps(line) + "\n")
+    assert main_replay(_parse([str(path), "--capacity-slots", "4,6", "--policy", "lru,layer-lru", "--prefetch",
+                               "--step-time", "h200", "--no-plot"])) == 0
+    out = capsys.readouterr().out
+    assert "layer-lru+prefetch" in out and "auto / best fixed" in out and "qstar+prefetch" in out
+    plain_path = tmp_path / "q.jsonl"
+    plain_path.write_text("".join(ln for ln in path.read_text().splitlines(True) if "predicted" not in ln))
+    with pytest.raises(ValueError, match="predicted experts"):
+        main_replay(_parse([str(plain_path), "--capacity-slots", "4", "--prefetch", "--no-plot"]))

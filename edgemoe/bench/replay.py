@@ -1082,16 +1082,24 @@ class ReplayResult:
 
 
 def simulate(wl: Workload, policy: str | Policy, slots: int | None = None, calibration: Workload | None = None,
-             progress=None) -> ReplayResult:
+             progress=None, prefetch: bool = False) -> ReplayResult:
     """Replay ``wl`` through one policy (a name plus ``slots``, or a built :class:`Policy`).
 
-    ``progress``: optional tqdm bar, advanced by the number of accesses.
+    ``progress``: optional tqdm bar, advanced by the number of accesses. ``prefetch``: next-layer
+    prefetch (the engine's ``--prefetch next-layer``): before each decode access with ``predicted`` ids,
+    those not resident are filled without evicting the previous layer's ids of the step (a policy that
+    admits; the result is named ``<policy>+prefetch``).
     """
     pol = policy if isinstance(policy, Policy) else make_policy(policy, wl, int(slots), calibration)
     L = wl.num_layers
     dh, dm = [0] * L, [0] * L
     ph = pm = 0
+    prev: Access | None = None
     for i, a in enumerate(wl.accesses):
+        if (prefetch and a.phase == "decode" and a.predicted and isinstance(pol, ResidentPolicy) and pol.admits
+                and prev is not None and prev.step == a.step):
+            pol.prefetch(a, a.predicted, set(a.predicted) | set(prev.ids), i)
+        prev = a
         h, m = pol.access(a, i)
         if a.phase == "decode":
             dh[a.layer] += h
@@ -1103,7 +1111,8 @@ def simulate(wl: Workload, policy: str | Policy, slots: int | None = None, calib
             progress.update(1024)
     if progress is not None:
         progress.update(len(wl.accesses) & 1023)
-    return ReplayResult(pol.name, pol.slots, pol.slots / wl.num_ids, dh, dm, ph, pm, wl.decode_tokens)
+    name = pol.name + ("+prefetch" if prefetch else "")
+    return ReplayResult(name, pol.slots, pol.slots / wl.num_ids, dh, dm, ph, pm, wl.decode_tokens)
 
 
 def slots_for(capacities: list[float], num_ids: int) -> list[int]:
@@ -1209,6 +1218,36 @@ def format_report(wl: Workload, results: list[ReplayResult], expert_bytes: int |
     return "\n".join(out)
 
 
+def format_step_time(wl: Workload, slots: list[int], preset: str, eviction: str, prefetch: bool = False) -> str:
+    """Text table of simulated decode tokens/s per miss policy and cache size on the machine model
+    ``preset`` (:mod:`edgemoe.bench.steptime`), with ``auto``'s ratio to the best fixed policy (fill-all,
+    cpu-all, static, qstar); ``prefetch`` adds rows with next-layer prefetch.
+
+    Raises:
+        ValueError: an unknown preset or eviction rule without a step-time model.
+    """
+    from edgemoe.bench.steptime import COST_PRESETS, MISS_POLICIES, simulate_time
+
+    if preset not in COST_PRESETS:
+        raise ValueError(f"unknown machine model {preset!r}; choose from {', '.join(COST_PRESETS)}")
+    costs = COST_PRESETS[preset]
+    runs = [(p, False) for p in MISS_POLICIES]
+    if prefetch:
+        runs += [(p, True) for p in ("fill-all", "qstar", "auto")]
+    tps = {(p, f, s): simulate_time(wl, p, s, costs, eviction, prefetch=f).tokens_per_s for p, f in runs for s in slots}
+    N = wl.num_ids
+    cols = [f"{100 * s / N:.0f}% ({s})" for s in slots]
+    w = max(10, *(len(c) for c in cols))
+    lines = [f"simulated decode tokens/s on the {preset!r} machine model, eviction {eviction}",
+             f"{'policy':<18}" + "".join(f"{c:>{w + 2}}" for c in cols)]
+    for p, f in runs:
+        lines.append(f"{p + ('+prefetch' if f else ''):<18}" + "".join(f"{tps[p, f, s]:>{w + 2}.1f}" for s in slots))
+    best = [max(tps[p, False, s] for p in ("fill-all", "cpu-all", "static", "qstar")) for s in slots]
+    lines.append(f"{'auto / best fixed':<18}" + "".join(f"{tps['auto', False, s] / b:>{w + 2}.3f}"
+                                                        for s, b in zip(slots, best)))
+    return "\n".join(lines)
+
+
 STYLE = {"lru": dict(color="tab:red", linewidth=2.2), "layer-lru": dict(color="tab:orange"),
          "lfu": dict(color="tab:olive"), "static-oracle": dict(color="tab:green"),
          "static-calib": dict(color="tab:cyan"), "static-layers": dict(color="tab:brown"),
@@ -1273,7 +1312,15 @@ def main_replay(args: Namespace) -> int:
         slots = slots_for(args.capacity, wl.num_ids)
     expert_bytes = args.expert_bytes or (expert_bytes_from_config(args.model) if args.model else wl.expert_bytes)
     results = replay(wl, policies, slots, calib)
+    if args.prefetch:
+        if not any(a.predicted for a in wl.accesses):
+            raise ValueError("--prefetch needs traces recorded with predicted experts (benchmarks/policy_traces.py)")
+        results += [simulate(wl, p, s, calib, prefetch=True) for p in policies if p not in NO_FILL
+                    and p not in ("belady", "lru-engine", "layer-lru-engine") for s in slots]
     print(format_report(wl, results, expert_bytes, args.layer_table_slots))
+    if args.step_time:
+        print()
+        print(format_step_time(wl, slots, args.step_time, args.eviction, args.prefetch))
     if not args.no_plot:
         path = plot(wl, results, args.plot, args.title, absolute=bool(args.capacity_slots))
         print(f"\nplot: {path}")

@@ -159,6 +159,8 @@ class ModelRunner:
         set up the decode graphs for the current decode path (after any of them was rebuilt)."""
         self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state,
                         checkpoints=self.prefix.checkpoints)
+        if self.engine_config.prefetch == "next-layer":
+            self.experts.hybrid.set_prefetch([blk.gate for blk in self.model.moe_blocks()])
         if self.experts.decode_path is DecodePath.EAGER:
             self.graphs = None
         elif self.graphs is None:

@@ -107,6 +107,32 @@ class DeviceDecode:
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
             self.bell = self.step.serve(pin_memory=self.cuda)
         self._seen = (0, 0)  # waits given up and executor failures already reported by check()
+        self.prefetch_out: RouteOutputs | None = None
+        self.prefetch_counters: torch.Tensor | None = None  # [4] int64: (hits, misses, fills, -) of predictions
+        self._fill_all = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64, device=dev)
+        self._ones = torch.ones(max_tokens, top_k, dtype=torch.float32, device=dev)  # [T, k] placeholder weights
+
+    def set_prefetch(self, on: bool) -> None:
+        """Allocate (or drop) the buffers of :meth:`prefetch` (next-layer prefetch on or off)."""
+        from edgemoe.kernels.route_control import RouteOutputs
+
+        self.prefetch_out = RouteOutputs.empty(self.max_tokens * self.top_k, self.device) if on else None
+        self.prefetch_counters = torch.zeros(4, dtype=torch.int64, device=self.device) if on else None
+
+    def prefetch(self, moe_layer: int, pred: torch.Tensor) -> None:
+        """Fill the experts ``pred [T, k]`` (int64, within MoE layer ``moe_layer``) that are not resident, into
+        least recently used slots of the layer's victim range, on the device (no host sync: one
+        ``route_control`` launch under fill-all, without reuse accounting, into its own buffers and
+        counters, then ``gather_fills``). Predicted experts that are resident count as hits there and
+        have their recency refreshed. The copies are in stream order with the step's other work.
+        """
+        c, o = self.cache, self.prefetch_out
+        T = pred.shape[0]
+        self._route_control(pred.contiguous(), self._ones[:T], moe_layer * self.num_experts, c.slot_of, c.owner_of,
+                            c.last_used, c.pinned, c.clock, self._fill_all, self.prefetch_counters, o,
+                            slots=c.victim_range(moe_layer))
+        w13, w2 = c.banks
+        self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
 
     def push_policy(self) -> None:
         """Copy the policy's current rule (or per-layer table) into the device tensors the control reads

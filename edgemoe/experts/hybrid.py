@@ -124,6 +124,9 @@ class HybridExperts:
         self.num_experts = num_experts
         self.device = torch.device(device)
         self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
+        self.routers: list | None = None  # every MoE layer's router, when next-layer prefetch is on
+        self.prefetch_counts = {"prefetched": 0, "prefetch_hits": 0}  # eager path (the device path: prefetched)
+        self._prefetched: dict[int, set[int]] = {}  # MoE layer -> ids prefetched for its next decode step
         self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device)
         if policy.places_static:
             self.place_static()
@@ -145,6 +148,50 @@ class HybridExperts:
         non_blocking = self.pool.pinned and self.device.type == "cuda"
         for dst, src in zip(self.cache.banks, self.pool.banks()):
             dst[slot].copy_(src[fid], non_blocking=non_blocking)
+
+    # ------------------------------------------------------------------ next-layer prefetch
+    def set_prefetch(self, routers: list | None) -> None:
+        """Turn next-layer prefetch on with every MoE layer's router (``forward(x [T, H]) -> (ids [T, k],
+        weights)``, in MoE-layer order), or off with ``None``."""
+        self.routers = routers
+        if self.device_decode is not None:
+            self.device_decode.set_prefetch(routers is not None)
+
+    def prefetch_next(self, moe_layer: int, x: torch.Tensor, batch) -> None:
+        """After MoE layer ``moe_layer``'s decode step: apply the next MoE layer's router to this layer's
+        hidden state ``x [T, H]`` (its normalized MLP input) and fill the predicted experts of the next
+        layer that are not resident (most-predicted first, then the smaller id) into least recently used
+        slots of its victim range; resident predicted experts have their recency refreshed and are not
+        evicted. Placement only: which experts the next layer computes, and how, does not depend on it.
+        Next-layer expert prediction from the current hidden state is the pre-gating of Hwang et al.,
+        "Pre-gated MoE" (ISCA 2024). The device path does the same on the device (``DeviceDecode.prefetch``).
+
+        Padding rows of a captured batch predict as row 0. No-op outside decode, without prefetch, after
+        the last MoE layer, without cache slots, or under a policy that never fills.
+        """
+        if (self.routers is None or batch.phase is not Phase.DECODE or moe_layer + 1 >= len(self.routers)
+                or self.cache.num_slots == 0 or not self.policy.admits):
+            return
+        pred, _ = self.routers[moe_layer + 1](x)  # [T, k]
+        if batch.decode is not None:
+            pred = torch.where(batch.decode.valid[:, None], pred, pred[:1])
+        if self.device_decode is not None:
+            self.device_decode.prefetch(moe_layer + 1, pred)
+            return
+        fids, counts = torch.unique(pred.to("cpu", torch.int64) + (moe_layer + 1) * self.num_experts,
+                                    return_counts=True)
+        tokens = dict(zip(fids.tolist(), counts.tolist()))
+        hits, misses = self.cache.lookup(list(tokens))
+        self.cache.touch(list(hits.values()), batch.step)
+        if not misses:
+            return
+        misses.sort(key=lambda f: (-tokens[f], f))  # route_control's fill order
+        victims = self.cache.choose_victims(len(misses), list(hits.values()), moe_layer + 1)
+        for fid, slot in zip(misses, victims):
+            self.cache.admit(fid, slot, step=batch.step)
+            self._copy_in(fid, slot)
+        self.prefetch_counts["prefetched"] += len(victims)
+        self._prefetched[moe_layer + 1] = set(misses[:len(victims)])
 
     # ------------------------------------------------------------------ forward
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -170,6 +217,8 @@ class HybridExperts:
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
         fids, counts = torch.unique(flat, return_counts=True)
         plan = plan_step(self.cache, self.policy, dict(zip(fids.tolist(), counts.tolist())), phase, step)
+        if self._prefetched and phase is Phase.DECODE:  # prefetched ids this step routes (and hits)
+            self.prefetch_counts["prefetch_hits"] += len(self._prefetched.pop(moe_layer, set()) & plan.hits.keys())
         if plan.cpu:  # D2H before the device work is enqueued: a copy after it would wait for it
             x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
@@ -242,4 +291,7 @@ class HybridExperts:
         if self.device_decode is not None:
             for key, v in self.device_decode.counter_dict().items():
                 out["decode"][key] += v
+        out["prefetch"] = dict(self.prefetch_counts)
+        if self.device_decode is not None and self.device_decode.prefetch_counters is not None:
+            out["prefetch"]["prefetched"] += int(self.device_decode.prefetch_counters[2])
         return out

@@ -60,7 +60,9 @@ class SparseMoeBlock(nn.Module):
             weights = weights * valid.to(weights.dtype)
         if batch.record is not None:
             batch.record(batch, self.moe_layer, ids, weights)
-        return self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)
+        out = self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)
+        self.experts.prefetch_next(self.moe_layer, x, batch)
+        return out
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
