@@ -209,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="qstar,auto,adaptive,fill-all,cpu-all,static")
     ap.add_argument("--eviction", default="layer-lru", choices=["layer-lru", "global-lru"],
                     help="the expert cache's eviction rule (EngineConfig.expert_eviction)")
+    ap.add_argument("--prefetch", default="off", choices=["off", "next-layer"],
+                    help="expert prefetch in decode (EngineConfig.prefetch)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     model = model_dir(a)
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
-                       expert_eviction=a.eviction,
+                       expert_eviction=a.eviction, prefetch=a.prefetch,
                        max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8
                                                   for c in a.contexts.split(",") if c]]))
     t0 = time.perf_counter()
@@ -300,6 +302,7 @@ def main(argv=None) -> int:
         "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
         "decode_input": a.decode_input, "routing": a.routing,
         "trace": a.trace or None, "trace_steps": trace_steps, "eviction": a.eviction,
+        "prefetch": a.prefetch,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

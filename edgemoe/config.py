@@ -283,8 +283,8 @@ class EngineConfig:
         "static (whole layers placed at load)", choices=EXPERT_POLICIES)
     expert_eviction: str = option(
         "layer-lru", "which cached expert a decode fill replaces: layer-lru (the least recently used of the "
-        "layer's equal share of the slots; fewest misses on recorded routing) or global-lru (the least recently "
-        "used of all slots)", choices=EXPERT_EVICTIONS)
+        "layer's equal share of the slots, when every share holds a token's top-k, else global; fewest misses on "
+        "recorded routing) or global-lru (the least recently used of all slots)", choices=EXPERT_EVICTIONS)
     prefetch: str = option(
         "off", "expert prefetch in decode: next-layer (after a MoE layer, apply the next MoE layer's router to its "
         "hidden state and fill the predicted experts that are not resident; placement only, outputs unchanged)",

@@ -42,3 +42,15 @@ def test_decode_benchmark_replays_traces_and_summary_table(tmp_path, load_benchm
 def test_policy_summary_without_runs(tmp_path, load_benchmark, capsys):
     assert load_benchmark("policy_summary").main([str(tmp_path)]) == 1
     assert "no */decode.json" in capsys.readouterr().err
+
+
+def test_policy_sim_rows(tmp_path, load_benchmark):
+    """``benchmarks/policy_sim.py``: the step-time simulation of the study (small, no traces)."""
+    sim = load_benchmark("policy_sim")
+    out = tmp_path / "sim.json"
+    assert sim.main(["--tokens", "24", "--budgets", "6", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["regime"] for r in rows] == ["no-locality", "degenerate"]
+    for r in rows:
+        assert r["best_fixed"] in ("fill-all", "cpu-all", "static", "qstar") and r["auto_ratio"] > 0.5
+    assert rows[1]["tokens_per_s"]["fill-all"] > rows[0]["tokens_per_s"]["fill-all"]  # locality pays

@@ -213,7 +213,7 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("slots,eviction,replayed", [(3, "global-lru", "lru"), (10, "global-lru", "lru"),
-                                                     (20, "global-lru", "lru"), (10, "layer-lru", "layer-lru-engine"),
+                                                     (20, "global-lru", "lru"), (12, "layer-lru", "layer-lru-engine"),
                                                      (20, "layer-lru", "layer-lru-engine")])
 def test_replayed_lru_equals_engine_counters(tiny_dir, tmp_path, slots, eviction, replayed):
     from edgemoe.config import EngineConfig

@@ -178,13 +178,15 @@ def _miss_policy(name: str, wl: Workload, costs: MissCosts, **auto_kw) -> Expert
 def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, eviction: str = "lru", *,
                   contention: Contention | None = None, noise: float = 0.0, seed: int = 0, prefetch: bool = False,
                   token_base_s: float = 0.0, auto_kw: dict | None = None,
-                  measure_branches: bool = False) -> TimeResult:
+                  measure_branches: bool = False, warmup: int = 0) -> TimeResult:
     """Replay ``wl`` under miss policy ``policy`` (one of :data:`MISS_POLICIES`) with ``slots`` cache
     slots under ``eviction`` (a :func:`~edgemoe.bench.replay.make_policy` name) on a machine of ``costs``
     (see the module docstring). ``token_base_s``: time per decode step outside the MoE layers (LM
     head, embeddings). ``noise``: log-normal sigma of the branch and step times the policies see.
     ``auto`` sees, as in the engine, the fills' net reuse every ``REUSE_READ_STEPS`` decode steps;
     ``measure_branches`` also gives it every layer step's branch times (which the engine does not time).
+    ``warmup``: decode steps run but not timed (as the decode benchmark's ``--warmup``; the engine's
+    prefill warms the cache before decode, a decode-only trace starts cold).
 
     Raises:
         ValueError: an unknown policy or eviction rule, or ``prefetch`` on a trace without predictions.
@@ -252,7 +254,10 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         prev = a
     if cur_step is not None:
         _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock)
-    res.seconds = sum(res.step_seconds)
+    n = len(res.step_seconds)
+    w = min(int(warmup), n)
+    res.seconds = sum(res.step_seconds[w:])
+    res.tokens = round(res.tokens * (n - w) / n) if n else 0
     return res
 
 

@@ -132,7 +132,8 @@ class ExpertRuntime:
         pool = self.pool
         self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
                                  pool.dtype, self.device, num_experts=self.model_config.num_experts,
-                                 partition_layers=self.config.expert_eviction == "layer-lru")
+                                 partition_layers=self.config.expert_eviction == "layer-lru"
+                                 and slots >= self.model_config.num_moe_layers * self.model_config.top_k)
         if self.bandwidths is None or (policy in BANDWIDTH_POLICIES and self.bandwidths.pcie is None and slots > 0):
             self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
                                                  self.cpu_executor)

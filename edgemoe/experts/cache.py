@@ -165,6 +165,12 @@ class ExpertCache:
             return []
         return torch.topk(key, k, largest=False, sorted=True).indices.tolist()
 
+    def free_slots(self, layer: int | None = None) -> int:
+        """Slots of ``layer``'s victim range that hold nothing and are not pinned."""
+        free = (self.owner_of < 0) & ~self.pinned
+        lo, hi = self.victim_range(layer)
+        return int(free[lo:hi].sum())
+
     def evictable(self, exclude: list[int], layer: int | None = None) -> int:
         """Slots of ``layer``'s victim range that could receive a fill this step (not pinned and not in
         ``exclude``)."""

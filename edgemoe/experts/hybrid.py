@@ -93,7 +93,10 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
     else:
         layer = next(iter(tokens_per_expert), 0) // cache.num_experts  # a step's experts share one layer
         evictable = cache.evictable(exclude=exclude, layer=layer)
-        n_fill = min(policy.num_fills(len(misses), layer) if policy.admits else 0, evictable)
+        n_fill = policy.num_fills(len(misses), layer) if policy.admits else 0
+        if policy.fills_free_slots:  # a fill into a free slot displaces nothing
+            n_fill = max(n_fill, min(len(misses), cache.free_slots(layer)))
+        n_fill = min(n_fill, evictable)
         fill, cpu = misses[:n_fill], misses[n_fill:]
         if phase is Phase.DECODE:
             cache.count_reuse(layer, len(hits), misses, len(fill))

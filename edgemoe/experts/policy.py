@@ -54,7 +54,8 @@ class ExpertPolicy:
     - ``online``: the rule may change between steps (:meth:`observe` returns ``True`` then), so the
       device path must keep its CPU branch even when the current rule fills every miss;
     - ``fills_free_slots``: a decode step fills at least ``min(m, free slots)`` misses whatever
-      :meth:`num_fills` says (a fill into a free slot displaces nothing; step-time simulation only);
+      :meth:`num_fills` says (a fill into a free slot displaces nothing; the device reads it for a
+      ``per_layer`` policy);
     - ``per_layer``: ``q`` depends on the MoE layer: the device reads :meth:`fill_table` (``[L, M + 1]``)
       instead of :meth:`fill_rule`, and the runtime feeds :meth:`observe_layers` the cache's reuse
       counters between steps.
@@ -436,6 +437,7 @@ class AutoPolicy(ExpertPolicy):
     name = "auto"
     online = True
     per_layer = True
+    fills_free_slots = True
     rebuild_tolerance = 0.01  # cost estimates closer than this (relative) to the last ones keep the split hulls
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,

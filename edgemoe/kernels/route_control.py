@@ -15,8 +15,8 @@ Algorithm (``P = T·k`` routes, ``P <= 128``; ``S`` slots; FreeToken, arXiv 2608
    victim search and set to the clock at the end.
 3. ``q = clamp(floor(m·num/den + 0.5), min(q_min, m), m)`` in float64 (exactly the host formula,
    see :meth:`edgemoe.experts.policy.ExpertPolicy.fill_rule`), or, for a per-layer policy, ``q =
-   table[layer, min(m, M)]`` (:meth:`edgemoe.experts.policy.AutoPolicy.fill_table`); clamped to the
-   evictable slots.
+   table[layer, min(m, M)]`` (:meth:`edgemoe.experts.policy.AutoPolicy.fill_table`), at least the
+   misses that find a free slot (a fill there displaces nothing); clamped to the evictable slots.
 4. Fill order: misses by (tokens descending, flat id ascending) — the rank of each miss is a
    pairwise count.
 5. Victims: the ``q`` smallest keys ``(last_used + 1)·S + slot`` over evictable slots (not pinned, not
@@ -101,12 +101,13 @@ class RouteOutputs:
 def _group_minima(last_used_ptr, pinned_ptr, S, lo, hi, thr, BLOCK_R: tl.constexpr, G: tl.constexpr):
     """One pass over slots ``lo .. hi - 1``: per group ``g = (slot - lo) mod G``, the smallest and
     second-smallest key ``(last_used + 1)·S + slot`` above ``thr`` among evictable slots; and the
-    evictable count."""
+    evictable count and the free count (evictable slots that hold nothing)."""
     rows = tl.arange(0, BLOCK_R)[:, None]
     cols = tl.arange(0, G)[None, :]
     gmin = tl.full([G], _NO_KEY, tl.int64)
     gsec = tl.full([G], _NO_KEY, tl.int64)
     n_ok = tl.zeros([G], tl.int32)
+    n_free = tl.zeros([G], tl.int32)
     for start in range(0, hi - lo, BLOCK_R * G):
         slot = lo + start + rows * G + cols  # [BLOCK_R, G]
         inb = slot < hi
@@ -114,13 +115,14 @@ def _group_minima(last_used_ptr, pinned_ptr, S, lo, hi, thr, BLOCK_R: tl.constex
         pin = tl.load(pinned_ptr + slot, mask=inb, other=1)
         ok = inb & (pin == 0) & (lu != _HIT)
         n_ok += tl.sum(ok.to(tl.int32), axis=0)
+        n_free += tl.sum((ok & (lu == -1)).to(tl.int32), axis=0)
         key = (tl.where(ok, lu, 0) + 1) * S + slot
         key = tl.where(ok & (key > thr), key, _NO_KEY)
         bmin = tl.min(key, axis=0)  # [G]
         bsec = tl.min(tl.where(key == bmin[None, :], _NO_KEY, key), axis=0)  # [G]
         gsec = tl.minimum(tl.minimum(gsec, bsec), tl.maximum(gmin, bmin))
         gmin = tl.minimum(gmin, bmin)
-    return gmin, gsec, tl.sum(n_ok)
+    return gmin, gsec, tl.sum(n_ok), tl.sum(n_free)
 
 
 @triton.jit
@@ -177,8 +179,11 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     gmin = tl.full([G], _NO_KEY, tl.int64)
     gsec = tl.full([G], _NO_KEY, tl.int64)
     n_evict = tl.zeros([], tl.int32)
-    if q > 0:
-        gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, slot_lo, slot_hi, -1, BLOCK_R, G)
+    n_free = tl.zeros([], tl.int32)
+    if (q > 0) | (TABLE & (m > 0)):
+        gmin, gsec, n_evict, n_free = _group_minima(last_used_ptr, pinned_ptr, S, slot_lo, slot_hi, -1, BLOCK_R, G)
+        if TABLE:  # a per-layer policy fills at least the misses that find a free slot
+            q = tl.maximum(q, tl.minimum(m, n_free))
     q = tl.minimum(q, n_evict)
 
     # 4. fill order: most-routed misses first, ties to the smaller flat id
@@ -202,7 +207,8 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
             thr = tl.maximum(thr, tl.max(tl.where(acc, gmin, -1)))
             taken += take
             if taken < q:
-                gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, slot_lo, slot_hi, thr, BLOCK_R, G)
+                gmin, gsec, n_evict, n_free = _group_minima(last_used_ptr, pinned_ptr, S, slot_lo, slot_hi, thr,
+                                                            BLOCK_R, G)
     tl.debug_barrier()
 
     # 6. table updates: evict the victims' owners, admit the fills, refresh recency

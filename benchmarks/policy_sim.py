@@ -1,0 +1,88 @@
+"""Step-time simulation of the miss policies in the three routing regimes of the expert-policy study
+(``docs/benchmarks/policy.md``), Qwen3-30B-A3B geometry (48 MoE layers x 128 experts, top-8,
+9.44 MB experts), budgets in GB of expert cache, on a machine model of ``edgemoe.bench.steptime``:
+
+- ``no-locality``: every token draws 8 distinct experts uniformly per layer;
+- ``degenerate``: every token routes the same 8 experts per layer (one of them replaced with
+  probability 0.03 per layer step), the random model's own routing;
+- ``realistic``: the Mixtral-8x7B decode traces mapped onto the geometry with their temporal
+  structure kept (``edgemoe.bench.replay.remap_workload``).
+
+    python benchmarks/policy_sim.py --traces ../shared/fixtures/routing_traces/*.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgemoe.bench import replay as R
+from edgemoe.bench import steptime as S
+from edgemoe.bench.trace import RouteRecord, TraceInfo
+
+L, E, K = 48, 128, 8
+FIXED = ("fill-all", "cpu-all", "static", "qstar")
+
+
+def degenerate(tokens: int, seed: int = 0, change: float = 0.03) -> R.Workload:
+    """Every token routes the same ``K`` experts per layer; one is replaced with probability ``change``."""
+    rng = random.Random(seed)
+    base = [rng.sample(range(E), K) for _ in range(L)]
+    recs = []
+    for t in range(tokens):
+        for layer in range(L):
+            ids = list(base[layer])
+            if rng.random() < change:
+                ids[rng.randrange(K)] = rng.choice([e for e in range(E) if e not in ids])
+            recs.append(RouteRecord("degenerate", 0, "d", "decode", t + 1, layer, [t], [ids], None))
+    return R.build_workload(recs, TraceInfo([{"num_moe_layers": L, "num_experts": E, "top_k": K}]))
+
+
+def realistic(paths: list[str], tokens: int) -> R.Workload:
+    """The traces mapped onto the geometry, their first ``tokens`` decode steps."""
+    wl = R.remap_workload(R.load_workload(paths), L, E, K)
+    keep = set(sorted({a.step for a in wl.accesses})[:tokens])
+    return R.Workload([a for a in wl.accesses if a.step in keep], L, E, K, len(keep), 0, 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", nargs="*", default=[], help="routing traces of the realistic regime")
+    ap.add_argument("--tokens", type=int, default=300, help="decode steps per regime")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps not timed")
+    ap.add_argument("--budgets", default="2,6,16", help="expert-cache budgets in GB")
+    ap.add_argument("--eviction", default="engine",
+                    help="a replay rule, or engine: layer-lru when every layer's share holds a token's top-k, else lru")
+    ap.add_argument("--preset", default="h200", choices=sorted(S.COST_PRESETS))
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+    regimes = {"no-locality": R.uniform_workload(L, E, K, a.tokens), "degenerate": degenerate(a.tokens)}
+    if a.traces:
+        regimes["realistic"] = realistic(a.traces, a.tokens)
+    costs = S.COST_PRESETS[a.preset]
+    rows = []
+    print(f"| regime | budget (GB) | {' | '.join(S.MISS_POLICIES)} | best fixed | auto / best fixed |")
+    print("|---|---|" + "---|" * len(S.MISS_POLICIES) + "---|---|")
+    for name, wl in regimes.items():
+        for gb in (float(x) for x in a.budgets.split(",") if x):
+            slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
+            ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= L * K else "lru"
+            tps = {p: S.simulate_time(wl, p, slots, costs, ev, token_base_s=1e-3, warmup=a.warmup).tokens_per_s
+                   for p in S.MISS_POLICIES}
+            best = max(FIXED, key=tps.get)
+            rows.append({"regime": name, "budget_gb": gb, "slots": slots, "eviction": ev, "tokens_per_s": tps, "best_fixed": best,
+                         "auto_ratio": tps["auto"] / tps[best]})
+            print(f"| {name} | {gb:g} | " + " | ".join(f"{tps[p]:.1f}" for p in S.MISS_POLICIES)
+                  + f" | {best} | {tps['auto'] / tps[best]:.3f} |", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"preset": a.preset, "eviction": a.eviction, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
