@@ -75,8 +75,8 @@ def main(argv=None) -> int:
             tps = {p: S.simulate_time(wl, p, slots, costs, ev, token_base_s=1e-3, warmup=a.warmup).tokens_per_s
                    for p in S.MISS_POLICIES}
             best = max(FIXED, key=tps.get)
-            rows.append({"regime": name, "budget_gb": gb, "slots": slots, "eviction": ev, "tokens_per_s": tps, "best_fixed": best,
-                         "auto_ratio": tps["auto"] / tps[best]})
+            rows.append({"regime": name, "budget_gb": gb, "slots": slots, "eviction": ev, "tokens_per_s": tps,
+                         "best_fixed": best, "auto_ratio": tps["auto"] / tps[best]})
             print(f"| {name} | {gb:g} | " + " | ".join(f"{tps[p]:.1f}" for p in S.MISS_POLICIES)
                   + f" | {best} | {tps['auto'] / tps[best]:.3f} |", flush=True)
     if a.json:
