@@ -600,14 +600,24 @@ def serve(
     """Load ``model_dir`` in the background and serve it until interrupted (blocking).
 
     ``/health`` answers 503 until the weights are loaded; ``on_ready(engine)`` runs once they are.
+    If loading fails, the server stops at once and the error is raised.
     ``tool_call_parser`` / ``reasoning_parser`` / ``api_key``: see :func:`build_app`.
+
+    Raises:
+        EngineNotReadyError: the model failed to load (the message says why; the cause is chained).
     """
     import uvicorn
 
     from edgemoe.config import EngineConfig
 
     config = config or EngineConfig()
-    llm = AsyncLLM(model_dir, config, on_ready=on_ready)
+    server: uvicorn.Server | None = None
+
+    def stop_serving(_exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    llm = AsyncLLM(model_dir, config, on_ready=on_ready, on_load_error=stop_serving, start=False)
     app = build_app(
         llm,
         config.served_model_name,
@@ -615,7 +625,11 @@ def serve(
         reasoning_parser=reasoning_parser,
         api_key=api_key,
     )
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    llm.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run()
     finally:
         llm.shutdown()
+    if llm.load_error is not None:
+        raise EngineNotReadyError(f"model failed to load: {llm.load_error}") from llm.load_error
