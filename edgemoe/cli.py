@@ -1,8 +1,9 @@
 """The ``edgemoe`` command line: ``serve``, ``chat``, ``generate``, ``make-model``, ``profile`` and more.
 
 Engine options shared by ``serve``, ``generate`` and ``profile`` are generated from the fields of
-:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction. User errors (a missing
-model directory, a bad option value) end with one ``edgemoe: error: ...`` line and exit status 2.
+:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction.
+User errors (a missing model directory, a bad option value, a device this machine lacks) end with one
+``edgemoe: error: ...`` line and exit status 2; a model that fails to load, with one line and status 1.
 """
 
 from __future__ import annotations
@@ -143,7 +144,6 @@ def _check_port(host: str, port: int) -> None:
 
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
-
     from edgemoe.server.parsers import check_parser_names
 
     model = _model_dir(args.model)
@@ -310,7 +310,8 @@ def _register_convert(subparsers: argparse._SubParsersAction) -> argparse.Argume
     """Add ``edgemoe convert HF_DIR OUT_DIR [--dtype D] [--overwrite] [--no-progress]`` to ``subparsers``
     (``func`` = the handler, returning the exit status)."""
     p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to FTW (fast bootstrap)",
-                              description="Write expert banks + manifest for direct-I/O bootstrap (edgemoe.weights.ftw).")
+                              description="Write expert banks + manifest for direct-I/O bootstrap "
+                                          "(edgemoe.weights.ftw).")
     p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
     p.add_argument("out_dir", help="FTW directory to create")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
 from edgemoe.cli import main
 from edgemoe.config import EngineConfig
 from edgemoe.engine.llm import LLM
 from edgemoe.engine.sampling import SamplingParams
 from edgemoe.experts import bandwidth, native
 from edgemoe.experts.bandwidth import ImplausibleMeasurement, implausible
+
+from conftest import ROOT
 
 CPU = dict(device="cpu", dtype="float32", cpu_executor="torch", max_model_len=256)
 
@@ -196,7 +197,7 @@ def test_profile_saves_only_a_plausible_measurement(tiny_model_dir, tmp_path, mo
     assert saved["isolated"] == {"b_p_gbps": 10.0, "b_h_gbps": 20.0} and implausible(saved) is None
     out.unlink()
     monkeypatch.setattr(bandwidth, "measure_copy", lambda *a, **k: 0.02)
-    with pytest.raises(ImplausibleMeasurement, match="nothing saved: isolated B_P 0.02 GB/s"):
+    with pytest.raises(ImplausibleMeasurement, match=r"nothing saved: isolated B_P 0\.02 GB/s"):
         run_profile(tiny_model_dir, cfg, out, seconds=0.15)
     assert not out.exists()
     assert main(["profile", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--cpu-executor", "torch",
@@ -280,7 +281,8 @@ def test_expert_counters_survive_a_resize(tiny_model_dir):
     llm.generate(["counters must not decrease"], params)
     after = totals()
     assert all(after[k] >= v for k, v in before.items())
-    assert after['edgemoe_expert_cpu_executed_total{phase="decode"}'] > before['edgemoe_expert_cpu_executed_total{phase="decode"}']
+    cpu = 'edgemoe_expert_cpu_executed_total{phase="decode"}'
+    assert after[cpu] > before[cpu]
 
 
 def test_importing_edgemoe_first_makes_torch_threads_wait_passively():
@@ -310,8 +312,9 @@ def test_chat_commands_stay_local_and_replies_are_capped(tiny_model_dir, monkeyp
     import io
 
     import edgemoe.server.chat_client as chat_client
-    from conftest import start_agent_server
     from edgemoe.server.chat_client import ChatSession, Output, main_loop
+
+    from conftest import start_agent_server
 
     options = {"max_model_len": 1024, "dtype": "float32", "cpu_executor": "torch"}
     with start_agent_server(tiny_model_dir, "tiny", engine_options=options) as srv:
@@ -377,7 +380,8 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_policy(tiny_bf16, executor):
     opts = dict(device="cpu", max_model_len=256, cpu_executor=executor)
 
     def tokens(**kw) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in LLM(str(tiny_bf16), progress=False, **opts, **kw).generate(prompts, params)]
+        llm = LLM(str(tiny_bf16), progress=False, **opts, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     resident = tokens(expert_cache_slots=10**6, expert_policy="fill-all")
     for name, kw in POLICIES.items():

@@ -42,7 +42,7 @@ import resource
 import statistics
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -240,7 +240,7 @@ def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "version": PROFILE_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_threads": executor.threads, "gpu": gpu, "cores": cores,
                     "other_processes_cores": None if other is None else round(other, 3)},

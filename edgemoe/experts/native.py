@@ -20,9 +20,14 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
   > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
   never selected.
-- **Numerics**: float32 accumulation. For bf16 weights, x and the SiLU·up activation are rounded
-  to bf16 (round-to-nearest-even, as ``x.to(torch.bfloat16)`` in the torch path and on the GPU);
-  float32 weights compute in float32 throughout. Results do not depend on the thread count.
+- **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
+  (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
+  do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
+  y·weight become bf16 values (round-to-nearest-even, as ``.to(torch.bfloat16)``) before the float32
+  sum over routes. What remains different is the order of float32 additions inside each dot
+  product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
+  rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
+  throughout. Results do not depend on the thread count.
 - **Threads**: one per physical core by default; the caller is thread 0, the others are pinned
   (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
   ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
