@@ -25,6 +25,7 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels import unavailable_reason
@@ -73,7 +74,8 @@ class ExpertRuntime:
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
         self.fallback = fallback
         self.graphs_supported = graphs_supported
-        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor)
+        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor,
+                                              alongside=ALONGSIDE_CUDA if device.type == "cuda" else 0)
         self.cache: ExpertCache | None = None
         self.bandwidths: Bandwidths | None = None
         self.policy: ExpertPolicy | None = None
@@ -81,6 +83,7 @@ class ExpertRuntime:
         self.decode_path = DecodePath.EAGER
         self.decode_path_reason: str | None = None
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
+        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
@@ -223,12 +226,20 @@ class ExpertRuntime:
         anyway) and raise if that branch went wrong, so the engine fails those requests instead of
         sampling from logits that lack the CPU experts.
 
+        The wait blocks (a ``blocking`` CUDA event: the thread sleeps in the driver until the GPU
+        reaches it) instead of spinning as a stream synchronization does by default: for the whole
+        step the CPU experts run on the native pool, and a spinning Python thread would take a core
+        from it (``edgemoe.experts.native.plan_threads``).
+
         Raises:
             RuntimeError: see ``DeviceDecode.check``.
         """
         dd = self.device_decode
         if dd is not None and dd.step is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            if self._step_done is None:
+                self._step_done = torch.cuda.Event(blocking=True)
+            self._step_done.record(torch.cuda.current_stream(self.device))
+            self._step_done.synchronize()
             dd.check()
 
     # ------------------------------------------------------------------ reporting

@@ -355,7 +355,15 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda _inputs, _slots: self.model(batch), state_slots, plans, phase)
+        return self._run_model(inputs, lambda _inputs, _slots: self._forward(batch), state_slots, plans, phase)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward over ``batch``; on the CPU its dense layers' GEMVs (decode rows) run on
+        the CPU executor's kernels and threads where it has them (``CpuExecutor.dense_linears``)."""
+        if self.device.type != "cpu":
+            return self.model(batch)
+        with self.experts.cpu_executor.dense_linears(int(batch.input_ids.numel())):
+            return self.model(batch)
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS

@@ -73,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("isa_cap"), py::arg("spin_us"), py::arg("min_parallel_bytes"))
       .def_property_readonly("threads", &Executor::threads)
       .def_property_readonly("pinned", &Executor::pinned)
+      .def_property_readonly("caller_cpu", &Executor::caller_cpu)
+      .def_property_readonly("preempted_waits", &Executor::preempted_waits)
       .def("isa_for", [](const Executor& e, int fmt) { return e.isa_for(static_cast<WeightFormat>(fmt)); })
       .def_property_readonly("address", [](Executor& e) { return reinterpret_cast<uintptr_t>(&e); })
       .def(
@@ -89,6 +91,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return e.run(b, s);
           },
           "One step; returns an edgemoe Status code (0 = ok)")
+      .def(
+          "linear",
+          [](Executor& e, uintptr_t w, int32_t fmt, int64_t N, int64_t K, int64_t w_stride, uintptr_t x, int32_t x_fmt,
+             int64_t M, int64_t ldx, uintptr_t y, int32_t y_fmt, int64_t ldy) {
+            py::gil_scoped_release nogil;
+            return e.linear(ptr<const void>(w), static_cast<WeightFormat>(fmt), N, K, w_stride, ptr<const void>(x),
+                            x_fmt, M, ldx, ptr<void>(y), y_fmt, ldy);
+          },
+          "Dense rows y[M, N] = x[M, K] @ W[N, K]^T on the pool; returns an edgemoe Status code (0 = ok)")
       .def(
           "sum_f32",
           [](Executor& e, uintptr_t p, int64_t n) {
@@ -143,9 +154,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_calls", [](uintptr_t s) { return ptr<edgemoe_step>(s)->calls; });
   m.def(
       "server_start",
-      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us) {
+      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us, int cpu) {
         return reinterpret_cast<uintptr_t>(
-            new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request), ptr<int64_t>(done), active_spin_us));
+            new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request), ptr<int64_t>(done), active_spin_us, cpu));
       },
       "Start a thread serving a registered step on a doorbell (request/done int64 words); returns its handle");
   m.def(
@@ -157,6 +168,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Stop and join a step server");
   m.def("server_served", [](uintptr_t s) { return ptr<StepServer>(s)->served(); });
   m.def("server_failed", [](uintptr_t s) { return ptr<StepServer>(s)->failed(); });
+  m.def("server_preempted", [](uintptr_t s) { return ptr<StepServer>(s)->preempted(); });
+  m.def("server_pinned", [](uintptr_t s) { return ptr<StepServer>(s)->pinned(); });
   m.def("run_step_address", [] { return reinterpret_cast<uintptr_t>(&edgemoe_run_step); },
         "Address of the C entry point void edgemoe_run_step(void* step) (cudaLaunchHostFunc-compatible)");
 }
