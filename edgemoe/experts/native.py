@@ -479,7 +479,8 @@ class NativeCpuExecutor:
     registers_steps = True
 
     def __init__(self, pool: HostExpertPool, threads: int | None = None, *, alongside: int = 0, isa: str | None = None,
-                 pin: bool = True, oversubscribe: bool = False, spin_us: int | None = None, min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
+                 pin: bool = True, oversubscribe: bool = False, spin_us: int | None = None,
+                 min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
                  max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None, _plan=None):
         ext = load_extension()
         if pool.dtype not in WEIGHT_FORMATS:
