@@ -74,8 +74,7 @@ class ExpertRuntime:
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
         self.fallback = fallback
         self.graphs_supported = graphs_supported
-        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor,
-                                              alongside=ALONGSIDE_CUDA if device.type == "cuda" else 0)
+        self.cpu_executor = self._make_cpu_executor()
         self.cache: ExpertCache | None = None
         self.bandwidths: Bandwidths | None = None
         self.policy: ExpertPolicy | None = None
@@ -88,6 +87,27 @@ class ExpertRuntime:
             self.set_cache(0, FALLBACK_POLICY)
         else:
             self.set_cache(self.default_slots(), config.expert_policy)
+
+    def _make_cpu_executor(self):
+        return make_cpu_executor(self.pool, self.config.cpu_threads, self.config.cpu_executor,
+                                 alongside=ALONGSIDE_CUDA if self.device.type == "cuda" else 0)
+
+    def set_cpu_threads(self, threads: int | None) -> None:
+        """Replace the CPU executor by one of ``threads`` threads (``None``: the default count) and
+        rebuild the cache over it (cold, same size and policy), at a safe point between steps. The
+        caller rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Raises:
+            ValueError: ``threads < 1`` (nothing changes then).
+        """
+        if threads is not None and threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+        if self.hybrid is not None and self.hybrid.device_decode is not None:
+            self.hybrid.device_decode.close()  # its server thread is the old pool's worker 0
+            self.hybrid.device_decode = None
+        self.config = replace(self.config, cpu_threads=threads)
+        self.cpu_executor = self._make_cpu_executor()
+        self.set_cache(self.cache.num_slots, self.policy.name)
 
     # ------------------------------------------------------------------ sizing
     def default_slots(self) -> int:

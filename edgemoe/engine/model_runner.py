@@ -181,6 +181,21 @@ class ModelRunner:
         finally:
             self._bind()
 
+    def set_cpu_threads(self, threads: int | None) -> None:
+        """Rebuild the CPU expert executor with ``threads`` (``None``: the default count) and torch's
+        intra-op threads to match, at a safe point between steps (benchmarks sweep the count this
+        way). The expert cache is rebuilt cold over the new executor; decode graphs are captured again.
+        B_H changes with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
+
+        Raises:
+            ValueError: ``threads < 1``.
+        """
+        try:
+            self.experts.set_cpu_threads(threads)
+        finally:
+            self._bind()
+        configure_torch_threads(threads)
+
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
         """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
         safe point between steps. The host pool and the KV cache stay as they are; the new cache

@@ -808,6 +808,33 @@ class RegisteredStep:
             _raise_status(status, "step_bench")
         return calls, dt
 
+    def bench_served(self, order: torch.Tensor, tokens: int, experts_per_call: int, seconds: float,
+                     gap_us: int = 0, poll_us: int = 10) -> tuple[int, float]:
+        """Ring this step's doorbell server over rotating experts for ``seconds``, a native thread
+        standing in for the device (B_H as the device decode path drives the executor, without a GPU).
+
+        Per call the thread writes the work (experts ``order[c·e .. c·e + e)``, tokens ``0 ..
+        tokens - 1``), advances the request word, polls the done word every ``poll_us`` µs (0: spin;
+        the device's wait kernel uses no CPU core, a sleeping poll almost none), then idles
+        ``gap_us`` µs (the GPU's work between two MoE layers). Overwrites the step's work buffers.
+
+        Returns:
+            ``(calls, seconds elapsed)``.
+
+        Raises:
+            RuntimeError: the step is closed or not served (:meth:`serve` first). ValueError etc.:
+                sizes beyond the registered capacity, or a failed step.
+        """
+        if not self._server:
+            raise RuntimeError("bench_served() needs the doorbell server: call serve() first")
+        order = order.to(torch.int64).contiguous()
+        calls, dt, status = self._ext.server_bench(self._live(), self.doorbell.data_ptr(), self.doorbell[8:].data_ptr(),
+                                                   order.data_ptr(), order.numel(), int(tokens), int(experts_per_call),
+                                                   float(seconds), int(gap_us), int(poll_us))
+        if status:
+            _raise_status(status, "server_bench")
+        return calls, dt
+
     def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000) -> torch.Tensor:
         """Start a native thread that runs this step whenever its doorbell is rung (idempotent).
 
