@@ -418,7 +418,8 @@ class ModelRunner:
         lines = [
             f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
+            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
+            + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; "
             f"max_model_len {self.max_model_len}; prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",

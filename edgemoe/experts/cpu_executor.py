@@ -39,6 +39,7 @@ class CpuExecutor(Protocol):
 
     name: str
     threads: int
+    threads_note: str | None  # why ``threads`` differs from the count asked for (None: it does not)
     registers_steps: bool
 
     def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:
@@ -68,6 +69,7 @@ class TorchCpuExecutor:
 
     name = "torch"
     registers_steps = False
+    threads_note = None
 
     def __init__(self, pool: HostExpertPool):
         self.pool = pool

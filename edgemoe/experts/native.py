@@ -469,7 +469,7 @@ class NativeCpuExecutor:
     Attributes:
         name: ``"native-<isa>"``, e.g. ``native-avx512bf16``. isa: the level in use for the pool's
         dtype. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
-        plan: the :class:`ThreadPlan` the pool was built from.
+        plan: the :class:`ThreadPlan` the pool was built from; threads_note: its ``note``.
 
     Raises:
         NativeUnavailable: the extension cannot be built/loaded, or the pool's dtype has no kernel.
@@ -505,6 +505,7 @@ class NativeCpuExecutor:
         self.isa = ISA_LEVELS[level]
         self.name = f"native-{self.isa}"
         self.threads = self._core.threads
+        self.threads_note = _plan.note if _plan is not None else None
         self.pinned = list(self._core.pinned)
 
     def dense_linears(self, rows: int) -> NativeLinears:
