@@ -141,18 +141,21 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model options the benchmarks share: a directory, or a preset's config with dummy weights."""
     ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, help="decoder layers of --preset's config (default: the preset's)")
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
 
 
 def model_dir(a: argparse.Namespace) -> str:
-    """``--model``, or a temporary config-only directory of ``--preset`` (qwen3_moe)."""
+    """``--model``, or a temporary config-only directory of ``--preset`` (qwen3_moe; ``--layers`` decoder
+    layers when given)."""
     if a.model is not None:
         return a.model
     from edgemoe.synth import write_config_only
 
-    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset))
+    overrides = None if a.layers is None else {"num_hidden_layers": a.layers}
+    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset, overrides=overrides))
 
 
 def main(argv=None) -> int:

@@ -75,11 +75,14 @@ inline void micro_dp_tile(int nt, const uint16_t* const* rows, int64_t K, const 
   }
 }
 
-// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv).
-void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
-                  float* y, int64_t ldy) {
-  constexpr int RB = 4, NT = 4;
-  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
+#ifndef EDGEMOE_RB_SINGLE
+#define EDGEMOE_RB_SINGLE 4  // rows per block when a call has one token (the decode GEMV)
+#endif
+
+// Rows [row0, row0 + nrows) in blocks of RB, each block applied to the tokens in tiles of NT.
+template <int RB, int NT>
+inline void gemv_rows(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const uint16_t* const* a, int n,
+                      float* y, int64_t ldy) {
   const char* base = static_cast<const char*>(w.data);
   const uint16_t* rows[RB];
   int64_t r = 0;
@@ -87,7 +90,10 @@ void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, c
     for (int i = 0; i < RB; ++i) rows[i] = reinterpret_cast<const uint16_t*>(base + (row0 + r + i) * w.row_stride_bytes);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_dp_tile<RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+      if constexpr (NT == 1)
+        micro_dp<RB, 1>(rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+      else
+        micro_dp_tile<RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
     }
   }
   for (; r < nrows; ++r) {
@@ -97,6 +103,15 @@ void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, c
       micro_dp_tile<1>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
     }
   }
+}
+
+// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv; a single
+// token walks EDGEMOE_RB_SINGLE rows side by side).
+void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                  float* y, int64_t ldy) {
+  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
+  if (n == 1) return gemv_rows<EDGEMOE_RB_SINGLE, 1>(w, row0, nrows, K, a, n, y, ldy);
+  gemv_rows<4, 4>(w, row0, nrows, K, a, n, y, ldy);
 }
 
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
