@@ -16,15 +16,22 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 
 #ifndef EDGEMOE_PREFETCH_BLOCKS
-#define EDGEMOE_PREFETCH_BLOCKS 1  // prefetch distance in row blocks (0: hardware prefetch only)
+#define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
+#endif
+#ifndef EDGEMOE_PREFETCH_LOCALITY
+// __builtin_prefetch locality of the row-block prefetch: 2 = prefetcht1, into L2. A prefetch into L1
+// (3, prefetcht0) holds one of the core's few L1 miss buffers (~24) for a whole DRAM latency, which
+// caps a core near 24 lines per latency: 11-14 GB/s of bf16 weights on the 2-core Zen 4 dev VM
+// against 19-22 GB/s with L2 prefetches and the loads hitting L2 (docs/benchmarks/cpu_executor.md).
+#define EDGEMOE_PREFETCH_LOCALITY 2
 #endif
 
 namespace edgemoe {
 namespace {
 
 // y[j * ldy + r] = <row r, a[j]>, RB rows x NT tokens of accumulators (4 x 4 = 16 zmm), K walked one
-// 64-byte line (32 bf16) per step with the next row block's line prefetched; a masked final step
-// covers K % 32 (masked-off lanes load as zero and are never read from memory).
+// 64-byte line (32 bf16) per step with the line EDGEMOE_PREFETCH_BLOCKS row blocks ahead prefetched into
+// L2; a masked final step covers K % 32 (masked-off lanes load as zero and are never read from memory).
 template <int RB, int NT>
 inline void micro_dp(const uint16_t* const* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
                      int64_t pf) {
@@ -39,7 +46,8 @@ inline void micro_dp(const uint16_t* const* rows, int64_t K, const uint16_t* con
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+                           EDGEMOE_PREFETCH_LOCALITY);
       wv[r] = _mm512_loadu_si512(rows[r] + k);
     }
 #pragma GCC unroll 8
@@ -75,14 +83,11 @@ inline void micro_dp_tile(int nt, const uint16_t* const* rows, int64_t K, const 
   }
 }
 
-#ifndef EDGEMOE_RB_SINGLE
-#define EDGEMOE_RB_SINGLE 4  // rows per block when a call has one token (the decode GEMV)
-#endif
-
-// Rows [row0, row0 + nrows) in blocks of RB, each block applied to the tokens in tiles of NT.
-template <int RB, int NT>
-inline void gemv_rows(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const uint16_t* const* a, int n,
-                      float* y, int64_t ldy) {
+// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv).
+void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                  float* y, int64_t ldy) {
+  constexpr int RB = 4, NT = 4;
+  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
   const char* base = static_cast<const char*>(w.data);
   const uint16_t* rows[RB];
   int64_t r = 0;
@@ -90,10 +95,7 @@ inline void gemv_rows(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
     for (int i = 0; i < RB; ++i) rows[i] = reinterpret_cast<const uint16_t*>(base + (row0 + r + i) * w.row_stride_bytes);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
-      if constexpr (NT == 1)
-        micro_dp<RB, 1>(rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
-      else
-        micro_dp_tile<RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+      micro_dp_tile<RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
     }
   }
   for (; r < nrows; ++r) {
@@ -103,15 +105,6 @@ inline void gemv_rows(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
       micro_dp_tile<1>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
     }
   }
-}
-
-// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv; a single
-// token walks EDGEMOE_RB_SINGLE rows side by side).
-void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
-                  float* y, int64_t ldy) {
-  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
-  if (n == 1) return gemv_rows<EDGEMOE_RB_SINGLE, 1>(w, row0, nrows, K, a, n, y, ldy);
-  gemv_rows<4, 4>(w, row0, nrows, K, a, n, y, ldy);
 }
 
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
