@@ -11,16 +11,18 @@ physical cores) in two modes:
   (one MoE layer's CPU set), handed over the two ways decode does:
   - ``caller``: the calling thread is worker 0 (CPU-only decode), :meth:`RegisteredStep.bench`;
   - ``doorbell``: the pool's worker 0 is the doorbell server thread and a native thread stands in
-    for the GPU, ringing the doorbell, polling the done word every 10 µs and idling ``--gap-us``
-    between steps (the GPU's own work between MoE layers), :meth:`RegisteredStep.bench_served`.
-  Each count runs twice: ``planned`` (the engine's rule, :func:`edgemoe.experts.native.plan_threads`,
-  with ``--alongside`` cores left to the threads beside the pool: 1 as on CUDA) and ``as asked``
-  (the count taken as given, ``oversubscribe``). ``--spinners N`` starts N busy-looping processes
+    for the GPU, ringing the doorbell, polling the done word every ``--poll-us`` (a sleeping poll:
+    the GPU's wait kernel uses no CPU core) and idling ``--gap-us`` between steps (the GPU's own
+    work between MoE layers), :meth:`RegisteredStep.bench_served`.
+  Each count runs twice: ``planned`` (the engine's rule, :func:`edgemoe.experts.native.plan_threads`:
+  no core left for ``caller`` as on a CPU-only machine, ``--alongside`` for ``doorbell``, 1 as on
+  CUDA) and ``as asked`` (the count taken as given, ``oversubscribe``). ``--spinners N`` starts N busy-looping processes
   for the whole run: a Python thread spinning in a CUDA stream synchronization, a driver thread,
   another job on the machine.
 - ``decode``: the engine's own decode (``benchmarks/decode.py``'s protocol and model options; CUDA
   on the GPU host, or ``--device cpu``) for each count, the executor rebuilt in place
-  (:meth:`ModelRunner.set_cpu_threads`) and B_P / B_H measured anew for the q* rule.
+  (:meth:`ModelRunner.set_cpu_threads`) and B_P / B_H measured anew for the q* rule; ``--plans``
+  ``planned`` (the engine's cap) and/or ``as-asked`` (the count taken as given).
 
 Prints a table; writes JSON and markdown to ``--out``.
 
@@ -38,7 +40,7 @@ import platform
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -46,8 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from edgemoe.experts import native  # noqa: E402
-from edgemoe.experts.pool import HostExpertPool  # noqa: E402
+from edgemoe.experts import native
+from edgemoe.experts.pool import HostExpertPool
 
 QWEN3_30B_A3B = (2048, 768)  # hidden, moe_intermediate_size
 
@@ -94,9 +96,12 @@ def executor_sweep(a: argparse.Namespace) -> list[dict]:
     with Spinners(a.spinners):
         for n in parse_threads(a.threads, len(native.physical_core_cpus())):
             for how in ("planned", "as asked"):
-                kw = dict(alongside=a.alongside) if how == "planned" else dict(oversubscribe=True)
-                ex = native.NativeCpuExecutor(pool, n, **kw)
                 for handoff in a.handoffs.split(","):
+                    if how == "planned":
+                        kw = dict(alongside=a.alongside if handoff == "doorbell" else 0)
+                    else:
+                        kw = dict(oversubscribe=True)
+                    ex = native.NativeCpuExecutor(pool, n, **kw)
                     step = ex.make_step(T, E, E * T, x_dtype=torch.bfloat16)
                     step.x.normal_()
                     try:
@@ -107,9 +112,9 @@ def executor_sweep(a: argparse.Namespace) -> list[dict]:
                             preempted_server = 0
                         else:
                             step.serve(pin_memory=False)
-                            step.bench_served(order, T, E, 0.1, a.gap_us)
+                            step.bench_served(order, T, E, 0.1, a.gap_us, a.poll_us)
                             waits0 = ex.preempted_waits
-                            calls, dt = step.bench_served(order, T, E, a.seconds, a.gap_us)
+                            calls, dt = step.bench_served(order, T, E, a.seconds, a.gap_us, a.poll_us)
                             preempted_server = step.preempted
                     finally:
                         server_cpu = step.server_cpu
@@ -149,8 +154,8 @@ def decode_sweep(a: argparse.Namespace) -> tuple[list[dict], dict]:
     row = runner.pool.row_bytes
     rows = []
     with Spinners(a.spinners):
-        for n in threads:
-            runner.set_cpu_threads(n)
+        for n, how in [(n, how) for n in threads for how in a.plans.split(",")]:
+            runner.set_cpu_threads(n, oversubscribe=how == "as-asked")
             ex = runner.experts.cpu_executor
             prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
                            ex, a.profile_seconds, 2_000_000_000)
@@ -158,28 +163,30 @@ def decode_sweep(a: argparse.Namespace) -> tuple[list[dict], dict]:
             for gb in [float(b) for b in a.budgets.split(",") if b]:
                 for pol in [p for p in a.policies.split(",") if p]:
                     r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
-                    r.update(threads_asked=n, threads=ex.threads, budget_gb=gb, spinners=a.spinners,
+                    r.update(threads_asked=n, plan=how, threads=ex.threads, budget_gb=gb, spinners=a.spinners,
                              b_h_gbps=prof["isolated"]["b_h_gbps"], b_p_gbps=prof["isolated"]["b_p_gbps"],
                              decode_path=str(r["decode_path"].value))
                     rows.append(r)
-                    print(f"{n:>3} -> {ex.threads:>2} threads {gb:>6} GB {pol:>9}: {r['tokens_per_s']:7.2f} tokens/s "
-                          f"(B_H {r['b_h_gbps']:.1f} GB/s, hit rate {r['hit_rate']:.3f}, {r['decode_path']})",
-                          flush=True)
+                    print(f"{n:>3} {how:>9} -> {ex.threads:>2} threads {gb:>6} GB {pol:>9}: "
+                          f"{r['tokens_per_s']:7.2f} tokens/s (B_H {r['b_h_gbps']:.1f} GB/s, "
+                          f"hit rate {r['hit_rate']:.3f}, {r['decode_path']})", flush=True)
     meta = {"summary": runner.summary(), "model": runner.model_config.architecture,
             "preset": a.preset if a.model is None else a.model}
     return rows, meta
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
     ex = sub.add_parser("executor", help="B_H of the native executor per thread count (no GPU needed)")
     ex.add_argument("--rotate-gb", type=float, default=4.0, help="rotating expert pool, GB (default 4)")
     ex.add_argument("--experts-per-call", type=int, default=8, help="experts per step (default 8: top-8, batch 1)")
     ex.add_argument("--tokens", type=int, default=1, help="tokens routed to each expert (default 1)")
     ex.add_argument("--gap-us", type=int, default=100, help="device work between two doorbell steps, µs")
+    ex.add_argument("--poll-us", type=int, default=50, help="the stand-in device's done-word poll interval, µs")
     ex.add_argument("--alongside", type=int, default=native.ALONGSIDE_CUDA,
-                    help="cores the planned pool leaves to threads beside it (default: as on CUDA)")
+                    help="cores the planned doorbell pool leaves to threads beside it (default: as on CUDA)")
     ex.add_argument("--handoffs", default="caller,doorbell", help="caller, doorbell or both (default)")
     ex.add_argument("--seconds", type=float, default=1.0, help="seconds per measurement")
     dec = sub.add_parser("decode", help="the engine's decode per thread count (benchmarks/decode.py options)")
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--warmup", type=int, default=8)
     dec.add_argument("--tokens", type=int, default=64)
     dec.add_argument("--profile-seconds", type=float, default=0.5)
+    dec.add_argument("--plans", default="planned", help="planned (the engine's cap), as-asked, or both")
     for p in (ex, dec):
         p.add_argument("--threads", help="thread counts, e.g. 1-16 or 1,6,16 (default: 1 to the physical cores)")
         p.add_argument("--spinners", type=int, default=0, help="busy-looping processes beside the run (default 0)")
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         native.load_extension()
     except native.NativeUnavailable as e:
         sys.exit(f"thread_scaling: {e}")
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
             "machine": {"platform": platform.platform(), "physical_cores": len(native.physical_core_cpus()),
                         "logical_cpus": os.cpu_count(), "torch": torch.__version__,
@@ -218,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows, extra = decode_sweep(a)
         meta.update(extra)
-        lines = ["| threads asked | threads | budget (GB) | policy | spinners | tokens/s | ms/token | B_H GB/s "
-                 "| hit rate | decode path |", "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['threads_asked']} | {r['threads']} | {r['budget_gb']} | {r['policy']} | {r['spinners']} | "
-                  f"{r['tokens_per_s']:.2f} | {r['ms_per_token']:.2f} | {r['b_h_gbps']:.1f} | {r['hit_rate']:.3f} | "
-                  f"{r['decode_path']} |" for r in rows]
+        lines = ["| threads asked | plan | threads | budget (GB) | policy | spinners | tokens/s | ms/token | B_H GB/s "
+                 "| hit rate | decode path |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['threads_asked']} | {r['plan']} | {r['threads']} | {r['budget_gb']} | {r['policy']} | "
+                  f"{r['spinners']} | {r['tokens_per_s']:.2f} | {r['ms_per_token']:.2f} | {r['b_h_gbps']:.1f} | "
+                  f"{r['hit_rate']:.3f} | {r['decode_path']} |" for r in rows]
     table = "\n".join(lines)
     print(table)
     if a.out:

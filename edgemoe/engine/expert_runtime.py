@@ -88,14 +88,18 @@ class ExpertRuntime:
         else:
             self.set_cache(self.default_slots(), config.expert_policy)
 
-    def _make_cpu_executor(self):
+    def _make_cpu_executor(self, **native_kw):
         return make_cpu_executor(self.pool, self.config.cpu_threads, self.config.cpu_executor,
-                                 alongside=ALONGSIDE_CUDA if self.device.type == "cuda" else 0)
+                                 alongside=ALONGSIDE_CUDA if self.device.type == "cuda" else 0, **native_kw)
 
-    def set_cpu_threads(self, threads: int | None) -> None:
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
         """Replace the CPU executor by one of ``threads`` threads (``None``: the default count) and
         rebuild the cache over it (cold, same size and policy), at a safe point between steps. The
         caller rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Args:
+            threads: the count (capped as at start-up: ``edgemoe.experts.native.plan_threads``).
+            oversubscribe: take ``threads`` as given, beyond the cap (benchmarks measuring the cap).
 
         Raises:
             ValueError: ``threads < 1`` (nothing changes then).
@@ -106,7 +110,7 @@ class ExpertRuntime:
             self.hybrid.device_decode.close()  # its server thread is the old pool's worker 0
             self.hybrid.device_decode = None
         self.config = replace(self.config, cpu_threads=threads)
-        self.cpu_executor = self._make_cpu_executor()
+        self.cpu_executor = self._make_cpu_executor(**({"oversubscribe": True} if oversubscribe else {}))
         self.set_cache(self.cache.num_slots, self.policy.name)
 
     # ------------------------------------------------------------------ sizing

@@ -181,17 +181,18 @@ class ModelRunner:
         finally:
             self._bind()
 
-    def set_cpu_threads(self, threads: int | None) -> None:
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
         """Rebuild the CPU expert executor with ``threads`` (``None``: the default count) and torch's
         intra-op threads to match, at a safe point between steps (benchmarks sweep the count this
-        way). The expert cache is rebuilt cold over the new executor; decode graphs are captured again.
-        B_H changes with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
+        way; ``oversubscribe`` lifts the cap, see :meth:`ExpertRuntime.set_cpu_threads`). The expert
+        cache is rebuilt cold over the new executor; decode graphs are captured again. B_H changes
+        with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
 
         Raises:
             ValueError: ``threads < 1``.
         """
         try:
-            self.experts.set_cpu_threads(threads)
+            self.experts.set_cpu_threads(threads, oversubscribe)
         finally:
             self._bind()
         configure_torch_threads(threads)
