@@ -70,7 +70,7 @@ def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuE
     key = (isa, threads)
     if key not in _cores:
         _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
-                                               max_tokens_per_expert=1 << 30)
+                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
     return _cores[key].with_pool(pool)
 
 
@@ -308,7 +308,7 @@ def test_invalid_steps_raise_and_leave_out_untouched():
 
 def test_workers_wake_after_sleeping():
     pool = _pool("tails-16", torch.float32)
-    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0)  # workers sleep at once
+    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0, oversubscribe=True)  # workers sleep at once
     x, work, ref = _ref("tails-16", torch.float32, 8)
     for _ in range(3):
         time.sleep(0.02)

@@ -191,14 +191,31 @@ def test_route_control_large_steps(T, k, S, groups):
     _run_route_control(FillAllPolicy(), S=S, L=2, E=64, T=T, k=k, steps=2, pinned=7, seed=T, groups=groups)
 
 
+@pytest.mark.parametrize("T,k,S,E,policy", [(32, 8, 200, 128, "qstar-1/3"), (64, 8, 200, 256, "qstar-7/9"),
+                                            (17, 8, 90, 64, "fill-all"), (64, 8, 40, 256, "cpu-all"),
+                                            (20, 7, 150, 96, "qstar-1/4")])
+def test_route_control_batches_beyond_one_tile(T, k, S, E, policy):
+    # T·k = 256 and 512 (32 and 64 sequences of top-8), and 136 / 140: routes span 2-4 tiles of 128, so
+    # dedupe, fill ranks, CPU ordinals and offsets all compare routes across tiles; E = 128 experts
+    # per layer makes most experts repeat across tokens (several tokens per expert); S < distinct
+    # misses: CPU work every layer
+    c = _run_route_control(POLICIES[policy], S=S, L=2, E=E, T=T, k=k, steps=2, pinned=5, seed=T + S)
+    assert c.misses > 0 and (c.cpu > 0 or policy == "fill-all")
+
+
 def test_route_control_rejects_bad_arguments():
     tab = ExpertCache(4, 16, [], torch.float32, DEV)
     rule = torch.tensor(FillAllPolicy().fill_rule(), dtype=torch.float64, device=DEV)
     counters = torch.zeros(4, dtype=torch.int64, device=DEV)
     args = (tab.slot_of, tab.owner_of, tab.last_used, tab.pinned, tab.clock, rule, counters)
-    ids = torch.zeros(17, 8, dtype=torch.int64, device=DEV)
-    with pytest.raises(ValueError, match="routes"):
-        route_control(ids, torch.ones(17, 8, device=DEV), 0, *args, RouteOutputs.empty(17 * 8, DEV))
+    ids = torch.zeros(0, 8, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="route"):
+        route_control(ids, torch.ones(0, 8, device=DEV), 0, *args, RouteOutputs.empty(8, DEV))
+    ids = torch.zeros(3, 8, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="scratch"):
+        out = RouteOutputs.empty(24, DEV)
+        out.scratch = out.scratch[:, :8]
+        route_control(ids, torch.ones(3, 8, device=DEV), 0, *args, out)
     ids = torch.zeros(2, 2, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="cpu_offsets"):
         out = RouteOutputs.empty(4, DEV)

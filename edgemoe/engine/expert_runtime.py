@@ -26,6 +26,7 @@ from edgemoe.experts.cache import CacheCounters, ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels import unavailable_reason
@@ -85,7 +86,7 @@ class ExpertRuntime:
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
         self.fallback = fallback
         self.graphs_supported = graphs_supported
-        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor)
+        self.cpu_executor = self._make_cpu_executor()
         self.cache: ExpertCache | None = None
         self.bandwidths: Bandwidths | None = None
         self.policy: ExpertPolicy | None = None
@@ -95,10 +96,36 @@ class ExpertRuntime:
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
+        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
             self.set_cache(self.default_slots(), config.expert_policy)
+
+    def _make_cpu_executor(self, **native_kw):
+        return make_cpu_executor(self.pool, self.config.cpu_threads, self.config.cpu_executor,
+                                 alongside=ALONGSIDE_CUDA if self.device.type == "cuda" else 0, **native_kw)
+
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Replace the CPU executor by one of ``threads`` threads (``None``: the default count) and
+        rebuild the cache over it (cold, same size and policy), at a safe point between steps. The
+        caller rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Args:
+            threads: the count (capped as at start-up: ``edgemoe.experts.native.plan_threads``).
+            oversubscribe: take ``threads`` as given, beyond the cap (benchmarks measuring the cap).
+
+        Raises:
+            ValueError: ``threads < 1`` (nothing changes then).
+        """
+        if threads is not None and threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+        if self.hybrid is not None and self.hybrid.device_decode is not None:
+            self.hybrid.device_decode.close()  # its server thread is the old pool's worker 0
+            self.hybrid.device_decode = None
+        self.config = replace(self.config, cpu_threads=threads)
+        self.cpu_executor = self._make_cpu_executor(**({"oversubscribe": True} if oversubscribe else {}))
+        self.set_cache(self.cache.num_slots, self.policy.name)
 
     # ------------------------------------------------------------------ sizing
     def default_slots(self) -> int:
@@ -243,12 +270,20 @@ class ExpertRuntime:
         anyway) and raise if that branch went wrong, so the engine fails those requests instead of
         sampling from logits that lack the CPU experts.
 
+        The wait blocks (a ``blocking`` CUDA event: the thread sleeps in the driver until the GPU
+        reaches it) instead of spinning as a stream synchronization does by default: for the whole
+        step the CPU experts run on the native pool, and a spinning Python thread would take a core
+        from it (``edgemoe.experts.native.plan_threads``).
+
         Raises:
             RuntimeError: see ``DeviceDecode.check``.
         """
         dd = self.device_decode
         if dd is not None and dd.step is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            if self._step_done is None:
+                self._step_done = torch.cuda.Event(blocking=True)
+            self._step_done.record(torch.cuda.current_stream(self.device))
+            self._step_done.synchronize()
             dd.check()
 
     # ------------------------------------------------------------------ reporting

@@ -207,6 +207,22 @@ class ModelRunner:
         finally:
             self._bind()
 
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Rebuild the CPU expert executor with ``threads`` (``None``: the default count) and torch's
+        intra-op threads to match, at a safe point between steps (benchmarks sweep the count this
+        way; ``oversubscribe`` lifts the cap, see :meth:`ExpertRuntime.set_cpu_threads`). The expert
+        cache is rebuilt cold over the new executor; decode graphs are captured again. B_H changes
+        with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
+
+        Raises:
+            ValueError: ``threads < 1``.
+        """
+        try:
+            self.experts.set_cpu_threads(threads, oversubscribe)
+        finally:
+            self._bind()
+        configure_torch_threads(threads)
+
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
         """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
         safe point between steps. The host pool and the KV cache stay as they are; the new cache
@@ -381,7 +397,15 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda _inputs, _slots: self.model(batch), state_slots, plans, phase)
+        return self._run_model(inputs, lambda _inputs, _slots: self._forward(batch), state_slots, plans, phase)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward over ``batch``; on the CPU its dense layers' GEMVs (decode rows) run on
+        the CPU executor's kernels and threads where it has them (``CpuExecutor.dense_linears``)."""
+        if self.device.type != "cpu":
+            return self.model(batch)
+        with self.experts.cpu_executor.dense_linears(int(batch.input_ids.numel())):
+            return self.model(batch)
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
@@ -421,7 +445,8 @@ class ModelRunner:
         lines = [
             f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
+            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
+            + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "

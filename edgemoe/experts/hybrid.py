@@ -193,6 +193,8 @@ class HybridExperts:
                 tok, kpos = (flat == f).nonzero(as_tuple=True)  # [n] each
                 work.append((f, tok, w_cpu[tok, kpos]))
             self.cpu.run(x_cpu, work, out_cpu)
+            if not plan.hits and not plan.waves:  # nothing on the device: routed is all zeros
+                return out_cpu.to(x.device, x.dtype)
             return (routed.sum(dim=1, dtype=torch.float32) + out_cpu.to(x.device)).to(x.dtype)
         return routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
 

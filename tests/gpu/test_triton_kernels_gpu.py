@@ -104,7 +104,8 @@ def _check_outputs(out: RouteOutputs, plan, flat, w, where: str) -> None:
 
 
 @pytest.mark.parametrize("T,S,policy,pinned", [(1, 2048, QSTAR, 0), (8, 2048, QSTAR, 64), (8, 6144, FillAllPolicy(), 0),
-                                               (16, 700, FillAllPolicy(), 0)])
+                                               (16, 700, FillAllPolicy(), 0), (32, 2048, QSTAR, 16),
+                                               (64, 2048, QSTAR, 0), (64, 700, FillAllPolicy(), 0)])
 def test_route_control_equals_plan_step_at_qwen3_scale(T, S, policy, pinned):
     g = torch.Generator().manual_seed(T * 7 + S)
     ref = ExpertCache(S, LAYERS * E, [], torch.float32, torch.device("cpu"))
@@ -139,7 +140,7 @@ def test_route_control_equals_plan_step_at_qwen3_scale(T, S, policy, pinned):
     assert counters.tolist() == [c.hits, c.misses, c.fills, c.cpu]
 
 
-@pytest.mark.parametrize("T,S", [(1, 2048), (8, 2048), (1, 8192), (8, 8192)])
+@pytest.mark.parametrize("T,S", [(1, 2048), (8, 2048), (1, 8192), (8, 8192), (32, 2048), (64, 2048)])
 def test_route_control_latency(T, S):
     g = torch.Generator().manual_seed(S + T)
     N = max(LAYERS * E, S + E)
@@ -174,7 +175,9 @@ def test_route_control_latency(T, S):
             body()
     per_layer = (_seconds(graphs[1].replay, iters=10) - _seconds(graphs[0].replay, iters=10)) / LAYERS
     _report("route_control_latency", T=T, S=S, us_per_layer=per_layer * 1e6, fills_per_layer=fills_per_layer)
-    assert per_layer < 60e-6, f"route control takes {per_layer * 1e6:.1f} us per layer"
+    # the pairwise passes grow with (T·k / 128)^2 tiles: 16 tiles per pass at 64 sequences of top-8
+    limit = 60e-6 if T * TOPK <= 128 else 250e-6
+    assert per_layer < limit, f"route control takes {per_layer * 1e6:.1f} us per layer"
 
 
 # ---------------------------------------------------------------- fused fill gather
