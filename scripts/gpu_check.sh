@@ -39,7 +39,7 @@ for stage in "${stages[@]}"; do
   threads-decode)
     echo "== decode tokens/s per CPU thread count (16-layer Qwen3-30B-A3B geometry, 2.42 GB expert cache)"
     timeout ${THREADS_TIMEOUT:-580} python3 benchmarks/thread_scaling.py decode --layers 16 --budgets 2.42 \
-      --policies qstar,cpu-all --tokens 32 --warmup 8 --out "$OUT/threads-decode" ${THREADS_ARGS:-} 2>&1 \
+      --policies qstar,cpu-all --plans planned,as-asked --tokens 32 --warmup 8 --out "$OUT/threads-decode" ${THREADS_ARGS:-} 2>&1 \
       | tee "$OUT/threads-decode.log" | tail -n 45 ;;
   batches)
     echo "== decode throughput at batch 1/4/16/64 (16-layer Qwen3-30B-A3B geometry, uniform routing)"
