@@ -217,12 +217,12 @@ class ExpertRuntime:
                              f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
         try:
             self.set_cache(new_slots, policy or old_policy)
-        except Exception as exc:  # noqa: BLE001 - any failure: put the previous cache back
+        except Exception as exc:
             log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
             try:
                 self.set_cache(old_slots, old_policy)
                 kept = f"kept {old_slots} slots"
-            except Exception:  # noqa: BLE001 - even the old size failed: the CPU-only cache always fits
+            except Exception:
                 self.set_cache(0, FALLBACK_POLICY)
                 kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
             raise ValueError(f"could not set up {new_slots} expert-cache slots "
