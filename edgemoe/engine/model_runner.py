@@ -35,7 +35,7 @@ from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, State
 from edgemoe.models import load_config, model_class
 from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
-from edgemoe.weights.loader import init_dummy, load_checkpoint
+from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +77,19 @@ class ModelRunner:
         with torch.device("meta"):
             self.model = model_cls(cfg)
         self.model.eval()
-        self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
+        self.pool: HostExpertPool
         if config.load_format == "dummy":
             self.weights_format = "dummy weights"
-            init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
+            layout = dummy_layout(self.model, self.model_dir, cfg, self.dtype)
+            self.pool = init_dummy(self.model, layout, cfg, self.dtype, self.device, config.seed, progress=progress)
         elif is_ftw(self.model_dir):
             self.weights_format = "FTW"
-            self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
-                                       verify=config.verify_weights, progress=progress)
+            self.pool, self.load_stats = load_ftw(self.model, self.model_dir, self.dtype, self.device, cfg,
+                                                  verify=config.verify_weights, progress=progress)
         else:
             self.weights_format = "HF safetensors"
-            load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
-                            progress=progress)
+            self.pool = load_checkpoint(self.model, self.model_dir, cfg, self.dtype, self.device, progress=progress)
         self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = self._eos_ids()
         self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
@@ -393,8 +392,8 @@ class ModelRunner:
             dev += f" ({torch.cuda.get_device_name(self.device)}, {total / 2**30:.0f} GiB)"
         ex = self.experts.cpu_executor
         lines = [
-            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
-            f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
+            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
             *self.experts.summary_lines(self.pinned),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; "
