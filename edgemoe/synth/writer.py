@@ -250,7 +250,7 @@ def quantize_checkpoint(model_dir: str | Path, quant: str, max_shard_size: str =
     from huggingface_hub import save_torch_state_dict
     from safetensors.torch import load_file
 
-    from edgemoe.quant.quantize import hf_quant_config, quantization_config, quantize_state_dict, release_scheme
+    from edgemoe.quant.quantize import quantize_state_dict, release_scheme
     from edgemoe.quant.scheme import QuantMethod
 
     if quant not in QUANT_LAYOUTS:
@@ -269,6 +269,16 @@ def quantize_checkpoint(model_dir: str | Path, quant: str, max_shard_size: str =
         f.unlink()
     (d / "model.safetensors.index.json").unlink(missing_ok=True)
     save_torch_state_dict(q, str(d), max_shard_size=max_shard_size, metadata={"format": "pt"})
+    _write_quantization_config(d, quant)
+
+
+def _write_quantization_config(d: Path, quant: str) -> None:
+    """``config.json``'s ``quantization_config`` of a released layout (and ModelOpt's ``hf_quant_config.json``)."""
+    from edgemoe.quant.quantize import hf_quant_config, quantization_config, release_scheme
+    from edgemoe.quant.scheme import QuantMethod
+
+    method = QuantMethod(QUANT_LAYOUTS[quant])
+    scheme = release_scheme(method)
     path = d / "config.json"
     cfg = json.loads(path.read_text())
     cfg["quantization_config"] = quantization_config(scheme)
@@ -293,12 +303,15 @@ def write_config_only(
     *,
     dtype: str = "bfloat16",
     overrides: dict | None = None,
+    quant: str | None = None,
 ) -> Path:
     """Write config.json, generation_config.json and tokenizer files, without weights.
 
     Same files and rules as ``make_model`` minus the safetensors: for engines that load a geometry
     with dummy weights (e.g. full-size ``qwen3-30b-a3b`` benchmarks without a 61 GB download).
-    ``dtype`` is only recorded in config.json (``dtype``).
+    ``dtype`` is only recorded in config.json (``dtype``). ``quant`` (see :func:`make_model`) records the
+    layout's ``quantization_config`` (and ModelOpt's ``hf_quant_config.json``), so dummy weights take that
+    expert format.
 
     Returns:
         ``Path(out_dir)``.
@@ -308,10 +321,14 @@ def write_config_only(
         FileNotFoundError: ``tokenizer`` holds no tokenizer.json/tokenizer_config.json.
     """
     _check_dtype(dtype)
+    if quant is not None and quant not in QUANT_LAYOUTS:
+        raise ValueError(f"unknown quant {quant!r}; choices: {list(QUANT_LAYOUTS)}")
     out = Path(out_dir)
     config, ids = _prepare(out, arch, preset, tokenizer, overrides)
     config.dtype = dtype
     config.save_pretrained(str(out))
     _write_generation_config(out, ids, config)
     _add_legacy_keys(out, config)
+    if quant is not None:
+        _write_quantization_config(out, quant)
     return out

@@ -25,8 +25,8 @@ from edgemoe.quant.scheme import FP8_DEFAULT_BLOCK, QuantScheme, detect_scheme
 from edgemoe.quant.weights import QuantizedWeight, WeightFormat, dequantize_linear
 from edgemoe.weights.index import CheckpointError, CheckpointIndex, CheckpointPlan, ExpertGeometry, TensorInfo
 
-__all__ = ["CheckpointError", "SafetensorsReader", "cast_to_layout", "dummy_layout", "init_dummy", "load_checkpoint",
-           "pool_layout"]
+__all__ = ["CheckpointError", "SafetensorsReader", "cast_to_layout", "deployed_layout", "dummy_layout", "init_dummy",
+           "load_checkpoint", "pool_layout"]
 
 
 class SafetensorsReader:
@@ -187,3 +187,32 @@ def init_dummy(model: nn.Module, layout: ExpertLayout, cfg, dtype: torch.dtype, 
     pool = HostExpertPool(ExpertGeometry.from_config(cfg).num_rows, layout, dtype)
     pool.fill_random(seed, std=std, progress=progress)
     return pool
+
+
+def deployed_layout(model_dir: str | Path, dtype: torch.dtype, load_format: str = "auto") -> ExpertLayout:
+    """The row layout the engine's host pool will hold for ``model_dir`` (what ``edgemoe profile`` measures),
+    reading only metadata: an FTW directory's manifest (float rows in ``dtype``), a Hugging Face directory's
+    safetensors headers checked against the model (:func:`pool_layout` of the experts' format), or for
+    ``load_format="dummy"`` (or a directory without weights) ``config.json``'s declared scheme
+    (:func:`dummy_layout`).
+
+    Raises:
+        CheckpointError / QuantConfigError / ValueError: as the corresponding loader would.
+    """
+    from edgemoe.models import load_config, model_class
+    from edgemoe.weights.ftw import is_ftw, read_manifest
+
+    d = Path(model_dir)
+    cfg = load_config(d)
+    if load_format != "dummy" and is_ftw(d):
+        layout = read_manifest(d).expert_layout(d)
+        if layout.format.dense:
+            layout = ExpertLayout.build(WeightFormat.for_dtype(dtype), layout.hidden, layout.intermediate)
+        return layout
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg)
+    if load_format == "dummy" or not any(d.glob("*.safetensors")):
+        return dummy_layout(model, d, cfg, dtype)
+    geometry = ExpertGeometry.from_config(cfg)
+    plan = CheckpointIndex.open(d).check(model, geometry)
+    return pool_layout(plan.expert_format or WeightFormat.for_dtype(dtype), geometry, dtype, plan.scheme)
