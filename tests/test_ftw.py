@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from edgemoe.cli import main
 from edgemoe.config import EngineConfig
-from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.models import load_config
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 from edgemoe.synth import make_model

@@ -9,21 +9,22 @@ import json
 import pytest
 import torch
 
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.experts import compute as compute_mod
+from edgemoe.experts import prefill as prefill_mod
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.compute import run_sorted_experts, swiglu_expert
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, FillAllPolicy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts.prefill import copy_runs
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
-from edgemoe.experts import compute as compute_mod
-from edgemoe.experts import prefill as prefill_mod
-from edgemoe.experts.prefill import copy_runs
+
+from conftest import greedy_decode
 
 L, E, K, H, I = 3, 8, 2, 16, 8  # MoE layers, experts per layer, top-k, hidden, expert intermediate
 N = L * E

@@ -12,7 +12,6 @@ import torch
 from quant_reference import quantized_checkpoint
 from safetensors.torch import load_file, save_file
 
-from conftest import greedy_decode
 from edgemoe.cli import main
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
@@ -22,6 +21,8 @@ from edgemoe.quant.weights import WeightFormat, dequantize_linear
 from edgemoe.weights.ftw import convert, read_manifest
 from edgemoe.weights.index import CheckpointError
 from edgemoe.weights.loader import load_checkpoint
+
+from conftest import greedy_decode
 
 CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
 PROMPT = [5, 17, 230, 41, 99, 7, 12]
@@ -70,7 +71,8 @@ def test_rows_hold_the_released_bytes_and_non_experts_are_dequantized(ckpts, qua
     else:
         packed = "weight_packed" if quant == "nvfp4-ct" else "weight"
         gate, up, down = (f"{pre}.{e}.{p}_proj" for p in ("gate", "up", "down"))
-        assert torch.equal(w13.view(torch.uint8), torch.cat((sd[f"{gate}.{packed}"], sd[f"{up}.{packed}"])).view(torch.uint8))
+        released13 = torch.cat((sd[f"{gate}.{packed}"], sd[f"{up}.{packed}"]))  # gate rows, then up rows
+        assert torch.equal(w13.view(torch.uint8), released13.view(torch.uint8))
         assert torch.equal(w2.view(torch.uint8), sd[f"{down}.{packed}"].view(torch.uint8))
         scale = "weight_scale_inv" if quant == "fp8" else "weight_scale"
         assert torch.equal(s2.float(), sd[f"{down}.{scale}"].float())  # FP8: bf16 scales held as float32
@@ -125,11 +127,13 @@ FP8_EXPERT = "model.layers.0.mlp.experts.3.down_proj"
         f"{FP8_EXPERT}.weight_scale_inv"), r"is a bf16 routed expert, but the experts before it are fp8_block"),
     ("nvfp4-modelopt", lambda sd: sd.pop(f"{FP8_EXPERT}.weight_scale_2"),
      rf"module {FP8_EXPERT} lacks tensor {FP8_EXPERT}\.weight_scale_2"),
-    ("nvfp4-modelopt", lambda sd: sd.__setitem__(f"{FP8_EXPERT}.weight_scale", torch.zeros(64, 2).to(torch.float8_e4m3fn)),
+    ("nvfp4-modelopt",
+     lambda sd: sd.__setitem__(f"{FP8_EXPERT}.weight_scale", torch.zeros(64, 2).to(torch.float8_e4m3fn)),
      rf"tensor {FP8_EXPERT}\.weight_scale has shape \[64, 2\], expected \[64, 4\] \(NVFP4 block scales"),
     ("nvfp4-ct", lambda sd: sd.__setitem__(f"{FP8_EXPERT}.weight_packed", torch.zeros(64, 64, dtype=torch.uint8)),
      rf"tensor {FP8_EXPERT}\.weight_packed has shape \[64, 64\], expected \[64, 32\]"),
-    ("mxfp4", lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_scales", torch.zeros(16, 64, 3, dtype=torch.uint8)),
+    ("mxfp4",
+     lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_scales", torch.zeros(16, 64, 3, dtype=torch.uint8)),
      r"tensor model\.layers\.2\.mlp\.experts\.down_proj_scales has shape \[16, 64, 3\], expected \[16, 64, 2\]"),
     ("mxfp4", lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_bias", torch.zeros(16, 64)),
      r"tensor model\.layers\.2\.mlp\.experts\.down_proj_bias: routed-expert biases are not supported"),
@@ -161,7 +165,8 @@ def test_an_unsupported_quantization_method_names_the_field(ckpts, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(QuantConfigError, match=r"config\.json: quantization_config\.quant_method = 'gptq' is not supported"):
+    with pytest.raises(QuantConfigError, match=r"config\.json: quantization_config\.quant_method = 'gptq' is not "
+                                               r"supported"):
         ModelRunner(d, CFG, progress=False)
 
 

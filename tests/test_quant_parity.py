@@ -15,10 +15,11 @@ import pytest
 import torch
 from quant_reference import QUANTS, float_copy, quantized_checkpoint, reference_greedy, reference_model
 
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.quant.weights import WeightFormat
+
+from conftest import greedy_decode
 
 MODES = [
     ("fill-all", None),  # every expert resident
@@ -68,7 +69,7 @@ def test_quantized_experts_match_transformers(quantized, policy, slots):
 
 
 def test_bf16_compute_is_bit_identical_to_a_bf16_copy_of_the_dequantized_weights(quantized, tmp_path):
-    quant, path, _ = quantized
+    _, path, _ = quantized
     copy = float_copy(path, tmp_path / "bf16", torch.bfloat16, ct_expert_multiplier=True)
     for policy, slots in (("fill-all", None), ("qstar", 5), ("qstar", 0)):
         q = greedy_decode(_runner(path, policy, slots, "bfloat16"), PROMPT, STEPS, free=True)
@@ -81,7 +82,7 @@ def test_bf16_compute_is_bit_identical_to_a_bf16_copy_of_the_dequantized_weights
 def test_packed_rows_are_the_checkpoint_bytes(quantized):
     """The pool holds the released codes and scales as they are: its rows are smaller than bf16 rows by the
     format's ratio, and the eager path's fills copy those bytes."""
-    quant, path, _ = quantized
+    _, path, _ = quantized
     runner = _runner(path, "fill-all", 5)
     bf16 = runner.pool.layout.build(WeightFormat.BF16, runner.pool.hidden, runner.pool.intermediate)
     assert runner.pool.row_bytes < bf16.row_bytes

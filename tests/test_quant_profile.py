@@ -44,7 +44,8 @@ def test_profile_is_measured_and_saved_per_format(checkpoints, tmp_path, monkeyp
     assert prof["cpu_executor"] == "torch"  # no native kernel reads NVFP4 rows yet: the torch executor is measured
     assert e["rotated_bytes"] >= ROTATE and prof["isolated"]["b_p_gbps"] > 0 and prof["isolated"]["b_h_gbps"] > 0
     bf16 = run_profile(checkpoints["bf16"], cfg, seconds=0.02, rotate_bytes=ROTATE)
-    assert bf16["path"] == str(tmp_path / "profile-64x64-bf16-cpu.json") and bf16["expert"]["row_bytes"] > e["row_bytes"]
+    assert bf16["path"] == str(tmp_path / "profile-64x64-bf16-cpu.json")
+    assert bf16["expert"]["row_bytes"] > e["row_bytes"]
 
 
 def test_engine_uses_the_profile_of_its_format(checkpoints, tmp_path, monkeypatch):

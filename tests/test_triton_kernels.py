@@ -25,7 +25,6 @@ from edgemoe.core import Phase  # noqa: E402
 from edgemoe.experts.cache import ExpertCache  # noqa: E402
 from edgemoe.experts.hybrid import plan_step  # noqa: E402
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy  # noqa: E402
-
 from edgemoe.kernels.decode_attention import make_decode_scratch, paged_decode_attention  # noqa: E402
 from edgemoe.kernels.expert_gemv import expert_gemv  # noqa: E402
 from edgemoe.kernels.gather import gather_fills  # noqa: E402

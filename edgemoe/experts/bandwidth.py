@@ -51,7 +51,8 @@ def default_profile_path(layout: ExpertLayout, device: torch.device) -> Path:
     """``~/.cache/edgemoe/profile-{H}x{I}-{format}-{device}.json`` (``EDGEMOE_CACHE`` overrides the folder),
     e.g. ``profile-2048x768-nvfp4-cuda.json``."""
     root = Path(os.environ.get("EDGEMOE_CACHE", Path.home() / ".cache" / "edgemoe"))
-    return root / f"profile-{layout.hidden}x{layout.intermediate}-{layout.format.value}-{torch.device(device).type}.json"
+    shape = f"{layout.hidden}x{layout.intermediate}"
+    return root / f"profile-{shape}-{layout.format.value}-{torch.device(device).type}.json"
 
 
 def _sync(device: torch.device) -> None:
@@ -222,8 +223,9 @@ def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwid
     """B_P/B_H for the engine: command line, else a matching saved profile, else a quick measurement.
 
     A saved profile matches when its version, expert format and shape and device match
-    (:func:`profile_matches`) and it was measured with the CPU executor in use, on as many threads (``executor.name``/``threads``; B_H of the torch
-    executor says little about the native one). An explicit ``profile_path`` measured otherwise is
+    (:func:`profile_matches`) and it was measured with the CPU executor in use, on as many
+    threads (``executor.name``/``threads``; B_H of the torch executor says little about the native
+    one). An explicit ``profile_path`` measured otherwise is
     still used, with a warning. Nothing is measured when no policy needs it (no expert cache, or a
     policy other than ``qstar``).
     """

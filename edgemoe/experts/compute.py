@@ -71,7 +71,8 @@ def gather_expert_weights(layout: ExpertLayout, bank: torch.Tensor, rows: torch.
 
 
 def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
-                       layout: ExpertLayout, bank: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True) -> None:
+                       layout: ExpertLayout, bank: torch.Tensor, routed: torch.Tensor,
+                       zero_missing: bool = True) -> None:
     """Compute every route of one MoE layer whose expert is on the device, routes grouped by expert.
 
     Float slots, where the Triton kernels run (CUDA): one grouped kernel pair over the bank's section

@@ -78,8 +78,8 @@ class DeviceDecode:
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
         if cache.layout.format not in DEVICE_FORMATS:
-            raise ValueError(f"the device decode kernels read {', '.join(f.value for f in DEVICE_FORMATS)} expert rows, "
-                             f"not {cache.layout.format.value}")
+            names = ", ".join(f.value for f in DEVICE_FORMATS)
+            raise ValueError(f"the device decode kernels read {names} expert rows, not {cache.layout.format.value}")
         self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
         self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens

@@ -25,12 +25,11 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.compute import gather_expert_weights, run_sorted_experts
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
-from edgemoe.experts.compute import gather_expert_weights, run_sorted_experts
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.experts.prefill import PrefillStreamer
-
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
 

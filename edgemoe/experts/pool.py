@@ -80,7 +80,8 @@ class HostExpertPool:
         if compute_dtype is None:
             compute_dtype = default_compute_dtype(layout)
         if layout.format.dense and compute_dtype != layout.format.dtype:
-            raise ValueError(f"a {layout.format.value} expert pool computes in {layout.format.dtype}, not {compute_dtype}")
+            raise ValueError(f"a {layout.format.value} expert pool computes in {layout.format.dtype}, "
+                             f"not {compute_dtype}")
         self.num_ids, self.layout, self.compute_dtype = num_ids, layout, compute_dtype
         self.hidden, self.intermediate = layout.hidden, layout.intermediate
         self.bank = host_empty((num_ids, layout.row_bytes), torch.uint8)  # [N, row_bytes]

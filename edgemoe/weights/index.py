@@ -247,6 +247,11 @@ class QuantizedLinear:
     shape: tuple[int, int]
     tensors: dict[str, TensorInfo]
 
+    @property
+    def file(self) -> Path:
+        """The file of the module's weight (for messages)."""
+        return (self.tensors.get("weight") or next(iter(self.tensors.values()))).file
+
 
 @dataclass(frozen=True)
 class ExpertSource:
@@ -339,7 +344,8 @@ class CheckpointPlan:
         """The dtypes of float expert tensors (empty for quantized experts)."""
         return {x.first.dtype for x in self.experts.values() if x.format.dense}
 
-    def expert_weights(self, fid: int, reader: TensorReader) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight]:
+    def expert_weights(self, fid: int,
+                       reader: TensorReader) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight]:
         """Expert ``fid``'s ``(gate [I, H], up [I, H], down [H, I])`` in canonical form (formats as stored).
 
         Raises:
@@ -478,7 +484,8 @@ class CheckpointIndex:
             if experts is None:
                 raise CheckpointError(f"{f}: unexpected tensor {name} (a routed expert, which this file must not hold)")
             if target.expert is not None and target.expert >= experts.num_experts:
-                raise CheckpointError(f"{f}: tensor {name}: expert {target.expert} >= num_experts {experts.num_experts}")
+                raise CheckpointError(f"{f}: tensor {name}: expert {target.expert} >= num_experts "
+                                      f"{experts.num_experts}")
             if target.param == "bias":
                 raise CheckpointError(f"{f}: tensor {name}: routed-expert biases are not supported by {model_name}")
             if target.expert is not None:
@@ -505,9 +512,9 @@ class CheckpointIndex:
             if first is None:
                 plan.expert_format = src.format
             elif first.dense != src.format.dense or (not first.dense and first is not src.format):
-                raise CheckpointError(f"{src.first.file}: tensor {src.first.name} is a {src.format.value} routed expert, "
-                                      f"but the experts before it are {first.value}: every routed expert must share "
-                                      "one format")
+                raise CheckpointError(f"{src.first.file}: tensor {src.first.name} is a {src.format.value} routed "
+                                      f"expert, but the experts before it are {first.value}: every routed expert must "
+                                      "share one format")
             plan.experts[module if target.expert is not None else f"{module}.{target.role}"] = src
             j, e = target.moe_layer, target.expert
             for ee in (range(experts.num_experts) if e is None else (e,)):
@@ -515,8 +522,8 @@ class CheckpointIndex:
                     key = (j * experts.num_experts + ee, part)
                     if key in plan.parts:
                         other = plan.parts[key].first
-                        raise CheckpointError(f"{src.first.file}: tensor {src.first.name}: MoE layer ordinal {j} expert "
-                                              f"{ee} {part} is also given by {other.name} in {other.file.name}")
+                        raise CheckpointError(f"{src.first.file}: tensor {src.first.name}: MoE layer ordinal {j} "
+                                              f"expert {ee} {part} is also given by {other.name} in {other.file.name}")
                     plan.parts[key] = src
         missing = sorted(set(params) - set(plan.params) - set(plan.quantized))
         if missing:

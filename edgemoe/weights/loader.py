@@ -139,8 +139,7 @@ def load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, file
                 bar.update(1)
         for name, q in plan.quantized.items():
             t = {p: reader.tensor(info) for p, info in q.tensors.items()}
-            params[name].copy_(dequantize_linear(plan.scheme, q.module, t, q.shape, str(next(iter(q.tensors.values())).file),
-                                                 dtype))
+            params[name].copy_(dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), dtype))
             if bar is not None:
                 bar.update(1)
         for fid in range(pool.num_ids):

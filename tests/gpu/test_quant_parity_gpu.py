@@ -10,10 +10,11 @@ import pytest
 import torch
 from quant_reference import QUANTS, quantized_checkpoint, reference_greedy, reference_model
 
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.expert_runtime import DecodePath
 from edgemoe.engine.model_runner import ModelRunner
+
+from conftest import greedy_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,7 +41,7 @@ def _runner(path, policy, slots, dtype="float32"):
 
 @pytest.mark.parametrize("policy,slots", MODES, ids=[f"{p}-{s}" for p, s in MODES])
 def test_quantized_experts_on_cuda_match_transformers(quantized, policy, slots):
-    quant, path, (ref_logits, ref_toks) = quantized
+    _, path, (ref_logits, ref_toks) = quantized
     runner = _runner(path, policy, slots)
     assert runner.pinned and runner.experts.decode_path is DecodePath.EAGER
     assert runner.experts.decode_path_reason.startswith("the device decode kernels do not read")

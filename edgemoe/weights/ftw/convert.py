@@ -115,8 +115,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                     tensors[name] = t.to(float_dtype) if dtype is not None else t
                 for name, q in plan.quantized.items():
                     t = {p: reader.tensor(info) for p, info in q.tensors.items()}
-                    tensors[name] = dequantize_linear(plan.scheme, q.module, t, q.shape,
-                                                      str(next(iter(q.tensors.values())).file), float_dtype)
+                    tensors[name] = dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), float_dtype)
                 w.write_non_expert(tensors)
                 del tensors
                 w.copy_files(hf_dir)

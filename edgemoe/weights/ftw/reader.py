@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from edgemoe.weights.ftw.direct_io import ReadStats, read_banks
-from edgemoe.weights.ftw.spec import ALIGN, bank_source, check_config, non_expert_source, read_manifest
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
+from edgemoe.weights.ftw.direct_io import ReadStats, read_banks
+from edgemoe.weights.ftw.spec import ALIGN, bank_source, check_config, non_expert_source, read_manifest
 from edgemoe.weights.index import CheckpointIndex, TensorInfo, parse_safetensors_header
 
 log = logging.getLogger(__name__)
