@@ -128,7 +128,8 @@ def _dense(pool, layer, x, ids, w, E):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=[f.value for f in FORMATS])
-@pytest.mark.parametrize("policy", [QStarPolicy(Bandwidths(10.0, 30.0)), FillAllPolicy(), CpuAllPolicy(), StaticPolicy()])
+@pytest.mark.parametrize("policy", [QStarPolicy(Bandwidths(10.0, 30.0)), FillAllPolicy(), CpuAllPolicy(),
+                                    StaticPolicy()])
 @pytest.mark.parametrize("T,phase", [(1, Phase.DECODE), (3, Phase.DECODE), (20, Phase.DECODE), (9, Phase.PREFILL)])
 def test_hybrid_output_is_exact_for_every_policy(policy, T, phase, fmt):
     E, k = 8, 3

@@ -253,7 +253,8 @@ def test_manifest_of_another_version(ftw_dir, tmp_path, version):
     man = json.loads((d / MANIFEST).read_text())
     man["format_version"] = version
     (d / MANIFEST).write_text(json.dumps(man))
-    with pytest.raises(FTWVersionError, match=rf"ftw\.json: FTW format version {version!r}; this edgemoe reads version 2"):
+    with pytest.raises(FTWVersionError,
+                       match=rf"ftw\.json: FTW format version {version!r}; this edgemoe reads version 2"):
         ModelRunner(d, CFG, progress=False)
 
 
@@ -263,7 +264,8 @@ def test_version_1_manifest_is_refused_with_a_reason(ftw_dir, tmp_path):
     man["format_version"] = 1
     (d / MANIFEST).write_text(json.dumps(man))
     with pytest.raises(FTWVersionError, match=r"FTW format version 1 \(two float banks .*this edgemoe reads version 2 "
-                                              r"\(one bank of packed expert rows, any format\): re-run `edgemoe convert`"):
+                                              r"\(one bank of packed expert rows, any format\): re-run "
+                                              r"`edgemoe convert`"):
         ModelRunner(d, CFG, progress=False)
 
 

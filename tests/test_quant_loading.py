@@ -4,6 +4,7 @@ that does not fit the declared scheme is one error naming the file and the tenso
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -133,7 +134,8 @@ FP8_EXPERT = "model.layers.0.mlp.experts.3.down_proj"
     ("nvfp4-ct", lambda sd: sd.__setitem__(f"{FP8_EXPERT}.weight_packed", torch.zeros(64, 64, dtype=torch.uint8)),
      rf"tensor {FP8_EXPERT}\.weight_packed has shape \[64, 64\], expected \[64, 32\]"),
     ("mxfp4",
-     lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_scales", torch.zeros(16, 64, 3, dtype=torch.uint8)),
+     lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_scales",
+                               torch.zeros(16, 64, 3, dtype=torch.uint8)),
      r"tensor model\.layers\.2\.mlp\.experts\.down_proj_scales has shape \[16, 64, 3\], expected \[16, 64, 2\]"),
     ("mxfp4", lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_bias", torch.zeros(16, 64)),
      r"tensor model\.layers\.2\.mlp\.experts\.down_proj_bias: routed-expert biases are not supported"),
@@ -198,3 +200,36 @@ def test_convert_dequantizes_non_expert_linears_into_the_checkpoint_dtype(ckpts,
     assert ne["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert not any(k.endswith(("weight_packed", "weight_scale", "weight_global_scale")) for k in ne)
     assert read_manifest(out).layout["format"] == "nvfp4"
+
+
+def test_fp8_with_power_of_two_scales_loads(tmp_path):
+    """FP8 releases with ``scale_fmt: ue8m0`` may store ``weight_scale_inv`` as float8_e8m0fnu (safetensors
+    ``F8_E8M0``): read, held as float32 multipliers, and computed exactly as the float reference."""
+    import transformers
+    from quant_reference import float_copy, reference_greedy
+
+    from edgemoe.quant.quantize import quantization_config, quantize_state_dict, release_scheme
+    from edgemoe.quant.scheme import QuantMethod
+    from edgemoe.synth import make_model
+
+    src = make_model(tmp_path / "bf16", "qwen3_moe", "tiny", seed=3, dtype="bfloat16")
+    scheme = dataclasses.replace(release_scheme(QuantMethod.FP8_BLOCK), scale_fmt="ue8m0")
+    sd = load_file(src / "model.safetensors")
+    linears = [k.removesuffix(".weight") for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
+               and "embed_tokens" not in k]
+    d = tmp_path / "ue8m0"
+    shutil.copytree(src, d)
+    q = quantize_state_dict(sd, scheme, linears, scale_dtype=torch.float8_e8m0fnu)
+    save_file(q, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config(scheme)
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert q["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    runner = ModelRunner(d, CFG, progress=False)
+    assert runner.pool.format is WeightFormat.FP8_BLOCK
+    ref = transformers.Qwen3MoeForCausalLM.from_pretrained(float_copy(d, tmp_path / "f32", torch.float32),
+                                                           dtype=torch.float32).eval()
+    ref_logits, ref_toks = reference_greedy(ref, PROMPT, 4)
+    logits, toks = greedy_decode(runner, PROMPT, 4, free=True)
+    assert toks == ref_toks
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
