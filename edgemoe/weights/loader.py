@@ -117,12 +117,12 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, cfg, dtype: torch.d
     layout = pool_layout(plan.expert_format or WeightFormat.for_dtype(dtype), geometry, dtype, plan.scheme)
     pool = HostExpertPool(geometry.num_rows, layout, dtype)
     model.to(dtype).to_empty(device=device)
-    load_plan(model, pool, plan, index.files, dtype, progress)
+    _load_plan(model, pool, plan, index.files, progress)
     return pool
 
 
-def load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, files: list[Path], dtype: torch.dtype,
-              progress: bool = True) -> None:
+def _load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, files: list[Path],
+               progress: bool = True) -> None:
     """Copy a checked plan's tensors into ``model`` (materialized) and ``pool`` (one packed row per expert)."""
     params = dict(model.named_parameters())
     layout = pool.layout
@@ -134,12 +134,12 @@ def load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, file
                    unit="tensor", leave=False)
     with torch.no_grad(), SafetensorsReader(files) as reader:
         for name, info in plan.params.items():
-            params[name].copy_(reader.tensor(info).to(dtype))
+            params[name].copy_(reader.tensor(info))  # cast to the parameter's dtype
             if bar is not None:
                 bar.update(1)
-        for name, q in plan.quantized.items():
+        for name, q in plan.quantized.items():  # float32 products, then the parameter's dtype
             t = {p: reader.tensor(info) for p, info in q.tensors.items()}
-            params[name].copy_(dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), dtype))
+            params[name].copy_(dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), params[name].dtype))
             if bar is not None:
                 bar.update(1)
         for fid in range(pool.num_ids):
