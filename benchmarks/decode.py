@@ -195,8 +195,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
-    prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                   runner.experts.cpu_executor, a.profile_seconds, 2_000_000_000)
+    prof = measure(runner.pool, runner.pool.layout, runner.device, runner.experts.cpu_executor, a.profile_seconds,
+                   2_000_000_000)
     runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)

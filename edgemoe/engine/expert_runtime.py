@@ -24,7 +24,7 @@ from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import CacheCounters, ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
-from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.device_decode import DEVICE_FORMATS, DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
@@ -168,14 +168,13 @@ class ExpertRuntime:
             if self.hybrid.device_decode is not None:
                 self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
             self.hybrid = None
-        if self.cache is not None:  # free the old banks before allocating the new ones
-            self.cache.banks.clear()
+        if self.cache is not None:  # free the old bank before allocating the new one
+            self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         pool = self.pool
-        self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                                 pool.dtype, self.device)
+        self.cache = ExpertCache(slots, pool.num_ids, pool.layout, pool.compute_dtype, self.device)
         if self.bandwidths is None or (policy in ("qstar", "adaptive") and slots > 0
                                        and None in (self.bandwidths.pcie, self.bandwidths.cpu)):
             self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
@@ -232,9 +231,14 @@ class ExpertRuntime:
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device and the cache has slots; otherwise decode takes the eager path."""
+        on this device, read the pool's row format and the cache has slots; otherwise decode takes the
+        eager path (quantized rows: dequantized in torch, then the float math)."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
+        fmt = self.pool.format
+        if reason is None and fmt not in DEVICE_FORMATS:
+            reason = (f"the device decode kernels do not read {fmt.value} expert rows yet: decode dequantizes them "
+                      "in torch")
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"
         if reason is not None:
@@ -316,7 +320,8 @@ class ExpertRuntime:
         fallback = ": pinning refused, so policy cpu-all without expert cache" if self.fallback else ""
         path = self.decode_path.value + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")
         return [
-            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
+            f"{self.pool.format.value} rows of {self.pool.row_bytes / 1e6:.2f} MB; "
             f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if pinned else 'pageable'}{fallback})",
             f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
             f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",

@@ -37,7 +37,7 @@ from edgemoe.models import load_config, model_class
 from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
-from edgemoe.weights.loader import init_dummy, load_checkpoint
+from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +82,22 @@ class ModelRunner:
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
         self.weights_format = ("dummy weights" if config.load_format == "dummy" else
                                "FTW" if is_ftw(self.model_dir) else "HF safetensors")
-        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; "
-                          f"{size(self.pool.nbytes)} of routed experts into host memory, the rest onto "
-                          f"{self.device})"):
+        self.pool: HostExpertPool
+        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; routed experts "
+                          f"into host memory, the rest onto {self.device})"):
             if config.load_format == "dummy":
-                init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
+                layout = dummy_layout(self.model, self.model_dir, cfg, self.dtype)
+                self.pool = init_dummy(self.model, layout, cfg, self.dtype, self.device, config.seed,
+                                       progress=progress)
             elif is_ftw(self.model_dir):
-                self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
-                                           verify=config.verify_weights, progress=progress)
+                self.pool, self.load_stats = load_ftw(self.model, self.model_dir, self.dtype, self.device, cfg,
+                                                      verify=config.verify_weights, progress=progress)
             else:
-                load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
-                                progress=progress)
+                self.pool = load_checkpoint(self.model, self.model_dir, cfg, self.dtype, self.device,
+                                            progress=progress)
             self.tokenizer = tokenizer_future.result()
         self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
@@ -443,8 +443,8 @@ class ModelRunner:
             dev += f" ({torch.cuda.get_device_name(self.device)}, {total / 2**30:.0f} GiB)"
         ex = self.experts.cpu_executor
         lines = [
-            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
-            f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
+            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
             + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),

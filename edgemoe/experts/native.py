@@ -20,6 +20,10 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
   > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
   never selected.
+- **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
+  address, ``row_bytes`` and every section's offset in a row, :func:`expert_banks`); kernels exist for
+  bf16 and float32 rows. A pool of another format (FP8, MXFP4, NVFP4, float16) raises
+  :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
 - **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
   (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
   do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
@@ -71,6 +75,7 @@ from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
 from edgemoe.startup import startup_step
+from edgemoe.quant.weights import WeightFormat
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +88,10 @@ EXT_NAME = "edgemoe_cpu_ext"
 BUILD_CPU_SECONDS = 19  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 18.5 s user+sys)
 
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ Isa value
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # edgemoe::WeightFormat
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float kernels (edgemoe::WeightFormat)
+NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16: 2, WeightFormat.FP8_BLOCK: 3,
+                  WeightFormat.MXFP4: 4, WeightFormat.NVFP4: 5}
+"""Row format -> ``edgemoe::WeightFormat`` (``csrc/kernels.h``); which of them have kernels is the C++ side's answer."""
 X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 # Between two steps of a CPU-only decode the caller runs serial torch ops (norms, RoPE, attention:
@@ -500,12 +508,29 @@ def _raise_status(status: int, where: str) -> None:
     raise exc(f"{where}: {msg}")
 
 
+def expert_banks(ext, pool: HostExpertPool):
+    """The ``ExpertBanks`` description of ``pool``'s byte bank (``csrc/executor.h``): its base address,
+    ``row_bytes``, geometry, format and every section's byte offset in a row (-1 where the format has none).
+
+    The pool must outlive every use of the description (the executor keeps a reference to it).
+    """
+    lay = pool.layout
+    off = {s.name: s.offset for s in lay.sections}
+    bn, bk = lay.block_size or (0, 0)
+    return ext.ExpertBanks(base=pool.bank.data_ptr(), row_bytes=lay.row_bytes, num_ids=pool.num_ids,
+                           hidden=lay.hidden, inter=lay.intermediate, fmt=NATIVE_FORMATS[lay.format],
+                           w13_off=off["w13"], w2_off=off["w2"], w13_scale_off=off.get("w13_scale", -1),
+                           w2_scale_off=off.get("w2_scale", -1), w13_scale2_off=off.get("w13_scale2", -1),
+                           w2_scale2_off=off.get("w2_scale2", -1), b13_off=off.get("b13", -1),
+                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk)
+
+
 class NativeCpuExecutor:
     """Runs a step's CPU set of routed experts with the native kernels (a ``CpuExecutor``, see
     ``edgemoe.experts.cpu_executor``; ``registers_steps``: :meth:`make_step` is available).
 
     Args:
-        pool: the host expert pool; bf16 or float32 banks (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
+        pool: the host expert pool; rows of a format with native kernels (bf16, float32).
         threads: worker threads including the caller (``None``: the most that never oversubscribe the
             cores; a larger count is capped: :func:`plan_threads`).
         alongside: busy threads outside the pool that need a core (:func:`plan_threads`;
@@ -520,11 +545,11 @@ class NativeCpuExecutor:
 
     Attributes:
         name: ``"native-<isa>"``, e.g. ``native-avx512bf16``. isa: the level in use for the pool's
-        dtype. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
+        row format. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
         plan: the :class:`ThreadPlan` the pool was built from; threads_note: its ``note``.
 
     Raises:
-        NativeUnavailable: the extension cannot be built/loaded, or the pool's dtype has no kernel.
+        NativeUnavailable: the extension cannot be built/loaded, or the pool's row format has no kernel.
         ValueError: unknown ``isa``.
     """
 
@@ -535,11 +560,8 @@ class NativeCpuExecutor:
                  min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
                  max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None, _plan=None):
         ext = load_extension()
-        if pool.dtype not in WEIGHT_FORMATS:
-            raise NativeUnavailable(f"{str(pool.dtype).replace('torch.', '')} expert weights have no native kernel "
-                                    f"(bfloat16 and float32 do)")
         self.pool = pool
-        self._fmt = WEIGHT_FORMATS[pool.dtype]
+        self._fmt = NATIVE_FORMATS[pool.format]
         self.max_tokens_per_expert = int(max_tokens_per_expert)
         if _core is None:
             _plan = plan_threads(threads, alongside, pin, oversubscribe=oversubscribe)
@@ -553,7 +575,9 @@ class NativeCpuExecutor:
         self.plan = _plan
         level = self._core.isa_for(self._fmt)
         if level < 0:
-            raise NativeUnavailable("no native kernel for this weight dtype on this CPU")
+            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU (bf16 and "
+                                    "float32 rows have them)")
+        self._banks = expert_banks(ext, pool)
         self.isa = ISA_LEVELS[level]
         self.name = f"native-{self.isa}"
         self.threads = self._core.threads
@@ -621,9 +645,7 @@ class NativeCpuExecutor:
         wt = (wts[0] if len(wts) == 1 else torch.cat(wts)).to(torch.float32).contiguous()
         if tok.device.type != "cpu" or wt.device.type != "cpu":
             raise TypeError("token indices and weights must be CPU tensors")
-        w13, w2 = self.pool.w13, self.pool.w2
-        st = self._core.run(w13.data_ptr(), w2.data_ptr(), self.pool.num_ids, self.pool.hidden, self.pool.intermediate,
-                            self._fmt, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
+        st = self._core.run(self._banks, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
                             tok.data_ptr(), wt.data_ptr())
         if st:
             _raise_status(st, f"{self.name}.run")
@@ -788,11 +810,10 @@ class RegisteredStep:
         self.pack = torch.zeros(cpu_work_words(max_experts, max_routes), dtype=torch.int64, **pm)
         self.dims, self.fids, self.offsets, self.tok, self.wt = carve_cpu_work(self.pack, max_experts, max_routes)
         self._ext = ext
-        self.address = ext.step_create(executor._core, pool.w13.data_ptr(), pool.w2.data_ptr(), pool.num_ids,
-                                       pool.hidden, pool.intermediate, executor._fmt, X_FORMATS[x_dtype],
-                                       self.x.data_ptr(), self.out.data_ptr(), self.dims.data_ptr(),
-                                       self.fids.data_ptr(), self.offsets.data_ptr(), self.tok.data_ptr(),
-                                       self.wt.data_ptr(), max_tokens, max_experts, max_routes, bool(zero_out))
+        self.address = ext.step_create(executor._core, executor._banks, X_FORMATS[x_dtype], self.x.data_ptr(),
+                                       self.out.data_ptr(), self.dims.data_ptr(), self.fids.data_ptr(),
+                                       self.offsets.data_ptr(), self.tok.data_ptr(), self.wt.data_ptr(), max_tokens,
+                                       max_experts, max_routes, bool(zero_out))
         self.fn_address = ext.run_step_address()
         self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn_address)  # releases the GIL while running
 

@@ -27,18 +27,12 @@ T* ptr(uintptr_t a) {
 }
 
 // Allocates an edgemoe_step over registered buffers; freed by step_destroy.
-uintptr_t step_create(Executor& ex, uintptr_t w13, uintptr_t w2, int64_t num_ids, int64_t hidden, int64_t inter,
-                      int32_t weight_fmt, int32_t x_fmt, uintptr_t x, uintptr_t out, uintptr_t dims, uintptr_t fids,
-                      uintptr_t offsets, uintptr_t tok, uintptr_t wt, int64_t max_tokens, int64_t max_experts,
-                      int64_t max_routes, bool zero_out) {
+uintptr_t step_create(Executor& ex, const ExpertBanks& banks, int32_t x_fmt, uintptr_t x, uintptr_t out, uintptr_t dims,
+                      uintptr_t fids, uintptr_t offsets, uintptr_t tok, uintptr_t wt, int64_t max_tokens,
+                      int64_t max_experts, int64_t max_routes, bool zero_out) {
   auto* s = new edgemoe_step{};
   s->executor = &ex;
-  s->w13 = ptr<const void>(w13);
-  s->w2 = ptr<const void>(w2);
-  s->num_ids = num_ids;
-  s->hidden = hidden;
-  s->inter = inter;
-  s->weight_fmt = weight_fmt;
+  s->banks = banks;
   s->x_fmt = x_fmt;
   s->x = ptr<const void>(x);
   s->out = ptr<float>(out);
@@ -73,6 +67,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16));
   });
 
+  py::class_<ExpertBanks>(m, "ExpertBanks")
+      .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
+                       int64_t w13_off, int64_t w2_off, int64_t w13_scale_off, int64_t w2_scale_off,
+                       int64_t w13_scale2_off, int64_t w2_scale2_off, int64_t b13_off, int64_t b2_off,
+                       int32_t block_rows, int32_t block_cols) {
+             return ExpertBanks{ptr<const uint8_t>(base), row_bytes, num_ids, hidden, inter,
+                                static_cast<WeightFormat>(fmt), w13_off, w2_off, w13_scale_off, w2_scale_off,
+                                w13_scale2_off, w2_scale2_off, b13_off, b2_off, block_rows, block_cols};
+           }),
+           py::arg("base"), py::arg("row_bytes"), py::arg("num_ids"), py::arg("hidden"), py::arg("inter"),
+           py::arg("fmt"), py::arg("w13_off"), py::arg("w2_off"), py::arg("w13_scale_off"), py::arg("w2_scale_off"),
+           py::arg("w13_scale2_off"), py::arg("w2_scale2_off"), py::arg("b13_off"), py::arg("b2_off"),
+           py::arg("block_rows"), py::arg("block_cols"),
+           "The host expert pool's byte bank as the executor reads it (executor.h, ExpertBanks)")
+      .def_readonly("row_bytes", &ExpertBanks::row_bytes)
+      .def_readonly("num_ids", &ExpertBanks::num_ids)
+      .def_property_readonly("fmt", [](const ExpertBanks& b) { return static_cast<int32_t>(b.fmt); })
+      .def(
+          "matrix",
+          [](const ExpertBanks& b, int64_t fid, int32_t proj) {
+            const WeightView w = expert_matrix(b, fid, static_cast<Proj>(proj));
+            return py::dict(py::arg("data") = reinterpret_cast<uintptr_t>(w.data),
+                            py::arg("row_stride_bytes") = w.row_stride_bytes,
+                            py::arg("scales") = reinterpret_cast<uintptr_t>(w.scales),
+                            py::arg("scale_row_stride_bytes") = w.scale_row_stride_bytes,
+                            py::arg("scale_rows") = w.scale_rows, py::arg("scale_cols") = w.scale_cols,
+                            py::arg("global_scale") = w.global_scale);
+          },
+          py::arg("fid"), py::arg("proj"),
+          "The WeightView of projection proj (0 gate, 1 up, 2 down) of expert fid, as a dict of addresses");
+
   py::class_<Executor>(m, "Executor")
       .def(py::init<int, const std::vector<int>&, int, int, int64_t>(), py::arg("threads"), py::arg("cpus"),
            py::arg("isa_cap"), py::arg("spin_us"), py::arg("min_parallel_bytes"))
@@ -84,12 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("address", [](Executor& e) { return reinterpret_cast<uintptr_t>(&e); })
       .def(
           "run",
-          [](Executor& e, uintptr_t w13, uintptr_t w2, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
-             uintptr_t x, int32_t x_fmt, int64_t T, uintptr_t out, const std::vector<int64_t>& fids,
-             const std::vector<int64_t>& offsets, uintptr_t tok, uintptr_t wt) {
+          [](Executor& e, const ExpertBanks& b, uintptr_t x, int32_t x_fmt, int64_t T, uintptr_t out,
+             const std::vector<int64_t>& fids, const std::vector<int64_t>& offsets, uintptr_t tok, uintptr_t wt) {
             if (offsets.size() != fids.size() + 1) return static_cast<int32_t>(kBadOffsets);
-            const ExpertBanks b{ptr<const void>(w13), ptr<const void>(w2), num_ids, hidden, inter,
-                                static_cast<WeightFormat>(fmt)};
             const StepArgs s{ptr<const void>(x), x_fmt, T, ptr<float>(out), static_cast<int64_t>(fids.size()),
                              fids.data(), offsets.data(), ptr<const int64_t>(tok), ptr<const float>(wt), 0};
             py::gil_scoped_release nogil;  // the whole step runs without the GIL

@@ -111,6 +111,50 @@ size_t elem_size(WeightFormat fmt) { return fmt == WeightFormat::F32 ? 4 : 2; }
 
 }  // namespace
 
+// ============================================================================ expert rows
+WeightView expert_matrix(const ExpertBanks& b, int64_t fid, Proj p) {
+  const int64_t H = b.hidden, I = b.inter;
+  const bool down = p == Proj::Down;
+  const int64_t K = down ? I : H;                   // columns of the matrix
+  const int64_t first = p == Proj::Up ? I : 0;      // its first row within its section (up: rows [I, 2I) of w13)
+  const uint8_t* row = b.base + fid * b.row_bytes;
+  int64_t data_stride = 0;                          // bytes of one matrix row
+  switch (b.fmt) {
+    case WeightFormat::F32: data_stride = 4 * K; break;
+    case WeightFormat::BF16:
+    case WeightFormat::F16: data_stride = 2 * K; break;
+    case WeightFormat::FP8_E4M3_BLOCK: data_stride = K; break;
+    case WeightFormat::MXFP4:
+    case WeightFormat::NVFP4: data_stride = K / 2; break;
+  }
+  WeightView w{row + (down ? b.w2_off : b.w13_off) + first * data_stride, data_stride, nullptr, 0, 0, 0, 1.0f};
+  const int64_t scale_off = down ? b.w2_scale_off : b.w13_scale_off;
+  if (scale_off < 0) return w;
+  const uint8_t* scales = row + scale_off;
+  switch (b.fmt) {
+    case WeightFormat::FP8_E4M3_BLOCK: {  // float32 grid; up's grid follows gate's ceil(I / bn) scale rows
+      w.scale_rows = b.block_rows;
+      w.scale_cols = b.block_cols;
+      w.scale_row_stride_bytes = 4 * ((K + b.block_cols - 1) / b.block_cols);
+      const int64_t first_scale_row = p == Proj::Up ? (I + b.block_rows - 1) / b.block_rows : 0;
+      w.scales = scales + first_scale_row * w.scale_row_stride_bytes;
+      break;
+    }
+    case WeightFormat::MXFP4:
+    case WeightFormat::NVFP4: {  // one byte per group of 32 (e8m0) or 16 (e4m3) elements of a row
+      w.scale_rows = 1;
+      w.scale_cols = b.fmt == WeightFormat::MXFP4 ? 32 : 16;
+      w.scale_row_stride_bytes = K / w.scale_cols;
+      w.scales = scales + first * w.scale_row_stride_bytes;
+      const int64_t s2 = down ? b.w2_scale2_off : b.w13_scale2_off;
+      if (s2 >= 0) std::memcpy(&w.global_scale, row + s2 + (p == Proj::Up ? 4 : 0), sizeof(float));
+      break;
+    }
+    default: break;
+  }
+  return w;
+}
+
 // ============================================================================ ThreadPool
 ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus, int spin_us)
     : n_(std::max(1, threads)), spin_us_(std::max(0, spin_us)), caller_cpu_(cpus.empty() ? -1 : cpus[0]),
@@ -223,7 +267,6 @@ struct Executor::Job {
   ActFormat act;
   bool serial;              // run on the caller alone (no barrier)
   int64_t H, I;
-  size_t wsize;             // bytes per weight element
   int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
   int64_t c2, n2;           // phase 2: output rows per chunk, chunks
   const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
@@ -262,7 +305,9 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
     }
     return kOk;
   }
-  if (!b.w13 || !b.w2 || b.hidden <= 0 || b.inter <= 0 || !s.x || !s.out || !s.tok || !s.wt) return kBadArgs;
+  if (!b.base || b.row_bytes <= 0 || b.w13_off < 0 || b.w2_off < 0 || b.hidden <= 0 || b.inter <= 0 || !s.x ||
+      !s.out || !s.tok || !s.wt)
+    return kBadArgs;
   if (s.offsets[0] != 0) return kBadOffsets;
   for (int64_t e = 0; e < s.n_experts; ++e) {
     if (s.offsets[e + 1] < s.offsets[e]) return kBadOffsets;
@@ -308,7 +353,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
     active += n > 0;
   }
   const int p = pool_.size();
-  const int64_t bytes = active * 3 * H * I * static_cast<int64_t>(elem_size(b.fmt));
+  const int64_t bytes = active * b.row_bytes;
   Job J;
   J.self = this;
   J.b = b;
@@ -318,7 +363,6 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.serial = p == 1 || bytes < min_parallel_bytes_ || !pool_.usable();
   J.H = H;
   J.I = I;
-  J.wsize = elem_size(b.fmt);
   // ~4 chunks per thread per phase (dynamic balance), at least 16 rows (64 KiB of bf16 weights at
   // H = 2048) so a chunk is a long sequential stream; whole rows of 16 keep chunk edges on lines.
   const int64_t want = J.serial ? 1 : 4 * static_cast<int64_t>(p);
@@ -358,12 +402,11 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
   const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
   if (n == 0) return;
   const int64_t H = J.H, I = J.I;
-  const WeightView w{static_cast<const char*>(J.b.w13) + J.s.fids[e] * 2 * I * H * J.wsize,
-                     static_cast<int64_t>(H * J.wsize), nullptr, 0, 0};
+  const WeightView wg = expert_matrix(J.b, J.s.fids[e], Proj::Gate), wu = expert_matrix(J.b, J.s.fids[e], Proj::Up);
   float* g = scratch_[tid].data();
   float* u = g + n * rows;
-  J.gemv(w, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
-  J.gemv(w, I + i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
+  J.gemv(wg, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
+  J.gemv(wu, i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
   if (J.bf16_points)  // the torch path's bf16 linear outputs gate and up, and SiLU of gate, as bf16 values
     for (int64_t i = 0; i < n * rows; ++i) {
       g[i] = to_bf16_value(silu(to_bf16_value(g[i])));
@@ -394,8 +437,7 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
   for (int64_t e = 0; e < J.s.n_experts; ++e) {
     const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
     if (n == 0) continue;
-    const WeightView w{static_cast<const char*>(J.b.w2) + J.s.fids[e] * H * I * J.wsize,
-                       static_cast<int64_t>(I * J.wsize), nullptr, 0, 0};
+    const WeightView w = expert_matrix(J.b, J.s.fids[e], Proj::Down);
     J.gemv(w, o0, rows, I, J.aptr + r0, static_cast<int>(n), y, rows);
     for (int64_t j = 0; j < n; ++j) {
       float* o = J.s.out + J.s.tok[r0 + j] * H + o0;
@@ -564,12 +606,10 @@ extern "C" void edgemoe_run_step(void* p) {
       st->status = edgemoe::kTooLarge;
       return;
     }
-    const edgemoe::ExpertBanks b{st->w13, st->w2, st->num_ids, st->hidden, st->inter,
-                                 static_cast<edgemoe::WeightFormat>(st->weight_fmt)};
     const edgemoe::StepArgs a{st->x, st->x_fmt, T, st->out, E, st->fids, st->offsets, st->tok, st->wt, st->zero_out};
-    st->status = static_cast<edgemoe::Executor*>(st->executor)->run(b, a);
+    st->status = static_cast<edgemoe::Executor*>(st->executor)->run(st->banks, a);
     if (st->status != edgemoe::kOk && st->zero_out && st->out)  // no stale partial from an earlier call
-      std::memset(st->out, 0, sizeof(float) * st->max_tokens * st->hidden);
+      std::memset(st->out, 0, sizeof(float) * st->max_tokens * st->banks.hidden);
     st->calls += 1;
   } catch (...) {
     st->status = edgemoe::kInternal;

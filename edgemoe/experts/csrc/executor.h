@@ -41,14 +41,46 @@ enum Status : int32_t {
   kInternal = 7,     // allocation failure or another C++ exception (C entry point only)
 };
 
-// The host expert banks: w13 [num_ids, 2I, H] (gate rows then up rows), w2 [num_ids, H, I], dense
-// row-major in `fmt`. Future block-scaled formats add their scale banks here.
+// The host expert pool as the executor reads it: ONE byte bank of `num_ids` rows. Row i (flat id
+// moe_layer * E + expert) starts at base + i * row_bytes (row_bytes a multiple of 4096) and holds every
+// tensor of that expert as sections at fixed byte offsets from the row's start (ExpertLayout in
+// edgemoe/quant/layout.py: every offset a multiple of 64, the same for all rows); -1 marks a section
+// the format does not have. Per format (I = inter, H = hidden; FP8 block bn x bk = block_rows x
+// block_cols, 128 x 128 in every release):
+//
+//   field           F32 / BF16 / F16   FP8_E4M3_BLOCK                    MXFP4                  NVFP4
+//   w13_off         [2I, H] elements   e4m3 [2I, H]                      e2m1 uint8 [2I, H/2]   e2m1 uint8 [2I, H/2]
+//   w2_off          [H, I] elements    e4m3 [H, I]                       e2m1 uint8 [H, I/2]    e2m1 uint8 [H, I/2]
+//   w13_scale_off   -1                 f32 [2*ceil(I/bn), ceil(H/bk)]:   e8m0 uint8 [2I, H/32]  e4m3 [2I, H/16]
+//                                      gate's grid, then up's
+//   w2_scale_off    -1                 f32 [ceil(H/bn), ceil(I/bk)]      e8m0 uint8 [H, I/32]   e4m3 [H, I/16]
+//   w13_scale2_off  -1                 -1                                -1                     f32 [2]: gate's, up's
+//                                                                                               per-tensor multiplier
+//   w2_scale2_off   -1                 -1                                -1                     f32 [1]: down's
+//   b13_off         f32 [2I] gate's then up's expert bias where the model has them (gpt-oss), else -1
+//   b2_off          f32 [H] down's bias, else -1
+//   block_rows/cols 0                  bn, bk                            0                      0
+//
+// w13 is gate rows [0, I) then up rows [I, 2I) in every format (gpt-oss's interleaving is undone at
+// pack time). expert_matrix() turns a row into the WeightView of one projection, which is all a
+// kernel reads; the float kernels use w13_off / w2_off only.
 struct ExpertBanks {
-  const void* w13;
-  const void* w2;
+  const uint8_t* base;
+  int64_t row_bytes;
   int64_t num_ids, hidden, inter;
   WeightFormat fmt;
+  int64_t w13_off, w2_off;
+  int64_t w13_scale_off, w2_scale_off;
+  int64_t w13_scale2_off, w2_scale2_off;
+  int64_t b13_off, b2_off;
+  int32_t block_rows, block_cols;
 };
+
+// The projections of one expert: gate [I, H], up [I, H] (rows of w13) and down [H, I] (w2).
+enum class Proj : int32_t { Gate = 0, Up = 1, Down = 2 };
+
+// The WeightView of projection `p` of expert `fid` (see ExpertBanks for the sections it points into).
+WeightView expert_matrix(const ExpertBanks& b, int64_t fid, Proj p);
 
 // One step's CPU work: routes grouped by expert. Expert e = fids[e] is applied to tokens
 // tok[offsets[e] .. offsets[e+1]) with router weights wt[same range]. x: [T, H] in x_fmt (0 float32,
@@ -189,10 +221,7 @@ extern "C" {
 // pointer back to edgemoe_run_step.
 typedef struct edgemoe_step {
   void* executor;           // edgemoe::Executor*
-  const void* w13;          // expert banks (see ExpertBanks)
-  const void* w2;
-  int64_t num_ids, hidden, inter;
-  int32_t weight_fmt;       // edgemoe::WeightFormat
+  edgemoe::ExpertBanks banks;  // the host expert pool
   int32_t x_fmt;            // 0: float32, 1: bfloat16
   const void* x;            // [max_tokens, H]
   float* out;               // [max_tokens, H] float32

@@ -34,10 +34,12 @@
 //   static reg load_tail(const Row&, int64_t k, int n);   (only when V::kMasked)
 //   static float at(const Row&, int64_t k);      one dequantized element (scalar tails)
 //   static const char* addr(const Row&, int64_t k);       byte address of element k (prefetch)
-// — and register `gemv<V, FmtNew, RB, NT>` in the ISA's table under its WeightFormat. fp8 with
-// 128-element block scales multiplies the converted lanes by scales[k / 128]; MXFP4 decodes nibbles
-// through a 16-entry table and scales by 2^(e8m0 - 127). The driver, tiling, threading and the
-// executor do not change.
+// — and register `gemv<V, FmtNew, RB, NT>` in the ISA's table under its WeightFormat. The WeightView a
+// kernel gets (executor.h, expert_matrix) already points at the projection's codes and scales in the
+// expert's row: FP8 multiplies the converted lanes by the float32 scale of row r / scale_rows, column
+// k / scale_cols (128 x 128); MXFP4 decodes nibbles through a 16-entry table and scales by
+// 2^(e8m0 - 127) per 32 columns; NVFP4 scales by float(e4m3) * global_scale per 16 columns. The
+// driver, tiling, threading and the executor do not change.
 
 #ifndef EDGEMOE_PREFETCH_BLOCKS
 #define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
