@@ -74,8 +74,8 @@ from torch.overrides import TorchFunctionMode
 from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
-from edgemoe.startup import startup_step
 from edgemoe.quant.weights import WeightFormat
+from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float ke
 NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16: 2, WeightFormat.FP8_BLOCK: 3,
                   WeightFormat.MXFP4: 4, WeightFormat.NVFP4: 5}
 """Row format -> ``edgemoe::WeightFormat`` (``csrc/kernels.h``); which of them have kernels is the C++ side's answer."""
+QUANTIZED_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4)
+"""Quantized row formats the native kernels dequantize in registers."""
 X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 # Between two steps of a CPU-only decode the caller runs serial torch ops (norms, RoPE, attention:
@@ -356,30 +358,40 @@ def isa_cap_from_env() -> str | None:
     return None if v in ("", "auto", "best") else v
 
 
-def select_isa(features, cap: str | None = None, dtype: torch.dtype = torch.bfloat16) -> str | None:
+def select_isa(features, cap: str | None = None, dtype: torch.dtype | WeightFormat = torch.bfloat16,
+               compute: torch.dtype = torch.bfloat16) -> str | None:
     """The ISA level the executor picks for ``features`` (names or a mask) — the C++ function itself.
 
     Args:
         features: iterable of feature names (see :func:`feature_bits`) or a bitmask; may be fake.
         cap: highest level allowed (``None``: no cap).
-        dtype: weight dtype (``float32`` has no ``avx512bf16`` kernel and gets ``avx512``).
+        dtype: weight dtype, or a row :class:`~edgemoe.quant.weights.WeightFormat` (``float32`` has no
+            ``avx512bf16`` kernel and gets ``avx512``).
+        compute: a quantized format's compute dtype: its ``avx512bf16`` kernels compute in bfloat16, so in
+            ``float32`` the level stops at ``avx512``.
 
     Returns:
-        A name from :data:`ISA_LEVELS`, or ``None`` when the dtype has no native kernel.
+        A name from :data:`ISA_LEVELS`, or ``None`` when the format has no native kernel.
     """
-    fmt = WEIGHT_FORMATS.get(dtype)
+    fmt = NATIVE_FORMATS.get(dtype) if isinstance(dtype, WeightFormat) else WEIGHT_FORMATS.get(dtype)
     if fmt is None:
         return None
-    level = load_extension().select_isa(_mask(features), _level(cap), fmt)
+    cap_level = _level(cap)
+    if dtype in QUANTIZED_FORMATS and compute != torch.bfloat16:
+        top = ISA_LEVELS.index("avx512")
+        cap_level = top if cap_level < 0 else min(cap_level, top)
+    level = load_extension().select_isa(_mask(features), cap_level, fmt)
     return None if level < 0 else ISA_LEVELS[level]
 
 
-def supported_isas(dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Every level this CPU can run for ``dtype``, lowest first (what the tests force in turn)."""
+def supported_isas(dtype: torch.dtype | WeightFormat = torch.bfloat16,
+                   compute: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every level this CPU can run for ``dtype`` (a weight dtype or a row format computing in ``compute``),
+    lowest first (what the tests force in turn)."""
     mask = load_extension().cpu_features()
     out = []
     for cap in ISA_LEVELS:
-        lvl = select_isa(mask, cap, dtype)
+        lvl = select_isa(mask, cap, dtype, compute)
         if lvl is not None and lvl not in out:
             out.append(lvl)
     return out
@@ -522,7 +534,32 @@ def expert_banks(ext, pool: HostExpertPool):
                            w13_off=off["w13"], w2_off=off["w2"], w13_scale_off=off.get("w13_scale", -1),
                            w2_scale_off=off.get("w2_scale", -1), w13_scale2_off=off.get("w13_scale2", -1),
                            w2_scale2_off=off.get("w2_scale2", -1), b13_off=off.get("b13", -1),
-                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk)
+                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk,
+                           compute=int(pool.compute_dtype == torch.bfloat16))
+
+
+def native_reason(pool: HostExpertPool) -> str | None:
+    """Why the native kernels cannot compute ``pool``'s experts whatever the CPU (``None``: they can).
+
+    Kernels exist for bf16 and float32 rows, and for FP8 block, MXFP4 and NVFP4 rows computing in bfloat16 or
+    float32; FP8 scale blocks must be powers of two of at least 16 columns (128 x 128 in every release), and
+    the pool's experts must have no biases (gpt-oss's are not computed by any path yet).
+    """
+    lay = pool.layout
+    if lay.format not in (WeightFormat.BF16, WeightFormat.FP32, *QUANTIZED_FORMATS):
+        return (f"no native kernel for {lay.format.value} expert rows (bf16, float32, fp8_block, mxfp4 and nvfp4 "
+                "rows have them)")
+    if lay.has_bias:
+        return f"no native kernel for {lay.format.value} expert rows with biases"
+    if lay.format in QUANTIZED_FORMATS and pool.compute_dtype not in (torch.bfloat16, torch.float32):
+        return (f"no native kernel for {lay.format.value} expert rows computing in {pool.compute_dtype} "
+                "(bfloat16 and float32 have them)")
+    if lay.format is WeightFormat.FP8_BLOCK:
+        bk = lay.block_size[1]
+        if bk < 16 or bk & (bk - 1):
+            return (f"no native kernel for FP8 block size {lay.block_size} (the kernels need power-of-two blocks "
+                    "of >= 16 columns)")
+    return None
 
 
 class NativeCpuExecutor:
@@ -530,7 +567,8 @@ class NativeCpuExecutor:
     ``edgemoe.experts.cpu_executor``; ``registers_steps``: :meth:`make_step` is available).
 
     Args:
-        pool: the host expert pool; rows of a format with native kernels (bf16, float32).
+        pool: the host expert pool; rows of a format with native kernels (bf16, float32; FP8 block, MXFP4 and
+            NVFP4 computing in bfloat16 or float32: :func:`native_reason`).
         threads: worker threads including the caller (``None``: the most that never oversubscribe the
             cores; a larger count is capped: :func:`plan_threads`).
         alongside: busy threads outside the pool that need a core (:func:`plan_threads`;
@@ -573,10 +611,12 @@ class NativeCpuExecutor:
             _core = ext.Executor(_plan.threads, list(_plan.cpus), _level(cap), int(spin_us), int(min_parallel_bytes))
         self._core = _core
         self.plan = _plan
-        level = self._core.isa_for(self._fmt)
+        reason = native_reason(pool)
+        if reason is not None:
+            raise NativeUnavailable(reason)
+        level = self._core.isa_for(self._fmt, pool.compute_dtype == torch.bfloat16)
         if level < 0:
-            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU (bf16 and "
-                                    "float32 rows have them)")
+            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU")
         self._banks = expert_banks(ext, pool)
         self.isa = ISA_LEVELS[level]
         self.name = f"native-{self.isa}"

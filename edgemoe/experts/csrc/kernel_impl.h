@@ -11,7 +11,10 @@
 //
 // Vector traits `V` (one per ISA) provide:
 //   reg, W (float lanes), kMasked (has masked loads), zero(), one(), fmadd(a, b, c) = a*b + c, hsum(reg),
-//   load_f32(p), load_f32_tail(p, n), load_bf16(p), load_bf16_tail(p, n)   (tails zero lanes >= n).
+//   load_f32(p), load_f32_tail(p, n), load_bf16(p), load_bf16_tail(p, n)   (tails zero lanes >= n);
+//   for the quantized formats (W > 1): set1(f), mul(a, b), round_bf16(reg) (each lane to the nearest
+//   bf16 value, ties to even), fp4(p) (W e2m1 values from W/2 packed bytes, low nibble first) and
+//   e4m3(p) (W e4m3 values from W bytes), exact, and with kMasked fp4_tail(p, n), e4m3_tail(p, n).
 //
 // Structure of one GEMV call (rows [row0, row0 + nrows) of one expert bank, n tokens):
 //   for each block of RB rows                 RB weight rows streamed side by side from DRAM
@@ -92,6 +95,132 @@ struct FmtBF16 {
   static reg load_tail(const Row& row, int64_t k, int n) { return V::load_bf16_tail(row.p + k, n); }
   static float at(const Row& row, int64_t k) { return bf16_bits_to_f32(row.p[k]); }
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
+};
+
+// ---------------------------------------------------------------------------- quantized formats
+// Scalar decoders, exact (the values of edgemoe/quant/dequant.py).
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// FP8 E4M3 (float8_e4m3fn): the 7 magnitude bits placed at float32 bits 20..26 are the value scaled by
+// 2^-120 (normal codes: exponent field e -> e + 0 with bias 127 instead of 7; subnormal codes m * 2^-9
+// land on float32 subnormals), so one exact multiply by 2^120 restores it. 0x7f / 0xff are NaN.
+inline float e4m3_to_f32(uint8_t b) {
+  if ((b & 0x7f) == 0x7f) return bits_to_f32(0x7fc00000u);
+  const float mag = bits_to_f32(static_cast<uint32_t>(b & 0x7f) << 20) * 0x1p120f;
+  return (b & 0x80) ? -mag : mag;
+}
+
+// E8M0: 2^(b - 127); b = 0 is the float32 subnormal 2^-127, b = 255 NaN.
+inline float e8m0_to_f32(uint8_t b) {
+  if (b == 255) return bits_to_f32(0x7fc00000u);
+  return b == 0 ? bits_to_f32(0x00400000u) : bits_to_f32(static_cast<uint32_t>(b) << 23);
+}
+
+inline float round_to_bf16(float f) {  // nearest bf16 value, ties to even (as c10::BFloat16); NaN kept
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bits_to_f32(u & 0xffff0000u);
+}
+
+inline float fp4_at(const uint8_t* p, int64_t k) { return kE2M1[(p[k >> 1] >> ((k & 1) * 4)) & 0xf]; }
+
+template <class V, bool R>
+inline typename V::reg maybe_round(typename V::reg v) {
+  if constexpr (R) return V::round_bf16(v);
+  return v;
+}
+
+// FP8 e4m3 with float32 block scales: W = e4m3 * scale[r / scale_rows][k / scale_cols]. scale_cols is
+// a power of two >= 16 (128 in every release; native.py refuses others), so a vector of W <= 16
+// elements at a multiple of W never straddles two scale blocks. R: round W to bf16 (bf16 compute).
+template <class V, bool R>
+struct FmtFP8 {
+  using reg = typename V::reg;
+  struct Row { const uint8_t* p; const float* s; int shift; };
+  static constexpr int kElemsPerLine = 64;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            reinterpret_cast<const float*>(static_cast<const char*>(w.scales) +
+                                           (r / w.scale_rows) * w.scale_row_stride_bytes),
+            __builtin_ctz(static_cast<unsigned>(w.scale_cols))};
+  }
+  static reg load(const Row& row, int64_t k) {
+    if constexpr (V::W == 1) {
+      return at(row, k);
+    } else {
+      return maybe_round<V, R>(V::mul(V::e4m3(row.p + k), V::set1(row.s[k >> row.shift])));
+    }
+  }
+  static reg load_tail(const Row& row, int64_t k, int n) {
+    return maybe_round<V, R>(V::mul(V::e4m3_tail(row.p + k, n), V::set1(row.s[k >> row.shift])));
+  }
+  static float at(const Row& row, int64_t k) {
+    const float v = e4m3_to_f32(row.p[k]) * row.s[k >> row.shift];
+    return R ? round_to_bf16(v) : v;
+  }
+  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
+};
+
+// MXFP4: W = e2m1 * 2^(e8m0[r][k / 32] - 127); exact in float32 and in bf16 (an e2m1 value times a
+// power of two), so R changes nothing.
+template <class V, bool R>
+struct FmtMXFP4 {
+  using reg = typename V::reg;
+  struct Row { const uint8_t* p; const uint8_t* s; };
+  static constexpr int kElemsPerLine = 128;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes};
+  }
+  static reg load(const Row& row, int64_t k) {
+    if constexpr (V::W == 1) {
+      return at(row, k);
+    } else {
+      return V::mul(V::fp4(row.p + (k >> 1)), V::set1(e8m0_to_f32(row.s[k >> 5])));
+    }
+  }
+  static reg load_tail(const Row& row, int64_t k, int n) {
+    return V::mul(V::fp4_tail(row.p + (k >> 1), n), V::set1(e8m0_to_f32(row.s[k >> 5])));
+  }
+  static float at(const Row& row, int64_t k) { return fp4_at(row.p, k) * e8m0_to_f32(row.s[k >> 5]); }
+  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
+};
+
+// NVFP4: W = e2m1 * (float(e4m3[r][k / 16]) * global_scale), the bracket rounded to float32 first.
+template <class V, bool R>
+struct FmtNVFP4 {
+  using reg = typename V::reg;
+  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  static constexpr int kElemsPerLine = 128;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+  }
+  static float eff(const Row& row, int64_t k) { return e4m3_to_f32(row.s[k >> 4]) * row.g; }
+  static reg load(const Row& row, int64_t k) {
+    if constexpr (V::W == 1) {
+      return at(row, k);
+    } else {
+      return maybe_round<V, R>(V::mul(V::fp4(row.p + (k >> 1)), V::set1(eff(row, k))));
+    }
+  }
+  static reg load_tail(const Row& row, int64_t k, int n) {
+    return maybe_round<V, R>(V::mul(V::fp4_tail(row.p + (k >> 1), n), V::set1(eff(row, k))));
+  }
+  static float at(const Row& row, int64_t k) {
+    const float v = fp4_at(row.p, k) * eff(row, k);
+    return R ? round_to_bf16(v) : v;
+  }
+  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
 
 // ---------------------------------------------------------------------------- micro-kernel
@@ -204,6 +333,17 @@ void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const voi
       micro_tile<V, F, 1, NT>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
     }
   }
+}
+
+// GemvFn of a quantized format: the float32 or the bf16-rounded dequantization (WeightView::bf16_weights),
+// decided once per call.
+template <class V, template <class, bool> class F, int RB, int NT>
+void gemv_q(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+            int64_t ldy) {
+  if (w.bf16_weights)
+    gemv<V, F<V, true>, RB, NT>(w, row0, nrows, K, act, n, y, ldy);
+  else
+    gemv<V, F<V, false>, RB, NT>(w, row0, nrows, K, act, n, y, ldy);
 }
 
 // ---------------------------------------------------------------------------- read test (SumFn)
