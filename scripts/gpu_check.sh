@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
-#        prefill-profile grouped agent (default: tests decode prefill)
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
+#        prefill prefill-profile grouped agent (default: tests decode prefill)
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
@@ -24,12 +24,19 @@ for stage in "${stages[@]}"; do
   tests)
     echo "== GPU tests (device decode path, Triton kernels, CUDA parity) + native CPU kernel tests"
     timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu \
-      tests/test_parity.py tests/test_cpu_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
+      tests/test_parity.py tests/test_cpu_kernels.py tests/test_cpu_quant_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
       | tee "$OUT/pytest.log" | grep -v "^SKIPPED" | tail -n 60 ;;
   cpu)
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
     timeout 240 python3 benchmarks/cpu_executor.py --threads 6,16 --batch 1,8 --experts-per-call 8 \
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
+  cpu-formats)
+    echo "== native CPU kernels per expert format: tests, then B_H in packed GB/s vs the read test at 6 and 15 threads"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
+      | tail -n 3
+    timeout 200 python3 benchmarks/cpu_executor.py --format bf16,fp8,mxfp4,nvfp4 --threads 6,15 --batch 1,8 \
+      --experts-per-call 8 --executors native --out "$OUT/cpu_formats.json" 2>&1 | tee "$OUT/cpu-formats.log" \
+      | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:' ;;
   threads)
     echo "== native executor B_H per thread count (1..cores), planned vs as asked, alone and beside 1 busy process"
     for sp in 0 1; do
