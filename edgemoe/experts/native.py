@@ -17,13 +17,19 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   one-line reason, and :func:`edgemoe.experts.cpu_executor.make_cpu_executor` falls back to the
   torch executor.
 - **ISA**: one binary for every x86-64 CPU; each kernel is compiled for its own target and picked at
-  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
-  > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
-  never selected.
+  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``: bf16 weights, and quantized weights computing
+  in bf16) > ``avx512`` > ``avx2`` (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
+  the level; a level the CPU lacks is never selected. float32 weights, and quantized rows computing in
+  float32, stop at ``avx512``.
 - **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
-  address, ``row_bytes`` and every section's offset in a row, :func:`expert_banks`); kernels exist for
-  bf16 and float32 rows. A pool of another format (FP8, MXFP4, NVFP4, float16) raises
-  :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
+  address, ``row_bytes``, every section's offset in a row and the compute dtype, :func:`expert_banks`).
+  Kernels exist for bf16 and float32 rows and for the quantized rows at their packed size: FP8 e4m3 with
+  128x128 float32 block scales, MXFP4 (e2m1 nibbles, E8M0 scale per 32) and NVFP4 (e2m1, e4m3 scale per
+  16, float32 per-tensor multiplier), computing in bfloat16 or float32. They read the codes and scales
+  straight from the row and dequantize in registers (``csrc/kernel_impl.h``, ``kernels_avx512bf16.cpp``);
+  nothing is dequantized to memory. A pool without a kernel (float16 rows, quantized rows computing in
+  float16, FP8 blocks that are not a power of two >= 16 columns, expert biases: :func:`native_reason`)
+  raises :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
 - **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
   (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
   do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
@@ -31,7 +37,14 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   sum over routes. What remains different is the order of float32 additions inside each dot
   product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
   rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
-  throughout. Results do not depend on the thread count.
+  throughout. Quantized rows: each weight is dequantized exactly as
+  :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows` does (float32 products: FP8 ``code * scale``,
+  MXFP4 ``e2m1 * 2^(e - 127)``, NVFP4 ``e2m1 * float32(float(e4m3) * multiplier)``); computing in bf16
+  it is then rounded to bf16 (nearest even, as the torch path's ``.to(bfloat16)`` of the dequantized
+  rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. The AVX-512-BF16
+  instructions treat float32 subnormals as zero (weights below 2^-126, which no release has), and the
+  vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results do not depend
+  on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
   one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
   the Python thread and the CUDA driver), never more. The caller is thread 0, the others are

@@ -3,7 +3,8 @@
 // Include contract (this file has no #include of its own, on purpose):
 //   1. the including file first includes its intrinsics header, <cstdint>, <cstring>, "kernels.h";
 //   2. then switches the target with `#pragma GCC push_options` / `#pragma GCC target("...")`;
-//   3. then defines its vector traits `V` (below) and includes this file.
+//   3. then includes this file and defines its vector traits `V` (below; they may use the scalar
+//      decoders and the e2m1 table defined here): the templates are instantiated with them after.
 // Everything defined here lives in an anonymous namespace, so each translation unit gets its own
 // copy compiled for its own target and no symbol compiled for AVX-512 can be merged by the linker
 // into code that runs on a CPU without it (the classic ODR trap of per-file target flags). Standard
@@ -28,7 +29,7 @@
 // At T <= 8 the work is bound by the weight bytes read; arithmetic is far below the core's peak, so
 // the kernel's job is to keep enough independent loads in flight and to read every weight byte once.
 //
-// Adding a weight format (the dequant-in-kernel hook): write a format traits struct like FmtBF16 —
+// A weight format is a traits struct (FmtF32, FmtBF16, and the quantized FmtFP8, FmtMXFP4, FmtNVFP4 below):
 //   struct Row { ... };                          per-row state: data pointer, and e.g. the row's
 //                                                block-scale pointer (from WeightView::scales)
 //   static Row row(const WeightView&, int64_t r);
@@ -37,12 +38,15 @@
 //   static reg load_tail(const Row&, int64_t k, int n);   (only when V::kMasked)
 //   static float at(const Row&, int64_t k);      one dequantized element (scalar tails)
 //   static const char* addr(const Row&, int64_t k);       byte address of element k (prefetch)
-// — and register `gemv<V, FmtNew, RB, NT>` in the ISA's table under its WeightFormat. The WeightView a
-// kernel gets (executor.h, expert_matrix) already points at the projection's codes and scales in the
-// expert's row: FP8 multiplies the converted lanes by the float32 scale of row r / scale_rows, column
-// k / scale_cols (128 x 128); MXFP4 decodes nibbles through a 16-entry table and scales by
-// 2^(e8m0 - 127) per 32 columns; NVFP4 scales by float(e4m3) * global_scale per 16 columns. The
-// driver, tiling, threading and the executor do not change.
+// registered as `gemv<V, Fmt, RB, NT>` (float formats) or `gemv_q<V, Fmt, RB, NT>` (quantized formats:
+// float32 or bf16-rounded weights, WeightView::bf16_weights) in the ISA's table under its WeightFormat.
+// The WeightView a kernel gets (executor.h, expert_matrix) already points at the projection's codes and
+// scales in the expert's row: FP8 multiplies the converted lanes by the float32 scale of row
+// r / scale_rows, column k / scale_cols (128 x 128); MXFP4 decodes nibbles through the 16-entry e2m1
+// table and scales by 2^(e8m0 - 127) per 32 columns; NVFP4 scales by float32(float(e4m3) * global_scale)
+// per 16 columns. The driver, tiling, threading and the executor are the same for every format.
+// (AVX-512-BF16 has its own quantized kernels, which produce bf16 weights for `vdpbf16ps`:
+// kernels_avx512bf16.cpp.)
 
 #ifndef EDGEMOE_PREFETCH_BLOCKS
 #define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
