@@ -206,3 +206,19 @@ def test_isa_for_quantized_formats_in_float32_stops_at_avx512():
         assert native.select_isa(feats, None, fmt, torch.float32) == "avx512"
         assert native.select_isa(feats, "avx2", fmt, torch.bfloat16) == "avx2"
         assert native.select_isa([], None, fmt) == "scalar"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt):
+    """Eight tokens on one expert (the kernels dequantize a row block once for all token tiles) give each
+    token the bits it gets alone or in a tile of three (the fused path)."""
+    pool = _pool(fmt, "qwen3-30b-a3b", torch.bfloat16)
+    x = torch.randn(8, pool.hidden, generator=torch.Generator().manual_seed(3))
+    wt = torch.rand(8, generator=torch.Generator().manual_seed(4))
+    ex = _executor(pool, native.supported_isas(FORMATS[fmt])[-1], 2)
+    full = torch.zeros(8, pool.hidden)
+    ex.run(x, [(1, torch.arange(8), wt)], full)
+    for toks in (torch.tensor([5]), torch.tensor([0, 2, 7])):
+        part = torch.zeros(8, pool.hidden)
+        ex.run(x, [(1, toks, wt[toks])], part)
+        assert torch.equal(part[toks], full[toks])

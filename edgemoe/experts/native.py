@@ -411,14 +411,15 @@ def supported_isas(dtype: torch.dtype | WeightFormat = torch.bfloat16,
 
 
 def isa_report() -> dict:
-    """Features, supported levels and the level picked per dtype under ``EDGEMOE_CPU_ISA``."""
+    """Features, supported levels and the level picked per weight dtype and per quantized row format
+    (computing in bfloat16) under ``EDGEMOE_CPU_ISA``."""
     cap = isa_cap_from_env()
+    kinds = {**{str(d).replace("torch.", ""): d for d in WEIGHT_FORMATS}, **{f.value: f for f in QUANTIZED_FORMATS}}
     return {
         "features": cpu_features(),
-        "supported": {str(d).replace("torch.", ""): supported_isas(d) for d in WEIGHT_FORMATS},
+        "supported": {name: supported_isas(k) for name, k in kinds.items()},
         "cap": cap,
-        "selected": {str(d).replace("torch.", ""): select_isa(load_extension().cpu_features(), cap, d)
-                     for d in WEIGHT_FORMATS},
+        "selected": {name: select_isa(load_extension().cpu_features(), cap, k) for name, k in kinds.items()},
     }
 
 

@@ -314,13 +314,63 @@ inline void micro_q_tile(int nt, const typename D::Row* rows, int64_t K, const u
   }
 }
 
+// Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16 rows of `buf` (K elements each, `ld` apart):
+// the same chunks, in the same order, that micro_q feeds to `vdpbf16ps`.
+template <class D>
+inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
+  alignas(64) float eff[16];
+  for (int i = 0; i < nr; ++i) {
+    const typename D::Row row = D::row(w, row0 + i);
+    uint16_t* dst = buf + i * ld;
+    int64_t k = 0;
+    for (; k + D::kLine <= K; k += D::kLine) {
+      __builtin_prefetch(D::addr(row, k) + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
+                         EDGEMOE_PREFETCH_LOCALITY);
+      D::line(row, k, D::kLine, eff);
+      for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, eff + (u >> 4)));
+    }
+    if (k < K) D::line(row, k, K - k, eff);
+    const int64_t k_line = k;
+    for (; k + 32 <= K; k += 32) _mm512_storeu_si512(dst + k, D::chunk(row, k, eff + ((k - k_line) >> 4)));
+    if (k < K) {
+      const int n = static_cast<int>(K - k);
+      _mm512_mask_storeu_epi16(dst + k, mask32(n), D::tail(row, k, n, eff + ((k - k_line) >> 4)));
+    }
+  }
+}
+
+// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
+constexpr int64_t kDecodeBufK = 8192;
+
 // GemvFn for quantized rows computing in bf16 (WeightView::bf16_weights; the executor never selects
-// this level for a float32 computation), bf16 activations; blocking as kernel_impl.h's gemv.
+// this level for a float32 computation), bf16 activations; blocking as kernel_impl.h's gemv. With more
+// tokens than one tile, a row block is dequantized once into a stack buffer and every tile runs the
+// bf16 micro-kernel over it (the same `vdpbf16ps` sequence per (row, token) as the fused micro_q, so
+// results do not depend on the token count).
 template <class D>
 void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                int64_t ldy) {
   constexpr int RB = 4, NT = 4;
   const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
+  if (n > NT && K <= kDecodeBufK) {
+    alignas(64) uint16_t buf[RB * kDecodeBufK];
+    const int64_t ld = (K + 31) / 32 * 32;
+    const uint16_t* brow[RB];
+    for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
+    for (int64_t r = 0; r < nrows; r += RB) {
+      const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
+      decode_rows<D>(w, row0 + r, nr, K, buf, ld);
+      for (int j0 = 0; j0 < n; j0 += NT) {
+        const int nt = n - j0 < NT ? n - j0 : NT;
+        if (nr == RB) {
+          micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
+        } else {
+          for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
+        }
+      }
+    }
+    return;
+  }
   typename D::Row rows[RB];
   int64_t r = 0;
   for (; r + RB <= nrows; r += RB) {
