@@ -137,6 +137,21 @@ inline float round_to_bf16(float f) {  // nearest bf16 value, ties to even (as c
 
 inline float fp4_at(const uint8_t* p, int64_t k) { return kE2M1[(p[k >> 1] >> ((k & 1) * 4)) & 0xf]; }
 
+// Scale byte -> float32 tables (e4m3_to_f32, e8m0_to_f32), filled on first use; a Row keeps the pointer.
+struct ScaleTables {
+  float e4m3[256], e8m0[256];
+  ScaleTables() {
+    for (int b = 0; b < 256; ++b) {
+      e4m3[b] = e4m3_to_f32(static_cast<uint8_t>(b));
+      e8m0[b] = e8m0_to_f32(static_cast<uint8_t>(b));
+    }
+  }
+};
+inline const ScaleTables& scale_tables() {
+  static const ScaleTables t;
+  return t;
+}
+
 template <class V, bool R>
 inline typename V::reg maybe_round(typename V::reg v) {
   if constexpr (R) return V::round_bf16(v);
@@ -179,23 +194,23 @@ struct FmtFP8 {
 template <class V, bool R>
 struct FmtMXFP4 {
   using reg = typename V::reg;
-  struct Row { const uint8_t* p; const uint8_t* s; };
+  struct Row { const uint8_t* p; const uint8_t* s; const float* tab; };
   static constexpr int kElemsPerLine = 128;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes};
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, scale_tables().e8m0};
   }
   static reg load(const Row& row, int64_t k) {
     if constexpr (V::W == 1) {
       return at(row, k);
     } else {
-      return V::mul(V::fp4(row.p + (k >> 1)), V::set1(e8m0_to_f32(row.s[k >> 5])));
+      return V::mul(V::fp4(row.p + (k >> 1)), V::set1(row.tab[row.s[k >> 5]]));
     }
   }
   static reg load_tail(const Row& row, int64_t k, int n) {
-    return V::mul(V::fp4_tail(row.p + (k >> 1), n), V::set1(e8m0_to_f32(row.s[k >> 5])));
+    return V::mul(V::fp4_tail(row.p + (k >> 1), n), V::set1(row.tab[row.s[k >> 5]]));
   }
-  static float at(const Row& row, int64_t k) { return fp4_at(row.p, k) * e8m0_to_f32(row.s[k >> 5]); }
+  static float at(const Row& row, int64_t k) { return fp4_at(row.p, k) * row.tab[row.s[k >> 5]]; }
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
 
@@ -203,13 +218,14 @@ struct FmtMXFP4 {
 template <class V, bool R>
 struct FmtNVFP4 {
   using reg = typename V::reg;
-  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  struct Row { const uint8_t* p; const uint8_t* s; float g; const float* tab; };
   static constexpr int kElemsPerLine = 128;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale,
+            scale_tables().e4m3};
   }
-  static float eff(const Row& row, int64_t k) { return e4m3_to_f32(row.s[k >> 4]) * row.g; }
+  static float eff(const Row& row, int64_t k) { return row.tab[row.s[k >> 4]] * row.g; }
   static reg load(const Row& row, int64_t k) {
     if constexpr (V::W == 1) {
       return at(row, k);

@@ -46,15 +46,12 @@ struct Vec256 {
     const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
     return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-  // 4 bytes -> 8 codes in element order (byte j -> word lo | hi << 8 -> 8 bytes -> 8 dwords); vpermps
+  // 4 bytes -> 8 codes in element order: the 32 bits broadcast, dword lane i shifted right by 4i; vpermps
   // uses 3 index bits, so the table gives the magnitude and bit 3 of the code is moved to the sign.
   static reg fp4(const uint8_t* p) {
     int32_t b4;
     std::memcpy(&b4, p, sizeof b4);
-    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(b4));
-    const __m128i t = _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16(0x000f)),
-                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x00f0)), 4));
-    const __m256i idx = _mm256_cvtepu8_epi32(t);
+    const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(b4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
     const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1), idx);
     const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
     return _mm256_or_ps(mag, _mm256_castsi256_ps(sign));

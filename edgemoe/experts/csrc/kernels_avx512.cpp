@@ -46,13 +46,15 @@ struct Vec512 {
     const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-  // 8 bytes -> 16 codes in element order: byte j -> word (lo | hi << 8) -> 16 bytes -> 16 dword indices
-  // into the e2m1 table (vpermps uses 4 index bits: the sign is the table's upper half).
+  // 8 bytes -> 16 codes in element order: dword lane i takes the 32-bit half holding code i and shifts
+  // it right by 4 * (i % 8); the low nibble indexes the e2m1 table (vpermps uses 4 index bits: the
+  // sign is the table's upper half).
   static reg fp4_decode(__m128i b8) {
-    const __m128i w = _mm_cvtepu8_epi16(b8);
-    const __m128i t = _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16(0x000f)),
-                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x00f0)), 4));
-    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(t), _mm512_loadu_ps(kE2M1));
+    const __m512i half = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                                  _mm512_castsi128_si512(b8));
+    const __m512i codes = _mm512_srlv_epi32(half, _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12,
+                                                                   8, 4, 0));
+    return _mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1));  // uses index bits 0..3 only
   }
   static reg fp4(const uint8_t* p) { return fp4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static reg fp4_tail(const uint8_t* p, int n) {

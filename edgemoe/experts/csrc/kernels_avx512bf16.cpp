@@ -117,18 +117,6 @@ void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, c
 }
 
 // ---------------------------------------------------------------------------- quantized rows
-// E8M0 scale byte -> float32 (e8m0_to_f32), a table filled on first use.
-struct E8M0Table {
-  float v[256];
-  E8M0Table() {
-    for (int b = 0; b < 256; ++b) v[b] = e8m0_to_f32(static_cast<uint8_t>(b));
-  }
-};
-const float* e8m0_table() {
-  static const E8M0Table t;
-  return t.v;
-}
-
 inline __mmask32 mask32(int n) { return static_cast<__mmask32>((1ull << n) - 1ull); }  // 0 < n < 32
 
 // e4m3 bytes -> float32 (see kernel_impl.h, e4m3_to_f32) scaled by 2^-120: the caller's multiply restores it.
@@ -190,7 +178,7 @@ struct DecMXFP4 {
   static constexpr int kLine = 128;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, e8m0_table()};
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, scale_tables().e8m0};
   }
   static __m512i decode(const Row& row, int64_t k, __m128i b16) {
     const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(row.tab[row.s[k >> 5]]));  // exact
