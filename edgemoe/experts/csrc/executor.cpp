@@ -344,7 +344,6 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   int64_t ldx;
   const void* xa = prepare_x(ks, bf16c, s.x, s.x_fmt, T, H, H, &ldx);
   const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
-  const bool bf16_w = bf16c;
   uint8_t* abase;
   if (ks.act == ActFormat::BF16) {
     act_bf16_.resize(R * I);
@@ -390,8 +389,8 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.aptr = aptr_.data();
   J.act_f32 = act_f32_.data();
   J.act_bf16 = act_bf16_.data();
-  J.round_act = bf16_w && ks.act == ActFormat::F32;
-  J.bf16_points = bf16_w;
+  J.round_act = bf16c && ks.act == ActFormat::F32;
+  J.bf16_points = bf16c;
   const size_t need = static_cast<size_t>(nmax * std::max(2 * J.c1, J.c2));
   for (auto& v : scratch_)
     if (v.size() < need) v.resize(need);
@@ -468,7 +467,7 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
   }
 }
 
-const void* Executor::prepare_x(const KernelSet& ks, bool bf16_w, const void* x, int32_t x_fmt, int64_t T,
+const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T,
                                 int64_t H, int64_t ldx, int64_t* ld_out) {
   *ld_out = H;
   if (ks.act == ActFormat::BF16) {
@@ -483,7 +482,7 @@ const void* Executor::prepare_x(const KernelSet& ks, bool bf16_w, const void* x,
     }
     return x_bf16_.data();
   }
-  if (x_fmt == 0 && !bf16_w) {
+  if (x_fmt == 0 && !bf16_compute) {
     *ld_out = ldx;
     return x;
   }
