@@ -207,7 +207,8 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, llama_cpp: str | Path) 
             with no source in the shards, a size mismatch).
     """
     hf_dir, out_path, llama_cpp = Path(hf_dir), Path(out_path), Path(llama_cpp)
-    model = converter_model(hf_dir, out_path, llama_cpp)
+    part = out_path.with_name(out_path.name + ".part")  # renamed when complete: a stopped run leaves no .gguf
+    model = converter_model(hf_dir, part, llama_cpp)
     import gguf  # the vendored gguf-py, put on sys.path by converter_model
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
     offsets = {}
@@ -233,7 +234,7 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, llama_cpp: str | Path) 
     if set(infos) != set(sources):
         raise ValueError(f"tensor sets differ: converter only {sorted(set(infos) - set(sources))[:5]}, "
                          f"shards only {sorted(set(sources) - set(infos))[:5]}")
-    writer.write_header_to_file(path=out_path)
+    writer.write_header_to_file(path=part)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
@@ -272,6 +273,7 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, llama_cpp: str | Path) 
         for fd in fds.values():
             os.close(fd)
         writer.close()
+    os.replace(part, out_path)
     return out_path
 
 

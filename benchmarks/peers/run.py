@@ -19,14 +19,17 @@ is skipped when that file exists (``--force`` reruns), so a session can be split
 each figure, its bytes bound: bytes moved per token over the bandwidth that moves them, B_P and B_H as
 decode.py measured them at that thread count).
 
-    python benchmarks/peers/run.py                     # the GPU host: 16 layers, -ncmoe 14,11, threads 6,12,15,16
-    python benchmarks/peers/run.py --layers 4 --threads 1,2 --stages checkpoint,cpu-llama,cpu-edgemoe,table \\
+    python benchmarks/peers/run.py        # the GPU host: 16 layers, -ncmoe 14,11, threads 6,12,15,16, CPU-only 6,16
+    python benchmarks/peers/run.py --layers 4 --cpu-threads 1,2 --stages checkpoint,cpu-llama,cpu-edgemoe,table \
         --llama-bench .peers/bin/llama-bench-cpu      # a CPU-only machine
 
-Time on the GPU host (16 layers, 21.2 GB per format), estimated from sizes: checkpoint ~1.5 min (disk
-bound: 2 x 21 GB written); llama ~1.5 min (4 loads + 16 tg64 runs of 4 x 64 tokens at 35-470 tokens/s);
-edgemoe ~2.5 min (4 processes: load + pin 19 GB, bandwidth profile, 10 runs of 72 tokens each);
-cpu-llama ~1 min, cpu-edgemoe ~1 min.
+Time on the GPU host (16 layers, 21.2 GB per format), estimated from sizes and rates: checkpoint ~1.5 min
+(42 GB written, into tmpfs when it has room; the converter's lazy pass over 6200 tensors and the 151936-token
+vocabulary ~30 s); llama ~1.5 min (4 model loads, 16 tg64 runs of 4 x 64 tokens at 35-470 tokens/s);
+edgemoe ~3.5 min (4 processes, each loading and pinning 19.3 GB, measuring B_P/B_H and timing 10 runs of
+72 tokens); cpu-llama ~1 min; cpu-edgemoe ~1.5 min (2 processes). About 9 min in all: split it over two
+calls (``--stages checkpoint,llama,cpu-llama`` then ``--stages edgemoe,cpu-edgemoe,table``) when a call
+is limited to 10 min, or when llama-bench must be built on the host first (~4.5 min on 16 cores).
 """
 
 from __future__ import annotations
@@ -299,7 +302,8 @@ def build_table(a, geo: dict) -> None:
             row_out = {"kind": "gpu", "threads": t, "ncmoe": ncmoe, "slots": slots, "expert_vram_gb": slots * row / 1e9,
                        "llama": lr and lr["tokens_per_s"], "llama_bound": l_bound, "llama_cpu_gb_per_token": cpu_gb}
             for pol in ("qstar", "cpu-all", "static"):
-                r = edge_at(name, slots, pol)
+                # with 0 slots every policy serves every miss on the CPU: only the cpu-all run is reported
+                r = edge_at(name, slots, pol) if slots or pol == "cpu-all" else None
                 row_out[pol] = r and r["tokens_per_s"]
                 row_out[pol + "_bound"] = r and r.get("bound_ms") and 1e3 / r["bound_ms"]
                 row_out[pol + "_hit_rate"] = r and r["hit_rate"]
@@ -363,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--ncmoe", default="14,11", help="expert VRAM levels as layers whose experts stay on the CPU")
     ap.add_argument("--threads", default="6,12,15,16", help="thread counts of the GPU runs")
-    ap.add_argument("--cpu-threads", help="thread counts of the CPU-only runs (default: --threads)")
+    ap.add_argument("--cpu-threads", default="6,16", help="thread counts of the CPU-only runs")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--policies", default="qstar,cpu-all,static", help="edgemoe policies of the GPU runs")
@@ -375,7 +379,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per llama-bench / decode.py process")
     ap.add_argument("--force", action="store_true", help="rerun runs whose result file exists")
     a = ap.parse_args(argv)
-    a.cpu_threads = a.cpu_threads or a.threads
     stages = [s for s in a.stages.split(",") if s]
     if bad := [s for s in stages if s not in STAGES]:
         raise SystemExit(f"--stages: unknown {bad}; choose from {STAGES}")
@@ -387,20 +390,23 @@ def main(argv=None) -> int:
 
     if "checkpoint" in stages:
         want = {"layers": a.layers, "token_routing": not a.no_token_routing}
-        marker = hf / "peers_checkpoint.json"
+        marker = hf / "peers_checkpoint.json"  # written after the last shard
         have = json.loads(marker.read_text()) if marker.exists() else {}
-        if not a.force and all(have.get(k2) == v for k2, v in want.items()) and gguf.exists():
+        keep_hf = not a.force and all(have.get(k2) == v for k2, v in want.items())
+        if keep_hf and gguf.exists():
             log(f"checkpoint: kept {work} ({have})")
         else:
             if not (Path(a.llama_cpp) / "convert_hf_to_gguf.py").exists() and (PEERS / "carry" / "llama.cpp-src.tar.gz").exists():
                 subprocess.run(["tar", "-C", str(PEERS), "-xzf", str(PEERS / "carry" / "llama.cpp-src.tar.gz")], check=True)
-            shutil.rmtree(work, ignore_errors=True)
+            if not keep_hf:
+                shutil.rmtree(work, ignore_errors=True)
             cmd = [sys.executable, str(HERE / "checkpoint.py"), "--out", str(work), "--layers", str(a.layers),
-                   "--llama-cpp", a.llama_cpp, "--tokenizer", a.tokenizer, *([] if a.no_token_routing else ["--token-routing"])]
+                   "--llama-cpp", a.llama_cpp, "--tokenizer", a.tokenizer, *([] if a.no_token_routing else ["--token-routing"]),
+                   *(["--skip-hf"] if keep_hf else [])]
             log("checkpoint: " + " ".join(cmd))
             t0 = time.perf_counter()
             subprocess.run(cmd, check=True)
-            log(f"checkpoint: {time.perf_counter() - t0:.0f} s, {shutil.disk_usage(work).free / 1e9:.0f} GB disk left")
+            log(f"checkpoint: {time.perf_counter() - t0:.0f} s, {shutil.disk_usage(work).free / 1e9:.0f} GB left in {work}")
     geo = geometry(hf)
     n, e = geo["layers"], geo["experts"]
     threads = [int(t) for t in a.threads.split(",")]
