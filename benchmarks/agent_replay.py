@@ -267,7 +267,7 @@ def run_mode(llm: LLM, turns: list[tuple[list[int], list[int]]], mode: str, slot
     tree = runner.kv.prefix_cache
     tree.evict(tree.num_pages)  # idle: every cached page is unreferenced
     runner.set_state_checkpoints(0 if mode == "none" else slots, interval, anchors=mode == "anchors")
-    anchors = runner.anchor_ids if mode == "anchors" else frozenset()
+    anchors = runner.prefix.anchor_ids if mode == "anchors" else frozenset()
     computed: list[list[int]] = []  # token sequences earlier turns computed (prompt + output but the last)
     records = []
     for k, (prompt, reply) in enumerate(turns):
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
 
     model = a.model
     if model is None:
-        from edgemoe.weights.make_model import write_config_only
+        from edgemoe.synth import write_config_only
 
         model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-agent-"), "qwen3_5_moe", a.preset, a.tokenizer)
     t0 = time.perf_counter()
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
         for mode in modes:
             t = time.perf_counter()
             rows = run_mode(llm, turns, mode, a.checkpoints, a.interval)
-            ck = runner.checkpoints
+            ck = runner.prefix.checkpoints
             results[name][mode] = {
                 "turns": rows,
                 "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
@@ -386,7 +386,7 @@ def _write(a, argv, runner, llm, load_s, results, modes) -> str:
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
-        "load_s": load_s, "decode_path": runner.decode_path, "expert_cache_slots": runner.cache.num_slots,
+        "load_s": load_s, "decode_path": runner.experts.decode_path, "expert_cache_slots": runner.experts.cache.num_slots,
         "experts_total": runner.pool.num_ids, "checkpoints": a.checkpoints, "interval": a.interval,
         "scale": a.scale, "reply_scale": a.reply_scale,
         "anchor_ids": sorted(anchor_token_ids(llm.tokenizer, runner.eos_token_ids)),

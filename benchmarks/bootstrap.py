@@ -54,7 +54,6 @@ GB = 1e9
 def child_ttft(model_dir: str, device: str, prompt_tokens: int) -> None:
     """Runs in a fresh process: import, build the runner, prefill, print one JSON line."""
     t_start = time.time()
-    import torch
 
     from edgemoe.config import EngineConfig
     from edgemoe.core import Phase
@@ -105,7 +104,7 @@ def experts_per_layer_bytes(cfg_kwargs: dict, elsize: int) -> int:
 
 
 def choose_layers(preset: str, experts_gb: float | None, layers: int | None) -> dict:
-    from edgemoe.weights.make_model import PRESETS
+    from edgemoe.synth import PRESETS
 
     base = PRESETS["qwen3_moe"][preset]
     if layers is None and experts_gb is None:
@@ -123,16 +122,17 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
     """FTW straight from dummy data (no HF checkpoint): returns timings."""
     import torch
 
-    from edgemoe.config import ModelConfig, parse_dtype
+    from edgemoe.config import parse_dtype
+    from edgemoe.models import load_config
     from edgemoe.models import model_class
+    from edgemoe.synth import write_config_only
     from edgemoe.weights.ftw import FTWWriter
-    from edgemoe.weights.make_model import write_config_only
 
     t0 = time.perf_counter()
     cfg_dir = out.parent / (out.name + ".config")
     shutil.rmtree(cfg_dir, ignore_errors=True)
     write_config_only(cfg_dir, "qwen3_moe", preset, dtype=dtype, overrides=overrides)
-    cfg = ModelConfig.from_hf(cfg_dir)
+    cfg = load_config(cfg_dir)
     dt = parse_dtype(dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
@@ -166,8 +166,8 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
 
 
 def build_hf(hf: Path, out: Path, preset: str, overrides: dict, dtype: str, seed: int) -> dict:
+    from edgemoe.synth import make_model
     from edgemoe.weights.ftw import convert
-    from edgemoe.weights.make_model import make_model
 
     t0 = time.perf_counter()
     shutil.rmtree(hf, ignore_errors=True)
@@ -234,15 +234,16 @@ def read_route(model_dir: Path, label: str, *, direct: bool, verify: bool, stagi
     ``huge_pages``: destination advised ``MADV_HUGEPAGE`` (instead of the pool's default)."""
     import torch
 
-    from edgemoe.config import ModelConfig, parse_dtype
+    from edgemoe.config import parse_dtype
+    from edgemoe.models import load_config
     from edgemoe.experts.pool import HostExpertPool, host_empty
-    from edgemoe.weights.bootstrap import read_banks
     from edgemoe.weights.ftw import bank_sources, read_manifest
+    from edgemoe.weights.ftw.direct_io import read_banks
 
     man = read_manifest(model_dir)
     src = bank_sources(man, model_dir)
-    cfg = ModelConfig.from_hf(model_dir)
-    dtype = parse_dtype(man["banks"]["w13"]["dtype"])
+    cfg = load_config(model_dir)
+    dtype = parse_dtype(man.banks["w13"].dtype)
     drop_cache([s.path for s in src.values()])
     gc.collect()
     res = {"route": label, "direct": direct, "verify": verify, "staging": staging}
@@ -321,8 +322,8 @@ def main() -> int:
 
     import torch
 
-    from edgemoe.weights.bootstrap import default_workers
     from edgemoe.weights.ftw import BANK_FILES, is_ftw, read_manifest
+    from edgemoe.weights.ftw.direct_io import default_workers
 
     if args.experts_gb is None and args.layers is None and args.preset == "qwen3-30b-a3b":
         args.experts_gb = 20.0
@@ -346,11 +347,11 @@ def main() -> int:
                            else build_hf(hf_dir, ftw_dir, args.preset, overrides, args.dtype, args.seed))
     man = read_manifest(ftw_dir)
     banks = [ftw_dir / BANK_FILES[b] for b in BANK_FILES]
-    bank_bytes = sum(b["nbytes"] for b in man["banks"].values())
-    result["model"].update({"expert_bytes": bank_bytes, "non_expert_bytes": man["non_expert"]["nbytes"],
-                            "experts": man["experts"]["num_rows"]})
-    print(f"model: {man['experts']['num_rows']} experts, {bank_bytes / GB:.2f} GB of banks, "
-          f"{man['non_expert']['nbytes'] / GB:.2f} GB non-expert", flush=True)
+    bank_bytes = sum(b.nbytes for b in man.banks.values())
+    result["model"].update({"expert_bytes": bank_bytes, "non_expert_bytes": man.non_expert.nbytes,
+                            "experts": man.experts.num_rows})
+    print(f"model: {man.experts.num_rows} experts, {bank_bytes / GB:.2f} GB of banks, "
+          f"{man.non_expert.nbytes / GB:.2f} GB non-expert", flush=True)
 
     os.sync()
     dd = measure_dd(banks)

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         native.load_extension()
     except native.NativeUnavailable as e:
         sys.exit(f"cpu_executor benchmark: {e}")
-    build = dict(native.build_info)
+    b = native.build()
+    build = {"seconds": b.seconds, "cached": b.cached, "dir": b.dir, "builder": b.builder}
     print(f"native extension: {'cached' if build.get('cached') else 'compiled'} in {time.perf_counter() - t0:.1f} s "
           f"({build.get('dir')})", flush=True)
     pool = HostExpertPool(n_ids, H, I, dtype)
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("-" * len(hdr))
     for t in threads:
         ex = native.NativeCpuExecutor(pool, t, isa=args.isa)
-        te = TorchCpuExecutor(pool, t) if "torch" in kinds else None
+        torch.set_num_threads(t)
+        te = TorchCpuExecutor(pool) if "torch" in kinds else None
         read = read_bandwidth(ex, pool, args.seconds)
         for b in batches:
             for epc in epcs:

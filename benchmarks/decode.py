@@ -6,6 +6,7 @@ policy rebuilds the expert cache in place, prefills a prompt and times greedy de
 all-resident run (every expert cached) is the ceiling. Writes a markdown table and a JSON file.
 
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
+    python benchmarks/decode.py --arch deepseek_v3 --preset deepseek-v3 --layers 8 --budgets 8,16,32 --out results/
 
 The bound each run is compared with (bound/measured; issue 3 asks >= 0.7) is the all-resident time per
 token plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
@@ -89,12 +90,12 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     row = runner.pool.row_bytes
     return {
         "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt),
-        "decode_path": runner.decode_path,
+        "decode_path": runner.experts.decode_path,
         "tokens_per_s": tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
         "hit_rate": d["hits"] / uses if uses else 0.0,
         "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
         "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
-        "q_ratio_policy": runner.policy.q_ratio(),
+        "q_ratio_policy": runner.experts.policy.q_ratio(),
         "q_over_m_observed": d["fills"] / d["misses"] if d["misses"] else None,
     }
 
@@ -117,7 +118,8 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
 
         def forward(x, router=router):
             T = x.shape[0]
-            probs = torch.softmax(torch.nn.functional.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
+            logits = torch.nn.functional.linear(x.to(router.weight.dtype), router.weight)  # [T, E]
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] (a float32 router: GLM's)
             idx = (counter + torch.arange(T, device=dev)) % rows  # [T]
             counter.add_(T)
             ids = table.index_select(0, idx).topk(router.top_k, dim=-1).indices  # [T, k]
@@ -130,19 +132,23 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model options the benchmarks share: a directory, or a preset's config with dummy weights."""
     ap.add_argument("--model", help="checkpoint or config-only directory (default: write --preset's config)")
+    ap.add_argument("--arch", default="qwen3_moe", help="architecture of --preset (a make-model --arch)")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, help="num_hidden_layers of --preset's config (the full geometry, fewer "
+                    "layers, where host RAM cannot hold every layer's experts)")
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
 
 
 def model_dir(a: argparse.Namespace) -> str:
-    """``--model``, or a temporary config-only directory of ``--preset`` (qwen3_moe)."""
+    """``--model``, or a temporary config-only directory of ``--arch``'s ``--preset`` (``--layers`` deep)."""
     if a.model is not None:
         return a.model
-    from edgemoe.weights.make_model import write_config_only
+    from edgemoe.synth import write_config_only
 
-    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), "qwen3_moe", a.preset))
+    overrides = None if a.layers is None else {"num_hidden_layers": a.layers}
+    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), a.arch, a.preset, overrides=overrides))
 
 
 def main(argv=None) -> int:
@@ -176,8 +182,8 @@ def main(argv=None) -> int:
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
     prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                   runner.cpu_executor, a.profile_seconds, 2_000_000_000)
-    runner.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+                   runner.experts.cpu_executor, a.profile_seconds, 2_000_000_000)
+    runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
     print(runner.summary(), flush=True)
@@ -220,12 +226,13 @@ def main(argv=None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "cpu_threads": runner.cpu_executor.threads, "torch": torch.__version__},
+                    "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
         "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
+        "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
-        "bandwidths_used": {"b_p": runner.bandwidths.pcie, "b_h": runner.bandwidths.cpu, "source": runner.bandwidths.source},
-        "decode_path": runner.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
+        "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu, "source": runner.experts.bandwidths.source},
+        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgemoe.config import parse_dtype  # noqa: E402
-from edgemoe.experts.prefill import run_experts_loop  # noqa: E402
+from edgemoe.experts.compute import run_experts_loop  # noqa: E402
 from edgemoe.kernels.grouped_gemm import choose_config, grouped_swiglu  # noqa: E402
 
 

@@ -55,12 +55,12 @@ def run_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prompt: 
                b_p_gbps: float) -> list[dict]:
     """Rebuild the expert cache (cold, ``slots`` slots), prefill ``prompt`` in chunks; one record per chunk."""
     runner.set_expert_cache(slots, policy)
-    runner.experts.prefill.mode = mode
+    runner.experts.hybrid.prefill.mode = mode
     dev, row, k = runner.device, runner.pool.row_bytes, runner.model_config.top_k
     rows = []
     for c, start in enumerate(range(0, len(prompt), chunk)):
         tokens = prompt[start:start + chunk]
-        streamed = runner.experts.prefill.can_stream(len(tokens) * k)
+        streamed = runner.experts.hybrid.prefill.can_stream(len(tokens) * k)
         before = dict(runner.experts.stats()["prefill"])
         _sync(dev)
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """The ``edgemoe`` command line: ``serve``, ``chat``, ``generate``, ``make-model``, ``profile`` and more.
 
-Engine options shared by ``serve``, ``generate`` and ``profile`` map 1:1 onto
-:class:`edgemoe.config.EngineConfig` fields (see :func:`add_engine_args`). User errors (a missing
+Engine options shared by ``serve``, ``generate`` and ``profile`` are generated from the fields of
+:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction. User errors (a missing
 model directory, a bad option value) end with one ``edgemoe: error: ...`` line and exit status 2.
 """
 
@@ -11,6 +11,8 @@ import argparse
 import json
 import os
 import sys
+import typing
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,72 +30,68 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# (flag, EngineConfig field, type, help)
-_ENGINE_ARGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--device", "device", str, "cpu, cuda, cuda:N or auto (default: auto)"),
-    ("--dtype", "dtype", str, "weight/compute dtype: auto, bfloat16, float16, float32"),
-    ("--expert-cache-slots", "expert_cache_slots", int, "(layer, expert) slots in the device expert cache"),
-    ("--expert-cache-gb", "expert_cache_gb", float, "expert-cache budget in GB (1e9 bytes)"),
-    ("--cpu-threads", "cpu_threads", int, "threads of the CPU expert executor"),
-    ("--bandwidth-pcie-gbps", "bandwidth_pcie_gbps", float, "B_P override, GB/s (host->device expert copies)"),
-    ("--bandwidth-cpu-gbps", "bandwidth_cpu_gbps", float, "B_H override, GB/s (CPU expert execution)"),
-    ("--profile", "profile_path", str, "bandwidth profile JSON written by `edgemoe profile`"),
-    ("--max-num-seqs", "max_num_seqs", int, "requests decoded together (default 8)"),
-    ("--max-model-len", "max_model_len", int, "longest prompt + output in tokens"),
-    ("--kv-cache-tokens", "kv_cache_tokens", int, "KV cache capacity in tokens (all requests)"),
-    ("--page-size", "page_size", int, "tokens per KV page"),
-    ("--seed", "seed", int, "seed for dummy weights"),
-    ("--state-checkpoints", "state_checkpoints", int,
-     "recurrent-state checkpoint slots of hybrid models (default 32; 0 = none)"),
-    ("--state-checkpoint-interval", "state_checkpoint_interval", int,
-     "also checkpoint the recurrent state every N tokens (default 2048; 0 = only at anchor tokens)"),
-    ("--served-model-name", "served_model_name", str, "model id reported by the API (default: directory name)"),
-)
+def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per field of the options dataclass ``cls`` (``EngineConfig``, ``ServerConfig``), from
+    the field's metadata (see :func:`edgemoe.config.option`); every default is ``None`` on the command
+    line, so the dataclass's own default applies to an omitted flag."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta or meta.get("cli") is False:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        kw: dict[str, Any] = {"dest": f.name, "default": None}
+        base = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        if "nargs" in meta:  # a tuple option: each value's type
+            base = next(iter(typing.get_args(base)), str)
+        help_ = meta["help"]
+        if base is bool:
+            off = flag.startswith("--no-")
+            kw["action"] = "store_false" if off else "store_true"
+            help_ = f"turn off {help_}" if off else help_
+        else:
+            kw["type"] = meta.get("type", base)
+            for key in ("choices", "metavar", "nargs"):
+                if key in meta:
+                    kw[key] = meta[key]
+            if f.default is not None and f.default is not MISSING and "choices" not in meta:
+                help_ += f" (default: {f.default})"
+            elif "choices" in meta and f.default is not MISSING:
+                help_ += f" (default: {f.default})"
+        group.add_argument(flag, help=help_, **kw)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine options (defaults ``None``: :class:`EngineConfig`'s defaults apply)."""
-    from edgemoe.config import CPU_EXECUTORS, EXPERT_POLICIES
+def config_from_args(args: argparse.Namespace, cls: type):
+    """Build ``cls`` (an options dataclass) from the flags :func:`add_config_args` added.
 
-    g = parser.add_argument_group("engine options")
-    for flag, dest, typ, help_ in _ENGINE_ARGS:
-        g.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
-    g.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=None, help="how decode-step expert misses are served")
-    g.add_argument("--load-format", choices=("auto", "dummy"), default=None, help="dummy = random weights from config.json")
-    g.add_argument("--cpu-executor", choices=CPU_EXECUTORS, default=None,
-                   help="CPU expert executor: auto (native C++ kernels when they build), native, torch")
-    g.add_argument("--no-verify-weights", dest="verify_weights", action="store_false", default=None,
-                   help="skip FTW bank checksums while loading")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                   help="do not reuse cached KV pages of earlier requests' common prompt prefixes")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most prompt tokens per prefill step (default 8192)")
-    g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
-                   help="never capture CUDA graphs for decode")
-    g.add_argument("--no-anchor-checkpoints", dest="anchor_checkpoints", action="store_false", default=None,
-                   help="checkpoint the recurrent state only every --state-checkpoint-interval tokens, "
-                        "not after </think>, </tool_call>, </tool_response>, <|im_end|>")
+    Raises:
+        CLIError: a value the options reject.
+    """
+    kw = {f.name: vars(args)[f.name] for f in fields(cls) if vars(args).get(f.name) is not None}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}  # nargs options
+    try:
+        return cls(**kw)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    """Build an :class:`EngineConfig` from parsed engine options.
+    """The :class:`~edgemoe.config.EngineConfig` of the parsed engine flags.
 
     Raises:
         CLIError: an option value ``EngineConfig`` rejects.
     """
     from edgemoe.config import EngineConfig
 
-    kw = {dest: getattr(args, dest) for _, dest, _, _ in _ENGINE_ARGS}
-    kw["expert_policy"] = args.expert_policy
-    kw["load_format"] = args.load_format
-    kw["verify_weights"] = args.verify_weights
-    kw["cpu_executor"] = args.cpu_executor
-    kw["enforce_eager"] = args.enforce_eager
-    kw["enable_prefix_caching"] = args.enable_prefix_caching
-    kw["anchor_checkpoints"] = args.anchor_checkpoints
-    try:
-        return EngineConfig.from_kwargs(**kw)
-    except (TypeError, ValueError) as exc:
-        raise CLIError(str(exc)) from None
+    return config_from_args(args, EngineConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine options: one flag per :class:`~edgemoe.config.EngineConfig` field."""
+    from edgemoe.config import EngineConfig
+
+    add_config_args(parser, EngineConfig, "engine options")
 
 
 def _model_dir(path: str) -> str:
@@ -103,14 +101,6 @@ def _model_dir(path: str) -> str:
     if not (p / "config.json").is_file():
         raise CLIError(f"{path!r} is not a model directory (no config.json)")
     return str(p)
-
-
-def _prefill_chunk(args) -> dict:
-    if args.prefill_chunk_tokens is None:
-        return {}
-    if args.prefill_chunk_tokens < 1:
-        raise CLIError("--prefill-chunk-tokens must be >= 1")
-    return {"prefill_chunk_tokens": args.prefill_chunk_tokens}
 
 
 # ---------------------------------------------------------------- subcommands
@@ -148,35 +138,22 @@ def _check_port(host: str, port: int) -> None:
 
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
-
-    from edgemoe.server.parsers import check_parser_names
+    from edgemoe.server.config import ServerConfig
 
     model = _model_dir(args.model)
     config = engine_config_from_args(args)
-    try:
-        check_parser_names(args.tool_call_parser, args.reasoning_parser)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    _check_port(args.host, args.port)  # before loading weights, which can take minutes
+    server_config = config_from_args(args, ServerConfig)
+    if server_config.api_key is None and os.environ.get("EDGEMOE_API_KEY"):
+        server_config = replace(server_config, api_key=os.environ["EDGEMOE_API_KEY"])
+    _check_port(server_config.host, server_config.port)  # before loading weights, which can take minutes
 
     def on_ready(engine) -> None:
         if args.record_routing:
             engine.attach_routing_recorder(_recorder(args.record_routing))
         print(engine.runner.summary(), flush=True)
-        print(f"edgemoe: serving on http://{args.host}:{args.port}/v1", flush=True)
+        print(f"edgemoe: serving on http://{server_config.host}:{server_config.port}/v1", flush=True)
 
-    serve(
-        model,
-        config,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        on_ready=on_ready,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
-        **_prefill_chunk(args),
-    )
+    serve(model, config, server_config, on_ready=on_ready)
     return 0
 
 
@@ -199,9 +176,6 @@ def _cmd_chat(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from dataclasses import fields
-
-    from edgemoe.config import EngineConfig
     from edgemoe.engine.llm import LLM
     from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
 
@@ -227,8 +201,7 @@ def _cmd_generate(args) -> int:
             raise CLIError(f"--chat-template-kwargs: not valid JSON ({exc})") from None
         if not isinstance(template_kwargs, dict):
             raise CLIError("--chat-template-kwargs: must be a JSON object")
-    options = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
-    llm = LLM(model, progress=not args.json, **_prefill_chunk(args), **options)
+    llm = LLM(model, progress=not args.json, **{f.name: getattr(config, f.name) for f in fields(config)})
     if args.record_routing:
         llm.engine.attach_routing_recorder(_recorder(args.record_routing))
     if args.chat:
@@ -263,7 +236,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_make_model(args) -> int:
-    from edgemoe.weights.make_model import PRESETS, make_model, write_config_only
+    from edgemoe.synth import PRESETS, make_model, write_config_only
 
     arch = args.arch or next(a for a, presets in PRESETS.items() if args.preset in presets)
     try:
@@ -278,12 +251,102 @@ def _cmd_make_model(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from edgemoe.experts.bandwidth import format_profile, run_profile
+    from edgemoe.bench.profile import run_profile
+    from edgemoe.experts.bandwidth import format_profile
 
     model = _model_dir(args.model)
     result = run_profile(model, engine_config_from_args(args), args.out)
     print(format_profile(result))
     return 0
+
+
+# ---------------------------------------------------------------- convert, replay-routing
+
+
+def _cmd_convert(args) -> int:
+    from edgemoe.weights.ftw import FORMAT_VERSION, convert, read_manifest
+
+    try:
+        path = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, dtype=args.dtype,
+                       overwrite=args.overwrite)
+    except FileExistsError as e:
+        print(f"edgemoe: error: {e}", file=sys.stderr)
+        return 2
+    man = read_manifest(path)
+    gb = sum(b.nbytes for b in man.banks.values()) / 1e9
+    print(f"{path}: FTW v{FORMAT_VERSION}, {man.experts.num_rows} experts, {gb:.2f} GB of expert banks "
+          f"({man.banks['w13'].dtype}) + {man.non_expert.nbytes / 1e9:.2f} GB non-expert")
+    return 0
+
+
+def _register_convert(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``edgemoe convert HF_DIR OUT_DIR [--dtype D] [--overwrite] [--no-progress]`` to ``subparsers``
+    (``func`` = the handler, returning the exit status)."""
+    p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to FTW (fast bootstrap)",
+                              description="Write expert banks + manifest for direct-I/O bootstrap (edgemoe.weights.ftw).")
+    p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
+    p.add_argument("out_dir", help="FTW directory to create")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="store weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
+    return p
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``replay-routing``."""
+    from edgemoe.bench.replay import ALL_POLICIES, DEFAULT_CAPACITIES
+
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="routing trace(s), JSONL (edgemoe or Mixtral format)")
+    p.add_argument("--capacity", type=_floats, default=list(DEFAULT_CAPACITIES),
+                   help="cache sizes as fractions of all (layer, expert) ids (default 0.05,0.1,0.2,0.37,0.5)")
+    p.add_argument("--capacity-slots", type=_ints, default=None, help="cache sizes in slots (overrides --capacity)")
+    p.add_argument("--policy", type=_names, default=None,
+                   help=f"comma-separated, from {','.join(ALL_POLICIES)} (default: all; static-calib only "
+                        "with --calibration, prefill-updated only when the trace has prefill)")
+    p.add_argument("--calibration", action="append", default=None, metavar="TRACE",
+                   help="trace(s) that static-calib computes its placement from (repeatable)")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="treat the first N tokens of each request of a trace without prefill records as its prompt")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (for PCIe bytes per token)")
+    g.add_argument("--model", default=None, help="model directory whose config.json gives 3*H*I*dtype bytes")
+    p.add_argument("--plot", default="routing_replay.png", help="PNG to write (default routing_replay.png)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.add_argument("--title", default=None, help="plot title")
+    p.add_argument("--layer-table-slots", type=int, default=None,
+                   help="capacity (slots) of the per-layer hit-rate table (default: the middle capacity)")
+    p.add_argument("--json", default=None, help="write every result (per-layer too) as JSON here")
+
+
+def _register_replay(subparsers) -> argparse.ArgumentParser:
+    """Add ``replay-routing`` to the ``edgemoe`` subcommands (``func`` = :func:`edgemoe.bench.replay.main_replay`)."""
+    from edgemoe.bench.replay import main_replay
+
+    p = subparsers.add_parser("replay-routing", help="simulate expert-cache policies over routing traces",
+                              description="Replay routing traces through expert-cache policies (no model run).")
+    _add_replay_arguments(p)
+    p.set_defaults(func=main_replay)
+    return p
 
 
 # ---------------------------------------------------------------- parser
@@ -299,14 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", help="model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    p.add_argument("--tool-call-parser", default="auto",
-                   help="auto (from the checkpoint), qwen3 (hermes), qwen3_coder, deepseek_v3, harmony, none")
-    p.add_argument("--reasoning-parser", default="auto", help="auto (from the checkpoint), think, harmony, none")
-    p.add_argument("--api-key", default=None,
-                   help="require this key on /v1/ routes (Authorization: Bearer / x-api-key; default $EDGEMOE_API_KEY)")
+    from edgemoe.server.config import ServerConfig
+
+    add_config_args(p, ServerConfig, "server options")
     add_engine_args(p)
     _add_record_routing(p)
     p.set_defaults(func=_cmd_serve)
@@ -339,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a random-weight test checkpoint")
     p.add_argument("--arch", default=None, help="HF model_type (default: the one whose preset --preset names)")
-    from edgemoe.weights.make_model import PRESETS
+    from edgemoe.synth import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=[name for presets in PRESETS.values() for name in presets])
     p.add_argument("--out", required=True, help="output directory")
@@ -355,11 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=_cmd_profile)
 
-    from edgemoe.bench.replay import register_cli as register_replay
-    from edgemoe.weights.ftw import register_cli as register_convert
-
-    register_replay(sub)
-    register_convert(sub)
+    _register_replay(sub)
+    _register_convert(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
-"""The per-step forward context shared by the model runner and the layers.
+"""The per-step context shared by the scheduler, the model runner and the layers.
 
-One :class:`ForwardBatch` is built by the runner for each model step and passed down through every
-layer; nothing per-step lives in globals (DESIGN.md §7, as in mini-sglang's ``Batch``/``Context``).
+The scheduler hands the runner one :class:`StepInput` per sequence; the runner builds one
+:class:`ForwardBatch` for the step and passes it down through every layer, so nothing per-step lives
+in globals (as mini-sglang's ``Batch``/``Context``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ class Phase(str, Enum):
 
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+@dataclass
+class StepInput:
+    """One sequence's work in a step.
+
+    Attributes:
+        seq_id: engine-chosen id; owns KV pages until the runner frees it.
+        token_ids: the new tokens to compute (a prompt, a prefill chunk, or one decode token).
+        start_pos: absolute position of ``token_ids[0]``; the KV cache already holds ``[0, start_pos)``.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
 
 
 @dataclass
@@ -102,7 +118,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.phase is Phase.PREFILL

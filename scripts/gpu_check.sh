@@ -25,7 +25,7 @@ for stage in "${stages[@]}"; do
   tests)
     echo "== GPU tests (device decode path, Triton kernels, CUDA parity) + native CPU kernel tests"
     timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu \
-      tests/test_parity.py tests/test_cpu_kernels.py tests/test_qwen3_5_moe.py ${TEST_ARGS:-} 2>&1 \
+      tests/test_parity.py tests/test_cpu_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
       | tee "$OUT/pytest.log" | grep -v "^SKIPPED" | tail -n 60 ;;
   cpu)
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"

@@ -120,9 +120,17 @@ def load_benchmark(monkeypatch):
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The ``tiny`` qwen3_moe preset with the built-in tokenizer, saved in float32 so batched and
     single-sequence greedy decoding agree exactly (no bf16 rounding ties)."""
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny") / "tiny", "qwen3_moe", "tiny", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def glm_model_dir(tmp_path_factory) -> Path:
+    """The ``tiny`` glm4_moe preset (float32) with the GLM-style tokenizer and chat template make-model builds."""
+    from edgemoe.synth import make_model
+
+    return make_model(tmp_path_factory.mktemp("glm") / "glm-tiny", "glm4_moe", "tiny", dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +138,7 @@ def qwen3_tokenizer_model_dir(tmp_path_factory) -> Path:
     """``tiny`` geometry with the real Qwen3 tokenizer (skipped when the fixture is absent)."""
     if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").exists():
         pytest.skip(f"Qwen3 tokenizer fixture not found at {QWEN3_TOKENIZER_DIR}")
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(
         tmp_path_factory.mktemp("tiny_qwen3tok") / "tiny-qwen3tok",
@@ -146,21 +154,23 @@ def qwen3_tokenizer_model_dir(tmp_path_factory) -> Path:
 DEEPSEEK_V3_TOKENIZER_DIR = FIXTURES / "tokenizers" / "deepseek_v3"
 
 
-def _tiny_with_tokenizer(tmp_path_factory, tokenizer_dir: Path, name: str, overrides: dict | None = None) -> Path:
+def _tiny_with_tokenizer(tmp_path_factory, tokenizer_dir: Path, name: str, overrides: dict | None = None,
+                         arch: str = "qwen3_moe") -> Path:
     if not (tokenizer_dir / "tokenizer.json").exists():
         pytest.skip(f"tokenizer fixture not found at {tokenizer_dir}")
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(
-        tmp_path_factory.mktemp(name) / name, "qwen3_moe", "tiny", tokenizer=tokenizer_dir, dtype="float32",
+        tmp_path_factory.mktemp(name) / name, arch, "tiny", tokenizer=tokenizer_dir, dtype="float32",
         overrides=overrides,
     )
 
 
 @pytest.fixture(scope="session")
 def deepseek_tokenizer_model_dir(tmp_path_factory) -> Path:
-    """``tiny`` geometry with the real DeepSeek-V3 tokenizer and chat template (skipped when absent)."""
-    return _tiny_with_tokenizer(tmp_path_factory, DEEPSEEK_V3_TOKENIZER_DIR, "tiny-dsv3tok")
+    """The ``deepseek_v3`` architecture's ``tiny`` geometry with the real DeepSeek-V3 tokenizer and chat
+    template (skipped when absent)."""
+    return _tiny_with_tokenizer(tmp_path_factory, DEEPSEEK_V3_TOKENIZER_DIR, "tiny-dsv3tok", arch="deepseek_v3")
 
 
 class ScriptedOutputs:
@@ -236,8 +246,13 @@ class AgentServer:
 
 
 @contextlib.contextmanager
-def running_server(llm, served_model_name: str | None = None, **app_options) -> Iterator[str]:
-    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
+def running_server(llm, served_model_name: str | tuple[str, ...] | None = None, *, wrap=None, uds: str | None = None,
+                   **server_options) -> Iterator[str]:
+    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL.
+
+    ``served_model_name`` (one name or several) and ``server_options`` are :class:`ServerConfig` fields;
+    ``wrap(app) -> app``: an ASGI wrapper put around the app (e.g. a recorder of the exchanges);
+    ``uds``: also listen on this Unix socket path."""
     import socket
     import threading
     import time
@@ -245,13 +260,22 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
     import uvicorn
 
     from edgemoe.server.app import build_app
+    from edgemoe.server.config import ServerConfig
+    from edgemoe.server.transport import uvicorn_config
 
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
+    server_config = ServerConfig(served_model_name=names, **server_options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(llm, served_model_name, **app_options), log_level="warning", lifespan="off")
+    sockets = [sock]
+    if uds:
+        sockets.append(socket.socket(socket.AF_UNIX))
+        sockets[-1].bind(uds)
+    app = build_app(llm, server_config)
+    config = uvicorn_config(wrap(app) if wrap else app, server_config, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
@@ -262,12 +286,14 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
     finally:
         server.should_exit = True
         thread.join(20)
-        sock.close()
+        for s in sockets:
+            s.close()
 
 
-def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None,
-                       prefill_chunk_tokens: int | None = None, **app_options):
-    """Context manager: load ``model_dir`` (CPU), serve it as ``name``; yields an :class:`AgentServer`."""
+def start_agent_server(model_dir: Path, name: str | tuple[str, ...], *, engine_options: dict | None = None,
+                       **server_options):
+    """Context manager: load ``model_dir`` (CPU), serve it as ``name`` (and ``server_options``, see
+    :func:`running_server`); yields an :class:`AgentServer`."""
     import contextlib
 
     from edgemoe.config import EngineConfig
@@ -275,17 +301,16 @@ def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | Non
 
     @contextlib.contextmanager
     def run():
-        kw = {"prefill_chunk_tokens": prefill_chunk_tokens} if prefill_chunk_tokens else {}
         llm = AsyncLLM(str(model_dir), EngineConfig(device="cpu", **(engine_options or {"max_model_len": 4096})),
-                       progress=False, **kw)
+                       progress=False)
         try:
             assert llm.wait_ready(120)
             tok = llm.tokenizer
             eos = sorted(llm.engine.eos_token_ids)[0]
             scripts = ScriptedOutputs(tok, eos)
             llm.call_in_engine_thread(scripts.install, timeout=30)
-            with running_server(llm, name, **app_options) as base:
-                yield AgentServer(llm, base, scripts, app_options.get("api_key"))
+            with running_server(llm, name, **server_options) as base:
+                yield AgentServer(llm, base, scripts, server_options.get("api_key"))
         finally:
             llm.shutdown()
 

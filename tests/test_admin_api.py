@@ -84,7 +84,7 @@ def test_resize_rejects_an_unknown_policy_before_touching_the_cache(tiny_model_d
 
     runner = ModelRunner(str(tiny_model_dir), EngineConfig(device="cpu", cpu_executor="torch", expert_cache_slots=3),
                          progress=False)
-    cache = runner.cache
+    cache = runner.experts.cache
     with pytest.raises(ValueError, match="unknown expert policy"):
         runner.resize_expert_cache(slots=5, policy="fastest")
-    assert runner.cache is cache and runner.experts.cache is cache
+    assert runner.experts.cache is cache and runner.experts.cache is cache

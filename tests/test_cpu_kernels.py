@@ -182,15 +182,18 @@ def test_native_matches_torch_executor(shape, T, dtype):
     torch.testing.assert_close(out, ref, atol=tol * scale, rtol=0)
 
 
-def test_large_per_expert_batches_take_the_torch_path():
+def test_large_per_expert_batches_take_the_torch_path(monkeypatch):
     pool = _pool("tails-16", torch.float32)
     ex = native.NativeCpuExecutor(pool, 2, max_tokens_per_expert=4, min_parallel_bytes=0)
     T = 9
     x = _x(T, pool.hidden, seed=5)
     work = [(1, torch.arange(T), torch.rand(T)), (3, torch.tensor([2, 7]), torch.rand(2))]  # heavy + light
     out = torch.zeros(T, pool.hidden)
+    torch_path, real = [], native.run_experts_torch
+    monkeypatch.setattr(native, "run_experts_torch", lambda p, x_, w, o: (torch_path.extend(f for f, _, _ in w),
+                                                                            real(p, x_, w, o)))
     ex.run(x, work, out)
-    assert ex._torch is not None  # the heavy expert went to torch ops
+    assert torch_path == [1]  # the heavy expert went to torch ops
     assert _rel_err(out, reference(pool, x, work)) < TOL[torch.float32]
 
 
@@ -319,12 +322,14 @@ def test_factory_kinds_and_fallback(monkeypatch, caplog):
     with pytest.raises(ValueError):
         make_cpu_executor(pool, None, "fastest")
     # no compiler: a one-line warning and the torch executor
-    monkeypatch.setattr(native, "_ext", None)
-    monkeypatch.setattr(native, "_error", None)
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     assert "no-such-compiler-xyz" in native.unavailable_reason()
-    with caplog.at_level(logging.WARNING, logger="edgemoe.experts.cpu_executor"):
-        ex = make_cpu_executor(pool, None, "native")
+    native.build.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgemoe.experts.cpu_executor"):
+            ex = make_cpu_executor(pool, None, "native")
+    finally:
+        native.build.cache_clear()  # the next use loads the real extension again
     assert isinstance(ex, TorchCpuExecutor) and ex.name == "torch"
     assert any("no C++ compiler" in r.getMessage() and "torch-ops executor" in r.getMessage() for r in caplog.records)
 
@@ -373,7 +378,7 @@ def test_step_bench_computes_the_rotated_experts():
 def test_build_without_ninja(monkeypatch):
     """The direct-compiler build (hosts without ninja, e.g. the offline GPU host) gives a working module."""
     mod = native._build_direct(native.build_dir() / "direct")
-    monkeypatch.setattr(native, "_ext", mod)
+    monkeypatch.setattr(native, "load_extension", lambda: mod)
     pool = _pool("tails-16", torch.bfloat16)
     x, work, ref = _ref("tails-16", torch.bfloat16, 3)
     ex = native.NativeCpuExecutor(pool, 2, min_parallel_bytes=0)

@@ -18,11 +18,9 @@ from edgemoe.engine.llm_engine import IncrementalDetokenizer, LLMEngine, PromptT
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def make_engine(model_dir, prefill_chunk_tokens: int = 8192, **options) -> LLMEngine:
+def make_engine(model_dir, **options) -> LLMEngine:
     options.setdefault("device", "cpu")
-    return LLMEngine.from_model_dir(
-        str(model_dir), EngineConfig(**options), progress=False, prefill_chunk_tokens=prefill_chunk_tokens
-    )
+    return LLMEngine.from_model_dir(str(model_dir), EngineConfig(**options), progress=False)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params) -> list:
@@ -118,7 +116,7 @@ def test_eos_and_stop_token_ids(tiny_model_dir, engine, prompts, alone):
 
 
 def test_concurrent_requests_match_single(engine, prompts, alone):
-    assert engine.max_num_seqs >= 8
+    assert engine.scheduler.max_num_seqs >= 8
     outs = run(engine, prompts, SamplingParams(max_tokens=24, **GREEDY))  # 10 requests, 8 in flight at once
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert all(o.outputs[0].finish_reason == "length" for o in outs)

@@ -9,7 +9,8 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.compute import swiglu_expert
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
@@ -228,15 +229,15 @@ def test_adaptive_engine_runs_match_resident_tokens(tiny_model_dir):
     resident = greedy(ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=10**6, expert_policy="fill-all", **kw),
                                   progress=False))
     runner = ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=6, expert_policy="adaptive", **kw), progress=False)
-    runner.policy.probe_steps = 2
+    runner.experts.policy.probe_steps = 2
     seen = set()
-    real = runner.policy.observe
+    real = runner.experts.policy.observe
 
     def observe(seconds, batch_size):
-        seen.add(runner.policy.active_name)
+        seen.add(runner.experts.policy.active_name)
         return real(seconds, batch_size)
 
-    runner.policy.observe = observe
+    runner.experts.policy.observe = observe
     assert greedy(runner) == resident
     assert seen == {"qstar", "fill-all", "cpu-all"}
     st = runner.experts.stats()["decode"]

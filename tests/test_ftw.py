@@ -3,7 +3,6 @@ atomic convert, and the pinning-refused fallback (exercised without CUDA)."""
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import logging
@@ -18,12 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.cli import main
+from edgemoe.config import EngineConfig
+from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.weights import bootstrap, ftw
-from edgemoe.weights.bootstrap import PinOutcome, pin_or_fallback, read_banks
+from edgemoe.synth import make_model
+from edgemoe.weights import ftw
+from edgemoe.weights.bootstrap import PinOutcome, pin_or_fallback
 from edgemoe.weights.ftw import (
     MANIFEST,
     FTWChecksumError,
@@ -31,11 +33,12 @@ from edgemoe.weights.ftw import (
     FTWTruncatedError,
     FTWVersionError,
     convert,
+    direct_io,
     is_ftw,
     read_manifest,
 )
-from edgemoe.weights.loader import CheckpointError
-from edgemoe.weights.make_model import make_model
+from edgemoe.weights.ftw.direct_io import read_banks
+from edgemoe.weights.index import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
@@ -93,18 +96,20 @@ def test_round_trip_identical_tensors_and_tokens(hf_runner, ftw_dir):
 
 def test_manifest_layout_and_self_contained(hf, ftw_dir):
     man = read_manifest(ftw_dir)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = load_config(hf)
     n = cfg.num_moe_layers * cfg.num_experts
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    assert man["format"] == "edgemoe-ftw" and man["format_version"] == ftw.FORMAT_VERSION
-    assert man["banks"]["w13"]["shape"] == [n, 2 * I, H] and man["banks"]["w2"]["shape"] == [n, H, I]
-    for b in man["banks"].values():
-        assert b["row_stride"] % 4096 == 0 and b["offset"] % 4096 == 0
-        assert (ftw_dir / b["file"]).stat().st_size == b["nbytes"] == b["offset"] + n * b["row_stride"]
-        assert len(b["checksum"]["chunks"]) == -(-b["nbytes"] // b["checksum"]["chunk_bytes"])
-    assert man["source"]["fingerprint"].startswith("sha256:")
+    assert man.format == "edgemoe-ftw" and man.format_version == ftw.FORMAT_VERSION
+    assert man.banks["w13"].shape == [n, 2 * I, H] and man.banks["w2"].shape == [n, H, I]
+    for b in man.banks.values():
+        assert b.row_stride % 4096 == 0 and b.offset % 4096 == 0
+        assert (ftw_dir / b.file).stat().st_size == b.nbytes == b.offset + n * b.row_stride
+        assert len(b.checksum.chunks) == -(-b.nbytes // b.checksum.chunk_bytes)
+    assert man.source.fingerprint.startswith("sha256:")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert name in man["files"] and (ftw_dir / name).read_bytes() == (hf / name).read_bytes()
+        assert name in man.files and (ftw_dir / name).read_bytes() == (hf / name).read_bytes()
+    raw = json.loads((ftw_dir / MANIFEST).read_text())  # the schema round-trips the file as written
+    assert ftw.Manifest.model_validate(raw).model_dump(mode="json") == raw
     assert not list(ftw_dir.glob("model*.safetensors"))
     # experts row i = moe_layer * E + expert: spot-check one row against the HF tensors
     sd = load_file(hf / "model.safetensors")
@@ -117,7 +122,7 @@ def test_manifest_layout_and_self_contained(hf, ftw_dir):
 
 
 def test_fused_hf_layout_converts_identically(hf, ftw_dir, tmp_path):
-    cfg = ModelConfig.from_hf(hf)
+    cfg = load_config(hf)
     d = tmp_path / "fused"
     shutil.copytree(hf, d)
     sd = load_file(d / "model.safetensors")
@@ -138,7 +143,7 @@ def test_padded_rows_and_dtype_cast_use_the_staging_route(tmp_path):
     hf = make_model(tmp_path / "odd", "qwen3_moe", "tiny", dtype="float32", overrides={"moe_intermediate_size": 40})
     out = convert(hf, tmp_path / "odd.ftw", progress=False)
     man = read_manifest(out)
-    assert man["banks"]["w2"]["row_bytes"] == 10240 and man["banks"]["w2"]["row_stride"] == 12288
+    assert man.banks["w2"].row_bytes == 10240 and man.banks["w2"].row_stride == 12288
     for cfg in (CFG, EngineConfig(device="cpu", dtype="bfloat16", expert_policy="cpu-all")):
         a, b = ModelRunner(hf, cfg, progress=False), ModelRunner(out, cfg, progress=False)
         assert not b.load_stats.read.zero_copy and b.load_stats.read.verified
@@ -148,7 +153,7 @@ def test_padded_rows_and_dtype_cast_use_the_staging_route(tmp_path):
 
 def test_convert_to_bf16(hf, hf_runner, tmp_path):
     out = convert(hf, tmp_path / "bf16.ftw", progress=False, dtype="bfloat16")
-    assert read_manifest(out)["banks"]["w13"]["dtype"] == "bfloat16"
+    assert read_manifest(out).banks["w13"].dtype == "bfloat16"
     r = ModelRunner(out, CFG, progress=False)  # fp32 engine over bf16 banks: staged cast
     torch.testing.assert_close(r.pool.w13, hf_runner.pool.w13.bfloat16().float(), rtol=0, atol=0)
 
@@ -185,20 +190,19 @@ def test_missing_bank(ftw_dir, tmp_path):
 
 def test_checksum_mismatch_in_a_bank_names_file_and_rows(ftw_dir, tmp_path):
     d = _copy(ftw_dir, tmp_path)
-    stride = read_manifest(d)["banks"]["w13"]["row_stride"]
+    stride = read_manifest(d).banks["w13"].row_stride
     _corrupt_byte(d / "experts.w13.bin", 37 * stride + 100)  # row 37 = MoE layer 2, expert 5
     with pytest.raises(FTWChecksumError, match=r"experts\.w13\.bin: checksum mismatch .*rows 0-47 \(MoE layers 0-2\)"):
         ModelRunner(d, CFG, progress=False)
     assert _no_reader_threads()
 
 
-def test_checksum_chunks_localize_the_damage(hf, tmp_path, monkeypatch):
-    monkeypatch.setattr(ftw, "DEFAULT_CHUNK_BYTES", 64 << 10)  # 2 rows of w13 per chunk
-    d = convert(hf, tmp_path / "small-chunks.ftw", progress=False)
-    b = read_manifest(d)["banks"]["w13"]
-    assert b["checksum"]["chunk_bytes"] == 2 * b["row_stride"] and len(b["checksum"]["chunks"]) == 24
+def test_checksum_chunks_localize_the_damage(hf, tmp_path):
+    d = convert(hf, tmp_path / "small-chunks.ftw", progress=False, chunk_bytes=64 << 10)  # 2 rows of w13 per chunk
+    b = read_manifest(d).banks["w13"]
+    assert b.checksum.chunk_bytes == 2 * b.row_stride and len(b.checksum.chunks) == 24
     ModelRunner(d, CFG, progress=False)  # intact: every chunk verifies
-    _corrupt_byte(d / "experts.w13.bin", 37 * b["row_stride"] + 100)
+    _corrupt_byte(d / "experts.w13.bin", 37 * b.row_stride + 100)
     with pytest.raises(FTWChecksumError, match=r"\(chunk 18, rows 36-37 \(MoE layers 2-2\)\)"):
         ModelRunner(d, CFG, progress=False)
 
@@ -225,23 +229,8 @@ def test_malformed_non_expert_header(ftw_dir, tmp_path, monkeypatch):
     with open(d / "non_expert.safetensors", "r+b") as f:
         f.write((10**12).to_bytes(8, "little"))
     monkeypatch.setenv("EDGEMOE_FTW_VERIFY", "0")  # past the checksum, to the parser
-    with pytest.raises(ftw.FTWError, match=r"non_expert\.safetensors: not a valid safetensors file"):
+    with pytest.raises(CheckpointError, match=r"non_expert\.safetensors: not a safetensors file \(header length"):
         ModelRunner(d, CFG, progress=False)
-
-
-def test_safetensors_views_match_the_library(tmp_path):
-    from edgemoe.experts.pool import host_empty
-
-    sd = {"a": torch.randn(3).bfloat16(), "b": torch.randn(5, 2), "c": torch.arange(3, dtype=torch.int8),
-          "d": torch.randn(2, dtype=torch.float64), "e": torch.randn(7).half()}
-    f = tmp_path / "x.safetensors"
-    save_file(sd, f)
-    n = f.stat().st_size
-    buf = host_empty((-(-n // 4096) * 4096,), torch.uint8)
-    buf[:n].copy_(torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8))
-    views = ftw.safetensors_views(buf, n, f)
-    ref = load_file(f)
-    assert views.keys() == ref.keys() and all(torch.equal(views[k], ref[k]) and views[k].dtype == ref[k].dtype for k in ref)
 
 
 def test_verification_can_be_skipped(ftw_dir, tmp_path, monkeypatch):
@@ -342,15 +331,12 @@ def test_existing_output_needs_overwrite(hf, ftw_dir, tmp_path):
     assert (out / "experts.w13.bin").read_bytes() == (ftw_dir / "experts.w13.bin").read_bytes()
 
 
-def test_register_cli(hf, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="edgemoe")
-    sub = parser.add_subparsers(dest="command", required=True)
-    ftw.register_cli(sub)
-    args = parser.parse_args(["convert", str(hf), str(tmp_path / "cli.ftw"), "--no-progress", "--dtype", "bfloat16"])
-    assert args.func(args) == 0
+def test_convert_command(hf, tmp_path, capsys):
+    argv = ["convert", str(hf), str(tmp_path / "cli.ftw"), "--no-progress", "--dtype", "bfloat16"]
+    assert main(argv) == 0
     assert "FTW v1, 48 experts" in capsys.readouterr().out
-    assert read_manifest(tmp_path / "cli.ftw")["banks"]["w2"]["dtype"] == "bfloat16"
-    assert args.func(args) == 2  # exists now, without --overwrite
+    assert read_manifest(tmp_path / "cli.ftw").banks["w2"].dtype == "bfloat16"
+    assert main(argv) == 2  # exists now, without --overwrite
     assert "exists and is not empty" in capsys.readouterr().err
 
 
@@ -371,7 +357,7 @@ def test_o_direct_refused_at_open_falls_back_to_buffered(ftw_dir, hf_runner, mon
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(bootstrap.os, "open", no_direct)
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
     jobs, pool = _sources(ftw_dir)
     st = read_banks(jobs, workers=3)
     assert not st.direct and st.verified and len(st.fallbacks) == 2 and "refused at open" in st.fallbacks[0]
@@ -394,8 +380,8 @@ def test_o_direct_refused_at_read_falls_back_to_buffered(ftw_dir, hf_runner, mon
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, bufs, off)
 
-    monkeypatch.setattr(bootstrap.os, "open", track_open)
-    monkeypatch.setattr(bootstrap.os, "preadv", preadv)
+    monkeypatch.setattr(direct_io.os, "open", track_open)
+    monkeypatch.setattr(direct_io.os, "preadv", preadv)
     jobs, pool = _sources(ftw_dir)
     st = read_banks(jobs, workers=2)
     assert not st.direct and any("read refused" in f for f in st.fallbacks)
@@ -426,6 +412,6 @@ def test_runner_serves_with_cpu_all_when_pinning_is_refused(ftw_dir, hf_runner, 
     monkeypatch.setattr(mr, "pin_or_fallback", lambda pool, device: PinOutcome(False, True, 0.0, "refused"))
     cfg = EngineConfig(device="cpu", dtype="float32", expert_policy="fill-all", expert_cache_slots=16)
     r = ModelRunner(ftw_dir, cfg, progress=False)
-    assert r.policy.name == "cpu-all" and r.cache.num_slots == 0 and not r.pinned
+    assert r.experts.policy.name == "cpu-all" and r.experts.cache.num_slots == 0 and not r.pinned
     assert "pinning refused, so policy cpu-all" in r.summary()
     assert greedy(r) == greedy(hf_runner)

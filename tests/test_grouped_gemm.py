@@ -19,8 +19,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from edgemoe.experts.cpu_executor import swiglu_expert  # noqa: E402
-from edgemoe.experts.prefill import run_experts_loop  # noqa: E402
+from edgemoe.experts.compute import run_experts_loop, swiglu_expert  # noqa: E402
 from edgemoe.kernels.grouped_gemm import GroupedConfig, align_routes, choose_config, grouped_swiglu  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.config import EngineConfig
+from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
-from edgemoe.weights.loader import CheckpointError
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
+from edgemoe.weights.index import CheckpointError
 
 CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
 
@@ -93,7 +94,7 @@ def test_index_naming_a_missing_shard(tiny, tmp_path):
 
 def test_fused_expert_layout_loads_identically(tiny, tmp_path):
     """transformers-5 in-memory layout (``experts.gate_up_proj [E, 2I, H]``) is accepted too."""
-    cfg = ModelConfig.from_hf(tiny)
+    cfg = load_config(tiny)
 
     def fuse(sd):
         for layer in cfg.moe_layers:

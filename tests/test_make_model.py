@@ -1,4 +1,4 @@
-"""Tests of edgemoe.weights.make_model: random-weight checkpoints in the Hugging Face layout."""
+"""Tests of edgemoe.synth: random-weight checkpoints in the Hugging Face layout."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from edgemoe.weights.make_model import (
+from edgemoe.synth import (
     ADDED_TOKENS,
     BUILT_VOCAB,
     PRESETS,
     SPECIAL_TOKENS,
-    _param_count,
     build_tokenizer,
     config_for,
     make_model,
+    param_count,
     write_config_only,
 )
 
@@ -159,7 +159,7 @@ def test_tiny_keys_are_per_expert_hf_layout(tiny: Path):
     for k, v in expected.items():
         assert saved[k].dtype == torch.bfloat16, k
         assert torch.equal(saved[k], v), k
-    assert sum(v.numel() for v in saved.values()) == _param_count(config)
+    assert sum(v.numel() for v in saved.values()) == param_count(config)
 
 
 def test_tiny_reload_same_logits(tiny: Path):
@@ -244,7 +244,7 @@ def test_config_for_30b_geometry():
     assert c.rms_norm_eps == 1e-6
     assert c.mlp_only_layers == [] and c.decoder_sparse_step == 1
     assert c.eos_token_id == [151645, 151643] and c.pad_token_id == 151643
-    assert 30.4e9 < _param_count(c) < 30.6e9  # "30.5B" on the model card
+    assert 30.4e9 < param_count(c) < 30.6e9  # "30.5B" on the model card
     c2 = config_for("qwen3_moe", "qwen3-30b-a3b", {"num_hidden_layers": 2, "rope_theta": 5e5})
     assert c2.num_hidden_layers == 2 and c2.rope_parameters["rope_theta"] == 5e5
     assert PRESETS["qwen3_moe"]["qwen3-30b-a3b"]["num_hidden_layers"] == 48  # presets not mutated
@@ -252,7 +252,7 @@ def test_config_for_30b_geometry():
 
 def test_small_preset_size():
     c = config_for("qwen3_moe", "small")
-    assert 10e6 < _param_count(c) * 2 < 100e6  # tens of MB in bf16
+    assert 10e6 < param_count(c) * 2 < 100e6  # tens of MB in bf16
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.hidden_size) == (32, 8, 128, 256)
 
 

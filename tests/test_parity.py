@@ -14,7 +14,7 @@ from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 VARIANTS = {
     "base": {},
@@ -89,7 +89,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots, 
     logits, toks = _edgemoe(runner, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-    runner.cache.check_invariants()
+    runner.experts.cache.check_invariants()
     st = runner.experts.stats()["decode"]
     assert st["misses"] == st["fills"] + st["cpu"]
     if slots == 0 or policy in ("cpu-all",):

@@ -14,12 +14,14 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import TorchCpuExecutor, swiglu_expert
+from edgemoe.experts.compute import run_sorted_experts, swiglu_expert
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, FillAllPolicy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts import compute as compute_mod
 from edgemoe.experts import prefill as prefill_mod
-from edgemoe.experts.prefill import copy_runs, run_sorted_experts
+from edgemoe.experts.prefill import copy_runs
 
 L, E, K, H, I = 3, 8, 2, 16, 8  # MoE layers, experts per layer, top-k, hidden, expert intermediate
 N = L * E
@@ -106,7 +108,9 @@ def test_grouped_kernel_path_keeps_streamed_wave_and_resident_bit_identical(monk
     tensors): streamed prefill, the wave path (hits, then fill waves: one call each) and a decode batch
     above the pair-path size all give the all-resident bits (decode: unless the CPU executor took routes)."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(prefill_mod, "use_grouped", lambda x: True)
+    from edgemoe.kernels import grouped_gemm
+
+    monkeypatch.setattr(compute_mod, "kernel_module", lambda name, device: grouped_gemm)
     pool = _pool(3)
     resident = _hybrid(pool, N)
     resident.prefill.mode = "off"
@@ -308,20 +312,20 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
                          progress=False)
     E_, L_ = runner.model_config.num_experts, runner.model_config.num_moe_layers
     prompt = [(7 * i + 3) % 1000 for i in range(40)]
-    runner.experts.prefill.mode = "off"
+    runner.experts.hybrid.prefill.mode = "off"
     ref, rt = greedy_decode(runner, prompt, 4, chunk_ends=list(range(20, len(prompt), 20)), free=True)
     for slots, policy in [(2 * E_, "fill-all"), (2 * E_ + 7, "fill-all"), (2 * E_ + 7, "qstar")]:
         if policy == "qstar":
-            runner.bandwidths = Bandwidths(10.0, 25.0, "test")
+            runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
         runner.set_expert_cache(slots, policy)
-        streamer, calls = runner.experts.prefill, []
+        streamer, calls = runner.experts.hybrid.prefill, []
         forward = streamer.forward
         streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
         got, gt = greedy_decode(runner, prompt, 4, chunk_ends=list(range(20, len(prompt), 20)), free=True)
         assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= 2E = 32)
         pf = runner.experts.stats()["prefill"]
         assert pf["fills"] >= pf["misses"] > 0 and pf["cpu"] == 0
-        runner.cache.check_invariants()
+        runner.experts.cache.check_invariants()
         assert gt == rt
         assert torch.equal(got[0], ref[0])  # prefill logits: bit-identical
         if policy == "fill-all":

@@ -22,10 +22,8 @@ PARAMS = SamplingParams(max_tokens=12, **GREEDY)
 PS = 16  # EngineConfig's default page size
 
 
-def make_engine(model_dir, prefill_chunk_tokens: int = 8192, **options) -> LLMEngine:
-    return LLMEngine.from_model_dir(
-        str(model_dir), EngineConfig(device="cpu", **options), progress=False, prefill_chunk_tokens=prefill_chunk_tokens
-    )
+def make_engine(model_dir, **options) -> LLMEngine:
+    return LLMEngine.from_model_dir(str(model_dir), EngineConfig(device="cpu", **options), progress=False)
 
 
 def run(engine: LLMEngine, prompts, params=PARAMS) -> list:
@@ -185,26 +183,6 @@ def test_abort_releases_references(tiny_model_dir, prompts, alone):
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert done[b].outputs[0].token_ids == alone[5]
-    assert_pool_clean(engine)
-
-
-def test_reusable_prefix_hook_trims_the_match(tiny_model_dir, prompts, alone, monkeypatch):
-    engine = make_engine(tiny_model_dir)
-    run(engine, [prompts[0]])
-    asked = []
-
-    def reusable(token_ids, n_matched):  # a model that can only restore a state 5 tokens earlier
-        asked.append(n_matched)
-        return n_matched - 5
-
-    monkeypatch.setattr(engine.runner, "reusable_prefix", reusable)
-    out = run(engine, [prompts[6]])[0]
-    matched = min(common_prefix(prompts[0], prompts[6]), len(prompts[6]) - 1) // PS * PS
-    assert asked == [matched] and out.cached_tokens == (matched - 5) // PS * PS
-    assert out.outputs[0].token_ids == alone[6]
-    monkeypatch.setattr(engine.runner, "reusable_prefix", lambda token_ids, n: 0)
-    out = run(engine, [prompts[7]])[0]
-    assert out.cached_tokens == 0 and out.outputs[0].token_ids == alone[7]
     assert_pool_clean(engine)
 
 

@@ -20,14 +20,15 @@ from safetensors.torch import load_file, save_file
 
 from edgemoe import SamplingParams
 from conftest import greedy_decode
-from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.config import EngineConfig
+from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSpec
 from edgemoe.layers.gated_deltanet import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch
-from edgemoe.weights.loader import CheckpointError
-from edgemoe.weights.make_model import _param_count, config_for, make_model, write_config_only
+from edgemoe.synth import config_for, make_model, param_count, write_config_only
+from edgemoe.weights.index import CheckpointError
 
 PRESET = "qwen3.5-moe-tiny"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(80)]  # > one 64-token chunk of the delta rule
@@ -111,36 +112,38 @@ def conditional(tiny, tmp_path_factory):
 
 
 def test_config_normalizes_both_layouts(tiny, conditional):
-    a, b = ModelConfig.from_hf(tiny[0]), ModelConfig.from_hf(conditional[0])
+    a, b = load_config(tiny[0]), load_config(conditional[0])
     assert (a.architecture, a.model_type) == ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")
     assert (b.architecture, b.model_type) == ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
     for c in (a, b):
         assert c.layer_types == ("linear_attention", "full_attention", "linear_attention", "full_attention")
-        assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                c.linear_conv_kernel) == (2, 4, 32, 32, 4)
+        la = c.linear_attention
+        assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim,
+                la.conv_kernel) == (2, 4, 32, 32, 4)
         assert (c.num_heads, c.num_kv_heads, c.head_dim, c.partial_rotary_factor) == (4, 2, 32, 0.25)
         assert c.attn_output_gate and c.shared_expert_intermediate_size == 64 and c.norm_topk_prob
         assert c.moe_layers == (0, 1, 2, 3) and c.intermediate_size == 0 and c.num_experts == 16 and c.top_k == 4
         assert c.hf_config().model_type == "qwen3_5_moe_text"
     with pytest.raises(ValueError, match="layer_types"):
-        ModelConfig.from_hf({**json.loads((tiny[0] / "config.json").read_text()), "layer_types": ["full_attention"]})
+        load_config({**json.loads((tiny[0] / "config.json").read_text()), "layer_types": ["full_attention"]})
     # without layer_types, every full_attention_interval-th layer is full attention (the reference's rule)
     raw = json.loads((tiny[0] / "config.json").read_text())
     raw.pop("layer_types")
-    c = ModelConfig.from_hf({**raw, "num_hidden_layers": 8, "full_attention_interval": 4})
+    c = load_config({**raw, "num_hidden_layers": 8, "full_attention_interval": 4})
     assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == [3, 7]
 
 
 def test_35b_preset_geometry(tmp_path):
     out = write_config_only(tmp_path / "c", "qwen3_5_moe", "qwen3.6-35b-a3b")
-    cfg = ModelConfig.from_hf(out)
+    cfg = load_config(out)
     assert cfg.vocab_size == 248320 and cfg.hidden_size == 2048 and cfg.num_layers == 40
     assert cfg.layer_types.count("full_attention") == 10 and cfg.layer_types[3::4] == ("full_attention",) * 10
     assert (cfg.num_experts, cfg.top_k) == (256, 8)
     assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (512, 512)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.partial_rotary_factor) == (16, 2, 256, 0.25)
-    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 32)
-    assert (cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (128, 128)
+    la = cfg.linear_attention
+    assert (la.num_key_heads, la.num_value_heads) == (16, 32)
+    assert (la.key_head_dim, la.value_head_dim) == (128, 128)
     assert cfg.rope_parameters["rope_theta"] == 1e7 and cfg.max_position_embeddings == 262144
     assert abs(cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel() * 2 / 1e9 - 64.4) < 0.05  # bf16 experts
     from edgemoe.models import model_class
@@ -149,8 +152,8 @@ def test_35b_preset_geometry(tmp_path):
         model = model_class(cfg.architecture)(cfg)
     hf = config_for("qwen3_5_moe", "qwen3.6-35b-a3b")
     routed = cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel()
-    assert sum(p.numel() for p in model.parameters()) + routed == _param_count(hf)
-    assert 34.5e9 < _param_count(hf) < 34.8e9  # the text model of the "35B" release
+    assert sum(p.numel() for p in model.parameters()) + routed == param_count(hf)
+    assert 34.5e9 < param_count(hf) < 34.8e9  # the text model of the "35B" release
     assert model.state_spec() == StateSpec(num_layers=30, conv_dim=8192, conv_width=3, num_heads=32,
                                            k_head_dim=128, v_head_dim=128)
     assert len(model.attention_layers()) == 10
@@ -212,7 +215,7 @@ def test_padded_device_decode_batch_runs_as_one_decode(tiny, monkeypatch):
     import edgemoe.layers.gated_deltanet as gdn
     from edgemoe.core import DecodeMeta, ForwardBatch, SeqSlice
 
-    cfg = ModelConfig.from_hf(tiny[0])
+    cfg = load_config(tiny[0])
     torch.manual_seed(0)
     layer = gdn.GatedDeltaNet(cfg, 0).float()
     spec = StateSpec(num_layers=1, conv_dim=layer.conv_dim, conv_width=layer.kernel - 1,
@@ -245,7 +248,8 @@ def test_padded_device_decode_batch_runs_as_one_decode(tiny, monkeypatch):
     pool.conv.copy_(start[0]), pool.recurrent.copy_(start[1])
     plain = layer(x[:3], batch(3, padded=False))
     torch.testing.assert_close(padded[:3], plain, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(after[0], pool.conv[:, slots], rtol=0, atol=0)
+    # the conv window holds in_proj outputs: a 4-row GEMM may round differently from a 3-row one
+    torch.testing.assert_close(after[0], pool.conv[:, slots], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(after[1], pool.recurrent[:, slots], rtol=1e-6, atol=1e-6)
     assert torch.isfinite(padded[3]).all()
 
@@ -280,7 +284,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, policy, slots, device
     logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
-    runner.cache.check_invariants()
+    runner.experts.cache.check_invariants()
     st = runner.experts.stats()["decode"]
     assert st["misses"] == st["fills"] + st["cpu"]
     if slots == 0 or policy == "cpu-all":
@@ -298,7 +302,7 @@ def test_conditional_generation_layout_matches_transformers(conditional, device)
     """Fused experts under ``model.language_model.``; ``model.visual.*`` and ``mtp.*`` skipped."""
     path, (ref_logits, ref_toks) = conditional
     runner = ModelRunner(path, _engine_config(device=device), progress=False)
-    assert runner.model.nested and "model.language_model.layers.1.self_attn.q_proj.weight" in dict(
+    assert runner.model.decoder_prefix == "model.language_model." and "model.language_model.layers.1.self_attn.q_proj.weight" in dict(
         runner.model.named_parameters())
     logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
@@ -349,15 +353,15 @@ def test_gated_delta_kernels_match_torch_path(tiny, monkeypatch, device):
     ))
 
     def run(dispatch):  # a runner each: CUDA graphs captured under one dispatch would replay it under the other
-        monkeypatch.setattr(gdn, "_kernels_for", dispatch)
+        monkeypatch.setattr(gdn, "kernel_module", dispatch)
         cfg = _engine_config(expert_policy="fill-all", expert_cache_slots=10_000, device=device)
         runner = ModelRunner(tiny[0], cfg, progress=False)
         # the prompt in one prefill, and in three (later chunks start from the carried state)
         return greedy_decode(runner, PROMPT, DECODE_STEPS, seq_id=1), greedy_decode(runner, PROMPT, 2, seq_id=2, chunk_ends=[5, 70])
 
-    reference = run(lambda q: None)
+    reference = run(lambda name, device: None)
     assert calls == {"chunk": 0, "recurrent": 0}
-    for (logits, toks), (ref_logits, ref_toks) in zip(run(lambda q: kernels), reference, strict=True):
+    for (logits, toks), (ref_logits, ref_toks) in zip(run(lambda name, device: kernels), reference, strict=True):
         assert toks == ref_toks
         torch.testing.assert_close(logits, ref_logits, **TOL)
     assert calls["chunk"] == 2 * 4 and calls["recurrent"] >= 2  # two linear layers; CUDA graphs replay decode
@@ -430,13 +434,14 @@ def test_engine_preemption_and_few_state_slots_match_alone(tiny):
     alone_engine = LLMEngine(ModelRunner(path, _engine_config(**base), progress=False))
     alone = [_run(alone_engine, [p])[0] for p in prompts]
     # 160 KV tokens hold ~3 of these sequences: preemption + recompute; 16-token prefill chunks
-    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=160, max_model_len=256), progress=False),
-                      prefill_chunk_tokens=16)
+    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=160, max_model_len=256, prefill_chunk_tokens=16),
+                                  progress=False))
     assert _run(tight, prompts) == alone
     assert tight.metrics.preemptions._value.get() > 0
     assert tight.runner.state.free_slots == tight.runner.state.num_slots
     # the engine admits 6 at once but the runner has state slots for 2: admission waits for a free slot
-    few = LLMEngine(ModelRunner(path, _engine_config(max_num_seqs=2, **base), progress=False), max_num_seqs=6)
+    few = LLMEngine(ModelRunner(path, _engine_config(max_num_seqs=2, **base), progress=False))
+    few.scheduler.max_num_seqs = 6
     held, execute = [], few.runner.execute
 
     def counting(inputs, phase):
@@ -535,7 +540,7 @@ def test_preset_is_the_transformers_layout(tiny):
     assert saved["model.layers.1.self_attn.q_proj.weight"].shape == (4 * 32 * 2, 64)  # query + gate
     assert saved["model.layers.0.mlp.experts.15.gate_proj.weight"].shape == (32, 64)
     hf = config_for("qwen3_5_moe", PRESET, {"vocab_size": cfg["vocab_size"]})
-    assert sum(v.numel() for v in saved.values()) == _param_count(hf)
+    assert sum(v.numel() for v in saved.values()) == param_count(hf)
 
 
 def test_cli_make_model_and_generate(tmp_path, capsys):

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
+from edgemoe.kvcache.pool import KVCacheFullError, KVSpec, PagedKVPool
 from edgemoe.kvcache.radix import RadixCache
 
 PS = 4
@@ -181,7 +181,7 @@ def test_random_operations_match_a_reference():
 
 
 def make_pool(num_pages: int = 8) -> PagedKVPool:
-    return PagedKVPool(1, num_pages, PS, 1, 2, torch.float32, torch.device("cpu"), prefix_caching=True)
+    return PagedKVPool(KVSpec.heads(1, 1, 2), num_pages, PS, torch.float32, torch.device("cpu"), prefix_caching=True)
 
 
 def pool_pages_accounted(pool: PagedKVPool) -> bool:
@@ -251,7 +251,7 @@ def test_pool_allocation_evicts_unreferenced_cached_pages():
 
 
 def test_pool_without_prefix_caching_is_unchanged():
-    pool = PagedKVPool(1, 4, PS, 1, 2, torch.float32, torch.device("cpu"))
+    pool = PagedKVPool(KVSpec.heads(1, 1, 2), 4, PS, torch.float32, torch.device("cpu"))
     assert pool.prefix_cache is None and pool.cached_pages == 0
     pool.allocate(1, 10)
     pool.cache_prefix(1, seq(1, 2))  # a no-op

@@ -3,7 +3,6 @@ Belady as the optimum (exhaustive search), and the simulated global LRU against 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
@@ -12,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgemoe.bench.replay import Workload, build_workload, load_workload, main_replay, register_cli, simulate
+from edgemoe.bench.replay import Workload, build_workload, load_workload, main_replay, simulate
 from edgemoe.bench.trace import RouteRecord, RoutingRecorder, TraceFormatError, read_traces
+from edgemoe.cli import build_parser
 from edgemoe.core import ForwardBatch, Phase, SeqSlice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def test_reader_errors_name_file_and_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("routing") / "tiny", "qwen3_moe", "tiny", seed=0, dtype="float32")
 
@@ -242,9 +242,7 @@ def test_replayed_lru_equals_engine_counters(tiny_dir, tmp_path, slots):
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
-    return parser.parse_args(["replay-routing", *argv])
+    return build_parser().parse_args(["replay-routing", *argv])
 
 
 def test_cli_table_plot_and_json(tmp_path, capsys):

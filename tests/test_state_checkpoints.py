@@ -20,6 +20,7 @@ from edgemoe.core import Phase
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.kvcache.pool import KVSpec
 from edgemoe.kvcache.state import StateSpec
 from edgemoe.kvcache.state_checkpoints import (
     ANCHOR_TOKENS,
@@ -27,7 +28,7 @@ from edgemoe.kvcache.state_checkpoints import (
     anchor_token_ids,
     checkpoint_positions,
 )
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
 PS = 16  # EngineConfig's default page size
@@ -146,8 +147,8 @@ def _tokens_in_order(text: str) -> list[str]:
 
 def _store(slots: int) -> StateCheckpointStore:
     spec = StateSpec(num_layers=2, conv_dim=6, conv_width=3, num_heads=2, k_head_dim=4, v_head_dim=4)
-    return StateCheckpointStore(spec, slots, torch.float32, num_attn_layers=2, page_size=4, num_kv_heads=1,
-                                head_dim=8, kv_dtype=torch.float32, device=torch.device("cpu"))
+    return StateCheckpointStore(spec, slots, torch.float32, kv_spec=KVSpec.heads(2, 1, 8), page_size=4,
+                                kv_dtype=torch.float32, device=torch.device("cpu"))
 
 
 def _take(store: StateCheckpointStore, tokens: list[int]) -> int:
@@ -205,8 +206,8 @@ def test_restore_continues_exactly_and_matches_full_prefill(model_dir, tokenizer
     runner = ModelRunner(model_dir, _config(state_checkpoint_interval=20), progress=False)
     a, b = _tool_turn(tokenizer, "There are " + "many " * 30 + "slots.")
     runner.execute([StepInput(1, a, 0)], Phase.PREFILL)
-    store = runner.checkpoints
-    due = checkpoint_positions(a, 0, runner.anchor_ids, 20)
+    store = runner.prefix.checkpoints
+    due = checkpoint_positions(a, 0, runner.prefix.anchor_ids, 20)
     assert sorted(store.positions()) == due and len(due) > 4
     runner.cache_prefix(1, a)
     k_rows = {p: runner.kv.k[:, runner.kv.slots(1, p - p % PS, p)].clone() for p in due}
@@ -246,8 +247,8 @@ def test_only_the_deepest_checkpoints_of_a_step_are_taken(model_dir, tokenizer):
     runner = ModelRunner(model_dir, _config(state_checkpoints=2, state_checkpoint_interval=8), progress=False)
     a, _ = _tool_turn(tokenizer, "result")
     runner.execute([StepInput(1, a, 0)], Phase.PREFILL)
-    assert sorted(runner.checkpoints.positions()) == checkpoint_positions(a, 0, runner.anchor_ids, 8)[-2:]
-    assert runner.checkpoints.evicted == 0
+    assert sorted(runner.prefix.checkpoints.positions()) == checkpoint_positions(a, 0, runner.prefix.anchor_ids, 8)[-2:]
+    assert runner.prefix.checkpoints.evicted == 0
     runner.free(1)
 
 
@@ -258,16 +259,16 @@ def test_failed_step_discards_its_checkpoints(model_dir, tokenizer, monkeypatch)
     with pytest.raises(ZeroDivisionError):
         runner.execute([StepInput(1, a, 0)], Phase.PREFILL)
     monkeypatch.undo()
-    assert runner.checkpoints._entries == [None] * runner.checkpoints.num_slots and runner.checkpoints.saved == 0
+    assert runner.prefix.checkpoints._entries == [None] * runner.prefix.checkpoints.num_slots and runner.prefix.checkpoints.saved == 0
     runner.execute([StepInput(1, a, 0)], Phase.PREFILL)
-    assert len(runner.checkpoints.positions()) == len(_anchor_positions(a, runner.anchor_ids))
+    assert len(runner.prefix.checkpoints.positions()) == len(_anchor_positions(a, runner.prefix.anchor_ids))
 
 
 def test_kv_only_models_and_no_prefix_cache_keep_no_checkpoints(model_dir, tiny_model_dir):
     kv_only = ModelRunner(tiny_model_dir, EngineConfig(device="cpu", cpu_executor="torch"), progress=False)
-    assert kv_only.state is None and kv_only.checkpoints is None and "checkpoints" not in kv_only.summary()
+    assert kv_only.state is None and kv_only.prefix.checkpoints is None and "checkpoints" not in kv_only.summary()
     no_cache = ModelRunner(model_dir, _config(enable_prefix_caching=False), progress=False)
-    assert no_cache.checkpoints is None and "checkpoints  off" in no_cache.summary()
+    assert no_cache.prefix.checkpoints is None and "checkpoints  off" in no_cache.summary()
     with pytest.raises(ValueError, match=">= 0"):
         EngineConfig(state_checkpoints=-1)
 
@@ -292,7 +293,7 @@ def test_edit_removing_the_block_after_the_last_anchor_reuses_everything_before_
     assert _generate(engine, a).cached_tokens == 0
     # b drops the tool response: it shares a up to "<|im_start|>user\n" after the call's </tool_call><|im_end|>
     shared = _common(a, b)
-    expected = max(_anchor_positions(a[:shared], engine.runner.anchor_ids))
+    expected = max(_anchor_positions(a[:shared], engine.runner.prefix.anchor_ids))
     assert tokenizer.convert_ids_to_tokens(a[expected - 2:expected]) == ["</tool_call>", "<|im_end|>"]
     assert tokenizer.decode(a[expected:shared]) == "\n<|im_start|>user\n"
     out = _generate(engine, b)
@@ -317,7 +318,7 @@ def test_mid_block_cut_reuses_up_to_the_last_interval_checkpoint(model_dir, toke
         engine = _engine(model_dir, **kw)
         _generate(engine, a)
         reuse[name] = _generate(engine, cut).cached_tokens
-    last_anchor = max(_anchor_positions(a[:shared], engine.runner.anchor_ids))
+    last_anchor = max(_anchor_positions(a[:shared], engine.runner.prefix.anchor_ids))
     assert reuse["anchors"] == last_anchor  # the <|im_end|> before the tool response
     assert reuse["interval"] == shared // 24 * 24 > last_anchor + 24  # most of the block's head is kept
     assert reuse["both"] == reuse["interval"]
@@ -335,7 +336,7 @@ def test_generated_anchor_is_checkpointed(model_dir, tokenizer):
     # (fed back at the last decode step) is the deepest checkpoint
     close = tokenizer.convert_tokens_to_ids("</tool_call>")
     after = len(prompt) + reply.index(close) + 1
-    assert after in engine.runner.checkpoints.positions()
+    assert after in engine.runner.prefix.checkpoints.positions()
     nxt = prompt + reply + tokenizer.encode("\n<|im_start|>user\n<tool_response>\n12 slots\n</tool_response>"
                                             "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     assert _generate(engine, nxt).cached_tokens == after
@@ -354,4 +355,4 @@ def test_wrong_prefix_never_restores(model_dir, tokenizer):
     # KV pages gone (evicted), checkpoints kept: a checkpoint past the first page cannot be used
     tree = engine.runner.kv.prefix_cache
     tree.evict(tree.num_pages)
-    assert engine.runner.checkpoints.slots_used > 0 and _generate(engine, a).cached_tokens == 0
+    assert engine.runner.prefix.checkpoints.slots_used > 0 and _generate(engine, a).cached_tokens == 0

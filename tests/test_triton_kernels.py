@@ -26,7 +26,11 @@ from edgemoe.experts.cache import ExpertCache  # noqa: E402
 from edgemoe.experts.hybrid import plan_step  # noqa: E402
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy  # noqa: E402
 
-from edgemoe.kernels.decode_attention import make_decode_scratch, paged_decode_attention  # noqa: E402
+from edgemoe.kernels.decode_attention import (  # noqa: E402
+    make_decode_scratch,
+    paged_decode_attention,
+    paged_latent_decode_attention,
+)
 from edgemoe.kernels.expert_gemv import expert_gemv  # noqa: E402
 from edgemoe.kernels.gather import gather_fills  # noqa: E402
 from edgemoe.kernels.route_control import RouteOutputs, route_control  # noqa: E402
@@ -323,6 +327,38 @@ def test_paged_decode_attention_matches_sdpa(dtype, D, Hq, Hk, page, part):
     ref = _attention_reference(q, k_cache, v_cache, tables, ctx, D**-0.5, page)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,C,R,H,page,part", [(torch.float32, 32, 16, 20, 16, 64),
+                                                  (torch.bfloat16, 64, 16, 16, 8, 64),
+                                                  (torch.float16, 32, 32, 3, 32, 128)])
+def test_paged_latent_decode_attention_matches_torch(dtype, C, R, H, page, part):
+    """Multi-head latent attention decode: every head against one shared latent row per token, value = the
+    row's first C values (reference: ``edgemoe.layers.mla.latent_decode_attention`` in float32)."""
+    from edgemoe.layers.mla import latent_decode_attention
+
+    g = torch.Generator().manual_seed(C + page)
+    lens = [1, 0, 130, 77, part, part + 1]  # 0: a padding row; across pages and partitions
+    B, max_pages, num_pages = len(lens), -(-max(lens) // page) + 1, 48
+    latent = torch.randn(num_pages * page, C + R, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in range(B)]).to(torch.int32)
+    q = torch.randn(B, H, C + R, generator=g).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    scratch = make_decode_scratch(B + 1, H, C, max_pages * page, DEV, partition_size=part)
+    out = torch.full((B, H, C), float("nan"), dtype=dtype, device=DEV)
+    paged_latent_decode_attention(q.to(DEV), latent.to(DEV), tables.to(DEV), ctx.to(DEV), 0.2, out, scratch, page)
+    pos = torch.arange(max_pages * page)
+    slots = tables.long()[:, pos // page] * page + pos % page
+    ref = latent_decode_attention(q.float(), latent.float(), slots, ctx.long().clamp(min=1), C, 0.2)
+    ref[1] = 0  # a zero-length row gives zeros
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), ref, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_latent_decode_attention(q[..., :-8].contiguous().to(DEV), latent[:, :-8].contiguous().to(DEV),
+                                      tables.to(DEV), ctx.to(DEV), 0.2, out, scratch, page)
+    other = make_decode_scratch(B, H + 1, C, max_pages * page, DEV, partition_size=part)
+    with pytest.raises(ValueError, match="scratch"):
+        paged_latent_decode_attention(q.to(DEV), latent.to(DEV), tables.to(DEV), ctx.to(DEV), 0.2, out, other, page)
 
 
 def test_decode_scratch_and_attention_argument_checks():

@@ -1,6 +1,6 @@
 """Replay routing traces through expert-cache policies without running the model.
 
-``edgemoe replay-routing TRACE...`` (see :func:`register_cli`) turns traces (:mod:`edgemoe.bench.trace`)
+``edgemoe replay-routing TRACE...`` (:func:`main_replay`) turns traces (:mod:`edgemoe.bench.trace`)
 into a sequence of *accesses* and simulates a cache of ``S`` (layer, expert) slots under each policy.
 
 Access model (the engine's rule, ``edgemoe.experts.hybrid.HybridExperts``): one access is one MoE layer
@@ -38,7 +38,6 @@ Policies (``S`` slots over all ``N = L * E`` ids):
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
@@ -46,6 +45,7 @@ import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,10 +55,12 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.hybrid import plan_step
 from edgemoe.experts.policy import FillAllPolicy
 
+if TYPE_CHECKING:
+    from argparse import Namespace
+
 __all__ = [
     "ALL_POLICIES", "DEFAULT_CAPACITIES", "DEFAULT_POLICIES", "Access", "ReplayResult", "Workload",
-    "build_workload", "expert_bytes_from_config", "load_workload", "main_replay", "register_cli",
-    "replay", "simulate",
+    "build_workload", "expert_bytes_from_config", "load_workload", "main_replay", "replay", "simulate",
 ]
 
 DEFAULT_CAPACITIES = (0.05, 0.1, 0.2, 0.37, 0.5)
@@ -746,62 +748,12 @@ def plot(wl: Workload, results: list[ReplayResult], path: str | Path, title: str
     return path
 
 
-# ---------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------- replay-routing
 
 
-def _floats(s: str) -> list[float]:
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-
-
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``replay-routing``."""
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="routing trace(s), JSONL (edgemoe or Mixtral format)")
-    p.add_argument("--capacity", type=_floats, default=list(DEFAULT_CAPACITIES),
-                   help="cache sizes as fractions of all (layer, expert) ids (default 0.05,0.1,0.2,0.37,0.5)")
-    p.add_argument("--capacity-slots", type=_ints, default=None, help="cache sizes in slots (overrides --capacity)")
-    p.add_argument("--policy", type=_names, default=None,
-                   help=f"comma-separated, from {','.join(ALL_POLICIES)} (default: all; static-calib only "
-                        "with --calibration, prefill-updated only when the trace has prefill)")
-    p.add_argument("--calibration", action="append", default=None, metavar="TRACE",
-                   help="trace(s) that static-calib computes its placement from (repeatable)")
-    p.add_argument("--prefill-tokens", type=int, default=0,
-                   help="treat the first N tokens of each request of a trace without prefill records as its prompt")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (for PCIe bytes per token)")
-    g.add_argument("--model", default=None, help="model directory whose config.json gives 3*H*I*dtype bytes")
-    p.add_argument("--plot", default="routing_replay.png", help="PNG to write (default routing_replay.png)")
-    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
-    p.add_argument("--title", default=None, help="plot title")
-    p.add_argument("--layer-table-slots", type=int, default=None,
-                   help="capacity (slots) of the per-layer hit-rate table (default: the middle capacity)")
-    p.add_argument("--json", default=None, help="write every result (per-layer too) as JSON here")
-
-
-def register_cli(subparsers) -> argparse.ArgumentParser:
-    """Add ``replay-routing`` to the ``edgemoe`` subcommands (``func`` = :func:`main_replay`)."""
-    p = subparsers.add_parser("replay-routing", help="simulate expert-cache policies over routing traces",
-                              description="Replay routing traces through expert-cache policies (no model run).")
-    add_replay_arguments(p)
-    p.set_defaults(func=main_replay)
-    return p
-
-
-def main_replay(args: argparse.Namespace) -> int:
-    """Run ``replay-routing``: print the tables, write the PNG (and JSON); returns the exit status.
+def main_replay(args: Namespace) -> int:
+    """Run ``replay-routing`` with the options ``edgemoe.cli`` parsed: print the tables, write the PNG
+    (and JSON); returns the exit status.
 
     Raises:
         FileNotFoundError / ValueError (incl. ``TraceFormatError``): bad traces or options.
@@ -834,12 +786,3 @@ def main_replay(args: argparse.Namespace) -> int:
             "expert_bytes": expert_bytes, "results": [r.as_dict(expert_bytes) for r in results]}, indent=1))
     return 0
 
-
-if __name__ == "__main__":  # python -m edgemoe.bench.replay TRACE ...
-    parser = argparse.ArgumentParser(prog="edgemoe replay-routing")
-    add_replay_arguments(parser)
-    try:
-        sys.exit(main_replay(parser.parse_args()))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"edgemoe: error: {exc}", file=sys.stderr)
-        sys.exit(1)

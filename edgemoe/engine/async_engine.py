@@ -20,8 +20,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from edgemoe.config import EngineConfig
-from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS, LLMEngine, RequestOutput
+from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.sampling import SamplingParams
@@ -67,7 +67,6 @@ class AsyncLLM:
         runner_factory: builds the runner in the engine thread; default
             ``ModelRunner(model_dir, config, progress)``.
         progress: show a loading progress bar.
-        prefill_chunk_tokens: see :class:`LLMEngine`.
         on_ready: called in the engine thread with the engine once the runner is loaded
             (e.g. to print ``runner.summary()``).
         start: start the engine thread (and loading) now.
@@ -82,7 +81,6 @@ class AsyncLLM:
         *,
         runner_factory: Callable[[], Any] | None = None,
         progress: bool = True,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         on_ready: Callable[[LLMEngine], None] | None = None,
         start: bool = True,
     ):
@@ -95,7 +93,6 @@ class AsyncLLM:
 
         self.model_dir = model_dir
         self._runner_factory = runner_factory
-        self._prefill_chunk_tokens = prefill_chunk_tokens
         self._on_ready = on_ready
         self.metrics = EngineMetrics()
         self.metrics.add_expert_stats_source(self._expert_stats)
@@ -156,6 +153,29 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self._require_engine().max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's normalized configuration (read-only; raises ``EngineNotReadyError`` while loading)."""
+        return self._require_engine().runner.model_config
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's ``generation_config.json`` as saved (``{}`` when absent; read-only; raises
+        ``EngineNotReadyError`` while loading)."""
+        return self._require_engine().runner.generation_config
+
+    @property
+    def kv_cache_pages(self) -> tuple[int, int] | None:
+        """``(used, total)`` KV-cache pages: ``total`` those requests can hold, ``used`` those held by
+        requests in flight (unreferenced prefix-cache pages count as free: they are evicted on
+        demand); ``None`` while loading. Read-only counters, safe from any thread."""
+        if not self.is_ready:
+            return None
+        runner = self.engine.runner
+        page = runner.engine_config.page_size
+        total = runner.kv_capacity_tokens // page
+        return total - runner.kv_free_tokens() // page, total
 
     @property
     def num_running(self) -> int:
@@ -252,7 +272,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             runner = self._runner_factory()
-            engine = LLMEngine(runner, prefill_chunk_tokens=self._prefill_chunk_tokens, metrics=self.metrics)
+            engine = LLMEngine(runner, metrics=self.metrics)
             try:
                 self.tokenizer = copy.deepcopy(engine.tokenizer)
             except Exception:  # noqa: BLE001 - share it when it cannot be copied

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from edgemoe.engine.llm_engine import DEFAULT_PREFILL_CHUNK_TOKENS, LLMEngine, RequestOutput
+from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "normalize_messages", "render_chat"]
+__all__ = ["LLM", "normalize_messages", "render_chat", "render_chat_text"]
 
 Message = dict[str, Any]
 
@@ -44,6 +45,47 @@ def normalize_messages(messages: Sequence[Message]) -> list[Message]:
     return out
 
 
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render a conversation with the tokenizer's chat template, as text (see :func:`render_chat`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
+    msgs = normalize_messages(messages)
+
+    def apply(msgs: list[Message]) -> str:
+        return tokenizer.apply_chat_template(
+            msgs,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+
+    # Assistant tool-call turns come with content=None and arguments as JSON strings (OpenAI's shape,
+    # which e.g. DeepSeek-V3's template requires and Qwen3's prints verbatim); templates that apply
+    # string operations to the content (Qwen3's) get "", then templates that iterate the arguments
+    # as a mapping (GLM-4.5's ``arguments.items()``) get them decoded.
+    attempts = [msgs]
+    if any(m.get("content") is None for m in msgs):
+        attempts.append([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+    decoded = _arguments_as_objects(attempts[-1])
+    if decoded is not None:
+        attempts.append(decoded)
+    for i, attempt in enumerate(attempts):
+        try:
+            return apply(attempt)
+        except Exception:
+            if i == len(attempts) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Message],
@@ -71,28 +113,33 @@ def render_chat(
     Raises:
         ValueError: no chat template, or malformed messages.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
-    msgs = normalize_messages(messages)
-
-    def apply(msgs: list[Message]) -> str:
-        return tokenizer.apply_chat_template(
-            msgs,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-
-    try:
-        text = apply(msgs)
-    except Exception:
-        # Assistant tool-call turns come with content=None (OpenAI's shape, which e.g. DeepSeek-V3's
-        # template requires); templates that apply string operations to it (Qwen3's) get "".
-        if not any(m.get("content") is None for m in msgs):
-            raise
-        text = apply([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+    text = render_chat_text(tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                            add_generation_prompt=add_generation_prompt)
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _arguments_as_objects(messages: list[Message]) -> list[Message] | None:
+    """``messages`` with every tool call's JSON-string arguments decoded (those that decode to an
+    object); ``None`` when there are none to decode."""
+    out, changed = [], False
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            new_calls = []
+            for tc in calls:
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str):
+                    try:
+                        value = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        value = None
+                    if isinstance(value, dict):
+                        tc, changed = {**tc, "function": {**fn, "arguments": value}}, True
+                new_calls.append(tc)
+            m = {**m, "tool_calls": new_calls}
+        out.append(m)
+    return out if changed else None
 
 
 class LLM:
@@ -100,7 +147,6 @@ class LLM:
 
     Args:
         model_dir: Hugging Face checkpoint directory (or FTW).
-        prefill_chunk_tokens: most prompt tokens per prefill step (default 8192).
         progress: show the weight-loading progress bar.
         **engine_options: fields of :class:`edgemoe.config.EngineConfig` (``device``,
             ``expert_cache_slots``, ``max_num_seqs``, ``max_model_len``, ...).
@@ -114,16 +160,13 @@ class LLM:
         self,
         model_dir: str,
         *,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         progress: bool = True,
         **engine_options: Any,
     ):
         from edgemoe.config import EngineConfig
 
         config = EngineConfig.from_kwargs(**engine_options)
-        self.engine = LLMEngine.from_model_dir(
-            model_dir, config, progress=progress, prefill_chunk_tokens=prefill_chunk_tokens
-        )
+        self.engine = LLMEngine.from_model_dir(model_dir, config, progress=progress)
         self._ids = itertools.count()
 
     @property

@@ -22,8 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 
@@ -32,11 +31,19 @@ from edgemoe.core import Phase
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import KVCacheFullError, ModelRunner
 from edgemoe.engine.sampling import SamplingParams, make_generator, sample
-from edgemoe.engine.scheduler import Request, RequestStatus, ScheduledBatch, Scheduler
+from edgemoe.engine.request import (
+    CompletionOutput,
+    IncrementalDetokenizer,
+    PromptTooLongError,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
+from edgemoe.engine.scheduler import ScheduledBatch, Scheduler
 
 
 __all__ = [
-    "DEFAULT_PREFILL_CHUNK_TOKENS",
     "CompletionOutput",
     "IncrementalDetokenizer",
     "LLMEngine",
@@ -47,207 +54,37 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFILL_CHUNK_TOKENS = 8192
-"""Most prompt tokens computed in one prefill step (DESIGN.md §3: chunked prefill, 8192 per chunk)."""
-
-
-class PromptTooLongError(ValueError):
-    """The prompt can never be served: longer than ``max_model_len - 1`` tokens or than the KV cache.
-
-    Attributes:
-        prompt_len: tokens in the prompt.
-        limit: the largest prompt accepted.
-    """
-
-    def __init__(self, message: str, prompt_len: int, limit: int):
-        super().__init__(message)
-        self.prompt_len = prompt_len
-        self.limit = limit
-
-
-@dataclass
-class RequestMetrics:
-    """Per-request timestamps in seconds of ``time.perf_counter()`` (``None`` until reached).
-
-    Attributes:
-        arrival_time: when ``add_request`` accepted it.
-        first_scheduled_time: first time it entered a batch.
-        first_token_time: when its first output token was sampled.
-        finish_time: when it finished (any reason).
-    """
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token (s)."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e(self) -> float | None:
-        """Arrival to finish (s)."""
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence (vLLM's ``CompletionOutput``).
-
-    Attributes:
-        index: choice index (always 0: one sequence per request).
-        text: output text so far (stop string excluded; held back while it may be a stop prefix).
-        token_ids: all output token ids so far (a final EOS/stop token included).
-        finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
-        stop_reason: the stop string or stop token id that ended it (``None`` for EOS/length).
-        delta_text: text added since the previous output of this request (for streaming).
-        delta_token_ids: token ids added since the previous output.
-    """
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """The state of one request after an engine step (vLLM's ``RequestOutput``).
-
-    Attributes:
-        request_id: the caller's id.
-        prompt: prompt text when the request was given as text, else ``None``.
-        prompt_token_ids: the prompt's token ids.
-        outputs: ``[CompletionOutput]`` (one sequence).
-        finished: True once the request is done (then ``outputs[0].finish_reason`` is set).
-        metrics: timestamps (``RequestMetrics``).
-        error: message of the exception that failed this request (finish reason ``"error"``).
-        cached_tokens: prompt tokens whose KV came from the prefix cache (not computed) when the
-            request was first admitted; 0 before admission or without prefix caching.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    error: str | None = None
-    cached_tokens: int = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.outputs[0].token_ids)
-
-    @property
-    def usage(self) -> dict[str, int]:
-        """OpenAI-style token usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``."""
-        p, c = self.num_prompt_tokens, self.num_generated_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-class IncrementalDetokenizer:
-    """Turns output token ids into text one token at a time, never emitting a broken UTF-8 character.
-
-    Uses ``tokenizers.decoders.DecodeStream`` (the Rust streaming decoder) seeded with the prompt's
-    last tokens (so e.g. a SentencePiece leading space decodes as in the full text); falls back to
-    re-decoding all output ids and holding back a trailing U+FFFD for tokenizers without a Rust core.
-    """
-
-    _CONTEXT = 6
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._rust = getattr(tokenizer, "_tokenizer", None)
-        self._stream = None
-        if self._rust is not None:
-            from tokenizers.decoders import DecodeStream
-
-            try:
-                self._stream = DecodeStream(
-                    ids=list(prompt_token_ids[-self._CONTEXT :]), skip_special_tokens=skip_special_tokens
-                )
-            except TypeError:  # tokenizers without the ``ids`` argument
-                self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._text = ""
-
-    def step(self, token_id: int) -> str:
-        """Add one token; return the newly complete text (``""`` while a character is incomplete)."""
-        if self._stream is not None:
-            return self._stream.step(self._rust, token_id) or ""
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._text = text[len(self._text) :], text
-        return new
-
-
 class LLMEngine:
     """Continuous-batching engine over one model runner.
 
     Args:
-        runner: a ``ModelRunner`` (or an object with the same interface).
-        prefill_chunk_tokens: most prompt tokens per prefill step (the whole batch).
-        max_num_seqs: most requests in flight; default ``runner.engine_config.max_num_seqs``.
+        runner: a ``ModelRunner``; its ``engine_config`` gives ``max_num_seqs`` (requests in flight)
+            and ``prefill_chunk_tokens`` (most prompt tokens per prefill step, the whole batch).
         metrics: Prometheus instruments (a fresh :class:`EngineMetrics` by default).
 
     Not thread-safe: call it from one thread.
     """
 
-    def __init__(
-        self,
-        runner: Any,
-        *,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-        max_num_seqs: int | None = None,
-        metrics: EngineMetrics | None = None,
-    ):
-        if prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+    def __init__(self, runner: ModelRunner, *, metrics: EngineMetrics | None = None):
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.max_model_len = int(runner.max_model_len)
         self.eos_token_ids = frozenset(int(t) for t in runner.eos_token_ids)
-        cfg = getattr(runner, "engine_config", None)
-        self.max_num_seqs = max_num_seqs or (cfg.max_num_seqs if cfg is not None else 8)
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.scheduler = Scheduler(runner, max_num_seqs=self.max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens)
+        cfg = runner.engine_config
+        self.scheduler = Scheduler(runner, max_num_seqs=cfg.max_num_seqs, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.routing_recorder = None
         self.metrics.bind_queues(lambda: self.num_running, lambda: self.num_waiting)
         self.metrics.bind_prefix_cache(lambda: runner.kv.cached_pages)
         self.metrics.bind_state_checkpoints(
-            lambda: 0 if getattr(runner, "checkpoints", None) is None else runner.checkpoints.slots_used)
+            lambda: 0 if runner.prefix.checkpoints is None else runner.prefix.checkpoints.slots_used)
         self._requests: dict[str, Request] = {}
 
     @classmethod
-    def from_model_dir(
-        cls,
-        model_dir: str,
-        config: EngineConfig | None = None,
-        *,
-        progress: bool = True,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-    ) -> "LLMEngine":
+    def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None, *, progress: bool = True) -> LLMEngine:
         """Load a ``ModelRunner`` for ``model_dir`` (slow for big models) and wrap it."""
         runner = ModelRunner(str(model_dir), config or EngineConfig(), progress=progress)
-        engine = cls(runner, prefill_chunk_tokens=prefill_chunk_tokens)
+        engine = cls(runner)
         engine.metrics.add_expert_stats_source(runner.expert_stats)
         return engine
 
@@ -269,8 +106,8 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: must contain at least one token")
-        vocab = getattr(getattr(self.runner, "model_config", None), "vocab_size", None)
-        if vocab is not None and not all(0 <= int(t) < vocab for t in prompt_token_ids):
+        vocab = self.runner.model_config.vocab_size
+        if not all(0 <= int(t) < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         limit = min(self.max_model_len - 1, self.kv_capacity_tokens)
         if n > limit:
@@ -429,7 +266,7 @@ class LLMEngine:
                 self.metrics.prompt_tokens_computed.inc(len(inp.token_ids))
                 if inp.start_pos == req.num_cached_tokens:  # the first chunk since admission
                     self.metrics.prefix_cache_hit_tokens.inc(req.num_cached_tokens)
-                    if req.num_cached_tokens and getattr(self.runner, "checkpoints", None) is not None:
+                    if req.num_cached_tokens and self.runner.prefix.checkpoints is not None:
                         self.metrics.state_checkpoint_restores.inc()
                         self.metrics.state_checkpoint_reused_tokens.inc(req.num_cached_tokens)
             req.num_computed = inp.start_pos + len(inp.token_ids)

@@ -1,65 +1,47 @@
-"""The model runner: loads a checkpoint, owns the model, the KV pool and the expert path, runs steps.
+"""The model runner: loads a checkpoint, owns the model and its pools, runs steps.
 
-Only the engine's step thread calls into a runner. The runner turns a list of :class:`StepInput`
-into a :class:`~edgemoe.core.ForwardBatch` (allocating KV pages) and returns last-token logits.
+Only the engine's step thread calls into a runner. The runner turns a list of
+:class:`~edgemoe.core.StepInput` into a :class:`~edgemoe.core.ForwardBatch` (allocating KV pages and
+recurrent-state slots) and returns last-token logits. What it owns, by seam:
+
+- the model (built on the meta device from its architecture's file, weights loaded strictly) and
+  the host expert pool, the paged KV pool and (hybrid models) the recurrent-state pool;
+- :class:`~edgemoe.engine.expert_runtime.ExpertRuntime` (``self.experts``): expert cache, policy,
+  bandwidths, CPU executor, device decode path;
+- :class:`~edgemoe.engine.prefix_state.PrefixStateManager` (``self.prefix``): prefix cache and
+  recurrent-state checkpoints;
+- :class:`~edgemoe.engine.cuda_graphs.DecodeGraphs` (``self.graphs``): device-path decode steps and
+  their CUDA graphs (``None`` off the device path).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from array import array
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig, parse_dtype
-from edgemoe.core import DecodeMeta, ForwardBatch, Phase, SeqSlice
-from edgemoe.experts.bandwidth import resolve_bandwidths
-from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import make_cpu_executor
-from edgemoe.experts.device_decode import DeviceDecode, device_path_available
-from edgemoe.experts.hybrid import HybridExperts
-from edgemoe.experts.policy import make_policy
+from edgemoe.config import DEFAULT_PREFILL_CHUNK_TOKENS, EngineConfig, parse_dtype
+from edgemoe.core import ForwardBatch, Phase, SeqSlice, StepInput
+from edgemoe.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, DecodeInputs
+from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, configure_torch_threads
+from edgemoe.engine.prefix_state import Plan, PrefixStateManager
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
-from edgemoe.kvcache.state_checkpoints import StateCheckpointStore, anchor_token_ids, checkpoint_positions
-from edgemoe.models import model_class
-from edgemoe.weights.bootstrap import FALLBACK_POLICY, pin_or_fallback
+from edgemoe.models import load_config, model_class
+from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
 from edgemoe.weights.loader import init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelRunner", "StepInput", "KVCacheFullError"]
+__all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "KVCacheFullError", "ModelRunner", "StepInput"]
 
 DEFAULT_MAX_MODEL_LEN = 32768
-GRAPH_BATCH_SIZES = (1, 2, 4, 8)  # decode batch sizes with a captured CUDA graph (smaller batches pad up)
-GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache is sized automatically
-
-
-@dataclass
-class StepInput:
-    """One sequence's work in a step.
-
-    Attributes:
-        seq_id: engine-chosen id; owns KV pages until :meth:`ModelRunner.free`.
-        token_ids: the new tokens to compute (a prompt, a prefill chunk, or one decode token).
-        start_pos: absolute position of ``token_ids[0]``; the KV cache already holds ``[0, start_pos)``.
-    """
-
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class ModelRunner:
@@ -83,16 +65,20 @@ class ModelRunner:
             raise FileNotFoundError(f"{self.model_dir}: not a directory")
         self.engine_config = config
         self.device = config.resolved_device()
-        cfg = self.model_config = ModelConfig.from_hf(self.model_dir)
+        cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
-        # the tokenizer (and the transformers import behind it) loads while the weights are read
+        configure_torch_threads(config.cpu_threads)
+        model_cls = model_class(cfg.architecture)
+        # built before the tokenizer thread starts: a scaled RoPE imports transformers' initializers here, and
+        # transformers' lazy module is not safe to import from two threads at once
+        with torch.device("meta"):
+            self.model = model_cls(cfg)
+        self.model.eval()
+        # the tokenizer (and the rest of the transformers import behind it) loads while the weights are read
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="edgemoe-tokenizer")
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        with torch.device("meta"):
-            self.model = model_class(cfg.architecture)(cfg)
-        self.model.eval()
         self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
                                    cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
@@ -108,46 +94,36 @@ class ModelRunner:
             load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
                             progress=progress)
         self.tokenizer = tokenizer_future.result()
+        self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
-        self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling (DESIGN.md §5)
+        self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
         self.pinned = self.pin_outcome.pinned
 
         self.max_model_len = int(config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
         ps = config.page_size
-        attn_layers = self.model.attention_layers()
-        scratch_pages = int(self.device.type == "cuda")  # the padding rows' page of captured decode batches
-        self.kv = PagedKVPool(len(attn_layers), -(-kv_tokens // ps) + scratch_pages, ps, cfg.num_kv_heads, cfg.head_dim,
-                              self.dtype, self.device, prefix_caching=config.enable_prefix_caching)
-        for attn in attn_layers:
-            attn.kv = self.kv
-        self._scratch_pages = scratch_pages
-        if scratch_pages:  # reserved now, so it never counts as capacity a request could take
-            self.kv.allocate(_SCRATCH_SEQ, 1)
-        self._decode_inputs = None  # static decode inputs of the device path (built with the expert cache)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # hybrid models: one recurrent-state slot per sequence the engine runs at once
+        cuda = self.device.type == "cuda"
+        # on CUDA one scratch page and one scratch state slot take the padding rows of captured decode
+        # batches; reserved now, so they never count as capacity a request could take
+        self._scratch_pages = int(cuda)
+        self.kv = PagedKVPool(self.model.kv_spec(), -(-kv_tokens // ps) + self._scratch_pages, ps, self.dtype,
+                              self.device, prefix_caching=config.enable_prefix_caching)
+        if cuda:
+            self.kv.allocate(SCRATCH_SEQ, 1)
         spec = self.model.state_spec()
-        self.state = None if spec is None else RecurrentStatePool(
-            spec, config.max_num_seqs + (self.device.type == "cuda"), self.dtype, self.device)  # + a scratch slot: padding rows of captured decode batches
-        if self.state is not None:
-            for layer in self.model.state_layers():
-                layer.state = self.state
-            if self.device.type == "cuda":  # reserved now: the scheduler sees max_num_seqs free slots
-                self.state.allocate(_SCRATCH_SEQ)
-        self.checkpoints: StateCheckpointStore | None = None
-        self.set_state_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
-                                   config.anchor_checkpoints)
-
-        self.cpu_executor = make_cpu_executor(self.pool, config.cpu_threads, config.cpu_executor)
-        self.cache = None
-        self.bandwidths = None
-        if self.pin_outcome.fallback:  # pinning refused: pageable pool, every expert on the CPU
-            self.set_expert_cache(0, FALLBACK_POLICY)
-        else:
-            self.set_expert_cache(self._cache_slots(), config.expert_policy)
+        self.state = None if spec is None else RecurrentStatePool(spec, config.max_num_seqs + int(cuda), self.dtype,
+                                                                  self.device)
+        if self.state is not None and cuda:
+            self.state.allocate(SCRATCH_SEQ)
+        self.prefix = PrefixStateManager(self.kv, self.state, self.tokenizer, self.eos_token_ids, self.dtype,
+                                         self.device)
+        self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
+                                    config.anchor_checkpoints)
+        self.experts = ExpertRuntime(self.pool, cfg, config, self.device, fallback=self.pin_outcome.fallback,
+                                     graphs_supported=model_cls.supports_cuda_graphs)
+        self.graphs: DecodeGraphs | None = None
+        self._bind()
         self._step = 0
-        self._last_decode = None  # (start time, batch size) of the previous step when it was a decode
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
         self.load_seconds = time.perf_counter() - t0
 
@@ -158,144 +134,90 @@ class ModelRunner:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     def _eos_ids(self) -> list[int]:
-        gen = _read_json(self.model_dir / "generation_config.json")
-        eos = gen.get("eos_token_id")
+        eos = self.generation_config.get("eos_token_id")
         if eos is None:
             eos = list(self.model_config.eos_token_ids) or self.tokenizer.eos_token_id
         ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         return [int(i) for i in ids]
 
-    def _cache_slots(self) -> int:
-        cfg, row = self.engine_config, self.pool.row_bytes
-        n = self.pool.num_ids
-        if cfg.expert_cache_slots is not None:
-            return min(int(cfg.expert_cache_slots), n)
-        if cfg.expert_cache_gb is not None:
-            return min(int(cfg.expert_cache_gb * 1e9 // row), n)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(0, min(n, int((free - GPU_MEMORY_MARGIN) // row)))
-        return 0
+    def _read_generation_config(self) -> dict:
+        """The checkpoint's ``generation_config.json`` (``{}`` when it has none).
 
+        Raises:
+            ValueError: the file is not valid JSON (the message names it).
+        """
+        path = self.model_dir / "generation_config.json"
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+    def _bind(self) -> None:
+        """Attach the pools, the expert executor and the checkpoint store to the model's layers, and
+        set up the decode graphs for the current decode path (after any of them was rebuilt)."""
+        self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state,
+                        checkpoints=self.prefix.checkpoints)
+        if self.experts.decode_path is DecodePath.EAGER:
+            self.graphs = None
+        elif self.graphs is None:
+            cfg = self.model_config
+            inputs = DecodeInputs(self.kv, self.state, cfg.num_heads, cfg.head_dim, self.max_model_len,
+                                  self.engine_config.max_num_seqs, self.device)
+            self.graphs = DecodeGraphs(inputs, self.device)
+        else:
+            self.graphs.invalidate()  # a rebuilt cache moved the tensors the graphs captured
+
+    # ------------------------------------------------------------------ run-time changes
     def set_expert_cache(self, slots: int, policy: str) -> None:
-        """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
-        between steps (no step in flight). The host pool and the KV cache are untouched; the new cache
-        starts cold (a static policy re-places its layers). Counters restart from zero.
+        """Rebuild the device expert cache with ``slots`` slots under ``policy`` (a safe point between
+        steps; see :meth:`ExpertRuntime.set_cache`); decode graphs are captured again.
 
         Raises:
             ValueError: negative ``slots`` or an unknown policy (checked before anything changes).
         """
-        if slots < 0:
-            raise ValueError("expert cache slots must be >= 0")
-        if policy not in EXPERT_POLICIES:
-            raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
-        slots = min(int(slots), self.pool.num_ids)
-        old = getattr(getattr(self, "experts", None), "device_decode", None)
-        if old is not None:  # its doorbell server stops now, not whenever the last reference goes
-            old.close()
-            self.experts.device_decode = None
-        if self.cache is not None:  # free the old banks before allocating the new ones
-            self.cache.banks.clear()
-            self.cache = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        self.cache = ExpertCache(slots, self.pool.num_ids, [tuple(self.pool.w13.shape[1:]), tuple(self.pool.w2.shape[1:])],
-                                 self.dtype, self.device)
-        if self.bandwidths is None or (policy in ("qstar", "adaptive") and self.bandwidths.pcie is None and slots > 0):
-            cfg = self.engine_config
-            if cfg.expert_policy != policy:
-                from dataclasses import replace
-
-                cfg = replace(cfg, expert_policy=policy)
-            self.bandwidths = resolve_bandwidths(cfg, self.pool, self.cache, self.cpu_executor)
-        self.policy = make_policy(policy, self.bandwidths)
-        self.experts = HybridExperts(self.pool, self.cache, self.policy, self.cpu_executor,
-                                     self.model_config.num_experts, self.device)
-        for blk in self.model.moe_blocks():
-            blk.experts = self.experts
-        self._setup_device_decode()
+        try:
+            self.experts.set_cache(slots, policy)
+        finally:
+            self._bind()
 
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
-        """Change the GPU budget of the expert cache at run time (DESIGN.md §4, elastic memory).
-
-        Call at a safe point (no step in flight: the engine thread between steps). The host pool and
-        the KV cache stay as they are; the new cache starts cold (a static policy re-places layers);
-        decode graphs are captured again. If the new size cannot be allocated, the previous size and
-        policy are restored and the error is raised.
-
-        Args:
-            gb: new budget in GB (1e9 bytes); or ``slots``: new size in (layer, expert) slots.
-            policy: a new expert policy (default: keep the current one).
+        """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
+        safe point between steps. The host pool and the KV cache stay as they are; the new cache
+        starts cold; decode graphs are captured again. If the new size cannot be allocated, the
+        previous size and policy are restored and the error is raised.
 
         Returns:
             :meth:`expert_stats` after the change.
 
         Raises:
-            ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative or infinite
-                size, an unknown policy, a pool that could not be pinned (CPU-only), or a failure
-                setting up the new cache (the previous one is back in place; if even that fails, the
-                CPU-only cache of 0 slots is).
+            ValueError: see :meth:`ExpertRuntime.resize`.
         """
-        if gb is not None and slots is not None:
-            raise ValueError("give gb or slots, not both")
-        if (gb is not None and gb < 0) or (slots is not None and slots < 0):
-            raise ValueError("the expert-cache size must be >= 0")
-        if gb is None and slots is None and policy is None:
-            raise ValueError("give gb, slots or policy")
-        if policy is not None and policy not in EXPERT_POLICIES:
-            raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
-        if gb is not None and not math.isfinite(gb):
-            raise ValueError("gb must be a finite number")
-        old_slots, old_policy = self.cache.num_slots, self.policy.name
-        new_slots = old_slots if gb is None and slots is None else (
-            min(int(slots), self.pool.num_ids) if slots is not None else
-            int(min(gb * 1e9, self.pool.nbytes) // self.pool.row_bytes))
-        if self.pin_outcome.fallback and (new_slots > 0 or (policy or old_policy) != FALLBACK_POLICY):
-            raise ValueError("the host expert pool could not be pinned at start-up, so experts run on the CPU "
-                             f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
         try:
-            self.set_expert_cache(new_slots, policy or old_policy)
-        except Exception as exc:  # noqa: BLE001 - any failure: put the previous cache back
-            log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
-            try:
-                self.set_expert_cache(old_slots, old_policy)
-                kept = f"kept {old_slots} slots"
-            except Exception:  # noqa: BLE001 - even the old size failed: the CPU-only cache always fits
-                self.set_expert_cache(0, FALLBACK_POLICY)
-                kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
-            raise ValueError(f"could not set up {new_slots} expert-cache slots "
-                             f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; {kept}") from None
-        log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
-                 self.cache.nbytes / 1e9, self.policy.name)
+            self.experts.resize(gb, slots, policy)
+        finally:
+            self._bind()
         return self.expert_stats()
 
-    def _setup_device_decode(self) -> None:
-        """Enable the device decode path (routing control on the device, Triton kernels, CUDA graphs)
-        when CUDA and Triton are present and the cache has slots; otherwise decode takes the eager path."""
-        self.graphs.clear()  # a re-budgeted cache invalidates every captured graph (and their memory pool)
-        self.graphs_failed: set[int] = set()  # batch sizes whose capture failed: they run eagerly
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        self.decode_path = "eager"
-        reason = device_path_available(self.device)
-        if reason is None and self.cache.num_slots == 0:
-            reason = "no expert cache slots"
-        if reason is not None:
-            self.decode_path_reason = reason
-            return
-        cfg, ecfg = self.model_config, self.engine_config
-        max_bs = max(ecfg.max_num_seqs, 1)
-        dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k, max_bs)
-        self.experts.device_decode = dd
-        if self._decode_inputs is None:
-            self._decode_inputs = _DecodeInputs(self, max_bs)
-        graphs = not ecfg.enforce_eager and dd.capturable and getattr(self.model, "supports_cuda_graphs", False)
-        self.decode_path = "device + CUDA graphs" if graphs else "device"
-        self.decode_path_reason = None if graphs else (
-            "--enforce-eager" if ecfg.enforce_eager else
-            "the CPU branch needs the native executor to be captured" if not dd.capturable else
-            "this architecture is not captured yet")
+    def set_state_checkpoints(self, slots: int, interval: int, anchors: bool = True) -> None:
+        """(Re)build the recurrent-state checkpoint store (hybrid models) at a safe point between
+        steps, dropping the checkpoints it held (see :meth:`PrefixStateManager.set_checkpoints`).
 
-    # ------------------------------------------------------------------ capacity
+        Raises:
+            ValueError: negative ``slots`` or ``interval``.
+        """
+        self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state, checkpoints=None)
+        try:
+            self.prefix.set_checkpoints(slots, interval, anchors)
+        finally:
+            self._bind()
+
+    # ------------------------------------------------------------------ capacity (the scheduler's interface)
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV cache holds for requests (the padding rows' scratch page excluded)."""
@@ -311,8 +233,17 @@ class ModelRunner:
         self.kv.free(seq_id)
         if self.state is not None:
             self.state.free(seq_id)
-            self._tokens.pop(seq_id, None)
+            self.prefix.forget(seq_id)
 
+    def attach_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """See :meth:`PrefixStateManager.attach`: tokens of ``token_ids`` reused from the prefix cache."""
+        return self.prefix.attach(seq_id, token_ids)
+
+    def cache_prefix(self, seq_id: int, token_ids: list[int]) -> None:
+        """See :meth:`PrefixStateManager.cache`."""
+        self.prefix.cache(seq_id, token_ids)
+
+    # ------------------------------------------------------------------ recurrent state
     def snapshot_state(self, seq_id: int) -> StateSnapshot:
         """A copy of ``seq_id``'s recurrent state (conv + delta-rule memory of every linear layer) after
         its last step; opaque to callers, for :meth:`restore_state`.
@@ -363,161 +294,6 @@ class ModelRunner:
         return [self.state.allocate(inp.seq_id) if inp.start_pos == 0 else self.state.slot(inp.seq_id)
                 for inp in inputs]
 
-    # ------------------------------------------------------------------ state checkpoints
-    def set_state_checkpoints(self, slots: int, interval: int, anchors: bool = True) -> None:
-        """(Re)build the recurrent-state checkpoint store (hybrid models; DESIGN.md §4) at a safe point
-        between steps, dropping the checkpoints it held.
-
-        Args:
-            slots: checkpoints kept, LRU (0: none, so a hybrid model reuses no cached prefix).
-            interval: also checkpoint every ``interval`` tokens (0: only at anchors).
-            anchors: checkpoint after each anchor token (``anchor_token_ids`` of the tokenizer plus
-                the model's EOS ids).
-
-        Checkpoints need the prefix cache (the KV of a checkpoint's whole pages lives in its pages);
-        without it, or without recurrent state, or when nothing would ever be checkpointed, no store
-        is built (``self.checkpoints is None``).
-
-        Raises:
-            ValueError: negative ``slots`` or ``interval``.
-        """
-        if slots < 0 or interval < 0:
-            raise ValueError(f"state checkpoints: slots ({slots}) and interval ({interval}) must be >= 0")
-        self.checkpoint_interval = interval
-        self.anchor_ids = anchor_token_ids(self.tokenizer, self.eos_token_ids) if anchors else frozenset()
-        self._tokens: dict[int, array] = {}  # seq_id -> its tokens so far (the key of its checkpoints)
-        if self.state is None:
-            self.checkpoints = None
-            return
-        layers = self.model.state_layers()
-        self.checkpoints = None  # the old store is released before the new one is allocated
-        for layer in layers:
-            layer.checkpoints = None
-        if slots and self.kv.prefix_cache is not None and (self.anchor_ids or interval):
-            cfg, kv = self.model_config, self.kv
-            self.checkpoints = StateCheckpointStore(self.state.spec, slots, self.dtype, kv.k.shape[0], kv.page_size,
-                                                    cfg.num_kv_heads, cfg.head_dim, kv.k.dtype, self.device)
-            for layer in layers:
-                layer.checkpoints = self.checkpoints
-
-    def _track_tokens(self, inp: StepInput) -> array | None:
-        """Append ``inp``'s tokens to its sequence's token record (cut back to ``start_pos`` first, which
-        a rewind may need); ``None`` (and the record dropped) when the tokens before ``start_pos`` are
-        unknown here, e.g. after a caller's :meth:`restore_state`."""
-        tokens = self._tokens.get(inp.seq_id)
-        if inp.start_pos == 0:
-            tokens = array("q")
-        elif tokens is None or len(tokens) < inp.start_pos:
-            self._tokens.pop(inp.seq_id, None)
-            return None
-        else:
-            del tokens[inp.start_pos:]
-        tokens.extend(inp.token_ids)
-        self._tokens[inp.seq_id] = tokens
-        return tokens
-
-    def _plan_checkpoints(self, inputs: list[StepInput]) -> list[list[tuple[int, int]]]:
-        """Per input, ``(position, checkpoint slot)`` ascending for the positions this step passes where
-        a checkpoint is due (after an anchor token, at a multiple of the interval), each slot reserved
-        (pending) in the store. Only the deepest ``num_slots`` of a sequence are taken (no more can
-        survive the step); positions already checkpointed with the same tokens are skipped."""
-        store = self.checkpoints
-        plans: list[list[tuple[int, int]]] = [[] for _ in inputs]
-        if store is None:
-            return plans
-        for inp, plan in zip(inputs, plans):
-            tokens = self._track_tokens(inp)
-            if tokens is None:
-                continue
-            due = checkpoint_positions(inp.token_ids, inp.start_pos, self.anchor_ids, self.checkpoint_interval)
-            for p in due[-store.num_slots:]:
-                slot = store.reserve(tokens[:p])
-                if slot is not None:
-                    plan.append((p, slot))
-        return plans
-
-    def _commit_checkpoints(self, inputs: list[StepInput], state_slots: list[int | None],
-                            plans: list[list[tuple[int, int]]], phase: Phase) -> None:
-        """After a successful step: complete its checkpoints (a decode step's state is copied here; the
-        layers saved a prefill step's) with the K/V rows of their partial last page."""
-        store, kv = self.checkpoints, self.kv
-        for inp, state_slot, plan in zip(inputs, state_slots, plans):
-            for p, slot in plan:
-                if phase is Phase.DECODE:
-                    store.save_state(slot, self.state, state_slot)
-                if p % kv.page_size:
-                    store.save_kv(slot, kv.k, kv.v, kv.slots(inp.seq_id, p - p % kv.page_size, p))
-                store.commit(slot)
-
-    # ------------------------------------------------------------------ prefix cache
-    def reusable_prefix(self, token_ids: list[int], n_matched: int) -> int:
-        """How many of the ``n_matched`` leading tokens of ``token_ids`` whose KV pages are cached may
-        really be skipped by prefill: all of them, since every layer of a model without recurrent
-        state keeps its state in those pages (a hook for a model that can resume only at some
-        positions). The caller floors the answer to a page boundary. Models with recurrent state do
-        not come here: they resume at a state checkpoint (:meth:`attach_prefix`).
-        """
-        return n_matched
-
-    def attach_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        """Give the new sequence ``seq_id`` the longest reusable cached prefix of ``token_ids`` (the
-        tokens it must hold, a prompt or, after preemption, prompt + output).
-
-        At least the last token is always left to compute (its logits are needed); the match is
-        trimmed by :meth:`reusable_prefix` and floored to whole pages. A model with recurrent state
-        resumes instead at the deepest state checkpoint (DESIGN.md §4) whose tokens start
-        ``token_ids`` and whose whole KV pages the tree holds: it borrows those pages, gets the
-        checkpoint's partial-page K/V rows in a fresh page of its own and its recurrent state
-        restored; without a usable checkpoint it reuses nothing.
-
-        Returns:
-            tokens reused: the sequence's prefill starts at this position (0 when prefix caching is off).
-        """
-        cache, ps = self.kv.prefix_cache, self.kv.page_size
-        if cache is None or len(token_ids) <= ps:
-            return 0
-        match = cache.match_prefix(token_ids[:-1])
-        if self.state is not None:
-            return self._restore_checkpoint(seq_id, token_ids, match.num_tokens)
-        n = min(self.reusable_prefix(token_ids, match.num_tokens), match.num_tokens) // ps * ps
-        if n == 0:
-            return 0
-        if n < match.num_tokens:
-            match = cache.match_prefix(token_ids[:n])
-        self.kv.attach_prefix(seq_id, match)
-        return n
-
-    def _restore_checkpoint(self, seq_id: int, token_ids: list[int], kv_tokens: int) -> int:
-        """Resume the new sequence ``seq_id`` at the deepest usable state checkpoint (``kv_tokens``:
-        leading tokens whose whole pages are cached); returns its position, 0 (nothing attached) when
-        none is usable, no state slot is free or no page is free for the partial page."""
-        store = self.checkpoints
-        if store is None or not self.state.can_hold(seq_id):
-            return 0
-        ids = array("q", token_ids)
-        found = store.find(ids, len(ids) - 1, kv_tokens)
-        if found is None:
-            return 0
-        ps, p = self.kv.page_size, found.num_tokens
-        full = p // ps * ps
-        if full:
-            self.kv.attach_prefix(seq_id, self.kv.prefix_cache.match_prefix(token_ids[:full]))
-        if p > full:
-            try:
-                self.kv.allocate(seq_id, p)
-            except KVCacheFullError:
-                self.kv.free(seq_id)
-                return 0
-            store.load_kv(found.slot, self.kv.k, self.kv.v, self.kv.slots(seq_id, full, p))
-        self.state.restore(seq_id, store.snapshot(found.slot))
-        self._tokens[seq_id] = ids[:p]
-        return p
-
-    def cache_prefix(self, seq_id: int, token_ids: list[int]) -> None:
-        """Make the full KV pages of ``seq_id`` (holding ``token_ids`` from position 0) reusable by
-        later requests (no-op when prefix caching is off)."""
-        self.kv.cache_prefix(seq_id, token_ids)
-
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
     def execute(self, inputs: list[StepInput], phase: Phase) -> torch.Tensor:
@@ -549,16 +325,13 @@ class ModelRunner:
         if need > self.kv.free_pages:
             raise KVCacheFullError(f"KV cache full: step needs {need} pages, {self.kv.free_pages} free")
         self._step += 1
-        if self.cache.num_slots:
-            self.cache.clock.fill_(self._step)
         state_slots = self._state_slots(inputs)
-        plans = self._plan_checkpoints(inputs)
-        self._observe_step(phase, len(inputs))
-        if phase is Phase.DECODE and self.experts.device_decode is not None:
+        plans = self.prefix.plan(inputs)
+        self.experts.begin_step(self._step, phase, len(inputs))
+        if phase is Phase.DECODE and self.graphs is not None:
             for inp in inputs:
                 self.kv.allocate(inp.seq_id, inp.start_pos + 1)
-            return self._run_model(inputs, lambda: self._checked(self._execute_device_decode(inputs, state_slots)),
-                                   state_slots, plans, phase)
+            return self._run_model(inputs, self._device_decode, state_slots, plans, phase)
         ids, pos, slots, seqs, last = [], [], [], [], []
         q = 0
         for inp, state_slot, plan in zip(inputs, state_slots, plans):
@@ -583,211 +356,58 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda: self.model(batch), state_slots, plans, phase)
+        return self._run_model(inputs, lambda _inputs, _slots: self.model(batch), state_slots, plans, phase)
 
-    def _checked(self, logits: torch.Tensor) -> torch.Tensor:
-        """With a CPU branch in the device decode step: wait for the step (the engine's sampling would
-        anyway) and raise if that branch went wrong (``DeviceDecode.check``), so the engine fails
-        those requests instead of sampling from logits that lack the CPU experts."""
-        dd = self.experts.device_decode
-        if dd.step is not None:
-            torch.cuda.current_stream(self.device).synchronize()
-            dd.check()
+    def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
+        graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
+        logits = self.graphs.run(self.model, inputs, state_slots, self._step, self.record, graphs)
+        self.experts.check_decode_step()
         return logits
 
-    def _observe_step(self, phase: Phase, batch_size: int) -> None:
-        """Feed an online policy (``adaptive``) the wall time of the previous decode step: the time
-        from its start to this step's start, counted only between two decode steps of one batch size
-        (the engine samples, a sync, in between). A rule change goes to the device policy tensor."""
-        now = time.perf_counter()
-        prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
-        observe = getattr(self.policy, "observe", None)
-        if observe is None or prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
-            return
-        if observe(now - prev[0], batch_size):
-            dd = self.experts.device_decode
-            if dd is not None:
-                dd.policy.copy_(torch.tensor(self.policy.fill_rule(), dtype=torch.float64))
-
-    def _run_model(self, inputs: list[StepInput], forward, state_slots: list[int | None],
-                   plans: list[list[tuple[int, int]]], phase: Phase):
-        """Run ``forward()`` (the model step); on failure drop the recurrent states it half-advanced and
-        the checkpoints it planned (``can_resume`` then tells the engine to recompute), and re-raise."""
+    def _run_model(self, inputs: list[StepInput], forward, state_slots: list[int | None], plans: list[Plan],
+                   phase: Phase) -> torch.Tensor:
+        """Run ``forward(inputs, state_slots)`` (the model step); on failure drop the recurrent states it
+        half-advanced and the checkpoints it planned (``can_resume`` then tells the engine to
+        recompute), and re-raise."""
         try:
-            logits = forward()
+            logits = forward(inputs, state_slots)
         except Exception:
             if self.state is not None:  # layers before the failure advanced these states: never reuse them
                 for inp in inputs:
                     self.state.free(inp.seq_id)
-                    self._tokens.pop(inp.seq_id, None)
-                for plan in plans:
-                    for _, slot in plan:
-                        self.checkpoints.discard(slot)
+                self.prefix.discard(inputs, plans)
             raise
-        if self.checkpoints is not None:
-            self._commit_checkpoints(inputs, state_slots, plans, phase)
+        self.prefix.commit(inputs, state_slots, plans, phase)
         return logits
-
-    def _execute_device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
-        """A decode step on the device path: fixed-shape inputs, replayed from a CUDA graph when one is
-        captured for the (padded) batch size; the first step of each size runs eagerly and captures."""
-        B = len(inputs)
-        d = self._decode_inputs
-        sizes = [b for b in (*GRAPH_BATCH_SIZES, d.max_bs) if B <= b <= d.max_bs and b not in self.graphs_failed]
-        use_graphs = self.decode_path == "device + CUDA graphs" and self.record is None and sizes
-        sizes = sorted(sizes)
-        bs = sizes[0] if use_graphs else B
-        batch = d.load(self, inputs, state_slots, bs, self._step)
-        if use_graphs and bs in self.graphs:
-            graph, logits = self.graphs[bs]
-            graph.replay()
-            return logits[:B].clone()
-        logits = self.model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
-        if use_graphs:
-            try:
-                self._capture(bs, batch)
-            except Exception:  # noqa: BLE001 - this size stays eager; the eager result stands
-                log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
-                self.graphs_failed.add(bs)
-                torch.cuda.synchronize(self.device)
-        return logits[:B]
-
-    def _capture(self, bs: int, batch: ForwardBatch) -> None:
-        """Capture the decode step for batch size ``bs`` over the static inputs (no kernel runs)."""
-        graph = torch.cuda.CUDAGraph()
-        batch.step_cache.clear()  # tensors derived during the eager step must be recomputed inside the graph
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits = self.model(batch)
-        self.graphs[bs] = (graph, logits)
-        log.info("captured the decode step for batch size %d", bs)
 
     # ------------------------------------------------------------------ reporting
     def expert_stats(self) -> dict:
-        """Expert-cache state and counters (see ``CacheCounters``) for metrics and the summary."""
-        bw = self.bandwidths
-        return {
-            "policy": self.policy.name,
-            "slots": self.cache.num_slots,
-            "slots_used": self.cache.slots_used,
-            "experts_total": self.pool.num_ids,
-            "b_p_gbps": bw.pcie,
-            "b_h_gbps": bw.cpu,
-            "bandwidth_source": bw.source,
-            "q_ratio": self.policy.q_ratio(),
-            "policy_active": getattr(self.policy, "active_name", self.policy.name),
-            **self.experts.stats(),
-        }
+        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`)."""
+        return self.experts.stats()
 
     def summary(self) -> str:
-        """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m."""
+        """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
         cfg = self.model_config
         dev = str(self.device)
         if self.device.type == "cuda":
-            dev += f" ({torch.cuda.get_device_name(self.device)}, {torch.cuda.mem_get_info(self.device)[1] / 2**30:.0f} GiB)"
-        bw = self.bandwidths
-        fmt = lambda v: "n/a" if v is None else f"{v:.1f} GB/s"  # noqa: E731
+            total = torch.cuda.mem_get_info(self.device)[1]
+            dev += f" ({torch.cuda.get_device_name(self.device)}, {total / 2**30:.0f} GiB)"
+        ex = self.experts.cpu_executor
         lines = [
             f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
             f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU executor {self.cpu_executor.name}, {self.cpu_executor.threads} threads",
-            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
-            f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if self.pinned else 'pageable'}"
-            f"{': pinning refused, so policy cpu-all without expert cache' if self.pin_outcome.fallback else ''})",
-            f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
-            f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",
-            f"  bandwidth    B_P {fmt(bw.pcie)}, B_H {fmt(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",
-            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}; max_model_len {self.max_model_len}; "
-            f"prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",
-            f"  decode path  {self.decode_path}" + (f" ({self.decode_path_reason})" if self.decode_path_reason else ""),
+            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
+            *self.experts.summary_lines(self.pinned),
+            f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
+            f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
+            f"{self.kv.nbytes / 1e9:.3f} GB; "
+            f"max_model_len {self.max_model_len}; prefix caching {'on' if self.kv.prefix_cache is not None else 'off'}",
         ]
         if self.state is not None:
             lines.append(f"  state        {self.state.spec.num_layers} linear-attention layers, {self.state.num_slots} "
                          f"sequence slots = {self.state.nbytes / 1e9:.3f} GB")
-            ck = self.checkpoints
+            ck, pf = self.prefix.checkpoints, self.prefix
             lines.append("  checkpoints  off" if ck is None else
                          f"  checkpoints  {ck.num_slots} slots = {ck.nbytes / 1e9:.3f} GB; at "
-                         f"{len(self.anchor_ids)} anchor tokens, every {self.checkpoint_interval or '-'} tokens")
+                         f"{len(pf.anchor_ids)} anchor tokens, every {pf.interval or '-'} tokens")
         return "\n".join(lines)
-
-
-class _DecodeInputs:
-    """Static (fixed-address) inputs of device-path decode steps, for batch sizes up to ``max_bs``.
-
-    A step of ``B`` sequences padded to ``bs`` rows fills rows ``[0, bs)``; padding rows decode token 0
-    at position 0 into a scratch KV page no sequence owns, attend to one key, and route like row 0
-    with weight 0 (``ForwardBatch.decode.valid``), so they change nothing a real row reads.
-    """
-
-    def __init__(self, runner: "ModelRunner", max_bs: int):
-        from edgemoe.kernels.decode_attention import make_decode_scratch
-
-        dev, cfg, kv = runner.device, runner.model_config, runner.kv
-        self.max_bs = max_bs
-        self.max_pages = -(-runner.max_model_len // kv.page_size)
-        self.scratch_page = kv.pages_of(_SCRATCH_SEQ)[0]  # reserved by the runner: the padding rows' page
-        i64, i32 = torch.int64, torch.int32
-        self.input_ids = torch.zeros(max_bs, dtype=i64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=i64, device=dev)
-        self.kv_slots = torch.zeros(max_bs, dtype=i64, device=dev)
-        self.logits_index = torch.arange(max_bs, dtype=i64, device=dev)
-        self.block_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, device=dev)
-        self.context_lens = torch.ones(max_bs, dtype=i32, device=dev)
-        self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
-        self.state_slots = None
-        if runner.state is not None:  # hybrid models: padding rows update a scratch recurrent-state slot
-            self.state_slots = torch.zeros(max_bs, dtype=i64, device=dev)
-            self.scratch_state = runner.state.slot(_SCRATCH_SEQ)  # reserved by the runner
-        self.attn_scratch = make_decode_scratch(max_bs, cfg.num_heads, cfg.head_dim, runner.max_model_len, dev)
-        # host staging: one pinned buffer per input, copied in with one transfer each
-        pin = dev.type == "cuda"
-        self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)
-        self._h_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, pin_memory=pin)
-        self._h_lens = torch.zeros(max_bs, dtype=i32, pin_memory=pin)
-        self._h_valid = torch.zeros(max_bs, dtype=torch.bool, pin_memory=pin)
-
-    def load(self, runner: "ModelRunner", inputs: list[StepInput], state_slots: list[int | None], bs: int,
-             step: int) -> ForwardBatch:
-        """Write ``inputs`` (one token each; their KV pages and state slots already allocated) into rows
-        ``[0, bs)``."""
-        kv, ps = runner.kv, runner.kv.page_size
-        h = self._h_i64
-        h[:, :bs] = 0
-        h[2, :bs] = self.scratch_page * ps
-        if self.state_slots is not None:
-            h[3, :bs] = self.scratch_state
-        self._h_tables[:bs] = self.scratch_page
-        self._h_lens[:bs] = 1
-        self._h_valid[:bs] = False
-        seqs = []
-        for row, inp in enumerate(inputs):
-            pos = inp.start_pos
-            pages = kv.pages_of(inp.seq_id)
-            h[0, row], h[1, row] = inp.token_ids[0], pos
-            h[2, row] = pages[pos // ps] * ps + pos % ps
-            if self.state_slots is not None:
-                h[3, row] = state_slots[row]
-            self._h_tables[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            self._h_lens[row] = pos + 1
-            self._h_valid[row] = True
-            seqs.append(SeqSlice(inp.seq_id, row, 1, pos + 1, None, state_slots[row]))
-        self.input_ids[:bs].copy_(h[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(h[1, :bs], non_blocking=True)
-        self.kv_slots[:bs].copy_(h[2, :bs], non_blocking=True)
-        self.block_tables[:bs].copy_(self._h_tables[:bs], non_blocking=True)
-        self.context_lens[:bs].copy_(self._h_lens[:bs], non_blocking=True)
-        self.valid[:bs].copy_(self._h_valid[:bs], non_blocking=True)
-        if self.state_slots is not None:
-            self.state_slots[:bs].copy_(h[3, :bs], non_blocking=True)
-        if runner.device.type == "cuda":  # the staging buffers are rewritten by the next step
-            torch.cuda.current_stream(runner.device).synchronize()
-        return ForwardBatch(
-            phase=Phase.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            kv_slots=self.kv_slots[:bs], seqs=seqs, logits_index=self.logits_index[:bs], step=step,
-            record=runner.record,
-            decode=DecodeMeta(self.block_tables[:bs], self.context_lens[:bs], self.valid[:bs], self.attn_scratch),
-            state_slots=None if self.state_slots is None else self.state_slots[:bs],
-        )
-
-
-_SCRATCH_SEQ = -1  # KV pool owner id of the padding rows' scratch page

@@ -8,7 +8,7 @@ phase, because a runner step is either prefill or decode:
   of ``waiting`` (no skipping ahead), while ``len(running) < max_num_seqs``, the batch holds at most
   ``prefill_chunk_tokens`` tokens and the runner can allocate their KV pages while leaving one page
   per decoding request free (a watermark). A prompt longer than the budget is split into chunks over
-  several steps (DESIGN.md §3).
+  several steps.
 - **decode** — one token for every running request whose prompt is fully computed.
 
 Prefill has priority (short TTFT), but never twice in a row while requests are decoding, so a long
@@ -16,7 +16,7 @@ chunked prompt does not stall running streams. Preemption is by recompute (vLLM'
 newest running request frees its pages and returns to the head of ``waiting`` keeping its generated
 tokens; when readmitted, prompt + generated tokens are prefilled again.
 
-Prefix caching (DESIGN.md §4): on admission a request takes the longest reusable cached prefix of its
+Prefix caching: on admission a request takes the longest reusable cached prefix of its
 tokens from the runner (``attach_prefix``) and its prefill starts there. A request that finishes,
 is aborted or is preempted first caches its full KV pages (``cache_prefix``), so a preempted request
 usually gets its own pages back when readmitted, unless allocation pressure evicted them meanwhile.
@@ -26,75 +26,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from edgemoe.core import Phase
-from edgemoe.engine.model_runner import StepInput
+from edgemoe.core import Phase, StepInput
+from edgemoe.engine.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    import torch
-
-    from edgemoe.engine.llm_engine import IncrementalDetokenizer, RequestMetrics
-    from edgemoe.engine.sampling import SamplingParams
-
-__all__ = ["Request", "RequestStatus", "ScheduledBatch", "Scheduler"]
-
-
-class RequestStatus(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Request:
-    """Engine-side state of one request.
-
-    Attributes:
-        seq_id: runner sequence id while admitted (``None`` while waiting); a fresh id per admission.
-        num_computed: tokens of ``prompt + output`` whose KV the runner holds.
-        num_cached_tokens: tokens taken from the prefix cache at the latest admission (prefill
-            started there).
-        cached_tokens: prompt tokens taken from the prefix cache at the first admission (reported in
-            usage); ``None`` before it.
-        prefill_done: all tokens but the last sampled one are in the KV cache (decode phase).
-        text: detokenized output (after stop-string truncation); ``emitted_chars`` of it were returned.
-        emitted_tokens: output token ids already returned.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: "SamplingParams"
-    generator: "torch.Generator | None"
-    detokenizer: "IncrementalDetokenizer"
-    metrics: "RequestMetrics"
-    output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    seq_id: int | None = None
-    num_computed: int = 0
-    num_cached_tokens: int = 0
-    cached_tokens: int | None = None
-    prefill_done: bool = False
-    text: str = ""
-    emitted_chars: int = 0
-    emitted_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus output tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens ``[start, stop)`` of prompt + output."""
-        p = len(self.prompt_token_ids)
-        if stop <= p:
-            return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+__all__ = ["ScheduledBatch", "Scheduler"]
 
 
 @dataclass
@@ -114,8 +52,8 @@ class Scheduler:
     """Chooses the next batch and owns admission, preemption and KV release.
 
     Args:
-        runner: provides ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()``, ``free(seq_id)``,
-            ``attach_prefix(seq_id, token_ids)`` and ``cache_prefix(seq_id, token_ids)``.
+        runner: provides ``page_size``, ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()``,
+            ``free(seq_id)``, ``attach_prefix(seq_id, token_ids)`` and ``cache_prefix(seq_id, token_ids)``.
         max_num_seqs: most requests admitted at once.
         prefill_chunk_tokens: most tokens in one prefill batch.
     """
@@ -225,8 +163,7 @@ class Scheduler:
             budget, claimed = budget - n, claimed + n
         # Admit only while the decoding requests keep room for their next page each (a watermark,
         # as in vLLM), so a fresh admission is not preempted again at the very next decode step.
-        page = getattr(getattr(self.runner, "engine_config", None), "page_size", 1)
-        reserve = page * sum(r.prefill_done for r in self.running)
+        reserve = self.runner.page_size * sum(r.prefill_done for r in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             seq_id = next(self._seq_ids)

@@ -1,12 +1,14 @@
-"""The CPU expert executor: computes routed experts in place from the host pool (DESIGN.md §2).
+"""The CPU expert executor: computes routed experts in place from the host pool.
 
-Two executors share one interface, ``run(x [T, H], work, out [T, H] float32)`` plus ``name`` and
-``threads``:
+Every executor implements :class:`CpuExecutor`: ``run(x [T, H], work, out [T, H] float32)``,
+``with_pool``, ``name``, ``threads`` and the capability ``registers_steps`` (whether
+:meth:`CpuExecutor.make_step` gives a step a device kernel can hand to the executor without a host
+sync, which a captured decode step needs). Two implement it:
 
-- ``NativeCpuExecutor`` (``edgemoe/experts/native.py``): C++ kernels on a pinned thread pool,
+- ``NativeCpuExecutor`` (``edgemoe.experts.native``): C++ kernels on a pinned thread pool,
   bandwidth-bound GEMVs for decode batches; the default where it builds.
-- ``TorchCpuExecutor`` (here): one GEMM pair per expert with torch ops, intra-op threads set by
-  ``--cpu-threads``; the fallback, and the reference the native one is tested against.
+- :class:`TorchCpuExecutor` (here): one GEMM pair per expert with torch ops on torch's intra-op
+  threads; the fallback, and the reference the native one is tested against.
 
 :func:`make_cpu_executor` picks one (``EngineConfig.cpu_executor``).
 """
@@ -14,51 +16,64 @@ Two executors share one interface, ``run(x [T, H], work, out [T, H] float32)`` p
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from edgemoe.config import CPU_EXECUTORS
+from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
+
+if TYPE_CHECKING:
+    from edgemoe.experts.native import RegisteredStep
 
 log = logging.getLogger(__name__)
 
+Work = list[tuple[int, torch.Tensor, torch.Tensor]]
+"""A step's CPU set: per expert ``(flat_id, token_idx [n] int64, weight [n] float)``."""
 
-def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One routed expert: ``down(silu(gate(x)) * up(x))``.
 
-    Args:
-        x: ``[n, H]`` tokens routed to the expert, in the weights' dtype.
-        w13: ``[2I, H]`` gate rows then up rows. w2: ``[H, I]``.
+class CpuExecutor(Protocol):
+    """What the expert path needs from a CPU executor."""
 
-    Returns:
-        ``[n, H]`` in the weights' dtype (reference: ``Qwen3MoeExperts.forward``).
-    """
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
-    return F.linear(F.silu(gate) * up, w2)  # [n, H]
+    name: str
+    threads: int
+    registers_steps: bool
+
+    def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:
+        """Accumulate ``Σ weight · expert(x[token])`` of ``work`` into ``out [T, H]`` float32 (CPU)."""
+
+    def with_pool(self, pool: HostExpertPool) -> CpuExecutor:
+        """The same executor (same threads) over another pool, e.g. a bandwidth-rotation pool."""
+
+    def make_step(self, max_tokens: int, max_experts: int, max_routes: int | None = None,
+                  x_dtype: torch.dtype = torch.float32, zero_out: bool = True,
+                  pin_memory: bool = False) -> RegisteredStep:
+        """Buffers registered once for steps run without Python (only when ``registers_steps``)."""
 
 
 class TorchCpuExecutor:
-    """Runs a set of experts on the CPU with torch ops, weights read from the host pool.
+    """Runs a set of experts on the CPU with torch ops, weights read from the host pool, on torch's
+    intra-op threads (the engine sets their number once, at start-up).
 
     Args:
         pool: the host expert pool (source of ``w13``/``w2`` rows).
-        threads: intra-op threads for the CPU branch (``None`` keeps torch's setting).
     """
 
     name = "torch"
+    registers_steps = False
 
-    def __init__(self, pool: HostExpertPool, threads: int | None = None):
+    def __init__(self, pool: HostExpertPool):
         self.pool = pool
-        if threads:
-            torch.set_num_threads(int(threads))
-        self.threads = torch.get_num_threads()
 
-    def with_pool(self, pool: HostExpertPool) -> "TorchCpuExecutor":
-        """The same executor over another pool (e.g. a bandwidth-rotation pool); threads unchanged."""
-        return TorchCpuExecutor(pool, None)
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
 
-    def run(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+    def with_pool(self, pool: HostExpertPool) -> TorchCpuExecutor:
+        return TorchCpuExecutor(pool)
+
+    def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:
         """Accumulate ``Σ weight · expert(x[token])`` into ``out``.
 
         Args:
@@ -66,31 +81,27 @@ class TorchCpuExecutor:
             work: per expert ``(flat_id, token_idx [n] int64, weight [n] float)``.
             out: ``[T, H]`` float32 CPU accumulator (added to, not overwritten).
         """
-        w13, w2 = self.pool.w13, self.pool.w2
-        xd = x.to(w13.dtype)
-        for fid, tok, wt in work:
-            y = swiglu_expert(xd.index_select(0, tok), w13[fid], w2[fid])  # [n, H]
-            out.index_add_(0, tok, (y * wt.to(y.dtype)[:, None]).float())
+        run_experts_torch(self.pool, x, work, out)
+
+    def make_step(self, *args, **kwargs) -> RegisteredStep:
+        raise NotImplementedError("the torch-ops CPU executor has no registered steps (registers_steps is False)")
 
 
-_logged_fallbacks: set[str] = set()
-
-
-def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: str = "auto", **native_kw):
+def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: str = "auto",
+                      **native_kw) -> CpuExecutor:
     """The CPU expert executor for ``pool``.
 
     Args:
         pool: the host expert pool.
-        threads: executor threads (``--cpu-threads``). ``None``: native uses one per physical core,
-            torch keeps its setting. When given, torch's intra-op threads are set to it too (as the
-            torch executor always did), so torch-ops work beside the native kernels follows it.
+        threads: native executor threads (``--cpu-threads``; ``None``: one per physical core). The
+            torch executor runs on torch's intra-op threads, which the engine sets.
         kind: ``"auto"`` or ``"native"`` (native where it builds and supports the pool's dtype, else
             torch with a one-line warning), or ``"torch"``.
         native_kw: passed to :class:`~edgemoe.experts.native.NativeCpuExecutor` (``isa``, ``spin_us``, ...).
 
     Returns:
-        A ``NativeCpuExecutor`` or a ``TorchCpuExecutor``. Never fails for lack of a compiler: the
-        reason is logged once per process (one line) and the torch executor is returned.
+        A ``NativeCpuExecutor`` or a :class:`TorchCpuExecutor`. Never fails for lack of a compiler:
+        the reason is logged (one line) and the torch executor is returned.
 
     Raises:
         ValueError: unknown ``kind``.
@@ -98,17 +109,11 @@ def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: st
     if kind not in CPU_EXECUTORS:
         raise ValueError(f"cpu executor {kind!r}: choose one of {CPU_EXECUTORS}")
     if kind == "torch":
-        return TorchCpuExecutor(pool, threads)
+        return TorchCpuExecutor(pool)
     from edgemoe.experts.native import NativeCpuExecutor, NativeUnavailable
 
     try:
-        ex = NativeCpuExecutor(pool, threads, **native_kw)
+        return NativeCpuExecutor(pool, threads, **native_kw)
     except NativeUnavailable as e:
-        msg = f"native CPU expert executor unavailable ({e}); using the torch-ops executor"
-        if msg not in _logged_fallbacks:
-            _logged_fallbacks.add(msg)
-            log.warning(msg)
-        return TorchCpuExecutor(pool, threads)
-    if threads:
-        torch.set_num_threads(int(threads))
-    return ex
+        log.warning("native CPU expert executor unavailable (%s); using the torch-ops executor", e)
+        return TorchCpuExecutor(pool)

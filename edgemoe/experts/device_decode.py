@@ -1,4 +1,4 @@
-"""The decode step of a MoE layer with its control on the device (DESIGN.md §2, issue 3).
+"""The decode step of a MoE layer with its control on the device.
 
 Per MoE layer, with no host synchronization, so the whole decode step can be captured in a CUDA graph
 (one stream; the CPU branch runs on the native executor's threads, not on a GPU stream):
@@ -19,7 +19,7 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
 The ring is enqueued before the fills on purpose: ``gather_fills`` is a persistent grid that
 occupies every SM until the last fill row is copied, so a hand-off placed on a second stream
 (as the first version did, with a ``cudaLaunchHostFunc`` node) could not start until the fills
-were done and the two branches ran one after the other (docs/benchmarks/decode.md).
+were done and the two branches ran one after the other (measured on an H200: ``docs/benchmarks/decode.md``).
 
 Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the same sequence runs in
 program order, with the server thread on the other side of the doorbell. The CPU branch needs the
@@ -32,19 +32,9 @@ from __future__ import annotations
 import torch
 
 from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-
-
-def device_path_available(device: torch.device) -> str | None:
-    """``None`` when the device decode path can run on ``device``, else the reason it cannot."""
-    if device.type != "cuda":
-        return "the device decode path needs CUDA"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    return None
 
 
 class DeviceDecode:
@@ -69,7 +59,7 @@ class DeviceDecode:
         fills: whether ``gather_fills`` is launched (``False`` when every expert is resident).
     """
 
-    def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor,
+    def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
                  num_experts: int, top_k: int, max_tokens: int):
         from edgemoe.kernels import doorbell
         from edgemoe.kernels.expert_gemv import expert_gemv
@@ -91,7 +81,7 @@ class DeviceDecode:
         self.policy = torch.tensor([num, den, q_min], dtype=torch.float64, device=dev)
         evictable = int((~cache.pinned).sum())
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
-        fills_all = num >= den and q_min == 0 and not hasattr(policy, "observe")  # an online policy may switch
+        fills_all = num >= den and q_min == 0 and not policy.online  # an online policy may switch
         self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
         self.fills = not all_resident  # every expert resident: route_control never emits a fill
         self.cpu = cpu_executor
@@ -100,7 +90,7 @@ class DeviceDecode:
         self.cuda = dev.type == "cuda"
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
         self.bell = None
-        if self.cpu_branch and hasattr(cpu_executor, "make_step"):
+        if self.cpu_branch and cpu_executor.registers_steps:
             x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
             self.bell = self.step.serve(pin_memory=self.cuda)

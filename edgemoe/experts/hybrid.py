@@ -25,10 +25,11 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import TorchCpuExecutor
-from edgemoe.experts.policy import ExpertPolicy, StaticPolicy
+from edgemoe.experts.cpu_executor import CpuExecutor
+from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.experts.prefill import PrefillStreamer, run_sorted_experts
+from edgemoe.experts.compute import run_sorted_experts
+from edgemoe.experts.prefill import PrefillStreamer
 
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
@@ -113,14 +114,14 @@ class HybridExperts:
         device: compute device.
     """
 
-    def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu: TorchCpuExecutor,
+    def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu: CpuExecutor,
                  num_experts: int, device: torch.device):
         self.pool, self.cache, self.policy, self.cpu = pool, cache, policy, cpu
         self.num_experts = num_experts
         self.device = torch.device(device)
         self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
         self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device)
-        if isinstance(policy, StaticPolicy):
+        if policy.places_static:
             self.place_static()
 
     # ------------------------------------------------------------------ placement

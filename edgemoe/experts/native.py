@@ -36,19 +36,21 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import sys
-import threading
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
 
@@ -89,10 +91,6 @@ class NativeUnavailable(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- build
-_lock = threading.Lock()
-_ext = None
-_error: str | None = None
-build_info: dict = {}  # after a successful load: seconds, cached (bool), dir, builder
 _SERVING: "weakref.WeakSet[RegisteredStep]" = weakref.WeakSet()  # steps whose doorbell server runs
 
 
@@ -142,7 +140,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _build_direct(bdir: Path, verbose: bool = False):
+def _build_direct(bdir: Path):
     """Build without ninja (``cpp_extension.load`` requires it): the compiler called directly, one
     process per source in parallel, same flags, output cached in ``bdir``; returns the module.
 
@@ -169,8 +167,6 @@ def _build_direct(bdir: Path, verbose: bool = False):
             def compile_one(src: str) -> Path:
                 obj = bdir / (Path(src).stem + ".o")
                 cmd = [cxx, *flags, "-c", str(CSRC / src), "-o", str(obj)]
-                if verbose:
-                    print(" ".join(cmd), flush=True)
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise RuntimeError(f"{cxx} failed on {src}: {r.stderr.strip()}")
@@ -190,46 +186,64 @@ def _build_direct(bdir: Path, verbose: bool = False):
     return mod
 
 
-def load_extension(verbose: bool = False):
+@dataclass(frozen=True)
+class BuildResult:
+    """The outcome of building (or finding cached) and loading the extension, once per process.
+
+    Attributes:
+        module: the loaded extension, or ``None`` when unavailable.
+        error: the one-line reason it is unavailable (``None`` when loaded).
+        seconds: build/load time. cached: the ``.so`` was already built. dir: the build directory.
+        builder: ``torch.utils.cpp_extension.load`` or ``direct (no ninja)``.
+    """
+
+    module: object | None
+    error: str | None = None
+    seconds: float = 0.0
+    cached: bool = False
+    dir: str = ""
+    builder: str = ""
+
+
+@functools.cache
+def build() -> BuildResult:
+    """Build (first use; cached per user and source version) and load the extension, once per process."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return BuildResult(None, reason)
+    cpp = _cpp_extension()
+    ninja = cpp.is_ninja_available()
+    t0 = time.perf_counter()
+    try:
+        bdir = build_dir() if ninja else build_dir() / "direct"  # reads the sources: they may be missing
+        cached = any(bdir.glob(f"{EXT_NAME}*.so"))
+        if not cached:
+            log.info("edgemoe: compiling native CPU expert kernels into %s (first use)", bdir)
+        bdir.mkdir(parents=True, exist_ok=True)
+        if ninja:
+            ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(EXTRA_CFLAGS),
+                           build_directory=str(bdir))
+        else:  # e.g. a GPU host without network: no `pip install ninja` there
+            ext = _build_direct(bdir)
+    except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        log.debug("native CPU kernels failed to build", exc_info=e)
+        return BuildResult(None, f"native CPU kernels failed to build: {first}")
+    return BuildResult(ext, None, time.perf_counter() - t0, cached, str(bdir),
+                       "torch.utils.cpp_extension.load" if ninja else "direct (no ninja)")
+
+
+def load_extension():
     """The compiled module, building it on first use (cached per user and source version).
 
     Raises:
         NativeUnavailable: no compiler, disabled, or the build failed (reason in the message;
             the same reason is raised again on later calls without retrying).
     """
-    global _ext, _error
-    with _lock:
-        if _ext is not None:
-            return _ext
-        if _error is not None:
-            raise NativeUnavailable(_error)
-        reason = unavailable_reason()
-        if reason is not None:
-            _error = reason
-            raise NativeUnavailable(reason)
-        cpp = _cpp_extension()
-        is_ninja_available, load = cpp.is_ninja_available, cpp.load
-
-        ninja = is_ninja_available()
-        t0 = time.perf_counter()
-        try:
-            bdir = build_dir() if ninja else build_dir() / "direct"  # reads the sources: they may be missing
-            cached = any(bdir.glob(f"{EXT_NAME}*.so"))
-            if not cached:
-                log.info("edgemoe: compiling native CPU expert kernels into %s (first use)", bdir)
-            bdir.mkdir(parents=True, exist_ok=True)
-            if ninja:
-                _ext = load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(EXTRA_CFLAGS),
-                            build_directory=str(bdir), verbose=verbose)
-            else:  # e.g. a GPU host without network: no `pip install ninja` there
-                _ext = _build_direct(bdir, verbose)
-        except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain
-            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            _error = f"native CPU kernels failed to build: {first}"
-            raise NativeUnavailable(_error) from e
-        build_info.update(seconds=time.perf_counter() - t0, cached=cached, dir=str(bdir),
-                          builder="torch.utils.cpp_extension.load" if ninja else "direct (no ninja)")
-        return _ext
+    result = build()
+    if result.module is None:
+        raise NativeUnavailable(result.error)
+    return result.module
 
 
 def available() -> bool:
@@ -348,7 +362,8 @@ def _raise_status(status: int, where: str) -> None:
 
 
 class NativeCpuExecutor:
-    """Runs a step's CPU set of routed experts with the native kernels (same API as ``TorchCpuExecutor``).
+    """Runs a step's CPU set of routed experts with the native kernels (a ``CpuExecutor``, see
+    ``edgemoe.experts.cpu_executor``; ``registers_steps``: :meth:`make_step` is available).
 
     Args:
         pool: the host expert pool; bf16 or float32 banks (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
@@ -367,6 +382,8 @@ class NativeCpuExecutor:
         NativeUnavailable: the extension cannot be built/loaded, or the pool's dtype has no kernel.
         ValueError: unknown ``isa``.
     """
+
+    registers_steps = True
 
     def __init__(self, pool: HostExpertPool, threads: int | None = None, *, isa: str | None = None, pin: bool = True,
                  spin_us: int | None = None, min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
@@ -396,18 +413,10 @@ class NativeCpuExecutor:
         self.name = f"native-{self.isa}"
         self.threads = self._core.threads
         self.pinned = list(self._core.pinned)
-        self._torch = None
 
     def with_pool(self, pool: HostExpertPool) -> "NativeCpuExecutor":
         """An executor over another pool sharing this one's threads (e.g. a bandwidth-rotation pool)."""
         return NativeCpuExecutor(pool, max_tokens_per_expert=self.max_tokens_per_expert, _core=self._core)
-
-    def _torch_path(self):
-        if self._torch is None:
-            from edgemoe.experts.cpu_executor import TorchCpuExecutor
-
-            self._torch = TorchCpuExecutor(self.pool, None)  # keeps torch's thread setting
-        return self._torch
 
     def run(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
         """Accumulate ``Σ weight · expert(x[token])`` into ``out`` (the GIL is released meanwhile).
@@ -449,7 +458,7 @@ class NativeCpuExecutor:
         if fids:
             self._run_native(x, fids, offsets, toks, wts, out)
         if heavy:  # GEMM-sized experts: the torch-ops path (oneDNN) is faster there
-            self._torch_path().run(x, heavy, out)
+            run_experts_torch(self.pool, x, heavy, out)
 
     def _run_native(self, x, fids, offsets, toks, wts, out) -> None:
         if x.dtype not in X_FORMATS:

@@ -1,6 +1,6 @@
 """How many of a decode step's cache misses are filled (host→device) versus run on the CPU.
 
-``qstar`` implements the closed form of FreeToken (arXiv 2608.16157, DESIGN.md §2): with ``m``
+``qstar`` implements the closed form of FreeToken (arXiv 2608.16157): with ``m``
 misses, transferring ``q`` of them costs ``q·s/B_P`` while the CPU, sharing DRAM with the transfer,
 computes the other ``m − q`` at the residual bandwidth ``B_R = B_H − B_P``; equating the two gives
 ``q* = m·B_P/B_H``. When ``B_H ≤ B_P`` (``B_R = 0``) every miss is filled. ``q`` is rounded to the
@@ -29,18 +29,37 @@ class Bandwidths:
 
 
 class ExpertPolicy:
-    """Base: ``num_fills(m) -> q`` for a decode step with ``m`` misses (before capacity clamping).
+    """The policy protocol: ``num_fills(m) -> q`` for a decode step with ``m`` misses (before
+    capacity clamping), and its device encoding :meth:`fill_rule`.
 
-    ``streams_prefill``: whether prefill misses are brought into the cache (whole layers streamed)
-    rather than computed on the CPU. ``admits``: whether the policy ever fills the cache at run time.
+    Capabilities (class attributes, read instead of type tests):
+
+    - ``streams_prefill``: prefill misses are brought into the cache (whole layers streamed)
+      rather than computed on the CPU;
+    - ``admits``: the policy ever fills the cache at run time;
+    - ``places_static``: whole MoE layers are placed in the cache at load and pinned there;
+    - ``online``: the rule may change between steps (:meth:`observe` returns ``True`` then), so the
+      device path must keep its CPU branch even when the current rule fills every miss.
     """
 
     name = "base"
     streams_prefill = True
     admits = True
+    places_static = False
+    online = False
+
+    @property
+    def active_name(self) -> str:
+        """The rule the next step runs (an online policy switches between rules)."""
+        return self.name
 
     def num_fills(self, m: int) -> int:
         raise NotImplementedError
+
+    def observe(self, seconds: float, batch_size: int) -> bool:
+        """Record the wall time (s) of the decode step just run at ``batch_size``; returns whether the
+        rule changed (the caller then pushes :meth:`fill_rule` to the device). Fixed rules ignore it."""
+        return False
 
     def q_ratio(self) -> float:
         """q/m for a large m (reported as q*/m)."""
@@ -117,10 +136,11 @@ class StaticPolicy(CpuAllPolicy):
     ``--n-cpu-moe``); residents are pinned, misses run on the CPU, the cache never changes."""
 
     name = "static"
+    places_static = True
 
 
 class AdaptivePolicy(ExpertPolicy):
-    """q* corrected online by measured decode step times (DESIGN.md §2, "going beyond the paper").
+    """q* corrected online by measured decode step times (beyond the paper's closed form).
 
     The closed form assumes the two branches overlap and share DRAM as profiled; when a machine does
     not behave so (another application takes PCIe or DRAM, or the branches serialize), the measured
@@ -142,6 +162,7 @@ class AdaptivePolicy(ExpertPolicy):
     """
 
     name = "adaptive"
+    online = True
 
     def __init__(self, bw: Bandwidths, probe_steps: int = 8, exploit_steps: int = 512):
         if probe_steps < 1 or exploit_steps < 1:

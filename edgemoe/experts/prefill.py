@@ -37,14 +37,13 @@ Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on dem
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.cpu_executor import swiglu_expert
+from edgemoe.experts.compute import run_sorted_experts
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
 
@@ -69,75 +68,6 @@ def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((f, s, 1))
     return runs
-
-
-@functools.lru_cache(maxsize=1)
-def _grouped_swiglu():
-    try:
-        from edgemoe.kernels.grouped_gemm import grouped_swiglu
-    except ImportError:
-        return None
-    return grouped_swiglu
-
-
-def use_grouped(x: torch.Tensor) -> bool:
-    """Whether :func:`run_sorted_experts` runs the grouped Triton kernel pair for ``x``: a CUDA tensor,
-    and Triton imports."""
-    return x.is_cuda and _grouped_swiglu() is not None
-
-
-def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True) -> None:
-    """Compute every route of one MoE layer whose expert is on the device, routes grouped by expert.
-
-    On CUDA with Triton (:func:`use_grouped`): one grouped kernel pair,
-    :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` (no host synchronization). Elsewhere:
-    :func:`run_experts_loop`. Both round where ``swiglu_expert`` does.
-
-    Args:
-        x: ``[T, H]`` hidden states (any float dtype; cast to the weights' dtype).
-        topk_ids: ``[T, k]`` int64 layer-local expert ids, on ``x``'s device.
-        topk_weights: ``[T, k]`` router weights.
-        expert_slots: ``[E]`` int64 on ``x``'s device: the slot holding expert ``e``, or -1.
-        w13: ``[S, 2I, H]`` and ``w2``: ``[S, H, I]``, the cache's slot banks.
-        routed: ``[T, k, H]`` in the weights' dtype; row ``(t, j)`` is overwritten with
-            ``topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` when that expert has a slot, else
-            with zeros (``zero_missing``) or left as it is.
-    """
-    if use_grouped(x):
-        _grouped_swiglu()(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing=zero_missing)
-    else:
-        run_experts_loop(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing)
-
-
-def run_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
-                     w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True) -> None:
-    """:func:`run_sorted_experts` with torch ops on any device: a stable sort of the routes by expert, then
-    one ``swiglu_expert`` per expert over its block (the per-expert counts and slots are read on the host).
-
-    Each expert sees its tokens in increasing ``(t, j)`` order (reference: ``Qwen3MoeExperts.forward``).
-    """
-    k, E = topk_ids.shape[1], expert_slots.numel()
-    dtype = w13.dtype
-    flat = topk_ids.reshape(-1)  # [P]
-    order = torch.argsort(flat, stable=True)  # [P]
-    counts = torch.bincount(flat, minlength=E).tolist()
-    slots = expert_slots.tolist()
-    xd = x.to(dtype)  # [T, H]
-    tok = order // k  # [P] token of each sorted route
-    wts = topk_weights.reshape(-1).index_select(0, order).to(dtype)  # [P]
-    out = routed.view(-1, routed.shape[-1])  # [P, H], row t·k + j
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = order.narrow(0, start, n)  # [n]
-        if slots[e] >= 0:
-            y = swiglu_expert(xd.index_select(0, tok.narrow(0, start, n)), w13[slots[e]], w2[slots[e]])  # [n, H]
-            out.index_copy_(0, rows, y * wts.narrow(0, start, n)[:, None])
-        elif zero_missing:
-            out.index_fill_(0, rows, 0)
-        start += n
 
 
 @dataclass

@@ -15,5 +15,54 @@ allocates scratch whose size follows the input shapes only).
 - :mod:`.decode_attention`: paged decode attention, split-KV (flash-decoding) with a merge pass.
 - :mod:`.gated_delta`: the gated delta rule of ``qwen3_5_moe``'s linear attention (prefill and decode).
 
-Importing a submodule imports triton; this package imports none of them eagerly.
+Importing a submodule imports triton; this package imports none of them eagerly; :func:`kernel_module` is how
+the rest of edgemoe reaches them.
 """
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _triton_import_error() -> str | None:
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        return f"Triton is not installed ({exc})"
+    return None
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """``None`` when the Triton kernels can run on ``device``, else why not (one line).
+
+    The one test of kernel availability: every caller asks this (or :func:`kernel_module`) instead
+    of importing Triton itself.
+    """
+    if torch.device(device).type != "cuda":
+        return "the Triton kernels need CUDA"
+    return _triton_import_error()
+
+
+@functools.cache
+def _load(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:  # Triton present but a kernel module does not import: say so once
+        log.warning("edgemoe.kernels.%s unavailable (%s): the torch-ops path runs instead", name, exc)
+        return None
+
+
+def kernel_module(name: str, device: torch.device | str) -> ModuleType | None:
+    """The kernel module ``edgemoe.kernels.<name>`` when it can run on ``device``, else ``None``
+    (imported once, lazily, so a CPU-only path never imports Triton)."""
+    if unavailable_reason(device) is not None:
+        return None
+    return _load(name)

@@ -15,6 +15,11 @@ row ``block_tables[b, t // page_size]·page_size + t % page_size``).
   PagedAttention v2 reduce step.
 
 A sequence with ``context_len = 0`` (a padding row of a captured batch) gets zeros.
+
+:func:`paged_latent_decode_attention` is the multi-head latent attention twin (DeepSeek-V3's absorbed
+decode, as SGLang's and vLLM's MLA decode kernels): every query head attends to one shared row per token
+(``[c ‖ k_pe]``, width ``C + R``) and the value is the row's first ``C`` values; launch 1 takes a block of
+query heads against one partition (the row tile read once for the block), launch 2 is the same merge.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ import triton
 import triton.language as tl
 
 DEFAULT_PARTITION = 256  # tokens per partition: 128 partitions × 4 KV heads at 32k context, batch 1
+LATENT_PARTITION = 1024  # latent rows per partition: 32 partitions × 8 head blocks (128 heads) at 32k, batch 1
 BLOCK_N = 64  # tokens per inner block
+LATENT_BLOCK_N = 32  # latent rows per inner block (a [32, 512] tile; SGLang's MLA decode uses 32 too)
+LATENT_BLOCK_H = 16  # query heads per latent program (the smallest tl.dot dimension)
 _LOG2E = 1.4426950408889634
 
 
@@ -200,3 +208,108 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         sm, scratch.l, sa, context_lens, out, sm.stride(0), sm.stride(1), sa.stride(0), sa.stride(1), sa.stride(2),
         out.stride(0), out.stride(1), scratch.max_partitions, D=D, PART=part, BLOCK_PARTS=triton.next_power_of_2(scratch.max_partitions),
         CHUNK=16, num_warps=4)
+
+
+@triton.jit
+def _latent_partition_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, H,
+                             stride_qb, stride_qh, stride_kt, stride_bt, stride_mb, stride_mh, stride_ab, stride_ah,
+                             stride_ap, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+                             PART: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    start = part * PART
+    if start < ctx:
+        head = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        hmask = head < H
+        c = tl.arange(0, C)
+        r = tl.arange(0, R)
+        qrow = q_ptr + b * stride_qb + head[:, None] * stride_qh
+        q_c = tl.load(qrow + c[None, :], mask=hmask[:, None], other=0.0)  # [BH, C] absorbed nope part
+        q_r = tl.load(qrow + C + r[None, :], mask=hmask[:, None], other=0.0)  # [BH, R] rotary part
+        end = tl.minimum(start + PART, ctx)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, C], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)  # [BN] token positions
+            tmask = t < end
+            page = tl.load(bt_ptr + b * stride_bt + t // PAGE, mask=tmask, other=0)
+            row = kv_ptr + (page.to(tl.int64) * PAGE + t % PAGE)[:, None] * stride_kt  # [BN, 1] latent rows
+            kc = tl.load(row + c[None, :], mask=tmask[:, None], other=0.0)  # [BN, C]: key nope part and value
+            kr = tl.load(row + C + r[None, :], mask=tmask[:, None], other=0.0)  # [BN, R]
+            s = tl.dot(q_c, tl.trans(kc), input_precision="ieee")
+            s = (s + tl.dot(q_r, tl.trans(kr), input_precision="ieee")) * qk_scale  # [BH, BN] log2 units
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
+            m_i = m_new
+        mo = b * stride_mb + head * stride_mh + part
+        tl.store(m_ptr + mo, m_i, mask=hmask)
+        tl.store(l_ptr + mo, l_i, mask=hmask)
+        ao = b.to(tl.int64) * stride_ab + head[:, None] * stride_ah + part * stride_ap + c[None, :]
+        tl.store(acc_ptr + ao, acc, mask=hmask[:, None])
+
+
+def paged_latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, block_tables: torch.Tensor,
+                                  context_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                                  scratch: DecodeAttentionScratch, page_size: int) -> None:
+    """``out[b, h] = softmax(scale · q[b, h] · rowsᵀ) · rows[:, :C]`` over the first ``context_lens[b]``
+    latent rows of sequence ``b`` (multi-head latent attention decode in the absorbed form).
+
+    Args:
+        q: ``[B, H, C + R]`` absorbed queries ``[q_lat ‖ q_pe]`` (bf16/fp16/fp32; last dim contiguous);
+            ``C`` and ``R`` powers of two >= 16 (512 and 64 for DeepSeek-V3 and Kimi-K2).
+        latent: ``[num_pages·page_size, C + R]`` one layer of the paged latent pool (rows contiguous),
+            ``q``'s dtype.
+        block_tables: ``[B, max_pages]`` int32 page table per sequence (unused entries are never read).
+        context_lens: ``[B]`` int32 rows to attend (the new token's included); 0 gives zeros.
+        scale: softmax scale.
+        out: ``[B, H, C]`` result (last dim contiguous), any float dtype.
+        scratch: from :func:`make_decode_scratch` with ``max_batch >= B``, ``H`` heads and ``head_dim = C``
+            (partitions of :data:`LATENT_PARTITION` rows); rows beyond ``max_partitions·partition_size``
+            are not attended.
+        page_size: tokens per KV page (a power of two).
+
+    Raises:
+        ValueError: shape, dtype, layout or scratch mismatch.
+
+    Numerics as :func:`paged_decode_attention`: float32 scores and softmax, probabilities rounded to the
+    pool's dtype before the ``P·V`` product.
+    """
+    B, H, W = q.shape
+    C = out.shape[2] if out.dim() == 3 else -1
+    R = W - C
+    if latent.dim() != 2 or latent.shape[1] != W or latent.dtype != q.dtype or latent.stride(1) != 1:
+        raise ValueError(f"latent must be a [rows, {W}] {q.dtype} tensor with contiguous rows, got "
+                         f"{latent.dtype} {tuple(latent.shape)}")
+    for name, d in (("C", C), ("R", R)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"latent widths C={C} (value) and R={R} (rotary) must be powers of two >= 16 ({name})")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size ({page_size}) must be a power of two")
+    if q.stride(2) != 1 or out.stride(2) != 1 or tuple(out.shape) != (B, H, C):
+        raise ValueError(f"q [B, H, C + R] and out [{B}, {H}, C] need a contiguous last dimension, got "
+                         f"{tuple(q.shape)} / {tuple(out.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < B \
+            or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be an int32 [>= {B}, max_pages] tensor with contiguous rows")
+    if context_lens.dtype != torch.int32 or context_lens.numel() < B:
+        raise ValueError(f"context_lens must be an int32 tensor of at least {B} entries")
+    sm, sa = scratch.m, scratch.acc
+    if sm.shape[0] < B or sm.shape[1] != H or sa.shape[3] != C:
+        raise ValueError(f"scratch {tuple(sa.shape)} does not fit B={B}, H={H}, C={C}")
+    part = scratch.partition_size
+    _latent_partition_kernel[(B, triton.cdiv(H, LATENT_BLOCK_H), scratch.max_partitions)](
+        q, latent, block_tables, context_lens, sm, scratch.l, sa, float(scale) * _LOG2E, H,
+        q.stride(0), q.stride(1), latent.stride(0), block_tables.stride(0), sm.stride(0), sm.stride(1), sa.stride(0),
+        sa.stride(1), sa.stride(2), C=C, R=R, BLOCK_H=LATENT_BLOCK_H, PAGE=page_size, PART=part,
+        BLOCK_N=min(LATENT_BLOCK_N, part), num_warps=4, num_stages=2)
+    _merge_kernel[(B, H)](
+        sm, scratch.l, sa, context_lens, out, sm.stride(0), sm.stride(1), sa.stride(0), sa.stride(1), sa.stride(2),
+        out.stride(0), out.stride(1), scratch.max_partitions, D=C, PART=part,
+        BLOCK_PARTS=triton.next_power_of_2(scratch.max_partitions), CHUNK=16, num_warps=4)

@@ -1,8 +1,11 @@
 """Paged KV cache pool (vLLM's PagedAttention layout, simplified), with an optional prefix cache.
 
-Keys and values of every full-attention layer live in two tensors of fixed-size pages; a sequence
-has a list of pages (its *page table*). Token ``t`` of a sequence is stored at flat slot
-``page_table[t // page_size] * page_size + t % page_size``.
+What a token stores per attention layer is the model's :class:`KVSpec`: a key and a value of
+``num_kv_heads x head_dim`` each (grouped-query attention), or one latent row of ``latent_dim``
+values (multi-head latent attention, which caches the compressed ``c_kv`` and the rotary key instead of
+per-head keys and values). Rows live in fixed-size pages; a sequence has a list of pages (its *page
+table*). Token ``t`` of a sequence is stored at flat slot ``page_table[t // page_size] * page_size + t
+% page_size``, whatever the row holds.
 
 With prefix caching (:class:`~edgemoe.kvcache.radix.RadixCache`), a page table starts with pages the
 sequence *borrows* from the radix tree (a cached prefix, locked while the sequence lives) followed by
@@ -13,10 +16,76 @@ nobody references count as free and are evicted (LRU) when an allocation runs ou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from edgemoe.kvcache.radix import PrefixMatch, RadixCache, RadixNode
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Per-token KV geometry of a model's attention layers (``MoECausalLM.kv_spec``).
+
+    Exactly one form: ``num_kv_heads`` and ``head_dim`` (a key and a value of ``[num_kv_heads,
+    head_dim]`` per token and layer), or ``latent_dim`` (one row of that many values per token and
+    layer, attended by every query head; its first ``value_dim`` values are also the value, as in
+    multi-head latent attention's absorbed form). Build with :meth:`heads` or :meth:`latent`.
+
+    Raises:
+        ValueError: neither or both forms, or a non-positive size.
+    """
+
+    num_layers: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+    value_dim: int = 0
+
+    def __post_init__(self):
+        heads = self.num_kv_heads > 0 and self.head_dim > 0
+        latent = 0 < self.value_dim <= self.latent_dim
+        if self.num_layers < 0 or heads == (self.latent_dim > 0) or (self.latent_dim > 0 and not latent) \
+                or min(self.num_kv_heads, self.head_dim, self.latent_dim, self.value_dim) < 0:
+            raise ValueError(f"KV spec needs num_kv_heads and head_dim, or latent_dim and value_dim <= latent_dim, "
+                             f"all positive: {self}")
+
+    @classmethod
+    def heads(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVSpec:
+        """Grouped-query K/V: ``num_kv_heads`` heads of ``head_dim`` for keys and for values."""
+        return cls(num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    @classmethod
+    def latent(cls, num_layers: int, latent_dim: int, value_dim: int) -> KVSpec:
+        """One latent row of ``latent_dim`` values per token and layer, the first ``value_dim`` of which are
+        the value (multi-head latent attention: ``kv_lora_rank + qk_rope_head_dim`` and ``kv_lora_rank``)."""
+        return cls(num_layers, latent_dim=latent_dim, value_dim=value_dim)
+
+    @property
+    def is_latent(self) -> bool:
+        return self.latent_dim > 0
+
+    @property
+    def planes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shape of each stored tensor: ``((Hkv, D), (Hkv, D))`` (keys, values) or ``((W,),)``."""
+        if self.is_latent:
+            return ((self.latent_dim,),)
+        return ((self.num_kv_heads, self.head_dim),) * 2
+
+    def describe(self) -> str:
+        """One line for the start-up summary, e.g. ``61 layers x one latent row of 576``."""
+        if self.is_latent:
+            return f"{self.num_layers} layers x one latent row of {self.latent_dim}"
+        return f"{self.num_layers} layers x K/V of {self.num_kv_heads} x {self.head_dim}"
+
+    def elements_per_token(self) -> int:
+        """Values one token stores across all layers."""
+        per_layer = self.latent_dim if self.is_latent else 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV bytes one token takes across all layers, stored in ``dtype``."""
+        return self.elements_per_token() * torch.empty((), dtype=dtype).element_size()
 
 
 class KVCacheFullError(RuntimeError):
@@ -24,29 +93,33 @@ class KVCacheFullError(RuntimeError):
 
 
 class PagedKVPool:
-    """A pool of KV pages for ``num_layers`` attention layers.
+    """A pool of KV pages for the attention layers of ``spec``.
 
     Args:
-        num_layers: attention layers that store KV.
+        spec: per-token KV geometry (:class:`KVSpec`).
         num_pages: pages in the pool; capacity is ``num_pages * page_size`` tokens.
         page_size: tokens per page.
-        num_kv_heads, head_dim: per-token KV geometry.
         dtype, device: storage dtype and device of the KV tensors.
         prefix_caching: keep full pages of sequences in a radix tree (``self.prefix_cache``) for reuse.
 
-    Storage: ``k[layer]``/``v[layer]`` are ``[num_pages * page_size, num_kv_heads, head_dim]``.
-    Bytes: ``2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * dtype_size``.
+    Storage (``S = num_pages * page_size`` slots): grouped-query K/V in ``k[layer]`` / ``v[layer]``, each
+    ``[S, num_kv_heads, head_dim]`` (``latent`` is ``None``); latent rows in ``latent[layer]``, ``[S,
+    latent_dim]`` (``k`` and ``v`` are ``None``). ``planes`` lists the stored tensors either way.
+    Bytes: ``num_pages * page_size * spec.bytes_per_token(dtype)``.
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, prefix_caching: bool = False):
+    def __init__(self, spec: KVSpec, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 prefix_caching: bool = False):
         if num_pages < 1 or page_size < 1:
             raise ValueError("KV pool needs at least one page of at least one token")
+        self.spec = spec
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        slots = num_pages * page_size
+        planes = tuple(torch.zeros((spec.num_layers, slots, *row), dtype=dtype, device=device) for row in spec.planes)
+        self.planes: tuple[torch.Tensor, ...] = planes
+        self.k, self.v = (None, None) if spec.is_latent else planes
+        self.latent = planes[0] if spec.is_latent else None
         self.device = torch.device(device)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
@@ -54,10 +127,15 @@ class PagedKVPool:
         self._borrowed: dict[int, int] = {}  # seq_id -> leading pages of its table owned by the tree
         self._prefix_node: dict[int, RadixNode] = {}  # seq_id -> the radix node it locks
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """KV bytes one token takes across all layers (keys + values)."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes across all layers."""
+        return self.spec.bytes_per_token(self.planes[0].dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all KV storage."""
+        return sum(p.nbytes for p in self.planes)
 
     @property
     def capacity_tokens(self) -> int:

@@ -12,7 +12,7 @@ A checkpoint at position ``p`` holds, for every linear-attention layer, the conv
 ``kernel - 1`` conv inputs before ``p``) and the delta-rule memory after token ``p - 1``; it is keyed by
 the exact token ids ``[0, p)`` it summarizes (compared in full, never by hash alone). The full-attention
 layers need their KV of ``[0, p)`` too: the radix tree (:mod:`edgemoe.kvcache.radix`) shares whole
-pages only, so a checkpoint also stores the K/V rows of the partly filled last page,
+pages only, so a checkpoint also stores the KV rows (K/V or latent rows) of the partly filled last page,
 ``[p // page_size * page_size, p)``, of every attention layer, written into a fresh page on restore.
 A restore therefore needs the tree to hold the whole pages ``[0, p // page_size * page_size)``.
 
@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from edgemoe.kvcache.pool import KVSpec
 from edgemoe.kvcache.state import RecurrentStatePool, StateSnapshot, StateSpec
 
 __all__ = ["ANCHOR_TOKENS", "CheckpointMatch", "StateCheckpointStore", "anchor_token_ids", "checkpoint_positions"]
@@ -95,12 +96,13 @@ class StateCheckpointStore:
         spec: the model's recurrent-state geometry (as the :class:`RecurrentStatePool`'s).
         num_slots: checkpoints kept (``--state-checkpoints``), ``>= 1``.
         conv_dtype: dtype of the conv windows (the model's activation dtype); memories are float32.
-        num_attn_layers, page_size, num_kv_heads, head_dim, kv_dtype: geometry of the paged KV pool
-            whose partial last page a checkpoint carries.
+        kv_spec, page_size, kv_dtype: geometry of the paged KV pool whose partial last page a checkpoint
+            carries.
         device: where the checkpoints live.
 
     Storage: ``conv [L, N, conv_dim, conv_width]``, ``recurrent [L, N, Hv, Dk, Dv]`` float32 (the state
-    pool's layout), ``k``/``v [N, A, page_size - 1, Hkv, D]``. Bytes: ``nbytes``; for Qwen3.6-35B-A3B
+    pool's layout), ``kv_rows``: per KV-pool plane ``[N, A, page_size - 1, *row]`` (keys and values ``[Hkv,
+    D]``, or latent rows ``[W]``). Bytes: ``nbytes``; for Qwen3.6-35B-A3B
     (30 DeltaNet layers, bf16) about 64 MB per slot, nearly all of it the delta-rule memories.
 
     Counters: ``saved`` (checkpoints completed), ``evicted`` (ready checkpoints overwritten).
@@ -109,8 +111,8 @@ class StateCheckpointStore:
         ValueError: ``num_slots < 1``.
     """
 
-    def __init__(self, spec: StateSpec, num_slots: int, conv_dtype: torch.dtype, num_attn_layers: int,
-                 page_size: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: StateSpec, num_slots: int, conv_dtype: torch.dtype, kv_spec: KVSpec, page_size: int,
+                 kv_dtype: torch.dtype, device: torch.device):
         if num_slots < 1:
             raise ValueError("a state checkpoint store needs at least one slot")
         self.spec = spec
@@ -121,9 +123,8 @@ class StateCheckpointStore:
         self.conv = torch.zeros((L, num_slots, spec.conv_dim, spec.conv_width), dtype=conv_dtype, device=device)
         self.recurrent = torch.zeros((L, num_slots, spec.num_heads, spec.k_head_dim, spec.v_head_dim),
                                      dtype=torch.float32, device=device)
-        rows = (num_slots, num_attn_layers, page_size - 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(rows, dtype=kv_dtype, device=device)
-        self.v = torch.zeros(rows, dtype=kv_dtype, device=device)
+        self.kv_rows = tuple(torch.zeros((num_slots, kv_spec.num_layers, page_size - 1, *row), dtype=kv_dtype,
+                                         device=device) for row in kv_spec.planes)
         self._entries: list[_Entry | None] = [None] * num_slots
         self._clock = 0
         self.saved = 0
@@ -131,8 +132,8 @@ class StateCheckpointStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all checkpoint slots (states and partial-page K/V rows)."""
-        return self.conv.nbytes + self.recurrent.nbytes + self.k.nbytes + self.v.nbytes
+        """Bytes of all checkpoint slots (states and partial-page KV rows)."""
+        return self.conv.nbytes + self.recurrent.nbytes + sum(r.nbytes for r in self.kv_rows)
 
     @property
     def slots_used(self) -> int:
@@ -190,16 +191,16 @@ class StateCheckpointStore:
         self.conv[:, slot].copy_(pool.conv[:, pool_slot])
         self.recurrent[:, slot].copy_(pool.recurrent[:, pool_slot])
 
-    def save_kv(self, slot: int, k: torch.Tensor, v: torch.Tensor, kv_slots: torch.Tensor) -> None:
-        """Keep the K/V rows of the checkpoint's partial last page.
+    def save_kv(self, slot: int, planes: Sequence[torch.Tensor], kv_slots: torch.Tensor) -> None:
+        """Keep the KV rows of the checkpoint's partial last page.
 
         Args:
-            k, v: the KV pool's ``[A, num_pages * page_size, Hkv, D]`` tensors.
+            planes: the KV pool's ``planes`` (each ``[A, num_pages * page_size, *row]``).
             kv_slots: ``[r]`` flat KV slots of positions ``[p // page_size * page_size, p)``, ``r < page_size``.
         """
         r = kv_slots.shape[0]
-        self.k[slot, :, :r] = k[:, kv_slots]  # [A, r, Hkv, D]
-        self.v[slot, :, :r] = v[:, kv_slots]
+        for rows, plane in zip(self.kv_rows, planes, strict=True):
+            rows[slot, :, :r] = plane[:, kv_slots]  # [A, r, *row]
 
     def commit(self, slot: int) -> None:
         """The pending ``slot`` is complete: it can be found and restored."""
@@ -242,9 +243,9 @@ class StateCheckpointStore:
         """Views of ``slot``'s state for :meth:`RecurrentStatePool.restore` (which copies them)."""
         return StateSnapshot(self.conv[:, slot], self.recurrent[:, slot])
 
-    def load_kv(self, slot: int, k: torch.Tensor, v: torch.Tensor, kv_slots: torch.Tensor) -> None:
-        """Write ``slot``'s partial-page K/V rows into the KV pool at ``kv_slots`` (``[r]``, the restored
-        sequence's positions ``[p // page_size * page_size, p)``); the inverse of :meth:`save_kv`."""
+    def load_kv(self, slot: int, planes: Sequence[torch.Tensor], kv_slots: torch.Tensor) -> None:
+        """Write ``slot``'s partial-page KV rows into the KV pool's ``planes`` at ``kv_slots`` (``[r]``, the
+        restored sequence's positions ``[p // page_size * page_size, p)``); the inverse of :meth:`save_kv`."""
         r = kv_slots.shape[0]
-        k[:, kv_slots] = self.k[slot, :, :r]
-        v[:, kv_slots] = self.v[slot, :, :r]
+        for rows, plane in zip(self.kv_rows, planes, strict=True):
+            plane[:, kv_slots] = rows[slot, :, :r]

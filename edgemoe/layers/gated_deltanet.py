@@ -21,9 +21,6 @@ importable (:func:`gated_delta_rule`); elsewhere as the torch functions here.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +28,11 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch, Phase
+from edgemoe.kernels import kernel_module
 from edgemoe.kvcache.state import RecurrentStatePool
 from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
 from edgemoe.layers.norm import GatedRMSNorm
 
-log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64
 
@@ -141,25 +138,9 @@ def recurrent_gated_delta_rule_torch(query: torch.Tensor, key: torch.Tensor, val
     return out.transpose(1, 2).to(value.dtype).contiguous(), (S if output_final_state else None)
 
 
-@functools.cache
-def _gpu_kernels():
-    """``edgemoe.kernels.gated_delta`` (Triton), or ``None`` when it cannot be imported (imported once,
-    lazily: importing Triton on a CPU-only path is never needed)."""
-    try:
-        return importlib.import_module("edgemoe.kernels.gated_delta")
-    except ImportError as e:
-        log.warning("edgemoe.kernels.gated_delta unavailable (%s): the gated delta rule runs as torch ops", e)
-        return None
-
-
 # On the H200 the Triton kernels gave wrong results at Dk = Dv = 16 (tests/gpu/test_gated_delta_gpu.py,
 # 2026-11-30) while 24x40, 16x48, 32, 64 and 128 matched; below this the torch path runs.
 MIN_KERNEL_HEAD_DIM = 16
-
-
-def _kernels_for(q: torch.Tensor):
-    """The Triton kernels' module for ``q``'s device (CUDA, when it imports), else ``None`` (torch ops)."""
-    return _gpu_kernels() if q.is_cuda else None
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -179,7 +160,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         MAX_HEAD_DIM`` (256, the kernels' limit) and both head dims exceed ``MIN_KERNEL_HEAD_DIM``, else the
         torch functions of this module.
     """
-    kernels = _kernels_for(q)
+    kernels = kernel_module("gated_delta", q.device)
     dims = (k.shape[-1], v.shape[-1])
     if kernels is not None and min(dims) > MIN_KERNEL_HEAD_DIM and max(dims) <= kernels.MAX_HEAD_DIM:
         fn = kernels.fused_recurrent_gated_delta_rule if decode else kernels.chunk_gated_delta_rule
@@ -204,14 +185,15 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, state_index: int):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        la = cfg.linear_attention
+        self.num_k_heads, self.num_v_heads = la.num_key_heads, la.num_value_heads
+        self.head_k_dim, self.head_v_dim = la.key_head_dim, la.value_head_dim
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
                              f"linear_num_key_heads {self.num_k_heads}")
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.kernel = cfg.linear_conv_kernel
+        self.kernel = la.conv_kernel
         H = cfg.hidden_size
         self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)

@@ -1,7 +1,11 @@
-"""The sparse MoE block: top-k softmax router, then routed experts through the hybrid executor.
+"""The sparse MoE block: a router, then routed experts through the hybrid executor.
 
-Router math follows ``Qwen3MoeTopKRouter``: ``softmax(x·Wᵀ)`` in float32, top-k, optional
-renormalization of the k weights (``norm_topk_prob``), cast back to the hidden dtype.
+The default router follows ``Qwen3MoeTopKRouter``: ``softmax(x·Wᵀ)`` in float32, top-k, optional
+renormalization of the k weights (``norm_topk_prob``), cast back to the hidden dtype. A config with
+``group_routing`` gets :class:`~edgemoe.layers.router.GroupLimitedSigmoidRouter` instead (sigmoid,
+bias-corrected, group-limited; DeepSeek-V3 and GLM-4.5). Shared experts come in two forms: one gated
+shared expert (:class:`SharedExpertMoeBlock`, Qwen3.5) and ungated ``shared_experts``
+(:class:`SharedExpertsMoeBlock`, DeepSeekMoE style: DeepSeek-V3, GLM-4.5).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.layers.mlp import DenseMLP
+from edgemoe.layers.router import GroupLimitedSigmoidRouter
 
 
 class TopKRouter(nn.Module):
@@ -37,11 +42,13 @@ class SparseMoeBlock(nn.Module):
 
     The experts' weights are not parameters of this module: they live in the host pool and the
     device expert cache, reached through ``self.experts`` (a ``HybridExperts`` bound by the runner).
+    The router (``gate``) is chosen by the config (see the module docstring); its ids and weights are
+    what every expert path computes with.
     """
 
     def __init__(self, cfg: ModelConfig, moe_layer: int):
         super().__init__()
-        self.gate = TopKRouter(cfg)
+        self.gate = TopKRouter(cfg) if cfg.group_routing is None else GroupLimitedSigmoidRouter(cfg)
         self.moe_layer = moe_layer
         self.experts = None  # HybridExperts, bound by the model runner
 
@@ -73,3 +80,23 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         routed = super().forward(x, batch)  # [T, H]
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class SharedExpertsMoeBlock(SparseMoeBlock):
+    """Routed experts plus ungated shared experts (DeepSeekMoE, Dai et al. 2024, arXiv 2401.06066;
+    ``Glm4MoeMoE`` and ``DeepseekV3MoE`` in ``transformers``).
+
+    ``forward(x [T, H], batch) -> [T, H]`` = routed output (as :class:`SparseMoeBlock`) +
+    ``shared_experts(x)``, a dense SwiGLU MLP of ``cfg.shared_expert_intermediate_size``
+    (``n_shared_experts * moe_intermediate_size``: the shared experts fused into one MLP, as the
+    checkpoints store them). It is an ordinary parameter on the compute device; only routed experts go
+    through the host pool and expert cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe_layer: int):
+        super().__init__(cfg, moe_layer)
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        routed = super().forward(x, batch)  # [T, H]
+        return routed + self.shared_experts(x)

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-
-@functools.lru_cache(maxsize=1)
-def _norm_rope():
-    try:
-        from edgemoe.kernels import norm_rope
-    except ImportError:
-        return None
-    return norm_rope
+from edgemoe.kernels import kernel_module
 
 
 def fused_kernels(x: torch.Tensor):
-    """``edgemoe.kernels.norm_rope`` for CUDA tensors in a 16-bit dtype when Triton imports, else ``None``.
+    """``edgemoe.kernels.norm_rope`` for CUDA tensors in a 16-bit dtype when the kernels run, else ``None``.
 
     float32 keeps the torch ops: it is the reference precision (parity tests compare greedy tokens
     with ``transformers``), and the fused kernels' reduction order and FMA contraction differ from
@@ -26,7 +17,7 @@ def fused_kernels(x: torch.Tensor):
     """
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return None
-    return _norm_rope()
+    return kernel_module("norm_rope", x.device)
 
 
 class RMSNorm(nn.Module):

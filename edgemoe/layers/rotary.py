@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE, Su et al. 2021) with the rope types Qwen3 checkpoints use.
+"""Rotary position embedding (RoPE, Su et al. 2021) with the rope types Qwen3 and DeepSeek-V3 checkpoints
+use, rotating halves or (DeepSeek-V3) interleaved pairs.
 
 Inverse frequencies and the attention scaling factor come from ``transformers``'
 ``ROPE_INIT_FUNCTIONS`` (default, linear, dynamic, yarn, llama3, longrope), so scaled variants match
@@ -35,10 +36,16 @@ class RotaryEmbedding(nn.Module):
     ``partial_rotary_factor`` below 1 only the first ``R = 2 * len(inv_freq)`` dims of each head
     rotate and the rest pass through (``Qwen3_5MoeTextRotaryEmbedding``; for text the three mRoPE
     position streams are equal, so mRoPE reduces to this).
+
+    ``interleaved``: the rotary dims are pairs ``(x0, x1), (x2, x3), ...``, each rotated by one frequency,
+    and the result is laid out de-interleaved (``[even', odd']``), as transformers'
+    ``apply_rotary_pos_emb_interleave`` does for DeepSeek-V3; queries and keys are permuted alike, so
+    their dot products are those of the interleaved rotation.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, interleaved: bool = False):
         super().__init__()
+        self.interleaved = interleaved
         inv_freq, scale = _inv_freq(cfg)
         # a plain attribute, computed on the CPU: survives meta-device construction and ``to_empty``
         self._inv_freq = {torch.device("cpu"): inv_freq.float().cpu()}
@@ -54,6 +61,11 @@ class RotaryEmbedding(nn.Module):
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
+
+    @staticmethod
+    def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # [T, H, R/2] each
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[T, R]`` in ``dtype``: computed in float32, scaled, then cast."""
@@ -71,6 +83,10 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.tables(positions, q.dtype)  # [T, R]
             if step_cache is not None:
                 step_cache[key] = (cos, sin)
+        if self.interleaved:
+            half = cos.shape[-1] // 2  # cos/sin are cat(freqs, freqs): the first half holds each pair's angle
+            cos, sin = cos[:, None, :half], sin[:, None, :half]  # [T, 1, R/2]
+            return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
         if (fused := fused_kernels(q)) is not None:  # one launch per tensor, same rounding points
             return fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]

@@ -4,33 +4,32 @@ Decoder layers: ``x += attn(input_layernorm(x)); x += mlp(post_attention_layerno
 is a routed-expert block (``SparseMoeBlock``) on MoE layers and a dense SwiGLU MLP on
 ``mlp_only_layers`` / off-``decoder_sparse_step`` layers. Reference: ``transformers``'
 ``modeling_qwen3_moe.py``. Parameter names equal the checkpoint's, except routed experts, which go to
-the host expert pool (``expert_target``).
+the host expert pool.
 """
 
 from __future__ import annotations
 
-import re
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from edgemoe.config import ModelConfig
+from edgemoe.config import ModelConfig, hf_dtype, require, rope_from_hf, token_ids
 from edgemoe.core import ForwardBatch
 from edgemoe.layers.attention import Qwen3Attention
 from edgemoe.layers.mlp import DenseMLP
 from edgemoe.layers.moe import SparseMoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
-
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+from edgemoe.models.base import MoECausalLM
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, layer, rotary)
-        if layer in cfg.moe_layers:
+        self.is_moe = layer in cfg.moe_layers
+        if self.is_moe:
             self.mlp = SparseMoeBlock(cfg, cfg.moe_ordinal(layer))
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -40,10 +39,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, batch) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h))
+        return x + (self.mlp(h, batch) if self.is_moe else self.mlp(h))
 
 
-class Qwen3MoeBackbone(nn.Module):
+class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -51,60 +50,139 @@ class Qwen3MoeBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    """Qwen3-MoE causal LM over a :class:`ForwardBatch`.
+class Qwen3MoeForCausalLM(MoECausalLM):
+    """Qwen3-MoE causal LM (every layer full attention; see :class:`~edgemoe.models.base.MoECausalLM`)."""
 
-    ``forward(batch) -> logits [B, vocab] float32`` for each sequence's last new token.
-    Build on the meta device, then let the weight loader materialize parameters.
-    """
-
-    supports_cuda_graphs = True  # the decode step has fixed shapes on the device path
-    skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors a text-only server skips: none
+    architectures = ("Qwen3MoeForCausalLM",)
+    model_types = ("qwen3_moe",)
+    hf_classes = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
+    fixed_vocab_presets = frozenset({"qwen3-30b-a3b"})
+    # The tiny presets draw weights with std 0.2 (``initializer_range``): with HF's default 0.02 the
+    # router softmax is nearly flat (entropy 0.996 of log E) and greedy decoding falls into 2-token
+    # loops; 0.2 gives trained-like routing (top-k mass ~0.77) and varied greedy continuations.
+    presets: ClassVar[dict[str, dict]] = {
+        # 0.85 M params (1.7 MB in bf16); builds and saves in well under a second.
+        "tiny": {
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,  # deliberately != hidden_size / num_attention_heads
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 64,
+            "intermediate_size": 128,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],  # one dense-MLP layer so that path is exercised
+            "norm_topk_prob": True,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.2,
+        },
+        # 25.6 M params (51 MB in bf16).
+        "small": {
+            "vocab_size": 1024,
+            "hidden_size": 256,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,  # != 256 / 8
+            "num_experts": 32,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 128,
+            "intermediate_size": 512,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+            "max_position_embeddings": 8192,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.1,  # 0.2 * sqrt(64 / 256): same router sharpness as tiny
+        },
+        # Qwen/Qwen3-30B-A3B config.json geometry (30.5 B params, ~61 GB in bf16).
+        "qwen3-30b-a3b": {
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "intermediate_size": 6144,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "max_position_embeddings": 40960,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "bos_token_id": None,
+            "eos_token_id": [151645, 151643],  # <|im_end|>, <|endoftext|> of the Qwen3 tokenizer
+            "pad_token_id": 151643,
+        },
+    }
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         with torch.device("cpu"):
             rotary = RotaryEmbedding(cfg)
-        self.model = Qwen3MoeBackbone(cfg, rotary)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Qwen3MoeModel(cfg, rotary)
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        """Normalize a ``qwen3_moe`` config; accepts transformers-4 (``num_experts``, ``rope_theta`` /
+        ``rope_scaling``) and transformers-5 (``num_local_experts``, ``rope_parameters``) spellings.
+        MoE layers follow the reference: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``.
+
+        Raises:
+            ValueError: a missing required field (the message names ``where``).
+        """
+        def need(key: str, *alts: str):
+            return require(raw, key, *alts, where=where)
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
+        num_experts = int(need("num_experts", "num_local_experts"))
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(raw.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(num_layers)
+                           if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+        archs = raw.get("architectures") or cls.architectures
+        return ModelConfig(
+            architecture=archs[0],
+            model_type=raw.get("model_type") or cls.model_types[0],
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw.get("intermediate_size") or 0),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_experts=num_experts,
+            top_k=int(need("num_experts_per_tok")),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_parameters=rope_from_hf(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            torch_dtype=hf_dtype(raw),
+            eos_token_ids=token_ids(raw.get("eos_token_id")),
+            bos_token_id=raw.get("bos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+            raw=dict(raw),
+        )
 
     def attention_layers(self) -> list[Qwen3Attention]:
         return [layer.self_attn for layer in self.model.layers]
-
-    def state_spec(self) -> None:
-        """No recurrent state: every layer is full attention."""
-        return None
-
-    def moe_blocks(self) -> list[SparseMoeBlock]:
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-
-    def expert_target(self, name: str) -> tuple[int, int | None, str] | None:
-        """Map a checkpoint tensor name to ``(moe_layer, expert or None, role)`` if it is a routed expert.
-
-        ``role`` is ``gate_proj | up_proj | down_proj`` (per-expert layout of released checkpoints,
-        expert given) or ``gate_up_proj | down_proj`` (transformers-5 fused layout ``[E, ...]``,
-        expert ``None``). Returns ``None`` for non-expert tensors.
-
-        Raises:
-            ValueError: an expert tensor of a layer that is not a MoE layer.
-        """
-        m = _EXPERT.match(name)
-        if m:
-            layer, expert, role = int(m.group(1)), int(m.group(2)), m.group(3)
-        else:
-            m = _FUSED.match(name)
-            if not m:
-                return None
-            layer, expert, role = int(m.group(1)), None, m.group(2)
-        if layer not in self.config.moe_layers:
-            raise ValueError(f"tensor {name}: layer {layer} is not a MoE layer in this config")
-        return self.config.moe_ordinal(layer), expert, role
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        x = self.model.norm(x.index_select(0, batch.logits_index))  # [B, H]
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, w).float()  # [B, V]

@@ -10,7 +10,7 @@ from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.experts.policy import Bandwidths
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -38,7 +38,7 @@ def test_pool_is_pinned_and_fill_all_is_bit_identical_to_resident(small):
 def test_qstar_on_cuda_matches_resident_tokens(small):
     runner = ModelRunner(small, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
     resident, rt = greedy_decode(runner, PROMPT, 12, free=True)
-    runner.bandwidths = Bandwidths(10.0, 25.0, "test")
+    runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
     runner.set_expert_cache(20, "qstar")
     hybrid, ht = greedy_decode(runner, PROMPT, 12, free=True)
     st = runner.experts.stats()["decode"]

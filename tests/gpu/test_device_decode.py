@@ -12,7 +12,7 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.policy import Bandwidths
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -49,14 +49,14 @@ def _runner(path, **kw) -> ModelRunner:
 
 def test_graph_replay_is_bit_identical_to_eager_device_path(small):
     graphs = _runner(small, expert_policy="fill-all", expert_cache_slots=24)
-    assert graphs.decode_path == "device + CUDA graphs", graphs.decode_path_reason
+    assert graphs.experts.decode_path == "device + CUDA graphs", graphs.experts.decode_path_reason
     eager = _runner(small, expert_policy="fill-all", expert_cache_slots=24, enforce_eager=True)
-    assert eager.decode_path == "device"
+    assert eager.experts.decode_path == "device"
     a, ta = _decode(graphs, PROMPTS[:1])
     b, tb = _decode(eager, PROMPTS[:1])
-    assert 1 in graphs.graphs
+    assert 1 in graphs.graphs.graphs
     assert ta == tb and torch.equal(a, b)
-    graphs.cache.check_invariants()
+    graphs.experts.cache.check_invariants()
 
 
 def test_offloaded_fill_all_is_bit_identical_to_resident_on_device_path(small):
@@ -68,22 +68,22 @@ def test_offloaded_fill_all_is_bit_identical_to_resident_on_device_path(small):
     assert ot == rt and torch.equal(offloaded, resident)
     st = runner.experts.stats()["decode"]
     assert st["fills"] > 0 and st["misses"] == st["fills"] + st["cpu"]
-    runner.cache.check_invariants()
+    runner.experts.cache.check_invariants()
 
 
 def test_qstar_cpu_branch_in_graph_matches_resident_tokens(small):
     runner = _runner(small, dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6)
     resident, rt = _decode(runner, PROMPTS[:1], steps=12)
-    runner.bandwidths = Bandwidths(10.0, 25.0, "test")
+    runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
     runner.set_expert_cache(20, "qstar")
     dd = runner.experts.device_decode
-    assert dd.cpu_branch and dd.capturable and runner.decode_path == "device + CUDA graphs"
+    assert dd.cpu_branch and dd.capturable and runner.experts.decode_path == "device + CUDA graphs"
     hybrid, ht = _decode(runner, PROMPTS[:1], steps=12)
     st = runner.experts.stats()["decode"]
     assert st["fills"] > 0 and st["cpu"] > 0 and st["misses"] == st["fills"] + st["cpu"]
     assert ht == rt
     torch.testing.assert_close(hybrid, resident, rtol=1e-4, atol=1e-4)
-    runner.cache.check_invariants()
+    runner.experts.cache.check_invariants()
 
 
 @pytest.mark.parametrize("policy", ["cpu-all", "static"])
@@ -100,12 +100,12 @@ def test_padded_batch_matches_single_sequences(small):
     runner = _runner(small, dtype="float32", expert_policy="qstar", expert_cache_slots=48,
                      bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0)
     together, tt = _decode(runner, PROMPTS, steps=6)  # 3 sequences: the batch-4 graph with one padding row
-    assert 4 in runner.graphs
+    assert 4 in runner.graphs.graphs
     for i, p in enumerate(PROMPTS):
         alone, ta = _decode(runner, [p], steps=6)
         assert ta[0] == tt[i]
         torch.testing.assert_close(alone[:, 0], together[:, i], rtol=1e-4, atol=1e-4)
-    runner.cache.check_invariants()
+    runner.experts.cache.check_invariants()
 
 
 def test_long_context_decode_attention_matches_eager_path(small):
@@ -114,7 +114,7 @@ def test_long_context_decode_attention_matches_eager_path(small):
     dev = _runner(small, dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6, max_model_len=4096)
     a, ta = _decode(dev, [prompt], steps=4)
     ref = _runner(small, dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6, max_model_len=4096)
-    ref.experts.device_decode = None  # the eager per-sequence path (SDPA over gathered pages)
+    ref.experts.hybrid.device_decode, ref.graphs = None, None  # the eager per-sequence path (SDPA over gathered pages)
     b, tb = _decode(ref, [prompt], steps=4)
     assert ta == tb
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

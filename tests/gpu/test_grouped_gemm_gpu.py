@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 triton = pytest.importorskip("triton")
 
-from edgemoe.experts.prefill import run_experts_loop  # noqa: E402
+from edgemoe.experts.compute import run_experts_loop  # noqa: E402
 from edgemoe.kernels.grouped_gemm import choose_config, grouped_swiglu  # noqa: E402
 
 E, TOPK, H, I = 128, 8, 2048, 768  # Qwen3-30B-A3B MoE geometry

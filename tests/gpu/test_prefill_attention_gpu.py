@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from edgemoe.core import SeqSlice
-from edgemoe.kvcache.pool import PagedKVPool
+from edgemoe.kvcache.pool import KVSpec, PagedKVPool
 from edgemoe.layers.attention import paged_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_prefill_attention_is_fused_and_exact(prefix, chunk):
     dev, Hq, Hk, D, ps = torch.device("cuda"), 8, 2, 128, 16
     total = prefix + chunk
-    kv = PagedKVPool(1, total // ps + 2, ps, Hk, D, torch.bfloat16, dev)
+    kv = PagedKVPool(KVSpec.heads(1, Hk, D), total // ps + 2, ps, torch.bfloat16, dev)
     kv.allocate(0, total)
     g = torch.Generator(device=dev).manual_seed(0)
     keys = torch.randn(total, Hk, D, device=dev, dtype=torch.bfloat16, generator=g)

@@ -10,7 +10,7 @@ import torch
 from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
-from edgemoe.weights.make_model import make_model
+from edgemoe.synth import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,12 +28,12 @@ def small(tmp_path_factory):
 def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
     runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
     assert runner.pinned
-    runner.experts.prefill.mode = "off"
+    runner.experts.hybrid.prefill.mode = "off"
     ref, rt = greedy_decode(runner, PROMPT, 6, chunk_ends=list(range(48, len(PROMPT), 48)), free=True)
     E, L = runner.model_config.num_experts, runner.model_config.num_moe_layers
     for slots in (2 * E, 2 * E + 9, 3 * E + 1):
         runner.set_expert_cache(slots, "fill-all")
-        streamer, calls = runner.experts.prefill, []
+        streamer, calls = runner.experts.hybrid.prefill, []
         streamer.mode = mode
         forward = streamer.forward
         streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
@@ -41,7 +41,7 @@ def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
         assert calls == list(range(L)) * 2  # both chunks streamed
         assert gt == rt
         assert torch.equal(got, ref), f"slots {slots}"
-        cache = runner.cache
+        cache = runner.experts.cache
         cache.check_invariants()
         torch.cuda.synchronize()
         for slot, fid in enumerate(cache.owner_of.tolist()):

@@ -6,18 +6,19 @@ Two choices are made per server (overridable with ``--reasoning-parser`` / ``--t
 reasoning      ``think`` (``<think>...</think>``; aliases ``qwen3``, ``deepseek_r1``), ``harmony``,
                ``none``
 tool-call      ``qwen3`` (JSON in ``<tool_call>``; alias ``hermes``), ``qwen3_coder`` (XML
-               functions/parameters), ``deepseek_v3`` (DeepSeek tool-call tokens), ``harmony``,
-               ``none``
+               functions/parameters), ``glm45`` (GLM-4.5/4.6/4.7 ``<arg_key>``/``<arg_value>`` pairs;
+               alias ``glm47``), ``deepseek_v3`` (DeepSeek tool-call tokens), ``harmony``, ``none``
 ============== ===================================================================================
 
 :func:`detect_parsers` (``auto``) decides from the checkpoint: ``model_type == "gpt_oss"`` or the
 Harmony tokens ``<|channel|>`` + ``<|message|>`` in the vocabulary → ``harmony`` for both; else the
 tool format from ``<｜tool▁calls▁begin｜>`` in the vocabulary (``deepseek_v3``), ``<function=`` and
-``<parameter=`` in the chat template (``qwen3_coder``), ``<tool_call>`` in the vocabulary or template
-(``qwen3``); reasoning ``think`` when ``<think>`` and ``</think>`` are tokens of the vocabulary.
+``<parameter=`` in the chat template (``qwen3_coder``), ``<arg_key>`` in the chat template
+(``glm45``), ``<tool_call>`` in the vocabulary or template (``qwen3``); reasoning ``think`` when
+``<think>`` and ``</think>`` are tokens of the vocabulary.
 
 Every parser is incremental (:class:`~edgemoe.server.parsers.base.OutputParser`); module per family:
-``think``, ``qwen3``, ``qwen3_coder``, ``deepseek_v3``, ``harmony``.
+``think``, ``qwen3``, ``qwen3_coder``, ``glm45``, ``deepseek_v3``, ``harmony``.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from typing import Any
 from edgemoe.server.parsers.base import (
     ChainParser,
     OutputParser,
-    ParseEvent,
     ParsedOutput,
+    ParseEvent,
     PassThrough,
     ToolCall,
     collect,
 )
 from edgemoe.server.parsers.deepseek_v3 import DeepSeekV3ToolParser
+from edgemoe.server.parsers.glm45 import Glm45ToolParser
 from edgemoe.server.parsers.harmony import HarmonyParser
 from edgemoe.server.parsers.qwen3 import Qwen3ToolParser
 from edgemoe.server.parsers.qwen3_coder import Qwen3CoderToolParser
@@ -59,6 +61,8 @@ TOOL_PARSERS: dict[str, type[ToolParser] | None] = {
     "qwen3": Qwen3ToolParser,
     "hermes": Qwen3ToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
+    "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
     "harmony": HarmonyParser,
     "none": None,
@@ -87,6 +91,8 @@ def detect_parsers(model_type: str | None, tokenizer: Any) -> tuple[str, str, st
         tool, why = "deepseek_v3", "<｜tool▁calls▁begin｜> token"
     elif "<function=" in template and "<parameter=" in template:
         tool, why = "qwen3_coder", "<function=/<parameter= in the chat template"
+    elif "<arg_key>" in template:
+        tool, why = "glm45", "<arg_key> in the chat template"
     elif _vocab_has(tokenizer, "<tool_call>") or "<tool_call>" in template:
         tool, why = "qwen3", "<tool_call> token"
     else:
@@ -121,14 +127,17 @@ class ParserConfig:
 
     @property
     def skip_special_tokens(self) -> bool:
-        """Whether outputs may be detokenized without special tokens (Harmony's markers are special)."""
-        return not self.harmony
+        """Whether outputs may be detokenized without special tokens (Harmony's markers are special, and
+        so may a tool format's be: ``ToolParser.skip_special_tokens``)."""
+        tool = self.tool_parser
+        return not self.harmony and (tool is None or tool.skip_special_tokens)
 
-    def build(self, prompt_text: str, tools: list[dict] | None) -> OutputParser:
+    def build(self, generation_prompt: str, tools: list[dict] | None) -> OutputParser:
         """A fresh parser for one response.
 
         Args:
-            prompt_text: the rendered prompt (a think block left open there starts output in reasoning).
+            generation_prompt: the text the chat template wrote after the last message to open the
+                answer (a think block left open there starts the output in reasoning).
             tools: the tools offered to the model; ``None``/empty disables tool-call parsing
                 (``tool_choice: "none"`` or no tools).
         """
@@ -136,7 +145,7 @@ class ParserConfig:
             return HarmonyParser(tools)
         reasoning: OutputParser = PassThrough()
         if REASONING_PARSERS[self.reasoning] is ThinkParser:
-            reasoning = ThinkParser(prompt_ends_in_reasoning(prompt_text))
+            reasoning = ThinkParser(prompt_ends_in_reasoning(generation_prompt))
         tool_cls = self.tool_parser
         return ChainParser(reasoning, tool_cls(tools) if tools and tool_cls is not None else PassThrough())
 

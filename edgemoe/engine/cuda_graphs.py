@@ -1,0 +1,177 @@
+"""Decode steps on the device path: fixed-shape static inputs and the CUDA graphs replayed over them.
+
+:class:`DecodeGraphs` owns one graph per padded batch size (1, 2, 4, 8 and ``max_num_seqs``; a
+smaller batch pads up), captured right after the first eager step of that size (which also compiles
+the Triton kernels and warms cuBLAS), and the static inputs (:class:`DecodeInputs`) every graph
+reads. A batch size whose capture fails runs eagerly from then on. :meth:`DecodeGraphs.invalidate`
+drops every graph (the expert cache was rebuilt: its tensors moved).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from edgemoe.core import DecodeMeta, ForwardBatch, Phase, SeqSlice, StepInput
+from edgemoe.kvcache.pool import PagedKVPool
+from edgemoe.kvcache.state import RecurrentStatePool
+
+log = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8)  # decode batch sizes with a captured CUDA graph (smaller batches pad up)
+SCRATCH_SEQ = -1  # owner id of the padding rows' scratch KV page and recurrent-state slot
+
+
+class DecodeInputs:
+    """Static (fixed-address) inputs of device-path decode steps, for batch sizes up to ``max_bs``.
+
+    A step of ``B`` sequences padded to ``bs`` rows fills rows ``[0, bs)``; padding rows decode token 0
+    at position 0 into a scratch KV page no sequence owns (``SCRATCH_SEQ``'s, reserved by the runner),
+    attend to one key, and route like row 0 with weight 0 (``ForwardBatch.decode.valid``), so they
+    change nothing a real row reads.
+
+    Args:
+        kv: the KV pool (``SCRATCH_SEQ`` holds its scratch page).
+        state: the recurrent-state pool (``SCRATCH_SEQ`` holds its scratch slot), or ``None``.
+        num_heads, head_dim: query heads and head size (the paged decode kernel's scratch; for a latent KV
+            pool the scratch holds ``num_heads`` outputs of the pool's ``value_dim``).
+        max_model_len: longest sequence (pages per block-table row).
+        max_bs: largest batch.
+        device: the CUDA device.
+    """
+
+    def __init__(self, kv: PagedKVPool, state: RecurrentStatePool | None, num_heads: int, head_dim: int,
+                 max_model_len: int, max_bs: int, device: torch.device):
+        from edgemoe.kernels.decode_attention import LATENT_PARTITION, make_decode_scratch
+
+        self.kv, self.device, self.max_bs = kv, device, max_bs
+        self.max_pages = -(-max_model_len // kv.page_size)
+        self.scratch_page = kv.pages_of(SCRATCH_SEQ)[0]
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=i64, device=device)
+        self.kv_slots = torch.zeros(max_bs, dtype=i64, device=device)
+        self.logits_index = torch.arange(max_bs, dtype=i64, device=device)
+        self.block_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, device=device)
+        self.context_lens = torch.ones(max_bs, dtype=i32, device=device)
+        self.valid = torch.zeros(max_bs, dtype=torch.bool, device=device)
+        self.state_slots = None if state is None else torch.zeros(max_bs, dtype=i64, device=device)
+        self.scratch_state = None if state is None else state.slot(SCRATCH_SEQ)
+        if kv.spec.is_latent:
+            self.attn_scratch = make_decode_scratch(max_bs, num_heads, kv.spec.value_dim, max_model_len, device,
+                                                    partition_size=LATENT_PARTITION)
+        else:
+            self.attn_scratch = make_decode_scratch(max_bs, num_heads, head_dim, max_model_len, device)
+        # host staging: one pinned buffer per input, copied in with one transfer each
+        pin = device.type == "cuda"
+        self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)
+        self._h_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, pin_memory=pin)
+        self._h_lens = torch.zeros(max_bs, dtype=i32, pin_memory=pin)
+        self._h_valid = torch.zeros(max_bs, dtype=torch.bool, pin_memory=pin)
+
+    def load(self, inputs: list[StepInput], state_slots: list[int | None], bs: int, step: int,
+             record) -> ForwardBatch:
+        """Write ``inputs`` (one token each; their KV pages and state slots already allocated) into rows
+        ``[0, bs)`` and return the step's batch over the static tensors."""
+        kv, ps = self.kv, self.kv.page_size
+        h = self._h_i64
+        h[:, :bs] = 0
+        h[2, :bs] = self.scratch_page * ps
+        if self.state_slots is not None:
+            h[3, :bs] = self.scratch_state
+        self._h_tables[:bs] = self.scratch_page
+        self._h_lens[:bs] = 1
+        self._h_valid[:bs] = False
+        seqs = []
+        for row, inp in enumerate(inputs):
+            pos = inp.start_pos
+            pages = kv.pages_of(inp.seq_id)
+            h[0, row], h[1, row] = inp.token_ids[0], pos
+            h[2, row] = pages[pos // ps] * ps + pos % ps
+            if self.state_slots is not None:
+                h[3, row] = state_slots[row]
+            self._h_tables[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._h_lens[row] = pos + 1
+            self._h_valid[row] = True
+            seqs.append(SeqSlice(inp.seq_id, row, 1, pos + 1, None, state_slots[row]))
+        self.input_ids[:bs].copy_(h[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(h[1, :bs], non_blocking=True)
+        self.kv_slots[:bs].copy_(h[2, :bs], non_blocking=True)
+        self.block_tables[:bs].copy_(self._h_tables[:bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self._h_lens[:bs], non_blocking=True)
+        self.valid[:bs].copy_(self._h_valid[:bs], non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:bs].copy_(h[3, :bs], non_blocking=True)
+        if self.device.type == "cuda":  # the staging buffers are rewritten by the next step
+            torch.cuda.current_stream(self.device).synchronize()
+        return ForwardBatch(
+            phase=Phase.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            kv_slots=self.kv_slots[:bs], seqs=seqs, logits_index=self.logits_index[:bs], step=step,
+            record=record,
+            decode=DecodeMeta(self.block_tables[:bs], self.context_lens[:bs], self.valid[:bs], self.attn_scratch),
+            state_slots=None if self.state_slots is None else self.state_slots[:bs],
+        )
+
+
+class DecodeGraphs:
+    """Runs device-path decode steps: replayed from a CUDA graph of the padded batch size when one is
+    captured, else eagerly (then captured when graphs are on).
+
+    Args:
+        inputs: the static inputs (one set serves every batch size).
+        device: the compute device.
+    """
+
+    def __init__(self, inputs: DecodeInputs, device: torch.device):
+        self.inputs, self.device = inputs, device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[int] = set()  # batch sizes whose capture failed: they run eagerly
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (and their memory pool); the next step of each size captures anew."""
+        self.graphs.clear()
+        self.failed.clear()
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    def run(self, model: torch.nn.Module, inputs: list[StepInput], state_slots: list[int | None], step: int,
+            record, use_graphs: bool) -> torch.Tensor:
+        """One decode step of ``inputs``: ``[B, vocab]`` float32 logits.
+
+        Args:
+            model: the model (its forward over the static batch).
+            inputs: one token per sequence, KV pages and state slots allocated.
+            state_slots: each sequence's recurrent-state slot (``None`` entries without state).
+            step: the model step (LRU clock).
+            record: the routing recorder callback, or ``None`` (a recording step is never captured).
+            use_graphs: replay / capture CUDA graphs (the decode path allows it).
+        """
+        B, d = len(inputs), self.inputs
+        sizes = sorted(b for b in {*GRAPH_BATCH_SIZES, d.max_bs} if B <= b <= d.max_bs and b not in self.failed)
+        use_graphs = use_graphs and record is None and bool(sizes)
+        bs = sizes[0] if use_graphs else B
+        batch = d.load(inputs, state_slots, bs, step, record)
+        if use_graphs and bs in self.graphs:
+            graph, logits = self.graphs[bs]
+            graph.replay()
+            return logits[:B].clone()
+        logits = model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
+        if use_graphs:
+            try:
+                self._capture(model, bs, batch)
+            except Exception:  # noqa: BLE001 - this size stays eager; the eager result stands
+                log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
+                self.failed.add(bs)
+                torch.cuda.synchronize(self.device)
+        return logits[:B]
+
+    def _capture(self, model: torch.nn.Module, bs: int, batch: ForwardBatch) -> None:
+        """Capture the decode step for batch size ``bs`` over the static inputs (no kernel runs)."""
+        graph = torch.cuda.CUDAGraph()
+        batch.step_cache.clear()  # tensors derived during the eager step must be recomputed inside the graph
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = model(batch)
+        self.graphs[bs] = (graph, logits)
+        log.info("captured the decode step for batch size %d", bs)

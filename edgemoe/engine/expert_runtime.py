@@ -1,0 +1,267 @@
+"""The routed-expert side of the model runner at run time.
+
+:class:`ExpertRuntime` owns, for one loaded model: the CPU expert executor, the device expert cache
+and its size (from the budget options, or free GPU memory), the bandwidths B_P / B_H the policy uses,
+the expert policy, the hybrid executor the MoE blocks call (``HybridExperts``), and the device
+decode path's lifecycle (``DeviceDecode``: created with the cache, closed before a resize). It feeds
+online policies each decode step's wall time and checks a decode step's CPU branch afterwards.
+The host expert pool is given (loaded by the runner) and never changes here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from enum import Enum
+
+import torch
+
+from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
+from edgemoe.core import Phase
+from edgemoe.experts.bandwidth import resolve_bandwidths
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import make_cpu_executor
+from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.kernels import unavailable_reason
+from edgemoe.weights.bootstrap import FALLBACK_POLICY
+
+log = logging.getLogger(__name__)
+
+GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache is sized automatically
+
+
+def configure_torch_threads(cpu_threads: int | None) -> None:
+    """Set torch's intra-op threads for the process once, at start-up: ``--cpu-threads`` when given
+    (the torch CPU executor and the dense CPU layers follow it), else torch's default."""
+    if cpu_threads:
+        torch.set_num_threads(int(cpu_threads))
+
+
+class DecodePath(str, Enum):
+    """How decode steps run: the eager (host-controlled) path, or the device path with its control
+    on the GPU, eagerly or replayed from CUDA graphs."""
+
+    EAGER = "eager"
+    DEVICE = "device"
+    DEVICE_GRAPHS = "device + CUDA graphs"
+
+
+class ExpertRuntime:
+    """Expert cache, policy, bandwidths, CPU executor and decode path of one model.
+
+    Args:
+        pool: the host expert pool (filled, pinned when allowed).
+        model_config: the model's geometry (``num_experts``, ``top_k``).
+        config: engine options (cache budget, policy, bandwidth overrides, CPU executor, threads).
+        device: the compute device.
+        fallback: pinning was refused at start-up: no expert cache, every expert on the CPU.
+        graphs_supported: the architecture's decode step can be captured (a class capability).
+
+    Attributes:
+        cache, policy, bandwidths, hybrid, cpu_executor: the current objects (rebuilt by
+            :meth:`set_cache`); ``hybrid.device_decode`` is the device decode path or ``None``.
+        decode_path: :class:`DecodePath`; ``decode_path_reason``: why not the fastest one (or ``None``).
+    """
+
+    def __init__(self, pool: HostExpertPool, model_config: ModelConfig, config: EngineConfig,
+                 device: torch.device, *, fallback: bool, graphs_supported: bool):
+        self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
+        self.fallback = fallback
+        self.graphs_supported = graphs_supported
+        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor)
+        self.cache: ExpertCache | None = None
+        self.bandwidths: Bandwidths | None = None
+        self.policy: ExpertPolicy | None = None
+        self.hybrid: HybridExperts | None = None
+        self.decode_path = DecodePath.EAGER
+        self.decode_path_reason: str | None = None
+        self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
+        if fallback:
+            self.set_cache(0, FALLBACK_POLICY)
+        else:
+            self.set_cache(self.default_slots(), config.expert_policy)
+
+    # ------------------------------------------------------------------ sizing
+    def default_slots(self) -> int:
+        """Cache slots from the options: ``expert_cache_slots``, else ``expert_cache_gb``, else on CUDA
+        the free memory minus ``GPU_MEMORY_MARGIN``, on CPU 0; at most one slot per expert."""
+        cfg, row, n = self.config, self.pool.row_bytes, self.pool.num_ids
+        if cfg.expert_cache_slots is not None:
+            return min(int(cfg.expert_cache_slots), n)
+        if cfg.expert_cache_gb is not None:
+            return min(int(cfg.expert_cache_gb * 1e9 // row), n)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(0, min(n, int((free - GPU_MEMORY_MARGIN) // row)))
+        return 0
+
+    @property
+    def device_decode(self) -> DeviceDecode | None:
+        return self.hybrid.device_decode
+
+    # ------------------------------------------------------------------ (re)building
+    def set_cache(self, slots: int, policy: str) -> None:
+        """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
+        between steps (no step in flight). The host pool is untouched; the new cache starts cold (a
+        static policy re-places its layers); its counters start at zero. The caller rebinds the
+        model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Raises:
+            ValueError: negative ``slots`` or an unknown policy (checked before anything changes).
+        """
+        if slots < 0:
+            raise ValueError("expert cache slots must be >= 0")
+        if policy not in EXPERT_POLICIES:
+            raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
+        slots = min(int(slots), self.pool.num_ids)
+        if self.hybrid is not None and self.hybrid.device_decode is not None:
+            self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
+            self.hybrid.device_decode = None
+        if self.cache is not None:  # free the old banks before allocating the new ones
+            self.cache.banks.clear()
+            self.cache = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        pool = self.pool
+        self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
+                                 pool.dtype, self.device)
+        if self.bandwidths is None or (policy in ("qstar", "adaptive") and self.bandwidths.pcie is None and slots > 0):
+            self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
+                                                 self.cpu_executor)
+        self.policy = make_policy(policy, self.bandwidths)
+        self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
+                                    self.device)
+        self._setup_device_decode()
+
+    def resize(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> None:
+        """Change the expert cache's budget and/or policy at a safe point between steps (the elastic
+        GPU budget). If the new cache cannot be set up, the previous size and policy are restored
+        (if even that fails, the CPU-only cache of 0 slots) and the error is raised.
+
+        Args:
+            gb: new budget in GB (1e9 bytes); or ``slots``: new size in (layer, expert) slots.
+            policy: a new expert policy (default: keep the current one).
+
+        Raises:
+            ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative or infinite
+                size, an unknown policy, a pool that could not be pinned, or a failed setup.
+        """
+        if gb is not None and slots is not None:
+            raise ValueError("give gb or slots, not both")
+        if (gb is not None and gb < 0) or (slots is not None and slots < 0):
+            raise ValueError("the expert-cache size must be >= 0")
+        if gb is None and slots is None and policy is None:
+            raise ValueError("give gb, slots or policy")
+        if policy is not None and policy not in EXPERT_POLICIES:
+            raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
+        if gb is not None and not math.isfinite(gb):
+            raise ValueError("gb must be a finite number")
+        old_slots, old_policy = self.cache.num_slots, self.policy.name
+        new_slots = old_slots if gb is None and slots is None else (
+            min(int(slots), self.pool.num_ids) if slots is not None else
+            int(min(gb * 1e9, self.pool.nbytes) // self.pool.row_bytes))
+        if self.fallback and (new_slots > 0 or (policy or old_policy) != FALLBACK_POLICY):
+            raise ValueError("the host expert pool could not be pinned at start-up, so experts run on the CPU "
+                             f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
+        try:
+            self.set_cache(new_slots, policy or old_policy)
+        except Exception as exc:  # noqa: BLE001 - any failure: put the previous cache back
+            log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
+            try:
+                self.set_cache(old_slots, old_policy)
+                kept = f"kept {old_slots} slots"
+            except Exception:  # noqa: BLE001 - even the old size failed: the CPU-only cache always fits
+                self.set_cache(0, FALLBACK_POLICY)
+                kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
+            raise ValueError(f"could not set up {new_slots} expert-cache slots "
+                             f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; {kept}") from None
+        log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
+                 self.cache.nbytes / 1e9, self.policy.name)
+
+    def _setup_device_decode(self) -> None:
+        """The device decode path (routing control on the device, Triton kernels) when the kernels run
+        on this device and the cache has slots; otherwise decode takes the eager path."""
+        self.decode_path = DecodePath.EAGER
+        reason = unavailable_reason(self.device)
+        if reason is None and self.cache.num_slots == 0:
+            reason = "no expert cache slots"
+        if reason is not None:
+            self.decode_path_reason = reason
+            return
+        cfg = self.model_config
+        dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k,
+                          self.config.max_num_seqs)
+        self.hybrid.device_decode = dd
+        graphs = not self.config.enforce_eager and dd.capturable and self.graphs_supported
+        self.decode_path = DecodePath.DEVICE_GRAPHS if graphs else DecodePath.DEVICE
+        self.decode_path_reason = None if graphs else (
+            "--enforce-eager" if self.config.enforce_eager else
+            "the CPU branch needs the native executor to be captured" if not dd.capturable else
+            "this architecture is not captured yet")
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, step: int, phase: Phase, batch_size: int) -> None:
+        """Before a step: set the LRU clock and feed an online policy the wall time of the previous
+        decode step (from its start to this step's start, counted only between two decode steps of
+        one batch size; the engine samples, a sync, in between). A rule change goes to the device."""
+        if self.cache.num_slots:
+            self.cache.clock.fill_(step)
+        now = time.perf_counter()
+        prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
+        if prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
+            return
+        if self.policy.observe(now - prev[0], batch_size) and self.device_decode is not None:
+            self.device_decode.policy.copy_(torch.tensor(self.policy.fill_rule(), dtype=torch.float64))
+
+    def check_decode_step(self) -> None:
+        """After a device-path decode step with a CPU branch: wait for it (the engine's sampling would
+        anyway) and raise if that branch went wrong, so the engine fails those requests instead of
+        sampling from logits that lack the CPU experts.
+
+        Raises:
+            RuntimeError: see ``DeviceDecode.check``.
+        """
+        dd = self.device_decode
+        if dd is not None and dd.step is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            dd.check()
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        """Expert-cache state and counters (``CacheCounters`` per phase) for metrics and the summary."""
+        bw = self.bandwidths
+        return {
+            "policy": self.policy.name,
+            "slots": self.cache.num_slots,
+            "slots_used": self.cache.slots_used,
+            "experts_total": self.pool.num_ids,
+            "b_p_gbps": bw.pcie,
+            "b_h_gbps": bw.cpu,
+            "bandwidth_source": bw.source,
+            "q_ratio": self.policy.q_ratio(),
+            "policy_active": self.policy.active_name,
+            **self.hybrid.stats(),
+        }
+
+    def summary_lines(self, pinned: bool) -> list[str]:
+        """The start-up summary's expert lines (pool, cache, bandwidths, decode path)."""
+        cfg, bw = self.model_config, self.bandwidths
+
+        def gbps(v: float | None) -> str:
+            return "n/a" if v is None else f"{v:.1f} GB/s"
+
+        fallback = ": pinning refused, so policy cpu-all without expert cache" if self.fallback else ""
+        path = self.decode_path.value + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")
+        return [
+            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+            f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if pinned else 'pageable'}{fallback})",
+            f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
+            f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",
+            f"  bandwidth    B_P {gbps(bw.pcie)}, B_H {gbps(bw.cpu)} [{bw.source}]; q*/m = {self.policy.q_ratio():.3f}",
+            f"  decode path  {path}",
+        ]

@@ -1,0 +1,211 @@
+"""The contract every architecture implements: :class:`MoECausalLM`.
+
+An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`MoECausalLM` with
+
+- ``architectures`` / ``model_types``: the Hugging Face names it serves (the registry's keys);
+- ``config_from_hf(raw)``: the architecture's ``config.json`` normalized into a
+  :class:`~edgemoe.config.ModelConfig` (the only place its raw names are read);
+- its layers, under the checkpoint's own parameter names, so non-expert weights load by name;
+- ``attention_layers()`` (owners of KV pages) and ``kv_spec()`` (what one token stores per attention
+  layer: grouped-query K/V by default, or one latent row for multi-head latent attention); for hybrid
+  models, ``state_layers()`` and ``state_spec()`` (owners of recurrent state; empty by default);
+- class-level capabilities (``supports_cuda_graphs``) and ``skipped_prefixes`` (checkpoint tensors a
+  text-only server does not load, e.g. a vision tower or a multi-token-prediction head; the
+  ``cfg.num_mtp_layers`` layers stored after the decoder are added per instance);
+- ``float32_parameters``: parameter-name suffixes kept in float32 at every model dtype (as the
+  reference's ``_keep_in_fp32_modules_strict``, e.g. a sigmoid router and its correction bias);
+- for ``edgemoe make-model`` and the parity tests: ``hf_classes`` (the ``transformers`` config and
+  model classes of the reference implementation, whose ``save_pretrained`` writes the release
+  layout), ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
+  ``fixed_vocab_presets`` keep their ``vocab_size`` instead of taking the tokenizer's) and
+  ``synth_tokenizer`` (the name of the tokenizer flavour make-model builds: special tokens and chat
+  template in the family's own markup, ``edgemoe.synth.tokenizer.TOKENIZERS``).
+
+The base class supplies what every architecture shares: the checkpoint-name → expert-bank mapping
+from the declared layer prefix (:meth:`MoECausalLM.expert_target`), :meth:`MoECausalLM.bind` (the
+runner attaches the KV pool, the routed-expert executor, the recurrent-state pool and the state
+checkpoints in one call) and the forward tail (embedding → decoder layers → final norm of the rows
+whose logits are needed → LM head, tied or not). Models are built on the meta device; the weight
+loader materializes them (:meth:`MoECausalLM.materialize`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from edgemoe.config import ModelConfig
+from edgemoe.core import ForwardBatch
+from edgemoe.kvcache.pool import KVSpec
+from edgemoe.layers.moe import SparseMoeBlock
+
+if TYPE_CHECKING:
+    from edgemoe.kvcache.pool import PagedKVPool
+    from edgemoe.kvcache.state import RecurrentStatePool, StateSpec
+    from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
+
+__all__ = ["ExpertTensor", "MoECausalLM"]
+
+
+class ExpertTensor(NamedTuple):
+    """Where a checkpoint tensor of a routed expert goes in the host expert pool.
+
+    Attributes:
+        moe_layer: MoE-layer ordinal (index into ``ModelConfig.moe_layers``).
+        expert: expert index within the layer; ``None`` for a fused tensor holding all ``E`` experts.
+        role: ``gate_proj | up_proj | down_proj`` (per-expert release layout) or ``gate_up_proj |
+            down_proj`` (fused ``[E, ...]`` layout of transformers 5 and of some releases).
+    """
+
+    moe_layer: int
+    expert: int | None
+    role: str
+
+
+class MoECausalLM(nn.Module):
+    """A MoE causal LM over a :class:`~edgemoe.core.ForwardBatch`.
+
+    ``forward(batch) -> logits [B, vocab] float32``, one row per sequence (its last new token).
+
+    Args:
+        cfg: the normalized config.
+        decoder_prefix: checkpoint-name prefix of the decoder stack (``"model."``, or
+            ``"model.language_model."`` for a multimodal layout); decoder layer ``i`` is
+            ``{decoder_prefix}layers.{i}``.
+
+    Subclasses set ``self.<first part of decoder_prefix>`` to a module holding ``embed_tokens``,
+    ``layers`` and ``norm`` (see :attr:`decoder`), and build every decoder layer with a
+    ``forward(x [T, H], batch) -> [T, H]``.
+    """
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    model_types: ClassVar[tuple[str, ...]] = ()
+    supports_cuda_graphs: ClassVar[bool] = True
+    skipped_prefixes: tuple[str, ...] = ()  # the class's; an instance adds its MTP layers
+    float32_parameters: ClassVar[tuple[str, ...]] = ()
+    expert_module: ClassVar[str] = "mlp.experts"
+    hf_classes: ClassVar[tuple[str, str]] = ("", "")
+    presets: ClassVar[dict[str, dict]] = {}
+    fixed_vocab_presets: ClassVar[frozenset[str]] = frozenset()
+    synth_tokenizer: ClassVar[str] = "qwen3"
+
+    def __init__(self, cfg: ModelConfig, decoder_prefix: str = "model."):
+        super().__init__()
+        self.config = cfg
+        self.decoder_prefix = decoder_prefix
+        self.skipped_prefixes = type(self).skipped_prefixes + tuple(
+            f"{decoder_prefix}layers.{cfg.num_layers + i}." for i in range(cfg.num_mtp_layers))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        prefix = re.escape(f"{decoder_prefix}layers.")
+        module = re.escape(self.expert_module)
+        self._per_expert = re.compile(rf"^{prefix}(\d+)\.{module}\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+        self._fused = re.compile(rf"^{prefix}(\d+)\.{module}\.(gate_up_proj|down_proj)$")
+
+    # ------------------------------------------------------------------ what a subclass provides
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        """Normalize this architecture's HF config dict.
+
+        Raises:
+            ValueError: a missing or inconsistent field (the message names ``where``).
+        """
+        raise NotImplementedError
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The layers that own KV pages, in order (their index is their slot in the KV pool)."""
+        raise NotImplementedError
+
+    def kv_spec(self) -> KVSpec:
+        """What one token stores per attention layer: by default grouped-query K/V of the config's
+        ``num_kv_heads x head_dim``, for every layer of :meth:`attention_layers`."""
+        return KVSpec.heads(len(self.attention_layers()), self.config.num_kv_heads, self.config.head_dim)
+
+    def state_layers(self) -> list[nn.Module]:
+        """The layers that own recurrent state (gated DeltaNet), in order; none by default."""
+        return []
+
+    def state_spec(self) -> StateSpec | None:
+        """Per-sequence recurrent-state geometry for the runner's pool; ``None`` without state layers."""
+        return None
+
+    # ------------------------------------------------------------------ shared
+    @classmethod
+    def param_count(cls, cfg: ModelConfig) -> int:
+        """Parameters of the checkpoint of ``cfg``: this model's own (built on the meta device) plus
+        every routed expert (which live in the host pool, not in the module)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        return sum(p.numel() for p in model.parameters()) + cfg.num_moe_layers * cfg.num_experts * cfg.expert_numel()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack (``embed_tokens``, ``layers``, ``norm``) at ``decoder_prefix``."""
+        module: nn.Module = self
+        for part in self.decoder_prefix.rstrip(".").split("."):
+            module = module.get_submodule(part)
+        return module
+
+    def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the parameters (uninitialized) on ``device`` in ``dtype``, those matching
+        ``float32_parameters`` in float32; the loaders then copy the checkpoint's values in."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.endswith(self.float32_parameters):
+                p.data = p.data.float()
+        self.to_empty(device=device)
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The routed-expert block of every MoE layer, in layer order."""
+        return [m for m in self.decoder.layers.modules() if isinstance(m, SparseMoeBlock)]
+
+    def expert_target(self, name: str) -> ExpertTensor | None:
+        """Map a checkpoint tensor name to its place in the expert pool; ``None`` for other tensors.
+
+        Recognized: ``{decoder_prefix}layers.N.{expert_module}.E.{gate,up,down}_proj.weight`` (per
+        expert) and ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused).
+
+        Raises:
+            ValueError: an expert tensor of a layer that is not a MoE layer in this config.
+        """
+        m = self._per_expert.match(name)
+        if m:
+            layer, expert, role = int(m.group(1)), int(m.group(2)), m.group(3)
+        else:
+            m = self._fused.match(name)
+            if not m:
+                return None
+            layer, expert, role = int(m.group(1)), None, m.group(2)
+        if layer not in self.config.moe_layers:
+            raise ValueError(f"tensor {name}: layer {layer} is not a MoE layer in this config")
+        return ExpertTensor(self.config.moe_ordinal(layer), expert, role)
+
+    def bind(self, *, kv: PagedKVPool, experts: Any, state: RecurrentStatePool | None = None,
+             checkpoints: StateCheckpointStore | None = None) -> None:
+        """Attach the runner's per-model resources to the layers that use them (call again after any
+        of them is rebuilt, e.g. an expert-cache resize).
+
+        Args:
+            kv: the paged KV pool (every attention layer).
+            experts: the routed-expert executor (``edgemoe.experts.hybrid.HybridExperts``) of every
+                MoE block.
+            state: the recurrent-state pool (state layers; ``None`` without them).
+            checkpoints: the recurrent-state checkpoint store, or ``None`` when off.
+        """
+        for attn in self.attention_layers():
+            attn.kv = kv
+        for layer in self.state_layers():
+            layer.state, layer.checkpoints = state, checkpoints
+        for blk in self.moe_blocks():
+            blk.experts = experts
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        dec = self.decoder
+        x = dec.embed_tokens(batch.input_ids)  # [T, H]
+        for layer in dec.layers:
+            x = layer(x, batch)
+        x = dec.norm(x.index_select(0, batch.logits_index))  # [B, H]
+        w = dec.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(x, w).float()  # [B, V]

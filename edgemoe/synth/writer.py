@@ -1,0 +1,266 @@
+"""Random-weight test checkpoints in the exact Hugging Face layout (``edgemoe make-model``).
+
+:func:`make_model` instantiates the ``transformers`` class of an architecture (``Qwen3MoeForCausalLM``
+for ``qwen3_moe``) from a preset geometry, seeds its random init and calls ``save_pretrained``, so
+the tensor names, shapes and config keys are those that ``transformers`` reads and writes for real
+releases. ``transformers`` 5 keeps experts fused in memory (``mlp.experts.gate_up_proj [E, 2I, H]``,
+``mlp.experts.down_proj [E, H, I]``) but saves the per-expert release layout
+``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``. :func:`write_config_only` writes
+config.json + generation_config.json + tokenizer files without weights, for dummy-weight loading of
+full-size geometries (e.g. ``qwen3-30b-a3b``).
+
+This module is generic; what it knows about an architecture (its ``transformers`` classes, presets
+and parameter count) comes from :data:`edgemoe.synth.archs.ARCHS`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edgemoe.synth.archs import ARCHS, SynthArch, param_count
+from edgemoe.synth.tokenizer import BUILT_VOCAB, TOKENIZERS, build_tokenizer, copy_tokenizer, token_ids
+from edgemoe.weights.dtypes import WEIGHT_DTYPES, parse_dtype
+
+if TYPE_CHECKING:  # transformers takes ~2 s to import; import it only where it is used
+    import transformers
+
+__all__ = ["config_for", "make_model", "write_config_only"]
+
+# fp32 init then cast (so bf16 and fp32 checkpoints of one seed agree up to rounding) while the fp32
+# model stays under this; above it the model is built directly in the target dtype.
+_FP32_INIT_MAX_BYTES = 8 << 30
+
+
+def _arch(arch: str, preset: str) -> SynthArch:
+    """The :class:`~edgemoe.synth.archs.SynthArch` of ``arch``, which must have ``preset``."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choices: {sorted(ARCHS)}")
+    if preset not in ARCHS[arch].presets:
+        raise ValueError(f"unknown preset {preset!r} for arch {arch!r}; choices: {sorted(ARCHS[arch].presets)}")
+    return ARCHS[arch]
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choices: {list(WEIGHT_DTYPES)}")
+
+
+def config_for(arch: str, preset: str, overrides: dict | None = None) -> transformers.PretrainedConfig:
+    """The Hugging Face config of a preset geometry.
+
+    Args:
+        arch: a key of :data:`~edgemoe.synth.archs.ARCHS`, e.g. ``"qwen3_moe"``.
+        preset: one of that architecture's presets, e.g. ``"tiny"``, ``"small"`` or ``"qwen3-30b-a3b"``.
+        overrides: HF config kwargs applied on top of the preset (e.g. ``{"num_hidden_layers": 2}``).
+            A legacy ``rope_theta`` is folded into ``rope_parameters``. Keys the config class does
+            not declare are kept as extra attributes, as ``transformers`` does.
+
+    Returns:
+        An instance of the arch's config class (``Qwen3MoeConfig``) with ``architectures`` set to
+        ``[<ForCausalLM class name>]``. For tiny/small, ``vocab_size`` is the nominal preset value and
+        eos/pad ids are unset; ``make_model`` fills them from the tokenizer.
+
+    Raises:
+        ValueError: unknown arch or preset (the message lists the choices), or an override the config
+            class rejects (a field of the wrong type or an invalid value).
+    """
+    from huggingface_hub.errors import StrictDataclassError
+
+    spec = _arch(arch, preset)
+    cfg_cls, model_cls = spec.classes()
+    kwargs: dict[str, Any] = copy.deepcopy(spec.presets[preset])
+    for key, value in (overrides or {}).items():
+        if key == "rope_theta":
+            rope = kwargs.get("rope_parameters") or {"rope_type": "default"}
+            kwargs["rope_parameters"] = {**rope, "rope_theta": float(value)}
+        else:
+            kwargs[key] = copy.deepcopy(value)
+    kwargs["architectures"] = [model_cls.__name__]
+    try:
+        return cfg_cls(**kwargs)
+    except (TypeError, ValueError, StrictDataclassError) as e:  # e.g. a field of the wrong type
+        raise ValueError(f"invalid config for {arch}/{preset} with overrides {overrides}: {e}") from e
+
+
+def _round_up(n: int, multiple: int = 64) -> int:
+    return int(math.ceil(n / multiple) * multiple)
+
+
+def _prepare(out_dir: Path, arch: str, preset: str, tokenizer: str | Path | None, overrides: dict | None):
+    """Write the tokenizer into out_dir and return (config, tokenizer ids)."""
+    spec = _arch(arch, preset)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flavour = TOKENIZERS[spec.tokenizer]
+    if tokenizer is not None:
+        tok = copy_tokenizer(tokenizer, out_dir)
+    else:
+        tok = build_tokenizer(out_dir, BUILT_VOCAB, flavour)
+    ids = token_ids(tok, flavour)
+    vocab = _round_up(len(tok))
+    if preset in spec.fixed_vocab:
+        vocab = max(vocab, spec.presets[preset]["vocab_size"])
+    merged = {"vocab_size": vocab, **ids, **(overrides or {})}
+    if merged["vocab_size"] < len(tok):
+        raise ValueError(f"vocab_size {merged['vocab_size']} < len(tokenizer) {len(tok)}")
+    return config_for(arch, preset, merged), ids
+
+
+def _write_generation_config(out_dir: Path, ids: dict[str, Any], config) -> None:
+    """generation_config.json: the tokenizer's eos list (Qwen3: [<|im_end|>, <|endoftext|>]) and pad, bos null."""
+    gen = {
+        "bos_token_id": None,
+        "eos_token_id": ids["eos_token_id"] if ids["eos_token_id"] is not None else config.eos_token_id,
+        "pad_token_id": ids["pad_token_id"] if ids["pad_token_id"] is not None else config.pad_token_id,
+        "transformers_version": getattr(config, "transformers_version", None) or _tf_version(),
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _add_legacy_keys(out_dir: Path, config) -> None:
+    """Add the key spellings of real releases next to transformers 5's (it reads both):
+    ``num_experts`` (saved as ``num_local_experts``) and ``rope_theta`` (saved inside
+    ``rope_parameters``). ``torch_dtype`` is not added: transformers 5 warns that it is deprecated
+    (it saves ``dtype``)."""
+    path = out_dir / "config.json"
+    d = json.loads(path.read_text())
+    if "num_local_experts" in d and "num_experts" not in d:
+        d["num_experts"] = d["num_local_experts"]
+    rope = d.get("rope_parameters") or {}
+    if "rope_theta" in rope and "rope_theta" not in d:
+        d["rope_theta"] = rope["rope_theta"]
+    path.write_text(json.dumps(dict(sorted(d.items())), indent=2) + "\n")
+
+
+def make_model(
+    out_dir: str | Path,
+    arch: str = "qwen3_moe",
+    preset: str = "tiny",
+    *,
+    tokenizer: str | Path | None = None,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    overrides: dict | None = None,
+    max_shard_size: str = "2GB",
+) -> Path:
+    """Build a random-weight checkpoint of a preset geometry in the Hugging Face layout.
+
+    Writes into ``out_dir`` (created if missing): ``model.safetensors`` (or
+    ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` when larger than
+    ``max_shard_size``), ``config.json`` (with eos/pad ids and, besides transformers 5's keys, the
+    release spellings ``num_experts``/``rope_theta``), ``generation_config.json``
+    (the tokenizer flavour's eos list, e.g. ``[<|im_end|>, <|endoftext|>]``, and pad, bos null) and the
+    tokenizer files.
+    Experts are saved per expert: ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``.
+
+    Weights come from the model class's own init (normal, std ``initializer_range``; RMSNorm
+    weights 1) after ``torch.manual_seed(seed)``: the same seed gives identical tensors. tiny/small
+    raise ``initializer_range`` (0.2/0.1) so the router softmax is not flat and greedy decoding does
+    not loop at once (see ``_INIT_NOTE`` in :mod:`edgemoe.synth.archs`). Models whose fp32 size is at most 8 GiB
+    are initialized in fp32 and cast (so bf16 and fp32 checkpoints of one seed agree up to
+    rounding); larger ones are built in ``dtype`` directly. ``qwen3-30b-a3b`` is ~61 GB in bf16
+    and needs as much RAM; prefer ``write_config_only``.
+
+    Args:
+        out_dir: output directory.
+        arch: a key of :data:`~edgemoe.synth.archs.ARCHS` (``"qwen3_moe"``, ``"qwen3_5_moe"``, ``"glm4_moe"``).
+        preset: one of that architecture's presets.
+        tokenizer: a directory whose tokenizer files are copied; None builds one in the architecture's
+            flavour (``build_tokenizer``).
+            ``vocab_size`` becomes ``len(tokenizer)`` rounded up to a multiple of 64 (at least
+            151936 for ``qwen3-30b-a3b``).
+        seed: torch RNG seed of the init.
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the saved tensor dtype.
+        overrides: HF config kwargs applied last (see ``config_for``).
+        max_shard_size: ``save_pretrained`` shard size, e.g. ``"2GB"``.
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        ValueError: unknown arch, preset or dtype (the message lists the choices), an invalid
+            override, or a ``vocab_size`` override below ``len(tokenizer)``.
+        FileNotFoundError: ``tokenizer`` holds no tokenizer.json/tokenizer_config.json.
+    """
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    _check_dtype(dtype)
+    out = Path(out_dir)
+    config, ids = _prepare(out, arch, preset, tokenizer, overrides)
+    _, model_cls = ARCHS[arch].classes()
+    target = parse_dtype(dtype)
+    n_params = param_count(config)
+    init_dtype = torch.float32 if n_params * 4 <= _FP32_INIT_MAX_BYTES else target
+
+    torch.manual_seed(seed)
+    prev_default = torch.get_default_dtype()
+    torch.set_default_dtype(init_dtype)
+    try:
+        model = model_cls(config)
+    finally:
+        torch.set_default_dtype(prev_default)
+    model = model.to(target).eval()
+    model.config.dtype = target
+
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    finally:
+        if progress:
+            hf_logging.enable_progress_bar()
+    _write_generation_config(out, ids, model.config)
+    _add_legacy_keys(out, model.config)
+    _fix_mode(out)
+    return out
+
+
+def _fix_mode(out_dir: Path) -> None:
+    """safetensors (save_file) writes files 0600; give the shards the mode the umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out_dir.glob("*.safetensors"):
+        os.chmod(f, 0o666 & ~umask)
+
+
+def write_config_only(
+    out_dir: str | Path,
+    arch: str = "qwen3_moe",
+    preset: str = "qwen3-30b-a3b",
+    tokenizer: str | Path | None = None,
+    *,
+    dtype: str = "bfloat16",
+    overrides: dict | None = None,
+) -> Path:
+    """Write config.json, generation_config.json and tokenizer files, without weights.
+
+    Same files and rules as ``make_model`` minus the safetensors: for engines that load a geometry
+    with dummy weights (e.g. full-size ``qwen3-30b-a3b`` benchmarks without a 61 GB download).
+    ``dtype`` is only recorded in config.json (``dtype``).
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        ValueError: unknown arch, preset or dtype (the message lists the choices), or invalid overrides.
+        FileNotFoundError: ``tokenizer`` holds no tokenizer.json/tokenizer_config.json.
+    """
+    _check_dtype(dtype)
+    out = Path(out_dir)
+    config, ids = _prepare(out, arch, preset, tokenizer, overrides)
+    config.dtype = dtype
+    config.save_pretrained(str(out))
+    _write_generation_config(out, ids, config)
+    _add_legacy_keys(out, config)
+    return out

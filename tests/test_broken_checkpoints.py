@@ -1,0 +1,306 @@
+"""Broken checkpoints: every fault is one exception whose message is one line naming the file (and the tensor).
+
+Through the weights entry points the runner calls (``load_checkpoint``, ``load_ftw``), the checkpoint
+index and ``load_config``; the HF and FTW directories are real ones written by ``make_model`` and
+``convert``, then damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.models import load_config, model_class
+from edgemoe.synth import make_model
+from edgemoe.weights.ftw import (
+    MANIFEST,
+    FTWChecksumError,
+    FTWConfigError,
+    FTWError,
+    FTWTruncatedError,
+    convert,
+    load_ftw,
+)
+from edgemoe.weights.index import CheckpointError, CheckpointIndex, read_safetensors_header
+from edgemoe.weights.loader import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("sharded") / "tiny"
+    make_model(d, "qwen3_moe", "tiny", seed=1, dtype="float32", max_shard_size="300KB")
+    assert len(list(d.glob("*.safetensors"))) > 1
+    return d
+
+
+@pytest.fixture(scope="module")
+def ftw_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return convert(tiny_model_dir, tmp_path_factory.mktemp("ftw") / "tiny.ftw", progress=False)
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    d = tmp_path / src.name
+    shutil.copytree(src, d)
+    return d
+
+
+def _one_line(exc: pytest.ExceptionInfo, *names: str | Path) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    for name in names:
+        assert str(name) in msg, (name, msg)
+    return msg
+
+
+def _load_hf(d: Path) -> None:
+    cfg = load_config(d)
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg)
+    pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                          torch.float32)
+    load_checkpoint(model, pool, d, torch.float32, torch.device("cpu"), cfg.num_experts, progress=False)
+
+
+def _load_ftw(d: Path) -> None:
+    cfg = load_config(d)
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg)
+    pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                          torch.float32)
+    load_ftw(model, pool, d, torch.float32, torch.device("cpu"), cfg, progress=False)
+
+
+def _flip_bit(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0x01]))
+
+
+# ------------------------------------------------------------------------------- Hugging Face directories
+
+
+def test_intact_checkpoints_load(tiny_model_dir, sharded):
+    _load_hf(tiny_model_dir)
+    _load_hf(sharded)
+
+
+def test_truncated_safetensors_names_file_and_tensor(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path)
+    f = d / "model.safetensors"
+    last = max(read_safetensors_header(f).values(), key=lambda t: t.end)
+    os.truncate(f, f.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        _load_hf(d)
+    _one_line(e, f, f"tensor {last.name}")
+
+
+def test_safetensors_cut_inside_its_header(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path)
+    f = d / "model.safetensors"
+    os.truncate(f, 20)
+    with pytest.raises(CheckpointError, match="its safetensors header alone needs") as e:
+        _load_hf(d)
+    _one_line(e, f)
+
+
+def test_truncated_shard(sharded, tmp_path):
+    d = _copy(sharded, tmp_path)
+    shard = min(d.glob("*.safetensors"))
+    os.truncate(shard, shard.stat().st_size - 1)
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        _load_hf(d)
+    _one_line(e, shard)
+
+
+def test_missing_shard_named_by_the_index(sharded, tmp_path):
+    d = _copy(sharded, tmp_path)
+    shard = max(d.glob("*.safetensors"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="missing shard") as e:
+        _load_hf(d)
+    _one_line(e, shard, "model.safetensors.index.json maps tensor")
+
+
+def test_missing_shard_without_an_index(sharded, tmp_path):
+    d = _copy(sharded, tmp_path)
+    (d / "model.safetensors.index.json").unlink()
+    max(d.glob("*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match=r"missing (tensor|\d+ routed-expert tensor)") as e:
+        _load_hf(d)
+    _one_line(e, d)
+
+
+def test_tensor_in_two_shards(sharded, tmp_path):
+    d = _copy(sharded, tmp_path)
+    first, second = sorted(d.glob("*.safetensors"))[:2]
+    a, b = load_file(first), load_file(second)
+    name = next(iter(a))
+    b[name] = a[name]
+    save_file(b, second)
+    with pytest.raises(CheckpointError, match="a tensor in two shards") as e:
+        CheckpointIndex.open(d)
+    _one_line(e, second, f"tensor {name}", first.name)
+
+
+def test_index_mapping_a_tensor_to_the_wrong_shard(sharded, tmp_path):
+    d = _copy(sharded, tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    name = next(k for k, v in index["weight_map"].items() if v == files[0])
+    index["weight_map"][name] = files[1]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="maps to this file") as e:
+        _load_hf(d)
+    _one_line(e, d / files[1], f"tensor {name}")
+
+
+def test_index_that_is_not_json(sharded, tmp_path):
+    d = _copy(sharded, tmp_path)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match="not a valid safetensors index") as e:
+        _load_hf(d)
+    _one_line(e, d / "model.safetensors.index.json")
+
+
+def test_expert_tensor_of_a_dense_layer(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path)  # the tiny preset's layer 1 is a dense-MLP layer
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.1.mlp.experts.0.down_proj.weight"] = torch.zeros(64, 64)
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="layer 1 is not a MoE layer") as e:
+        _load_hf(d)
+    _one_line(e, d / "model.safetensors", "model.layers.1.mlp.experts.0.down_proj.weight")
+
+
+def test_expert_given_twice_fused_and_per_expert(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path)
+    sd = load_file(d / "model.safetensors")
+    cfg = load_config(d)
+    sd["model.layers.2.mlp.experts.down_proj"] = torch.zeros(cfg.num_experts, 64, 64)  # also per expert
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="down_proj is also given by") as e:
+        _load_hf(d)
+    _one_line(e, d / "model.safetensors")
+
+
+def test_config_json_that_is_not_json(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path)
+    (d / "config.json").write_text('{"model_type": "qwen3_moe",\n "hidden_size": 64,,\n}')
+    with pytest.raises(ValueError, match="not valid JSON") as e:
+        load_config(d)
+    _one_line(e, d / "config.json")
+    with pytest.raises(ValueError, match="not valid JSON") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / "config.json")
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object") as e:
+        load_config(d)
+    _one_line(e, d / "config.json")
+
+
+# ------------------------------------------------------------------------------- FTW directories
+
+
+def test_intact_ftw_loads(ftw_dir):
+    _load_ftw(ftw_dir)
+
+
+@pytest.mark.parametrize("bank", ["experts.w13.bin", "experts.w2.bin"])
+def test_flipped_bit_in_a_bank(ftw_dir, tmp_path, bank):
+    d = _copy(ftw_dir, tmp_path)
+    _flip_bit(d / bank, (d / bank).stat().st_size // 2)
+    with pytest.raises(FTWChecksumError, match="checksum mismatch") as e:
+        _load_ftw(d)
+    _one_line(e, d / bank, "MoE layers")
+
+
+def test_flipped_bit_in_the_non_expert_file(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    _flip_bit(d / "non_expert.safetensors", 4000)
+    with pytest.raises(FTWChecksumError, match="checksum mismatch") as e:
+        _load_ftw(d)
+    _one_line(e, d / "non_expert.safetensors")
+
+
+@pytest.mark.parametrize("name,what", [("experts.w13.bin", "bank file w13 is missing"),
+                                       ("experts.w2.bin", "bank file w2 is missing"),
+                                       ("non_expert.safetensors", "non-expert weights file is missing")])
+def test_missing_ftw_file(ftw_dir, tmp_path, name, what):
+    d = _copy(ftw_dir, tmp_path)
+    (d / name).unlink()
+    with pytest.raises(FTWTruncatedError, match=what) as e:
+        _load_ftw(d)
+    _one_line(e, d / name)
+
+
+def _edit_manifest(d: Path, edit) -> None:
+    man = json.loads((d / MANIFEST).read_text())
+    edit(man)
+    (d / MANIFEST).write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m["banks"]["w13"].pop("row_stride"), r"manifest field banks\.w13\.row_stride: Field required"),
+    (lambda m: m["banks"]["w2"].update(offset="0"), r"manifest field banks\.w2\.offset: Input should be a valid integer"),
+    (lambda m: m["banks"]["w2"].update(dtype="int8"), r"manifest field banks\.w2\.dtype: Input should be 'bfloat16'"),
+    (lambda m: m["banks"].pop("w2"), r"manifest field banks: Value error, lacks bank 'w2'"),
+    (lambda m: m.update(tensors=3), r"manifest field tensors: Extra inputs are not permitted"),
+    (lambda m: m["experts"].update(num_experts=-1), r"manifest field experts\.num_experts: Input should be greater"),
+    (lambda m: m["non_expert"]["checksum"].update(algorithm="md5"),
+     r"manifest field non_expert\.checksum\.algorithm: Input should be 'crc32'"),
+], ids=["field-missing", "wrong-type", "bank-dtype", "bank-missing", "unknown-key", "negative", "checksum-algorithm"])
+def test_manifest_that_does_not_follow_the_schema(ftw_dir, tmp_path, edit, match):
+    d = _copy(ftw_dir, tmp_path)
+    _edit_manifest(d, edit)
+    with pytest.raises(FTWError, match=match) as e:
+        _load_ftw(d)
+    _one_line(e, d / MANIFEST)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m["banks"]["w13"]["checksum"]["chunks"].append(0), "inconsistent"),
+    (lambda m: m["banks"]["w13"].update(row_stride=100), "inconsistent"),
+    (lambda m: m["non_expert"]["checksum"]["chunks"].append(0), "inconsistent chunking"),
+], ids=["extra-checksum", "unaligned-stride", "non-expert-chunks"])
+def test_manifest_inconsistent_with_itself(ftw_dir, tmp_path, edit, match):
+    d = _copy(ftw_dir, tmp_path)
+    _edit_manifest(d, edit)
+    with pytest.raises(FTWError, match=match) as e:
+        _load_ftw(d)
+    _one_line(e, d / MANIFEST)
+
+
+def test_manifest_disagreeing_with_the_files(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    _edit_manifest(d, lambda m: m["non_expert"].update(nbytes=m["non_expert"]["nbytes"] + 4096))
+    with pytest.raises(FTWTruncatedError, match="manifest says") as e:
+        _load_ftw(d)
+    _one_line(e, d / "non_expert.safetensors")
+
+
+def test_manifest_disagreeing_with_config_json(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 32
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FTWConfigError, match="moe_intermediate_size 32 in config.json, 64 in the banks") as e:
+        _load_ftw(d)
+    _one_line(e, d / "config.json", d / MANIFEST)
+
+
+def test_ftw_config_json_that_is_not_json(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    (d / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON") as e:
+        load_config(d)
+    _one_line(e, d / "config.json")
