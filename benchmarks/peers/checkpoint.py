@@ -7,7 +7,7 @@ Geometry: Qwen3-30B-A3B's layers (hidden 2048, 128 experts, top-8, expert interm
 ``write_hf`` writes the release layout of ``Qwen3MoeForCausalLM`` (per-expert
 ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``), one safetensors shard per decoder layer
 plus one for the embeddings and one for the final norm and LM head, and ``model.safetensors.index.json``;
-config, generation config and tokenizer come from ``edgemoe.weights.make_model.write_config_only``.
+config, generation config and tokenizer come from ``edgemoe.synth.write_config_only``.
 Values: normal with the config's ``initializer_range`` (0.02), RMSNorm weights 1 (as transformers'
 init), drawn layer by layer on the GPU when there is one (seeded ``torch.Generator``).
 
@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from edgemoe.weights.make_model import write_config_only
+from edgemoe.synth import write_config_only
 
 TOKEN_ROUTING_O_PROJ_STD = 2e-4
 MARKER = "peers_checkpoint.json"
@@ -118,7 +118,8 @@ def write_hf(out: str | Path, layers: int, tokenizer: str | Path | None, *, toke
     from safetensors.torch import save_file
 
     out = Path(out)
-    write_config_only(out, "qwen3_moe", "qwen3-30b-a3b", tokenizer, overrides={"num_hidden_layers": layers, **(overrides or {})})
+    write_config_only(out, "qwen3_moe", "qwen3-30b-a3b", tokenizer,
+                      overrides={"num_hidden_layers": layers, **(overrides or {})})
     cfg = json.loads((out / "config.json").read_text())
     std = float(cfg["initializer_range"])
     dev = _device(device)
@@ -141,8 +142,9 @@ def write_hf(out: str | Path, layers: int, tokenizer: str | Path | None, *, toke
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / MARKER).write_text(json.dumps({"layers": layers, "token_routing": token_routing, "seed": seed,
-                                          "device": dev.type, "bytes": total}, indent=2) + "\n")
+    marker = {"layers": layers, "token_routing": token_routing, "overrides": overrides or {}, "seed": seed,
+              "device": dev.type, "bytes": total}
+    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out
 
 
@@ -283,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokenizer", help="tokenizer folder to copy (default: make_model's own tokenizer)")
     ap.add_argument("--token-routing", action="store_true", help="o_proj with std 2e-4: routing by the current token")
+    ap.add_argument("--config-overrides", default="{}", help="JSON of HF config kwargs over the qwen3-30b-a3b preset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="where values are drawn: auto, cpu, cuda")
     ap.add_argument("--llama-cpp", default=str(Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp"))
@@ -293,7 +296,8 @@ def main(argv=None) -> int:
     hf = out / "hf"
     if not a.skip_hf:
         t0 = time.perf_counter()
-        write_hf(hf, a.layers, a.tokenizer, token_routing=a.token_routing, seed=a.seed, device=a.device)
+        write_hf(hf, a.layers, a.tokenizer, token_routing=a.token_routing, seed=a.seed, device=a.device,
+                 overrides=json.loads(a.config_overrides))
         gb = json.loads((hf / MARKER).read_text())["bytes"] / 1e9
         dt = time.perf_counter() - t0
         print(f"hf: {gb:.2f} GB in {dt:.1f} s ({gb / dt:.2f} GB/s) -> {hf}", flush=True)

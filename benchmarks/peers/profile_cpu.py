@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         ms = 1e3 * s / n
         mb = weight_bytes.get(name, 0) / 1e6
         gbps = mb / ms if mb and ms > 0 else None
-        rows.append({"part": name, "ms_per_token": ms, "share": s / step_s, "weight_mb_per_token": mb, "gb_per_s": gbps})
+        rows.append({"part": name, "ms_per_token": ms, "share": s / step_s, "weight_mb_per_token": mb,
+                     "gb_per_s": gbps})
         print(f"{name:<10} {ms:9.2f} {s / step_s:6.1%} {mb:9.1f} {'' if gbps is None else f'{gbps:6.1f}'}")
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
