@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile grouped agent peers
-# (default: tests decode prefill)
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
+#        prefill-profile grouped agent peers (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
@@ -35,6 +35,22 @@ for stage in "${stages[@]}"; do
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
     timeout 240 python3 benchmarks/cpu_executor.py --threads 6,16 --batch 1,8 --experts-per-call 8 \
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
+  threads)
+    echo "== native executor B_H per thread count (1..cores), planned vs as asked, alone and beside 1 busy process"
+    for sp in 0 1; do
+      timeout 280 python3 benchmarks/thread_scaling.py executor --spinners $sp --seconds 0.5 --out "$OUT/threads-exec-s$sp" \
+        2>&1 | tee "$OUT/threads-exec-s$sp.log" | tail -n 70
+    done ;;
+  threads-decode)
+    echo "== decode tokens/s per CPU thread count (16-layer Qwen3-30B-A3B geometry, 2.42 GB expert cache)"
+    timeout ${THREADS_TIMEOUT:-580} python3 benchmarks/thread_scaling.py decode --layers 16 --budgets 2.42 \
+      --policies qstar,cpu-all --plans planned,as-asked --tokens 32 --warmup 8 --out "$OUT/threads-decode" ${THREADS_ARGS:-} 2>&1 \
+      | tee "$OUT/threads-decode.log" | tail -n 45 ;;
+  batches)
+    echo "== decode throughput at batch 1/4/16/64 (16-layer Qwen3-30B-A3B geometry, uniform routing)"
+    timeout ${BATCHES_TIMEOUT:-580} python3 benchmarks/decode.py --layers 16 --budgets 2.42,6.04 --policies qstar \
+      --batch-sizes 1,4,16,64 --tokens 32 --out "$OUT/batches" ${BATCHES_ARGS:-} 2>&1 | tee "$OUT/batches.log" \
+      | grep -v "^{'policy'" | tail -n 20 ;;
   decode)
     echo "== decode benchmark (Qwen3-30B-A3B geometry, dummy weights)"
     timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/decode.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" \

@@ -103,7 +103,7 @@ def test_hf_checkpoint_loads_strictly_and_routes_by_token(pair):
     assert runner.pool.num_ids == 2 * 8
     with safe_open(str(hf / index["model.layers.1.mlp.experts.5.up_proj.weight"]), framework="pt") as f:
         up = f.get_tensor("model.layers.1.mlp.experts.5.up_proj.weight")
-    assert torch.equal(runner.pool.w13[8 + 5, 32:], up)  # w13 = [gate; up] rows of expert (layer 1, 5)
+    assert torch.equal(runner.pool.view("w13")[8 + 5, 32:], up)  # w13 = [gate; up] rows of expert (layer 1, 5)
 
 
 # ------------------------------------------------------------------------------------------------ run.py
@@ -140,14 +140,15 @@ def test_table_ratios_and_bytes_bounds(tmp_path):
     (res / "llama" / "gpu-ncmoe14.jsonl").write_text(_llama_line(6, 99, 14, 40.0) + "\n")
     (res / "llama" / "gpu-ncmoe0.jsonl").write_text(_llama_line(6, 99, 0, 400.0) + "\n")
     (res / "llama" / "cpu.jsonl").write_text(_llama_line(16, 0, 0, 50.0) + "\n")
-    for name, b_h, results in [
-        ("gpu-t6", 50.0, [_edge_result("static", 2048, 420.0, resident=True), _edge_result("qstar", 256, 80.0, 10.0),
+    for name, b_h, pool, results in [
+        ("gpu-t6", 50.0, 6, [_edge_result("static", 2048, 420.0, resident=True), _edge_result("qstar", 256, 80.0, 10.0),
                           _edge_result("cpu-all", 256, 45.0, 25.0), _edge_result("static", 256, 46.0, 24.0)]),
-        ("cpu-t16", 60.0, [_edge_result("cpu-all", 0, 40.0)]),
+        ("cpu-t16", 60.0, 15, [_edge_result("cpu-all", 0, 40.0)]),  # a pool capped below the request
     ]:
         (res / "edgemoe" / name).mkdir(parents=True)
         prof = {"isolated": {"b_p_gbps": 50.0, "b_h_gbps": b_h}, "concurrent": {"b_p_gbps": 40.0, "b_h_gbps": b_h}}
-        (res / "edgemoe" / name / "decode.json").write_text(json.dumps({"meta": {"profile": prof}, "results": results}))
+        meta = {"profile": prof, "machine": {"cpu_threads": pool}}
+        (res / "edgemoe" / name / "decode.json").write_text(json.dumps({"meta": meta, "results": results}))
     a = type("Args", (), {"results": str(res), "ncmoe_levels": [14], "thread_list": [6], "cpu_thread_list": [16],
                           "cpu_only": False, "tokens": 64, "reps": 3})()
     geo = run.geometry(run.model_config(16, {}))
@@ -162,7 +163,8 @@ def test_table_ratios_and_bytes_bounds(tmp_path):
     assert "| all resident (19.3 GB, -ncmoe 0) | 6 | 400.0 | 420.0 | 1.05× |" in md
     cpu = next(r for r in rows if r["kind"] == "cpu-only")
     gb = (geo["dense_bytes_per_token"] + 16 * 8 * ROW) / 1e9
-    assert cpu["bound"] == pytest.approx(60.0 / gb) and f"| 16 | 50.0 | 40.0 ({60.0 / gb:.0f}) | 0.80× |" in md
+    assert cpu["bound"] == pytest.approx(60.0 / gb)
+    assert f"| 16 (edgemoe pool 15) | 50.0 | 40.0 ({60.0 / gb:.0f}) | 0.80× |" in md
 
 
 def test_stopped_runs_keep_what_they_printed():

@@ -423,6 +423,15 @@ def build_table(a, geo: dict) -> str:
         prof = (edge.get(name) or {}).get("meta", {}).get("profile")
         return prof["isolated"]["b_h_gbps"] if prof else None
 
+    def pool_threads(name: str) -> int | None:
+        """The CPU executor's threads in that run: a request above the cores free of the threads that run
+        beside the pool is capped (on CUDA one core stays for the Python and driver threads)."""
+        return (edge.get(name) or {}).get("meta", {}).get("machine", {}).get("cpu_threads")
+
+    def threads_cell(r: dict) -> str:
+        t, pool = r["threads"], r["edgemoe_pool_threads"]
+        return f"{t} (edgemoe pool {pool})" if pool is not None and pool != t else str(t)
+
     rows = []
     levels = [(c, (n - c) * e) for c in a.ncmoe_levels]
     for t in [] if a.cpu_only else a.thread_list:
@@ -432,7 +441,8 @@ def build_table(a, geo: dict) -> str:
         for ncmoe, slots in levels:
             lr = llama_at(ncmoe, t)
             cpu_gb = ncmoe * k * row / 1e9  # per token, llama.cpp's CPU experts
-            row_out = {"kind": "gpu", "threads": t, "ncmoe": ncmoe, "slots": slots, "expert_vram_gb": slots * row / 1e9,
+            row_out = {"kind": "gpu", "threads": t, "edgemoe_pool_threads": pool_threads(name), "ncmoe": ncmoe,
+                       "slots": slots, "expert_vram_gb": slots * row / 1e9,
                        "llama": lr and lr["tokens_per_s"], "llama_cpu_gb_per_token": cpu_gb,
                        "llama_bound": 1e3 / (res_ms + cpu_gb / bh * 1e3) if res_ms and bh else None}
             for pol in ("qstar", "cpu-all", "static"):
@@ -444,7 +454,8 @@ def build_table(a, geo: dict) -> str:
                 row_out[pol + "_q_over_m"] = r and r["q_over_m_observed"]
             rows.append(row_out)
         er = edge_at(name, None, "static")
-        rows.append({"kind": "resident", "threads": t, "ncmoe": 0, "slots": n * e, "expert_vram_gb": n * e * row / 1e9,
+        rows.append({"kind": "resident", "threads": t, "edgemoe_pool_threads": pool_threads(name), "ncmoe": 0,
+                     "slots": n * e, "expert_vram_gb": n * e * row / 1e9,
                      "llama": lres and lres["tokens_per_s"], "resident": er and er["tokens_per_s"]})
     for t in a.cpu_thread_list:
         lr = llama_at(n, t, cpu_only=True)
@@ -452,7 +463,8 @@ def build_table(a, geo: dict) -> str:
         er = next((r for r in d["results"] if r["policy"] == "cpu-all"), None) if d else None
         bh = b_h(f"cpu-t{t}")
         gb = (geo["dense_bytes_per_token"] + n * k * row) / 1e9
-        rows.append({"kind": "cpu-only", "threads": t, "llama": lr and lr["tokens_per_s"],
+        rows.append({"kind": "cpu-only", "threads": t, "edgemoe_pool_threads": pool_threads(f"cpu-t{t}"),
+                     "llama": lr and lr["tokens_per_s"],
                      "cpu-all": er and er["tokens_per_s"], "gb_per_token": gb, "bound": bh and bh / gb})
 
     version = PEERS / "llama.cpp" / "PEERS_VERSION"
@@ -474,12 +486,14 @@ def build_table(a, geo: dict) -> str:
             vram = (f"{r['expert_vram_gb']:.2f} GB (-ncmoe {r['ncmoe']})" if r["slots"]
                     else f"none: all on CPU (-ncmoe {r['ncmoe']})")
             hit = "–" if r["qstar_hit_rate"] is None else f"{r['qstar_hit_rate']:.3f}"
-            md.append(f"| {vram} | {r['threads']} | {_fmt(r['llama'], r['llama_bound'])} | "
+            md.append(f"| {vram} | {threads_cell(r)} | "
+                      f"{_fmt(r['llama'], r['llama_bound'])} | "
                       f"{_fmt(r['qstar'], r['qstar_bound'])} | {_ratio(r['qstar'], r['llama'])} | "
                       f"{_fmt(r['cpu-all'], r['cpu-all_bound'])} | {_ratio(r['cpu-all'], r['llama'])} | "
                       f"{_fmt(r['static'], r['static_bound'])} | {_ratio(r['static'], r['llama'])} | {hit} |")
         elif r["kind"] == "resident":
-            md.append(f"| all resident ({r['expert_vram_gb']:.1f} GB, -ncmoe 0) | {r['threads']} | "
+            md.append(f"| all resident ({r['expert_vram_gb']:.1f} GB, -ncmoe 0) | "
+                      f"{threads_cell(r)} | "
                       f"{_fmt(r['llama'])} | {_fmt(r['resident'])} | {_ratio(r['resident'], r['llama'])} | | | | | |")
     cpu_rows = [r for r in rows if r["kind"] == "cpu-only"]
     if cpu_rows:
@@ -488,7 +502,8 @@ def build_table(a, geo: dict) -> str:
                     "B_H:"), "",
                "| threads | llama.cpp | edgemoe | ratio |", "|---|---|---|---|"]
         for r in cpu_rows:
-            md.append(f"| {r['threads']} | {_fmt(r['llama'])} | {_fmt(r['cpu-all'], r['bound'])} | "
+            md.append(f"| {threads_cell(r)} | {_fmt(r['llama'])} | "
+                      f"{_fmt(r['cpu-all'], r['bound'])} | "
                       f"{_ratio(r['cpu-all'], r['llama'])} |")
     partial = [f.name for f in (res / "llama").glob("*.partial.jsonl")] + [
         d.name for d in (res / "edgemoe").glob("*")

@@ -16,6 +16,7 @@ recurrent-state slots) and returns last-token logits. What it owns, by seam:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -33,9 +34,10 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
 from edgemoe.models import load_config, model_class
+from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
-from edgemoe.weights.loader import init_dummy, load_checkpoint
+from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class ModelRunner:
         self.device = config.resolved_device()
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+        self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
         configure_torch_threads(config.cpu_threads)
         model_cls = model_class(cfg.architecture)
         # built before the tokenizer thread starts: a scaled RoPE imports transformers' initializers here, and
@@ -79,27 +82,30 @@ class ModelRunner:
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
-        if config.load_format == "dummy":
-            self.weights_format = "dummy weights"
-            init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
-        elif is_ftw(self.model_dir):
-            self.weights_format = "FTW"
-            self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
-                                       verify=config.verify_weights, progress=progress)
-        else:
-            self.weights_format = "HF safetensors"
-            load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
-                            progress=progress)
-        self.tokenizer = tokenizer_future.result()
+        self.weights_format = ("dummy weights" if config.load_format == "dummy" else
+                               "FTW" if is_ftw(self.model_dir) else "HF safetensors")
+        self.pool: HostExpertPool
+        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; routed experts "
+                          f"into host memory, the rest onto {self.device})"):
+            if config.load_format == "dummy":
+                layout = dummy_layout(self.model, self.model_dir, cfg, self.dtype)
+                self.pool = init_dummy(self.model, layout, cfg, self.dtype, self.device, config.seed,
+                                       progress=progress)
+            elif is_ftw(self.model_dir):
+                self.pool, self.load_stats = load_ftw(self.model, self.model_dir, self.dtype, self.device, cfg,
+                                                      verify=config.verify_weights, progress=progress)
+            else:
+                self.pool = load_checkpoint(self.model, self.model_dir, cfg, self.dtype, self.device,
+                                            progress=progress)
+            self.tokenizer = tokenizer_future.result()
         self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
-        self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
+        pinning = startup_step(f"pinning the {size(self.pool.nbytes)} host expert pool (cudaHostRegister)")
+        with pinning if self.device.type == "cuda" else contextlib.nullcontext():  # after filling, not before
+            self.pin_outcome = pin_or_fallback(self.pool, self.device)
         self.pinned = self.pin_outcome.pinned
 
-        self.max_model_len = int(config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
         ps = config.page_size
         cuda = self.device.type == "cuda"
@@ -128,6 +134,25 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
+    def _max_model_len(self, requested: int | None) -> int:
+        """``requested`` (``--max-model-len``), else the model's context length capped at
+        ``DEFAULT_MAX_MODEL_LEN``.
+
+        Raises:
+            ValueError: ``requested`` exceeds the model's context length (``ModelConfig.context_length``:
+                ``max_position_embeddings``, extended by a RoPE scaling config): positions past it were
+                never trained and give garbage, so it is refused rather than accepted silently.
+        """
+        cfg = self.model_config
+        limit = cfg.context_length()
+        if requested is not None and requested > limit:
+            scaled = ("" if limit == cfg.max_position_embeddings else
+                      f", extended by its {cfg.rope_parameters['rope_type']} RoPE scaling")
+            raise ValueError(f"max_model_len {requested} exceeds the model's context length {limit} "
+                             f"(max_position_embeddings {cfg.max_position_embeddings} in config.json{scaled}); "
+                             "to go further, add a RoPE scaling entry (rope_scaling) to config.json")
+        return int(requested or min(limit, DEFAULT_MAX_MODEL_LEN))
+
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
@@ -181,6 +206,22 @@ class ModelRunner:
             self.experts.set_cache(slots, policy)
         finally:
             self._bind()
+
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Rebuild the CPU expert executor with ``threads`` (``None``: the default count) and torch's
+        intra-op threads to match, at a safe point between steps (benchmarks sweep the count this
+        way; ``oversubscribe`` lifts the cap, see :meth:`ExpertRuntime.set_cpu_threads`). The expert
+        cache is rebuilt cold over the new executor; decode graphs are captured again. B_H changes
+        with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
+
+        Raises:
+            ValueError: ``threads < 1``.
+        """
+        try:
+            self.experts.set_cpu_threads(threads, oversubscribe)
+        finally:
+            self._bind()
+        configure_torch_threads(threads)
 
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
         """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
@@ -356,7 +397,15 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda _inputs, _slots: self.model(batch), state_slots, plans, phase)
+        return self._run_model(inputs, lambda _inputs, _slots: self._forward(batch), state_slots, plans, phase)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward over ``batch``; on the CPU its dense layers' GEMVs (decode rows) run on
+        the CPU executor's kernels and threads where it has them (``CpuExecutor.dense_linears``)."""
+        if self.device.type != "cpu":
+            return self.model(batch)
+        with self.experts.cpu_executor.dense_linears(int(batch.input_ids.numel())):
+            return self.model(batch)
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
@@ -394,9 +443,10 @@ class ModelRunner:
             dev += f" ({torch.cuda.get_device_name(self.device)}, {total / 2**30:.0f} GiB)"
         ex = self.experts.cpu_executor
         lines = [
-            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
-            f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
+            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
+            + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "

@@ -31,7 +31,7 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x,
+def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x, stride_s,
                     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -39,7 +39,7 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x,
     if s >= 0:
         wdt = w13_ptr.dtype.element_ty
         rmask = rows < I
-        w_g = w13_ptr + s.to(tl.int64) * (2 * I * H) + rows[:, None].to(tl.int64) * H  # [BI, 1] gate rows
+        w_g = w13_ptr + s.to(tl.int64) * stride_s + rows[:, None].to(tl.int64) * H  # [BI, 1] gate rows
         w_u = w_g + I * H  # up rows
         x_row = x_ptr + (p // K).to(tl.int64) * stride_x
         acc_g = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)
@@ -58,7 +58,7 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x,
 
 
 @triton.jit
-def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I,
+def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I, stride_s,
                  BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -67,7 +67,7 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I,
     odt = out_ptr.dtype.element_ty
     if s >= 0:
         wdt = w2_ptr.dtype.element_ty
-        w_rows = w2_ptr + s.to(tl.int64) * (H * I) + rows[:, None].to(tl.int64) * I  # [BO, 1]
+        w_rows = w2_ptr + s.to(tl.int64) * stride_s + rows[:, None].to(tl.int64) * I  # [BO, 1]
         a_row = a_ptr + p.to(tl.int64) * I
         acc = tl.zeros([BLOCK_O, BLOCK_K], tl.float32)
         for k0 in range(0, I, BLOCK_K):
@@ -92,7 +92,8 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         x: ``[T, H]`` hidden states (any float dtype; rounded to the weight dtype; rows may be strided).
         slot_tk: ``[>= T·k]`` int32 slot per route, row-major over ``[T, k]``; -1: not on the device.
         topk_weights: ``[T, k]`` router weights, contiguous.
-        w13: ``[S, 2I, H]`` cache bank (gate rows then up rows), w2: ``[S, H, I]``; contiguous, same dtype.
+        w13: ``[S, 2I, H]`` slots (gate rows then up rows), w2: ``[S, H, I]``, same dtype: the cache bank's
+            section views (each slot's matrix contiguous; slots ``stride(0)`` elements apart, the row size).
         out: ``[T, k, H]`` contiguous; route rows are overwritten (zeros for ``slot < 0``).
         a: ``[>= T·k, I]`` contiguous scratch in the weight dtype (the SwiGLU activations).
 
@@ -112,15 +113,22 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, got {tuple(topk_weights.shape)}")
     if H13 != H or two_i != 2 * I or tuple(w2.shape) != (S, H, I) or w2.dtype != w13.dtype:
         raise ValueError(f"banks w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} {w2.dtype} do not match x [T, {H}]")
-    if not (w13.is_contiguous() and w2.is_contiguous()) or x.stride(1) != 1:
-        raise ValueError("w13, w2 must be contiguous and x rows contiguous")
+    if not (slot_matrices_contiguous(w13) and slot_matrices_contiguous(w2)) or x.stride(1) != 1:
+        raise ValueError("w13, w2 must hold one contiguous matrix per slot and x rows must be contiguous")
     if slot_tk.dtype != torch.int32 or slot_tk.numel() < P or not slot_tk.is_contiguous():
         raise ValueError(f"slot_tk must be a contiguous int32 tensor of at least {P} entries")
     if tuple(out.shape) != (T, k, H) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{T}, {k}, {H}] tensor, got {tuple(out.shape)}")
     if a.dtype != w13.dtype or a.dim() != 2 or a.shape[0] < P or a.shape[1] != I or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [>= {P}, {I}] {w13.dtype} scratch, got {a.dtype} {tuple(a.shape)}")
-    _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, a, k, H, I, x.stride(0),
+    _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, a, k, H, I, x.stride(0), w13.stride(0),
                                                  BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
-    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, topk_weights, out, H, I,
+    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, topk_weights, out, H, I, w2.stride(0),
                                               BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+
+
+def slot_matrices_contiguous(bank: torch.Tensor) -> bool:
+    """Whether ``bank [S, R, C]`` holds one row-major matrix per slot (``stride = (any >= R·C, C, 1)``): a
+    contiguous tensor, or a section view of a byte bank whose slots are ``row_bytes`` apart."""
+    return bank.dim() == 3 and bank.stride(2) == 1 and bank.stride(1) == bank.shape[2] and (
+        bank.shape[0] <= 1 or bank.stride(0) >= bank.shape[1] * bank.shape[2])
