@@ -607,6 +607,15 @@ def main(argv=None) -> int:
     work = pick_work_dir(a, want, geo["checkpoint_bytes"])
     hf, gguf = work / "hf", work / "model-bf16.gguf"
     results = Path(a.results)
+    restore = PEERS / "carry" / "peers-results.tar.gz"
+    if restore.exists() and not (results / "llama").exists() and not (results / "edgemoe").exists() and not a.dry_run:
+        # a machine that went cold between calls: the runs an earlier call returned in $OUT are not made again
+        with tarfile.open(restore) as tar:
+            tar.extractall(results.parent / "restore", filter="data")
+        shutil.rmtree(results, ignore_errors=True)
+        (results.parent / "restore" / "peers-results").rename(results)
+        shutil.rmtree(results.parent / "restore")
+        log(f"results restored from {restore}")
     results.mkdir(parents=True, exist_ok=True)
     env = bench_env()
     build = Build(a, env)
