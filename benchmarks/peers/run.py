@@ -127,15 +127,18 @@ def checkpoint_complete(work: Path, want: dict) -> bool:
 
 
 def pick_work_dir(a, want: dict, need: int) -> Path:
-    """``--work``; else where a complete checkpoint with this marker already is; else ``.peers/ckpt`` when
-    its file system holds both formats (it survives between calls of a warm machine), else
-    ``/dev/shm/edgemoe-peers`` when that tmpfs holds them with room left for the engines (one format's
-    bytes for edgemoe's host expert pool, plus 16 GiB)."""
+    """``--work``; else where a complete checkpoint with this marker already is (else where one was begun);
+    else ``.peers/ckpt`` when its file system holds both formats (it survives between calls of a warm
+    machine), else ``/dev/shm/edgemoe-peers`` when that tmpfs holds them with room left for the engines
+    (one format's bytes for edgemoe's host expert pool, plus 16 GiB)."""
     if a.work:
         return Path(a.work)
     disk, shm = PEERS / "ckpt", Path("/dev/shm/edgemoe-peers")
     for d in (disk, shm):
         if checkpoint_complete(d, want):
+            return d
+    for d in (disk, shm):
+        if (d / "hf").exists():  # a write an earlier call began: resumed or replaced there
             return d
     PEERS.mkdir(exist_ok=True)
     log(f"free: {shutil.disk_usage(PEERS).free / 1e9:.1f} GB in {PEERS}, "
