@@ -13,6 +13,11 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# packages the host lacks (pydantic, FastAPI, uvicorn, llguidance...) travel as wheels in .whl/ (carried)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "installing .whl/ failed" >&2; exit 1; }
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill)
 {
