@@ -2,7 +2,7 @@
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
 #        prefill-profile grouped agent peers (default: tests decode prefill)
-# peers (the llama.cpp comparison; carry .peers/carry) does what is still missing within $PEERS_DEADLINE seconds
+# peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
 # finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
