@@ -42,9 +42,9 @@ for stage in "${stages[@]}"; do
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
   cpu-formats)
     echo "== native CPU kernels per expert format: tests, then B_H in packed GB/s vs the read test at 6 and 15 threads"
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
       | tail -n 3
-    timeout 200 python3 benchmarks/cpu_executor.py --format bf16,fp8,mxfp4,nvfp4 --threads 6,15 --batch 1,8 \
+    timeout 150 python3 benchmarks/cpu_executor.py --format bf16,fp8,mxfp4,nvfp4 --threads 6,15 --batch 1,8 \
       --experts-per-call 8 --executors native --out "$OUT/cpu_formats.json" 2>&1 | tee "$OUT/cpu-formats.log" \
       | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:' ;;
   threads)
