@@ -11,19 +11,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.experts.cache import ExpertCache  # noqa: E402
-from edgemoe.experts.cpu_executor import TorchCpuExecutor  # noqa: E402
-from edgemoe.experts.device_decode import DeviceDecode  # noqa: E402
-from edgemoe.experts.hybrid import HybridExperts  # noqa: E402
-from edgemoe.experts.policy import Bandwidths, make_policy  # noqa: E402
-from edgemoe.experts.pool import HostExpertPool  # noqa: E402
-from edgemoe.quant.layout import ExpertLayout  # noqa: E402
-from edgemoe.quant.weights import WeightFormat  # noqa: E402
+from edgemoe.core import Phase
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
+from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, make_policy
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpreter) variant; tests/gpu covers CUDA")
 

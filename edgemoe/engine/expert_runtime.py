@@ -23,8 +23,8 @@ from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import CacheCounters, ExpertCache
-from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.compute import kernel_reason
+from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
@@ -237,7 +237,8 @@ class ExpertRuntime:
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
         if reason is None and (why := kernel_reason(self.pool.layout)) is not None:
-            reason = f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them in torch"
+            reason = (f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them "
+                      "in torch")
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"
         if reason is not None:
