@@ -15,6 +15,10 @@ Numerics follow ``swiglu_expert`` in the weights' dtype (the eager GPU path,
 ``HybridExperts._run_device_pairs``): x is rounded to the weight dtype; float32 accumulation; each
 projection, ``silu(g)``, the activation product, and the router-weight product are rounded to the
 weight dtype.
+
+:func:`expert_gemv_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4: codes and scales
+read from the slot rows and dequantized in registers, each weight rounded to the compute dtype as the torch
+path rounds its dequantized rows); its E2M1 / E8M0 decoders serve ``grouped_gemm`` too.
 """
 
 from __future__ import annotations

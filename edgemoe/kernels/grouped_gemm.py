@@ -28,6 +28,10 @@ product are rounded to the weight dtype. float32 weights use IEEE products (``in
 no TF32), as torch's matmul does by default. There is no split-K: each output row is reduced in one
 fixed order whatever other rows share its tile, so for a given :class:`GroupedConfig` a route's row does
 not depend on the batch composition (which other routes, experts or slots are in the call).
+
+:func:`grouped_swiglu_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4): each weight tile
+is loaded packed, dequantized in registers and rounded to the compute dtype, then fed to ``tl.dot`` (no
+dequantized copy of an expert in memory; ``docs/quantization.md`` says why).
 """
 
 from __future__ import annotations
