@@ -116,7 +116,8 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
     I = two_i // 2
     P = T * k
     if tuple(topk_weights.shape) != (T, k) or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, got {tuple(topk_weights.shape)}")
+        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, "
+                         f"got {tuple(topk_weights.shape)}")
     if H13 != H or two_i != 2 * I or tuple(w2.shape) != (S, H, I) or w2.dtype != w13.dtype:
         raise ValueError(f"banks w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} {w2.dtype} do not match x [T, {H}]")
     if not (slot_matrices_contiguous(w13) and slot_matrices_contiguous(w2)) or x.stride(1) != 1:
