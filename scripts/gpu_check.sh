@@ -53,7 +53,7 @@ for stage in "${stages[@]}"; do
   formats)
     echo "== decode per expert format at equal expert VRAM (Qwen3-30B-A3B geometry, dummy weights, uniform routing)"
     deadline=$((SECONDS + ${FORMATS_TIMEOUT:-520}))  # the whole stage, comparison included
-    dirs=()
+    runs=()
     for q in bf16 fp8 mxfp4 nvfp4-modelopt; do
       left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
       [ $left -lt 30 ] && { echo "formats: no time left for $q"; continue; }
@@ -61,9 +61,9 @@ for stage in "${stages[@]}"; do
       timeout $left python3 benchmarks/decode.py "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
         --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$q" ${FORMATS_ARGS:-} 2>&1 \
         | tee "$OUT/formats-$q.log" | grep -v "^{'policy'" | tail -n 16
-      [ -f "$OUT/formats/$q/decode.json" ] && dirs+=("$OUT/formats/$q")
+      [ -f "$OUT/formats/$q/decode.json" ] && runs+=("$OUT/formats/$q")
     done
-    [ ${#dirs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${dirs[@]}" --out "$OUT/formats" 2>&1 \
+    [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
       | tee "$OUT/formats.log" ;;
   prefill)
     echo "== prefill benchmark (double-buffered layer streaming vs serialized)"
