@@ -150,7 +150,8 @@ class DeviceDecode:
             self.step.close()
             self.step = self.bell = None
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer's decode step.
 
         Args:
