@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        prefill prefill-profile grouped agent peers (default: tests decode prefill)
+#        formats prefill prefill-profile grouped agent peers (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
 # finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
-# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS.
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
+# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520).
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -67,6 +68,21 @@ for stage in "${stages[@]}"; do
     echo "== decode benchmark (Qwen3-30B-A3B geometry, dummy weights)"
     timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/decode.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" \
       | grep -v "^{'policy'" | tail -n 40 ;;
+  formats)
+    echo "== decode per expert format at equal expert VRAM (Qwen3-30B-A3B geometry, dummy weights, uniform routing)"
+    deadline=$((SECONDS + ${FORMATS_TIMEOUT:-520}))  # the whole stage, comparison included
+    runs=()
+    for q in bf16 fp8 mxfp4 nvfp4-modelopt; do
+      left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
+      [ $left -lt 30 ] && { echo "formats: no time left for $q"; continue; }
+      flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
+      timeout $left python3 benchmarks/decode.py "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
+        --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$q" ${FORMATS_ARGS:-} 2>&1 \
+        | tee "$OUT/formats-$q.log" | grep -v "^{'policy'" | tail -n 16
+      [ -f "$OUT/formats/$q/decode.json" ] && runs+=("$OUT/formats/$q")
+    done
+    [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
+      | tee "$OUT/formats.log" ;;
   prefill)
     echo "== prefill benchmark (double-buffered layer streaming vs serialized)"
     timeout 400 python3 benchmarks/prefill.py --out "$OUT" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" | tail -n 30 ;;
