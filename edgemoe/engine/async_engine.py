@@ -177,9 +177,8 @@ class AsyncLLM:
         if not self.is_ready:
             return None
         runner = self.engine.runner
-        page = runner.engine_config.page_size
-        total = runner.kv_capacity_tokens // page
-        return total - runner.kv_free_tokens() // page, total
+        total = runner.kv_capacity_tokens // runner.kv.page_size
+        return total - runner.kv.free_pages, total
 
     @property
     def num_running(self) -> int:
@@ -295,6 +294,7 @@ class AsyncLLM:
         try:
             while self._serve_commands(engine, block=not engine.has_unfinished_requests()):
                 if not engine.has_unfinished_requests():
+                    self._idle_tick(engine)
                     continue
                 try:
                     outputs = engine.step()
@@ -306,6 +306,14 @@ class AsyncLLM:
             self._stopped = True
             self._dispatch(engine.fail_all("the engine is shut down"))
             self._drain_after_stop()
+
+    @staticmethod
+    def _idle_tick(engine: LLMEngine) -> None:
+        """While idle (at most every ``_IDLE_POLL_S``), the memory budget still follows the device."""
+        try:
+            engine.runner.memory.tick()
+        except Exception:  # noqa: BLE001 - the budget must not stop the engine thread
+            log.exception("memory budget tick failed")
 
     def _drain_after_stop(self) -> None:
         """Answer commands that arrived after ``stop`` so no caller waits forever."""

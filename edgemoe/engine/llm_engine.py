@@ -97,7 +97,7 @@ class LLMEngine:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Validate a prompt against the context and KV limits; return params with ``max_tokens`` clamped.
 
-        Reads only immutable limits, so any thread may call it.
+        Reads limits that are plain numbers (the KV limit as of the last resize), so any thread may call it.
 
         Raises:
             PromptTooLongError: ``len(prompt) > max_model_len - 1`` or ``> kv_capacity_tokens``.
@@ -109,13 +109,14 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if not all(0 <= int(t) < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        limit = min(self.max_model_len - 1, self.kv_capacity_tokens)
+        kv_limit = int(self.runner.kv_limit_tokens)
+        limit = min(self.max_model_len - 1, kv_limit)
         if n > limit:
             which = (
                 f"this model's maximum context length is {self.max_model_len} tokens and at least one "
                 "output token is needed"
                 if limit == self.max_model_len - 1
-                else f"the KV cache holds {self.kv_capacity_tokens} tokens"
+                else f"the KV cache holds {kv_limit} tokens"
             )
             raise PromptTooLongError(
                 f"The prompt has {n} tokens but at most {limit} are accepted: {which}. "
@@ -194,7 +195,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; return an output for every request that advanced or finished."""
+        """Run one model step; return an output for every request that advanced or finished. Before it
+        (a safe point), the memory budget follows the device (``GpuMemory.tick``, rate-limited)."""
+        self.runner.memory.tick()
         outputs: list[RequestOutput] = []
         batch = self._next_batch(outputs)
         new_tokens = 0
