@@ -312,7 +312,7 @@ class AsyncLLM:
         """While idle (at most every ``_IDLE_POLL_S``), the memory budget still follows the device."""
         try:
             engine.runner.memory.tick()
-        except Exception:  # noqa: BLE001 - the budget must not stop the engine thread
+        except Exception:  # the budget must not stop the engine thread
             log.exception("memory budget tick failed")
 
     def _drain_after_stop(self) -> None:

@@ -111,7 +111,7 @@ def make_probe(device: torch.device) -> MemoryProbe | None:
         return None
     try:
         return NvmlProbe(device)
-    except Exception as exc:  # noqa: BLE001 - ImportError or any NVMLError: the CUDA runtime's view serves
+    except Exception as exc:  # ImportError or any NVMLError: the CUDA runtime's view serves
         log.info("NVML unavailable (%s); sampling free GPU memory with torch.cuda.mem_get_info", exc)
         return TorchCudaProbe(device)
 
@@ -187,7 +187,8 @@ class GpuMemory:
             ``max_num_seqs``; the start-up cache size is the cap auto mode grows back to).
         max_kv_pages: the most pages the KV pool may grow to (every sequence at ``max_model_len``).
         rebind: called after a resize (the runner binds the new tensors and drops its CUDA graphs).
-        probe: the memory probe (``make_probe``; ``None`` off CUDA).
+        probe: the memory probe (``make_probe``: ``None`` off CUDA); its device memory is what the
+            budget follows, whatever ``experts.device`` is.
         tuning: timing and dead band.
         clock: monotonic seconds (tests drive it).
 
@@ -200,7 +201,7 @@ class GpuMemory:
                  clock: Callable[[], float] = time.monotonic):
         self.experts, self.kv, self.rebind, self.probe, self.clock = experts, kv, rebind, probe, clock
         self.device = experts.device
-        self.gpu = self.device.type == "cuda"
+        self.gpu = self.device.type == "cuda" or probe is not None  # a device memory to budget
         budget = config.gpu_budget_bytes
         if budget is not None and not self.gpu:
             raise NoGpuError(f"gpu_budget {config.gpu_budget}: the device is {self.device}, not a GPU, so there is "
@@ -452,13 +453,13 @@ class GpuMemory:
         self._record("admin")
         return self.stats()
 
-    def stats(self) -> dict:
+    def stats(self, history: bool = True) -> dict:
         """The budget and the split, in bytes: ``auto``, ``budget_bytes`` (a fixed budget, or in auto
         mode what the caches hold plus the free memory above the headroom), ``headroom_bytes``,
         ``free_bytes`` / ``total_bytes`` (last sample, ``None`` off the GPU), ``probe``,
         ``expert_cache_bytes`` / ``expert_cache_slots`` / ``min_expert_cache_slots`` /
         ``max_expert_cache_slots``, ``kv_cache_bytes`` / ``kv_pages`` / ``kv_borrowed_pages``,
-        ``resizes`` by reason, ``last_error`` and ``history`` (the split after each recent change)."""
+        ``resizes`` by reason, ``last_error`` and, with ``history``, the split after each recent change."""
         sample = self.last_sample
         held = self.expert_bytes + self.kv.nbytes
         if self.budget_bytes is not None:
@@ -484,10 +485,13 @@ class GpuMemory:
             "kv_borrowed_pages": self.borrowed_pages,
             "resizes": dict(self.resizes),
             "last_error": self.last_error,
-            "history": list(self.history),
+            **({"history": list(self.history)} if history else {}),
         }
 
     def _record(self, reason: str) -> None:
+        """After a change: sample again (the figures show the new split) and append it to the history."""
+        if self.probe is not None:
+            self.last_sample = self.probe.sample()
         self._refresh()
         sample = self.last_sample
         self.history.append({"time": time.time(), "reason": reason, "expert_cache_bytes": self.expert_bytes,

@@ -67,12 +67,42 @@ class ExpertCacheCollector:
         for key, name, doc in gauges:
             if stats.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        yield from self._memory(stats.get("memory"))
         yield InfoMetricFamily(
             "edgemoe_expert_policy",
             "Expert miss policy and where its bandwidths come from",
             value={"policy": str(stats.get("policy", "")), "active_rule": str(stats.get("policy_active", "")),
                    "bandwidth_source": str(stats.get("bandwidth_source", ""))},
         )
+
+
+    _MEMORY_GAUGES = (
+        ("budget_bytes", "edgemoe_gpu_budget_bytes",
+         "GPU memory for the expert and KV caches: a fixed budget, or (auto) what they hold plus free memory above "
+         "the headroom"),
+        ("headroom_bytes", "edgemoe_gpu_headroom_bytes", "Device memory auto mode keeps free"),
+        ("free_bytes", "edgemoe_gpu_free_bytes", "Free device memory, every process counted (last sample)"),
+        ("total_bytes", "edgemoe_gpu_total_bytes", "Device memory in total"),
+        ("expert_cache_bytes", "edgemoe_expert_cache_bytes", "Bytes of the device expert cache"),
+        ("kv_cache_bytes", "edgemoe_kv_cache_bytes", "Bytes of the KV cache"),
+        ("kv_borrowed_pages", "edgemoe_kv_cache_borrowed_pages",
+         "KV pages beyond the start-up pool, borrowed from the expert cache or free memory"),
+    )
+
+    def _memory(self, mem: dict | None) -> Iterator[Metric]:
+        """The memory budget's gauges (``GpuMemory.stats``) and resizes by reason."""
+        if not mem:
+            return
+        for key, name, doc in self._MEMORY_GAUGES:
+            if mem.get(key) is not None:
+                yield GaugeMetricFamily(name, doc, value=float(mem[key]))
+        yield GaugeMetricFamily("edgemoe_gpu_budget_auto", "1 when the GPU budget follows the device's free memory",
+                                value=float(bool(mem.get("auto"))))
+        fam = CounterMetricFamily("edgemoe_memory_resizes", "Expert-cache / KV-cache resizes by reason",
+                                  labels=["reason"])
+        for reason, n in (mem.get("resizes") or {}).items():
+            fam.add_metric([reason], float(n))
+        yield fam
 
 
 class EngineMetrics:

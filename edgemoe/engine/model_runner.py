@@ -449,8 +449,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ reporting
     def expert_stats(self) -> dict:
-        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`)."""
-        return self.experts.stats()
+        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`),
+        with the memory budget under ``memory`` (:meth:`GpuMemory.stats`, without its history)."""
+        return {**self.experts.stats(), "memory": self.memory.stats(history=False)}
 
     def summary(self) -> str:
         """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
