@@ -199,6 +199,24 @@ def test_a_failed_resize_keeps_the_old_state(probed, monkeypatch):
     assert mem.auto and runner.experts.cache.num_slots == 40
 
 
+def test_a_step_out_of_device_memory_shrinks_the_cache_and_runs_again(probed, tiny_model_dir, monkeypatch):
+    runner, probe, clock = probed
+    want = _run(LLMEngine(ModelRunner(str(tiny_model_dir), _config(expert_cache_slots=40), progress=False)),
+                [[5, 6, 7, 8, 9]], 12)
+    engine, real, failures = LLMEngine(runner), runner._forward, []
+
+    def flaky(batch):
+        if len(failures) < 1 and batch.phase.value == "decode":
+            failures.append(batch.step)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated: another process took it)")
+        return real(batch)
+
+    monkeypatch.setattr(runner, "_forward", flaky)
+    assert _run(engine, [[5, 6, 7, 8, 9]], 12) == want  # no failed request
+    assert failures and runner.memory.resizes["out-of-memory"] == 1
+    assert runner.experts.cache.num_slots <= 40 - 8  # at least the dead band (8 rows)
+
+
 # ---------------------------------------------------------------------- resizes in flight
 
 

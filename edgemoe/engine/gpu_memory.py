@@ -296,6 +296,27 @@ class GpuMemory:
             self.last_error = str(exc)
             log.warning("memory budget: %s", exc)
 
+    def relieve(self) -> bool:
+        """A step ran out of device memory (another process took it faster than the sampling period):
+        shrink the expert cache now, to the pressure target of a fresh sample, at least by the dead
+        band's width. A safe point: the failed step left nothing in flight.
+
+        Returns:
+            whether the expert cache gave memory back (the caller retries the step once).
+        """
+        slots = self.experts.cache.num_slots
+        if self.probe is None or not slots:
+            return False
+        self.last_sample = self.probe.sample()
+        band = self.tuning.hysteresis_bytes
+        need = max(self.headroom_bytes + band // 2 - self.last_sample.free_bytes, band)
+        try:
+            self._resize_experts(max(0, slots - math.ceil(need / self.row_bytes)), "out-of-memory")
+        except (ResizeError, torch.OutOfMemoryError) as exc:
+            self.last_error = str(exc)
+            log.warning("memory budget: %s", exc)
+        return self.experts.cache.num_slots < slots
+
     def _return_kv(self, now: float) -> None:
         """Shrink the KV pool back towards its start-up size once the pages in use (held by sequences or
         referenced prefixes) fit in the start-up pool again for ``return_hold_s`` (sessions ended);

@@ -8,7 +8,8 @@ request by one model step per :meth:`LLMEngine.step`, like vLLM's ``LLMEngine`` 
    batch (new requests and continued prompt chunks, at most ``prefill_chunk_tokens`` tokens) or a
    decode batch (one token for every running request).
 3. The runner computes the batch; a ``KVCacheFullError`` preempts the newest running request
-   (recomputed later), any other exception is isolated to the request(s) that cause it.
+   (recomputed later); running out of device memory shrinks the expert cache and retries the step
+   once (``GpuMemory.relieve``); any other exception is isolated to the request(s) that cause it.
 4. Rows whose prompt is complete are sampled; stop conditions (EOS, stop token ids, stop strings,
    ``max_tokens``) are checked, the text is detokenized incrementally, and one
    :class:`RequestOutput` per advanced request is returned.
@@ -246,6 +247,7 @@ class LLMEngine:
 
         Returns ``(request, logits row [V])`` for every request whose prompt is now fully computed.
         """
+        relieved = False
         while True:
             if not batch.requests:
                 return []
@@ -260,6 +262,15 @@ class LLMEngine:
                 self.metrics.preemptions.inc()
                 log.info("KV cache full: preempted request %s (recomputed later)", victim.request_id)
                 batch = batch.without(victim)
+            except torch.OutOfMemoryError as exc:
+                # another process took the device memory between two samples: the expert cache gives some
+                # back and the step runs once more (when every sequence can resume), else fault isolation
+                resumable = all(inp.start_pos == 0 or self.runner.can_resume(inp.seq_id) for inp in batch.inputs)
+                if relieved or not resumable or not self.runner.memory.relieve():
+                    done = self._isolate(batch, exc, outputs)
+                    break
+                relieved = True
+                log.warning("step ran out of device memory; shrank the expert cache and retrying it")
             except Exception as exc:  # noqa: BLE001 - isolate the faulty request(s)
                 done = self._isolate(batch, exc, outputs)
                 break
