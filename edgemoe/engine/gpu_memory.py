@@ -407,6 +407,17 @@ class GpuMemory:
         except ResizeError as exc:
             log.warning("memory budget: could not restore %d expert-cache slots: %s", slots, exc)
 
+    def summary_line(self) -> str:
+        """The start-up summary's memory line."""
+        floor = f"the KV cache may take the expert cache down to {self.floor_slots} slots"
+        if not self.gpu:
+            return f"  memory       no GPU budget ({self.device}); {floor}"
+        how = ("auto: follows the free device memory" if self.auto else
+               f"fixed {self.budget_bytes / GB:.2f} GB" if self.budget_bytes is not None else "fixed")
+        free = "" if self.last_sample is None else f", {self.last_sample.free_bytes / GB:.1f} GB free"
+        source = "" if self.probe is None else f" ({self.probe.source}{free})"
+        return f"  memory       GPU budget {how}{source}, headroom {self.headroom_bytes / GB:.1f} GB; {floor}"
+
     # ------------------------------------------------------------------ the admin interface
     def configure(self, *, auto: bool | None = None, budget_gb: float | None = None, headroom_gb: float | None = None,
                   expert_gb: float | None = None, expert_slots: int | None = None, policy: str | None = None,

@@ -30,7 +30,7 @@ import torch
 from edgemoe.config import DEFAULT_PREFILL_CHUNK_TOKENS, EngineConfig, parse_dtype
 from edgemoe.core import ForwardBatch, Phase, SeqSlice, StepInput
 from edgemoe.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, DecodeInputs
-from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, configure_torch_threads
+from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, NoGpuError, configure_torch_threads
 from edgemoe.engine.gpu_memory import GpuMemory, make_probe
 from edgemoe.engine.prefix_state import Plan, PrefixStateManager
 from edgemoe.experts.pool import HostExpertPool
@@ -247,6 +247,9 @@ class ModelRunner:
             raise ValueError("give gb or slots, not both")
         if gb is None and slots is None and policy is None:
             raise ValueError("give gb, slots or policy")
+        if gb is not None and not self.memory.gpu:
+            raise NoGpuError(f"gb {gb}: the device is {self.device}, not a GPU, so there is no GPU memory to budget; "
+                             "size the expert cache on this device in slots")
         self.memory.configure(expert_gb=gb, expert_slots=slots, policy=policy)
         return self.expert_stats()
 
@@ -454,7 +457,7 @@ class ModelRunner:
         return {**self.experts.stats(), "memory": self.memory.stats(history=False)}
 
     def summary(self) -> str:
-        """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
+        """Start-up summary: device, cache slots, B_P, B_H, q*/m, decode path, GPU budget, KV cache."""
         cfg = self.model_config
         dev = str(self.device)
         if self.device.type == "cuda":
@@ -467,6 +470,7 @@ class ModelRunner:
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
             + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
+            self.memory.summary_line(),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
             f"{self.kv.nbytes / 1e9:.3f} GB; "
