@@ -221,9 +221,9 @@ def main(argv=None) -> int:
         if runner.experts.cache.num_slots != last:
             last, since = runner.experts.cache.num_slots, time.monotonic()
         time.sleep(0.05)
-    start_slots = runner.experts.cache.num_slots
-    print(f"ballast {ballast_bytes / GB:.1f} GB; expert cache {start_slots} of {runner.pool.num_ids} slots "
-          f"({start_slots * runner.pool.row_bytes / GB:.1f} GB); free {mem.probe.sample().free_bytes / GB:.1f} GB",
+    slots = runner.experts.cache.num_slots
+    print(f"ballast {ballast_bytes / GB:.1f} GB; expert cache {slots} of {runner.pool.num_ids} slots "
+          f"({slots * runner.pool.row_bytes / GB:.1f} GB); free {mem.probe.sample().free_bytes / GB:.1f} GB",
           flush=True)
 
     g = torch.Generator().manual_seed(0)
@@ -243,6 +243,7 @@ def main(argv=None) -> int:
     ref, ref_steps = generate(engine, prompts, max_tokens)
 
     # 3. disturbed
+    start_slots = runner.experts.cache.num_slots
     hist_from = len(mem.history)
     stats_before = runner.expert_stats()
     marks: dict[str, float] = {}
