@@ -1,7 +1,8 @@
 """Elastic GPU memory benchmark: decode while another process takes 10 GB of the GPU, then gives it back.
 
 Protocol (CUDA only; dummy weights of ``--preset``'s geometry, ``--layers`` deep, so the expert pool is
-``layers x experts`` rows; about 19 GB for 16 layers of Qwen3-30B-A3B):
+``layers x experts`` rows; about 19 GB for 16 layers of Qwen3-30B-A3B; ``--policy fill-all``, so a
+smaller cache means more host-to-device fills, not different math):
 
 1. Load the engine with an empty expert cache, then start a *ballast* process that holds all of the
    GPU but the expert pool + ``--gpu-headroom-gb`` + ``--spare-gb``, so the expert cache competes for
@@ -168,7 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8, help="requests decoded together")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--policy", default="qstar")
+    ap.add_argument("--policy", default="fill-all",
+                    help="expert policy (fill-all: every expert runs on the GPU whatever the cache size, so the "
+                    "greedy tokens are bit-identical; qstar runs misses on the CPU, which rounds bf16 differently)")
     ap.add_argument("--gpu-headroom-gb", type=float, default=2.0)
     ap.add_argument("--spare-gb", type=float, default=1.0,
                     help="free memory beyond the expert pool and the headroom the ballast leaves")

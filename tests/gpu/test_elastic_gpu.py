@@ -6,6 +6,7 @@ graphs on, without preempting."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import time
@@ -87,6 +88,7 @@ def test_auto_mode_shrinks_under_another_process_and_grows_back(wide):
     plain = LLMEngine(ModelRunner(wide, replace(cfg, expert_cache_slots=10**6), progress=False))
     want = _generate(plain, prompts, 48)
     del plain
+    gc.collect()
     torch.cuda.empty_cache()
 
     engine = LLMEngine(ModelRunner(wide, cfg, progress=False))
