@@ -10,9 +10,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import running_server
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+
+from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me about caches."}]
 

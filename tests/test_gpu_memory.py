@@ -12,7 +12,6 @@ import httpx
 import pytest
 import torch
 
-from conftest import running_server
 from edgemoe import SamplingParams
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
@@ -20,6 +19,8 @@ from edgemoe.engine.gpu_memory import BudgetController, GpuMemory, MemorySample,
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.kvcache.pool import KVSpec, PagedKVPool
+
+from conftest import running_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MB = 1 << 20  # the controller's unit tests count in MB
@@ -200,7 +201,7 @@ def test_a_failed_resize_keeps_the_old_state(probed, monkeypatch):
 
 
 def test_a_step_out_of_device_memory_shrinks_the_cache_and_runs_again(probed, tiny_model_dir, monkeypatch):
-    runner, probe, clock = probed
+    runner = probed[0]
     want = _run(LLMEngine(ModelRunner(str(tiny_model_dir), _config(expert_cache_slots=40), progress=False)),
                 [[5, 6, 7, 8, 9]], 12)
     engine, real, failures = LLMEngine(runner), runner._forward, []
@@ -249,7 +250,7 @@ def test_kv_cache_borrows_from_the_experts_instead_of_preempting(tiny_model_dir,
     memory goes back to the expert cache. With the floor at the start-up size, they preempt."""
     def sessions(engine: LLMEngine) -> list[list[int]]:
         history = [list(p) for p in prompts[:2]]
-        for turn in range(3):
+        for _ in range(3):
             outs = _run(engine, history, 16)
             history = [h + o + [7, 8, 9] for h, o in zip(history, outs)]  # the next user turn
         return history
