@@ -84,9 +84,6 @@ class ExpertRuntime:
         graphs_supported: the architecture's decode step can be captured (a class capability).
         kv_bytes: bytes of the KV cache on the device (a fixed ``--gpu-budget`` holds both).
 
-    Raises:
-        NoGpuError: ``expert_cache_gb`` for a device that is not a GPU.
-
     Attributes:
         cache, policy, bandwidths, hybrid, cpu_executor: the current objects (rebuilt by
             :meth:`set_cache`); ``hybrid.device_decode`` is the device decode path or ``None``.
@@ -95,9 +92,6 @@ class ExpertRuntime:
 
     def __init__(self, pool: HostExpertPool, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, *, fallback: bool, graphs_supported: bool, kv_bytes: int = 0):
-        if device.type != "cuda" and config.expert_cache_gb is not None:
-            raise NoGpuError(f"expert_cache_gb {config.expert_cache_gb}: the device is {device}, not a GPU, so there "
-                             "is no GPU memory to budget; size a cache on this device with expert_cache_slots")
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
         self.kv_bytes = kv_bytes  # the KV cache's bytes on the device when the cache is sized
         self.fallback = fallback

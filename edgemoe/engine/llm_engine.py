@@ -101,7 +101,8 @@ class LLMEngine:
         Reads limits that are plain numbers (the KV limit as of the last resize), so any thread may call it.
 
         Raises:
-            PromptTooLongError: ``len(prompt) > max_model_len - 1`` or ``> kv_capacity_tokens``.
+            PromptTooLongError: ``len(prompt) > max_model_len - 1`` or more than the KV cache can hold, the
+                pages it may borrow included (``ModelRunner.kv_limit_tokens``).
             ValueError: an empty prompt or a token id outside the vocabulary.
         """
         n = len(prompt_token_ids)

@@ -59,7 +59,8 @@ class ModelRunner:
         progress: show progress bars while loading.
 
     Raises:
-        FileNotFoundError / ValueError: missing or unsupported config.
+        FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
+            ``gpu_budget`` or ``expert_cache_gb`` for a device that is not a GPU.
         CheckpointError: a checkpoint that does not match the config (file and tensor named).
     """
 
@@ -70,6 +71,11 @@ class ModelRunner:
             raise FileNotFoundError(f"{self.model_dir}: not a directory")
         self.engine_config = config
         self.device = config.resolved_device()
+        for name, value in (("gpu_budget", config.gpu_budget_bytes), ("expert_cache_gb", config.expert_cache_gb)):
+            if value is not None and self.device.type != "cuda":  # before the weights: fail fast
+                raise NoGpuError(f"{name} {getattr(config, name)}: the device is {self.device}, not a GPU, so there "
+                                 "is no GPU memory to budget; size an expert cache on this device with "
+                                 "expert_cache_slots")
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
         self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast

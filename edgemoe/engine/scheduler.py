@@ -52,7 +52,9 @@ class Scheduler:
     """Chooses the next batch and owns admission, preemption and KV release.
 
     Args:
-        runner: provides ``page_size``, ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()``,
+        runner: provides ``page_size``, ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()`` (both count
+            the KV pages the runner may borrow from the expert cache; a step that needs them borrows them
+            instead of failing, so preemption only happens once that memory is gone too),
             ``free(seq_id)``, ``attach_prefix(seq_id, token_ids)`` and ``cache_prefix(seq_id, token_ids)``.
         max_num_seqs: most requests admitted at once.
         prefill_chunk_tokens: most tokens in one prefill batch.
