@@ -35,7 +35,6 @@ from edgemoe.weights.bootstrap import FALLBACK_POLICY
 log = logging.getLogger(__name__)
 
 
-
 class NoGpuError(ValueError):
     """A GPU memory size was given for a runner whose device is not a GPU (nothing changes)."""
 

@@ -290,7 +290,12 @@ class ModelRunner:
         return (self.memory.kv_limit_pages - self._scratch_pages) * self.kv.page_size
 
     def kv_free_tokens(self) -> int:
-        """Free KV tokens, counting the pages the KV cache may borrow (a step that needs them borrows them)."""
+        """Free KV tokens of the pool as it is."""
+        return self.kv.free_tokens()
+
+    def kv_available_tokens(self) -> int:
+        """Free KV tokens plus those of the pages the KV cache may borrow (a step that needs them
+        borrows them, :meth:`GpuMemory.lend_kv`): what the scheduler may plan with."""
         return (self.kv.free_pages + self.memory.lendable_kv_pages()) * self.kv.page_size
 
     def can_allocate(self, seq_id: int, total_len: int) -> bool:
