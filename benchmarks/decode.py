@@ -186,7 +186,10 @@ def main(argv=None) -> int:
 
     model = model_dir(a)
     batches = [int(b) for b in a.batch_sizes.split(",") if b]
-    max_len = max([4096, *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]])
+    from edgemoe.models import load_config
+
+    limit = load_config(model).context_length()
+    max_len = max([min(4096, limit), *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]])
     per_seq = a.prompt_len + a.warmup + a.tokens + 16
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,

@@ -157,8 +157,7 @@ def decode_sweep(a: argparse.Namespace) -> tuple[list[dict], dict]:
         for n, how in [(n, how) for n in threads for how in a.plans.split(",")]:
             runner.set_cpu_threads(n, oversubscribe=how == "as-asked")
             ex = runner.experts.cpu_executor
-            prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                           ex, a.profile_seconds, 2_000_000_000)
+            prof = measure(runner.pool, runner.pool.layout, runner.device, ex, a.profile_seconds, 2_000_000_000)
             runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/thread_scaling.py")
             for gb in [float(b) for b in a.budgets.split(",") if b]:
                 for pol in [p for p in a.policies.split(",") if p]:

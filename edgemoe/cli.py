@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``edgemoe`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging("warning" if getattr(args, "json", False) else getattr(args, "log_level", "info"))
+    _configure_logging("warning" if getattr(args, "json", False) else getattr(args, "log_level", None) or "info")
     try:
         return args.func(args)
     except CLIError as exc:

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
-#        prefill-profile grouped agent elastic (default: tests decode prefill)
+#        prefill-profile grouped agent peers elastic (default: tests decode prefill)
+# peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
+# (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
+# then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
+# finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
-# elastic flags in $ELASTIC_ARGS.
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, elastic flags in $ELASTIC_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# packages the host lacks (pydantic, FastAPI, uvicorn, llguidance...) travel as wheels in .whl/ (carried)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "installing .whl/ failed" >&2; exit 1; }
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill)
 {
@@ -69,6 +78,10 @@ for stage in "${stages[@]}"; do
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
+  peers)
+    echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
+    timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \
+      ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | tail -n 60 ;;
   *) echo "unknown stage $stage" ;;
   esac
 done
