@@ -215,7 +215,7 @@ class AsyncLLM:
             self._last_stats = self.call_in_engine_thread(lambda e: e.runner.expert_stats(), _STATS_TIMEOUT_S)
         except (TimeoutError, concurrent.futures.TimeoutError, EngineNotReadyError):
             pass
-        except Exception:  # noqa: BLE001 - a scrape must not fail because of the runner
+        except Exception:
             log.exception("expert_stats() failed")
         return self._last_stats
 
@@ -278,11 +278,11 @@ class AsyncLLM:
             engine = LLMEngine(runner, metrics=self.metrics)
             try:
                 self.tokenizer = copy.deepcopy(engine.tokenizer)
-            except Exception:  # noqa: BLE001 - share it when it cannot be copied
+            except Exception:
                 self.tokenizer = engine.tokenizer
             if self._on_ready is not None:
                 self._on_ready(engine)
-        except BaseException as exc:  # noqa: BLE001 - reported through /health, generate() and on_load_error
+        except BaseException as exc:
             log.debug("model failed to load", exc_info=exc)  # the message says what; the traceback is for debugging
             self.load_error = exc
             self._ready.set()
@@ -298,7 +298,7 @@ class AsyncLLM:
                     continue
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # noqa: BLE001 - a bug in the step must not kill the server
+                except Exception as exc:
                     log.exception("engine step failed; failing the in-flight requests")
                     outputs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 self._dispatch(outputs)
@@ -343,7 +343,7 @@ class AsyncLLM:
                 try:
                     engine.add_request(request_id, ids, params, prompt=prompt, arrival_time=arrival)
                     self._streams[request_id] = stream
-                except Exception as exc:  # noqa: BLE001 - e.g. a duplicate id: reported to the caller
+                except Exception as exc:
                     stream.put(exc)
             elif kind == "abort":
                 out = engine.abort(cmd[1])
@@ -354,7 +354,7 @@ class AsyncLLM:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(engine))
-                    except BaseException as exc:  # noqa: BLE001
+                    except BaseException as exc:
                         fut.set_exception(exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -31,7 +31,6 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import KVCacheFullError, ModelRunner
-from edgemoe.engine.sampling import SamplingParams, make_generator, sample
 from edgemoe.engine.request import (
     CompletionOutput,
     IncrementalDetokenizer,
@@ -41,8 +40,8 @@ from edgemoe.engine.request import (
     RequestOutput,
     RequestStatus,
 )
+from edgemoe.engine.sampling import SamplingParams, make_generator, sample
 from edgemoe.engine.scheduler import ScheduledBatch, Scheduler
-
 
 __all__ = [
     "CompletionOutput",
@@ -272,7 +271,7 @@ class LLMEngine:
                     break
                 relieved = True
                 log.warning("step ran out of device memory; shrank the expert cache and retrying it")
-            except Exception as exc:  # noqa: BLE001 - isolate the faulty request(s)
+            except Exception as exc:
                 done = self._isolate(batch, exc, outputs)
                 break
         rows = []
@@ -312,7 +311,7 @@ class LLMEngine:
             except KVCacheFullError:
                 self.scheduler.preempt(req)
                 self.metrics.preemptions.inc()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("request %s failed", req.request_id, exc_info=e)
                 outputs.append(self._finish(req, "error", error=_describe(e)))
         return done

@@ -35,7 +35,8 @@ class ExpertCacheCollector:
     _COUNTERS = (
         ("hits", "edgemoe_expert_cache_hits", "Routed-expert uses served from the expert cache"),
         ("misses", "edgemoe_expert_cache_misses", "Routed-expert uses not resident in the expert cache"),
-        ("fills", "edgemoe_expert_cache_fills", "Experts copied host->device into a cache slot (streamed prefill copies whole layers)"),
+        ("fills", "edgemoe_expert_cache_fills",
+         "Experts copied host->device into a cache slot (streamed prefill copies whole layers)"),
         ("cpu", "edgemoe_expert_cpu_executed", "Misses computed by the CPU executor from host memory"),
     )
 
@@ -137,14 +138,16 @@ class EngineMetrics:
             "edgemoe_prefix_cache_hit_tokens", "Prompt tokens whose KV was reused from the prefix cache", registry=r
         )
         self.prompt_tokens_computed = Counter(
-            "edgemoe_prompt_tokens_computed", "Tokens computed by prefill (recompute after preemption included)", registry=r
+            "edgemoe_prompt_tokens_computed", "Tokens computed by prefill (recompute after preemption included)",
+            registry=r,
         )
         self.prefix_cache_pages = Gauge("edgemoe_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
         self.state_checkpoint_restores = Counter(
             "edgemoe_state_checkpoint_restores", "Admissions that resumed from a recurrent-state checkpoint", registry=r
         )
         self.state_checkpoint_reused_tokens = Counter(
-            "edgemoe_state_checkpoint_reused_tokens", "Prompt tokens skipped by resuming from a recurrent-state checkpoint",
+            "edgemoe_state_checkpoint_reused_tokens",
+            "Prompt tokens skipped by resuming from a recurrent-state checkpoint",
             registry=r,
         )
         self.state_checkpoints = Gauge(
@@ -154,7 +157,8 @@ class EngineMetrics:
             "edgemoe_time_to_first_token_seconds", "Time to first token (s)", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.tpot = Histogram(
-            "edgemoe_time_per_output_token_seconds", "Decode time per output token (s)", buckets=_TPOT_BUCKETS, registry=r
+            "edgemoe_time_per_output_token_seconds", "Decode time per output token (s)", buckets=_TPOT_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "edgemoe_e2e_request_latency_seconds", "Arrival to finish (s)", buckets=_LATENCY_BUCKETS, registry=r

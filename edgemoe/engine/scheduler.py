@@ -161,7 +161,8 @@ class Scheduler:
             if not fits(req.seq_id, req.num_computed, n):
                 continue
             reqs.append(req)
-            inputs.append(StepInput(req.seq_id, req.token_slice(req.num_computed, req.num_computed + n), req.num_computed))
+            tokens = req.token_slice(req.num_computed, req.num_computed + n)
+            inputs.append(StepInput(req.seq_id, tokens, req.num_computed))
             budget, claimed = budget - n, claimed + n
         # Admit only while the decoding requests keep room for their next page each (a watermark,
         # as in vLLM), so a fresh admission is not preempted again at the very next decode step.

@@ -41,7 +41,7 @@ class RadixNode:
         last_access: logical time of the last match or insert through this node.
     """
 
-    __slots__ = ("parent", "children", "tokens", "pages", "ref", "last_access")
+    __slots__ = ("children", "last_access", "pages", "parent", "ref", "tokens")
 
     def __init__(self, parent: RadixNode | None, tokens: tuple[int, ...], pages: list[int], last_access: int):
         self.parent = parent

@@ -54,7 +54,8 @@ class ExpertCacheResize(BaseModel):
     """Body of ``POST /admin/expert-cache``: a new budget (``gb`` or ``slots``) and/or ``policy``."""
 
     model_config = {"extra": "forbid"}
-    gb: float | None = Field(None, ge=0, allow_inf_nan=False, description="expert-cache budget in GB (1e9 bytes; GPU only)")
+    gb: float | None = Field(None, ge=0, allow_inf_nan=False,
+                             description="expert-cache budget in GB (1e9 bytes; GPU only)")
     slots: int | None = Field(None, ge=0, description="expert-cache size in (layer, expert) slots")
     policy: Literal[EXPERT_POLICIES] | None = Field(None, description="expert policy (default: unchanged)")
 
@@ -98,7 +99,8 @@ def error_response(scope: dict, exc: APIError) -> JSONResponse:
         message = exc.anthropic_message if isinstance(exc, ContextLengthError) else exc.message
         body: dict = {"type": "error", "error": {"type": kind, "message": message}}
     else:
-        body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)).model_dump()
+        info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+        body = ErrorResponse(error=info).model_dump()
     return JSONResponse(body, status_code=exc.status)
 
 
@@ -152,7 +154,8 @@ class _ApiKeyMiddleware:
             given = auth[7:].strip()
         if given is not None and secrets.compare_digest(given, self.api_key):
             return await self.app(scope, receive, send)
-        message = "Invalid API key" if given is not None else "Missing API key (Authorization: Bearer KEY or x-api-key: KEY)"
+        message = ("Invalid API key" if given is not None else
+                   "Missing API key (Authorization: Bearer KEY or x-api-key: KEY)")
         err = APIError(401, message, type="invalid_request_error", code="invalid_api_key")
         return await error_response(scope, err)(scope, receive, send)
 
@@ -183,7 +186,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(EngineNotReadyError)
     async def _not_ready(request: Request, exc: EngineNotReadyError):
-        return error_response(request.scope, APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready"))
+        err = APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready")
+        return error_response(request.scope, err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
