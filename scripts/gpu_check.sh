@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats prefill prefill-profile grouped agent peers (default: tests decode prefill)
+#        formats prefill prefill-profile grouped agent peers elastic (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
 # finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
 # llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
-# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520).
+# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520),
+# elastic flags in $ELASTIC_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -92,6 +93,12 @@ for stage in "${stages[@]}"; do
   grouped)
     echo "== grouped expert GEMM (Triton kernel pair vs per-expert torch loop, Qwen3-30B-A3B geometry)"
     timeout 300 python3 benchmarks/grouped_gemm.py --out "$OUT" 2>&1 | tee "$OUT/grouped_gemm.log" | tail -n 10 ;;
+  elastic)
+    echo "== elastic GPU memory: GPU tests, then decode while a second process takes 10 GB and gives it back"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_elastic_gpu.py tests/test_gpu_memory.py \
+      2>&1 | tee "$OUT/elastic-pytest.log" | tail -n 20
+    timeout ${ELASTIC_TIMEOUT:-300} python3 benchmarks/elastic.py --out "$OUT" ${ELASTIC_ARGS:-} 2>&1 \
+      | tee "$OUT/elastic.log" | tail -n 25 ;;
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
