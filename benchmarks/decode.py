@@ -1,15 +1,28 @@
-"""Decode benchmark: tokens/s, hit rate and q*/m per expert-cache budget and policy, batch 1.
+"""Decode benchmark: tokens/s, hit rate and q*/m per expert-cache budget, policy and batch size.
 
 Loads the model once (``--load-format dummy`` by default: full geometry from config.json, random
-weights, no disk), measures B_P/B_H on this machine, then for each budget (GB of expert cache) and
-policy rebuilds the expert cache in place, prefills a prompt and times greedy decode. The
-all-resident run (every expert cached) is the ceiling. Writes a markdown table and a JSON file.
+weights, no disk), measures B_P/B_H on this machine, then for each budget (GB of expert cache),
+policy and batch size (``--batch-sizes``: sequences decoded together) rebuilds the expert cache in
+place, prefills the prompt of each sequence and times decode steps. The all-resident run (every
+expert cached) is the ceiling of each batch size. tokens/s counts every sequence's tokens; ms/token
+is per step. Writes a markdown table and a JSON file.
 
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
     python benchmarks/decode.py --arch deepseek_v3 --preset deepseek-v3 --layers 8 --budgets 8,16,32 --out results/
+    python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8 --policies qstar --batch-sizes 1,4,16,64
+    python benchmarks/decode.py --quant mxfp4 --budgets 2,4,8 --policies qstar,fill-all --cpu-threads 6,15 --out r/mxfp4
+    python benchmarks/decode.py --compare r/bf16 r/fp8 r/mxfp4 r/nvfp4 --out r   # formats.md: ratios to the first
 
-The bound each run is compared with (bound/measured; issue 3 asks >= 0.7) is the all-resident time per
-token plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
+``--quant`` gives the dummy experts a released quantized format (packed rows in the host pool and the cache,
+fills of packed bytes, the quantized Triton kernels on the GPU); budgets are GB of expert cache, so an equal
+budget holds 2x (FP8) or ~3.6x (4-bit) the experts of bf16. ``--cpu-threads`` takes a list: each count
+rebuilds the CPU executor and measures B_P/B_H anew. Policies with a CPU branch are skipped for a quantized
+pool on the torch CPU executor (no native kernel for its rows: seconds per token), unless
+``--torch-cpu-branch``. ``--compare`` reads the ``decode.json`` of earlier runs and writes ``formats.md``:
+tokens/s per format and its ratio to the first run's at the same budget, policy, threads and batch.
+
+The bound each run is compared with (bound/measured; the target is >= 0.7) is the all-resident time per
+step of its batch size plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
 rate measured alone when the policy uses one branch, and at the concurrent pair's rates when it uses both.
 
 Random weights route near-uniformly, so the hit rate approaches the cache's share of experts: real
@@ -42,6 +55,7 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
+from edgemoe.synth import QUANT_LAYOUTS
 
 PREFILL_CHUNK = 8192
 
@@ -52,52 +66,59 @@ def _sync(dev: torch.device) -> None:
 
 
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
-            feed: list[int] | None, skip_prefill: bool = False) -> dict:
-    """Prefill ``prompt`` then decode ``warmup + tokens`` tokens; time the last ``tokens``.
+            feed: list[int] | None, skip_prefill: bool = False, batch: int = 1) -> dict:
+    """Prefill ``prompt`` for each of ``batch`` sequences, then decode them together ``warmup + tokens``
+    steps; time the last ``tokens`` steps (each decodes one token of every sequence).
 
-    ``feed``: the token given to each decode step (teacher forcing); ``None`` feeds back the greedy
-    token. A random-weight model's greedy output repeats one token, which would route every step to
-    the same experts; feeding random tokens gives near-uniform routing instead (the pessimistic case).
+    ``feed``: the tokens given to the decode steps (teacher forcing; sequence ``i`` of step ``s`` takes
+    ``feed[(s * batch + i) % len(feed)]``); ``None`` feeds back the greedy token. A random-weight
+    model's greedy output repeats one token, which would route every step to the same experts;
+    feeding random tokens gives near-uniform routing instead (the pessimistic case).
     """
     runner.set_expert_cache(slots, policy)
     dev = runner.device
     _sync(dev)
     t0 = time.perf_counter()
-    if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
-        runner.kv.allocate(0, len(prompt))
-        tok = prompt[-1]
-    else:
+    toks = []
+    for i in range(batch):
+        if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
+            runner.kv.allocate(i, len(prompt))
+            toks.append(prompt[-1])
+            continue
         for start in range(0, len(prompt), PREFILL_CHUNK):
-            logits = runner.execute([StepInput(0, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
-        tok = int(logits[0].argmax())
+            logits = runner.execute([StepInput(i, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
+        toks.append(int(logits[0].argmax()))
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     pos = len(prompt)
     step = 0
 
-    def next_input(t: int) -> int:
-        return t if feed is None else feed[step % len(feed)]
+    def decode_step() -> None:
+        nonlocal pos, step
+        ids = [toks[i] if feed is None else feed[(step * batch + i) % len(feed)] for i in range(batch)]
+        logits = runner.execute([StepInput(i, [t], pos) for i, t in enumerate(ids)], Phase.DECODE)
+        toks[:] = logits.argmax(dim=-1).tolist()
+        pos, step = pos + 1, step + 1
 
     for _ in range(warmup):
-        tok = int(runner.execute([StepInput(0, [next_input(tok)], pos)], Phase.DECODE)[0].argmax())
-        pos, step = pos + 1, step + 1
+        decode_step()
     before = dict(runner.experts.stats()["decode"])
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(tokens):
-        tok = int(runner.execute([StepInput(0, [next_input(tok)], pos)], Phase.DECODE)[0].argmax())
-        pos, step = pos + 1, step + 1
+        decode_step()
     _sync(dev)
     dt = time.perf_counter() - t0
     after = runner.experts.stats()["decode"]
     d = {k: after[k] - before[k] for k in after}
-    runner.free(0)
+    for i in range(batch):
+        runner.free(i)
     uses = d["hits"] + d["misses"]
     row = runner.pool.row_bytes
     return {
-        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt),
+        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt), "batch": batch,
         "decode_path": runner.experts.decode_path,
-        "tokens_per_s": tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
+        "tokens_per_s": batch * tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
         "hit_rate": d["hits"] / uses if uses else 0.0,
         "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
         "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
@@ -135,11 +156,12 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
         router.forward = forward
 
 
-def route_from_trace(runner: ModelRunner, paths: list[str], seed: int = 0) -> int:
+def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, seed: int = 0) -> int:
     """Replace each router's choice by recorded routing: the traces' decode steps mapped onto this model's
     (MoE layers, experts, top-k) (:func:`edgemoe.bench.replay.remap_workload`), MoE layer ``j`` reading
-    step ``c_j``, ``c_j + 1``, ... of its own table at a device-side counter (a prefill restarts it at
-    0 and reads rows too, so every run replays the same steps; a CUDA graph replays with the counter).
+    step ``c_j``, ``c_j + 1``, ... of its own table at a device-side counter (a prefill, a step of at
+    least ``reset_tokens`` tokens, restarts it at 0 and reads rows too, so every run replays the same
+    steps; a CUDA graph replays with the counter).
     Weights: the router's softmax at the chosen experts, renormalized. Returns the number of recorded
     steps (the tables wrap around).
 
@@ -166,7 +188,7 @@ def route_from_trace(runner: ModelRunner, paths: list[str], seed: int = 0) -> in
 
         def forward(x, router=router, j=j):
             T = x.shape[0]
-            if T > 1:  # a prefill: every run replays the trace from its start
+            if T >= reset_tokens:  # a prefill: every run replays the trace from its start
                 counters[j:j + 1].zero_()
             logits = torch.nn.functional.linear(x.to(router.weight.dtype), router.weight)  # [T, E]
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
@@ -190,16 +212,20 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quant", choices=list(QUANT_LAYOUTS),
+                    help="routed experts in this released quantized layout (dummy rows of its format)")
 
 
 def model_dir(a: argparse.Namespace) -> str:
-    """``--model``, or a temporary config-only directory of ``--arch``'s ``--preset`` (``--layers`` deep)."""
+    """``--model``, or a temporary config-only directory of ``--arch``'s ``--preset`` (``--layers`` deep, experts
+    in ``--quant``'s format)."""
     if a.model is not None:
         return a.model
     from edgemoe.synth import write_config_only
 
     overrides = None if a.layers is None else {"num_hidden_layers": a.layers}
-    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), a.arch, a.preset, overrides=overrides))
+    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), a.arch, a.preset, overrides=overrides,
+                                 quant=a.quant))
 
 
 def main(argv=None) -> int:
@@ -214,7 +240,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--cpu-threads", type=int)
+    ap.add_argument("--batch-sizes", default="1", help="sequences decoded together, e.g. 1,4,16,64 (default 1)")
+    ap.add_argument("--cpu-threads", default="", help="CPU executor threads, a list (e.g. 6,15; default: the "
+                    "engine's count); each count is a sweep of its own")
+    ap.add_argument("--torch-cpu-branch", action="store_true",
+                    help="run policies with a CPU branch even for a quantized pool on the torch CPU executor")
+    ap.add_argument("--compare", nargs="+", metavar="DIR",
+                    help="only compare earlier runs' decode.json (first = baseline) into formats.md / formats.json")
     ap.add_argument("--profile-seconds", type=float, default=1.0)
     ap.add_argument("--rotate-gb", type=float, default=2.0,
                     help="expert bytes the bandwidth profile rotates over (far above the L3, so reads come from DRAM)")
@@ -231,96 +263,174 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
+    if a.compare:
+        return compare(a.compare, Path(a.out))
 
     model = model_dir(a)
+    threads = [int(t) for t in a.cpu_threads.split(",") if t] or [None]
+    batches = [int(b) for b in a.batch_sizes.split(",") if b]
+    from edgemoe.models import load_config
+
+    limit = load_config(model).context_length()
+    max_len = max([min(4096, limit), *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]])
+    per_seq = a.prompt_len + a.warmup + a.tokens + 16
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
-                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
+                       expert_policy="cpu-all", cpu_threads=threads[0], enforce_eager=a.enforce_eager,
                        expert_eviction=a.eviction, prefetch=a.prefetch,
-                       max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8
-                                                  for c in a.contexts.split(",") if c]]))
+                       max_model_len=max_len, max_num_seqs=max(batches),
+                       kv_cache_tokens=max(max_len, max(batches) * per_seq))
     t0 = time.perf_counter()
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
-    prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                   runner.experts.cpu_executor, a.profile_seconds, int(a.rotate_gb * 1e9))
-    runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+    pool = runner.pool
     trace_steps = None
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
     elif a.routing == "trace":
         if not a.trace:
             ap.error("--routing trace needs --trace FILE[,FILE...]")
-        trace_steps = route_from_trace(runner, [p for p in a.trace.split(",") if p])
+        if max(batches) >= a.prompt_len:
+            ap.error("--routing trace tells a prefill by its size: give --batch-sizes below --prompt-len")
+        trace_steps = route_from_trace(runner, [p for p in a.trace.split(",") if p], a.prompt_len)
     print(runner.summary(), flush=True)
-    print(f"profile: isolated {prof['isolated']}, concurrent {prof['concurrent']}", flush=True)
-
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist()
-    feed = None if a.decode_input == "greedy" else torch.randint(0, vocab, (a.warmup + a.tokens,), generator=g).tolist()
-    row = runner.pool.row_bytes
-    results = []
-    if not a.no_resident:
-        # every expert placed and pinned up front: all hits, the ceiling
-        r = run_one(runner, runner.pool.num_ids, "static", prompt, a.warmup, a.tokens, feed)
-        r["budget_gb"] = "all (resident)"
+    feed = None if a.decode_input == "greedy" else torch.randint(
+        0, vocab, ((a.warmup + a.tokens) * max(batches),), generator=g).tolist()
+    row = pool.row_bytes
+    results, profiles, skipped = [], {}, []
+    resident_ms: dict[int, float] = {}
+
+    def save() -> str:
+        """Write decode.json and decode.md with the results so far (a run cut short keeps them); the table."""
+        meta = {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
+            "machine": {"platform": platform.platform(),
+                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                        "cpu_threads": [int(t) for t in profiles], "torch": torch.__version__},
+            "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
+            "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
+            "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
+            "pinned": runner.pinned, "load_s": load_s, "profiles": profiles, "skipped": skipped,
+            "format": pool.format.value, "quant": a.quant,
+            "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu,
+                                "source": runner.experts.bandwidths.source},
+            "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup,
+            "tokens": a.tokens,
+            "batch_sizes": batches, "decode_input": a.decode_input, "routing": a.routing,
+            "trace": a.trace or None, "trace_steps": trace_steps, "eviction": a.eviction, "prefetch": a.prefetch,
+        }
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        lines = [
+            "| budget (GB) | policy | threads | batch | context | tokens/s | ms/step | bound ms | bound/measured "
+            "| hit rate | fills/step | CPU experts/step | q*/m (policy) | q/m (observed) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
+            bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
+            lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['threads']} | {r['batch']} | {r['context']} | "
+                         f"{r['tokens_per_s']:.1f} | "
+                         f"{r['ms_per_token']:.2f} | "
+                         f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
+                         f"{r['q_ratio_policy']:.3f} | {qo} |")
+        table = "\n".join(lines + ([""] if skipped else []) + [f"skipped: {x}" for x in skipped])
+        (out / "decode.md").write_text(table + "\n")
+        return table
+
+    def record(r: dict, budget) -> None:
+        r.update(budget_gb=budget, format=pool.format.value, threads=runner.experts.cpu_executor.threads,
+                 cpu_executor=runner.experts.cpu_executor.name)
         results.append(r)
         print(r, flush=True)
-        for ctx in [int(c) for c in a.contexts.split(",") if c]:
-            long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
-            r = run_one(runner, runner.pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
-            r["budget_gb"] = "all (resident)"
-            results.append(r)
-            print(r, flush=True)
-    resident_ms = next((r["ms_per_token"] for r in results if r["context"] == a.prompt_len), None)
-    for gb, pol in [(float(gb), p) for gb in a.budgets.split(",") if gb for p in a.policies.split(",") if p]:
-        r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
-        r["budget_gb"] = gb
-        # bytes-bound limit: the resident step plus the slower miss branch, each at the rate measured
-        # alone (one branch in use) or while both run (both in use: the concurrent pair)
-        both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
-        rates = prof["concurrent"] if both else prof["isolated"]
-        if resident_ms is not None and rates["b_p_gbps"] and rates["b_h_gbps"]:
-            miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
-                          r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
-            r["bound_ms"] = resident_ms + miss_ms
-            r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
-        results.append(r)
-        print(r, flush=True)
-    meta = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(),
-                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
-        "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
-        "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
-        "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
-        "pinned": runner.pinned, "load_s": load_s, "profile": prof,
-        "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu,
-                            "source": runner.experts.bandwidths.source},
-        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
-        "decode_input": a.decode_input, "routing": a.routing,
-        "trace": a.trace or None, "trace_steps": trace_steps, "eviction": a.eviction,
-        "prefetch": a.prefetch,
-    }
-    out = Path(a.out)
+        save()
+
+    for n, th in enumerate(threads):
+        if n:
+            runner.set_cpu_threads(th)
+        prof = measure(pool, pool.layout, runner.device, runner.experts.cpu_executor, a.profile_seconds,
+                       int(a.rotate_gb * 1e9))
+        runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+        ex = runner.experts.cpu_executor
+        profiles[str(ex.threads)] = prof
+        print(f"CPU executor {ex.name} x {ex.threads} threads; profile: isolated {prof['isolated']}, "
+              f"concurrent {prof['concurrent']}", flush=True)
+        if n == 0 and not a.no_resident:
+            # every expert placed and pinned up front: all hits, the ceiling (no CPU work: once)
+            for b in batches:
+                r = run_one(runner, pool.num_ids, "static", prompt, a.warmup, a.tokens, feed, batch=b)
+                resident_ms[b] = r["ms_per_token"]
+                record(r, "all (resident)")
+            for ctx in [int(c) for c in a.contexts.split(",") if c]:
+                long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
+                r = run_one(runner, pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
+                record(r, "all (resident)")
+        torch_cpu = ex.name == "torch" and not pool.format.dense and not a.torch_cpu_branch
+        for gb in [float(x) for x in a.budgets.split(",") if x]:
+            for pol in [p for p in a.policies.split(",") if p]:
+                if pol == "fill-all" and n:  # no CPU branch: the thread count does not matter
+                    continue
+                if torch_cpu and pol != "fill-all":
+                    skipped.append(f"{pol} at {gb} GB, {ex.threads} threads: {pool.format.value} rows have no native "
+                                   "CPU kernel (torch executor)")
+                    continue
+                for b in batches:
+                    r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b)
+                    # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
+                    # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
+                    both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
+                    rates = prof["concurrent"] if both else prof["isolated"]
+                    if b in resident_ms and rates["b_p_gbps"] and rates["b_h_gbps"]:
+                        miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
+                                      r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
+                        r["bound_ms"] = resident_ms[b] + miss_ms
+                        r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
+                    record(r, gb)
+    for line in skipped:
+        print("skipped:", line, flush=True)
+    print(save())
+    return 0
+
+
+def compare(dirs: list[str], out: Path) -> int:
+    """``formats.md`` / ``formats.json`` in ``out``: each run's tokens/s and bytes-bound ratio beside the first
+    run's (the baseline, e.g. bf16) at the same budget, policy, threads and batch (resident runs: same batch)."""
+    runs = [json.loads((Path(d) / "decode.json").read_text()) for d in dirs]
+
+    def key(r: dict) -> tuple:
+        resident = not isinstance(r["budget_gb"], (int, float))
+        return (str(r["budget_gb"]), r["policy"], None if resident or r["policy"] == "fill-all" else r["threads"],
+                r["batch"], r["context"])
+
+    base = {key(r): r for r in runs[0]["results"]}
+    rows = []
+    for run in runs:
+        for r in run["results"]:
+            b = base.get(key(r))
+            rows.append({"format": r["format"], "budget_gb": r["budget_gb"], "policy": r["policy"],
+                         "threads": r["threads"], "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
+                         "ratio_to_baseline": r["tokens_per_s"] / b["tokens_per_s"] if b else None,
+                         "bound_ratio": r.get("bound_ratio"), "hit_rate": r["hit_rate"],
+                         "expert_mb": run["meta"]["expert_mb"], "cpu_executor": r["cpu_executor"]})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    lines = [
-        "| budget (GB) | policy | context | tokens/s | ms/token | bound ms | bound/measured | hit rate | fills/token "
-        "| CPU experts/token | q*/m (policy) | q/m (observed) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
-        bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
-        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['context']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['ms_per_token']:.2f} | "
-                     f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
-                     f"{r['q_ratio_policy']:.3f} | {qo} |")
-    table = "\n".join(lines)
-    (out / "decode.md").write_text(table + "\n")
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "runs": [r["meta"] for r in runs],
+            "baseline": runs[0]["meta"]["format"]}
+    (out / "formats.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    lines = [f"| format | expert MB | budget (GB) | policy | threads | batch | tokens/s | x {meta['baseline']} "
+             "| bound/measured | hit rate | CPU executor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (str(r["budget_gb"]), r["policy"], r["threads"], r["batch"])):
+        ratio = "-" if r["ratio_to_baseline"] is None else f"{r['ratio_to_baseline']:.2f}"
+        bound = "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.2f}"
+        lines.append(f"| {r['format']} | {r['expert_mb']:.2f} | {r['budget_gb']} | {r['policy']} | {r['threads']} | "
+                     f"{r['batch']} | {r['tokens_per_s']:.1f} | {ratio} | {bound} | {r['hit_rate']:.3f} | "
+                     f"{r['cpu_executor']} |")
+    skipped = [f"{run['meta']['format']}: {x}" for run in runs for x in run["meta"]["skipped"]]
+    table = "\n".join(lines + ([""] if skipped else []) + [f"skipped: {x}" for x in skipped])
+    (out / "formats.md").write_text(table + "\n")
     print(table)
     return 0
 

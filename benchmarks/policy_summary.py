@@ -2,10 +2,10 @@
 for every (regime, CPU threads, budget) each policy's tokens/s, the best fixed policy (``fill-all``,
 ``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it.
 
-    python benchmarks/policy_summary.py OUT/policy        # reads OUT/policy/*/decode.json, writes summary.md/.json
+    python benchmarks/policy_summary.py OUT/policy    # reads OUT/policy/*/decode.json, writes summary.md/.json
 
-A run folder is named ``<regime>-t<threads>`` (e.g. ``realistic-t16``); its ``decode.json`` is
-``benchmarks/decode.py``'s output.
+A run folder is named after its regime (e.g. ``realistic``); its ``decode.json`` is
+``benchmarks/decode.py``'s output, every result naming its CPU threads.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ def summarize(root: Path) -> tuple[list[dict], str]:
         raise FileNotFoundError(f"{root}: no */decode.json (run scripts/gpu_check.sh policy first)")
     rows = []
     for path in runs:
-        regime, _, threads = path.parent.name.rpartition("-t")
+        regime = path.parent.name
         data = json.loads(path.read_text())
-        by_budget: dict[float, dict[str, float]] = {}
+        groups: dict[tuple[int, float], dict[str, float]] = {}
         for r in data["results"]:
             if isinstance(r["budget_gb"], (int, float)):
-                by_budget.setdefault(float(r["budget_gb"]), {})[r["policy"]] = r["tokens_per_s"]
-        for gb, tps in sorted(by_budget.items()):
+                groups.setdefault((r["threads"], float(r["budget_gb"])), {})[r["policy"]] = r["tokens_per_s"]
+        for (threads, gb), tps in sorted(groups.items()):
             fixed = {p: tps[p] for p in FIXED if p in tps}
             best = max(fixed, key=fixed.get) if fixed else None
-            rows.append({"regime": regime, "threads": int(threads) if threads.isdigit() else threads, "budget_gb": gb,
+            rows.append({"regime": regime, "threads": threads, "budget_gb": gb,
                          "tokens_per_s": tps, "best_fixed": best,
                          "auto_ratio": tps["auto"] / fixed[best] if best and "auto" in tps else None})
     policies = [p for p in ORDER if any(p in r["tokens_per_s"] for r in rows)]
@@ -55,7 +55,7 @@ def summarize(root: Path) -> tuple[list[dict], str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", help="folder holding <regime>-t<threads>/decode.json")
+    ap.add_argument("root", help="folder holding <regime>/decode.json")
     a = ap.parse_args(argv)
     root = Path(a.root)
     try:

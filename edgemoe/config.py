@@ -165,6 +165,19 @@ class ModelConfig:
         """Index of decoder ``layer`` among the MoE layers (raises ``ValueError`` for a dense layer)."""
         return self.moe_layers.index(layer)
 
+    def context_length(self) -> int:
+        """The longest sequence (prompt + output tokens) the checkpoint's positions are meant for:
+        ``max_position_embeddings``, extended by a RoPE scaling that states a ``factor`` (``linear``,
+        ``dynamic``; ``yarn`` scales ``original_max_position_embeddings`` when it is given), as vLLM
+        derives its default ``max_model_len``; ``llama3`` and ``longrope`` configs already state the
+        extended length in ``max_position_embeddings``."""
+        rope = self.rope_parameters
+        kind, factor = rope.get("rope_type", "default"), rope.get("factor")
+        if kind in ("default", "llama3", "longrope", "su") or not factor:
+            return self.max_position_embeddings
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        return int((base or self.max_position_embeddings) * float(factor))
+
     def expert_numel(self) -> int:
         """Elements of one routed expert: gate+up ``[2I, H]`` and down ``[H, I]``."""
         return 3 * self.moe_intermediate_size * self.hidden_size
@@ -217,11 +230,13 @@ def require(cfg: dict[str, Any], key: str, *alts: str, where: str = "config.json
 def rope_from_hf(cfg: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """RoPE parameters in the transformers-5 form (``rope_parameters`` with ``rope_type`` and
     ``rope_theta``) from either spelling (transformers 4: ``rope_theta`` + ``rope_scaling`` with
-    ``type``)."""
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope.update(cfg.get("rope_scaling") or {})
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
+    ``type``; a ``rope_scaling`` entry added to a transformers-5 config overrides its type)."""
+    rope = {}
+    for part in (cfg.get("rope_parameters"), cfg.get("rope_scaling")):
+        part = dict(part or {})
+        if "type" in part and "rope_type" not in part:
+            part["rope_type"] = part.pop("type")
+        rope.update(part)
     rope.setdefault("rope_theta", float(cfg.get("rope_theta", default_theta)))
     rope.setdefault("rope_type", "default")
     return rope
@@ -276,6 +291,15 @@ class EngineConfig:
         None, "(layer, expert) slots in the device expert cache (default: from --expert-cache-gb, else on CUDA "
         "free memory minus 2 GiB, on CPU 0)", type=int)
     expert_cache_gb: float | None = option(None, "expert-cache budget in GB (1e9 bytes)", type=float)
+    gpu_budget: str = option(
+        "auto", "GPU memory for the expert cache and the KV cache together: auto (follow the device's free memory, "
+        "NVML's view of every process, keeping --gpu-headroom-gb free; the default) or a fixed size in GB; "
+        "CUDA only", metavar="auto|GB")
+    gpu_headroom_gb: float = option(2.0, "device memory (GB) auto mode keeps free for other processes and "
+                                    "activations: the expert cache shrinks when free memory drops below it")
+    min_expert_cache_slots: int | None = option(
+        None, "floor of expert-cache slots the KV cache may take memory from when it runs short (default: half "
+        "the start-up slots)", type=int)
     expert_policy: str = option(
         "qstar", "how decode-step expert misses are served: qstar (fill q* = m*B_P/B_H of m misses, the rest on "
         "the CPU), auto (per-layer cost model: the bandwidths, the fixed cost of a copy and of a CPU call, and "
@@ -328,7 +352,8 @@ class EngineConfig:
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
-        for name in ("expert_cache_slots", "state_checkpoints", "state_checkpoint_interval"):
+        for name in ("expert_cache_slots", "min_expert_cache_slots", "state_checkpoints",
+                     "state_checkpoint_interval"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -337,10 +362,20 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        for name in ("expert_cache_gb", "bandwidth_pcie_gbps", "bandwidth_cpu_gbps"):
+        v = self.expert_cache_gb
+        if v is not None and not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"expert_cache_gb must be a finite number >= 0, got {v}")
+        self.gpu_budget_bytes  # noqa: B018 - validates the value
+        v = self.gpu_headroom_gb
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"gpu_headroom_gb must be a finite number >= 0, got {v}")
+        for name in ("bandwidth_pcie_gbps", "bandwidth_cpu_gbps"):
             v = getattr(self, name)
-            if v is not None and not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number of GB/s > 0, got {v}")
+        if self.profile_path is not None and not Path(self.profile_path).is_file():
+            raise ValueError(f"profile {self.profile_path!r}: no such file (write one with `edgemoe profile MODEL_DIR "
+                             f"--out {self.profile_path}`)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 
@@ -357,6 +392,23 @@ class EngineConfig:
         if bad:
             raise TypeError(f"unknown engine option(s) {bad}; valid: {sorted(names)}")
         return cls(**{k: v for k, v in kw.items() if v is not None})
+
+    @property
+    def gpu_budget_bytes(self) -> int | None:
+        """``gpu_budget`` in bytes, or ``None`` for ``auto``.
+
+        Raises:
+            ValueError: neither ``auto`` nor a finite number of GB > 0.
+        """
+        if str(self.gpu_budget).strip().lower() == "auto":
+            return None
+        try:
+            gb = float(self.gpu_budget)
+        except ValueError:
+            raise ValueError(f"gpu_budget {self.gpu_budget!r}: give auto or a size in GB") from None
+        if not (gb > 0 and math.isfinite(gb)):
+            raise ValueError(f"gpu_budget must be auto or a finite number of GB > 0, got {self.gpu_budget!r}")
+        return int(gb * 1e9)
 
     def resolved_device(self) -> torch.device:
         """The compute device (``auto``: CUDA when present).

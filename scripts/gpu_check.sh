@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile grouped agent policy (default: tests decode prefill)
-# Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS.
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
+#        formats prefill prefill-profile grouped agent peers elastic policy (default: tests decode prefill)
+# peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
+# (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
+# then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
+# finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
+# Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
+# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520),
+# elastic flags in $ELASTIC_ARGS.
+# policy (the expert-policy study, docs/benchmarks/policy.md): $POLICY_* variables, see the stage.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# packages the host lacks (pydantic, FastAPI, uvicorn, llguidance...) travel as wheels in .whl/ (carried)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "installing .whl/ failed" >&2; exit 1; }
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill)
 {
@@ -23,16 +37,54 @@ for stage in "${stages[@]}"; do
   tests)
     echo "== GPU tests (device decode path, Triton kernels, CUDA parity) + native CPU kernel tests"
     timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu \
-      tests/test_parity.py tests/test_cpu_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
+      tests/test_parity.py tests/test_cpu_kernels.py tests/test_cpu_quant_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
       | tee "$OUT/pytest.log" | grep -v "^SKIPPED" | tail -n 60 ;;
   cpu)
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
     timeout 240 python3 benchmarks/cpu_executor.py --threads 6,16 --batch 1,8 --experts-per-call 8 \
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
+  cpu-formats)
+    echo "== native CPU kernels per expert format: tests, then B_H in packed GB/s vs the read test at 6 and 15 threads"
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
+      | tail -n 3
+    timeout 150 python3 benchmarks/cpu_executor.py --format bf16,fp8,mxfp4,nvfp4 --threads 6,15 --batch 1,8 \
+      --experts-per-call 8 --executors native --out "$OUT/cpu_formats.json" 2>&1 | tee "$OUT/cpu-formats.log" \
+      | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:' ;;
+  threads)
+    echo "== native executor B_H per thread count (1..cores), planned vs as asked, alone and beside 1 busy process"
+    for sp in 0 1; do
+      timeout 280 python3 benchmarks/thread_scaling.py executor --spinners $sp --seconds 0.5 --out "$OUT/threads-exec-s$sp" \
+        2>&1 | tee "$OUT/threads-exec-s$sp.log" | tail -n 70
+    done ;;
+  threads-decode)
+    echo "== decode tokens/s per CPU thread count (16-layer Qwen3-30B-A3B geometry, 2.42 GB expert cache)"
+    timeout ${THREADS_TIMEOUT:-580} python3 benchmarks/thread_scaling.py decode --layers 16 --budgets 2.42 \
+      --policies qstar,cpu-all --plans planned,as-asked --tokens 32 --warmup 8 --out "$OUT/threads-decode" ${THREADS_ARGS:-} 2>&1 \
+      | tee "$OUT/threads-decode.log" | tail -n 45 ;;
+  batches)
+    echo "== decode throughput at batch 1/4/16/64 (16-layer Qwen3-30B-A3B geometry, uniform routing)"
+    timeout ${BATCHES_TIMEOUT:-580} python3 benchmarks/decode.py --layers 16 --budgets 2.42,6.04 --policies qstar \
+      --batch-sizes 1,4,16,64 --tokens 32 --out "$OUT/batches" ${BATCHES_ARGS:-} 2>&1 | tee "$OUT/batches.log" \
+      | grep -v "^{'policy'" | tail -n 20 ;;
   decode)
     echo "== decode benchmark (Qwen3-30B-A3B geometry, dummy weights)"
     timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/decode.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" \
       | grep -v "^{'policy'" | tail -n 40 ;;
+  formats)
+    echo "== decode per expert format at equal expert VRAM (Qwen3-30B-A3B geometry, dummy weights, uniform routing)"
+    deadline=$((SECONDS + ${FORMATS_TIMEOUT:-520}))  # the whole stage, comparison included
+    runs=()
+    for q in bf16 fp8 mxfp4 nvfp4-modelopt; do
+      left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
+      [ $left -lt 30 ] && { echo "formats: no time left for $q"; continue; }
+      flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
+      timeout $left python3 benchmarks/decode.py "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
+        --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$q" ${FORMATS_ARGS:-} 2>&1 \
+        | tee "$OUT/formats-$q.log" | grep -v "^{'policy'" | tail -n 16
+      [ -f "$OUT/formats/$q/decode.json" ] && runs+=("$OUT/formats/$q")
+    done
+    [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
+      | tee "$OUT/formats.log" ;;
   prefill)
     echo "== prefill benchmark (double-buffered layer streaming vs serialized)"
     timeout 400 python3 benchmarks/prefill.py --out "$OUT" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" | tail -n 30 ;;
@@ -42,12 +94,22 @@ for stage in "${stages[@]}"; do
   grouped)
     echo "== grouped expert GEMM (Triton kernel pair vs per-expert torch loop, Qwen3-30B-A3B geometry)"
     timeout 300 python3 benchmarks/grouped_gemm.py --out "$OUT" 2>&1 | tee "$OUT/grouped_gemm.log" | tail -n 10 ;;
+  elastic)
+    echo "== elastic GPU memory: GPU tests, then decode while a second process takes 10 GB and gives it back"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_elastic_gpu.py tests/test_gpu_memory.py \
+      2>&1 | tee "$OUT/elastic-pytest.log" | tail -n 20
+    timeout ${ELASTIC_TIMEOUT:-300} python3 benchmarks/elastic.py --out "$OUT" ${ELASTIC_ARGS:-} 2>&1 \
+      | tee "$OUT/elastic.log" | tail -n 25 ;;
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
+  peers)
+    echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
+    timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \
+      ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | tail -n 60 ;;
   policy)
     # expert-policy study: every miss policy in three routing regimes, budgets 2/6/16 GB, 6 and 16 CPU threads;
-    # one decode-benchmark process per (regime, threads), realistic first, all within POLICY_SECONDS (default 540)
+    # one decode-benchmark process per regime (both thread counts in it), realistic first, within POLICY_SECONDS
     echo "== expert policies x routing regimes (Qwen3-30B-A3B geometry, dummy weights)"
     traces=${POLICY_TRACES:-}
     for d in shared/fixtures/routing_traces ../shared/fixtures/routing_traces; do
@@ -64,16 +126,14 @@ for stage in "${stages[@]}"; do
         no-locality) flags="--routing model --decode-input random" ;;
         degenerate) flags="--routing model --decode-input greedy" ;;
       esac
-      for threads in ${POLICY_THREADS:-6 16}; do
-        left=$(( deadline - $(date +%s) ))
-        [ "$left" -lt 30 ] && { echo "   $regime t$threads: out of time, skipped"; continue; }
-        per=$(( left < ${POLICY_RUN_SECONDS:-110} ? left : ${POLICY_RUN_SECONDS:-110} ))
-        dir="$OUT/policy/$regime-t$threads"
-        echo "-- $regime, $threads threads (limit ${per}s)"
-        timeout "$per" python3 benchmarks/decode.py $common $flags --cpu-threads "$threads" --out "$dir" \
-          > "$dir.log" 2>&1 || echo "   exit $? (see $dir.log)"
-        tail -n 17 "$dir.log" | grep "^|" || true
-      done
+      left=$(( deadline - $(date +%s) ))
+      [ "$left" -lt 60 ] && { echo "   $regime: out of time, skipped"; continue; }
+      per=$(( left < ${POLICY_RUN_SECONDS:-200} ? left : ${POLICY_RUN_SECONDS:-200} ))
+      dir="$OUT/policy/$regime"
+      echo "-- $regime (limit ${per}s)"
+      timeout "$per" python3 benchmarks/decode.py $common $flags --cpu-threads "${POLICY_THREADS:-6,16}" \
+        --out "$dir" > "$dir.log" 2>&1 || echo "   exit $? (see $dir.log)"
+      grep "^|" "$dir/decode.md" 2>/dev/null | tail -n +3 || true
     done
     python3 benchmarks/policy_summary.py "$OUT/policy" ;;
   *) echo "unknown stage $stage" ;;

@@ -99,7 +99,7 @@ def test_cache_reuse_counters_equal_the_replay_accounting(rule):
     L, E, k, S = 3, 10, 3, 9
     wl = uniform_workload(L, E, k, tokens=60, requests=2, seed=3)
     pol = FillAllPolicy() if rule == "fill-all" else QStarPolicy(Bandwidths(10.0, 25.0))
-    cache = ExpertCache(S, L * E, [], torch.float32, torch.device("cpu"), num_experts=E)
+    cache = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
     ref = SlotLRU(wl, S)
     for i, a in enumerate(wl.accesses):
         plan_step(cache, pol, dict(zip(a.ids, a.counts)), Phase.DECODE, a.step)
@@ -120,7 +120,7 @@ def test_reuse_is_positive_with_locality_and_near_zero_without():
     out = {}
     for name, draw in (("hot", lambda: rng.sample(range(4), 2) if rng.random() < 0.9 else rng.sample(range(E), 2)),
                        ("uniform", lambda: rng.sample(range(E), 2))):
-        cache = ExpertCache(S, L * E, [], torch.float32, torch.device("cpu"), num_experts=E)
+        cache = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
         for step in range(1, 1500):
             for layer in range(L):
                 plan_step(cache, FillAllPolicy(), {layer * E + e: 1 for e in draw()}, Phase.DECODE, step)
@@ -161,11 +161,11 @@ def test_per_layer_lru_partitions_and_matches_the_replay():
     for slots in (8, 13, 30):
         a, b = simulate(wl, "layer-lru", slots), simulate(wl, "layer-lru-engine", slots)
         assert abs(a.misses - b.misses) <= 0.02 * a.misses
-    c = ExpertCache(10, 4 * 16, [], torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
+    c = ExpertCache(10, 4 * 16, None, torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
     assert [c.victim_range(layer) for layer in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert c.victim_range(None) == (0, 10)
     assert c.evictable([], layer=1) == 3 and c.choose_victims(5, [], layer=2) == [6, 7]
-    small = ExpertCache(3, 4 * 16, [], torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
+    small = ExpertCache(3, 4 * 16, None, torch.float32, torch.device("cpu"), num_experts=16, partition_layers=True)
     assert not small.partition_layers and small.victim_range(2) == (0, 3)
 
 

@@ -4,7 +4,7 @@
   every shape class (tails: H/I not multiples of 16/32; the Qwen3-30B-A3B expert H=2048, I=768),
   T = 1, 3, 8, 17, threads 1, 2, 3, bf16 and float32 weights;
 - results do not depend on the thread count (bit-identical);
-- the native executor matches the torch-ops executor within bf16 tolerance;
+- the native executor rounds where the torch-ops executor does (bf16: a few one-ulp flips at most);
 - ISA selection never picks a level the CPU lacks (fake feature sets), the env cap works;
 - the C entry point over registered buffers (the future CUDA-graph host node) computes the same step;
 - fallback to the torch executor when the extension cannot be built.
@@ -24,6 +24,8 @@ from edgemoe.config import EngineConfig
 from edgemoe.experts import native
 from edgemoe.experts.cpu_executor import TorchCpuExecutor, make_cpu_executor
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 try:
     native.load_extension()
@@ -43,7 +45,12 @@ THREADS = (1, 2, 3)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # avx512bf16 (vdpbf16ps) has only a bf16-weight kernel: float32 weights stop at avx512 by design
 ISA_DTYPES = [(isa, d) for isa in native.ISA_LEVELS for d in DTYPES if not (isa == "avx512bf16" and d == "fp32")]
-TOL = {torch.bfloat16: 1e-3, torch.float32: 1e-5}  # max |error| / max |reference|
+# max |error| / max |reference|: bf16 allows a one-ulp flip (2^-8) of a route's output where float32
+# accumulation crosses a rounding boundary the float64 reference does not. Flips come in clusters (a
+# flipped activation moves all of its route's outputs by a fraction of an ulp: seen up to 6% of them
+# with the scalar kernel's sequential sums at H=2048); with other rounding points all of them differ.
+TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
+MAX_DIFFERING = 0.25
 
 _pools: dict = {}
 _cores: dict = {}
@@ -54,7 +61,7 @@ def _pool(shape: str, dtype: torch.dtype) -> HostExpertPool:
     key = (shape, dtype)
     if key not in _pools:
         H, I, N = SHAPES[shape]
-        p = HostExpertPool(N, H, I, dtype)
+        p = HostExpertPool.dense(N, H, I, dtype)
         p.fill_random(seed=11, std=0.05)
         _pools[key] = p
     return _pools[key]
@@ -65,7 +72,7 @@ def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuE
     key = (isa, threads)
     if key not in _cores:
         _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
-                                               max_tokens_per_expert=1 << 30)
+                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
     return _cores[key].with_pool(pool)
 
 
@@ -93,19 +100,30 @@ def _x(T: int, H: int, seed: int) -> torch.Tensor:
 
 
 def reference(pool: HostExpertPool, x: torch.Tensor, work) -> torch.Tensor:
-    """float64 ``Σ w · down(silu(gate(x)) · up(x))`` with the kernels' documented operand rounding:
-    for bf16 weights, x and the SiLU·up activation are rounded to bf16 (as in the torch path)."""
-    bf16 = pool.dtype == torch.bfloat16
+    """float64 ``Σ w · down(silu(gate(x)) · up(x))`` with the kernels' documented rounding points: for
+    bf16 weights those of the torch path and the GPU kernels (x, gate, up, SiLU(gate), the
+    activation, the down projection y, the router weight and y·w rounded to bf16)."""
+    bf16 = pool.compute_dtype == torch.bfloat16
     I = pool.intermediate
-    xr = (x.to(torch.bfloat16) if bf16 else x).double()
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).double() if bf16 else t.double()
+
+    xr = r(x)
     out = torch.zeros(x.shape, dtype=torch.float64)
+    w13, w2 = pool.view("w13"), pool.view("w2")
     for fid, tok, wt in work:
-        h = xr[tok] @ pool.w13[fid].double().T  # [n, 2I]
-        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
-        if bf16:
-            a = a.to(torch.bfloat16).double()
-        out.index_add_(0, tok, (a @ pool.w2[fid].double().T) * wt.double()[:, None])
+        h = xr[tok] @ w13[fid].double().T  # [n, 2I]
+        a = r(r(torch.nn.functional.silu(r(h[:, :I]))) * r(h[:, I:]))  # [n, I]
+        y = r(a @ w2[fid].double().T)  # [n, H]
+        out.index_add_(0, tok, r(y * r(wt.float())[:, None]))
     return out
+
+
+def _differing(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of elements where ``out`` is not ``ref`` to float32 precision: with the same rounding
+    points, only a float32-accumulation difference that crosses a bf16 rounding boundary remains."""
+    return float(((out.double() - ref).abs() > 1e-6 * ref.abs().max()).double().mean())
 
 
 def _ref(shape, dtype, T):
@@ -136,12 +154,13 @@ def test_kernels_match_float64_reference(isa, dtype, shape, T, threads):
     out = torch.zeros(T, pool.hidden)
     ex.run(x, work, out)
     assert _rel_err(out, ref) < TOL[dtype], f"{ex.name}: relative error {_rel_err(out, ref):.2e}"
+    assert _differing(out, ref) < MAX_DIFFERING, f"{ex.name}: {_differing(out, ref):.1%} of outputs differ"
 
 
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
 def test_results_do_not_depend_on_thread_count(isa):
     pool = _pool("qwen3-30b-a3b", torch.bfloat16)
-    _skip_unsupported(isa, pool.dtype)
+    _skip_unsupported(isa, pool.compute_dtype)
     x, work, _ = _ref("qwen3-30b-a3b", torch.bfloat16, 8)
     outs = []
     for threads in THREADS:
@@ -177,9 +196,10 @@ def test_native_matches_torch_executor(shape, T, dtype):
     ex.run(x, work, out)
     TorchCpuExecutor(pool).run(x, work, ref)
     scale = float(ref.abs().max())
-    # the torch path also rounds gate/up, SiLU, the product and y to bf16; the native one only x and a
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(out, ref, atol=tol * scale, rtol=0)
+    # the same rounding points: bf16 results differ only where float32 accumulation orders cross a
+    # rounding boundary (oneDNN's order is not the kernels'), a one-ulp flip of a few outputs
+    torch.testing.assert_close(out, ref, atol=TOL[dtype] * scale, rtol=0)
+    assert _differing(out, ref.double()) < MAX_DIFFERING
 
 
 def test_large_per_expert_batches_take_the_torch_path(monkeypatch):
@@ -224,8 +244,8 @@ def test_executor_never_selects_an_isa_the_cpu_lacks(cap):
     feats = {name for name, on in native.cpu_features().items() if on}
     pool = _pool("tiny-tails", torch.bfloat16)
     ex = native.NativeCpuExecutor(pool, 1, isa=cap)
-    assert ex.isa == native.select_isa(feats, cap, pool.dtype)
-    assert ex.isa in native.supported_isas(pool.dtype)
+    assert ex.isa == native.select_isa(feats, cap, pool.compute_dtype)
+    assert ex.isa in native.supported_isas(pool.compute_dtype)
     assert native.ISA_LEVELS.index(ex.isa) <= native.ISA_LEVELS.index(cap)
 
 
@@ -284,14 +304,15 @@ def test_invalid_steps_raise_and_leave_out_untouched():
         ex.run(x[:, :-1], [(0, torch.tensor([0]), torch.ones(1))], out[:, :-1].contiguous())
     ex.run(x, [], out)  # nothing to do
     assert not out.any()
-    work = [(2, torch.tensor([], dtype=torch.int64), torch.ones(0)), (5, torch.tensor([1, 1]), torch.tensor([0.5, 0.25]))]
+    work = [(2, torch.tensor([], dtype=torch.int64), torch.ones(0)),
+            (5, torch.tensor([1, 1]), torch.tensor([0.5, 0.25]))]
     ex.run(x, work, out)  # an expert without tokens is skipped; a token twice on one expert adds twice
     assert _rel_err(out, reference(pool, x, work)) < TOL[torch.float32]
 
 
 def test_workers_wake_after_sleeping():
     pool = _pool("tails-16", torch.float32)
-    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0)  # workers sleep at once
+    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0, oversubscribe=True)  # workers sleep at once
     x, work, ref = _ref("tails-16", torch.float32, 8)
     for _ in range(3):
         time.sleep(0.02)
@@ -334,10 +355,61 @@ def test_factory_kinds_and_fallback(monkeypatch, caplog):
     assert any("no C++ compiler" in r.getMessage() and "torch-ops executor" in r.getMessage() for r in caplog.records)
 
 
-def test_factory_falls_back_for_dtypes_without_kernel():
-    pool = HostExpertPool(2, 16, 8, torch.float16)
+def test_factory_falls_back_for_formats_without_kernel(caplog):
+    fmt = WeightFormat.FP16
+    pool = HostExpertPool(2, ExpertLayout.build(fmt, 32, 32))
     pool.fill_random(seed=0)
-    assert isinstance(make_cpu_executor(pool, None, "auto"), TorchCpuExecutor)
+    with pytest.raises(native.NativeUnavailable, match=f"no native kernel for {fmt.value} expert rows"):
+        native.NativeCpuExecutor(pool, 1)
+    with caplog.at_level(logging.WARNING, logger="edgemoe.experts.cpu_executor"):
+        ex = make_cpu_executor(pool, None, "auto")
+    assert isinstance(ex, TorchCpuExecutor)
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
+        f"native CPU expert executor unavailable (no native kernel for {fmt.value} expert rows (bf16, float32, "
+        "fp8_block, mxfp4 and nvfp4 rows have them)); using the torch-ops executor"]
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat), ids=[f.value for f in WeightFormat])
+@pytest.mark.parametrize("geometry", [(256, 192), (2048, 768)], ids=["partial-fp8-block", "qwen3-30b"])
+def test_bank_description_points_each_projection_at_its_row_sections(fmt, geometry):
+    """The ``ExpertBanks`` struct handed to the executor and its kernels: for every
+    format, ``expert_matrix`` of each projection of each expert points at the bytes the layout says, with the
+    scale geometry the row encodes (``csrc/executor.h``)."""
+    H, I = geometry
+    lay = ExpertLayout.build(fmt, H, I)
+    pool = HostExpertPool(3, lay)
+    pool.fill_random(seed=1)
+    banks = native.expert_banks(native.load_extension(), pool)
+    assert (banks.row_bytes, banks.num_ids, banks.fmt) == (lay.row_bytes, 3, native.NATIVE_FORMATS[fmt])
+    base = pool.bank.data_ptr()
+    for fid in (0, 2):
+        row = base + fid * lay.row_bytes
+        gate, up, down = (banks.matrix(fid, p) for p in range(3))
+        w13, w2 = lay.section("w13"), lay.section("w2")
+        per_row13, per_row2 = w13.nbytes // (2 * I), w2.nbytes // H  # bytes of one matrix row
+        assert gate["data"] == row + w13.offset and up["data"] == row + w13.offset + I * per_row13
+        assert down["data"] == row + w2.offset
+        assert (gate["row_stride_bytes"], down["row_stride_bytes"]) == (per_row13, per_row2)
+        if fmt.dense:
+            assert gate["scales"] == up["scales"] == down["scales"] == 0
+            continue
+        s13, s2 = lay.section("w13_scale"), lay.section("w2_scale")
+        assert gate["scales"] == row + s13.offset and down["scales"] == row + s2.offset
+        if fmt is WeightFormat.FP8_BLOCK:  # up's grid starts after gate's ceil(I / 128) scale rows
+            assert (gate["scale_rows"], gate["scale_cols"]) == (128, 128)
+            assert gate["scale_row_stride_bytes"] == 4 * -(-H // 128)
+            assert down["scale_row_stride_bytes"] == 4 * -(-I // 128)
+            assert up["scales"] == gate["scales"] + -(-I // 128) * gate["scale_row_stride_bytes"]
+        else:
+            g = 32 if fmt is WeightFormat.MXFP4 else 16
+            assert (gate["scale_rows"], gate["scale_cols"], gate["scale_row_stride_bytes"]) == (1, g, H // g)
+            assert up["scales"] == gate["scales"] + I * (H // g) and down["scale_row_stride_bytes"] == I // g
+        if fmt is WeightFormat.NVFP4:  # the per-tensor multipliers stored in the row
+            s13_2 = lay.view(pool.bank, "w13_scale2")[fid]
+            assert (gate["global_scale"], up["global_scale"]) == tuple(s13_2.tolist())
+            assert down["global_scale"] == float(lay.view(pool.bank, "w2_scale2")[fid, 0])
+        else:
+            assert gate["global_scale"] == up["global_scale"] == down["global_scale"] == 1.0
 
 
 def test_engine_config_validates_cpu_executor():

@@ -22,6 +22,8 @@ from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, make_policy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpreter) variant; tests/gpu covers CUDA")
 
@@ -29,10 +31,8 @@ E, K, H, I, LAYERS = 12, 4, 32, 16, 3
 
 
 def _pool() -> HostExpertPool:
-    pool = HostExpertPool(LAYERS * E, H, I, torch.float32)
-    g = torch.Generator().manual_seed(0)
-    pool.w13.copy_(torch.randn(pool.w13.shape, generator=g) * 0.2)
-    pool.w2.copy_(torch.randn(pool.w2.shape, generator=g) * 0.2)
+    pool = HostExpertPool.dense(LAYERS * E, H, I, torch.float32)
+    pool.fill_random(0, std=0.2)
     return pool
 
 
@@ -41,8 +41,8 @@ def _pair(pool, slots, policy_name, partition=False):
                          num_layers=LAYERS, max_misses=4 * K, expert_bytes=pool.row_bytes)
     out = []
     for _ in range(2):
-        cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                            torch.float32, torch.device("cpu"), num_experts=E, partition_layers=partition)
+        cache = ExpertCache(slots, pool.num_ids, pool.layout, torch.float32, torch.device("cpu"), num_experts=E,
+                            partition_layers=partition)
         out.append(HybridExperts(pool, cache, policy, TorchCpuExecutor(pool), E, torch.device("cpu")))
     eager, dev = out
     dev.device_decode = DeviceDecode(pool, dev.cache, policy, dev.cpu, E, K, max_tokens=4)
@@ -188,7 +188,68 @@ def test_next_layer_prefetch_device_equals_eager(partition):
                 dev.prefetch_next(layer, x, _Batch(step))
             for name in ("slot_of", "owner_of", "last_used"):
                 assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
-            for bank_d, bank_e in zip(dev.cache.banks, eager.cache.banks):  # the prefetched rows were copied
-                used = dev.cache.owner_of >= 0
-                assert torch.equal(bank_d[used], bank_e[used])
+            used = dev.cache.owner_of >= 0  # the prefetched rows were copied
+            assert torch.equal(dev.cache.bank[used], eager.cache.bank[used])
     assert dev.stats()["prefetch"]["prefetched"] == eager.stats()["prefetch"]["prefetched"] > 0
+
+
+QUANT = {WeightFormat.FP8_BLOCK: (16, 16), WeightFormat.MXFP4: (128, 128), WeightFormat.NVFP4: (128, 128)}
+
+
+def _quant_pool(fmt: WeightFormat) -> HostExpertPool:
+    """A quantized pool at H = I = 32 (FP8 blocks of 16: several scale blocks per matrix)."""
+    pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32, block_size=QUANT[fmt]), torch.float32)
+    pool.fill_random(0, std=0.2)
+    return pool
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+@pytest.mark.parametrize("policy,slots", [("qstar", 6), ("fill-all", 30)])
+def test_quantized_device_path_equals_eager_path(fmt, policy, slots):
+    """Quantized rows on the device path: fills move packed rows, ``expert_gemv_quant`` dequantizes them in
+    the kernel; outputs equal the eager path's (rows dequantized in torch), tables and counters identical."""
+    pool = _quant_pool(fmt)
+    eager, dev = _pair(pool, slots, policy)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 3):
+        T = 3 - step
+        for c in (eager.cache, dev.cache):
+            c.clock.fill_(step)
+        for layer in range(LAYERS):
+            x = torch.randn(T, 32, generator=g)
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, k]
+            w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+            a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
+            b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            for name in ("slot_of", "owner_of", "last_used"):
+                assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
+    for slot, fid in enumerate(dev.cache.owner_of.tolist()):  # the fills copied the packed rows
+        if fid >= 0:
+            assert torch.equal(dev.cache.bank[slot], pool.bank[fid])
+    assert dev.stats()["decode"] == eager.stats()["decode"]
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+def test_quantized_rows_take_the_device_path(monkeypatch, fmt):
+    """A quantized cache decodes on the device path like a float one (the kernels dequantize in registers);
+    an FP8 block the kernels do not tile keeps the eager path and says why."""
+    import edgemoe.engine.expert_runtime as er
+    from edgemoe.config import EngineConfig
+    from edgemoe.models import load_config
+    from edgemoe.synth import config_for
+
+    monkeypatch.setattr(er, "unavailable_reason", lambda device: None)  # as if the Triton kernels ran here
+    cfg = load_config(config_for("qwen3_moe", "tiny", {"num_experts": E, "num_experts_per_tok": K, "hidden_size": 32,
+                                                       "moe_intermediate_size": 32}).to_dict())
+    assert cfg.num_moe_layers == LAYERS
+    engine = EngineConfig(device="cpu", expert_cache_slots=8, expert_policy="fill-all", cpu_executor="torch")
+    quant = er.ExpertRuntime(_quant_pool(fmt), cfg, engine, torch.device("cpu"), fallback=False, graphs_supported=True)
+    assert quant.device_decode is not None and quant.decode_path is not er.DecodePath.EAGER
+    if fmt is WeightFormat.FP8_BLOCK:
+        pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32, block_size=(16, 24)), torch.float32)
+        odd = er.ExpertRuntime(pool, cfg, engine, torch.device("cpu"), fallback=False, graphs_supported=True)
+        assert odd.decode_path is er.DecodePath.EAGER and odd.device_decode is None
+        assert "power of two" in odd.decode_path_reason
+        with pytest.raises(ValueError, match="do not read"):
+            DeviceDecode(pool, odd.cache, odd.policy, odd.cpu_executor, E, K, max_tokens=2)

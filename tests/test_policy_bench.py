@@ -16,7 +16,7 @@ MIXTRAL = sorted(TRACES.glob("mixtral*.jsonl")) if TRACES.is_dir() else []
 @pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")
 def test_decode_benchmark_replays_traces_and_summary_table(tmp_path, load_benchmark):
     bench = load_benchmark("decode")
-    run = tmp_path / "policy" / "realistic-t1"
+    run = tmp_path / "policy" / "realistic"
     traces = ",".join(map(str, MIXTRAL))
     assert bench.main(["--preset", "tiny", "--device", "cpu", "--budgets", "0.0005",
                        "--policies", "qstar,auto,fill-all",

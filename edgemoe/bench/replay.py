@@ -14,7 +14,7 @@ warm the cache; miss rates are reported for decode accesses only, as ``misses / 
 
 Policies (``S`` slots over all ``N = L * E`` ids):
 
-- ``lru``: global LRU across layers, FreeToken (arXiv 2608.16157) §4 / DESIGN.md §2 — this is the
+- ``lru``: global LRU across layers, FreeToken (arXiv 2608.16157) §4 — this is the
   engine's own :class:`~edgemoe.experts.cache.ExpertCache` (``lookup``, ``touch``, ``choose_victims``,
   ``admit``) driven with the engine's step clock, so its counts equal the engine's counters.
 - ``layer-lru``: one LRU per MoE layer, ``S // L`` slots each (the first ``S % L`` layers get one more).
@@ -358,7 +358,7 @@ class GlobalLRU(Policy):
     def __init__(self, wl: Workload, slots: int, partition_layers: bool = False):
         super().__init__(wl, slots)
         self.name = "layer-lru-engine" if partition_layers else "lru-engine"
-        self.cache = ExpertCache(self.slots, wl.num_ids, [], torch.float32, torch.device("cpu"),
+        self.cache = ExpertCache(self.slots, wl.num_ids, None, torch.float32, torch.device("cpu"),
                                  num_experts=wl.num_experts, partition_layers=partition_layers)
 
     def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import replace
 from enum import Enum
@@ -21,10 +22,12 @@ import torch
 from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import BANDWIDTH_POLICIES, resolve_bandwidths
-from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cache import CacheCounters, ExpertCache
+from edgemoe.experts.compute import kernel_reason
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import REUSE_READ_STEPS, Bandwidths, ExpertPolicy, LayerObservation, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels import unavailable_reason
@@ -32,14 +35,32 @@ from edgemoe.weights.bootstrap import FALLBACK_POLICY
 
 log = logging.getLogger(__name__)
 
-GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache is sized automatically
+
+class NoGpuError(ValueError):
+    """A GPU memory size was given for a runner whose device is not a GPU (nothing changes)."""
+
+
+class ResizeError(RuntimeError):
+    """A resize that passed validation could not be carried out (e.g. the device memory is not there);
+    the previous state was restored and the message says why."""
 
 
 def configure_torch_threads(cpu_threads: int | None) -> None:
     """Set torch's intra-op threads for the process once, at start-up: ``--cpu-threads`` when given
-    (the torch CPU executor and the dense CPU layers follow it), else torch's default."""
+    (the torch CPU executor and the dense CPU layers follow it), else torch's default (one per
+    physical core, as the native executor's pool).
+
+    The two pools share the cores without oversubscribing them because they take turns (a layer's
+    torch ops, then its CPU experts) and torch's idle workers sleep instead of spinning:
+    ``edgemoe`` sets ``OMP_WAIT_POLICY=PASSIVE`` when it is imported before torch. When torch was
+    imported first, its workers spin and a warning says so (with more than one thread).
+    """
     if cpu_threads:
         torch.set_num_threads(int(cpu_threads))
+    if "OMP_WAIT_POLICY" not in os.environ and torch.get_num_threads() > 1:
+        log.warning("torch was imported before edgemoe, so its %d CPU threads spin-wait between operations, which "
+                    "collapses decode when other processes load the CPU; set OMP_WAIT_POLICY=PASSIVE before "
+                    "importing torch (or import edgemoe first)", torch.get_num_threads())
 
 
 class DecodePath(str, Enum):
@@ -61,6 +82,7 @@ class ExpertRuntime:
         device: the compute device.
         fallback: pinning was refused at start-up: no expert cache, every expert on the CPU.
         graphs_supported: the architecture's decode step can be captured (a class capability).
+        kv_bytes: bytes of the KV cache on the device (a fixed ``--gpu-budget`` holds both).
 
     Attributes:
         cache, policy, bandwidths, hybrid, cpu_executor: the current objects (rebuilt by
@@ -69,11 +91,12 @@ class ExpertRuntime:
     """
 
     def __init__(self, pool: HostExpertPool, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, *, fallback: bool, graphs_supported: bool):
+                 device: torch.device, *, fallback: bool, graphs_supported: bool, kv_bytes: int = 0):
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
+        self.kv_bytes = kv_bytes  # the KV cache's bytes on the device when the cache is sized
         self.fallback = fallback
         self.graphs_supported = graphs_supported
-        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor)
+        self.cpu_executor = self._make_cpu_executor()
         self.cache: ExpertCache | None = None
         self.bandwidths: Bandwidths | None = None
         self.policy: ExpertPolicy | None = None
@@ -83,24 +106,66 @@ class ExpertRuntime:
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         self._reuse_seen: list[list[int]] | None = None  # the cache's reuse counters at the last read
         self._decode_steps = 0
+        # counters of the caches replaced by a resize, so the reported totals never decrease
+        self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
+        self._retired["prefetch"] = {"prefetched": 0, "prefetch_hits": 0}  # next-layer prefetch
+        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
             self.set_cache(self.default_slots(), config.expert_policy)
 
+    def _make_cpu_executor(self, **native_kw):
+        return make_cpu_executor(self.pool, self.config.cpu_threads, self.config.cpu_executor,
+                                 alongside=ALONGSIDE_CUDA if self.device.type == "cuda" else 0, **native_kw)
+
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Replace the CPU executor by one of ``threads`` threads (``None``: the default count) and
+        rebuild the cache over it (cold, same size and policy), at a safe point between steps. The
+        caller rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Args:
+            threads: the count (capped as at start-up: ``edgemoe.experts.native.plan_threads``).
+            oversubscribe: take ``threads`` as given, beyond the cap (benchmarks measuring the cap).
+
+        Raises:
+            ValueError: ``threads < 1`` (nothing changes then).
+        """
+        if threads is not None and threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+        if self.hybrid is not None and self.hybrid.device_decode is not None:
+            self.hybrid.device_decode.close()  # its server thread is the old pool's worker 0
+            self.hybrid.device_decode = None
+        self.config = replace(self.config, cpu_threads=threads)
+        self.cpu_executor = self._make_cpu_executor(**({"oversubscribe": True} if oversubscribe else {}))
+        self.set_cache(self.cache.num_slots, self.policy.name)
+
     # ------------------------------------------------------------------ sizing
-    def default_slots(self) -> int:
-        """Cache slots from the options: ``expert_cache_slots``, else ``expert_cache_gb``, else on CUDA
-        the free memory minus ``GPU_MEMORY_MARGIN``, on CPU 0; at most one slot per expert."""
+    def explicit_slots(self) -> int | None:
+        """Cache slots the options ask for (``expert_cache_slots``, else ``expert_cache_gb``), at most
+        one slot per expert; ``None`` when neither is given."""
         cfg, row, n = self.config, self.pool.row_bytes, self.pool.num_ids
         if cfg.expert_cache_slots is not None:
             return min(int(cfg.expert_cache_slots), n)
         if cfg.expert_cache_gb is not None:
             return min(int(cfg.expert_cache_gb * 1e9 // row), n)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(0, min(n, int((free - GPU_MEMORY_MARGIN) // row)))
-        return 0
+        return None
+
+    def default_slots(self) -> int:
+        """Cache slots at start-up: :meth:`explicit_slots`, else on CUDA what the GPU budget leaves
+        (``--gpu-budget GB``: the budget minus the KV cache already allocated; ``auto``: the device's
+        free memory minus ``--gpu-headroom-gb``), on CPU 0; at most one slot per expert."""
+        cfg, row, n = self.config, self.pool.row_bytes, self.pool.num_ids
+        explicit = self.explicit_slots()
+        if explicit is not None:
+            return explicit
+        if self.device.type != "cuda":
+            return 0
+        budget = cfg.gpu_budget_bytes
+        if budget is not None:
+            return max(0, min(n, int((budget - self.kv_bytes) // row)))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, min(n, int((free - cfg.gpu_headroom_gb * 1e9) // row)))
 
     @property
     def device_decode(self) -> DeviceDecode | None:
@@ -110,7 +175,8 @@ class ExpertRuntime:
     def set_cache(self, slots: int, policy: str) -> None:
         """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
         between steps (no step in flight). The host pool is untouched; the new cache starts cold (a
-        static policy re-places its layers); its counters start at zero. The caller rebinds the
+        static policy re-places its layers); the hit/miss/fill/CPU totals of :meth:`stats` carry on
+        (the old cache's counts are kept), so they never decrease. The caller rebinds the
         model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
 
         Raises:
@@ -121,20 +187,25 @@ class ExpertRuntime:
         if policy not in EXPERT_POLICIES:
             raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         slots = min(int(slots), self.pool.num_ids)
-        if self.hybrid is not None and self.hybrid.device_decode is not None:
-            self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
-            self.hybrid.device_decode = None
-        if self.cache is not None:  # free the old banks before allocating the new ones
-            self.cache.banks.clear()
+        if self.hybrid is not None:  # retired once: its counts (device path included) carry over into the totals
+            for ph, counts in self.hybrid.stats().items():
+                for key, v in counts.items():
+                    self._retired[ph][key] += v
+            if self.hybrid.device_decode is not None:
+                self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
+            self.hybrid = None
+        if self.cache is not None:  # free the old bank before allocating the new one
+            self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         pool = self.pool
-        self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                                 pool.dtype, self.device, num_experts=self.model_config.num_experts,
+        self.cache = ExpertCache(slots, pool.num_ids, pool.layout, pool.compute_dtype, self.device,
+                                 num_experts=self.model_config.num_experts,
                                  partition_layers=self.config.expert_eviction == "layer-lru"
                                  and slots >= self.model_config.num_moe_layers * self.model_config.top_k)
-        if self.bandwidths is None or (policy in BANDWIDTH_POLICIES and self.bandwidths.pcie is None and slots > 0):
+        if self.bandwidths is None or (policy in BANDWIDTH_POLICIES and slots > 0
+                                       and None in (self.bandwidths.pcie, self.bandwidths.cpu)):
             self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
                                                  self.cpu_executor)
         cfg = self.model_config
@@ -156,9 +227,14 @@ class ExpertRuntime:
             policy: a new expert policy (default: keep the current one).
 
         Raises:
+            NoGpuError: ``gb`` for a device that is not a GPU (size a cache there in ``slots``).
             ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative or infinite
-                size, an unknown policy, a pool that could not be pinned, or a failed setup.
+                size, an unknown policy, or a pool that could not be pinned (nothing changes then).
+            ResizeError: the new cache could not be set up (the previous one is restored).
         """
+        if gb is not None and self.device.type != "cuda":
+            raise NoGpuError(f"gb {gb}: the device is {self.device}, not a GPU, so there is no GPU memory to budget; "
+                             "size the expert cache on this device in slots")
         if gb is not None and slots is not None:
             raise ValueError("give gb or slots, not both")
         if (gb is not None and gb < 0) or (slots is not None and slots < 0):
@@ -186,16 +262,20 @@ class ExpertRuntime:
             except Exception:
                 self.set_cache(0, FALLBACK_POLICY)
                 kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
-            raise ValueError(f"could not set up {new_slots} expert-cache slots "
+            raise ResizeError(f"could not set up {new_slots} expert-cache slots "
                              f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; {kept}") from None
         log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
                  self.cache.nbytes / 1e9, self.policy.name)
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device and the cache has slots; otherwise decode takes the eager path."""
+        on this device, read the pool's rows (float, FP8 block, MXFP4, NVFP4: ``kernel_reason``) and the
+        cache has slots; otherwise decode takes the eager path."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
+        if reason is None and (why := kernel_reason(self.pool.layout)) is not None:
+            reason = (f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them "
+                      "in torch")
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"
         if reason is not None:
@@ -247,18 +327,29 @@ class ExpertRuntime:
         anyway) and raise if that branch went wrong, so the engine fails those requests instead of
         sampling from logits that lack the CPU experts.
 
+        The wait blocks (a ``blocking`` CUDA event: the thread sleeps in the driver until the GPU
+        reaches it) instead of spinning as a stream synchronization does by default: for the whole
+        step the CPU experts run on the native pool, and a spinning Python thread would take a core
+        from it (``edgemoe.experts.native.plan_threads``).
+
         Raises:
             RuntimeError: see ``DeviceDecode.check``.
         """
         dd = self.device_decode
         if dd is not None and dd.step is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            if self._step_done is None:
+                self._step_done = torch.cuda.Event(blocking=True)
+            self._step_done.record(torch.cuda.current_stream(self.device))
+            self._step_done.synchronize()
             dd.check()
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
-        """Expert-cache state and counters (``CacheCounters`` per phase) for metrics and the summary."""
+        """Expert-cache state and counters for metrics and the summary: per phase ``{hits, misses,
+        fills, cpu}`` totals since start-up, across cache resizes (Prometheus counters never decrease)."""
         bw = self.bandwidths
+        counts = {ph: {key: self._retired[ph][key] + v for key, v in c.items()}
+                  for ph, c in self.hybrid.stats().items()}
         return {
             "policy": self.policy.name,
             "slots": self.cache.num_slots,
@@ -269,7 +360,7 @@ class ExpertRuntime:
             "bandwidth_source": bw.source,
             "q_ratio": self.policy.q_ratio(),
             "policy_active": self.policy.active_name,
-            **self.hybrid.stats(),
+            **counts,
         }
 
     def summary_lines(self, pinned: bool) -> list[str]:
@@ -282,7 +373,8 @@ class ExpertRuntime:
         fallback = ": pinning refused, so policy cpu-all without expert cache" if self.fallback else ""
         path = self.decode_path.value + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")
         return [
-            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
+            f"{self.pool.format.value} rows of {self.pool.row_bytes / 1e6:.2f} MB; "
             f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if pinned else 'pageable'}{fallback})",
             f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
             f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",

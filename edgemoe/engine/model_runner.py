@@ -8,6 +8,8 @@ recurrent-state slots) and returns last-token logits. What it owns, by seam:
   the host expert pool, the paged KV pool and (hybrid models) the recurrent-state pool;
 - :class:`~edgemoe.engine.expert_runtime.ExpertRuntime` (``self.experts``): expert cache, policy,
   bandwidths, CPU executor, device decode path;
+- :class:`~edgemoe.engine.gpu_memory.GpuMemory` (``self.memory``): the device-memory budget of the
+  expert cache and the KV pool (auto mode, the KV / expert re-split), applied between steps;
 - :class:`~edgemoe.engine.prefix_state.PrefixStateManager` (``self.prefix``): prefix cache and
   recurrent-state checkpoints;
 - :class:`~edgemoe.engine.cuda_graphs.DecodeGraphs` (``self.graphs``): device-path decode steps and
@@ -16,6 +18,7 @@ recurrent-state slots) and returns last-token logits. What it owns, by seam:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -27,15 +30,17 @@ import torch
 from edgemoe.config import DEFAULT_PREFILL_CHUNK_TOKENS, EngineConfig, parse_dtype
 from edgemoe.core import ForwardBatch, Phase, SeqSlice, StepInput
 from edgemoe.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, DecodeInputs
-from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, configure_torch_threads
+from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, NoGpuError, configure_torch_threads
+from edgemoe.engine.gpu_memory import GpuMemory, make_probe
 from edgemoe.engine.prefix_state import Plan, PrefixStateManager
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
 from edgemoe.models import load_config, model_class
+from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
-from edgemoe.weights.loader import init_dummy, load_checkpoint
+from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,8 @@ class ModelRunner:
         progress: show progress bars while loading.
 
     Raises:
-        FileNotFoundError / ValueError: missing or unsupported config.
+        FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
+            ``gpu_budget`` or ``expert_cache_gb`` for a device that is not a GPU.
         CheckpointError: a checkpoint that does not match the config (file and tensor named).
     """
 
@@ -65,8 +71,14 @@ class ModelRunner:
             raise FileNotFoundError(f"{self.model_dir}: not a directory")
         self.engine_config = config
         self.device = config.resolved_device()
+        for name, value in (("gpu_budget", config.gpu_budget_bytes), ("expert_cache_gb", config.expert_cache_gb)):
+            if value is not None and self.device.type != "cuda":  # before the weights: fail fast
+                raise NoGpuError(f"{name} {getattr(config, name)}: the device is {self.device}, not a GPU, so there "
+                                 "is no GPU memory to budget; size an expert cache on this device with "
+                                 "expert_cache_slots")
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+        self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
         configure_torch_threads(config.cpu_threads)
         model_cls = model_class(cfg.architecture)
         # built before the tokenizer thread starts: a scaled RoPE imports transformers' initializers here, and
@@ -79,27 +91,30 @@ class ModelRunner:
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, self.dtype)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
-        if config.load_format == "dummy":
-            self.weights_format = "dummy weights"
-            init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
-        elif is_ftw(self.model_dir):
-            self.weights_format = "FTW"
-            self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
-                                       verify=config.verify_weights, progress=progress)
-        else:
-            self.weights_format = "HF safetensors"
-            load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
-                            progress=progress)
-        self.tokenizer = tokenizer_future.result()
+        self.weights_format = ("dummy weights" if config.load_format == "dummy" else
+                               "FTW" if is_ftw(self.model_dir) else "HF safetensors")
+        self.pool: HostExpertPool
+        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; routed experts "
+                          f"into host memory, the rest onto {self.device})"):
+            if config.load_format == "dummy":
+                layout = dummy_layout(self.model, self.model_dir, cfg, self.dtype)
+                self.pool = init_dummy(self.model, layout, cfg, self.dtype, self.device, config.seed,
+                                       progress=progress)
+            elif is_ftw(self.model_dir):
+                self.pool, self.load_stats = load_ftw(self.model, self.model_dir, self.dtype, self.device, cfg,
+                                                      verify=config.verify_weights, progress=progress)
+            else:
+                self.pool = load_checkpoint(self.model, self.model_dir, cfg, self.dtype, self.device,
+                                            progress=progress)
+            self.tokenizer = tokenizer_future.result()
         self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
-        self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
+        pinning = startup_step(f"pinning the {size(self.pool.nbytes)} host expert pool (cudaHostRegister)")
+        with pinning if self.device.type == "cuda" else contextlib.nullcontext():  # after filling, not before
+            self.pin_outcome = pin_or_fallback(self.pool, self.device)
         self.pinned = self.pin_outcome.pinned
 
-        self.max_model_len = int(config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
         ps = config.page_size
         cuda = self.device.type == "cuda"
@@ -120,14 +135,36 @@ class ModelRunner:
         self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                     config.anchor_checkpoints)
         self.experts = ExpertRuntime(self.pool, cfg, config, self.device, fallback=self.pin_outcome.fallback,
-                                     graphs_supported=model_cls.supports_cuda_graphs)
+                                     graphs_supported=model_cls.supports_cuda_graphs, kv_bytes=self.kv.nbytes)
         self.graphs: DecodeGraphs | None = None
         self._bind()
+        max_kv_pages = config.max_num_seqs * -(-self.max_model_len // ps) + self._scratch_pages
+        self.memory = GpuMemory(self.experts, self.kv, config, max_kv_pages=max_kv_pages, rebind=self._bind,
+                                probe=make_probe(self.device))
         self._step = 0
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
         self.load_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
+    def _max_model_len(self, requested: int | None) -> int:
+        """``requested`` (``--max-model-len``), else the model's context length capped at
+        ``DEFAULT_MAX_MODEL_LEN``.
+
+        Raises:
+            ValueError: ``requested`` exceeds the model's context length (``ModelConfig.context_length``:
+                ``max_position_embeddings``, extended by a RoPE scaling config): positions past it were
+                never trained and give garbage, so it is refused rather than accepted silently.
+        """
+        cfg = self.model_config
+        limit = cfg.context_length()
+        if requested is not None and requested > limit:
+            scaled = ("" if limit == cfg.max_position_embeddings else
+                      f", extended by its {cfg.rope_parameters['rope_type']} RoPE scaling")
+            raise ValueError(f"max_model_len {requested} exceeds the model's context length {limit} "
+                             f"(max_position_embeddings {cfg.max_position_embeddings} in config.json{scaled}); "
+                             "to go further, add a RoPE scaling entry (rope_scaling) to config.json")
+        return int(requested or min(limit, DEFAULT_MAX_MODEL_LEN))
+
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
@@ -184,22 +221,44 @@ class ModelRunner:
         finally:
             self._bind()
 
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Rebuild the CPU expert executor with ``threads`` (``None``: the default count) and torch's
+        intra-op threads to match, at a safe point between steps (benchmarks sweep the count this
+        way; ``oversubscribe`` lifts the cap, see :meth:`ExpertRuntime.set_cpu_threads`). The expert
+        cache is rebuilt cold over the new executor; decode graphs are captured again. B_H changes
+        with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
+
+        Raises:
+            ValueError: ``threads < 1``.
+        """
+        try:
+            self.experts.set_cpu_threads(threads, oversubscribe)
+        finally:
+            self._bind()
+        configure_torch_threads(threads)
+
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
         """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
         safe point between steps. The host pool and the KV cache stay as they are; the new cache
-        starts cold; decode graphs are captured again. If the new size cannot be allocated, the
-        previous size and policy are restored and the error is raised.
+        starts cold; decode graphs are captured again; the new size is the one auto mode grows back
+        to (:meth:`GpuMemory.configure`). If the new size cannot be allocated, the previous size and
+        policy are restored and the error is raised.
 
         Returns:
             :meth:`expert_stats` after the change.
 
         Raises:
-            ValueError: see :meth:`ExpertRuntime.resize`.
+            NoGpuError: ``gb`` on a device that is not a GPU. ValueError: see :meth:`ExpertRuntime.resize`.
+            ResizeError: the new cache could not be set up (the previous one is kept).
         """
-        try:
-            self.experts.resize(gb, slots, policy)
-        finally:
-            self._bind()
+        if gb is not None and slots is not None:
+            raise ValueError("give gb or slots, not both")
+        if gb is None and slots is None and policy is None:
+            raise ValueError("give gb, slots or policy")
+        if gb is not None and not self.memory.gpu:
+            raise NoGpuError(f"gb {gb}: the device is {self.device}, not a GPU, so there is no GPU memory to budget; "
+                             "size the expert cache on this device in slots")
+        self.memory.configure(expert_gb=gb, expert_slots=slots, policy=policy)
         return self.expert_stats()
 
     def set_state_checkpoints(self, slots: int, interval: int, anchors: bool = True) -> None:
@@ -222,14 +281,28 @@ class ModelRunner:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the KV cache holds for requests (the padding rows' scratch page excluded)."""
+        """Tokens the KV cache holds for requests now (the padding rows' scratch page excluded)."""
         return self.kv.capacity_tokens - self._scratch_pages * self.kv.page_size
 
+    @property
+    def kv_limit_tokens(self) -> int:
+        """Tokens the KV cache can hold for requests, counting the pages it may borrow from the expert
+        cache or the free device memory (:meth:`GpuMemory.lendable_kv_pages`, as of the last change:
+        safe to read from any thread)."""
+        return (self.memory.kv_limit_pages - self._scratch_pages) * self.kv.page_size
+
     def kv_free_tokens(self) -> int:
+        """Free KV tokens of the pool as it is."""
         return self.kv.free_tokens()
 
+    def kv_available_tokens(self) -> int:
+        """Free KV tokens plus those of the pages the KV cache may borrow (a step that needs them
+        borrows them, :meth:`GpuMemory.lend_kv`): what the scheduler may plan with."""
+        return (self.kv.free_pages + self.memory.lendable_kv_pages()) * self.kv.page_size
+
     def can_allocate(self, seq_id: int, total_len: int) -> bool:
-        return self.kv.can_allocate(seq_id, total_len) and (self.state is None or self.state.can_hold(seq_id))
+        fits = self.kv.pages_needed(seq_id, total_len) <= self.kv.free_pages + self.memory.lendable_kv_pages()
+        return fits and (self.state is None or self.state.can_hold(seq_id))
 
     def free(self, seq_id: int) -> None:
         self.kv.free(seq_id)
@@ -324,7 +397,7 @@ class ModelRunner:
             if end > self.max_model_len:
                 raise ValueError(f"sequence {inp.seq_id}: {end} tokens exceed max_model_len {self.max_model_len}")
             need += self.kv.pages_needed(inp.seq_id, end)
-        if need > self.kv.free_pages:
+        if need > self.kv.free_pages and not self.memory.lend_kv(need - self.kv.free_pages):
             raise KVCacheFullError(f"KV cache full: step needs {need} pages, {self.kv.free_pages} free")
         self._step += 1
         state_slots = self._state_slots(inputs)
@@ -358,7 +431,15 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda _inputs, _slots: self.model(batch), state_slots, plans, phase)
+        return self._run_model(inputs, lambda _inputs, _slots: self._forward(batch), state_slots, plans, phase)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward over ``batch``; on the CPU its dense layers' GEMVs (decode rows) run on
+        the CPU executor's kernels and threads where it has them (``CpuExecutor.dense_linears``)."""
+        if self.device.type != "cpu":
+            return self.model(batch)
+        with self.experts.cpu_executor.dense_linears(int(batch.input_ids.numel())):
+            return self.model(batch)
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
@@ -384,11 +465,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ reporting
     def expert_stats(self) -> dict:
-        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`)."""
-        return self.experts.stats()
+        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`),
+        with the memory budget under ``memory`` (:meth:`GpuMemory.stats`, without its history)."""
+        return {**self.experts.stats(), "memory": self.memory.stats(history=False)}
 
     def summary(self) -> str:
-        """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
+        """Start-up summary: device, cache slots, B_P, B_H, q*/m, decode path, GPU budget, KV cache."""
         cfg = self.model_config
         dev = str(self.device)
         if self.device.type == "cuda":
@@ -396,10 +478,12 @@ class ModelRunner:
             dev += f" ({torch.cuda.get_device_name(self.device)}, {total / 2**30:.0f} GiB)"
         ex = self.experts.cpu_executor
         lines = [
-            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
-            f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
+            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
+            + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
+            self.memory.summary_line(),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
             f"{self.kv.nbytes / 1e9:.3f} GB; "

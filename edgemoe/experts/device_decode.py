@@ -12,9 +12,9 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
    starts computing the CPU experts at once. A layer step without CPU work does not ring (the ring
    reads the work count ``route_control`` wrote), so its wait returns at once and the stale partial
    is not added: an armed CPU branch costs a layer without misses two small copies and two launches;
-3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill row of both banks from
-   pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
-   (token, k) route in its own row of ``routed [T, k, H]``);
+3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill's packed row from the pinned
+   host pool's byte bank into its slot, zero-copy) and ``expert_gemv`` (hits and fills over the cache
+   bank's ``w13`` / ``w2`` section views, every (token, k) route in its own row of ``routed [T, k, H]``);
 4. join: :func:`~edgemoe.kernels.doorbell.wait` polls the doorbell's done word, then the
    executor's float32 partial is copied in and ``out = Σ_k routed (fixed order, float32) + partial``.
 
@@ -27,6 +27,14 @@ Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the sa
 program order, with the server thread on the other side of the doorbell. The CPU branch needs the
 native executor; with the torch-ops executor it reads the work list back to the host (a sync) and
 the step cannot be captured.
+
+``expert_gemv`` reads float rows (bf16 / f16 / float32) through the bank's ``w13`` / ``w2`` views; for FP8
+block, MXFP4 and NVFP4 rows ``expert_gemv_quant`` reads the packed codes and scales of the same slot rows and
+dequantizes them in registers (``edgemoe.experts.compute.quant_slots``). Either way a fill moves the packed
+row, and ``fill-all`` is bit-identical to all-resident: the same kernel reads the same slot bytes, and a
+route's output depends on its own slot only. A layout neither kernel reads
+(:func:`~edgemoe.experts.compute.kernel_reason`) decodes on the eager path (``ExpertRuntime`` says why in its
+``decode_path_reason``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.compute import kernel_reason, quant_slots
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
@@ -56,7 +65,8 @@ class DeviceDecode:
         max_tokens: largest decode batch.
 
     Raises:
-        ValueError: ``cache.num_experts`` is not ``num_experts`` (its reuse rows would be wrong).
+        ValueError: a cache whose rows the kernels do not read (:func:`~edgemoe.experts.compute.kernel_reason`),
+            or ``cache.num_experts`` is not ``num_experts`` (its reuse rows would be wrong).
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -68,11 +78,15 @@ class DeviceDecode:
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
                  num_experts: int, top_k: int, max_tokens: int):
         from edgemoe.kernels import doorbell
-        from edgemoe.kernels.expert_gemv import expert_gemv
+        from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
-        self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
+        if (reason := kernel_reason(cache.layout)) is not None:
+            raise ValueError(f"the device decode kernels do not read these {cache.layout.format.value} expert rows: "
+                             f"{reason}")
+        self._route_control, self._gather_fills = route_control, gather_fills
+        self._expert_gemv, self._expert_gemv_quant = expert_gemv, expert_gemv_quant
         self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         if cache.num_experts != num_experts:
@@ -83,8 +97,9 @@ class DeviceDecode:
         P = max_tokens * top_k
         H, I = pool.hidden, pool.intermediate
         self.out = RouteOutputs.empty(P, dev)
-        self.act = torch.zeros(P, I, dtype=cache.dtype, device=dev)  # [P, I] SiLU(gate)·up scratch
-        self.routed = torch.zeros(max_tokens, top_k, H, dtype=cache.dtype, device=dev)  # [T, k, H]
+        dt = cache.compute_dtype
+        self.act = torch.zeros(P, I, dtype=dt, device=dev)  # [P, I] SiLU(gate)·up scratch
+        self.routed = torch.zeros(max_tokens, top_k, H, dtype=dt, device=dev)  # [T, k, H]
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
         self.rule = policy
         self.policy = torch.zeros(3, dtype=torch.float64, device=dev)  # [3] (num, den, q_min) of a one-rule policy
@@ -103,7 +118,7 @@ class DeviceDecode:
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
         self.bell = None
         if self.cpu_branch and cpu_executor.registers_steps:
-            x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            x_dtype = dt if dt in (torch.float32, torch.bfloat16) else torch.float32
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
             self.bell = self.step.serve(pin_memory=self.cuda)
         self._seen = (0, 0)  # waits given up and executor failures already reported by check()
@@ -131,8 +146,7 @@ class DeviceDecode:
         self._route_control(pred.contiguous(), self._ones[:T], moe_layer * self.num_experts, c.slot_of, c.owner_of,
                             c.last_used, c.pinned, c.clock, self._fill_all, self.prefetch_counters, o,
                             slots=c.victim_range(moe_layer))
-        w13, w2 = c.banks
-        self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
+        self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
 
     def push_policy(self) -> None:
         """Copy the policy's current rule (or per-layer table) into the device tensors the control reads
@@ -205,11 +219,13 @@ class DeviceDecode:
             self._ring(self.seq, self.bell, work=o.meta[3:])  # rings only when this layer has CPU work
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
-        w13, w2 = c.banks
         if self.fills:
-            self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
+            self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
         routed = self.routed[:T]
-        self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
+        if c.layout.format.dense:
+            self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act)
+        else:  # packed codes and scales of the same slot rows, dequantized in registers
+            self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
             if self.step is not None:

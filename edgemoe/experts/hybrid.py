@@ -1,6 +1,6 @@
 """Hybrid routed-expert execution: cache hits and fills on the device, the rest on the CPU.
 
-Per MoE layer and step (DESIGN.md §2):
+Per MoE layer and step:
 
 1. dedupe the step's routed experts and classify them against the residency table: hits H, misses M;
 2. ``q = policy(m)`` clamped to the slots that may be evicted this step (hits are never evicted);
@@ -25,7 +25,7 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.compute import run_sorted_experts
+from edgemoe.experts.compute import gather_expert_weights, run_sorted_experts
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
@@ -54,9 +54,9 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
               step: int) -> StepPlan:
     """Classify a step's routed experts, choose fills and LRU victims, and update the residency tables.
 
-    This is the whole control of DESIGN.md §2: hits refresh recency; ``q = policy(m, layer)`` clamped
-    to the slots evictable this step; the most-routed misses fill; victims are the least recently used
-    slots of the layer's victim range (``ExpertCache.victim_range``) not needed this step. Prefill under
+    This is the whole control of the hybrid decode step: hits refresh recency; ``q = policy(m, layer)``
+    clamped to the slots evictable this step; the most-routed misses fill; victims are the least recently
+    used slots of the layer's victim range (``ExpertCache.victim_range``) not needed this step. Prefill under
     a streaming policy fills every miss, in waves of at most the evictable slots. Decode steps update
     the cache's reuse accounting (``ExpertCache.count_reuse``). The engine executes the plan; the
     routing-trace replay (``edgemoe.bench.replay``) runs this same function without data.
@@ -114,7 +114,7 @@ class HybridExperts:
 
     Args:
         pool: host expert pool (every routed expert).
-        cache: device expert cache (slot banks on the compute device).
+        cache: device expert cache (its slot bank on the compute device).
         policy: decides q per step.
         cpu: the CPU executor.
         num_experts: ``E`` (experts per MoE layer).
@@ -148,9 +148,9 @@ class HybridExperts:
         self.cache.pinned[: len(ids)] = True
 
     def _copy_in(self, fid: int, slot: int) -> None:
+        """One fill: expert ``fid``'s packed row into slot ``slot`` (one copy, whatever the format)."""
         non_blocking = self.pool.pinned and self.device.type == "cuda"
-        for dst, src in zip(self.cache.banks, self.pool.banks()):
-            dst[slot].copy_(src[fid], non_blocking=non_blocking)
+        self.cache.bank[slot].copy_(self.pool.bank[fid], non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ next-layer prefetch
     def set_prefetch(self, routers: list | None) -> None:
@@ -226,7 +226,8 @@ class HybridExperts:
             x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
         # summed in a fixed order: the result does not depend on which wave or branch computed a route
-        routed = torch.zeros((T, topk_ids.shape[1], x.shape[1]), dtype=self.cache.dtype, device=x.device)  # [T, k, H]
+        routed = torch.zeros((T, topk_ids.shape[1], x.shape[1]), dtype=self.cache.compute_dtype,
+                             device=x.device)  # [T, k, H]
         if phase is Phase.DECODE:  # at most one wave: hits and fills computed together
             fills = plan.waves[0] if plan.waves else []
             for fid, slot in fills:
@@ -249,12 +250,15 @@ class HybridExperts:
                 tok, kpos = (flat == f).nonzero(as_tuple=True)  # [n] each
                 work.append((f, tok, w_cpu[tok, kpos]))
             self.cpu.run(x_cpu, work, out_cpu)
+            if not plan.hits and not plan.waves:  # nothing on the device: routed is all zeros
+                return out_cpu.to(x.device, x.dtype)
             return (routed.sum(dim=1, dtype=torch.float32) + out_cpu.to(x.device)).to(x.dtype)
         return routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
 
     def _run_device_pairs(self, x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, placed: dict[int, int],
                           routed: torch.Tensor) -> None:
-        """Small batches: every (token, k) route in one batched GEMV pair over gathered slot weights.
+        """Small batches: every (token, k) route in one batched GEMV pair over gathered slot weights
+        (float slots gathered as they are, quantized slots dequantized: :func:`gather_expert_weights`).
 
         Writes every row of ``routed [T, k, H]``; routes whose expert is not on the device (CPU set)
         are computed against slot 0 and zeroed.
@@ -263,12 +267,13 @@ class HybridExperts:
         slot_tk = torch.tensor([placed.get(f, -1) for f in flat.view(-1).tolist()], dtype=torch.int64)
         valid = (slot_tk >= 0).to(x.device, non_blocking=True)  # [P]
         s = slot_tk.clamp(min=0).to(x.device, non_blocking=True)  # [P]
-        w13, w2 = self.cache.banks
+        c = self.cache
+        w13, w2 = gather_expert_weights(c.layout, c.bank, s, c.compute_dtype)  # [P, 2I, H], [P, H, I]
         xp = x.to(w13.dtype).repeat_interleave(k, dim=0)  # [P, H]
-        h = torch.bmm(w13.index_select(0, s), xp[:, :, None]).squeeze(-1)  # [P, 2I]
+        h = torch.bmm(w13, xp[:, :, None]).squeeze(-1)  # [P, 2I]
         gate, up = h.chunk(2, dim=-1)
         a = torch.nn.functional.silu(gate) * up  # [P, I]
-        y = torch.bmm(w2.index_select(0, s), a[:, :, None]).squeeze(-1)  # [P, H]
+        y = torch.bmm(w2, a[:, :, None]).squeeze(-1)  # [P, H]
         y = y * w.reshape(-1, 1).to(y.dtype)
         y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
         routed.copy_(y.view(T, k, -1))
@@ -285,8 +290,7 @@ class HybridExperts:
         for fid, slot in placed.items():
             slots[fid - base] = slot
         expert_slots = torch.tensor(slots, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-        w13, w2 = self.cache.banks
-        run_sorted_experts(x, topk_ids, w, expert_slots, w13, w2, routed, zero_missing=False)
+        run_sorted_experts(x, topk_ids, w, expert_slots, self.cache.layout, self.cache.bank, routed, zero_missing=False)
 
     def stats(self) -> dict:
         """Per-phase counters; decode includes the device path's counters (read with one sync)."""

@@ -1,29 +1,58 @@
-"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool (DESIGN.md §2, §9).
+"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool.
 
 The torch-ops executor reaches about a third of the host's DRAM read bandwidth on decode batches
 (31 of 93 GB/s on the H200 host); a routed expert at T <= 8 is two GEMVs bound by the bytes of
 weights read. This executor computes a step's CPU set with kernels that read every weight row once
 for all of the expert's tokens, split across all cores by output rows (``csrc/executor.h``).
 
-- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 13 s
-  on 2 cores) into ``~/.cache/edgemoe/torch_ext/<hash>/`` (``EDGEMOE_CACHE`` moves the root); the
-  hash covers the sources, torch and Python versions, so an edit rebuilds and versions never mix.
+- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 19
+  CPU-seconds: 10 s on 2 idle cores) into ``~/.cache/edgemoe/torch_ext/<name>-<hash>/``
+  (``EDGEMOE_CACHE`` moves the root), announced on the ``edgemoe.startup`` logger with an estimate.
+  The hash covers everything the build commands depend on (:func:`build_key`): the sources and
+  their location, the flags, the compiler and its version, the torch installation's path and
+  version, Python and the platform; so an edit rebuilds, and two virtualenvs or checkouts each keep
+  their own build instead of rebuilding each other's.
   Without ninja (which ``load`` requires) the compiler is called directly with the same flags
   (``<hash>/direct/``). No compiler (or ``EDGEMOE_NATIVE=0``): :class:`NativeUnavailable` with a
   one-line reason, and :func:`edgemoe.experts.cpu_executor.make_cpu_executor` falls back to the
   torch executor.
 - **ISA**: one binary for every x86-64 CPU; each kernel is compiled for its own target and picked at
-  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
-  > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
-  never selected.
-- **Numerics**: float32 accumulation. For bf16 weights, x and the SiLU·up activation are rounded
-  to bf16 (round-to-nearest-even, as ``x.to(torch.bfloat16)`` in the torch path and on the GPU);
-  float32 weights compute in float32 throughout. Results do not depend on the thread count.
-- **Threads**: one per physical core by default; the caller is thread 0, the others are pinned
-  (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
-  ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
-  during a step.
-- **Inside the CUDA graph** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
+  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``: bf16 weights, and quantized weights computing
+  in bf16) > ``avx512`` > ``avx2`` (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
+  the level; a level the CPU lacks is never selected. float32 weights, and quantized rows computing in
+  float32, stop at ``avx512``.
+- **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
+  address, ``row_bytes``, every section's offset in a row and the compute dtype, :func:`expert_banks`).
+  Kernels exist for bf16 and float32 rows and for the quantized rows at their packed size: FP8 e4m3 with
+  128x128 float32 block scales, MXFP4 (e2m1 nibbles, E8M0 scale per 32) and NVFP4 (e2m1, e4m3 scale per
+  16, float32 per-tensor multiplier), computing in bfloat16 or float32. They read the codes and scales
+  straight from the row and dequantize in registers (``csrc/kernel_impl.h``, ``kernels_avx512bf16.cpp``);
+  nothing is dequantized to memory. A pool without a kernel (float16 rows, quantized rows computing in
+  float16, FP8 blocks that are not a power of two >= 16 columns, expert biases: :func:`native_reason`)
+  raises :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
+- **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
+  (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
+  do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
+  y·weight become bf16 values (round-to-nearest-even, as ``.to(torch.bfloat16)``) before the float32
+  sum over routes. What remains different is the order of float32 additions inside each dot
+  product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
+  rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
+  throughout. Quantized rows: each weight is dequantized exactly as
+  :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows` does (float32 products: FP8 ``code * scale``,
+  MXFP4 ``e2m1 * 2^(e - 127)``, NVFP4 ``e2m1 * float32(float(e4m3) * multiplier)``); computing in bf16
+  it is then rounded to bf16 (nearest even, as the torch path's ``.to(bfloat16)`` of the dequantized
+  rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. The AVX-512-BF16
+  instructions treat float32 subnormals as zero (weights below 2^-126, which no release has), and the
+  vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results do not depend
+  on the thread count.
+- **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
+  one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
+  the Python thread and the CUDA driver), never more. The caller is thread 0, the others are
+  pinned (``sched_setaffinity``; skipped where refused), spin ``spin_us`` (default 2000,
+  ``EDGEMOE_CPU_SPIN_US``) after a step, yielding their core to any other runnable thread and
+  stopping early when they find themselves preempted, then sleep. The GIL is released during a
+  step. :class:`NativeLinears` runs a CPU forward's dense GEMVs on the same threads.
+- **Inside the CUDA graph**: :meth:`NativeCpuExecutor.make_step` registers (pinned)
   buffers once and returns a :class:`RegisteredStep`; :meth:`RegisteredStep.serve` starts a native
   thread that runs it whenever a device kernel rings its doorbell (``edgemoe/kernels/doorbell.py``),
   which is how ``edgemoe/experts/device_decode.py`` hands its CPU branch over inside the captured
@@ -35,10 +64,13 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -49,10 +81,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
+from edgemoe.quant.weights import WeightFormat
+from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +98,21 @@ SOURCES = ("bindings.cpp", "executor.cpp", "cpu_features.cpp", "kernels_scalar.c
 HEADERS = ("kernels.h", "kernel_impl.h", "executor.h")
 EXTRA_CFLAGS = ("-O3",)
 EXT_NAME = "edgemoe_cpu_ext"
+BUILD_CPU_SECONDS = 19  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 18.5 s user+sys)
 
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ Isa value
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # edgemoe::WeightFormat
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float kernels (edgemoe::WeightFormat)
+NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16: 2, WeightFormat.FP8_BLOCK: 3,
+                  WeightFormat.MXFP4: 4, WeightFormat.NVFP4: 5}
+"""Row format -> ``edgemoe::WeightFormat`` (``csrc/kernels.h``); which of them have kernels is the C++ side's answer."""
+QUANTIZED_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4)
+"""Quantized row formats the native kernels dequantize in registers."""
 X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
-DEFAULT_SPIN_US = 300
+# Between two steps of a CPU-only decode the caller runs serial torch ops (norms, RoPE, attention:
+# ~0.5 ms a layer on the dev VM); workers still spinning take the next GEMV at once: 2000 µs against
+# 300 µs measured 3-8 % more tokens/s there. A spin never holds a core another thread wants (SpinWait).
+DEFAULT_SPIN_US = 2000
 # Steps reading fewer weight bytes run on the calling thread alone: waking the pool costs more.
 DEFAULT_MIN_PARALLEL_BYTES = 256 * 1024
 # An expert with more tokens than this in one step runs on the torch-ops path (oneDNN GEMM; AMX where
@@ -114,18 +159,50 @@ def _cpp_extension():
     return cpp
 
 
-def build_dir() -> Path:
-    """``<EDGEMOE_CACHE or ~/.cache/edgemoe>/torch_ext/<name>-<hash>``: per user, per source version."""
+def build_key() -> dict[str, str]:
+    """Everything the build's output depends on, as the build commands see it: the sources (names,
+    contents and directory: ninja's build file records absolute paths, so a second checkout with the
+    same sources would otherwise rebuild the first one's), the flags, the compiler (resolved path and
+    ``--version``), the torch installation (path and version: its bundled pybind11 headers), Python
+    (version, ABI tag, include directory) and the platform.
+    """
+    import subprocess
+    import sysconfig
+
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(EXTRA_CFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    h.update(platform.machine().encode())
+    cxx = os.environ.get("CXX", "c++")
+    cxx_path = shutil.which(cxx) or cxx
+    try:
+        version = subprocess.run([cxx_path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"unknown ({exc})"
+    return {
+        "sources": h.hexdigest(),
+        "source_dir": str(CSRC),
+        "flags": " ".join(EXTRA_CFLAGS),
+        "compiler": f"{os.path.realpath(cxx_path)} {version.strip()}",
+        "torch": f"{torch.__version__} {Path(torch.__file__).resolve().parent}",
+        "python": f"{sys.version} {sys.implementation.cache_tag} {sysconfig.get_paths()['include']}",
+        "platform": f"{sys.platform} {platform.machine()} {' '.join(platform.libc_ver())}",
+    }
+
+
+def build_dir() -> Path:
+    """``<EDGEMOE_CACHE or ~/.cache/edgemoe>/torch_ext/<name>-<hash of build_key()>``."""
+    h = hashlib.sha256(json.dumps(build_key(), sort_keys=True).encode())
     root = Path(os.environ.get("EDGEMOE_CACHE", Path.home() / ".cache" / "edgemoe"))
     return root / "torch_ext" / f"{EXT_NAME}-{h.hexdigest()[:16]}"
+
+
+def build_estimate() -> str:
+    """How long a first build takes here: ``BUILD_CPU_SECONDS`` spread over the usable cores (one
+    compiler process per source), e.g. ``"about 10 s on 2 cores"``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    seconds = math.ceil(BUILD_CPU_SECONDS / max(1, min(cores, len(SOURCES))))
+    return f"about {seconds} s on {cores} core{'s' if cores > 1 else ''}, more when they are busy"
 
 
 def unavailable_reason() -> str | None:
@@ -207,7 +284,7 @@ class BuildResult:
 
 @functools.cache
 def build() -> BuildResult:
-    """Build (first use; cached per user and source version) and load the extension, once per process."""
+    """Build (first use; cached per user and :func:`build_key`) and load the extension, once per process."""
     reason = unavailable_reason()
     if reason is not None:
         return BuildResult(None, reason)
@@ -217,14 +294,14 @@ def build() -> BuildResult:
     try:
         bdir = build_dir() if ninja else build_dir() / "direct"  # reads the sources: they may be missing
         cached = any(bdir.glob(f"{EXT_NAME}*.so"))
-        if not cached:
-            log.info("edgemoe: compiling native CPU expert kernels into %s (first use)", bdir)
         bdir.mkdir(parents=True, exist_ok=True)
-        if ninja:
-            ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(EXTRA_CFLAGS),
-                           build_directory=str(bdir))
-        else:  # e.g. a GPU host without network: no `pip install ninja` there
-            ext = _build_direct(bdir)
+        with contextlib.nullcontext() if cached else startup_step(
+                f"compiling the native CPU expert kernels, once, into {bdir}", build_estimate()):
+            if ninja:
+                ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES],
+                               extra_cflags=list(EXTRA_CFLAGS), build_directory=str(bdir))
+            else:  # e.g. a GPU host without network: no `pip install ninja` there
+                ext = _build_direct(bdir)
     except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         log.debug("native CPU kernels failed to build", exc_info=e)
@@ -294,44 +371,55 @@ def isa_cap_from_env() -> str | None:
     return None if v in ("", "auto", "best") else v
 
 
-def select_isa(features, cap: str | None = None, dtype: torch.dtype = torch.bfloat16) -> str | None:
+def select_isa(features, cap: str | None = None, dtype: torch.dtype | WeightFormat = torch.bfloat16,
+               compute: torch.dtype = torch.bfloat16) -> str | None:
     """The ISA level the executor picks for ``features`` (names or a mask) — the C++ function itself.
 
     Args:
         features: iterable of feature names (see :func:`feature_bits`) or a bitmask; may be fake.
         cap: highest level allowed (``None``: no cap).
-        dtype: weight dtype (``float32`` has no ``avx512bf16`` kernel and gets ``avx512``).
+        dtype: weight dtype, or a row :class:`~edgemoe.quant.weights.WeightFormat` (``float32`` has no
+            ``avx512bf16`` kernel and gets ``avx512``).
+        compute: a quantized format's compute dtype: its ``avx512bf16`` kernels compute in bfloat16, so in
+            ``float32`` the level stops at ``avx512``.
 
     Returns:
-        A name from :data:`ISA_LEVELS`, or ``None`` when the dtype has no native kernel.
+        A name from :data:`ISA_LEVELS`, or ``None`` when the format has no native kernel.
     """
-    fmt = WEIGHT_FORMATS.get(dtype)
+    fmt = NATIVE_FORMATS.get(dtype) if isinstance(dtype, WeightFormat) else WEIGHT_FORMATS.get(dtype)
     if fmt is None:
         return None
-    level = load_extension().select_isa(_mask(features), _level(cap), fmt)
+    cap_level = _level(cap)
+    if dtype in QUANTIZED_FORMATS and compute != torch.bfloat16:
+        top = ISA_LEVELS.index("avx512")
+        cap_level = top if cap_level < 0 else min(cap_level, top)
+    level = load_extension().select_isa(_mask(features), cap_level, fmt)
     return None if level < 0 else ISA_LEVELS[level]
 
 
-def supported_isas(dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Every level this CPU can run for ``dtype``, lowest first (what the tests force in turn)."""
+def supported_isas(dtype: torch.dtype | WeightFormat = torch.bfloat16,
+                   compute: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every level this CPU can run for ``dtype`` (a weight dtype or a row format computing in ``compute``),
+    lowest first (what the tests force in turn)."""
     mask = load_extension().cpu_features()
     out = []
     for cap in ISA_LEVELS:
-        lvl = select_isa(mask, cap, dtype)
+        lvl = select_isa(mask, cap, dtype, compute)
         if lvl is not None and lvl not in out:
             out.append(lvl)
     return out
 
 
 def isa_report() -> dict:
-    """Features, supported levels and the level picked per dtype under ``EDGEMOE_CPU_ISA``."""
+    """Features, supported levels and the level picked per weight dtype and per quantized row format
+    (computing in bfloat16) under ``EDGEMOE_CPU_ISA``."""
     cap = isa_cap_from_env()
+    kinds = {**{str(d).replace("torch.", ""): d for d in WEIGHT_FORMATS}, **{f.value: f for f in QUANTIZED_FORMATS}}
     return {
         "features": cpu_features(),
-        "supported": {str(d).replace("torch.", ""): supported_isas(d) for d in WEIGHT_FORMATS},
+        "supported": {name: supported_isas(k) for name, k in kinds.items()},
         "cap": cap,
-        "selected": {str(d).replace("torch.", ""): select_isa(load_extension().cpu_features(), cap, d)
-                     for d in WEIGHT_FORMATS},
+        "selected": {name: select_isa(load_extension().cpu_features(), cap, k) for name, k in kinds.items()},
     }
 
 
@@ -341,9 +429,8 @@ def physical_core_cpus() -> list[int]:
     Reads ``/sys/devices/system/cpu/cpuN/topology`` (package, core); where it cannot, every allowed
     CPU counts as a core.
     """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     seen, out = set(), []
-    for cpu in allowed:
+    for cpu in _allowed_cpus():
         topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
             core = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
@@ -355,10 +442,138 @@ def physical_core_cpus() -> list[int]:
     return out or [0]
 
 
+def _allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+ALONGSIDE_CUDA = 1
+"""Cores the executor leaves free on a CUDA device: the Python thread launches and waits for the GPU
+while the pool computes, and the CUDA driver runs threads of its own; on the device decode path the
+pool's worker 0 is the doorbell server thread, so nothing of the pool runs on the Python thread."""
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """Thread count and pinning of the native executor's pool (from :func:`plan_threads`).
+
+    Attributes:
+        threads: pool threads, worker 0 included (the calling thread, or the doorbell server thread).
+        cpus: CPU per thread id (``[]``: unpinned). Entry 0 is worker 0's core: the doorbell server
+            pins itself there; a calling Python thread is never pinned (its affinity is not ours).
+        limit: most threads that never oversubscribe the cores (``cores - reserved``).
+        cores: physical cores this process may run on. reserved: cores left to the threads that run
+            beside the pool (``alongside`` minus the spare SMT siblings).
+        requested: the count asked for (``None``: the default, ``limit``).
+        note: why ``threads`` differs from ``requested`` (``None`` when it does not).
+        torch_threads: torch's intra-op threads during a CPU forward whose dense GEMVs all run on the
+            pool (a decode step, :class:`NativeLinears`): 1. What torch still computes there (norms,
+            RoPE, decode attention) is small, and an OpenMP team costs a scheduler slice at its
+            barrier whenever one of its threads has lost its core to the pool or to another process.
+    """
+
+    threads: int
+    cpus: tuple[int, ...]
+    limit: int
+    cores: int
+    reserved: int
+    requested: int | None
+    note: str | None
+    torch_threads: int = 1
+
+
+def plan_threads(requested: int | None = None, alongside: int = 0, pin: bool = True,
+                 cores: list[int] | None = None, logical: int | None = None, oversubscribe: bool = False) -> ThreadPlan:
+    """The native executor's thread count and pinning: the one place edgemoe decides them.
+
+    A pool thread that shares its core with another busy thread loses whole scheduler slices (ms),
+    and a step waits for its slowest thread, so the pool never takes more cores than are free of the
+    threads that must run beside it (``alongside``: on CUDA the Python thread and the CUDA driver's,
+    :data:`ALONGSIDE_CUDA`; CPU-only, the calling thread is worker 0 and nothing else runs). Spare SMT
+    siblings of the pinned cores host those threads instead of a whole core. On the H200 host (16
+    cores, no SMT) decode with 16 pool threads beside the Python thread ran 30 % slower than with 15.
+
+    Args:
+        requested: threads asked for (``--cpu-threads``; ``None``: the most that never oversubscribe).
+            A larger count is capped (``note`` says so).
+        alongside: busy threads outside the pool that need a core while the pool computes.
+        pin: pin pool threads to one physical core each (the last ``threads`` cores, so the
+            first ones stay free for the threads alongside).
+        cores: physical-core CPUs (default :func:`physical_core_cpus`). logical: logical CPUs this
+            process may use (default: its affinity mask).
+        oversubscribe: take ``requested`` as given even beyond ``limit`` (threads past the cores are
+            not pinned): tests of thread-count independence, and benchmarks that reproduce an
+            oversubscribed machine.
+
+    Returns:
+        A :class:`ThreadPlan`.
+
+    Raises:
+        ValueError: ``requested < 1`` or ``alongside < 0``.
+    """
+    if requested is not None and requested < 1:
+        raise ValueError(f"threads must be >= 1, got {requested}")
+    if alongside < 0:
+        raise ValueError(f"alongside must be >= 0, got {alongside}")
+    cores = list(physical_core_cpus() if cores is None else cores)
+    logical = len(_allowed_cpus()) if logical is None else int(logical)
+    reserved = min(len(cores) - 1, max(0, alongside - max(0, logical - len(cores))))
+    limit = max(1, len(cores) - reserved)
+    threads, note = limit, None
+    if requested is not None:
+        threads = int(requested) if oversubscribe else min(int(requested), limit)
+        if threads < requested:
+            note = (f"{requested} threads requested, {threads} used: {len(cores)} cores, {reserved} left to the "
+                    f"threads that run beside the pool")
+    cpus = tuple(cores[max(0, len(cores) - threads):]) if pin and threads <= len(cores) else ()
+    return ThreadPlan(threads, cpus, limit, len(cores), reserved, requested, note)
+
+
 # ---------------------------------------------------------------------------------------------- executor
 def _raise_status(status: int, where: str) -> None:
     exc, msg = _STATUS.get(status, (RuntimeError, f"status {status}"))
     raise exc(f"{where}: {msg}")
+
+
+def expert_banks(ext, pool: HostExpertPool):
+    """The ``ExpertBanks`` description of ``pool``'s byte bank (``csrc/executor.h``): its base address,
+    ``row_bytes``, geometry, format and every section's byte offset in a row (-1 where the format has none).
+
+    The pool must outlive every use of the description (the executor keeps a reference to it).
+    """
+    lay = pool.layout
+    off = {s.name: s.offset for s in lay.sections}
+    bn, bk = lay.block_size or (0, 0)
+    return ext.ExpertBanks(base=pool.bank.data_ptr(), row_bytes=lay.row_bytes, num_ids=pool.num_ids,
+                           hidden=lay.hidden, inter=lay.intermediate, fmt=NATIVE_FORMATS[lay.format],
+                           w13_off=off["w13"], w2_off=off["w2"], w13_scale_off=off.get("w13_scale", -1),
+                           w2_scale_off=off.get("w2_scale", -1), w13_scale2_off=off.get("w13_scale2", -1),
+                           w2_scale2_off=off.get("w2_scale2", -1), b13_off=off.get("b13", -1),
+                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk,
+                           compute=int(pool.compute_dtype == torch.bfloat16))
+
+
+def native_reason(pool: HostExpertPool) -> str | None:
+    """Why the native kernels cannot compute ``pool``'s experts whatever the CPU (``None``: they can).
+
+    Kernels exist for bf16 and float32 rows, and for FP8 block, MXFP4 and NVFP4 rows computing in bfloat16 or
+    float32; FP8 scale blocks must be powers of two of at least 16 columns (128 x 128 in every release), and
+    the pool's experts must have no biases (gpt-oss's are not computed by any path yet).
+    """
+    lay = pool.layout
+    if lay.format not in (WeightFormat.BF16, WeightFormat.FP32, *QUANTIZED_FORMATS):
+        return (f"no native kernel for {lay.format.value} expert rows (bf16, float32, fp8_block, mxfp4 and nvfp4 "
+                "rows have them)")
+    if lay.has_bias:
+        return f"no native kernel for {lay.format.value} expert rows with biases"
+    if lay.format in QUANTIZED_FORMATS and pool.compute_dtype not in (torch.bfloat16, torch.float32):
+        return (f"no native kernel for {lay.format.value} expert rows computing in {pool.compute_dtype} "
+                "(bfloat16 and float32 have them)")
+    if lay.format is WeightFormat.FP8_BLOCK:
+        bk = lay.block_size[1]
+        if bk < 16 or bk & (bk - 1):
+            return (f"no native kernel for FP8 block size {lay.block_size} (the kernels need power-of-two blocks "
+                    "of >= 16 columns)")
+    return None
 
 
 class NativeCpuExecutor:
@@ -366,57 +581,73 @@ class NativeCpuExecutor:
     ``edgemoe.experts.cpu_executor``; ``registers_steps``: :meth:`make_step` is available).
 
     Args:
-        pool: the host expert pool; bf16 or float32 banks (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
-        threads: worker threads including the caller (``None``: one per physical core).
+        pool: the host expert pool; rows of a format with native kernels (bf16, float32; FP8 block, MXFP4 and
+            NVFP4 computing in bfloat16 or float32: :func:`native_reason`).
+        threads: worker threads including the caller (``None``: the most that never oversubscribe the
+            cores; a larger count is capped: :func:`plan_threads`).
+        alongside: busy threads outside the pool that need a core (:func:`plan_threads`;
+            :data:`ALONGSIDE_CUDA` on a CUDA device).
         isa: highest ISA level to use (``None``: ``EDGEMOE_CPU_ISA``, else the best this CPU has).
-        pin: pin workers 1..n-1 to one CPU per physical core (skipped when threads exceed cores).
-        spin_us: µs a worker spins after a step before sleeping (``None``: ``EDGEMOE_CPU_SPIN_US`` or 300).
+        pin: pin the pool's threads to one physical core each (workers 1..n-1 at start, the doorbell
+            server thread when it runs).
+        oversubscribe: use ``threads`` even beyond the cores (:func:`plan_threads`).
+        spin_us: µs a worker spins after a step before sleeping (``None``: ``EDGEMOE_CPU_SPIN_US`` or 2000).
         min_parallel_bytes: steps reading fewer weight bytes run on the caller alone (0: always parallel).
         max_tokens_per_expert: experts with more tokens than this in a step run on the torch-ops path.
 
     Attributes:
         name: ``"native-<isa>"``, e.g. ``native-avx512bf16``. isa: the level in use for the pool's
-        dtype. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
+        row format. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
+        plan: the :class:`ThreadPlan` the pool was built from; threads_note: its ``note``.
 
     Raises:
-        NativeUnavailable: the extension cannot be built/loaded, or the pool's dtype has no kernel.
+        NativeUnavailable: the extension cannot be built/loaded, or the pool's row format has no kernel.
         ValueError: unknown ``isa``.
     """
 
     registers_steps = True
 
-    def __init__(self, pool: HostExpertPool, threads: int | None = None, *, isa: str | None = None, pin: bool = True,
-                 spin_us: int | None = None, min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
-                 max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None):
+    def __init__(self, pool: HostExpertPool, threads: int | None = None, *, alongside: int = 0, isa: str | None = None,
+                 pin: bool = True, oversubscribe: bool = False, spin_us: int | None = None,
+                 min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
+                 max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None, _plan=None):
         ext = load_extension()
-        if pool.dtype not in WEIGHT_FORMATS:
-            raise NativeUnavailable(f"{str(pool.dtype).replace('torch.', '')} expert weights have no native kernel "
-                                    f"(bfloat16 and float32 do)")
         self.pool = pool
-        self._fmt = WEIGHT_FORMATS[pool.dtype]
+        self._fmt = NATIVE_FORMATS[pool.format]
         self.max_tokens_per_expert = int(max_tokens_per_expert)
         if _core is None:
-            cpus = physical_core_cpus()
-            n = int(threads) if threads else len(cpus)
-            if n < 1:
-                raise ValueError(f"threads must be >= 1, got {threads}")
+            _plan = plan_threads(threads, alongside, pin, oversubscribe=oversubscribe)
+            if _plan.note:
+                log.info("native CPU executor: %s", _plan.note)
             if spin_us is None:
                 spin_us = int(os.environ.get("EDGEMOE_CPU_SPIN_US", DEFAULT_SPIN_US))
             cap = isa if isa is not None else isa_cap_from_env()
-            _core = ext.Executor(n, cpus if pin and n <= len(cpus) else [], _level(cap), int(spin_us),
-                                 int(min_parallel_bytes))
+            _core = ext.Executor(_plan.threads, list(_plan.cpus), _level(cap), int(spin_us), int(min_parallel_bytes))
         self._core = _core
-        level = self._core.isa_for(self._fmt)
+        self.plan = _plan
+        reason = native_reason(pool)
+        if reason is not None:
+            raise NativeUnavailable(reason)
+        level = self._core.isa_for(self._fmt, pool.compute_dtype == torch.bfloat16)
         if level < 0:
-            raise NativeUnavailable("no native kernel for this weight dtype on this CPU")
+            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU")
+        self._banks = expert_banks(ext, pool)
         self.isa = ISA_LEVELS[level]
         self.name = f"native-{self.isa}"
         self.threads = self._core.threads
+        self.threads_note = _plan.note if _plan is not None else None
         self.pinned = list(self._core.pinned)
+
+    def dense_linears(self, rows: int) -> NativeLinears:
+        """A context for a CPU forward over ``rows`` tokens in which dense linear layers with few rows run
+        on this executor (:class:`NativeLinears`), torch's intra-op threads as :func:`plan_threads` says."""
+        return NativeLinears(self, self.max_tokens_per_expert,
+                             torch_threads=self.plan.torch_threads if rows <= self.max_tokens_per_expert else None)
 
     def with_pool(self, pool: HostExpertPool) -> "NativeCpuExecutor":
         """An executor over another pool sharing this one's threads (e.g. a bandwidth-rotation pool)."""
-        return NativeCpuExecutor(pool, max_tokens_per_expert=self.max_tokens_per_expert, _core=self._core)
+        return NativeCpuExecutor(pool, max_tokens_per_expert=self.max_tokens_per_expert, _core=self._core,
+                                 _plan=self.plan)
 
     def run(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
         """Accumulate ``Σ weight · expert(x[token])`` into ``out`` (the GIL is released meanwhile).
@@ -468,12 +699,60 @@ class NativeCpuExecutor:
         wt = (wts[0] if len(wts) == 1 else torch.cat(wts)).to(torch.float32).contiguous()
         if tok.device.type != "cpu" or wt.device.type != "cpu":
             raise TypeError("token indices and weights must be CPU tensors")
-        w13, w2 = self.pool.w13, self.pool.w2
-        st = self._core.run(w13.data_ptr(), w2.data_ptr(), self.pool.num_ids, self.pool.hidden, self.pool.intermediate,
-                            self._fmt, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
+        st = self._core.run(self._banks, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
                             tok.data_ptr(), wt.data_ptr())
         if st:
             _raise_status(st, f"{self.name}.run")
+
+    @property
+    def preempted_waits(self) -> int:
+        """Waits between steps whose spin a worker cut short because it had lost its core (a sign of
+        an oversubscribed machine; the worker then sleeps until the next step)."""
+        return self._core.preempted_waits
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T`` on the pool's threads with the native GEMV kernels (a linear layer without
+        bias, for the few rows of a decode step: bound by the bytes of ``weight`` read, which every
+        thread streams in its own row range).
+
+        Args:
+            x: ``[..., K]`` CPU tensor, float32 or bfloat16, last dim contiguous.
+            weight: ``[N, K]`` CPU tensor in the executor's weight formats (bfloat16 or float32),
+                rows contiguous. bf16 weights compute with ``x`` rounded to bf16 and float32
+                accumulation, as torch's bf16 matmul does.
+            out: optional ``[..., N]`` contiguous result (float32 or bfloat16); default a new tensor
+                of ``x.dtype``.
+
+        Returns:
+            ``out`` (or the new ``[..., N]`` tensor).
+
+        Raises:
+            TypeError: a tensor off the CPU, or an unsupported dtype. ValueError: shapes do not match.
+        """
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise TypeError(f"linear: tensors must be on the CPU, got x on {x.device}, weight on {weight.device}")
+        if weight.dtype not in WEIGHT_FORMATS or x.dtype not in X_FORMATS:
+            raise TypeError(f"linear: weight {weight.dtype} / x {x.dtype}: float32 and bfloat16 are supported")
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.stride(1) != 1:
+            raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and "
+                             "[N, K] with rows contiguous")
+        N, K = weight.shape
+        x2 = x.reshape(-1, K)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        M = x2.shape[0]
+        if out is None:
+            out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+        elif (out.dtype not in X_FORMATS or not out.is_contiguous() or out.device.type != "cpu"
+              or tuple(out.shape) != (*x.shape[:-1], N)):
+            raise ValueError(f"linear: out must be a contiguous float32/bfloat16 CPU tensor of shape "
+                             f"{(*x.shape[:-1], N)}, got {out.dtype} {tuple(out.shape)}")
+        st = self._core.linear(weight.data_ptr(), WEIGHT_FORMATS[weight.dtype], N, K,
+                               weight.stride(0) * weight.element_size(), x2.data_ptr(), X_FORMATS[x2.dtype], M,
+                               x2.stride(0), out.data_ptr(), X_FORMATS[out.dtype], N)
+        if st:
+            _raise_status(st, f"{self.name}.linear")
+        return out
 
     def sum_f32(self, t: torch.Tensor) -> float:
         """Sum of a contiguous float32 CPU tensor read by all threads (the read-bandwidth test)."""
@@ -489,6 +768,68 @@ class NativeCpuExecutor:
         return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out, pin_memory)
 
 
+class NativeLinears(TorchFunctionMode):
+    """A context in which a forward's dense linear layers with few rows run on the native executor.
+
+    Every ``torch.nn.functional.linear(x, weight, bias)`` (``nn.Linear`` modules, the LM head, routers)
+    on CPU tensors with bfloat16 ``x`` and ``weight`` and at most ``max_rows`` rows of ``x`` is computed
+    by :meth:`NativeCpuExecutor.linear` on the pool's threads; anything else (float32, the GPU, a
+    prefill chunk: a GEMM, where oneDNN wins) runs through torch unchanged. A decode step's dense
+    layers are GEMVs bound by the bytes of their weights (the LM head of Qwen3-30B-A3B alone is
+    151936 x 2048 bf16 = 622 MB per token); torch's bf16 matmul at one row reaches a fraction of the
+    read bandwidth (``docs/benchmarks/cpu_executor.md``). Results equal torch's up to float32
+    summation order: the product is accumulated in float32 and rounded to bf16 once, a bias added
+    before that rounding.
+
+    While the context is active torch's intra-op threads are ``torch_threads`` (``None``: unchanged;
+    see :func:`plan_threads`).
+
+    Args:
+        executor: the native executor whose threads and kernels compute.
+        max_rows: most rows of ``x`` (tokens) sent to the native kernels.
+        torch_threads: torch intra-op threads inside the context (``None``: leave them).
+    """
+
+    def __init__(self, executor: "NativeCpuExecutor", max_rows: int = DEFAULT_MAX_TOKENS_PER_EXPERT,
+                 torch_threads: int | None = None):
+        super().__init__()
+        self.executor, self.max_rows, self.torch_threads = executor, int(max_rows), torch_threads
+        self._saved: list[int] = []
+
+    def __enter__(self):
+        if self.torch_threads is not None:
+            self._saved.append(torch.get_num_threads())
+            torch.set_num_threads(self.torch_threads)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.torch_threads is not None:
+                torch.set_num_threads(self._saved.pop())
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``F.linear(x, weight, bias)`` runs on the native kernels here."""
+        return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1 and x.dim() >= 1
+                and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= self.max_rows * x.shape[-1]
+                and (bias is None or bias.device.type == "cpu"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if self.takes(x, weight, bias):
+                if bias is None:
+                    return self.executor.linear(x, weight)
+                y = self.executor.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
+                return y.add_(bias).to(x.dtype)
+        return func(*args, **kwargs)
+
+
 class RegisteredStep:
     """A step over pre-registered host buffers, callable from C as ``edgemoe_run_step(address)``.
 
@@ -496,7 +837,7 @@ class RegisteredStep:
     kernel writing mapped memory); the step then runs with no Python involved, either through
     :meth:`serve` (a native thread polling a doorbell that a device kernel rings: the decode path's
     way, :mod:`edgemoe.kernels.doorbell`) or as a host node,
-    ``cudaLaunchHostFunc(stream, fn_address, address)`` (DESIGN.md §2).
+    ``cudaLaunchHostFunc(stream, fn_address, address)``.
 
     Buffers (CPU tensors, pinned when ``pin_memory``):
         x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call
@@ -523,11 +864,10 @@ class RegisteredStep:
         self.pack = torch.zeros(cpu_work_words(max_experts, max_routes), dtype=torch.int64, **pm)
         self.dims, self.fids, self.offsets, self.tok, self.wt = carve_cpu_work(self.pack, max_experts, max_routes)
         self._ext = ext
-        self.address = ext.step_create(executor._core, pool.w13.data_ptr(), pool.w2.data_ptr(), pool.num_ids,
-                                       pool.hidden, pool.intermediate, executor._fmt, X_FORMATS[x_dtype],
-                                       self.x.data_ptr(), self.out.data_ptr(), self.dims.data_ptr(),
-                                       self.fids.data_ptr(), self.offsets.data_ptr(), self.tok.data_ptr(),
-                                       self.wt.data_ptr(), max_tokens, max_experts, max_routes, bool(zero_out))
+        self.address = ext.step_create(executor._core, executor._banks, X_FORMATS[x_dtype], self.x.data_ptr(),
+                                       self.out.data_ptr(), self.dims.data_ptr(), self.fids.data_ptr(),
+                                       self.offsets.data_ptr(), self.tok.data_ptr(), self.wt.data_ptr(), max_tokens,
+                                       max_experts, max_routes, bool(zero_out))
         self.fn_address = ext.run_step_address()
         self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn_address)  # releases the GIL while running
 
@@ -596,21 +936,52 @@ class RegisteredStep:
             _raise_status(status, "step_bench")
         return calls, dt
 
+    def bench_served(self, order: torch.Tensor, tokens: int, experts_per_call: int, seconds: float,
+                     gap_us: int = 0, poll_us: int = 10) -> tuple[int, float]:
+        """Ring this step's doorbell server over rotating experts for ``seconds``, a native thread
+        standing in for the device (B_H as the device decode path drives the executor, without a GPU).
+
+        Per call the thread writes the work (experts ``order[c·e .. c·e + e)``, tokens ``0 ..
+        tokens - 1``), advances the request word, polls the done word every ``poll_us`` µs (0: spin;
+        the device's wait kernel uses no CPU core, a sleeping poll almost none), then idles
+        ``gap_us`` µs (the GPU's work between two MoE layers). Overwrites the step's work buffers.
+
+        Returns:
+            ``(calls, seconds elapsed)``.
+
+        Raises:
+            RuntimeError: the step is closed or not served (:meth:`serve` first). ValueError etc.:
+                sizes beyond the registered capacity, or a failed step.
+        """
+        if not self._server:
+            raise RuntimeError("bench_served() needs the doorbell server: call serve() first")
+        order = order.to(torch.int64).contiguous()
+        calls, dt, status = self._ext.server_bench(self._live(), self.doorbell.data_ptr(), self.doorbell[8:].data_ptr(),
+                                                   order.data_ptr(), order.numel(), int(tokens), int(experts_per_call),
+                                                   float(seconds), int(gap_us), int(poll_us))
+        if status:
+            _raise_status(status, "server_bench")
+        return calls, dt
+
     def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000) -> torch.Tensor:
         """Start a native thread that runs this step whenever its doorbell is rung (idempotent).
 
         Returns the doorbell: ``[16]`` int64 CPU tensor (pinned when ``pin_memory``): word 0 is the
         request counter a producer advances after writing the step's buffers, word 8 (its own cache
-        line) the last request served, stored after ``out`` is complete. The thread spins for
-        ``active_spin_us`` after each step (consecutive MoE layers arrive within microseconds), then
-        polls every 50 µs (every 1 ms after a second of silence). :meth:`close` stops it.
+        line) the last request served, stored after ``out`` is complete. The thread is the pool's
+        worker 0 and pins itself to the executor's first planned core (:attr:`ThreadPlan.cpus`). It
+        spins for ``active_spin_us`` after each step (consecutive MoE layers arrive within
+        microseconds), yielding its core to any other runnable thread and stopping early when it
+        finds itself preempted (:attr:`preempted`), then polls every 50 µs (every 1 ms after a second
+        of silence). :meth:`close` stops it.
         """
         if self._server:
             return self.doorbell
         self._live()
         self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
         self._server = self._ext.server_start(self.address, self.doorbell.data_ptr(),
-                                              self.doorbell[8:].data_ptr(), int(active_spin_us))
+                                              self.doorbell[8:].data_ptr(), int(active_spin_us),
+                                              self.executor._core.caller_cpu)
         _SERVING.add(self)
         return self.doorbell
 
@@ -618,6 +989,16 @@ class RegisteredStep:
     def served(self) -> int:
         """Requests the doorbell server has completed (0 when not serving)."""
         return self._ext.server_served(self._server) if self._server else 0
+
+    @property
+    def preempted(self) -> int:
+        """Idle spins the doorbell server cut short because it had lost its core (0 when not serving)."""
+        return self._ext.server_preempted(self._server) if self._server else 0
+
+    @property
+    def server_cpu(self) -> int:
+        """CPU the doorbell server thread pinned itself to (-1: not pinned, or not serving)."""
+        return self._ext.server_pinned(self._server) if self._server else -1
 
     @property
     def status(self) -> int:

@@ -1,4 +1,4 @@
-"""Double-buffered, layer-streamed prefill (DESIGN.md §3; FreeToken, arXiv 2608.16157, prefill).
+"""Double-buffered, layer-streamed prefill (FreeToken, arXiv 2608.16157, prefill).
 
 A prefill chunk of thousands of tokens routes to nearly every expert of every MoE layer, so a
 prefill step streams whole layers through the expert cache and is bound by the host→device link:
@@ -58,8 +58,8 @@ reports beside ``overlap``). ``off``: never stream (every prefill step takes the
 def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
     """Coalesce ``(flat id, slot)`` pairs into runs ``(first id, first slot, length)`` where both advance by 1.
 
-    One copy per bank and run replaces one per expert (the pool's rows and the cache's slots are
-    contiguous along their first dimension).
+    One copy per run replaces one per expert (the pool's rows and the cache's slots are contiguous
+    byte rows).
     """
     runs: list[tuple[int, int, int]] = []
     for f, s in zip(fids, slots):
@@ -98,7 +98,7 @@ class PrefillStreamer:
     """The streamed prefill path of :class:`~edgemoe.experts.hybrid.HybridExperts` (module docstring).
 
     Args:
-        pool: host expert pool (source rows, ``[N, ...]`` banks).
+        pool: host expert pool (source rows of its byte bank).
         cache: device expert cache (staging regions are its slots; its tables and prefill counters
             are updated).
         policy: prefill streams only when ``policy.streams_prefill``.
@@ -176,7 +176,7 @@ class PrefillStreamer:
             free = sorted(set(free) - set(victims))
         if self._cuda:  # earlier steps' kernels may still read the slots about to be overwritten
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.dtype, device=self.device)
+        routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.compute_dtype, device=self.device)
         self._cur = _StreamedStep(step, regions, free, routed)
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
@@ -218,8 +218,7 @@ class PrefillStreamer:
     def _copy(self, runs: list[tuple[int, int, int]]) -> None:
         non_blocking = self.pool.pinned and self._cuda
         for fid, slot, n in runs:
-            for dst, src in zip(self.cache.banks, self.pool.banks()):
-                dst[slot:slot + n].copy_(src[fid:fid + n], non_blocking=non_blocking)
+            self.cache.bank[slot:slot + n].copy_(self.pool.bank[fid:fid + n], non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ forward
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -253,9 +252,9 @@ class PrefillStreamer:
         counters.hits += len(hit_slots)
         counters.misses += len(routed_e) - len(hit_slots)
         cache.touch(hit_slots, cur.step)
-        w13, w2 = cache.banks
         base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
-        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], w13, w2, cur.routed)
+        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
+                           cur.routed)
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
         if overlap and self._cuda:
             cur.compute_done = torch.cuda.Event()
