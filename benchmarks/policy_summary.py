@@ -1,6 +1,8 @@
 """One table from the decode benchmark runs of the expert-policy study (``scripts/gpu_check.sh policy``):
 for every (regime, CPU threads, budget) each policy's tokens/s, the best fixed policy (``fill-all``,
-``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it.
+``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it. ``fill-all`` runs the CPU
+executor for nothing, so the benchmark runs it at the first thread count only; its row serves every
+thread count of that budget.
 
     python benchmarks/policy_summary.py OUT/policy    # reads OUT/policy/*/decode.json, writes summary.md/.json
 
@@ -37,6 +39,9 @@ def summarize(root: Path) -> tuple[list[dict], str]:
             if isinstance(r["budget_gb"], (int, float)):
                 groups.setdefault((r["threads"], float(r["budget_gb"])), {})[r["policy"]] = r["tokens_per_s"]
         for (threads, gb), tps in sorted(groups.items()):
+            for (_, gb2), other in groups.items():  # fill-all uses no CPU threads: decode.py runs it once
+                if gb2 == gb and "fill-all" in other:
+                    tps.setdefault("fill-all", other["fill-all"])
             fixed = {p: tps[p] for p in FIXED if p in tps}
             best = max(fixed, key=fixed.get) if fixed else None
             rows.append({"regime": regime, "threads": threads, "budget_gb": gb,
