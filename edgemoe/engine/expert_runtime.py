@@ -185,11 +185,15 @@ class ExpertRuntime:
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device and the cache has slots; otherwise decode takes the eager path."""
+        on this device, the cache has slots and the Triton expert kernels compute the model's experts
+        (plain SiLU SwiGLU, no biases); otherwise decode takes the eager path."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"
+        act = self.pool.activation
+        if reason is None and not act.plain:
+            reason = f"the Triton expert kernels do not compute {act.describe()} experts yet (torch ops instead)"
         if reason is not None:
             self.decode_path_reason = reason
             return

@@ -80,7 +80,7 @@ class ModelRunner:
         tokenizer_loader.shutdown(wait=False)
 
         self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, self.dtype)
+                                   cfg.moe_intermediate_size, self.dtype, cfg.expert_activation)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
         if config.load_format == "dummy":
             self.weights_format = "dummy weights"

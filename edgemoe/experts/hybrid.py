@@ -28,7 +28,7 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.experts.compute import run_sorted_experts
+from edgemoe.experts.compute import gated_activation, run_sorted_experts
 from edgemoe.experts.prefill import PrefillStreamer
 
 
@@ -112,6 +112,12 @@ class HybridExperts:
         cpu: the CPU executor.
         num_experts: ``E`` (experts per MoE layer).
         device: compute device.
+
+    Attributes:
+        act: the experts' activation (``pool.activation``).
+        biases: experts with biases: ``(b13 [N, 2I], b2 [N, H])`` float32 on the compute device, indexed by
+            flat id (a full copy of the pool's temporary bias banks: a few MB per layer, so fills need not
+            move them); ``None`` without biases.
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu: CpuExecutor,
@@ -119,10 +125,19 @@ class HybridExperts:
         self.pool, self.cache, self.policy, self.cpu = pool, cache, policy, cpu
         self.num_experts = num_experts
         self.device = torch.device(device)
+        self.act = pool.activation
+        self.biases = None if pool.b13 is None else (pool.b13.to(self.device), pool.b2.to(self.device))
         self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
-        self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device)
+        self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device, self.layer_biases)
         if policy.places_static:
             self.place_static()
+
+    def layer_biases(self, moe_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(b13 [E, 2I], b2 [E, H])`` of one MoE layer's experts by layer-local id (views), or ``None``."""
+        if self.biases is None:
+            return None
+        base = moe_layer * self.num_experts
+        return self.biases[0][base:base + self.num_experts], self.biases[1][base:base + self.num_experts]
 
     # ------------------------------------------------------------------ placement
     def place_static(self) -> None:
@@ -210,9 +225,14 @@ class HybridExperts:
         w13, w2 = self.cache.banks
         xp = x.to(w13.dtype).repeat_interleave(k, dim=0)  # [P, H]
         h = torch.bmm(w13.index_select(0, s), xp[:, :, None]).squeeze(-1)  # [P, 2I]
+        fids = flat.view(-1).to(x.device, non_blocking=True) if self.biases is not None else None  # [P]
+        if fids is not None:
+            h = h + self.biases[0].index_select(0, fids).to(h.dtype)
         gate, up = h.chunk(2, dim=-1)
-        a = torch.nn.functional.silu(gate) * up  # [P, I]
+        a = gated_activation(gate, up, self.act)  # [P, I]
         y = torch.bmm(w2.index_select(0, s), a[:, :, None]).squeeze(-1)  # [P, H]
+        if fids is not None:
+            y = y + self.biases[1].index_select(0, fids).to(y.dtype)
         y = y * w.reshape(-1, 1).to(y.dtype)
         y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
         routed.copy_(y.view(T, k, -1))
@@ -230,7 +250,8 @@ class HybridExperts:
             slots[fid - base] = slot
         expert_slots = torch.tensor(slots, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
         w13, w2 = self.cache.banks
-        run_sorted_experts(x, topk_ids, w, expert_slots, w13, w2, routed, zero_missing=False)
+        run_sorted_experts(x, topk_ids, w, expert_slots, w13, w2, routed, zero_missing=False, act=self.act,
+                           biases=self.layer_biases(moe_layer))
 
     def stats(self) -> dict:
         """Per-phase counters; decode includes the device path's counters (read with one sync)."""

@@ -3,6 +3,11 @@
 Experts are stored stacked in two banks indexed by the flat id ``moe_layer * E + expert``:
 ``w13 [N, 2I, H]`` (gate rows then up rows) and ``w2 [N, H, I]``. Host memory is the source of
 truth; the device expert cache only ever holds copies of rows.
+
+Experts with biases (gpt-oss) also get two float32 bias banks, ``b13 [N, 2I]`` (gate's bias then up's)
+and ``b2 [N, H]``. They are temporary, beside the weight banks, until an expert's row carries its bias
+sections: they are not part of :meth:`HostExpertPool.banks` (fills do not copy them; the compute device
+keeps a full copy, ``HybridExperts.biases``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import math
 import mmap
 
 import torch
+
+from edgemoe.config import SILU_SWIGLU, ExpertActivation
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +54,37 @@ class HostExpertPool:
         num_ids: ``N = num_moe_layers * num_experts`` rows.
         hidden, intermediate: ``H`` and ``I`` (the expert's intermediate size).
         dtype: storage dtype of the banks.
+        activation: the experts' activation and biases (the model's ``ExpertActivation``); with
+            ``activation.bias`` the bias banks are allocated.
 
     Both banks are page-aligned (:func:`host_empty`) so the FTW bootstrap reads them with direct I/O.
 
     Attributes:
         w13: ``[N, 2I, H]`` gate (rows ``[:I]``) and up (rows ``[I:]``) projections.
         w2: ``[N, H, I]`` down projection.
+        b13, b2: float32 ``[N, 2I]`` / ``[N, H]`` expert biases (temporary banks, see the module
+            docstring), or ``None`` without biases.
+        activation: as given.
         pinned: whether the banks are page-locked (registered with CUDA) for async host→GPU copies.
     """
 
-    def __init__(self, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype):
+    def __init__(self, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 activation: ExpertActivation = SILU_SWIGLU):
         self.num_ids, self.hidden, self.intermediate, self.dtype = num_ids, hidden, intermediate, dtype
+        self.activation = activation
         self.w13 = host_empty((num_ids, 2 * intermediate, hidden), dtype)  # [N, 2I, H]
         self.w2 = host_empty((num_ids, hidden, intermediate), dtype)  # [N, H, I]
+        self.b13 = self.b2 = None
+        if activation.bias:
+            self.b13 = torch.empty(num_ids, 2 * intermediate, dtype=torch.float32)  # [N, 2I]
+            self.b2 = torch.empty(num_ids, hidden, dtype=torch.float32)  # [N, H]
         self.pinned = False
         self._registered: list[int] = []
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one expert (both banks)."""
+        """Bytes of one expert's weights (both banks; the bias banks stay on the host and, whole, on the
+        compute device, so they are not counted in what a fill or a cache slot moves)."""
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
     @property
@@ -115,9 +134,13 @@ class HostExpertPool:
         """Dummy-weight fill (``--load-format dummy``): every row gets distinct random values.
 
         Draws one random source ~2 rows long and copies per-row windows of it at random offsets, so a
-        full-scale pool (tens of GB) fills at memory-copy speed rather than RNG speed.
+        full-scale pool (tens of GB) fills at memory-copy speed rather than RNG speed. Bias banks get
+        ``N(0, std)`` values.
         """
         g = torch.Generator().manual_seed(seed)
+        if self.b13 is not None:
+            for b in (self.b13, self.b2):
+                b.copy_(torch.randn(b.shape, generator=g) * std)
         for bank in self.banks():
             n = bank[0].numel()
             if n == 0:

@@ -37,6 +37,7 @@ Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on dem
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,14 +105,18 @@ class PrefillStreamer:
         policy: prefill streams only when ``policy.streams_prefill``.
         num_experts: ``E``, experts per MoE layer.
         device: compute device; on CUDA a copy stream is created.
+        layer_biases: ``layer_biases(moe_layer)`` -> the layer's expert biases ``(b13 [E, 2I], b2 [E, H])``
+            on the device, or ``None`` (``HybridExperts.layer_biases``); the activation is ``pool.activation``.
 
     Attributes:
         mode: one of :data:`PREFILL_MODES` (settable between steps; ``ValueError`` for another value).
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, num_experts: int,
-                 device: torch.device):
+                 device: torch.device,
+                 layer_biases: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] = lambda _layer: None):
         self.pool, self.cache, self.policy = pool, cache, policy
+        self.layer_biases = layer_biases
         self.num_experts = num_experts
         self.num_layers = pool.num_ids // num_experts
         self.device = torch.device(device)
@@ -255,7 +260,8 @@ class PrefillStreamer:
         cache.touch(hit_slots, cur.step)
         w13, w2 = cache.banks
         base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
-        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], w13, w2, cur.routed)
+        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], w13, w2, cur.routed,
+                           act=self.pool.activation, biases=self.layer_biases(moe_layer))
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
         if overlap and self._cuda:
             cur.compute_done = torch.cuda.Event()

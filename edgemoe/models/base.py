@@ -14,6 +14,8 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
   ``cfg.num_mtp_layers`` layers stored after the decoder are added per instance);
 - ``float32_parameters``: parameter-name suffixes kept in float32 at every model dtype (as the
   reference's ``_keep_in_fp32_modules_strict``, e.g. a sigmoid router and its correction bias);
+- ``fused_experts``: the layout of the checkpoint's fused ``[E, ...]`` expert tensors
+  (:class:`FusedExpertLayout`: transposed and/or gate/up interleaved, gpt-oss's);
 - for ``edgemoe make-model`` and the parity tests: ``hf_classes`` (the ``transformers`` config and
   model classes of the reference implementation, whose ``save_pretrained`` writes the release
   layout), ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
@@ -32,6 +34,7 @@ loader materializes them (:meth:`MoECausalLM.materialize`).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -40,14 +43,14 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
-from edgemoe.layers.moe import SparseMoeBlock
+from edgemoe.layers.moe import MoeBlock
 
 if TYPE_CHECKING:
     from edgemoe.kvcache.pool import PagedKVPool
     from edgemoe.kvcache.state import RecurrentStatePool, StateSpec
     from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
 
-__all__ = ["ExpertTensor", "MoECausalLM"]
+__all__ = ["ExpertTensor", "FusedExpertLayout", "MoECausalLM"]
 
 
 class ExpertTensor(NamedTuple):
@@ -58,11 +61,32 @@ class ExpertTensor(NamedTuple):
         expert: expert index within the layer; ``None`` for a fused tensor holding all ``E`` experts.
         role: ``gate_proj | up_proj | down_proj`` (per-expert release layout) or ``gate_up_proj |
             down_proj`` (fused ``[E, ...]`` layout of transformers 5 and of some releases).
+        param: ``weight``, or ``bias`` for a fused expert bias (gpt-oss's ``gate_up_proj_bias [E, 2I]``,
+            ``down_proj_bias [E, H]``).
     """
 
     moe_layer: int
     expert: int | None
     role: str
+    param: str = "weight"
+
+
+@dataclass(frozen=True)
+class FusedExpertLayout:
+    """How a fused ``[E, ...]`` expert tensor of a checkpoint stores each expert (transformers'
+    ``use_experts_implementation(is_transposed=..., is_concatenated=...)``).
+
+    Attributes:
+        transposed: ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (inputs first), else
+            ``[E, 2I, H]`` and ``[E, H, I]`` (outputs first, as ``nn.Linear`` weights).
+        interleaved: gate output ``j`` at ``2j`` and up output ``j`` at ``2j + 1`` of ``gate_up_proj`` (and
+            of its bias), else gate outputs then up outputs.
+
+    The host pool always stores ``w13 [2I, H]`` as gate rows then up rows; the loader undoes both.
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
 
 
 class MoECausalLM(nn.Module):
@@ -87,6 +111,7 @@ class MoECausalLM(nn.Module):
     skipped_prefixes: tuple[str, ...] = ()  # the class's; an instance adds its MTP layers
     float32_parameters: ClassVar[tuple[str, ...]] = ()
     expert_module: ClassVar[str] = "mlp.experts"
+    fused_experts: ClassVar[FusedExpertLayout] = FusedExpertLayout()
     hf_classes: ClassVar[tuple[str, str]] = ("", "")
     presets: ClassVar[dict[str, dict]] = {}
     fixed_vocab_presets: ClassVar[frozenset[str]] = frozenset()
@@ -102,7 +127,7 @@ class MoECausalLM(nn.Module):
         prefix = re.escape(f"{decoder_prefix}layers.")
         module = re.escape(self.expert_module)
         self._per_expert = re.compile(rf"^{prefix}(\d+)\.{module}\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-        self._fused = re.compile(rf"^{prefix}(\d+)\.{module}\.(gate_up_proj|down_proj)$")
+        self._fused = re.compile(rf"^{prefix}(\d+)\.{module}\.(gate_up_proj|down_proj)(_bias)?$")
 
     # ------------------------------------------------------------------ what a subclass provides
     @classmethod
@@ -157,30 +182,31 @@ class MoECausalLM(nn.Module):
                 p.data = p.data.float()
         self.to_empty(device=device)
 
-    def moe_blocks(self) -> list[SparseMoeBlock]:
+    def moe_blocks(self) -> list[MoeBlock]:
         """The routed-expert block of every MoE layer, in layer order."""
-        return [m for m in self.decoder.layers.modules() if isinstance(m, SparseMoeBlock)]
+        return [m for m in self.decoder.layers.modules() if isinstance(m, MoeBlock)]
 
     def expert_target(self, name: str) -> ExpertTensor | None:
         """Map a checkpoint tensor name to its place in the expert pool; ``None`` for other tensors.
 
         Recognized: ``{decoder_prefix}layers.N.{expert_module}.E.{gate,up,down}_proj.weight`` (per
-        expert) and ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused).
+        expert) and ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused, laid out
+        as ``fused_experts`` says), with their fused biases ``..._bias`` (gpt-oss).
 
         Raises:
             ValueError: an expert tensor of a layer that is not a MoE layer in this config.
         """
         m = self._per_expert.match(name)
         if m:
-            layer, expert, role = int(m.group(1)), int(m.group(2)), m.group(3)
+            layer, expert, role, param = int(m.group(1)), int(m.group(2)), m.group(3), "weight"
         else:
             m = self._fused.match(name)
             if not m:
                 return None
-            layer, expert, role = int(m.group(1)), None, m.group(2)
+            layer, expert, role, param = int(m.group(1)), None, m.group(2), "bias" if m.group(3) else "weight"
         if layer not in self.config.moe_layers:
             raise ValueError(f"tensor {name}: layer {layer} is not a MoE layer in this config")
-        return ExpertTensor(self.config.moe_ordinal(layer), expert, role)
+        return ExpertTensor(self.config.moe_ordinal(layer), expert, role, param)
 
     def bind(self, *, kv: PagedKVPool, experts: Any, state: RecurrentStatePool | None = None,
              checkpoints: StateCheckpointStore | None = None) -> None:

@@ -13,7 +13,14 @@ The built tokenizer has a family's special and added tokens and chat template
   ``<|assistant|>``, ``<|observation|>``), its reasoning and tool-call markup (``<think>``,
   ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``, ``<tool_response>``)
   and the chat template released with GLM-4.5 (``zai-org/GLM-4.5`` ``chat_template.jinja``, the
-  version embedded in the GLM-4.5-Air conversions), ``data/glm4_moe_chat_template.jinja``.
+  version embedded in the GLM-4.5-Air conversions), ``data/glm4_moe_chat_template.jinja``;
+- ``gpt_oss``: the Harmony format's special tokens of gpt-oss's ``o200k_harmony`` vocabulary, in its
+  id order (``<|startoftext|>``, ``<|endoftext|>``, ``<|return|>``, ``<|constrain|>``, ``<|channel|>``,
+  ``<|start|>``, ``<|end|>``, ``<|message|>``, ``<|call|>``, ``<|endofprompt|>``; the reserved ids between
+  them are left out), eos ``<|return|>``, ``<|endoftext|>``, ``<|call|>`` (the releases'
+  ``generation_config.json``), and the chat template released with gpt-oss (``openai/gpt-oss-20b``
+  ``chat_template.jinja``, the revision that ends tool calls with ``<|call|>`` and keeps a tool call's
+  analysis until a final answer; ``reasoning_effort`` low / medium / high), ``data/gpt_oss_chat_template.jinja``.
 
 The templates and the BPE's training text (``data/corpus.txt``: plain English, chat, JSON tool calls
 and code) are package data.
@@ -114,6 +121,15 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
         eos_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),
         pad_token="<|endoftext|>",
         template_file="glm4_moe_chat_template.jinja",
+    ),
+    # gpt-oss's o200k_harmony order (ids 199998, 199999, 200002, 200003, 200005-200008, 200012, 200018)
+    "gpt_oss": TokenizerSpec(
+        special_tokens=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                        "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>"),
+        added_tokens=(),
+        eos_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
+        pad_token="<|endoftext|>",
+        template_file="gpt_oss_chat_template.jinja",
     ),
 }
 

@@ -46,6 +46,7 @@ __all__ = [
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+_BIAS_PARTS = tuple(f"{p}.bias" for p in _EXPERT_PARTS)
 _FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -166,17 +167,20 @@ class ExpertGeometry:
     Attributes:
         num_moe_layers: MoE layers ``L``. num_experts: routed experts per layer ``E``.
         hidden_size: ``H``. moe_intermediate_size: ``I``.
+        bias: every expert projection has a bias (gpt-oss), which the checkpoint must provide.
     """
 
     num_moe_layers: int
     num_experts: int
     hidden_size: int
     moe_intermediate_size: int
+    bias: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> ExpertGeometry:
         """From a :class:`~edgemoe.config.ModelConfig`."""
-        return cls(cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        return cls(cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                   cfg.expert_activation.bias)
 
     @property
     def num_rows(self) -> int:
@@ -188,12 +192,17 @@ class ExpertGeometry:
         H, I = self.hidden_size, self.moe_intermediate_size
         return {"w13": (2 * I, H), "w2": (H, I)}
 
-    def tensor_shape(self, role: str, fused: bool) -> tuple[int, ...]:
+    def tensor_shape(self, role: str, fused: bool, param: str = "weight", transposed: bool = False) -> tuple[int, ...]:
         """Checkpoint shape of an expert tensor: per expert ``gate_proj``/``up_proj`` ``[I, H]``,
-        ``down_proj`` ``[H, I]``; fused ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``."""
+        ``down_proj`` ``[H, I]``; fused ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``
+        (``transposed``: ``[E, H, 2I]``, ``[E, I, H]``); fused biases ``gate_up_proj_bias [E, 2I]``,
+        ``down_proj_bias [E, H]``."""
         H, I, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
+        if param == "bias":
+            return (E, 2 * I) if role == "gate_up_proj" else (E, H)
         if fused:
-            return (E, 2 * I, H) if role == "gate_up_proj" else (E, H, I)
+            shape = (E, 2 * I, H) if role == "gate_up_proj" else (E, H, I)
+            return (E, shape[2], shape[1]) if transposed else shape
         return (H, I) if role == "down_proj" else (I, H)
 
 
@@ -205,12 +214,14 @@ class ExpertTensor:
         info: the tensor. moe_layer: its MoE layer ordinal.
         expert: its expert, or ``None`` for a fused ``[E, ...]`` tensor of the whole layer.
         role: ``gate_proj | up_proj | down_proj`` per expert; ``gate_up_proj | down_proj`` fused.
+        param: ``weight``, or ``bias`` (a fused expert bias, gpt-oss).
     """
 
     info: TensorInfo
     moe_layer: int
     expert: int | None
     role: str
+    param: str = "weight"
 
 
 @dataclass
@@ -222,7 +233,8 @@ class CheckpointPlan:
         experts: checkpoint name -> :class:`ExpertTensor`.
         parts: ``(flat id, "gate_proj" | "up_proj" | "down_proj")`` -> the expert tensor holding that
             projection of expert ``flat id = moe_layer * E + expert`` (a fused tensor holds it at
-            index ``expert``); every part of every expert is present.
+            index ``expert``); every part of every expert is present. Experts with biases also have
+            ``"gate_proj.bias" | "up_proj.bias" | "down_proj.bias"`` parts.
     """
 
     params: dict[str, TensorInfo] = field(default_factory=dict)
@@ -314,7 +326,8 @@ class CheckpointIndex:
 
         Args:
             model: an edgemoe model: ``named_parameters()`` (the non-expert parameters, any device),
-                ``expert_target(name)`` and ``skipped_prefixes``.
+                ``expert_target(name)``, ``skipped_prefixes`` and ``fused_experts`` (the layout of fused
+                expert tensors).
             experts: the routed experts the checkpoint must provide (every projection of every expert,
                 per expert or fused), or ``None`` when this checkpoint must hold none (the routed
                 experts come from elsewhere, e.g. FTW banks).
@@ -326,8 +339,9 @@ class CheckpointIndex:
             CheckpointError: one line naming the file and the tensor: a tensor that is not
                 floating-point, an unexpected tensor, a shape that differs from the parameter's or the
                 expert geometry's, an expert tensor of a layer that is not a MoE layer, an expert index
-                ``>= E``, two tensors giving the same expert projection; or, naming ``source``, missing
-                parameters or missing expert projections.
+                ``>= E``, two tensors giving the same expert projection, expert biases for experts
+                without biases; or, naming ``source``, missing parameters or missing expert projections
+                or biases.
         """
         params = {name: tuple(p.shape) for name, p in model.named_parameters()}
         model_name = type(model).__name__
@@ -351,27 +365,32 @@ class CheckpointIndex:
                 continue
             if experts is None:
                 raise CheckpointError(f"{f}: unexpected tensor {name} (a routed expert, which this file must not hold)")
-            j, e, role = target
+            j, e, role, param = target
             fused = e is None
-            want = experts.tensor_shape(role, fused)
+            if param == "bias" and not experts.bias:
+                raise CheckpointError(f"{f}: tensor {name}: routed-expert biases, but {model_name}'s experts "
+                                      "have none in this config")
+            want = experts.tensor_shape(role, fused, param, model.fused_experts.transposed)
             if not fused and e >= experts.num_experts:
                 raise CheckpointError(f"{f}: tensor {name}: expert {e} >= num_experts {experts.num_experts}")
             if info.shape != want:
                 raise CheckpointError(f"{f}: tensor {name} has shape {info.shape}, expected {want}")
-            x = plan.experts[name] = ExpertTensor(info, j, e, role)
+            x = plan.experts[name] = ExpertTensor(info, j, e, role, param)
+            suffix = ".bias" if param == "bias" else ""
             for ee in (range(experts.num_experts) if fused else (e,)):
                 for part in (_FUSED_PARTS[role] if fused else (role,)):
-                    key = (j * experts.num_experts + ee, part)
+                    key = (j * experts.num_experts + ee, part + suffix)
                     if key in plan.parts:
                         other = plan.parts[key].info
-                        raise CheckpointError(f"{f}: tensor {name}: MoE layer ordinal {j} expert {ee} {part} is also "
+                        raise CheckpointError(f"{f}: tensor {name}: MoE layer ordinal {j} expert {ee} {key[1]} is also "
                                               f"given by {other.name} in {other.file.name}")
                     plan.parts[key] = x
         missing = sorted(set(params) - set(plan.params))
         if missing:
             raise CheckpointError(f"{self.source}: missing tensor(s) {_first(missing)}")
         if experts is not None:
-            absent = [(fid, part) for fid in range(experts.num_rows) for part in _EXPERT_PARTS
+            wanted = _EXPERT_PARTS + (_BIAS_PARTS if experts.bias else ())
+            absent = [(fid, part) for fid in range(experts.num_rows) for part in wanted
                       if (fid, part) not in plan.parts]
             if absent:
                 fid, part = absent[0]

@@ -3,13 +3,14 @@
 The checkpoint is indexed and checked first (:class:`~edgemoe.weights.index.CheckpointIndex`: a
 missing, unexpected or mis-shaped tensor is a :class:`~edgemoe.weights.index.CheckpointError` naming
 the file and the tensor, before a byte of tensor data is read). Routed experts then go straight into
-the host expert pool rows (``w13`` = gate ‖ up, ``w2`` = down); everything else becomes a parameter
-on the compute device.
+the host expert pool rows (``w13`` = gate ‖ up, ``w2`` = down; expert biases into its bias banks);
+everything else becomes a parameter on the compute device.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,6 +18,9 @@ from torch import nn
 
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.weights.index import CheckpointError, CheckpointIndex, ExpertGeometry
+
+if TYPE_CHECKING:
+    from edgemoe.models.base import FusedExpertLayout
 
 __all__ = ["CheckpointError", "init_dummy", "load_checkpoint"]
 
@@ -28,12 +32,15 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
     Tensors under the model's ``skipped_prefixes`` (e.g. a vision tower a text-only server does not
     run) are skipped; every other tensor is loaded strictly. Experts come per expert
     (``...experts.{e}.{gate,up,down}_proj.weight``) or fused per layer (``experts.gate_up_proj
-    [E, 2I, H]``, ``experts.down_proj [E, H, I]``).
+    [E, 2I, H]``, ``experts.down_proj [E, H, I]``; transposed and gate/up interleaved as the model's
+    ``fused_experts`` says, with fused biases ``gate_up_proj_bias [E, 2I]`` / ``down_proj_bias [E, H]``:
+    gpt-oss).
 
     Args:
-        model: an edgemoe model exposing ``expert_target(name)`` and ``skipped_prefixes``; its
-            parameters may be on ``meta``.
-        pool: host expert pool sized for the model (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
+        model: an edgemoe model exposing ``expert_target(name)``, ``skipped_prefixes`` and
+            ``fused_experts``; its parameters may be on ``meta``.
+        pool: host expert pool sized for the model (``w13 [N, 2I, H]``, ``w2 [N, H, I]``; bias banks when
+            its activation has biases).
         model_dir: the checkpoint directory.
         dtype: dtype of parameters and experts after loading (the checkpoint's is cast; parameters in
             the model's ``float32_parameters`` stay float32).
@@ -45,8 +52,10 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
         CheckpointError: a truncated or malformed file, a missing shard, missing, unexpected or
             mis-shaped tensors (one line naming the file and the tensor).
     """
-    geometry = ExpertGeometry(pool.num_ids // num_experts, num_experts, pool.hidden, pool.intermediate)
+    geometry = ExpertGeometry(pool.num_ids // num_experts, num_experts, pool.hidden, pool.intermediate,
+                              pool.activation.bias)
     plan = CheckpointIndex.open(model_dir).check(model, geometry)
+    layout = model.fused_experts
     model.materialize(dtype, device)
     params = dict(model.named_parameters())
     I, E = pool.intermediate, num_experts
@@ -66,9 +75,8 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
                     x = plan.experts.get(info.name)
                     if x is None:
                         params[info.name].copy_(t)  # cast to the parameter's dtype
-                    elif x.expert is None:  # fused [E, 2I, H] / [E, H, I]
-                        row = x.moe_layer * E
-                        (pool.w13 if x.role == "gate_up_proj" else pool.w2)[row:row + E].copy_(t)
+                    elif x.expert is None:  # fused [E, 2I, H] / [E, H, I], or as ``layout`` says
+                        _copy_fused(pool, x.moe_layer * E, E, x.role, x.param, t, layout)
                     else:
                         row = x.moe_layer * E + x.expert
                         if x.role == "down_proj":
@@ -80,6 +88,33 @@ def load_checkpoint(model: nn.Module, pool: HostExpertPool, model_dir: str | Pat
                         bar.update(1)
     if bar is not None:
         bar.close()
+
+
+def _copy_fused(pool: HostExpertPool, row: int, E: int, role: str, param: str, t: torch.Tensor,
+                layout: FusedExpertLayout) -> None:
+    """Copy one fused expert tensor of a MoE layer (``E`` experts from pool row ``row``) into the pool,
+    undoing ``layout``: the transposition (``[E, H, 2I]`` -> ``[E, 2I, H]``) and the gate/up interleaving
+    (gate output ``j`` at ``2j``, up at ``2j + 1`` -> gate rows then up rows), as transformers'
+    ``GptOssExperts`` reads them (``gate_up[..., ::2]``, ``gate_up[..., 1::2]``)."""
+    I = pool.intermediate
+    if param == "bias":  # [E, 2I] or [E, H]
+        if role == "down_proj":
+            pool.b2[row:row + E].copy_(t)
+        elif layout.interleaved:
+            pool.b13[row:row + E, :I].copy_(t[:, 0::2])
+            pool.b13[row:row + E, I:].copy_(t[:, 1::2])
+        else:
+            pool.b13[row:row + E].copy_(t)
+        return
+    if layout.transposed:
+        t = t.transpose(1, 2)  # [E, 2I, H] / [E, H, I]
+    if role == "down_proj":
+        pool.w2[row:row + E].copy_(t)
+    elif layout.interleaved:
+        pool.w13[row:row + E, :I].copy_(t[:, 0::2])
+        pool.w13[row:row + E, I:].copy_(t[:, 1::2])
+    else:
+        pool.w13[row:row + E].copy_(t)
 
 
 def init_dummy(model: nn.Module, pool: HostExpertPool, dtype: torch.dtype, device: torch.device, seed: int,

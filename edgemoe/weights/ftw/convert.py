@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from edgemoe.weights.dtypes import WEIGHT_DTYPES, dtype_name, parse_dtype
-from edgemoe.weights.ftw.spec import MANIFEST, is_ftw
+from edgemoe.weights.ftw.spec import FORMAT_VERSION, MANIFEST, is_ftw
 from edgemoe.weights.ftw.writer import DEFAULT_CHUNK_BYTES, FTWWriter, check_target
 from edgemoe.weights.index import CheckpointIndex, ExpertGeometry
 
@@ -59,8 +59,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
         ``Path(out_dir)``.
 
     Raises:
-        FileNotFoundError: no config.json. ValueError: unsupported architecture, or ``hf_dir`` is
-        already FTW, or a config.json that is not valid JSON (the file named). CheckpointError: a
+        FileNotFoundError: no config.json. ValueError: unsupported architecture, routed experts with
+        biases (gpt-oss: version 1 banks hold weights only), ``hf_dir`` is already FTW, or a
+        config.json that is not valid JSON (the file named). CheckpointError: a
         checkpoint that does not match its config (one line naming the file and the tensor).
         FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
     """
@@ -73,6 +74,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
         raise ValueError(f"{hf_dir} is already an FTW directory ({MANIFEST} present)")
     cfg = load_config(hf_dir)
     geometry = ExpertGeometry.from_config(cfg)
+    if geometry.bias:
+        raise ValueError(f"{hf_dir}: {cfg.architecture} has routed-expert biases, which FTW version "
+                         f"{FORMAT_VERSION} does not store; serve the Hugging Face directory itself")
     check_target(out.absolute(), overwrite)
     index = CheckpointIndex.open(hf_dir)
     with torch.device("meta"):

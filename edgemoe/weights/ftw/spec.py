@@ -266,13 +266,17 @@ def check_config(man: Manifest, cfg, model_dir: str | Path) -> None:
     describes the banks of ``man``.
 
     Raises:
-        FTWConfigError: another model type, expert geometry or bank shape (both values named).
+        FTWConfigError: another model type, expert geometry or bank shape (both values named), or a
+            config with routed-expert biases (not stored by this version).
     """
     model_dir = Path(model_dir)
     where = f"{model_dir / 'config.json'} disagrees with {model_dir / MANIFEST}"
     if man.model_type != cfg.model_type:
         raise FTWConfigError(f"{where}: model_type {cfg.model_type!r} vs {man.model_type!r}")
     geometry = ExpertGeometry.from_config(cfg)
+    if geometry.bias:
+        raise FTWConfigError(f"{where}: config.json declares routed-expert biases ({cfg.model_type}), which "
+                             f"FTW version {FORMAT_VERSION} does not store")
     for k in ("num_moe_layers", "num_experts", "hidden_size", "moe_intermediate_size"):
         v, got = getattr(geometry, k), getattr(man.experts, k)
         if got != v:
