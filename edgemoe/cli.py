@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str) -> N
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         kw: dict[str, Any] = {"dest": f.name, "default": None}
         base = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        if "nargs" in meta:  # a tuple option: each value's type
+            base = next(iter(typing.get_args(base)), str)
         help_ = meta["help"]
         if base is bool:
             off = flag.startswith("--no-")
@@ -67,6 +69,7 @@ def config_from_args(args: argparse.Namespace, cls: type):
         CLIError: a value the options reject.
     """
     kw = {f.name: vars(args)[f.name] for f in fields(cls) if vars(args).get(f.name) is not None}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}  # nargs options
     try:
         return cls(**kw)
     except (TypeError, ValueError) as exc:
@@ -135,34 +138,22 @@ def _check_port(host: str, port: int) -> None:
 
 def _cmd_serve(args) -> int:
     from edgemoe.server.app import serve
-
-    from edgemoe.server.parsers import check_parser_names
+    from edgemoe.server.config import ServerConfig
 
     model = _model_dir(args.model)
     config = engine_config_from_args(args)
-    try:
-        check_parser_names(args.tool_call_parser, args.reasoning_parser)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    _check_port(args.host, args.port)  # before loading weights, which can take minutes
+    server_config = config_from_args(args, ServerConfig)
+    if server_config.api_key is None and os.environ.get("EDGEMOE_API_KEY"):
+        server_config = replace(server_config, api_key=os.environ["EDGEMOE_API_KEY"])
+    _check_port(server_config.host, server_config.port)  # before loading weights, which can take minutes
 
     def on_ready(engine) -> None:
         if args.record_routing:
             engine.attach_routing_recorder(_recorder(args.record_routing))
         print(engine.runner.summary(), flush=True)
-        print(f"edgemoe: serving on http://{args.host}:{args.port}/v1", flush=True)
+        print(f"edgemoe: serving on http://{server_config.host}:{server_config.port}/v1", flush=True)
 
-    serve(
-        model,
-        config,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        on_ready=on_ready,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        api_key=args.api_key or os.environ.get("EDGEMOE_API_KEY") or None,
-    )
+    serve(model, config, server_config, on_ready=on_ready)
     return 0
 
 
@@ -371,14 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", help="model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    p.add_argument("--tool-call-parser", default="auto",
-                   help="auto (from the checkpoint), qwen3 (hermes), qwen3_coder, deepseek_v3, harmony, none")
-    p.add_argument("--reasoning-parser", default="auto", help="auto (from the checkpoint), think, harmony, none")
-    p.add_argument("--api-key", default=None,
-                   help="require this key on /v1/ routes (Authorization: Bearer / x-api-key; default $EDGEMOE_API_KEY)")
+    from edgemoe.server.config import ServerConfig
+
+    add_config_args(p, ServerConfig, "server options")
     add_engine_args(p)
     _add_record_routing(p)
     p.set_defaults(func=_cmd_serve)

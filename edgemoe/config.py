@@ -353,8 +353,6 @@ class EngineConfig:
     load_format: str = option("auto", "auto (safetensors or FTW), dummy (random weights of config.json's "
                               "geometry, no weight files)", choices=LOAD_FORMATS)
     seed: int = option(0, "seed of dummy weights")
-    served_model_name: str | None = option(None, "model id reported by the API (default: the directory name)",
-                                           type=str)
     verify_weights: bool | None = option(None, "the FTW bank checksums while loading (on unless "
                                          "EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")
     enforce_eager: bool = option(False, "never capture CUDA graphs for decode (decode still takes the device path)")

@@ -246,8 +246,13 @@ class AgentServer:
 
 
 @contextlib.contextmanager
-def running_server(llm, served_model_name: str | None = None, **app_options) -> Iterator[str]:
-    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
+def running_server(llm, served_model_name: str | tuple[str, ...] | None = None, *, wrap=None, uds: str | None = None,
+                   **server_options) -> Iterator[str]:
+    """Serve ``llm`` (an ``AsyncLLM``) with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL.
+
+    ``served_model_name`` (one name or several) and ``server_options`` are :class:`ServerConfig` fields;
+    ``wrap(app) -> app``: an ASGI wrapper put around the app (e.g. a recorder of the exchanges);
+    ``uds``: also listen on this Unix socket path."""
     import socket
     import threading
     import time
@@ -255,13 +260,22 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
     import uvicorn
 
     from edgemoe.server.app import build_app
+    from edgemoe.server.config import ServerConfig
+    from edgemoe.server.transport import uvicorn_config
 
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
+    server_config = ServerConfig(served_model_name=names, **server_options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(llm, served_model_name, **app_options), log_level="warning", lifespan="off")
+    sockets = [sock]
+    if uds:
+        sockets.append(socket.socket(socket.AF_UNIX))
+        sockets[-1].bind(uds)
+    app = build_app(llm, server_config)
+    config = uvicorn_config(wrap(app) if wrap else app, server_config, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
@@ -272,11 +286,14 @@ def running_server(llm, served_model_name: str | None = None, **app_options) -> 
     finally:
         server.should_exit = True
         thread.join(20)
-        sock.close()
+        for s in sockets:
+            s.close()
 
 
-def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | None = None, **app_options):
-    """Context manager: load ``model_dir`` (CPU), serve it as ``name``; yields an :class:`AgentServer`."""
+def start_agent_server(model_dir: Path, name: str | tuple[str, ...], *, engine_options: dict | None = None,
+                       **server_options):
+    """Context manager: load ``model_dir`` (CPU), serve it as ``name`` (and ``server_options``, see
+    :func:`running_server`); yields an :class:`AgentServer`."""
     import contextlib
 
     from edgemoe.config import EngineConfig
@@ -292,8 +309,8 @@ def start_agent_server(model_dir: Path, name: str, *, engine_options: dict | Non
             eos = sorted(llm.engine.eos_token_ids)[0]
             scripts = ScriptedOutputs(tok, eos)
             llm.call_in_engine_thread(scripts.install, timeout=30)
-            with running_server(llm, name, **app_options) as base:
-                yield AgentServer(llm, base, scripts, app_options.get("api_key"))
+            with running_server(llm, name, **server_options) as base:
+                yield AgentServer(llm, base, scripts, server_options.get("api_key"))
         finally:
             llm.shutdown()
 

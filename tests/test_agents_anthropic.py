@@ -10,10 +10,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from conftest import start_agent_server
-from edgemoe.engine.llm import render_chat
 from test_agents_openai import PARALLEL, TURN1, TURN3
+
+from edgemoe.engine.llm import render_chat
 
 MODEL = "qwen3-tiny"
 TOOLS = [
@@ -183,8 +183,10 @@ def test_errors_in_anthropic_shape(server):
     assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
     r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0].text")
+    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "server_tool_use"}]}]})
+    assert r.status_code == 400 and "messages[0].content[0]: 'server_tool_use' blocks" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]})
-    assert r.status_code == 400 and "messages[0].content[0]: 'document' blocks" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0].source.type")
     r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("temperature")
     with pytest.raises(anthropic.NotFoundError) as info:

@@ -112,7 +112,7 @@ def test_three_turn_tool_conversation(server):
 
 def chat_messages_for_template(messages: list[dict]) -> list[dict]:
     """What the server hands the template: OpenAI messages with extra SDK fields dropped."""
-    from edgemoe.server.app import chat_messages
+    from edgemoe.server.openai_api import chat_messages
     from edgemoe.server.protocol import ChatMessageParam
 
     return chat_messages([ChatMessageParam.model_validate(m) for m in messages])
@@ -274,20 +274,3 @@ def test_responses_incomplete_and_json(server):
     r = client.responses.create(model=MODEL, input="JSON please", text={"format": {"type": "json_object"}},
                                 max_output_tokens=30, temperature=0)
     assert isinstance(json.loads(r.output_text), dict)
-
-
-def test_generation_config_defaults_fill_omitted_fields(tmp_path):
-    from edgemoe.server.protocol import sampling_kwargs
-    from edgemoe.server.serving import Serving
-
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 1}))
-
-    class Stub:
-        model_dir = str(tmp_path)
-
-    defaults = Serving(Stub(), "m").generation_defaults
-    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-    # The request wins, then generation_config.json, then OpenAI's defaults.
-    assert sampling_kwargs(defaults, temperature=None, top_p=0.5, top_k=None, max_tokens=3) == {
-        "temperature": 0.6, "top_p": 0.5, "top_k": 20, "max_tokens": 3}
-    assert sampling_kwargs({}, temperature=None, top_p=None, top_k=None) == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}

@@ -14,12 +14,12 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
-from conftest import running_server
 from edgemoe.server.parsers.think import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a brave little expert."}]
@@ -327,12 +327,10 @@ def test_injected_failure_is_500_and_server_keeps_serving(served):
 
 
 def test_exception_in_handler_is_500(served, monkeypatch):
-    import edgemoe.server.app as app_module
-
     def boom(*args, **kwargs):
         raise RuntimeError("template exploded")
 
-    monkeypatch.setattr(app_module, "render_chat", boom)
+    monkeypatch.setattr(served.llm.tokenizer, "apply_chat_template", boom)  # the server's own tokenizer
     r = httpx.post(served.base + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES})
     assert r.status_code == 500 and "template exploded" in _error_body(r)["message"]
     monkeypatch.undo()
@@ -477,3 +475,45 @@ def test_qwen3_reasoning_content(qwen_served):
     r = c.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
     assert r.choices[0].message.model_extra["reasoning_content"]
+
+
+# ---------------------------------------------------------------- generation_config.json defaults
+
+
+@pytest.fixture(scope="module")
+def sampling_defaults_served(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
+    """The tiny model with temperature / top_p / top_k defaults in its generation_config.json."""
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("gen_defaults") / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    llm = AsyncLLM(str(model), EngineConfig(device="cpu", max_model_len=1024), progress=False)
+    assert llm.wait_ready(120)
+    try:
+        with running_server(llm, "tiny") as base:
+            yield Served(base, llm, _client(base))
+    finally:
+        llm.shutdown()
+
+
+def test_generation_config_defaults_fill_omitted_fields(sampling_defaults_served):
+    from edgemoe.server.protocol import sampling_kwargs
+
+    c = sampling_defaults_served.client
+
+    def text(**fields) -> str:
+        r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, seed=7,
+                                      extra_body={"ignore_eos": True, **fields.pop("extra", {})}, **fields)
+        return r.choices[0].message.content
+
+    omitted = text()
+    assert omitted == text(temperature=0.6, top_p=0.95, extra={"top_k": 20})  # the checkpoint's defaults
+    assert omitted != text(temperature=1.0, top_p=1.0, extra={"top_k": 0})  # not OpenAI's
+    # The request wins, then generation_config.json, then OpenAI's defaults.
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert sampling_kwargs(defaults, temperature=None, top_p=0.5, top_k=None, max_tokens=3) == {
+        "temperature": 0.6, "top_p": 0.5, "top_k": 20, "max_tokens": 3}
+    assert sampling_kwargs({}, temperature=None, top_p=None, top_k=None) == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from edgemoe.config import EngineConfig
+from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import ModelRunner
@@ -153,6 +153,29 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self._require_engine().max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's normalized configuration (read-only; raises ``EngineNotReadyError`` while loading)."""
+        return self._require_engine().runner.model_config
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's ``generation_config.json`` as saved (``{}`` when absent; read-only; raises
+        ``EngineNotReadyError`` while loading)."""
+        return self._require_engine().runner.generation_config
+
+    @property
+    def kv_cache_pages(self) -> tuple[int, int] | None:
+        """``(used, total)`` KV-cache pages: ``total`` those requests can hold, ``used`` those held by
+        requests in flight (unreferenced prefix-cache pages count as free: they are evicted on
+        demand); ``None`` while loading. Read-only counters, safe from any thread."""
+        if not self.is_ready:
+            return None
+        runner = self.engine.runner
+        page = runner.engine_config.page_size
+        total = runner.kv_capacity_tokens // page
+        return total - runner.kv_free_tokens() // page, total
 
     @property
     def num_running(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "normalize_messages", "render_chat"]
+__all__ = ["LLM", "normalize_messages", "render_chat", "render_chat_text"]
 
 Message = dict[str, Any]
 
@@ -45,6 +45,47 @@ def normalize_messages(messages: Sequence[Message]) -> list[Message]:
     return out
 
 
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render a conversation with the tokenizer's chat template, as text (see :func:`render_chat`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
+    msgs = normalize_messages(messages)
+
+    def apply(msgs: list[Message]) -> str:
+        return tokenizer.apply_chat_template(
+            msgs,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+
+    # Assistant tool-call turns come with content=None and arguments as JSON strings (OpenAI's shape,
+    # which e.g. DeepSeek-V3's template requires and Qwen3's prints verbatim); templates that apply
+    # string operations to the content (Qwen3's) get "", then templates that iterate the arguments
+    # as a mapping (GLM-4.5's ``arguments.items()``) get them decoded.
+    attempts = [msgs]
+    if any(m.get("content") is None for m in msgs):
+        attempts.append([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
+    decoded = _arguments_as_objects(attempts[-1])
+    if decoded is not None:
+        attempts.append(decoded)
+    for i, attempt in enumerate(attempts):
+        try:
+            return apply(attempt)
+        except Exception:
+            if i == len(attempts) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Message],
@@ -72,36 +113,8 @@ def render_chat(
     Raises:
         ValueError: no chat template, or malformed messages.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
-    msgs = normalize_messages(messages)
-
-    def apply(msgs: list[Message]) -> str:
-        return tokenizer.apply_chat_template(
-            msgs,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-
-    # Assistant tool-call turns come with content=None and arguments as JSON strings (OpenAI's shape,
-    # which e.g. DeepSeek-V3's template requires and Qwen3's prints verbatim); templates that apply
-    # string operations to the content (Qwen3's) get "", then templates that iterate the arguments
-    # as a mapping (GLM-4.5's ``arguments.items()``) get them decoded.
-    attempts = [msgs]
-    if any(m.get("content") is None for m in msgs):
-        attempts.append([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
-    decoded = _arguments_as_objects(attempts[-1])
-    if decoded is not None:
-        attempts.append(decoded)
-    for i, attempt in enumerate(attempts):
-        try:
-            text = apply(attempt)
-            break
-        except Exception:
-            if i == len(attempts) - 1:
-                raise
+    text = render_chat_text(tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                            add_generation_prompt=add_generation_prompt)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

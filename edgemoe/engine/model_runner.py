@@ -94,6 +94,7 @@ class ModelRunner:
             load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
                             progress=progress)
         self.tokenizer = tokenizer_future.result()
+        self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
         self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
         self.pinned = self.pin_outcome.pinned
@@ -133,14 +134,13 @@ class ModelRunner:
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     def _eos_ids(self) -> list[int]:
-        gen = self.generation_config()
-        eos = gen.get("eos_token_id")
+        eos = self.generation_config.get("eos_token_id")
         if eos is None:
             eos = list(self.model_config.eos_token_ids) or self.tokenizer.eos_token_id
         ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         return [int(i) for i in ids]
 
-    def generation_config(self) -> dict:
+    def _read_generation_config(self) -> dict:
         """The checkpoint's ``generation_config.json`` (``{}`` when it has none).
 
         Raises:

@@ -1,17 +1,17 @@
 """A character-level pushdown automaton that recognizes prefixes of one JSON value (RFC 8259).
 
 States are small immutable tuples ``(mode, stack, aux)`` (``stack`` is a string of open ``{``/``[``),
-so they can key caches: the guided-decoding logits processor (``edgemoe.server.guided``) memoizes
-token masks per state, and the tool-call parsers use it to stream function-call arguments only while
-they are still a valid JSON prefix. :func:`step` returns ``None`` for a character that can never
-continue a valid JSON text.
+so steps are memoized. The tool-call parsers use it to stream function-call arguments only while
+they are still a valid JSON prefix (constraining the output itself is the grammar engine's job, see
+``structured.py``). :func:`step` returns ``None`` for a character that can never continue a valid
+JSON text.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["State", "advance", "in_string", "initial", "is_complete", "min_completion", "step"]
+__all__ = ["State", "initial", "is_complete", "step"]
 
 State = tuple  # (mode, stack, aux)
 
@@ -138,21 +138,6 @@ def step(state: State, ch: str) -> State | None:
     raise AssertionError(f"bad state {state!r}")
 
 
-def advance(state: State | None, text: str) -> State | None:
-    """Read ``text`` from ``state``; ``None`` as soon as it stops being a JSON prefix."""
-    for ch in text:
-        if state is None:
-            return None
-        state = step(state, ch)
-    return state
-
-
-def in_string(state: State) -> bool:
-    """True inside a string body (not right after a backslash): every character but ``"``, ``\\`` and
-    control characters keeps the state."""
-    return state[0] == _STR
-
-
 def is_complete(state: State | None) -> bool:
     """True when the text read so far is one complete JSON value (trailing whitespace allowed)."""
     if state is None:
@@ -161,34 +146,3 @@ def is_complete(state: State | None) -> bool:
     if stack:
         return False
     return mode == _AFTER or (mode == _NUM and aux in _NUM_END_OK)
-
-
-def min_completion(state: State) -> str:
-    """A shortest text that turns the prefix read so far into a complete JSON value.
-
-    Used by guided decoding to close the value before the token budget runs out.
-    """
-    mode, stack, aux = state
-    head = ""
-    if mode == _VALUE:
-        if aux == 1:
-            head, stack = "]", stack[:-1]
-        else:
-            head = "{}" if aux == 2 else "0"
-    elif mode in (_STR, _ESC, _UNI):
-        key = aux[0] if mode == _UNI else aux
-        head = {_STR: "", _ESC: "n", _UNI: "0" * (aux[1] if mode == _UNI else 0)}[mode] + '"'
-        if key:
-            head += ":0"
-    elif mode == _NUM:
-        head = "" if aux in _NUM_END_OK else "0"
-    elif mode == _LIT:
-        word, pos = aux
-        head = word[pos:]
-    elif mode == _OBJ_FIRST:
-        head, stack = "}", stack[:-1]
-    elif mode == _OBJ_KEY:
-        head = '"":0'
-    elif mode == _COLON:
-        head = ":0"
-    return head + "".join("}" if c == "{" else "]" for c in reversed(stack))

@@ -2,16 +2,18 @@
 
 What is served (field names and event shapes follow the ``anthropic`` SDK's types):
 
-- ``system`` as a string or text blocks; ``messages`` with ``text``, ``tool_use``, ``tool_result``,
-  ``thinking`` and ``redacted_thinking`` blocks (images, in messages or tool results, become a
-  ``[image omitted]`` note: the models served are text-only; other block types are a 400 naming
-  the block);
-- ``tools`` (client tools with an ``input_schema``; Anthropic-hosted server tools are ignored),
-  ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``disable_parallel_tool_use`` is accepted
-  and not enforced), ``thinking`` (``enabled``/``adaptive`` → the template's ``enable_thinking``,
-  ``disabled`` → off; omitted = the model's default), ``stop_sequences``, ``max_tokens``,
-  ``temperature``, ``top_p``, ``top_k``, ``output_config.format`` (structured output → guided JSON;
-  any JSON object, the schema is not enforced);
+- ``system`` as a string or text blocks, and ``system`` turns inside ``messages`` (Claude Code's
+  mid-conversation system prompts: leading ones join ``system``, later ones stay in place);
+  ``messages`` with ``text``, ``image``, ``document``, ``tool_use``, ``tool_result``, ``thinking`` and
+  ``redacted_thinking`` blocks (images become an ``[image omitted]`` note, text documents their title
+  and text, PDF documents a ``[document omitted]`` note: the models served are text-only; other block
+  types are a 400 naming the block);
+- ``tools`` (client tools with an ``input_schema``, ``strict`` enforced; Anthropic-hosted server tools
+  are ignored), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``any`` / ``tool`` calls
+  follow ``input_schema``; ``disable_parallel_tool_use`` is accepted and not enforced), ``thinking``
+  (``enabled``/``adaptive`` → the template's ``enable_thinking``, ``disabled`` → off; omitted = the
+  model's default), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``output_config.format`` (a JSON schema, enforced by structured output);
 - responses with ``thinking`` (empty ``signature``), ``text`` and ``tool_use`` blocks, ``stop_reason``
   ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, usage (prompt tokens served
   from the prefix cache as ``cache_read_input_tokens``, the rest as ``input_tokens``, as Anthropic
@@ -22,27 +24,41 @@ What is served (field names and event shapes follow the ``anthropic`` SDK's type
   the whole prompt as ``input_tokens``, before admission) and ``message_stop``; a failure
   mid-stream is an ``error`` event.
 
-Errors use Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, see ``app.py``).
+Errors use Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, see ``app.py``); a
+prompt over the context is ``prompt is too long: N tokens > M maximum``, the wording clients parse.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
+from edgemoe.server.common import (
+    APIError,
+    MaxTokens,
+    RequestBody,
+    TokenCounts,
+    TopK,
+    content_text,
+    event_stream,
+    part_text,
+    request_failed,
+    sse_event,
+    stream_failure,
+)
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import APIError, ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
-__all__ = ["MessagesRequest", "CountTokensRequest", "MessageResponse", "router", "to_chat_spec"]
+__all__ = ["CountTokensRequest", "MessageResponse", "MessagesRequest", "router", "to_chat_spec"]
 
-IMAGE_NOTE = "[image omitted: this model reads text only]"
+TEXT_BLOCKS = ("text", "image", "document")  # read as text (an image or a PDF as a note) in any turn
 
 
 class _In(BaseModel):
@@ -96,20 +112,16 @@ def _block_tag(value: Any) -> str:
 
 
 ContentBlockParam = Annotated[
-    Union[
-        Annotated[TextBlockParam, Tag("Text")],
-        Annotated[ToolUseBlockParam, Tag("ToolUse")],
-        Annotated[ToolResultBlockParam, Tag("ToolResult")],
-        Annotated[ThinkingBlockParam, Tag("Thinking")],
-        Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")],
-        Annotated[OtherBlockParam, Tag("Other")],
-    ],
+    Annotated[TextBlockParam, Tag("Text")] | Annotated[ToolUseBlockParam, Tag("ToolUse")] | Annotated[ToolResultBlockParam, Tag("ToolResult")] | Annotated[ThinkingBlockParam, Tag("Thinking")] | Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")] | Annotated[OtherBlockParam, Tag("Other")],
     Discriminator(_block_tag),
 ]
 
 
 class MessageParam(_In):
-    role: Literal["user", "assistant"]
+    """A turn. ``system`` turns inside ``messages`` (Claude Code's mid-conversation system prompts) are
+    accepted: leading ones join ``system``, later ones stay system turns in their place."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 
@@ -120,6 +132,8 @@ class ToolParam(_In):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None  # a tool the client loads later (Claude Code's placeholder): not offered
 
 
 class ToolChoiceParam(_In):
@@ -139,13 +153,13 @@ class OutputFormatParam(_In):
 
 
 class OutputConfigParam(_In):
-    """``output_config``: ``format`` (structured output) is served as guided JSON; ``effort`` is ignored."""
+    """``output_config``: ``format`` (a JSON schema the answer must follow, enforced); ``effort`` is ignored."""
 
     format: OutputFormatParam | None = None
     effort: str | None = None
 
 
-class CountTokensRequest(_In):
+class CountTokensRequest(RequestBody):
     """``POST /v1/messages/count_tokens`` body."""
 
     model: str
@@ -160,12 +174,12 @@ class CountTokensRequest(_In):
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages`` body (unknown fields such as ``metadata`` are accepted and ignored)."""
 
-    max_tokens: int
+    max_tokens: MaxTokens
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
 
 
 class Usage(BaseModel):
@@ -179,10 +193,10 @@ class Usage(BaseModel):
     cache_read_input_tokens: int = 0
 
     @classmethod
-    def of(cls, out: RequestOutput) -> "Usage":
+    def of(cls, out: RequestOutput) -> Usage:
         """The usage of a request's (final) output."""
-        return cls(input_tokens=out.num_prompt_tokens - out.cached_tokens, output_tokens=out.num_generated_tokens,
-                   cache_read_input_tokens=out.cached_tokens)
+        n = TokenCounts.of([out])
+        return cls(input_tokens=n.prompt - n.cached, output_tokens=n.completion, cache_read_input_tokens=n.cached)
 
 
 class MessageResponse(BaseModel):
@@ -202,20 +216,7 @@ class MessageResponse(BaseModel):
 
 
 def _result_text(block: ToolResultBlockParam, where: str) -> str:
-    content = block.content
-    if content is None or isinstance(content, str):
-        text = content or ""
-    else:
-        parts = []
-        for k, part in enumerate(content):
-            kind = part.get("type")
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif kind == "image":
-                parts.append(IMAGE_NOTE)
-            else:
-                raise APIError(400, f"{where}.content[{k}]: {kind!r} blocks are not supported in tool results", param="messages")
-        text = "\n".join(parts)
+    text = content_text(block.content, f"{where}.content", "messages", sep="\n")
     return f"Error: {text}" if block.is_error else text
 
 
@@ -225,19 +226,15 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     Raises:
         APIError: 400 for an unsupported content block (named ``messages[i].content[j]``).
     """
+    system = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
     messages: list[dict[str, Any]] = []
-    system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system or [])
-    if system:
-        messages.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         blocks = [TextBlockParam(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         texts, reasoning, calls = [], [], []
         for j, b in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
-            if isinstance(b, TextBlockParam):
-                texts.append(b.text)
-            elif isinstance(b, OtherBlockParam) and b.type == "image":
-                texts.append(IMAGE_NOTE)
+            if isinstance(b, (TextBlockParam, OtherBlockParam)) and b.type in TEXT_BLOCKS:
+                texts.append(part_text(b.model_dump(), where, "messages"))
             elif m.role == "user" and isinstance(b, ToolResultBlockParam):
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b, where)})
             elif m.role == "assistant" and isinstance(b, ThinkingBlockParam):
@@ -250,20 +247,29 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
             else:
                 raise APIError(400, f"{where}: {b.type!r} blocks are not supported in {m.role} messages", param="messages")
         text = "\n\n".join(texts)
-        if m.role == "user":
+        if m.role == "system":
+            if messages:
+                messages.append({"role": "system", "content": text})
+            else:
+                system.append(text)
+        elif m.role == "user":
             if texts or isinstance(m.content, str):
                 messages.append({"role": "user", "content": text})
-            continue
-        msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-        if calls:
-            msg["tool_calls"] = calls
-        if reasoning:
-            msg["reasoning_content"] = "\n\n".join(reasoning)
-        messages.append(msg)
+        else:
+            msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                msg["tool_calls"] = calls
+            if reasoning:
+                msg["reasoning_content"] = "\n\n".join(reasoning)
+            messages.append(msg)
+    system_text = "\n\n".join(t for t in system if t)
+    if system_text:
+        messages.insert(0, {"role": "system", "content": system_text})
     tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema,
+                                          **({"strict": True} if t.strict else {})}}
         for t in body.tools or []
-        if t.input_schema is not None
+        if t.input_schema is not None and not t.defer_loading
     ]
     choice: str | dict = "auto"
     if body.tool_choice is not None:
@@ -275,18 +281,20 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
         kwargs = {"enable_thinking": body.thinking.type != "disabled"}
     sampling: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
-        sampling = dict(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            stop=body.stop_sequences or None,
-        )
+        sampling = {
+            "max_tokens": body.max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stop": body.stop_sequences or None,
+        }
     return ChatSpec(
         messages=messages,
         tools=tools or None,
         tool_choice=choice,
-        json_mode=body.output_config is not None and body.output_config.format is not None,
+        output_schema=(body.output_config.format.schema_ or {"type": "object"})
+        if body.output_config is not None and body.output_config.format is not None else None,
+        output_field="output_config.format",
         chat_template_kwargs=kwargs,
         sampling=sampling,
         field_names={"stop": "stop_sequences"},
@@ -334,7 +342,7 @@ def message_content(parsed: ParsedOutput) -> list[dict[str, Any]]:
 
 
 def _sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return sse_event(event["type"], json.dumps(event, ensure_ascii=False))
 
 
 async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIterator[str]:
@@ -399,8 +407,8 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                     }
                 )
                 yield _sse({"type": "message_stop"})
-    except RequestFailedError as exc:
-        yield _sse({"type": "error", "error": {"type": "api_error", "message": f"the request failed: {exc}"}})
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event, never a cut stream
+        yield _sse({"type": "error", "error": {"type": "api_error", "message": stream_failure(exc)}})
     finally:
         if not finished:
             serving.llm.abort(prepared.request_id)
@@ -416,11 +424,11 @@ def router(serving: Serving) -> APIRouter:
         serving.ready()
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("msg"))
         if body.stream:
-            return StreamingResponse(_stream(serving, prepared, serving.name), media_type="text/event-stream")
+            return event_stream(_stream(serving, prepared, serving.name))
         try:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
-            raise APIError(500, f"the request failed: {exc}", type="server_error") from None
+            raise request_failed(exc) from None
         content = message_content(parsed)
         reason, sequence = _stop(out, any(b["type"] == "tool_use" for b in content))
         resp = MessageResponse(
@@ -437,7 +445,7 @@ def router(serving: Serving) -> APIRouter:
     async def count_tokens(body: CountTokensRequest):
         serving.check_model(body.model)
         serving.ready()
-        _, ids, _ = serving.render_prompt(to_chat_spec(body))
-        return {"input_tokens": len(ids)}
+        rendered = await serving.render(to_chat_spec(body))
+        return {"input_tokens": len(rendered.prompt_ids)}
 
     return api

@@ -3,7 +3,7 @@ responses out). The Anthropic Messages and OpenAI Responses models live in ``mes
 ``responses_api.py``.
 
 Requests accept and ignore unknown fields (``extra="allow"``) so SDKs sending newer parameters keep
-working. Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
+working; lone surrogates in any string become U+FFFD (:class:`~edgemoe.server.common.RequestBody`). Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
 types by pydantic. ``presence_penalty`` / ``frequency_penalty`` / ``reasoning_effort`` are accepted and
 ignored (the sampler has no penalties yet).
 """
@@ -17,14 +17,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgemoe.engine.sampling import SamplingParams
+from edgemoe.server.common import MaxTokens, RequestBody, Seed, TopK
 
 __all__ = [
     "ChatCompletionRequest",
-    "ChatMessageParam",
-    "ChatTool",
     "ChatCompletionResponse",
     "ChatCompletionStreamResponse",
     "ChatMessage",
+    "ChatMessageParam",
+    "ChatTool",
     "CompletionRequest",
     "CompletionResponse",
     "CompletionStreamResponse",
@@ -87,12 +88,29 @@ class NamedToolChoice(_Request):
     function: _FunctionName
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: ``name``, ``schema`` (enforced by structured output), ``strict``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``. Both JSON types are
-    served by guided decoding to *a* JSON object (the schema itself is not enforced)."""
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``: JSON mode (any JSON
+    object) or one JSON value following the schema, both enforced by structured output."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow (``None`` for text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.schema_ is not None:
+            return self.json_schema.schema_
+        return {"type": "object"}
 
 
 class ToolCallFunction(_Request):
@@ -122,14 +140,14 @@ class ChatMessageParam(_Request):
     reasoning: str | None = None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
@@ -147,17 +165,17 @@ class _SamplingFields(_Request):
 
     def sampling_fields(self, max_tokens: int | None) -> dict[str, Any]:
         """The request's sampling fields by :class:`SamplingParams` name (``None`` where omitted)."""
-        return dict(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -169,8 +187,8 @@ class ChatCompletionRequest(_SamplingFields):
     neither = up to the context limit."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -190,7 +208,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body: one prompt (text or token ids) or a batch of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: MaxTokens | None = 16
     echo: bool = False
     logprobs: int | None = None
 
@@ -314,14 +332,26 @@ class CompletionStreamResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A model in OpenAI's shape (``id``, ``object``, ``created``, ``owned_by``) with Anthropic's fields
+    beside (``type``, ``display_name``, ``created_at``), so either SDK reads it; ``max_model_len`` is
+    the context length."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "edgemoe"
     root: str | None = None
     max_model_len: int | None = None
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""
 
 
 class ModelList(BaseModel):
+    """OpenAI's model list, with Anthropic's pagination fields (one page)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None

@@ -6,16 +6,18 @@ What is served (field names and event shapes follow the ``openai`` SDK's ``types
   ``developer``; ``input_text`` / ``output_text`` parts, images become an ``[image omitted]`` note),
   ``function_call``, ``function_call_output`` and ``reasoning`` items (their ``reasoning_text``
   content or summary goes back to the template as the assistant's reasoning); ``instructions``;
-- ``tools`` of type ``function`` (built-in tool types such as ``web_search`` are ignored),
+- ``tools`` of type ``function`` and ``namespace`` (flattened into its functions; a call to one of
+  them carries its ``namespace``); other types (``custom``, ``web_search``, ...) are a 400 naming the tool;
   ``tool_choice`` (``auto``, ``none``, ``required``, ``{"type": "function", "name"}``),
   ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (``json_object`` /
-  ``json_schema`` → guided JSON), ``reasoning`` (accepted; the effort is not used);
+  ``json_schema``, enforced by structured output), ``reasoning`` (accepted; the effort is not used);
 - output items ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``) and
   ``function_call``; ``status`` ``completed`` or ``incomplete`` (``max_output_tokens``); usage;
 - streaming: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
   ``response.content_part.added``, ``response.reasoning_text.delta`` / ``response.output_text.delta``
   / ``response.function_call_arguments.delta``, the matching ``.done`` events,
-  ``response.output_item.done``, and finally ``response.completed`` (or ``response.incomplete``).
+  ``response.output_item.done``, and finally ``response.completed`` (or ``response.incomplete``); a
+  failure mid-stream is an ``error`` event then ``response.failed``.
 
 Responses are not stored: ``previous_response_id`` is a 400 (send the whole conversation, as Codex
 does with ``store: false``).
@@ -26,20 +28,31 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
+from edgemoe.server.common import (
+    APIError,
+    MaxTokens,
+    RequestBody,
+    Seed,
+    TokenCounts,
+    TopK,
+    content_text,
+    event_stream,
+    request_failed,
+    sse_event,
+    stream_failure,
+)
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import APIError, ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
 
-__all__ = ["ResponsesRequest", "router", "to_chat_spec"]
-
-IMAGE_NOTE = "[image omitted: this model reads text only]"
+__all__ = ["ResponsesRequest", "function_tools", "router", "to_chat_spec"]
 
 
 class _In(BaseModel):
@@ -89,19 +102,23 @@ def _item_tag(value: Any) -> str:
 
 
 InputItem = Annotated[
-    Union[
-        Annotated[MessageItem, Tag("Message")],
-        Annotated[FunctionCallItem, Tag("FunctionCall")],
-        Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
-        Annotated[ReasoningItem, Tag("Reasoning")],
-        Annotated[OtherItem, Tag("Other")],
-    ],
+    Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")] | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")] | Annotated[ReasoningItem, Tag("Reasoning")] | Annotated[OtherItem, Tag("Other")],
     Discriminator(_item_tag),
 ]
 
 
 class TextFormat(_In):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``),
+    enforced by structured output."""
+
     type: Literal["text", "json_object", "json_schema"] = "text"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow (``None`` for text)."""
+        if self.type == "text":
+            return None
+        return self.schema_ if self.type == "json_schema" and self.schema_ is not None else {"type": "object"}
 
 
 class TextConfig(_In):
@@ -113,7 +130,7 @@ class FunctionToolChoice(_In):
     name: str
 
 
-class ResponsesRequest(_In):
+class ResponsesRequest(RequestBody):
     """``POST /v1/responses`` body (unknown fields such as ``store``, ``include``, ``metadata`` are
     accepted and ignored)."""
 
@@ -123,11 +140,11 @@ class ResponsesRequest(_In):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stream: bool = False
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
@@ -172,34 +189,43 @@ class ResponseObject(BaseModel):
 # ---------------------------------------------------------------------------- request conversion
 
 
-def _parts_text(content: str | list[dict[str, Any]], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    out = []
-    for k, part in enumerate(content):
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text", "refusal"):
-            value = part.get("text", part.get("refusal"))
-            if not isinstance(value, str):
-                raise APIError(400, f"{where}[{k}].text: must be a string", param="input")
-            out.append(value)
-        elif kind == "input_image":
-            out.append(IMAGE_NOTE)
-        else:
-            raise APIError(400, f"{where}[{k}]: content parts of type {kind!r} are not supported", param="input")
-    return "".join(out)
+def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The request's tools as chat-template function tools, and the namespace of each function that came
+    from a ``namespace`` tool (Codex groups e.g. its sub-agent functions so); a namespace is flattened
+    into its functions.
 
+    Raises:
+        APIError: 400 naming the tool for a type this server cannot serve (``custom``, ``web_search``,
+            ``file_search``, ...: OpenAI-hosted or free-form tools), a function without a name, or two
+            functions of one name.
+    """
+    out: list[dict[str, Any]] = []
+    namespace_of: dict[str, str] = {}
 
-def _function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    out = []
-    for i, t in enumerate(tools or []):
+    def add(t: dict[str, Any], where: str, namespace: str | None) -> None:
         if t.get("type") != "function":
-            continue  # built-in tools (web_search, file_search, ...) are OpenAI-hosted
-        if not isinstance(t.get("name"), str):
-            raise APIError(400, f"tools[{i}].name: a function tool needs a string name", param="tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+            inner = "in a namespace " if namespace is not None else ""
+            raise APIError(400, f"{where}: tools of type {t.get('type')!r} {inner}are not supported by this server "
+                                "(function tools and namespaces of them are)", param="tools")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"{where}.name: a function tool needs a string name", param="tools")
+        if any(o["function"]["name"] == name for o in out):
+            raise APIError(400, f"{where}.name: a second function named {name!r}", param="tools")
+        out.append({"type": "function",
+                    "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}})
+        if namespace is not None:
+            namespace_of[name] = namespace
+
+    for i, t in enumerate(tools or []):
+        if t.get("type") == "namespace":
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
+                raise APIError(400, f"tools[{i}]: a namespace needs a string name and a list of tools", param="tools")
+            for j, sub in enumerate(t["tools"]):
+                add(sub if isinstance(sub, dict) else {}, f"tools[{i}].tools[{j}]", t["name"])
+        else:
+            add(t, f"tools[{i}]", None)
+    return out, namespace_of
 
 
 def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
@@ -234,38 +260,39 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
         where = f"input[{i}]"
         if isinstance(item, ReasoningItem):
             parts = item.content or item.summary
-            reasoning.append(_parts_text(parts, f"{where}.content"))
+            reasoning.append(content_text(parts, f"{where}.content", "input"))
         elif isinstance(item, FunctionCallItem):
             turn = assistant if assistant is not None else open_assistant()
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             turn.setdefault("tool_calls", []).append(call)
         elif isinstance(item, MessageItem) and item.role == "assistant":
             turn = assistant if assistant is not None and not assistant.get("tool_calls") else open_assistant()
-            turn["content"] = (turn["content"] or "") + _parts_text(item.content, f"{where}.content")
+            turn["content"] = (turn["content"] or "") + content_text(item.content, f"{where}.content", "input")
         elif isinstance(item, MessageItem):
             assistant = None
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _parts_text(item.content, f"{where}.content")})
+            messages.append({"role": role, "content": content_text(item.content, f"{where}.content", "input")})
         elif isinstance(item, FunctionCallOutputItem):
             assistant = None
-            output = _parts_text(item.output, f"{where}.output")
+            output = content_text(item.output, f"{where}.output", "input")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             raise APIError(400, f"{where}: input items of type {item.type!r} are not supported", param="input")
     choice = body.tool_choice or "auto"
-    fmt = body.text.format.type if body.text is not None and body.text.format is not None else "text"
+    fmt = body.text.format if body.text is not None else None
     return ChatSpec(
         messages=messages,
-        tools=_function_tools(body.tools) or None,
+        tools=function_tools(body.tools)[0] or None,
         tool_choice=choice if isinstance(choice, str) else {"name": choice.name},
-        json_mode=fmt != "text",
-        sampling=dict(
-            max_tokens=body.max_output_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-        ),
+        output_schema=fmt.schema() if fmt is not None else None,
+        output_field="text.format",
+        sampling={
+            "max_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "seed": body.seed,
+        },
         field_names={"max_tokens": "max_output_tokens"},
         messages_field="input",
     )
@@ -283,19 +310,25 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, namespaces: dict[str, str],
+               status: str = "completed") -> dict[str, Any]:
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+    if name in namespaces:
+        item["namespace"] = namespaces[name]
+    return item
 
 
-def output_items(parsed: ParsedOutput) -> list[dict[str, Any]]:
-    """Output items of a whole response: reasoning, message, function calls."""
+def output_items(parsed: ParsedOutput, namespaces: dict[str, str]) -> list[dict[str, Any]]:
+    """Output items of a whole response: reasoning, message, function calls (with the ``namespace`` of
+    a function that came from one)."""
     items = []
     if parsed.reasoning:
         items.append(_reasoning_item(new_tool_call_id("rs"), parsed.reasoning))
     if parsed.content:
         items.append(_message_item(new_tool_call_id("msg"), parsed.content))
     for call in parsed.tool_calls:
-        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments))
+        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments, namespaces))
     return items
 
 
@@ -305,20 +338,23 @@ class _Shell:
     def __init__(self, body: ResponsesRequest, prepared: Prepared, model: str):
         self.body, self.prepared, self.model = body, prepared, model
         self.created = int(time.time())
+        self.namespaces = function_tools(body.tools)[1]
 
-    def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None = None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None = None,
+                 error: dict[str, str] | None = None) -> dict[str, Any]:
         b = self.body
         usage = None
         if out is not None:
-            n, g = out.num_prompt_tokens, out.num_generated_tokens
-            usage = ResponseUsage(input_tokens=n, input_tokens_details={"cached_tokens": out.cached_tokens},
-                                  output_tokens=g, total_tokens=n + g)
+            n = TokenCounts.of([out])
+            usage = ResponseUsage(input_tokens=n.prompt, input_tokens_details={"cached_tokens": n.cached},
+                                  output_tokens=n.completion, total_tokens=n.prompt + n.completion)
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         choice = b.tool_choice or "auto"
         return ResponseObject(
             id=self.prepared.request_id,
             created_at=self.created,
             status=status,
+            error=error,
             incomplete_details=incomplete,
             instructions=b.instructions,
             max_output_tokens=b.max_output_tokens,
@@ -329,7 +365,7 @@ class _Shell:
             temperature=b.temperature,
             text={"format": {"type": b.text.format.type if b.text and b.text.format else "text"}},
             tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
-            tools=[t for t in b.tools or [] if t.get("type") == "function"],
+            tools=list(b.tools or []),
             top_p=b.top_p,
             usage=usage,
         ).model_dump()
@@ -350,7 +386,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
         nonlocal seq
         seq += 1
         data = {"type": kind, "sequence_number": seq - 1, **fields}
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return sse_event(kind, json.dumps(data, ensure_ascii=False))
 
     def open_item(kind: str, key: tuple, name: str | None) -> list[str]:
         nonlocal cur
@@ -365,7 +401,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             item, part = _message_item(cur["id"], "", "in_progress"), {"type": "output_text", "text": "", "annotations": []}
         else:
             cur = {"kind": kind, "key": key, "id": new_tool_call_id("fc"), "text": "", "call_id": new_tool_call_id("call"), "name": name or ""}
-            item, part = _call_item(cur["id"], cur["call_id"], cur["name"], "", "in_progress"), None
+            item, part = _call_item(cur["id"], cur["call_id"], cur["name"], "", shell.namespaces, "in_progress"), None
         output.append(item)
         events = [ev("response.output_item.added", output_index=idx, item=item)]
         if part is not None:
@@ -384,7 +420,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             item, part = _message_item(item_id, text), {"type": "output_text", "text": text, "annotations": []}
             events = [ev("response.output_text.done", item_id=item_id, output_index=idx, content_index=0, text=text, logprobs=[])]
         else:
-            item, part = _call_item(item_id, cur["call_id"], cur["name"], text), None
+            item, part = _call_item(item_id, cur["call_id"], cur["name"], text, shell.namespaces), None
             events = [ev("response.function_call_arguments.done", item_id=item_id, output_index=idx, name=cur["name"], arguments=text)]
         if part is not None:
             events.append(ev("response.content_part.done", item_id=item_id, output_index=idx, content_index=0, part=part))
@@ -422,8 +458,11 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 status = _status(out)
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 yield ev(kind, response=shell.response(status, output, out))
-    except RequestFailedError as exc:
-        yield ev("error", code="server_error", message=f"the request failed: {exc}", param=None)
+    except Exception as exc:  # noqa: BLE001 - the client gets error + response.failed, never a cut stream
+        message = stream_failure(exc)
+        yield ev("error", code="server_error", message=message, param=None)
+        failed = shell.response("failed", output, error={"code": "server_error", "message": message})
+        yield ev("response.failed", response=failed)
     finally:
         if not finished:
             serving.llm.abort(prepared.request_id)
@@ -440,11 +479,11 @@ def router(serving: Serving) -> APIRouter:
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("resp"))
         shell = _Shell(body, prepared, serving.name)
         if body.stream:
-            return StreamingResponse(_stream(serving, prepared, shell), media_type="text/event-stream")
+            return event_stream(_stream(serving, prepared, shell))
         try:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
-            raise APIError(500, f"the request failed: {exc}", type="server_error") from None
-        return JSONResponse(shell.response(_status(out), output_items(parsed), out))
+            raise request_failed(exc) from None
+        return JSONResponse(shell.response(_status(out), output_items(parsed, shell.namespaces), out))
 
     return api

@@ -2,10 +2,12 @@
 OpenAI Responses).
 
 Each route converts its body into a :class:`ChatSpec` (OpenAI-style messages and function tools,
-tool choice, JSON mode, sampling fields), then :meth:`Serving.prepare` renders the chat template,
-builds the sampling parameters (the checkpoint's ``generation_config.json`` defaults filling omitted
-fields; guided decoding for JSON mode and forced tool calls), checks the prompt against the context
-and KV limits, and picks the output parser. :meth:`Serving.events` streams the parsed output
+tool choice, output schema, sampling fields), then :meth:`Serving.prepare` renders the chat template
+and tokenizes (on a worker thread), builds the sampling parameters (the checkpoint's
+``generation_config.json`` defaults filling omitted fields, the server's default output cap), checks
+the prompt against the context and KV limits, attaches the grammar of structured output (an output
+schema, a forced tool call, ``strict`` tools; ``structured.py``) and picks the output parser, whose
+start state comes from the generation prompt. :meth:`Serving.events` streams the parsed output
 (:class:`~edgemoe.server.parsers.ParseEvent` lists) next to the engine's outputs; each API turns them
 into its own wire format.
 """
@@ -13,11 +15,13 @@ into its own wire format.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,36 +29,30 @@ import jinja2
 from fastapi import Request
 
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
-from edgemoe.engine.llm import render_chat
+from edgemoe.engine.llm import render_chat, render_chat_text
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
 from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
-from edgemoe.server import guided
-from edgemoe.server.parsers import OutputParser, ParsedOutput, ParseEvent, ParserConfig, collect, resolve_parsers
+from edgemoe.server.common import APIError, ContextLengthError
+from edgemoe.server.config import ServerConfig
+from edgemoe.server.parsers import (
+    REASONING_PARSERS,
+    OutputParser,
+    ParsedOutput,
+    ParseEvent,
+    ParserConfig,
+    collect,
+    resolve_parsers,
+)
+from edgemoe.server.parsers.think import THINK_END, ThinkParser, prompt_ends_in_reasoning
 from edgemoe.server.protocol import sampling_kwargs
+from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
 
-__all__ = ["APIError", "ChatSpec", "Prepared", "Serving", "new_tool_call_id"]
+__all__ = ["ChatSpec", "Prepared", "Serving", "new_tool_call_id"]
 
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
-
-
-class APIError(Exception):
-    """An error returned to the client (in the shape of the API that was called).
-
-    Args:
-        status: HTTP status code.
-        message: human-readable message.
-        type: OpenAI error type (``invalid_request_error``, ``server_error``, ...); the Anthropic
-            type is derived from ``status``.
-        param: the offending request field, if any.
-        code: a machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
-    """
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
 @dataclass
@@ -65,7 +63,9 @@ class ChatSpec:
         messages: OpenAI-style message dicts, as the chat template reads them.
         tools: OpenAI function tools (``{"type": "function", "function": {...}}``).
         tool_choice: ``"auto"``, ``"none"``, ``"required"`` or ``{"name": NAME}``.
-        json_mode: the answer must be one JSON object (guided decoding).
+        output_schema: the answer must be one JSON value following this JSON schema (structured
+            output; ``{"type": "object"}`` for JSON mode).
+        output_field: the API's name of the field ``output_schema`` came from, for errors.
         chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
         sampling: :class:`SamplingParams` keyword arguments; ``None`` values take the checkpoint's
             defaults, then OpenAI's (see :func:`~edgemoe.server.protocol.sampling_kwargs`).
@@ -77,11 +77,28 @@ class ChatSpec:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict = "auto"
-    json_mode: bool = False
+    output_schema: dict[str, Any] | None = None
+    output_field: str = "response_format"
     chat_template_kwargs: dict[str, Any] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     field_names: dict[str, str] = field(default_factory=dict)
     messages_field: str = "messages"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered conversation.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        generation_prompt: the text the template wrote after the last message to open the answer
+            (e.g. ``<|im_start|>assistant\n<think>\n``): where the output starts.
+        tools: the tools offered to the model (``None`` with ``tool_choice: "none"`` or no tools).
+    """
+
+    prompt_ids: list[int]
+    generation_prompt: str
+    tools: list[dict[str, Any]] | None
 
 
 @dataclass
@@ -89,15 +106,15 @@ class Prepared:
     """A request ready to run: prompt, parameters, and what parses its output."""
 
     request_id: str
-    prompt_text: str
     prompt_ids: list[int]
+    generation_prompt: str
     params: SamplingParams
     tools: list[dict[str, Any]] | None
     parsers: ParserConfig
 
     def new_parser(self) -> OutputParser:
         """A fresh output parser for this request."""
-        return self.parsers.build(self.prompt_text, self.tools)
+        return self.parsers.build(self.generation_prompt, self.tools)
 
 
 def new_tool_call_id(prefix: str = "call") -> str:
@@ -109,29 +126,38 @@ def _tool_name(tool: dict) -> str | None:
     return (tool.get("function") or {}).get("name")
 
 
+def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
+    """Names ``chat_template_kwargs`` may not use: the arguments of the tokenizer's
+    ``apply_chat_template`` (``tokenize``, ``tools``, ``add_generation_prompt``, ...) and the names the
+    template itself receives them under (``messages``, ``conversations``)."""
+    sig = inspect.signature(type(tokenizer).apply_chat_template)
+    named = {p.name for p in sig.parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset((named - {"self"}) | {"messages", "conversations"})
+
+
+DEFAULT_OUTPUT_CAP = 8192  # tokens, for requests that set no output cap (see Serving.default_max_tokens)
+
+
 class Serving:
     """The shared pipeline over one :class:`AsyncLLM`.
 
     Args:
         llm: the engine (may still be loading).
-        name: the served model id.
-        tool_parser / reasoning_parser: parser names, ``None``/``"auto"`` to detect from the checkpoint.
-        render: renders a conversation (default :func:`edgemoe.engine.llm.render_chat`).
+        config: the server's options (served names, parsers).
     """
 
-    def __init__(
-        self,
-        llm: AsyncLLM,
-        name: str,
-        *,
-        tool_parser: str | None = None,
-        reasoning_parser: str | None = None,
-        render: Callable[..., tuple[str, list[int]]] = render_chat,
-    ):
-        self.llm, self.name, self._render_fn = llm, name, render
-        self._parser_options = (tool_parser, reasoning_parser)
+    def __init__(self, llm: AsyncLLM, config: ServerConfig):
+        self.llm, self.config = llm, config
+        default = Path(llm.model_dir).name if llm.model_dir else "edgemoe"
+        self.names: tuple[str, ...] = config.served_model_name or (default,)
         self._parsers: ParserConfig | None = None
         self._defaults: dict[str, Any] | None = None
+        self._vocab: asyncio.Future | None = None  # GrammarVocab, built on first use
+
+    @property
+    def name(self) -> str:
+        """The model id reported in responses (the first served name)."""
+        return self.names[0]
 
     # ------------------------------------------------------------------ checks and configuration
 
@@ -144,26 +170,17 @@ class Serving:
         return llm
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served name (or the model directory); ``None`` passes."""
-        if model is not None and model not in (self.name, self.llm.model_dir):
+        """404 unless ``model`` is a served name (or the model directory); ``None`` passes."""
+        if model is not None and model not in self.names and model != self.llm.model_dir:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-    def _model_json(self, name: str) -> dict:
-        if not self.llm.model_dir:
-            return {}
-        path = Path(self.llm.model_dir) / name
-        try:
-            return json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            log.warning("could not read %s", path)
-            return {}
 
     @property
     def parsers(self) -> ParserConfig:
         """The reasoning/tool-call parser choice (resolved once the tokenizer is loaded)."""
         if self._parsers is None:
-            model_type = self._model_json("config.json").get("model_type")
-            self._parsers = resolve_parsers(*self._parser_options, model_type, self.ready().tokenizer)
+            llm = self.ready()
+            self._parsers = resolve_parsers(self.config.tool_call_parser, self.config.reasoning_parser,
+                                            llm.model_config.model_type, llm.tokenizer)
             log.info("parsers: tool-call %s, reasoning %s (%s)", self._parsers.tool, self._parsers.reasoning, self._parsers.why)
         return self._parsers
 
@@ -171,9 +188,34 @@ class Serving:
     def generation_defaults(self) -> dict[str, Any]:
         """temperature / top_p / top_k from the checkpoint's ``generation_config.json``."""
         if self._defaults is None:
-            gen = self._model_json("generation_config.json")
+            gen = self.ready().generation_config
             self._defaults = {k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
         return self._defaults
+
+    @property
+    def default_max_tokens(self) -> int:
+        """The output cap of a request that sets none: ``--default-max-tokens``, else the checkpoint's
+        ``generation_config.json`` ``max_new_tokens``, else ``DEFAULT_OUTPUT_CAP`` tokens (clients such
+        as Codex and aider send no cap; without one a reply could run to the end of the context)."""
+        if self.config.default_max_tokens is not None:
+            return self.config.default_max_tokens
+        cap = self.ready().generation_config.get("max_new_tokens")
+        return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else DEFAULT_OUTPUT_CAP
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams, param: str) -> SamplingParams:
+        """Check a prompt against the context and KV limits; ``params`` with ``max_tokens`` set (the
+        server's default output cap when the request set none) and clamped to the room left.
+
+        Raises:
+            ContextLengthError: the prompt can never fit.
+            APIError: 400 naming ``param`` for another bad prompt (empty, a token id out of range).
+        """
+        try:
+            return self.ready().check_prompt(prompt_ids, params)
+        except PromptTooLongError as exc:
+            raise ContextLengthError(str(exc), param, exc.prompt_len, exc.limit) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     # ------------------------------------------------------------------ preparing a request
 
@@ -193,11 +235,24 @@ class Serving:
             out.append(m)
         return out
 
-    def render_prompt(self, spec: ChatSpec) -> tuple[str, list[int], list[dict] | None]:
-        """Render the chat template: ``(prompt_text, prompt_ids, tools offered)`` (no tools with
-        ``tool_choice: "none"``). Raises :class:`APIError` (400) when the template rejects the
-        conversation."""
+    def render_prompt(self, spec: ChatSpec) -> Rendered:
+        """Render the chat template (no tools with ``tool_choice: "none"``) and tokenize (CPU-bound:
+        call it off the event loop, see :meth:`render`).
+
+        Raises:
+            APIError: 400 for too many messages, a reserved ``chat_template_kwargs`` key, or a
+                conversation the template rejects.
+        """
         llm = self.ready()
+        field_ = spec.messages_field
+        if len(spec.messages) > self.config.max_messages:
+            raise APIError(400, f"{field_}: {len(spec.messages)} messages; at most {self.config.max_messages} are "
+                                "accepted (--max-messages)", param=field_)
+        kwargs = spec.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & reserved_template_kwargs(llm.tokenizer))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs.{reserved[0]}: reserved (the server sets it); template "
+                                "variables such as enable_thinking are allowed", param="chat_template_kwargs")
         tools = spec.tools if spec.tools and spec.tool_choice != "none" else None
         messages = self.template_messages(spec.messages)
         template = getattr(llm.tokenizer, "chat_template", None) or ""
@@ -212,66 +267,120 @@ class Serving:
             else:
                 messages = [{"role": "system", "content": text}, *messages]
         try:
-            text, ids = self._render_fn(llm.tokenizer, messages, tools=tools, chat_template_kwargs=spec.chat_template_kwargs)
-            return text, ids, tools
+            text, ids = render_chat(llm.tokenizer, messages, tools=tools, chat_template_kwargs=kwargs)
+            history = render_chat_text(llm.tokenizer, messages, tools=tools, chat_template_kwargs=kwargs,
+                                       add_generation_prompt=False)
         except ValueError as exc:
-            raise APIError(400, str(exc).replace("messages", spec.messages_field, 1), param=spec.messages_field) from None
+            raise APIError(400, str(exc).replace("messages", field_, 1), param=field_) from None
         except jinja2.TemplateError as exc:  # e.g. the template's raise_exception on a bad role order
-            raise APIError(
-                400, f"{spec.messages_field}: the chat template failed: {exc}", param=spec.messages_field
-            ) from None
+            raise APIError(400, f"{field_}: the chat template failed: {exc}", param=field_) from None
+        return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools)
 
-    def _grammar(self, spec: ChatSpec, tools: list[dict] | None) -> guided.Grammar | None:
-        if spec.json_mode:
-            return guided.Grammar.json_object()
-        if not tools or spec.tool_choice in ("auto", "none"):
+    async def render(self, spec: ChatSpec) -> Rendered:
+        """:meth:`render_prompt` on a worker thread, so a long prompt does not stall other clients."""
+        return await asyncio.to_thread(self.render_prompt, spec)
+
+    async def grammar_vocab(self) -> GrammarVocab:
+        """The tokenizer as the grammar engine sees it (built once, on a worker thread: seconds)."""
+        if self._vocab is None:
+            llm = self.ready()
+            self._vocab = asyncio.ensure_future(asyncio.to_thread(
+                GrammarVocab, llm.tokenizer, int(llm.model_config.vocab_size), llm.engine.eos_token_ids))
+        try:
+            return await asyncio.shield(self._vocab)
+        except GrammarError as exc:
+            raise APIError(400, f"structured output is not available for this model: {exc}") from None
+
+    def _grammar(self, spec: ChatSpec, rendered: Rendered) -> Callable[[GrammarVocab], Grammar] | None:
+        """What builds the grammar the answer must follow, from the grammar vocabulary (``None``:
+        unconstrained, and the vocabulary is not needed): the output schema, a forced tool call, or
+        ``strict`` tools' calls.
+
+        Raises:
+            APIError: 400 for a ``tool_choice`` naming no offered tool.
+        """
+        parsers = self.parsers
+        # The prompt opened a think block: a constrained answer closes it at once.
+        opened = REASONING_PARSERS[parsers.reasoning] is ThinkParser and prompt_ends_in_reasoning(rendered.generation_prompt)
+
+        def lead(vocab: GrammarVocab) -> str:
+            return vocab.literal(THINK_END + "\n\n") if opened else ""
+
+        if spec.output_schema is not None:
+            return lambda vocab: Grammar.json_schema(spec.output_schema, spec.output_field, lead(vocab))
+        tools = rendered.tools
+        if not tools:
             return None
-        names = [_tool_name(t) for t in tools]
+        cls = parsers.tool_parser
+        by_name = {_tool_name(t): t.get("function") or {} for t in tools}
+        if spec.tool_choice == "auto":
+            trigger = cls.call_trigger if cls is not None else None
+            if trigger is None or not any(fn.get("strict") for fn in by_name.values()):
+                return None
+
+            def strict_calls(vocab: GrammarVocab) -> Grammar:
+                calls = []
+                for name, fn in by_name.items():
+                    prefix, suffix = cls.forced_call(name)
+                    calls.append(vocab.call(prefix[len(trigger):], fn.get("parameters") if fn.get("strict") else None,
+                                            suffix))
+                return Grammar.tool_calls(calls, "strict tool call", trigger=vocab.literal(trigger))
+
+            return strict_calls
+        names = list(by_name)
         if isinstance(spec.tool_choice, dict):
             wanted = spec.tool_choice.get("name")
-            if wanted not in names:
+            if wanted not in by_name:
                 raise APIError(400, f"tool_choice: no tool named {wanted!r} in tools", param="tool_choice")
             names = [wanted]
-        cls = self.parsers.tool_parser
-        calls = [cls.forced_call(n) for n in names] if cls is not None else []
-        if not calls or None in calls:
-            log.info("tool_choice %r: the %s format cannot be guided; relying on the prompt", spec.tool_choice, self.parsers.tool)
+        forced = [cls.forced_call(n) for n in names] if cls is not None else []
+        if not forced or None in forced:
+            log.info("tool_choice %r: the %s format is not constrained; relying on the prompt", spec.tool_choice,
+                     parsers.tool)
             return None
-        try:
-            return guided.Grammar.tool_call(calls)
-        except ValueError:
-            return None
+        return lambda vocab: Grammar.tool_calls(
+            [vocab.call(prefix, by_name[n].get("parameters"), suffix) for n, (prefix, suffix) in zip(names, forced)],
+            "forced tool call", lead=lead(vocab))
 
     async def prepare(self, spec: ChatSpec, request_id: str) -> Prepared:
         """Render, parametrize and admit a request (raises :class:`APIError` with a 4xx)."""
-        llm = self.ready()
-        prompt_text, prompt_ids, tools = self.render_prompt(spec)
+        rendered = await self.render(spec)
         kwargs = sampling_kwargs(self.generation_defaults, **spec.sampling)
+        if kwargs.get("max_tokens") is None:
+            kwargs["max_tokens"] = self.default_max_tokens
         if not self.parsers.skip_special_tokens:
             kwargs["skip_special_tokens"] = False
-        grammar = self._grammar(spec, tools)
         try:
             params = SamplingParams(**kwargs)
-            if grammar is not None:
-                params = await self._guided_params(llm, kwargs, grammar)
         except SamplingParamsError as exc:
             name = spec.field_names.get(exc.field, exc.field)
             raise APIError(400, f"{name}: {exc.reason}", param=name) from None
-        try:
-            llm.check_prompt(prompt_ids, params)
-        except PromptTooLongError as exc:
-            raise APIError(400, str(exc), param=spec.messages_field, code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=spec.messages_field) from None
-        return Prepared(request_id, prompt_text, prompt_ids, params, tools, self.parsers)
+        params = self.admit(rendered.prompt_ids, params, spec.messages_field)
+        build = self._grammar(spec, rendered)
+        if build is not None:
+            vocab = await self.grammar_vocab()
+            proc = await asyncio.to_thread(self._constrain, vocab, build(vocab), params.max_tokens, spec)
+            params = replace(params, logits_processors=[proc])
+        return Prepared(request_id, rendered.prompt_ids, rendered.generation_prompt, params, rendered.tools,
+                        self.parsers)
 
-    async def _guided_params(self, llm: AsyncLLM, kwargs: dict, grammar: guided.Grammar) -> SamplingParams:
-        engine = llm.engine
-        vocab_size = int(engine.runner.model_config.vocab_size)
-        include_special = kwargs.get("skip_special_tokens") is False
-        vocab = await asyncio.to_thread(guided.TokenVocab.get, llm.tokenizer, vocab_size, include_special)
-        proc = guided.GuidedLogitsProcessor(grammar, vocab, engine.eos_token_ids)
-        return SamplingParams(**kwargs, logits_processors=[proc])
+    @staticmethod
+    def _constrain(vocab: GrammarVocab, grammar: Grammar, max_tokens: int, spec: ChatSpec) -> GrammarLogitsProcessor:
+        """The grammar's logits processor, after checking that ``max_tokens`` can hold a complete output
+        (CPU-bound: compiles the grammar)."""
+        field_ = spec.output_field if spec.output_schema is not None else "tools"
+        try:
+            proc = GrammarLogitsProcessor(grammar, vocab)
+            need = 1 if grammar.lazy else min_output_tokens(vocab, grammar, max_tokens)
+        except GrammarError as exc:
+            raise APIError(400, f"{field_}: the schema cannot be enforced: {exc}", param=field_) from None
+        if need is None:
+            name = spec.field_names.get("max_tokens", "max_tokens")
+            shortest = min_output_tokens(vocab, grammar)
+            at_least = f"at least {shortest}" if shortest is not None else "more than 4096"
+            raise APIError(400, f"{name}: {max_tokens} tokens cannot hold a complete {grammar.what} ({at_least} "
+                                "tokens are needed)", param=name)
+        return proc
 
     # ------------------------------------------------------------------ running it
 

@@ -29,8 +29,8 @@ from typing import Any
 from edgemoe.server.parsers.base import (
     ChainParser,
     OutputParser,
-    ParseEvent,
     ParsedOutput,
+    ParseEvent,
     PassThrough,
     ToolCall,
     collect,
@@ -132,11 +132,12 @@ class ParserConfig:
         tool = self.tool_parser
         return not self.harmony and (tool is None or tool.skip_special_tokens)
 
-    def build(self, prompt_text: str, tools: list[dict] | None) -> OutputParser:
+    def build(self, generation_prompt: str, tools: list[dict] | None) -> OutputParser:
         """A fresh parser for one response.
 
         Args:
-            prompt_text: the rendered prompt (a think block left open there starts output in reasoning).
+            generation_prompt: the text the chat template wrote after the last message to open the
+                answer (a think block left open there starts the output in reasoning).
             tools: the tools offered to the model; ``None``/empty disables tool-call parsing
                 (``tool_choice: "none"`` or no tools).
         """
@@ -144,7 +145,7 @@ class ParserConfig:
             return HarmonyParser(tools)
         reasoning: OutputParser = PassThrough()
         if REASONING_PARSERS[self.reasoning] is ThinkParser:
-            reasoning = ThinkParser(prompt_ends_in_reasoning(prompt_text))
+            reasoning = ThinkParser(prompt_ends_in_reasoning(generation_prompt))
         tool_cls = self.tool_parser
         return ChainParser(reasoning, tool_cls(tools) if tools and tool_cls is not None else PassThrough())
 

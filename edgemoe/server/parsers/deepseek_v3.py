@@ -36,6 +36,7 @@ class DeepSeekV3ToolParser(TaggedJsonToolParser):
 
     name = "deepseek_v3"
     open_tags = (CALLS_BEGIN, CALL_BEGIN)
+    call_trigger = CALLS_BEGIN
     header = compile_pattern(
         rf"(?:{CALLS_BEGIN})?\s*{CALL_BEGIN}"
         rf"(?:[^<\n]*{SEP}(?P<name>[^<\n]+)\n```(?:json)?\s*(?P<args>\{{)"  # V3: type<sep>name ```json

@@ -94,7 +94,7 @@ class HarmonyParser(ToolParser):
         channel = channel.group(1) if channel else ""
         if recipient:
             name = recipient.group(1)
-            name = name[len("functions."):] if name.startswith("functions.") else name
+            name = name.removeprefix("functions.")
             out.append(ParseEvent("tool_call", "", self._index, name))
             self._kind, self._args = "tool_call", JsonArgs()
         elif channel == "analysis":
@@ -124,8 +124,9 @@ class HarmonyParser(ToolParser):
 
     def finish(self) -> list[ParseEvent]:
         out: list[ParseEvent] = []
-        if self._state == self._HEADER:
-            out += text_event("content", self._buf)
+        if self._state == self._HEADER:  # a header cut by max_tokens is markup, dropped; other text is answer text
+            if not self._buf.lstrip().startswith(_HEADER_STARTS):
+                out += text_event("content", self._buf)
         else:
             self._emit(self._buf, out)
         self._buf = ""

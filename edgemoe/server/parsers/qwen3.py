@@ -25,6 +25,7 @@ class Qwen3ToolParser(TaggedJsonToolParser):
 
     name = "qwen3"
     open_tags = ("<tool_call>",)
+    call_trigger = "<tool_call>"
     header = compile_pattern(
         r'<tool_call>\s*\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?P<args>\{)'
     )

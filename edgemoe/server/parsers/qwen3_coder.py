@@ -17,7 +17,7 @@ Parameter values are raw text; they become JSON values by the type their tool's 
 (``integer``/``number``/``boolean``/``null``/``object``/``array``; anything else, or a value that
 does not convert, stays a string), as the reference parser in vLLM does. The arguments object streams
 one parameter at a time. A missing ``</parameter>`` is tolerated when the next ``<parameter=`` or
-``</function>`` follows.
+``</function>`` follows. Output cut inside a call's header (``max_tokens``) drops that markup.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class Qwen3CoderToolParser(ToolParser):
         return None
 
     def _convert(self, param: str, raw: str) -> Any:
-        value = raw[1:] if raw.startswith("\n") else raw
-        value = value[:-1] if value.endswith("\n") else value
+        value = raw.removeprefix("\n")
+        value = value.removesuffix("\n")
         kinds = self._schema_type(param)
         kinds = kinds if isinstance(kinds, list) else [kinds]
         v = value.strip()
@@ -153,8 +153,6 @@ class Qwen3CoderToolParser(ToolParser):
         s, buf = self._state, self._buf
         if s == self._CONTENT:
             out += text_event("content", buf.strip() if self._after_call else self._ws + buf)
-        elif s == self._HEADER:
-            out += text_event("content", self._ws + buf)
         elif s == self._VALUE:  # cut inside a value: keep it (as OpenAI keeps partial arguments)
             value = self._convert(self._param, buf)
             key = json.dumps(self._param, ensure_ascii=False)

@@ -14,7 +14,8 @@ back when they render the history). Malformed output never disappears:
 - arguments that stop being JSON after the call was announced: the call keeps the valid prefix and
   the rest is answer text;
 - a tail that does not match: the call is complete and the tail is answer text;
-- output cut inside the arguments (``max_tokens``): the call keeps its partial arguments.
+- output cut inside the arguments (``max_tokens``): the call keeps its partial arguments; cut inside
+  a header that could still have become a call, the markup is dropped (it is not answer text).
 """
 
 from __future__ import annotations
@@ -47,19 +48,23 @@ class ToolParser(OutputParser):
     Class attributes:
         name: registry name (``--tool-call-parser``).
         skip_special_tokens: the format's markers survive detokenization with special tokens skipped.
+        call_trigger: the text every call starts with, when answer text cannot contain it otherwise
+            (``strict`` tools under ``tool_choice: auto`` are constrained from there on; ``None``: not
+            constrained in that mode).
     """
 
     name: ClassVar[str] = ""
     skip_special_tokens: ClassVar[bool] = True
+    call_trigger: ClassVar[str | None] = None
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
 
     @classmethod
     def forced_call(cls, name: str) -> tuple[str, str] | None:
-        """``(prefix, suffix)`` around the JSON arguments of a call to ``name`` (guided decoding of
-        ``tool_choice: required`` / a named function), or ``None`` when the format's arguments are
-        not one JSON object."""
+        """``(prefix, suffix)`` around the JSON arguments of a call to ``name`` (structured output of
+        ``tool_choice: required`` / a named function; the prefix starts with :attr:`call_trigger` when
+        that is set), or ``None`` when the format's arguments are not one JSON object."""
         return None
 
     @classmethod
@@ -223,9 +228,10 @@ class TaggedJsonToolParser(ToolParser):
         if s == self._CONTENT:
             text = buf.strip() if self._after_call else self._ws + buf
             out += text_event("content", text)
-        elif s in (self._HEADER, self._BODY):
+        elif s == self._BODY:
             out += text_event("content", self._ws + buf)
-        # _ARGS: cut inside the arguments, the call keeps what it has; _TAIL: a partial tail is markup.
+        # _HEADER: a call cut before its arguments (max_tokens) is dropped, not answer text; _ARGS: cut
+        # inside the arguments, the call keeps what it has; _TAIL: a partial tail is markup.
         self._state, self._buf, self._ws = self._CONTENT, "", ""
         return out
 

@@ -5,7 +5,9 @@ models.
 
 Qwen3-style models open their output with a ``<think>`` block. Some chat templates already put
 ``<think>`` at the end of the prompt, so the output *starts inside* the block and only ``</think>``
-appears; :func:`prompt_ends_in_reasoning` detects that from the rendered prompt. The splitter works on
+appears; :func:`prompt_ends_in_reasoning` detects that from the generation prompt (what the template
+writes after the last message to open the answer: a ``<think>`` quoted anywhere earlier in the
+conversation does not count). The splitter works on
 streamed deltas: a tag cut across two deltas is held back until it is complete, so streaming and
 non-streaming give the same split. Only a leading block is reasoning: a ``<think>`` later in the
 answer is ordinary text. Newlines just inside the think block and right after ``</think>`` are
@@ -22,9 +24,10 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
-def prompt_ends_in_reasoning(prompt_text: str, start: str = THINK_START, end: str = THINK_END) -> bool:
-    """True when the rendered prompt leaves a ``<think>`` block open (the output starts inside it)."""
-    return prompt_text.rfind(start) > prompt_text.rfind(end)
+def prompt_ends_in_reasoning(generation_prompt: str, start: str = THINK_START, end: str = THINK_END) -> bool:
+    """True when the generation prompt (the text the chat template adds after the last message, e.g.
+    ``<|im_start|>assistant\n<think>\n``) leaves a ``<think>`` block open: the output starts inside it."""
+    return generation_prompt.rfind(start) > generation_prompt.rfind(end)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -1,0 +1,282 @@
+"""Bad input and bad clients at the HTTP edge: every failure is a clear 4xx naming the field (never a 500),
+streams end with an error event and their terminator, bodies are bounded in size and time, half-sent
+requests are dropped, and other clients are served meanwhile. A real uvicorn server on 127.0.0.1 over
+the tiny model with the built-in tokenizer; real ``openai`` / ``anthropic`` SDKs and raw sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import running_server
+
+from edgemoe.config import EngineConfig
+from edgemoe.engine.async_engine import AsyncLLM
+
+MESSAGES = [{"role": "user", "content": "Hello there."}]
+LIMITS = {"max_request_bytes": 1 << 20, "max_messages": 64, "header_timeout_s": 1.0, "body_timeout_s": 1.0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    llm = AsyncLLM(str(tiny_model_dir), EngineConfig(device="cpu", max_model_len=1024), progress=False)
+    assert llm.wait_ready(120)
+    try:
+        with running_server(llm, "tiny", **LIMITS) as base:
+            yield base, llm
+    finally:
+        llm.shutdown()
+
+
+def _post(base: str, path: str, raw: str | bytes, **kw) -> httpx.Response:
+    return httpx.post(base + path, content=raw, headers={"content-type": "application/json"}, timeout=60, **kw)
+
+
+def _openai(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _anthropic(base: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=60)
+
+
+def _sse(r: httpx.Response) -> list[str]:
+    return [line for line in r.iter_lines() if line]
+
+
+# ---------------------------------------------------------------- lone surrogates
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/v1/chat/completions", ('{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": '
+                             '[{"type": "text", "text": "a\\udc00b"}]}], "stop": ["\\ud83d"]}')),
+    ("/v1/completions", '{"model": "tiny", "max_tokens": 3, "prompt": "x \\ud800 y"}'),
+    ("/v1/messages", '{"model": "tiny", "max_tokens": 3, "system": "s\\udfff", "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/v1/messages/count_tokens", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("/v1/responses", '{"model": "tiny", "max_output_tokens": 3, "input": "hi \\ud800", "instructions": "\\udbff"}'),
+])
+def test_lone_surrogates_in_text_are_replaced(server, path, body):
+    base, _ = server
+    r = _post(base, path, body)
+    assert r.status_code == 200, r.text
+    if path == "/v1/messages/count_tokens":
+        fixed = json.loads(body.replace("\\ud800", "\\ufffd"))
+        ok = _post(base, path, json.dumps(fixed)).json()
+        assert r.json() == ok  # the same prompt as with U+FFFD in place of the surrogate
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_lone_surrogate_in_model_is_404_and_streams_are_whole(server, path):
+    base, _ = server
+    field = "input" if path == "/v1/responses" else "messages"
+    body = {"model": "ti\ud800ny", "max_tokens": 3, "max_output_tokens": 3, field: MESSAGES if field == "messages" else "hi"}
+    r = _post(base, path, json.dumps(body))  # json.dumps writes the lone surrogate as \ud800
+    assert r.status_code == 404 and "ti\ufffdny" in r.text
+    body["model"] = "tiny"
+    body[field] = [{"role": "user", "content": "a\ud800"}] if field == "messages" else "a\ud800"
+    with httpx.stream("POST", base + path, content=json.dumps({**body, "stream": True}),
+                      headers={"content-type": "application/json"}, timeout=60) as r:
+        lines = _sse(r)
+        assert r.status_code == 200
+    assert not any(line == "event: error" or '"error":{' in line.replace(" ", "") for line in lines)
+    last = {"/v1/chat/completions": "data: [DONE]", "/v1/messages": "event: message_stop",
+            "/v1/responses": "event: response.incomplete"}[path]
+    assert last in lines[-2:]
+
+
+# ---------------------------------------------------------------- seeds, template kwargs, message count
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_seed_outside_64_bits_is_400(server, seed):
+    base, _ = server
+    c = _openai(base)
+    for kw in ({}, {"stream": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, seed=seed, **kw)
+        assert info.value.param == "seed"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, seed=seed)
+    assert info.value.param == "seed"
+    r = _post(base, "/v1/responses", json.dumps({"model": "tiny", "input": "hi", "seed": seed, "stream": True}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    # The extremes a 64-bit generator takes are fine.
+    for ok in (2**64 - 1, -(2**63)):
+        r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, seed=ok, temperature=1.0)
+        assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_huge_top_k_and_max_tokens_are_400(server):
+    base, _ = server
+    for field, value in (("top_k", 2**40), ("max_tokens", 2**70)):
+        r = _post(base, "/v1/chat/completions", json.dumps({"model": "tiny", "messages": MESSAGES, field: value}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "add_generation_prompt", "conversation", "documents"])
+def test_reserved_chat_template_kwargs_are_400(server, key):
+    base, _ = server
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(base).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                              extra_body={"chat_template_kwargs": {key: True}})
+    assert info.value.param == "chat_template_kwargs" and f"chat_template_kwargs.{key}" in info.value.message
+    # A template variable is fine.
+    r = _openai(base).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices
+
+
+def test_too_many_messages_is_400(server):
+    base, _ = server
+    many = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 40  # 80 > 64
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(base).chat.completions.create(model="tiny", messages=many, max_tokens=2)
+    assert info.value.param == "messages" and "at most 64" in info.value.message
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _anthropic(base).messages.create(model="tiny", messages=many, max_tokens=2)
+    assert "at most 64" in info.value.message
+    r = _post(base, "/v1/responses", json.dumps({"model": "tiny", "input": many}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+# ---------------------------------------------------------------- a failure mid-stream
+
+
+@pytest.mark.parametrize("path, last", [
+    ("/v1/chat/completions", "data: [DONE]"),
+    ("/v1/completions", "data: [DONE]"),
+    ("/v1/messages", None),
+    ("/v1/responses", None),
+])
+def test_failure_mid_stream_is_an_error_event_then_the_end(server, monkeypatch, path, last):
+    """Any exception after a stream started (here: in the output parser, or the detokenized text
+    for text completions) ends it with the API's error event, never a dropped connection."""
+    base, llm = server
+    from edgemoe.server import serving as serving_module
+
+    real = serving_module.Serving.events
+
+    async def exploding(gen, parser):
+        async for events, out in real(gen, parser):
+            yield events, out
+            raise RuntimeError("parser exploded")
+
+    monkeypatch.setattr(serving_module.Serving, "events", staticmethod(exploding))
+    if path == "/v1/completions":
+        real_generate = llm.generate
+
+        async def failing(*a, **kw):
+            async for out in real_generate(*a, **kw):
+                yield out
+                raise ValueError("detokenizer exploded")
+
+        monkeypatch.setattr(llm, "generate", failing)
+    body = {"model": "tiny", "max_tokens": 50, "stream": True, "ignore_eos": True,
+            "messages": MESSAGES, "input": "hi", "prompt": "hi"}
+    with httpx.stream("POST", base + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = _sse(r)
+    text = "\n".join(lines)
+    assert "exploded" in text
+    if last is not None:
+        assert lines[-1] == last and '"error"' in lines[-2]
+    elif path == "/v1/messages":
+        assert lines[-2] == "event: error" and '"api_error"' in lines[-1]
+    else:
+        assert lines[-2] == "event: response.failed" and '"status":"failed"' in lines[-1].replace(" ", "")
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while llm.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.num_unfinished == 0  # the aborted request freed its pages
+    assert llm.call_in_engine_thread(lambda e: e.runner.kv_free_tokens() == e.runner.kv_capacity_tokens, 30)
+
+
+# ---------------------------------------------------------------- body size and read timeouts
+
+
+def _health_latencies(base: str, stop: threading.Event, out: list[float]) -> None:
+    with httpx.Client(timeout=10) as http:
+        while not stop.is_set():
+            t = time.monotonic()
+            assert http.get(base + "/health").status_code == 200
+            out.append(time.monotonic() - t)
+            time.sleep(0.02)
+
+
+def test_body_over_the_limit_is_413_at_once(server):
+    base, _ = server
+    big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * (10 << 20)}]}).encode()
+    for path, shape in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+        start = time.monotonic()
+        r = _post(base, path, big)
+        assert r.status_code == 413 and time.monotonic() - start < 2
+        if shape == "openai":
+            assert r.json()["error"]["code"] == "request_too_large" and "--max-request-bytes" in r.json()["error"]["message"]
+        else:
+            assert r.json()["error"]["type"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as info:
+        _openai(base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * (2 << 20)}])
+    assert info.value.status_code == 413
+
+    # Without Content-Length (chunked), the body is cut off as soon as it passes the limit.
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(64):
+            yield b"z" * (64 << 10)
+        yield b'"}]}'
+
+    r = httpx.post(base + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+
+
+def test_slow_and_half_sent_requests_are_dropped_while_others_are_served(server):
+    """A body that trickles in gets a 408; connections that stop mid-headers or mid-body are closed;
+    /health answers throughout."""
+    base, _ = server
+    host, port = base.removeprefix("http://").split(":")
+    stop, latencies = threading.Event(), []
+    poller = threading.Thread(target=_health_latencies, args=(base, stop, latencies))
+    poller.start()
+    try:
+        def trickle():
+            yield b'{"model": "tiny", "messages": ['
+            for _ in range(30):
+                time.sleep(0.1)
+                yield b'{"role": "user", "content": "slow"},'
+            yield b'{"role": "user", "content": "end"}]}'
+
+        start = time.monotonic()
+        r = httpx.post(base + "/v1/chat/completions", content=trickle(), headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 408 and "--body-timeout-s" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 2.5
+
+        half = []
+        for i in range(60):
+            s = socket.create_connection((host, int(port)))
+            if i % 2:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            else:
+                s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{\"model\":")
+            half.append(s)
+        time.sleep(2.5)
+        for s in half:
+            s.settimeout(2)
+            data = b""
+            while chunk := s.recv(65536):  # the server closed it (a 408 first for a half-sent body)
+                data += chunk
+            assert data == b"" or data.startswith(b"HTTP/1.1 408"), data[:100]
+            s.close()
+    finally:
+        stop.set()
+        poller.join()
+    assert latencies and max(latencies) < 0.5, max(latencies)
