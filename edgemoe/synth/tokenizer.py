@@ -91,6 +91,7 @@ class TokenizerSpec:
             first is the tokenizer's ``eos_token``.
         pad_token: the padding token.
         template_file: the chat template, a file of ``edgemoe/synth/data``.
+        bos_token: the tokenizer's ``bos_token`` (never added to encodings), or ``None``.
     """
 
     special_tokens: tuple[str, ...]
@@ -98,6 +99,7 @@ class TokenizerSpec:
     eos_tokens: tuple[str, ...]
     pad_token: str
     template_file: str
+    bos_token: str | None = None
 
     @property
     def chat_template(self) -> str:
@@ -130,6 +132,7 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
         eos_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
         pad_token="<|endoftext|>",
         template_file="gpt_oss_chat_template.jinja",
+        bos_token="<|startoftext|>",
     ),
 }
 
@@ -148,7 +151,8 @@ def build_tokenizer(out_dir: str | Path | None, vocab_size: int,
     (Qwen3's: ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, then ``<tool_call>``,
     ``</tool_call>``, ``<tool_response>``, ``</tool_response>``, ``<think>``, ``</think>``, as in
     Qwen3's vocabulary). eos is ``spec.eos_tokens[0]`` (Qwen3: ``<|im_end|>``), pad
-    ``spec.pad_token``, no bos; the chat template is ``spec.chat_template``.
+    ``spec.pad_token``, bos ``spec.bos_token`` (never added to encodings); the chat template is
+    ``spec.chat_template``.
 
     Args:
         out_dir: where ``save_pretrained`` writes tokenizer.json, tokenizer_config.json and
@@ -202,7 +206,7 @@ def build_tokenizer(out_dir: str | Path | None, vocab_size: int,
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.added_tokens])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=None,
+        bos_token=spec.bos_token,
         eos_token=spec.eos_tokens[0],
         pad_token=spec.pad_token,
         unk_token=None,
