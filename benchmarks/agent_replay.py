@@ -318,7 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-cache-gb", type=float, help="expert-cache budget (default: free GPU memory)")
     ap.add_argument("--cpu-threads", type=int)
     ap.add_argument("--cpu-executor", default="auto", choices=["auto", "native", "torch"])
-    ap.add_argument("--max-model-len", type=int, default=65536)
+    ap.add_argument("--max-model-len", type=int,
+                    help="context length (default: the model's, at most 65536)")
     ap.add_argument("--sessions", default=",".join(SESSIONS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--checkpoints", type=int, default=32, help="state checkpoint slots (anchors and interval modes)")
@@ -339,9 +340,13 @@ def main(argv=None) -> int:
         from edgemoe.synth import write_config_only
 
         model = write_config_only(tempfile.mkdtemp(prefix="edgemoe-agent-"), "qwen3_5_moe", a.preset, a.tokenizer)
+    from edgemoe.models import load_config
+
+    max_model_len = a.max_model_len or min(65536, load_config(model).context_length())
     t0 = time.perf_counter()
     llm = LLM(str(model), device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_gb=a.expert_cache_gb,
-              cpu_threads=a.cpu_threads, cpu_executor=a.cpu_executor, max_model_len=a.max_model_len, state_checkpoints=a.checkpoints,
+              cpu_threads=a.cpu_threads, cpu_executor=a.cpu_executor, max_model_len=max_model_len,
+              state_checkpoints=a.checkpoints,
               state_checkpoint_interval=a.interval, progress=False)
     load_s = time.perf_counter() - t0
     runner = llm.runner

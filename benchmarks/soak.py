@@ -266,7 +266,7 @@ def run(args) -> dict:
     model = args.model
     tmp = None
     if model is None:
-        from edgemoe.weights.make_model import make_model
+        from edgemoe.synth import make_model
 
         tmp = tempfile.TemporaryDirectory(prefix="edgemoe-soak-")
         model = str(make_model(Path(tmp.name) / "tiny", "qwen3_moe", "tiny", dtype="float32"))

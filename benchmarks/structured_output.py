@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     with tempfile.TemporaryDirectory(prefix="edgemoe-so-") as tmp:
         model = make_model(Path(tmp) / "tiny", "qwen3_moe", "tiny", dtype="float32",

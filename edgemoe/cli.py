@@ -1,14 +1,16 @@
 """The ``edgemoe`` command line: ``serve``, ``chat``, ``generate``, ``make-model``, ``profile`` and more.
 
 Engine options shared by ``serve``, ``generate`` and ``profile`` are generated from the fields of
-:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction. User errors (a missing
-model directory, a bad option value) end with one ``edgemoe: error: ...`` line and exit status 2.
+:class:`edgemoe.config.EngineConfig` (see :func:`add_config_args`), so they map 1:1 by construction.
+User errors (a missing model directory, a bad option value, a device this machine lacks) end with one
+``edgemoe: error: ...`` line and exit status 2; a model that fails to load, with one line and status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import typing
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["add_engine_args", "build_parser", "engine_config_from_args", "main"]
+
+DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
 class CLIError(Exception):
@@ -77,14 +81,19 @@ def config_from_args(args: argparse.Namespace, cls: type):
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    """The :class:`~edgemoe.config.EngineConfig` of the parsed engine flags.
+    """The :class:`~edgemoe.config.EngineConfig` of the parsed engine flags, its device checked.
 
     Raises:
-        CLIError: an option value ``EngineConfig`` rejects.
+        CLIError: an option value ``EngineConfig`` rejects, or a ``--device`` this machine lacks.
     """
     from edgemoe.config import EngineConfig
 
-    return config_from_args(args, EngineConfig)
+    config = config_from_args(args, EngineConfig)
+    try:
+        config.resolved_device()
+    except (RuntimeError, ValueError) as exc:  # torch.device() rejects a malformed name with RuntimeError
+        raise CLIError(f"--device {config.device}: {exc}") from None
+    return config
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +162,13 @@ def _cmd_serve(args) -> int:
         print(engine.runner.summary(), flush=True)
         print(f"edgemoe: serving on http://{server_config.host}:{server_config.port}/v1", flush=True)
 
-    serve(model, config, server_config, on_ready=on_ready)
+    from edgemoe.engine.async_engine import EngineNotReadyError
+
+    try:
+        serve(model, config, server_config, on_ready=on_ready)
+    except EngineNotReadyError as exc:  # the server has stopped: say why in one line
+        print(f"edgemoe: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -162,6 +177,8 @@ def _cmd_chat(args) -> int:
 
     from edgemoe.server.chat_client import run
 
+    if args.max_tokens < 1:
+        raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         return run(
             args.base_url,
@@ -241,10 +258,12 @@ def _cmd_make_model(args) -> int:
     arch = args.arch or next(a for a, presets in PRESETS.items() if args.preset in presets)
     try:
         if args.config_only:
-            path = write_config_only(args.out, arch, args.preset, tokenizer=args.tokenizer, dtype=args.dtype)
+            path = write_config_only(args.out, arch, args.preset, tokenizer=args.tokenizer, dtype=args.dtype,
+                                     overwrite=args.overwrite)
         else:
-            path = make_model(args.out, arch, args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as exc:
+            path = make_model(args.out, arch, args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
+                              overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
         raise CLIError(str(exc)) from None
     print(path if path is not None else args.out)
     return 0
@@ -283,7 +302,8 @@ def _register_convert(subparsers: argparse._SubParsersAction) -> argparse.Argume
     """Add ``edgemoe convert HF_DIR OUT_DIR [--dtype D] [--overwrite] [--no-progress]`` to ``subparsers``
     (``func`` = the handler, returning the exit status)."""
     p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to FTW (fast bootstrap)",
-                              description="Write expert banks + manifest for direct-I/O bootstrap (edgemoe.weights.ftw).")
+                              description="Write expert banks + manifest for direct-I/O bootstrap "
+                                          "(edgemoe.weights.ftw).")
     p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
     p.add_argument("out_dir", help="FTW directory to create")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
@@ -375,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="API key (default $EDGEMOE_API_KEY)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--temperature", type=float, default=None, help="default: the model's generation config")
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_CHAT_MAX_TOKENS,
+                   help=f"longest reply in tokens (default {DEFAULT_CHAT_MAX_TOKENS})")
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("generate", help="generate from one prompt and print the text")
@@ -405,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--config-only", action="store_true", help="config + tokenizer only (use --load-format dummy)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds a model")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("profile", help="measure B_P and B_H for this machine and model")
@@ -418,10 +440,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged (as logging's last-resort handler)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("edgemoe: %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def _configure_logging(level: str) -> None:
+    """Print the ``edgemoe`` loggers' lines (start-up progress, warnings) on stderr as ``edgemoe: ...``."""
+    logger = logging.getLogger("edgemoe")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.setLevel(level.upper())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``edgemoe`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _configure_logging("warning" if getattr(args, "json", False) else getattr(args, "log_level", "info"))
     try:
         return args.func(args)
     except CLIError as exc:

@@ -211,6 +211,19 @@ class ModelConfig:
         """Index of decoder ``layer`` among the MoE layers (raises ``ValueError`` for a dense layer)."""
         return self.moe_layers.index(layer)
 
+    def context_length(self) -> int:
+        """The longest sequence (prompt + output tokens) the checkpoint's positions are meant for:
+        ``max_position_embeddings``, extended by a RoPE scaling that states a ``factor`` (``linear``,
+        ``dynamic``; ``yarn`` scales ``original_max_position_embeddings`` when it is given), as vLLM
+        derives its default ``max_model_len``; ``llama3`` and ``longrope`` configs already state the
+        extended length in ``max_position_embeddings``."""
+        rope = self.rope_parameters
+        kind, factor = rope.get("rope_type", "default"), rope.get("factor")
+        if kind in ("default", "llama3", "longrope", "su") or not factor:
+            return self.max_position_embeddings
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        return int((base or self.max_position_embeddings) * float(factor))
+
     def expert_numel(self) -> int:
         """Elements of one routed expert: gate+up ``[2I, H]`` and down ``[H, I]``, plus their biases
         ``[2I]`` and ``[H]`` when ``expert_activation.bias``."""
@@ -269,11 +282,13 @@ def require(cfg: dict[str, Any], key: str, *alts: str, where: str = "config.json
 def rope_from_hf(cfg: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """RoPE parameters in the transformers-5 form (``rope_parameters`` with ``rope_type`` and
     ``rope_theta``) from either spelling (transformers 4: ``rope_theta`` + ``rope_scaling`` with
-    ``type``)."""
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope.update(cfg.get("rope_scaling") or {})
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
+    ``type``; a ``rope_scaling`` entry added to a transformers-5 config overrides its type)."""
+    rope = {}
+    for part in (cfg.get("rope_parameters"), cfg.get("rope_scaling")):
+        part = dict(part or {})
+        if "type" in part and "rope_type" not in part:
+            part["rope_type"] = part.pop("type")
+        rope.update(part)
     rope.setdefault("rope_theta", float(cfg.get("rope_theta", default_theta)))
     rope.setdefault("rope_type", "default")
     return rope
@@ -377,10 +392,16 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        for name in ("expert_cache_gb", "bandwidth_pcie_gbps", "bandwidth_cpu_gbps"):
+        v = self.expert_cache_gb
+        if v is not None and not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"expert_cache_gb must be a finite number >= 0, got {v}")
+        for name in ("bandwidth_pcie_gbps", "bandwidth_cpu_gbps"):
             v = getattr(self, name)
-            if v is not None and not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number of GB/s > 0, got {v}")
+        if self.profile_path is not None and not Path(self.profile_path).is_file():
+            raise ValueError(f"profile {self.profile_path!r}: no such file (write one with `edgemoe profile MODEL_DIR "
+                             f"--out {self.profile_path}`)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
 

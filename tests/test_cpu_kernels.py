@@ -4,7 +4,7 @@
   every shape class (tails: H/I not multiples of 16/32; the Qwen3-30B-A3B expert H=2048, I=768),
   T = 1, 3, 8, 17, threads 1, 2, 3, bf16 and float32 weights;
 - results do not depend on the thread count (bit-identical);
-- the native executor matches the torch-ops executor within bf16 tolerance;
+- the native executor rounds where the torch-ops executor does (bf16: a few one-ulp flips at most);
 - ISA selection never picks a level the CPU lacks (fake feature sets), the env cap works;
 - the C entry point over registered buffers (the future CUDA-graph host node) computes the same step;
 - fallback to the torch executor when the extension cannot be built.
@@ -43,7 +43,12 @@ THREADS = (1, 2, 3)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # avx512bf16 (vdpbf16ps) has only a bf16-weight kernel: float32 weights stop at avx512 by design
 ISA_DTYPES = [(isa, d) for isa in native.ISA_LEVELS for d in DTYPES if not (isa == "avx512bf16" and d == "fp32")]
-TOL = {torch.bfloat16: 1e-3, torch.float32: 1e-5}  # max |error| / max |reference|
+# max |error| / max |reference|: bf16 allows a one-ulp flip (2^-8) of a route's output where float32
+# accumulation crosses a rounding boundary the float64 reference does not. Flips come in clusters (a
+# flipped activation moves all of its route's outputs by a fraction of an ulp: seen up to 6% of them
+# with the scalar kernel's sequential sums at H=2048); with other rounding points all of them differ.
+TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
+MAX_DIFFERING = 0.25
 
 _pools: dict = {}
 _cores: dict = {}
@@ -93,19 +98,29 @@ def _x(T: int, H: int, seed: int) -> torch.Tensor:
 
 
 def reference(pool: HostExpertPool, x: torch.Tensor, work) -> torch.Tensor:
-    """float64 ``Σ w · down(silu(gate(x)) · up(x))`` with the kernels' documented operand rounding:
-    for bf16 weights, x and the SiLU·up activation are rounded to bf16 (as in the torch path)."""
+    """float64 ``Σ w · down(silu(gate(x)) · up(x))`` with the kernels' documented rounding points: for
+    bf16 weights those of the torch path and the GPU kernels (x, gate, up, SiLU(gate), the
+    activation, the down projection y, the router weight and y·w rounded to bf16)."""
     bf16 = pool.dtype == torch.bfloat16
     I = pool.intermediate
-    xr = (x.to(torch.bfloat16) if bf16 else x).double()
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).double() if bf16 else t.double()
+
+    xr = r(x)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for fid, tok, wt in work:
         h = xr[tok] @ pool.w13[fid].double().T  # [n, 2I]
-        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
-        if bf16:
-            a = a.to(torch.bfloat16).double()
-        out.index_add_(0, tok, (a @ pool.w2[fid].double().T) * wt.double()[:, None])
+        a = r(r(torch.nn.functional.silu(r(h[:, :I]))) * r(h[:, I:]))  # [n, I]
+        y = r(a @ pool.w2[fid].double().T)  # [n, H]
+        out.index_add_(0, tok, r(y * r(wt.float())[:, None]))
     return out
+
+
+def _differing(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of elements where ``out`` is not ``ref`` to float32 precision: with the same rounding
+    points, only a float32-accumulation difference that crosses a bf16 rounding boundary remains."""
+    return float(((out.double() - ref).abs() > 1e-6 * ref.abs().max()).double().mean())
 
 
 def _ref(shape, dtype, T):
@@ -136,6 +151,7 @@ def test_kernels_match_float64_reference(isa, dtype, shape, T, threads):
     out = torch.zeros(T, pool.hidden)
     ex.run(x, work, out)
     assert _rel_err(out, ref) < TOL[dtype], f"{ex.name}: relative error {_rel_err(out, ref):.2e}"
+    assert _differing(out, ref) < MAX_DIFFERING, f"{ex.name}: {_differing(out, ref):.1%} of outputs differ"
 
 
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
@@ -177,9 +193,10 @@ def test_native_matches_torch_executor(shape, T, dtype):
     ex.run(x, work, out)
     TorchCpuExecutor(pool).run(x, work, ref)
     scale = float(ref.abs().max())
-    # the torch path also rounds gate/up, SiLU, the product and y to bf16; the native one only x and a
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(out, ref, atol=tol * scale, rtol=0)
+    # the same rounding points: bf16 results differ only where float32 accumulation orders cross a
+    # rounding boundary (oneDNN's order is not the kernels'), a one-ulp flip of a few outputs
+    torch.testing.assert_close(out, ref, atol=TOL[dtype] * scale, rtol=0)
+    assert _differing(out, ref.double()) < MAX_DIFFERING
 
 
 def test_large_per_expert_batches_take_the_torch_path(monkeypatch):

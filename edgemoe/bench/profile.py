@@ -12,10 +12,17 @@ from pathlib import Path
 
 from edgemoe.config import EngineConfig, parse_dtype
 from edgemoe.engine.expert_runtime import configure_torch_threads
-from edgemoe.experts.bandwidth import ROTATE_BYTES_PROFILE, default_profile_path, measure
+from edgemoe.experts.bandwidth import (
+    ROTATE_BYTES_PROFILE,
+    ImplausibleMeasurement,
+    default_profile_path,
+    implausible,
+    measure,
+)
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.models import load_config
+from edgemoe.startup import startup_step
 
 
 def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Path | None = None,
@@ -30,6 +37,10 @@ def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Pat
 
     Returns:
         The profile dict (``edgemoe.experts.bandwidth``'s format) with ``"path"`` set.
+
+    Raises:
+        ImplausibleMeasurement: the measurement fails ``implausible`` (e.g. other processes loaded
+            the CPU); nothing is written.
     """
     cfg = load_config(model_dir)
     dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
@@ -37,8 +48,14 @@ def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Pat
     configure_torch_threads(config.cpu_threads)
     executor = make_cpu_executor(HostExpertPool(1, cfg.hidden_size, cfg.moe_intermediate_size, dtype),
                                  config.cpu_threads, config.cpu_executor)
-    prof = measure(None, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, executor, seconds,
-                   ROTATE_BYTES_PROFILE)
+    threads = f"{executor.threads} thread{'s' if executor.threads != 1 else ''}"
+    with startup_step(f"measuring B_P and B_H on the {executor.name} CPU executor, {threads}",
+                      f"about {4 * seconds + 1:.0f} s; keep the machine otherwise idle"):
+        prof = measure(None, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, executor, seconds,
+                       ROTATE_BYTES_PROFILE)
+    reason = implausible(prof)
+    if reason is not None:
+        raise ImplausibleMeasurement(f"implausible measurement, nothing saved: {reason} (re-run on an idle machine)")
     path = Path(out_path) if out_path else default_profile_path(cfg.hidden_size, cfg.moe_intermediate_size, dtype,
                                                                 device)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,8 @@ class AsyncLLM:
         progress: show a loading progress bar.
         on_ready: called in the engine thread with the engine once the runner is loaded
             (e.g. to print ``runner.summary()``).
+        on_load_error: called in the engine thread with the exception when loading fails (e.g. to
+            stop an HTTP server that would otherwise answer 503 forever); also in :attr:`load_error`.
         start: start the engine thread (and loading) now.
 
     Call :meth:`shutdown` to stop the thread.
@@ -82,6 +84,7 @@ class AsyncLLM:
         runner_factory: Callable[[], Any] | None = None,
         progress: bool = True,
         on_ready: Callable[[LLMEngine], None] | None = None,
+        on_load_error: Callable[[BaseException], None] | None = None,
         start: bool = True,
     ):
         if runner_factory is None:
@@ -94,6 +97,7 @@ class AsyncLLM:
         self.model_dir = model_dir
         self._runner_factory = runner_factory
         self._on_ready = on_ready
+        self._on_load_error = on_load_error
         self.metrics = EngineMetrics()
         self.metrics.add_expert_stats_source(self._expert_stats)
         self.engine: LLMEngine | None = None
@@ -279,10 +283,12 @@ class AsyncLLM:
                 self.tokenizer = engine.tokenizer
             if self._on_ready is not None:
                 self._on_ready(engine)
-        except BaseException as exc:  # noqa: BLE001 - reported through /health and generate()
-            log.exception("model failed to load")
+        except BaseException as exc:  # noqa: BLE001 - reported through /health, generate() and on_load_error
+            log.debug("model failed to load", exc_info=exc)  # the message says what; the traceback is for debugging
             self.load_error = exc
             self._ready.set()
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
             return
         self.engine = engine
         self._ready.set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import replace
 from enum import Enum
@@ -21,7 +22,7 @@ import torch
 from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import resolve_bandwidths
-from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cache import CacheCounters, ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
@@ -37,9 +38,20 @@ GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache 
 
 def configure_torch_threads(cpu_threads: int | None) -> None:
     """Set torch's intra-op threads for the process once, at start-up: ``--cpu-threads`` when given
-    (the torch CPU executor and the dense CPU layers follow it), else torch's default."""
+    (the torch CPU executor and the dense CPU layers follow it), else torch's default (one per
+    physical core, as the native executor's pool).
+
+    The two pools share the cores without oversubscribing them because they take turns (a layer's
+    torch ops, then its CPU experts) and torch's idle workers sleep instead of spinning:
+    ``edgemoe`` sets ``OMP_WAIT_POLICY=PASSIVE`` when it is imported before torch. When torch was
+    imported first, its workers spin and a warning says so (with more than one thread).
+    """
     if cpu_threads:
         torch.set_num_threads(int(cpu_threads))
+    if "OMP_WAIT_POLICY" not in os.environ and torch.get_num_threads() > 1:
+        log.warning("torch was imported before edgemoe, so its %d CPU threads spin-wait between operations, which "
+                    "collapses decode when other processes load the CPU; set OMP_WAIT_POLICY=PASSIVE before "
+                    "importing torch (or import edgemoe first)", torch.get_num_threads())
 
 
 class DecodePath(str, Enum):
@@ -81,6 +93,8 @@ class ExpertRuntime:
         self.decode_path = DecodePath.EAGER
         self.decode_path_reason: str | None = None
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
+        # counters of the caches replaced by a resize, so the reported totals never decrease
+        self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
@@ -108,7 +122,8 @@ class ExpertRuntime:
     def set_cache(self, slots: int, policy: str) -> None:
         """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
         between steps (no step in flight). The host pool is untouched; the new cache starts cold (a
-        static policy re-places its layers); its counters start at zero. The caller rebinds the
+        static policy re-places its layers); the hit/miss/fill/CPU totals of :meth:`stats` carry on
+        (the old cache's counts are kept), so they never decrease. The caller rebinds the
         model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
 
         Raises:
@@ -119,9 +134,13 @@ class ExpertRuntime:
         if policy not in EXPERT_POLICIES:
             raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         slots = min(int(slots), self.pool.num_ids)
-        if self.hybrid is not None and self.hybrid.device_decode is not None:
-            self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
-            self.hybrid.device_decode = None
+        if self.hybrid is not None:  # retired once: its counts (device path included) carry over into the totals
+            for ph, counts in self.hybrid.stats().items():
+                for key, v in counts.items():
+                    self._retired[ph][key] += v
+            if self.hybrid.device_decode is not None:
+                self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
+            self.hybrid = None
         if self.cache is not None:  # free the old banks before allocating the new ones
             self.cache.banks.clear()
             self.cache = None
@@ -130,7 +149,8 @@ class ExpertRuntime:
         pool = self.pool
         self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
                                  pool.dtype, self.device)
-        if self.bandwidths is None or (policy in ("qstar", "adaptive") and self.bandwidths.pcie is None and slots > 0):
+        if self.bandwidths is None or (policy in ("qstar", "adaptive") and slots > 0
+                                       and None in (self.bandwidths.pcie, self.bandwidths.cpu)):
             self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
                                                  self.cpu_executor)
         self.policy = make_policy(policy, self.bandwidths)
@@ -237,8 +257,11 @@ class ExpertRuntime:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
-        """Expert-cache state and counters (``CacheCounters`` per phase) for metrics and the summary."""
+        """Expert-cache state and counters for metrics and the summary: per phase ``{hits, misses,
+        fills, cpu}`` totals since start-up, across cache resizes (Prometheus counters never decrease)."""
         bw = self.bandwidths
+        counts = {ph: {key: self._retired[ph][key] + v for key, v in c.items()}
+                  for ph, c in self.hybrid.stats().items()}
         return {
             "policy": self.policy.name,
             "slots": self.cache.num_slots,
@@ -249,7 +272,7 @@ class ExpertRuntime:
             "bandwidth_source": bw.source,
             "q_ratio": self.policy.q_ratio(),
             "policy_active": self.policy.active_name,
-            **self.hybrid.stats(),
+            **counts,
         }
 
     def summary_lines(self, pinned: bool) -> list[str]:

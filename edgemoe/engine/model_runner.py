@@ -16,6 +16,7 @@ recurrent-state slots) and returns last-token logits. What it owns, by seam:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
 from edgemoe.models import load_config, model_class
+from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
 from edgemoe.weights.loader import init_dummy, load_checkpoint
@@ -67,6 +69,7 @@ class ModelRunner:
         self.device = config.resolved_device()
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+        self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
         configure_torch_threads(config.cpu_threads)
         model_cls = model_class(cfg.architecture)
         # built before the tokenizer thread starts: a scaled RoPE imports transformers' initializers here, and
@@ -82,24 +85,27 @@ class ModelRunner:
         self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
                                    cfg.moe_intermediate_size, self.dtype, cfg.expert_activation)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
-        if config.load_format == "dummy":
-            self.weights_format = "dummy weights"
-            init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
-        elif is_ftw(self.model_dir):
-            self.weights_format = "FTW"
-            self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
-                                       verify=config.verify_weights, progress=progress)
-        else:
-            self.weights_format = "HF safetensors"
-            load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
-                            progress=progress)
-        self.tokenizer = tokenizer_future.result()
+        self.weights_format = ("dummy weights" if config.load_format == "dummy" else
+                               "FTW" if is_ftw(self.model_dir) else "HF safetensors")
+        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; "
+                          f"{size(self.pool.nbytes)} of routed experts into host memory, the rest onto "
+                          f"{self.device})"):
+            if config.load_format == "dummy":
+                init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
+            elif is_ftw(self.model_dir):
+                self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
+                                           verify=config.verify_weights, progress=progress)
+            else:
+                load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
+                                progress=progress)
+            self.tokenizer = tokenizer_future.result()
         self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
-        self.pin_outcome = pin_or_fallback(self.pool, self.device)  # pinned after filling, not before
+        pinning = startup_step(f"pinning the {size(self.pool.nbytes)} host expert pool (cudaHostRegister)")
+        with pinning if self.device.type == "cuda" else contextlib.nullcontext():  # after filling, not before
+            self.pin_outcome = pin_or_fallback(self.pool, self.device)
         self.pinned = self.pin_outcome.pinned
 
-        self.max_model_len = int(config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN))
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
         ps = config.page_size
         cuda = self.device.type == "cuda"
@@ -128,6 +134,25 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
+    def _max_model_len(self, requested: int | None) -> int:
+        """``requested`` (``--max-model-len``), else the model's context length capped at
+        ``DEFAULT_MAX_MODEL_LEN``.
+
+        Raises:
+            ValueError: ``requested`` exceeds the model's context length (``ModelConfig.context_length``:
+                ``max_position_embeddings``, extended by a RoPE scaling config): positions past it were
+                never trained and give garbage, so it is refused rather than accepted silently.
+        """
+        cfg = self.model_config
+        limit = cfg.context_length()
+        if requested is not None and requested > limit:
+            scaled = ("" if limit == cfg.max_position_embeddings else
+                      f", extended by its {cfg.rope_parameters['rope_type']} RoPE scaling")
+            raise ValueError(f"max_model_len {requested} exceeds the model's context length {limit} "
+                             f"(max_position_embeddings {cfg.max_position_embeddings} in config.json{scaled}); "
+                             "to go further, add a RoPE scaling entry (rope_scaling) to config.json")
+        return int(requested or min(limit, DEFAULT_MAX_MODEL_LEN))
+
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 

@@ -14,6 +14,22 @@
   branches' times. Without a concurrent measurement it uses the isolated pair, as the paper does.
 
 All bandwidths are GB/s (1e9 bytes per second).
+
+**Plausibility** (:func:`implausible`). A measurement taken while other processes load the CPU
+describes that moment, not the machine, and a saved profile is reused by every later start. So
+each isolated bandwidth is measured in ``ROUNDS`` rounds (the median is kept), and a measurement is
+rejected when
+
+- a bandwidth is below ``MIN_PLAUSIBLE_GBPS`` (0.1 GB/s): two orders of magnitude under any memory
+  system or PCIe link the engine runs on (one PCIe 1.0 lane moves 0.25 GB/s, one DDR3 channel
+  6 GB/s, the 2-core dev VM copies expert rows at ~10 GB/s), so it measured a starved process;
+- its rounds disagree by more than ``MAX_ROUND_SPREAD`` (2x): steady hardware repeats itself within
+  a few percent, a contended machine does not;
+- (Linux) other processes kept more than ``MAX_OTHER_LOAD`` (half) of the cores busy during the
+  measurement (``/proc/stat`` minus this process's own CPU time).
+
+``edgemoe profile`` then saves nothing and fails with the reason; a saved profile that fails the
+check is not used; the quick start-up measurement is retried once and otherwise used with a warning.
 """
 
 from __future__ import annotations
@@ -22,9 +38,11 @@ import json
 import logging
 import os
 import platform
+import resource
+import statistics
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -32,12 +50,18 @@ import torch
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import Bandwidths, QStarPolicy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2  # 2: B_H measured with DECODE_CPU_EXPERTS experts per call
+PROFILE_VERSION = 3  # 2: B_H measured with DECODE_CPU_EXPERTS experts per call; 3: rounds and other processes' load
 ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
 ROTATE_BYTES_QUICK = 512_000_000
+QUICK_SECONDS = 0.15  # per bandwidth at start-up (`edgemoe profile`: 1 s)
+ROUNDS = 3
+MIN_PLAUSIBLE_GBPS = 0.1
+MAX_ROUND_SPREAD = 2.0
+MAX_OTHER_LOAD = 0.5  # fraction of the cores other processes may keep busy while measuring
 DECODE_CPU_EXPERTS = 4
 """Experts per CPU-executor call when B_H is measured: a batch-1 decode step of a top-8 model sends a few
 experts of each layer to the CPU in one call (about 3.7 per layer under q* on the H200 host), so the
@@ -157,9 +181,47 @@ def measure_concurrent(pool: HostExpertPool, device: torch.device, executor, sec
     return res["p"], res["h"]
 
 
+class ImplausibleMeasurement(ValueError):
+    """A bandwidth measurement failed the plausibility check (module doc); ``str()`` says why."""
+
+
+class _MachineLoad:
+    """CPU-seconds other processes used between :meth:`start` and :meth:`cores` (Linux ``/proc/stat``;
+    ``None`` elsewhere): the machine's busy time minus this process's own."""
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        except (OSError, ValueError):
+            return None
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy, ru.ru_utime + ru.ru_stime
+
+    def start(self) -> "_MachineLoad":
+        self._t0 = self._sample()
+        return self
+
+    def cores(self) -> float | None:
+        """Cores' worth of CPU time other processes used since :meth:`start` (``None``: unknown)."""
+        t1 = self._sample()
+        if self._t0 is None or t1 is None or t1[0] <= self._t0[0]:
+            return None
+        return max(0.0, (t1[1] - self._t0[1]) - (t1[2] - self._t0[2])) / (t1[0] - self._t0[0])
+
+
+def _rounds(fn, seconds: float) -> list[float]:
+    """``fn(seconds / ROUNDS)`` ``ROUNDS`` times."""
+    return [fn(seconds / ROUNDS) for _ in range(ROUNDS)]
+
+
 def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
             executor: CpuExecutor, seconds: float, rotate_bytes: int) -> dict:
-    """Isolated and concurrent B_P/B_H for this expert shape. Returns the profile dict (see module doc).
+    """Isolated (median of ``ROUNDS`` rounds) and concurrent B_P/B_H for this expert shape, and the
+    other processes' load meanwhile. Returns the profile dict (see module doc); check it with
+    :func:`implausible` before trusting or saving it.
 
     ``executor``: the CPU executor whose B_H is measured (rebound to the rotation pool, sharing its
     threads). The profile records its ``name`` and ``threads``.
@@ -169,25 +231,50 @@ def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: 
     executor = _executor_for(rot, executor)
     measure_copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context
     measure_cpu(rot, executor, 0.05, experts_per_call=DECODE_CPU_EXPERTS)
-    bp = measure_copy(rot, device, seconds)
-    bh = measure_cpu(rot, executor, seconds, experts_per_call=DECODE_CPU_EXPERTS)
+    load = _MachineLoad().start()
+    bps = _rounds(lambda t: measure_copy(rot, device, t), seconds)
+    bhs = _rounds(lambda t: measure_cpu(rot, executor, t, experts_per_call=DECODE_CPU_EXPERTS), seconds)
     cp, ch = measure_concurrent(rot, device, executor, seconds)
+    other = load.cores()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "version": PROFILE_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_threads": executor.threads, "gpu": gpu},
+                    "cpu_threads": executor.threads, "gpu": gpu, "cores": cores,
+                    "other_processes_cores": None if other is None else round(other, 3)},
         "cpu_executor": executor.name,
         "device": device.type,
         "expert": {"hidden": hidden, "intermediate": intermediate, "dtype": str(dtype).replace("torch.", ""),
                    "row_bytes": rot.row_bytes, "rotated_bytes": rot.nbytes},
         "pcie_applies": device.type == "cuda",
-        "isolated": {"b_p_gbps": bp, "b_h_gbps": bh},
+        "isolated": {"b_p_gbps": statistics.median(bps), "b_h_gbps": statistics.median(bhs)},
+        "rounds": {"b_p_gbps": bps, "b_h_gbps": bhs},
         "concurrent": {"b_p_gbps": cp, "b_h_gbps": ch},
         "seconds_each": seconds,
         "cpu_experts_per_call": DECODE_CPU_EXPERTS,
     }
+
+
+def implausible(prof: dict) -> str | None:
+    """Why the measurement ``prof`` (a profile dict) cannot describe this machine, or ``None`` when it
+    is plausible (criteria in the module doc)."""
+    named = {"isolated B_P": prof["isolated"]["b_p_gbps"], "isolated B_H": prof["isolated"]["b_h_gbps"],
+             "concurrent B_P": prof["concurrent"]["b_p_gbps"], "concurrent B_H": prof["concurrent"]["b_h_gbps"]}
+    low = [f"{k} {v:.3g} GB/s" for k, v in named.items() if not v >= MIN_PLAUSIBLE_GBPS]
+    if low:
+        return f"{', '.join(low)} below the {MIN_PLAUSIBLE_GBPS} GB/s any memory system or PCIe link reaches"
+    for key, rounds in (prof.get("rounds") or {}).items():
+        if rounds and max(rounds) > MAX_ROUND_SPREAD * min(rounds):
+            name = {"b_p_gbps": "B_P", "b_h_gbps": "B_H"}.get(key, key)
+            return (f"{name} rounds disagree ({', '.join(f'{r:.3g}' for r in rounds)} GB/s, more than "
+                    f"{MAX_ROUND_SPREAD:g}x apart)")
+    machine = prof.get("machine") or {}
+    other, cores = machine.get("other_processes_cores"), machine.get("cores")
+    if other is not None and cores and other > MAX_OTHER_LOAD * cores:
+        return f"other processes kept {other:.1f} of {cores} cores busy while measuring"
+    return None
 
 
 def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
@@ -199,39 +286,106 @@ def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
     return Bandwidths(iso["b_p_gbps"], iso["b_h_gbps"], f"{source} (isolated pair)")
 
 
-def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwidths:
-    """B_P/B_H for the engine: command line, else a matching saved profile, else a quick measurement.
+def read_profile(path: Path) -> dict:
+    """A saved profile.
 
-    A saved profile matches when its version, expert shape and device match and it was measured with
-    the CPU executor in use, on as many threads (``executor.name``/``threads``; B_H of the torch
-    executor says little about the native one). An explicit ``profile_path`` measured otherwise is
-    still used, with a warning. Nothing is measured when no policy needs it (no expert cache, or a
-    policy other than ``qstar``).
+    Raises:
+        ValueError: not valid JSON or not a profile (the file named).
     """
-    if config.bandwidth_pcie_gbps and config.bandwidth_cpu_gbps:
-        return Bandwidths(config.bandwidth_pcie_gbps, config.bandwidth_cpu_gbps, "command line")
-    path = Path(config.profile_path) if config.profile_path else default_profile_path(
-        pool.hidden, pool.intermediate, pool.dtype, cache.device)
-    if path.exists():
+    try:
         prof = json.loads(path.read_text())
-        exp = prof.get("expert", {})
-        if (prof.get("version") == PROFILE_VERSION and exp.get("hidden") == pool.hidden
-                and exp.get("intermediate") == pool.intermediate and prof.get("device") == cache.device.type):
-            # profiles written before the native executor existed were measured with torch ops
-            measured_with = (prof.get("cpu_executor", "torch"), prof.get("machine", {}).get("cpu_threads"))
-            if measured_with == (executor.name, executor.threads):
-                return bandwidths_from_profile(prof, f"profile {path}")
-            if config.profile_path:
-                log.warning("%s: B_H was measured with the %s CPU executor on %s threads, the engine runs %s on %s; "
-                            "re-run `edgemoe profile` for a matching B_H", path, *measured_with, executor.name,
-                            executor.threads)
-                return bandwidths_from_profile(prof, f"profile {path} ({measured_with[0]}, {measured_with[1]} threads)")
-        if config.profile_path:
-            raise ValueError(f"{path}: profile is for another expert shape/device ({exp}, {prof.get('device')})")
-    if config.expert_policy not in ("qstar", "adaptive") or cache.num_slots == 0:
-        return Bandwidths(None, None, "not measured (not needed by this policy/cache)")
-    prof = measure(pool, pool.hidden, pool.intermediate, pool.dtype, cache.device, executor, 0.15, ROTATE_BYTES_QUICK)
-    return bandwidths_from_profile(prof, "quick start-up measurement")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a bandwidth profile ({exc})") from None
+    if not isinstance(prof, dict) or not isinstance(prof.get("isolated"), dict):
+        raise ValueError(f"{path}: not a bandwidth profile written by `edgemoe profile`")
+    return prof
+
+
+def _profile_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwidths | None:
+    """The bandwidths of ``--profile``, else of the saved profile for this expert shape when it matches
+    (``None``: no usable saved profile).
+
+    Raises:
+        ValueError: ``--profile`` names a file that is not a profile, is for another expert shape or
+            device, or fails the plausibility check.
+    """
+    explicit = bool(config.profile_path)
+    path = Path(config.profile_path) if explicit else default_profile_path(pool.hidden, pool.intermediate, pool.dtype,
+                                                                           cache.device)
+    if not explicit and not path.exists():
+        return None
+    prof = read_profile(path)  # an explicit path that vanished raises FileNotFoundError here
+    exp = prof.get("expert", {})
+    if not (prof.get("version") == PROFILE_VERSION and exp.get("hidden") == pool.hidden
+            and exp.get("intermediate") == pool.intermediate and prof.get("device") == cache.device.type):
+        if explicit:
+            raise ValueError(f"{path}: profile (version {prof.get('version')}) is for another expert shape/device "
+                             f"({exp}, {prof.get('device')}); this engine needs version {PROFILE_VERSION}, "
+                             f"H={pool.hidden} I={pool.intermediate} on {cache.device.type}")
+        return None
+    reason = implausible(prof)
+    if reason is not None:
+        if explicit:
+            raise ValueError(f"{path}: implausible measurement ({reason}); re-run `edgemoe profile` on an idle machine")
+        log.warning("%s: not used, implausible measurement (%s)", path, reason)
+        return None
+    # profiles written before the native executor existed were measured with torch ops
+    measured_with = (prof.get("cpu_executor", "torch"), prof.get("machine", {}).get("cpu_threads"))
+    if measured_with == (executor.name, executor.threads):
+        return bandwidths_from_profile(prof, f"profile {path}")
+    if explicit:
+        log.warning("%s: B_H was measured with the %s CPU executor on %s threads, the engine runs %s on %s; "
+                    "re-run `edgemoe profile` for a matching B_H", path, *measured_with, executor.name,
+                    executor.threads)
+        return bandwidths_from_profile(prof, f"profile {path} ({measured_with[0]}, {measured_with[1]} threads)")
+    return None
+
+
+def quick_measurement(pool: HostExpertPool, cache, executor) -> Bandwidths:
+    """The start-up measurement (``QUICK_SECONDS`` per bandwidth over ``ROTATE_BYTES_QUICK``), retried
+    once when implausible; a second implausible one is used with a warning (nothing better is known)."""
+    for attempt in (1, 2):
+        with startup_step("measuring B_P and B_H for the q* split", f"about {4 * QUICK_SECONDS:.0f} s; "
+                          "`edgemoe profile` saves a longer measurement instead"):
+            prof = measure(pool, pool.hidden, pool.intermediate, pool.dtype, cache.device, executor, QUICK_SECONDS,
+                           ROTATE_BYTES_QUICK)
+        reason = implausible(prof)
+        if reason is None:
+            return bandwidths_from_profile(prof, "quick start-up measurement")
+        log.warning("bandwidth measurement %d of 2 implausible: %s", attempt, reason)
+    return bandwidths_from_profile(prof, f"quick start-up measurement, implausible: {reason}")
+
+
+def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwidths:
+    """B_P/B_H for the engine, each from the command line when given, else from ``--profile``, else
+    from a matching saved profile, else from a quick measurement (:func:`quick_measurement`);
+    ``source`` says where each came from.
+
+    A saved profile matches when its version, expert shape and device match, it passes
+    :func:`implausible`, and it was measured with the CPU executor in use, on as many threads
+    (``executor.name``/``threads``; B_H of the torch executor says little about the native one). An
+    explicit ``profile_path`` measured with another executor is still used, with a warning. Nothing
+    is measured when no policy needs it (no expert cache, or a policy other than ``qstar`` /
+    ``adaptive``). With one bandwidth given, the other is the profile's or the measurement's policy
+    value (for a concurrent pair, ``B_H = B_P,c + B_H,c``).
+
+    Raises:
+        ValueError / FileNotFoundError: see :func:`_profile_bandwidths`.
+    """
+    bp, bh = config.bandwidth_pcie_gbps, config.bandwidth_cpu_gbps
+    if bp is not None and bh is not None:
+        return Bandwidths(bp, bh, "command line")
+    base = _profile_bandwidths(config, pool, cache, executor)
+    if base is None:
+        if config.expert_policy not in ("qstar", "adaptive") or cache.num_slots == 0:
+            base = Bandwidths(None, None, "not measured (not needed by this policy/cache)")
+        else:
+            base = quick_measurement(pool, cache, executor)
+    if bp is None and bh is None:
+        return base
+    if bp is not None:
+        return Bandwidths(bp, base.cpu, f"B_P command line, B_H {base.source}")
+    return Bandwidths(base.pcie, bh, f"B_P {base.source}, B_H command line")
 
 
 def format_profile(prof: dict) -> str:
@@ -246,6 +400,13 @@ def format_profile(prof: dict) -> str:
         f"isolated    B_P {iso['b_p_gbps']:7.2f} GB/s   B_H {iso['b_h_gbps']:7.2f} GB/s{note}",
         f"concurrent  B_P {conc['b_p_gbps']:7.2f} GB/s   B_H {conc['b_h_gbps']:7.2f} GB/s",
     ]
+    rounds, machine = prof.get("rounds") or {}, prof.get("machine") or {}
+    if rounds:
+        lines.append("rounds      " + "   ".join(f"{name} {', '.join(f'{v:.2f}' for v in rounds[key])}"
+                                               for name, key in (("B_P", "b_p_gbps"), ("B_H", "b_h_gbps"))))
+    if machine.get("other_processes_cores") is not None:
+        lines.append(f"other processes kept {machine['other_processes_cores']:.2f} of {machine.get('cores')} cores "
+                     "busy while measuring")
     for label, bw in (("isolated", bandwidths_from_profile({"isolated": iso}, "")),
                       ("concurrent", bandwidths_from_profile(prof, ""))):
         lines.append(f"q*/m ({label} pair) = {QStarPolicy(bw).q_ratio():.3f}")

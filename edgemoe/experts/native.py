@@ -5,9 +5,13 @@ The torch-ops executor reaches about a third of the host's DRAM read bandwidth o
 weights read. This executor computes a step's CPU set with kernels that read every weight row once
 for all of the expert's tokens, split across all cores by output rows (``csrc/executor.h``).
 
-- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 13 s
-  on 2 cores) into ``~/.cache/edgemoe/torch_ext/<hash>/`` (``EDGEMOE_CACHE`` moves the root); the
-  hash covers the sources, torch and Python versions, so an edit rebuilds and versions never mix.
+- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 19
+  CPU-seconds: 10 s on 2 idle cores) into ``~/.cache/edgemoe/torch_ext/<name>-<hash>/``
+  (``EDGEMOE_CACHE`` moves the root), announced on the ``edgemoe.startup`` logger with an estimate.
+  The hash covers everything the build commands depend on (:func:`build_key`): the sources and
+  their location, the flags, the compiler and its version, the torch installation's path and
+  version, Python and the platform; so an edit rebuilds, and two virtualenvs or checkouts each keep
+  their own build instead of rebuilding each other's.
   Without ninja (which ``load`` requires) the compiler is called directly with the same flags
   (``<hash>/direct/``). No compiler (or ``EDGEMOE_NATIVE=0``): :class:`NativeUnavailable` with a
   one-line reason, and :func:`edgemoe.experts.cpu_executor.make_cpu_executor` falls back to the
@@ -16,9 +20,14 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
   > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
   never selected.
-- **Numerics**: float32 accumulation. For bf16 weights, x and the SiLU·up activation are rounded
-  to bf16 (round-to-nearest-even, as ``x.to(torch.bfloat16)`` in the torch path and on the GPU);
-  float32 weights compute in float32 throughout. Results do not depend on the thread count.
+- **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
+  (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
+  do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
+  y·weight become bf16 values (round-to-nearest-even, as ``.to(torch.bfloat16)``) before the float32
+  sum over routes. What remains different is the order of float32 additions inside each dot
+  product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
+  rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
+  throughout. Results do not depend on the thread count.
 - **Threads**: one per physical core by default; the caller is thread 0, the others are pinned
   (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
   ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
@@ -35,10 +44,13 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -53,6 +65,7 @@ import torch
 from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
+from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +75,7 @@ SOURCES = ("bindings.cpp", "executor.cpp", "cpu_features.cpp", "kernels_scalar.c
 HEADERS = ("kernels.h", "kernel_impl.h", "executor.h")
 EXTRA_CFLAGS = ("-O3",)
 EXT_NAME = "edgemoe_cpu_ext"
+BUILD_CPU_SECONDS = 19  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 18.5 s user+sys)
 
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ Isa value
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # edgemoe::WeightFormat
@@ -114,18 +128,50 @@ def _cpp_extension():
     return cpp
 
 
-def build_dir() -> Path:
-    """``<EDGEMOE_CACHE or ~/.cache/edgemoe>/torch_ext/<name>-<hash>``: per user, per source version."""
+def build_key() -> dict[str, str]:
+    """Everything the build's output depends on, as the build commands see it: the sources (names,
+    contents and directory: ninja's build file records absolute paths, so a second checkout with the
+    same sources would otherwise rebuild the first one's), the flags, the compiler (resolved path and
+    ``--version``), the torch installation (path and version: its bundled pybind11 headers), Python
+    (version, ABI tag, include directory) and the platform.
+    """
+    import subprocess
+    import sysconfig
+
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(EXTRA_CFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    h.update(platform.machine().encode())
+    cxx = os.environ.get("CXX", "c++")
+    cxx_path = shutil.which(cxx) or cxx
+    try:
+        version = subprocess.run([cxx_path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"unknown ({exc})"
+    return {
+        "sources": h.hexdigest(),
+        "source_dir": str(CSRC),
+        "flags": " ".join(EXTRA_CFLAGS),
+        "compiler": f"{os.path.realpath(cxx_path)} {version.strip()}",
+        "torch": f"{torch.__version__} {Path(torch.__file__).resolve().parent}",
+        "python": f"{sys.version} {sys.implementation.cache_tag} {sysconfig.get_paths()['include']}",
+        "platform": f"{sys.platform} {platform.machine()} {' '.join(platform.libc_ver())}",
+    }
+
+
+def build_dir() -> Path:
+    """``<EDGEMOE_CACHE or ~/.cache/edgemoe>/torch_ext/<name>-<hash of build_key()>``."""
+    h = hashlib.sha256(json.dumps(build_key(), sort_keys=True).encode())
     root = Path(os.environ.get("EDGEMOE_CACHE", Path.home() / ".cache" / "edgemoe"))
     return root / "torch_ext" / f"{EXT_NAME}-{h.hexdigest()[:16]}"
+
+
+def build_estimate() -> str:
+    """How long a first build takes here: ``BUILD_CPU_SECONDS`` spread over the usable cores (one
+    compiler process per source), e.g. ``"about 10 s on 2 cores"``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    seconds = math.ceil(BUILD_CPU_SECONDS / max(1, min(cores, len(SOURCES))))
+    return f"about {seconds} s on {cores} core{'s' if cores > 1 else ''}, more when they are busy"
 
 
 def unavailable_reason() -> str | None:
@@ -207,7 +253,7 @@ class BuildResult:
 
 @functools.cache
 def build() -> BuildResult:
-    """Build (first use; cached per user and source version) and load the extension, once per process."""
+    """Build (first use; cached per user and :func:`build_key`) and load the extension, once per process."""
     reason = unavailable_reason()
     if reason is not None:
         return BuildResult(None, reason)
@@ -217,14 +263,14 @@ def build() -> BuildResult:
     try:
         bdir = build_dir() if ninja else build_dir() / "direct"  # reads the sources: they may be missing
         cached = any(bdir.glob(f"{EXT_NAME}*.so"))
-        if not cached:
-            log.info("edgemoe: compiling native CPU expert kernels into %s (first use)", bdir)
         bdir.mkdir(parents=True, exist_ok=True)
-        if ninja:
-            ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(EXTRA_CFLAGS),
-                           build_directory=str(bdir))
-        else:  # e.g. a GPU host without network: no `pip install ninja` there
-            ext = _build_direct(bdir)
+        with contextlib.nullcontext() if cached else startup_step(
+                f"compiling the native CPU expert kernels, once, into {bdir}", build_estimate()):
+            if ninja:
+                ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES],
+                               extra_cflags=list(EXTRA_CFLAGS), build_directory=str(bdir))
+            else:  # e.g. a GPU host without network: no `pip install ninja` there
+                ext = _build_direct(bdir)
     except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         log.debug("native CPU kernels failed to build", exc_info=e)

@@ -237,13 +237,28 @@ def serve(
     """Load ``model_dir`` in the background and serve it until interrupted (blocking).
 
     ``/health`` answers 503 until the weights are loaded; ``on_ready(engine)`` runs once they are.
+    If loading fails, the server stops at once and the error is raised.
+
+    Raises:
+        EngineNotReadyError: the model failed to load (the message says why; the cause is chained).
     """
     import uvicorn
 
     server_config = server_config or ServerConfig()
-    llm = AsyncLLM(model_dir, engine_config or EngineConfig(), on_ready=on_ready)
+    server: uvicorn.Server | None = None
+
+    def stop_serving(_exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    llm = AsyncLLM(model_dir, engine_config or EngineConfig(), on_ready=on_ready, on_load_error=stop_serving,
+                   start=False)
     app = build_app(llm, server_config)
+    server = uvicorn.Server(uvicorn_config(app, server_config))
+    llm.start()
     try:
-        uvicorn.Server(uvicorn_config(app, server_config)).run()
+        server.run()
     finally:
         llm.shutdown()
+    if llm.load_error is not None:
+        raise EngineNotReadyError(f"model failed to load: {llm.load_error}") from llm.load_error

@@ -1,8 +1,11 @@
 """``edgemoe chat``: a terminal chat client for a running edgemoe (or any OpenAI-compatible) server.
 
-Streams each answer as it is generated, showing the model's reasoning dimmed before the answer.
-Commands: ``/reset`` (forget the conversation), ``/exit`` (or Ctrl-D). Ctrl-C stops the current
-answer. Uses the ``openai`` SDK, and ``rich`` for output when it is installed (plain ANSI otherwise).
+Streams each answer as it is generated, showing the model's reasoning dimmed before the answer;
+every request carries an output cap (``max_tokens``; ``edgemoe chat --max-tokens``, default 1024),
+and a reply cut by it says so. Lines starting with ``/`` are commands, handled here and never sent
+to the model (:data:`COMMANDS`: ``/help``, ``/reset``, ``/exit``; an unknown one is reported; a
+line starting with ``//`` is sent with one ``/`` removed). Ctrl-C stops the current answer, Ctrl-D
+quits. Uses the ``openai`` SDK, and ``rich`` for output when it is installed (plain ANSI otherwise).
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["ChatSession", "Output", "main_loop"]
+__all__ = ["COMMANDS", "ChatSession", "Output", "main_loop"]
+
+COMMANDS = {
+    "/help": "show these commands",
+    "/reset": "forget the conversation (the system prompt stays)",
+    "/exit": "quit (also /quit, Ctrl-D)",
+}
 
 _DIM, _RESET = "\033[2m", "\033[0m"
 
@@ -72,14 +81,17 @@ class ChatSession:
     def ask(self, text: str, out: Output) -> str:
         """Send ``text``, stream the reply to ``out``; returns the answer (kept in the history)."""
         self.messages.append({"role": "user", "content": text})
-        answer, in_reasoning = [], False
-        stream = self.client.chat.completions.create(model=self.model, messages=self.messages, stream=True, **self.sampling)
+        answer, in_reasoning, finish = [], False, None
+        stream = self.client.chat.completions.create(model=self.model, messages=self.messages, stream=True,
+                                                     **self.sampling)
         try:
             for chunk in stream:
                 if not chunk.choices:
                     continue
+                finish = chunk.choices[0].finish_reason or finish
                 delta = chunk.choices[0].delta
-                reasoning = (delta.model_extra or {}).get("reasoning_content") or (delta.model_extra or {}).get("reasoning")
+                extra = delta.model_extra or {}
+                reasoning = extra.get("reasoning_content") or extra.get("reasoning")
                 if reasoning:
                     in_reasoning = True
                     out.reasoning(reasoning)
@@ -97,14 +109,21 @@ class ChatSession:
         finally:
             stream.close()
         out.content("\n")
+        if finish == "length":
+            out.info(f"[reply cut at max_tokens={self.sampling.get('max_tokens', 'the server limit')}: "
+                     "`edgemoe chat --max-tokens N` allows more]")
         reply = "".join(answer)
         self.messages.append({"role": "assistant", "content": reply})
         return reply
 
 
 def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> int:
-    """Read lines with ``read(prompt)`` until ``/exit`` or EOF; returns the exit status."""
-    out.info(f"edgemoe chat with {session.model} — /reset to start over, /exit to quit")
+    """Read lines with ``read(prompt)`` until ``/exit`` or EOF; returns the exit status.
+
+    A line starting with ``/`` is a command (:data:`COMMANDS`), handled here and never sent to the
+    model; ``//text`` sends ``/text``.
+    """
+    out.info(f"edgemoe chat with {session.model} — /help for commands, /exit to quit")
     while True:
         try:
             line = read("> ")
@@ -117,11 +136,20 @@ def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> 
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            session.reset()
-            out.info("[conversation reset]")
+        if text.startswith("//"):
+            text = text[1:]
+        elif text.startswith("/"):
+            command = text.split()[0].lower()
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/reset":
+                session.reset()
+                out.info("[conversation reset]")
+            elif command == "/help":
+                out.info("\n".join(f"  {name:<7} {what}" for name, what in COMMANDS.items())
+                         + "\n  //text  send a line that starts with /")
+            else:
+                out.info(f"[unknown command {command}: /help lists the commands; //text sends /text]")
             continue
         session.ask(text, out)
 

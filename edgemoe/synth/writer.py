@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,9 +92,30 @@ def _round_up(n: int, multiple: int = 64) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
-def _prepare(out_dir: Path, arch: str, preset: str, tokenizer: str | Path | None, overrides: dict | None):
-    """Write the tokenizer into out_dir and return (config, tokenizer ids)."""
+def _check_out(out_dir: Path, overwrite: bool) -> None:
+    """Make ``out_dir`` ready to write: absent or empty, or (``overwrite``) a model directory whose old
+    files are removed first, so a smaller model leaves no stale shard or index behind.
+
+    Raises:
+        FileExistsError: ``out_dir`` is a file, or a non-empty directory without ``overwrite``, or with
+            ``overwrite`` a non-empty directory that holds no ``config.json`` (not a model directory).
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty (pass --overwrite to replace the model in it)")
+    if not (out_dir / "config.json").is_file():
+        raise FileExistsError(f"{out_dir} is not a model directory (no config.json): --overwrite only replaces one")
+    shutil.rmtree(out_dir)
+
+
+def _prepare(out_dir: Path, arch: str, preset: str, tokenizer: str | Path | None, overrides: dict | None,
+             overwrite: bool):
+    """Check ``out_dir`` (:func:`_check_out`), write the tokenizer into it and return (config, tokenizer ids)."""
     spec = _arch(arch, preset)
+    _check_out(out_dir, overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
     flavour = TOKENIZERS[spec.tokenizer]
     if tokenizer is not None:
@@ -152,6 +174,7 @@ def make_model(
     dtype: str = "bfloat16",
     overrides: dict | None = None,
     max_shard_size: str = "2GB",
+    overwrite: bool = False,
 ) -> Path:
     """Build a random-weight checkpoint of a preset geometry in the Hugging Face layout.
 
@@ -183,6 +206,7 @@ def make_model(
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the saved tensor dtype.
         overrides: HF config kwargs applied last (see ``config_for``).
         max_shard_size: ``save_pretrained`` shard size, e.g. ``"2GB"``.
+        overwrite: replace the model in a non-empty ``out_dir`` (refused otherwise).
 
     Returns:
         ``Path(out_dir)``.
@@ -191,13 +215,14 @@ def make_model(
         ValueError: unknown arch, preset or dtype (the message lists the choices), an invalid
             override, or a ``vocab_size`` override below ``len(tokenizer)``.
         FileNotFoundError: ``tokenizer`` holds no tokenizer.json/tokenizer_config.json.
+        FileExistsError: ``out_dir`` is not empty and ``overwrite`` is not set (or it holds no model).
     """
     import torch
     from transformers.utils import logging as hf_logging
 
     _check_dtype(dtype)
     out = Path(out_dir)
-    config, ids = _prepare(out, arch, preset, tokenizer, overrides)
+    config, ids = _prepare(out, arch, preset, tokenizer, overrides, overwrite)
     _, model_cls = ARCHS[arch].classes()
     target = parse_dtype(dtype)
     n_params = param_count(config)
@@ -242,6 +267,7 @@ def write_config_only(
     *,
     dtype: str = "bfloat16",
     overrides: dict | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write config.json, generation_config.json and tokenizer files, without weights.
 
@@ -255,10 +281,11 @@ def write_config_only(
     Raises:
         ValueError: unknown arch, preset or dtype (the message lists the choices), or invalid overrides.
         FileNotFoundError: ``tokenizer`` holds no tokenizer.json/tokenizer_config.json.
+        FileExistsError: as for ``make_model`` (``overwrite``).
     """
     _check_dtype(dtype)
     out = Path(out_dir)
-    config, ids = _prepare(out, arch, preset, tokenizer, overrides)
+    config, ids = _prepare(out, arch, preset, tokenizer, overrides, overwrite)
     config.dtype = dtype
     config.save_pretrained(str(out))
     _write_generation_config(out, ids, config)

@@ -59,5 +59,5 @@ def pin_or_fallback(pool, device: torch.device) -> PinOutcome:
     msg = (f"pinning the {pool.nbytes / 1e9:.2f} GB host expert pool was refused (cudaHostRegister; "
            f"check `ulimit -l` and free RAM): serving with pageable memory and CPU execution of every "
            f"expert (policy {FALLBACK_POLICY}, no GPU expert cache)")
-    log.warning("edgemoe: %s", msg)
+    log.warning("%s", msg)
     return PinOutcome(False, True, dt, msg)

@@ -326,7 +326,7 @@ def netns_available() -> bool:
 def model_dir(tmp_path_factory) -> Path:
     """A random-weight ``tiny`` qwen3_moe checkpoint of :data:`GEOMETRY`, with ``make_model``'s own
     tokenizer and Qwen3-style chat template (tool calls in ``<tool_call>`` markup)."""
-    from edgemoe.weights.make_model import make_model
+    from edgemoe.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("agent-model") / MODEL, "qwen3_moe", "tiny", dtype="float32",
                       overrides=GEOMETRY)

@@ -60,6 +60,8 @@ inline float bf16_to_f32(uint16_t b) {
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+inline float to_bf16_value(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
 size_t elem_size(WeightFormat fmt) { return fmt == WeightFormat::F32 ? 4 : 2; }
 
 }  // namespace
@@ -187,6 +189,7 @@ struct Executor::Job {
   float* act_f32;           // [R, I] when act == F32
   uint16_t* act_bf16;       // [R, I] when act == BF16
   bool round_act;           // F32 activations of bf16 weights are rounded to bf16 values
+  bool bf16_points;         // bf16 weights: round where the torch path's bf16 ops do (gate, up, SiLU, y, y·w)
   alignas(64) std::atomic<int64_t> next1{0};
   alignas(64) std::atomic<int64_t> next2{0};
 };
@@ -313,6 +316,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.act_f32 = act_f32_.data();
   J.act_bf16 = act_bf16_.data();
   J.round_act = bf16_w && ks.act == ActFormat::F32;
+  J.bf16_points = bf16_w;
   const size_t need = static_cast<size_t>(nmax * std::max(2 * J.c1, J.c2));
   for (auto& v : scratch_)
     if (v.size() < need) v.resize(need);
@@ -344,16 +348,22 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
   float* u = g + n * rows;
   J.gemv(w, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
   J.gemv(w, I + i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
+  if (J.bf16_points)  // the torch path's bf16 linear outputs gate and up, and SiLU of gate, as bf16 values
+    for (int64_t i = 0; i < n * rows; ++i) {
+      g[i] = to_bf16_value(silu(to_bf16_value(g[i])));
+      u[i] = to_bf16_value(u[i]);
+    }
   for (int64_t j = 0; j < n; ++j) {
     const float* gj = g + j * rows;
     const float* uj = u + j * rows;
+    const bool silu_done = J.bf16_points;
     if (J.act == ActFormat::BF16) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
-      for (int64_t r = 0; r < rows; ++r) dst[r] = f32_to_bf16(silu(gj[r]) * uj[r]);
+      for (int64_t r = 0; r < rows; ++r) dst[r] = f32_to_bf16((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
     } else {
       float* dst = J.act_f32 + (r0 + j) * I + i0;
       if (J.round_act)
-        for (int64_t r = 0; r < rows; ++r) dst[r] = bf16_to_f32(f32_to_bf16(silu(gj[r]) * uj[r]));
+        for (int64_t r = 0; r < rows; ++r) dst[r] = to_bf16_value((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
       else
         for (int64_t r = 0; r < rows; ++r) dst[r] = silu(gj[r]) * uj[r];
     }
@@ -372,10 +382,15 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
                        static_cast<int64_t>(I * J.wsize), nullptr, 0, 0};
     J.gemv(w, o0, rows, I, J.aptr + r0, static_cast<int>(n), y, rows);
     for (int64_t j = 0; j < n; ++j) {
-      const float wt = J.s.wt[r0 + j];
       float* o = J.s.out + J.s.tok[r0 + j] * H + o0;
       const float* yj = y + j * rows;
-      for (int64_t r = 0; r < rows; ++r) o[r] += wt * yj[r];
+      if (J.bf16_points) {  // as the torch path: y and the router weight as bf16, their product rounded
+        const float wt = to_bf16_value(J.s.wt[r0 + j]);
+        for (int64_t r = 0; r < rows; ++r) o[r] += to_bf16_value(to_bf16_value(yj[r]) * wt);
+      } else {
+        const float wt = J.s.wt[r0 + j];
+        for (int64_t r = 0; r < rows; ++r) o[r] += wt * yj[r];
+      }
     }
   }
 }
