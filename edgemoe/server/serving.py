@@ -43,6 +43,7 @@ from edgemoe.server.parsers import (
     collect,
     resolve_parsers,
 )
+from edgemoe.server.parsers.harmony import template_history
 from edgemoe.server.parsers.think import THINK_END, ThinkParser, prompt_ends_in_reasoning
 from edgemoe.server.protocol import sampling_kwargs
 from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
@@ -244,8 +245,9 @@ class Serving:
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Adapt messages to the model family: past tool calls as the model's own markup where the
-        template cannot render them (DeepSeek-V3); for Harmony's template (gpt-oss) reasoning also as
-        ``thinking`` and tool-call arguments as objects (it writes them with ``tojson``)."""
+        template cannot render them (DeepSeek-V3); for Harmony's template (gpt-oss) tool-call arguments as
+        objects (it writes them with ``tojson``) and the history reshaped by
+        :func:`~edgemoe.server.parsers.harmony.template_history`."""
         cls = self.parsers.tool_parser
         out = []
         for m in messages:
@@ -254,11 +256,9 @@ class Serving:
             if markup is not None:
                 m = {k: v for k, v in m.items() if k != "tool_calls"}
                 m["content"] = (m.get("content") or "") + markup
-            if self.parsers.harmony and m.get("reasoning_content") is not None:
-                m = {**m, "thinking": m["reasoning_content"]}
             out.append(m)
         if self.parsers.harmony:
-            out = arguments_as_objects(out) or out
+            out = template_history(arguments_as_objects(out) or out)
         return out
 
     def render_prompt(self, spec: ChatSpec) -> Rendered:
