@@ -11,28 +11,36 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.experts.cache import ExpertCache  # noqa: E402
-from edgemoe.experts.cpu_executor import TorchCpuExecutor  # noqa: E402
-from edgemoe.experts.device_decode import DeviceDecode  # noqa: E402
-from edgemoe.experts.hybrid import HybridExperts  # noqa: E402
-from edgemoe.experts.policy import Bandwidths, make_policy  # noqa: E402
-from edgemoe.experts.pool import HostExpertPool  # noqa: E402
+from edgemoe.config import SILU_SWIGLU, ExpertActivation
+from edgemoe.core import Phase
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
+from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, make_policy
+from edgemoe.experts.pool import HostExpertPool
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpreter) variant; tests/gpu covers CUDA")
 
 E, K, H, I, LAYERS = 12, 4, 32, 16, 3
 
 
-def _pool() -> HostExpertPool:
-    pool = HostExpertPool(LAYERS * E, H, I, torch.float32)
+# gpt-oss's experts: clamped SwiGLU (a limit that bites at these activations) with biases
+GPT_OSS = ExpertActivation("swiglu_oai", alpha=1.702, limit=0.5, bias=True)
+
+
+def _pool(dtype: torch.dtype = torch.float32, activation: ExpertActivation = SILU_SWIGLU) -> HostExpertPool:
+    pool = HostExpertPool(LAYERS * E, H, I, dtype, activation)
     g = torch.Generator().manual_seed(0)
     pool.w13.copy_(torch.randn(pool.w13.shape, generator=g) * 0.2)
     pool.w2.copy_(torch.randn(pool.w2.shape, generator=g) * 0.2)
+    if activation.bias:
+        pool.b13.copy_(torch.randn(pool.b13.shape, generator=g) * 0.5)
+        pool.b2.copy_(torch.randn(pool.b2.shape, generator=g) * 0.5)
     return pool
 
 
@@ -41,17 +49,24 @@ def _pair(pool, slots, policy_name):
     out = []
     for _ in range(2):
         cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                            torch.float32, torch.device("cpu"))
+                            pool.dtype, torch.device("cpu"))
         out.append(HybridExperts(pool, cache, policy, TorchCpuExecutor(pool), E, torch.device("cpu")))
     eager, dev = out
-    dev.device_decode = DeviceDecode(pool, dev.cache, policy, dev.cpu, E, K, max_tokens=4)
+    dev.device_decode = DeviceDecode(pool, dev.cache, policy, dev.cpu, E, K, max_tokens=4,
+                                     layer_biases=dev.layer_biases)
     return eager, dev
 
 
-@pytest.mark.parametrize("policy,slots", [("qstar", 6), ("fill-all", 5), ("fill-all", 30), ("cpu-all", 7),
-                                          ("static", 13)])
-def test_device_path_equals_eager_path(policy, slots):
-    pool = _pool()
+@pytest.mark.parametrize("policy,slots,experts", [
+    ("qstar", 6, "silu"), ("fill-all", 5, "silu"), ("fill-all", 30, "silu"), ("cpu-all", 7, "silu"),
+    ("static", 13, "silu"), ("qstar", 6, "gpt-oss"), ("fill-all", 30, "gpt-oss"), ("qstar", 6, "gpt-oss-bf16"),
+    ("static", 13, "gpt-oss-bf16")])
+def test_device_path_equals_eager_path(policy, slots, experts):
+    """SiLU SwiGLU experts, and gpt-oss's (clamped SwiGLU with biases) in float32 and bfloat16 (the kernels round
+    where the torch path does; their dot products sum in another order, so bf16 outputs differ by a few ulps)."""
+    dtype = torch.bfloat16 if experts.endswith("bf16") else torch.float32
+    pool = _pool(dtype, GPT_OSS if experts.startswith("gpt-oss") else SILU_SWIGLU)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     eager, dev = _pair(pool, slots, policy)
     g = torch.Generator().manual_seed(1)
     for step in range(1, 7):
@@ -66,7 +81,7 @@ def test_device_path_equals_eager_path(policy, slots):
             w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
             a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
             b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b, a, **tol)
             for name in ("slot_of", "owner_of", "last_used"):
                 assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
         dev.cache.check_invariants()

@@ -5,10 +5,10 @@ Parity: prefill + decode logits and greedy tokens of tiny random-weight checkpoi
 resident, each policy with a cache smaller than a layer, streamed prefill, CPU-only), with a sliding
 window (4) shorter than the prompt, tied and untied embeddings, nonzero expert and router biases and a
 SwiGLU clamp that bites. Also: attention with sinks and windows (prefill, chunked prefill after a prefix,
-eager decode, the Triton paged decode kernel in the interpreter) against transformers'
+eager decode, the Triton paged decode kernel, in the interpreter on CPU hosts) against transformers'
 ``eager_attention_forward`` with its own masks; the experts against ``GptOssExperts``; the config
 normalization and its errors; the released geometries (config-only, dummy weights); broken
-checkpoints; the CPU executor and device decode path refusing kernels that cannot compute these experts;
+checkpoints; the native CPU executor and the grouped Triton kernel refused for these experts;
 the engine (chunked prefill, batching, preemption, prefix cache, fault isolation); make-model's Harmony
 tokenizer and the released chat template.
 """
@@ -20,8 +20,12 @@ import logging
 import os
 import shutil
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run in the interpreter on CPU hosts
+
+import pytest
 from safetensors.torch import load_file, save_file
 
 from edgemoe import SamplingParams
@@ -198,14 +202,21 @@ def test_paged_attention_sinks_and_windows_match_transformers(window, with_sinks
         torch.testing.assert_close(out[s.q_start:s.q_start + n], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel in the interpreter")
-@pytest.mark.parametrize("dtype,window,part", [(torch.float32, 0, 64), (torch.float32, 5, 64), (torch.float32, 128, 64),
-                                               (torch.bfloat16, 100, 128), (torch.float32, 300, 256)])
+DECODE_KERNEL_CASES = [(torch.float32, 0, 64), (torch.float32, 5, 64), (torch.float32, 128, 64),
+                       (torch.bfloat16, 100, 128), (torch.float32, 300, 256)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpreter) variant; tests/gpu covers CUDA")
+@pytest.mark.parametrize("dtype,window,part", DECODE_KERNEL_CASES)
 @pytest.mark.parametrize("with_sinks", [True, False])
 def test_triton_decode_kernel_sinks_and_window_match_the_torch_path(dtype, window, part, with_sinks):
-    """The paged decode kernel with sinks and a window (partitions and blocks before the window skipped) against
-    the eager decode path (:func:`paged_attention`), on contexts across pages and partitions, a padding row
-    (context 0) included."""
+    check_decode_kernel(dtype, window, part, with_sinks, "cpu")
+
+
+def check_decode_kernel(dtype: torch.dtype, window: int, part: int, with_sinks: bool, device: str) -> None:
+    """The paged decode kernel on ``device`` with sinks and a window (partitions and blocks before the window
+    skipped) against the eager decode path (:func:`paged_attention`, float32 on the CPU), on contexts across
+    pages and partitions, a padding row (context 0) included."""
     pytest.importorskip("triton")
     from edgemoe.kernels.decode_attention import make_decode_scratch, paged_decode_attention
 
@@ -225,10 +236,12 @@ def test_triton_decode_kernel_sinks_and_window_match_the_torch_path(dtype, windo
     for sid in range(len(lens)):
         pages = pool.pages_of(sid)
         tables[sid, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    scratch = make_decode_scratch(len(lens), Hq, D, max_pages * ps, "cpu", partition_size=part)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, pool.k[0], pool.v[0], tables, torch.tensor(lens, dtype=torch.int32), D ** -0.5, out,
-                           scratch, ps, sinks=sinks, window=window)
+    scratch = make_decode_scratch(len(lens), Hq, D, max_pages * ps, device, partition_size=part)
+    out = torch.full_like(q, float("nan"), device=device)
+    paged_decode_attention(q.to(device), pool.k[0].to(device), pool.v[0].to(device), tables.to(device),
+                           torch.tensor(lens, dtype=torch.int32, device=device), D ** -0.5, out, scratch, ps,
+                           sinks=None if sinks is None else sinks.to(device), window=window)
+    out = out.cpu()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     live = [i for i, n in enumerate(lens) if n]
     seqs = [SeqSlice(sid, j, 1, lens[sid], pool.page_table(sid)) for j, sid in enumerate(live)]
@@ -466,20 +479,6 @@ def test_cpu_executor_falls_back_to_torch_with_one_log_line(tiny, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "edgemoe.experts.cpu_executor"]
     assert lines == ["native CPU expert executor computes SiLU SwiGLU experts without biases, not swiglu_oai "
                      "(alpha 1.702, limit 1) with biases; using the torch-ops executor"]
-
-
-def test_device_decode_path_is_off_with_a_reason(tiny, monkeypatch):
-    """Where the Triton kernels would run, a gpt-oss model keeps decode on the eager path and says why."""
-    from edgemoe.engine import expert_runtime
-    from edgemoe.engine.expert_runtime import DecodePath
-
-    monkeypatch.setattr(expert_runtime, "unavailable_reason", lambda device: None)
-    runner = ModelRunner(tiny[0], _engine_config(), progress=False)
-    assert runner.experts.decode_path is DecodePath.EAGER and runner.experts.device_decode is None
-    assert runner.experts.decode_path_reason == ("the Triton expert kernels do not compute swiglu_oai (alpha 1.702, "
-                                                 "limit 1) with biases experts yet (torch ops instead)")
-    assert runner.graphs is None
-    assert "decode path  eager (the Triton expert kernels do not compute swiglu_oai" in runner.summary()
 
 
 def test_grouped_kernel_is_not_used_for_these_experts(monkeypatch):

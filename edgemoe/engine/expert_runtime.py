@@ -205,21 +205,17 @@ class ExpertRuntime:
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device, the cache has slots and the Triton expert kernels compute the model's experts
-        (plain SiLU SwiGLU, no biases); otherwise decode takes the eager path."""
+        on this device and the cache has slots; otherwise decode takes the eager path."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"
-        act = self.pool.activation
-        if reason is None and not act.plain:
-            reason = f"the Triton expert kernels do not compute {act.describe()} experts yet (torch ops instead)"
         if reason is not None:
             self.decode_path_reason = reason
             return
         cfg = self.model_config
         dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k,
-                          self.config.max_num_seqs)
+                          self.config.max_num_seqs, self.hybrid.layer_biases)
         self.hybrid.device_decode = dd
         graphs = not self.config.enforce_eager and dd.capturable and self.graphs_supported
         self.decode_path = DecodePath.DEVICE_GRAPHS if graphs else DecodePath.DEVICE

@@ -29,6 +29,8 @@ the step cannot be captured.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from edgemoe.experts.cache import ExpertCache
@@ -51,6 +53,9 @@ class DeviceDecode:
         num_experts: ``E``, experts per MoE layer.
         top_k: routed experts per token.
         max_tokens: largest decode batch.
+        layer_biases: ``layer_biases(moe_layer)`` -> that layer's expert biases ``(b13 [E, 2I], b2 [E, H])`` on
+            the device (``HybridExperts.layer_biases``), or ``None``; the activation is ``pool.activation``
+            (SiLU SwiGLU, or gpt-oss's clamped SwiGLU).
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -60,7 +65,8 @@ class DeviceDecode:
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
-                 num_experts: int, top_k: int, max_tokens: int):
+                 num_experts: int, top_k: int, max_tokens: int,
+                 layer_biases: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] = lambda _layer: None):
         from edgemoe.kernels import doorbell
         from edgemoe.kernels.expert_gemv import expert_gemv
         from edgemoe.kernels.gather import gather_fills
@@ -70,6 +76,9 @@ class DeviceDecode:
         self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         self.num_experts = num_experts
+        self.layer_biases = layer_biases
+        act = pool.activation
+        self.swiglu_oai = (act.alpha, act.limit) if act.kind == "swiglu_oai" else None
         dev = self.device = cache.device
         P = max_tokens * top_k
         H, I = pool.hidden, pool.intermediate
@@ -133,7 +142,8 @@ class DeviceDecode:
             self.step.close()
             self.step = self.bell = None
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer's decode step.
 
         Args:
@@ -160,7 +170,8 @@ class DeviceDecode:
         if self.fills:
             self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
         routed = self.routed[:T]
-        self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act)
+        self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act, self.swiglu_oai, topk_ids,
+                          self.layer_biases(moe_layer))
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
             if self.step is not None:

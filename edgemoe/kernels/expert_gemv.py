@@ -2,10 +2,13 @@
 
 Every route ``p = t·k + j`` whose slot ``s = slot_tk[p]`` is on the device computes
 
-    [g; u] = w13[s] @ x[t]          (g: rows [0, I), u: rows [I, 2I) — the layout of ``swiglu_expert``)
-    out[t, j] = topk_weights[t, j] · (w2[s] @ (silu(g) · u))
+    [g; u] = w13[s] @ x[t] (+ b13[e])   (g: rows [0, I), u: rows [I, 2I) — the layout of ``swiglu_expert``)
+    out[t, j] = topk_weights[t, j] · (w2[s] @ act(g, u) (+ b2[e]))
 
-and routes with ``s < 0`` (CPU set) write zeros. Two launches: gate/up + activation into a caller
+with ``act`` SiLU SwiGLU, ``silu(g) · u``, or gpt-oss's clamped SwiGLU, ``(clamp(u, ±limit) + 1) ·
+g' · sigmoid(alpha · g')`` with ``g' = min(g, limit)`` (``ExpertActivation("swiglu_oai")``), the
+biases of the route's expert ``e = topk_ids[t, j]`` when the experts have them (gpt-oss), and routes
+with ``s < 0`` (CPU set) writing zeros. Two launches: gate/up + activation into a caller
 scratch ``a [P, I]``, then down projection + router weight. At decode a route reads its whole expert
 once (``3·I·H`` weights) for one token, so both launches are bandwidth-bound GEMVs: the grids split
 every route's output rows into blocks (``(P, I / BLOCK_I)`` and ``(P, H / BLOCK_O)``) so that even
@@ -13,8 +16,9 @@ every route's output rows into blocks (``(P, I / BLOCK_I)`` and ``(P, H / BLOCK_
 
 Numerics follow ``swiglu_expert`` in the weights' dtype (the eager GPU path,
 ``HybridExperts._run_device_pairs``): x is rounded to the weight dtype; float32 accumulation; each
-projection, ``silu(g)``, the activation product, and the router-weight product are rounded to the
-weight dtype.
+projection, each bias addition, every step of the activation (``silu(g)`` and its product; for
+gpt-oss ``u + 1``, ``alpha · g'``, the sigmoid and both products, as ``gated_activation`` rounds them),
+and the router-weight product are rounded to the weight dtype.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x,
-                    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gate_up_kernel(x_ptr, slot_ptr, ids_ptr, w13_ptr, b13_ptr, a_ptr, K, H, I, stride_x, alpha, limit,
+                    OAI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     s = tl.load(slot_ptr + p)
@@ -53,13 +57,25 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x,
             acc_u += tl.load(w_u + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xv[None, :]
         g = tl.sum(acc_g, axis=1).to(wdt).to(tl.float32)  # [BI]
         u = tl.sum(acc_u, axis=1).to(wdt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(wdt).to(tl.float32)
+        if HAS_BIAS:
+            b = b13_ptr + tl.load(ids_ptr + p) * (2 * I) + rows  # the route's expert's gate bias, then up's
+            g = (g + tl.load(b, mask=rmask, other=0.0).to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
+            u = (u + tl.load(b + I, mask=rmask, other=0.0).to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
+        if OAI:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            z = (g * alpha).to(wdt).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-z))).to(wdt).to(tl.float32)
+            act = (g * sig).to(wdt).to(tl.float32)
+            u = (u + 1.0).to(wdt).to(tl.float32)
+        else:
+            act = (g / (1.0 + tl.exp(-g))).to(wdt).to(tl.float32)
         tl.store(a_ptr + p.to(tl.int64) * I + rows, (act * u).to(wdt), mask=rmask)
 
 
 @triton.jit
-def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I,
-                 BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(a_ptr, slot_ptr, ids_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, H, I,
+                 HAS_BIAS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     rmask = rows < H
@@ -77,6 +93,9 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I,
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
             acc += w.to(tl.float32) * av[None, :]
         y = tl.sum(acc, axis=1).to(wdt).to(tl.float32)  # [BO]
+        if HAS_BIAS:
+            b = tl.load(b2_ptr + tl.load(ids_ptr + p) * H + rows, mask=rmask, other=0.0)
+            y = (y + b.to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
         r = tl.load(wt_ptr + p).to(wdt).to(tl.float32)
         y = (y * r).to(wdt).to(odt)
     else:
@@ -85,8 +104,11 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I,
 
 
 def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, out: torch.Tensor, a: torch.Tensor) -> None:
-    """Weighted SwiGLU outputs of every (token, k) route whose expert sits in a cache slot.
+                w2: torch.Tensor, out: torch.Tensor, a: torch.Tensor, swiglu_oai: tuple[float, float] | None = None,
+                topk_ids: torch.Tensor | None = None,
+                biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Weighted expert outputs (SwiGLU, or gpt-oss's clamped SwiGLU with biases) of every (token, k) route
+    whose expert sits in a cache slot.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; rounded to the weight dtype; rows may be strided).
@@ -95,13 +117,18 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         w13: ``[S, 2I, H]`` cache bank (gate rows then up rows), w2: ``[S, H, I]``; contiguous, same dtype.
         out: ``[T, k, H]`` contiguous; route rows are overwritten (zeros for ``slot < 0``).
         a: ``[>= T·k, I]`` contiguous scratch in the weight dtype (the SwiGLU activations).
+        swiglu_oai: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU, or ``None`` for SiLU SwiGLU.
+        topk_ids: ``[T, k]`` int64 expert index within the layer of each route, contiguous (indexes
+            ``biases``).
+        biases: ``(b13 [E, 2I], b2 [E, H])`` of the layer's experts, contiguous, any float dtype (gate's
+            bias then up's), or ``None``.
 
     Raises:
-        ValueError: shape, dtype or contiguity mismatch.
+        ValueError: shape, dtype or contiguity mismatch, or biases without ``topk_ids``.
 
-    Source: the SwiGLU expert of Qwen3-MoE (``swiglu_expert``, ``transformers``' ``Qwen3MoeExperts``);
-    the split-rows GEMV is the usual bandwidth-bound decode layout (one program per block of output
-    rows of one route).
+    Source: the experts of Qwen3-MoE and gpt-oss (``swiglu_expert``; ``transformers``' ``Qwen3MoeExperts``,
+    ``GptOssExperts``); the split-rows GEMV is the usual bandwidth-bound decode layout (one program per
+    block of output rows of one route).
     """
     T, H = x.shape
     k = topk_weights.shape[1] if topk_weights.dim() == 2 else -1
@@ -109,7 +136,8 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
     I = two_i // 2
     P = T * k
     if tuple(topk_weights.shape) != (T, k) or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, got {tuple(topk_weights.shape)}")
+        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, "
+                         f"got {tuple(topk_weights.shape)}")
     if H13 != H or two_i != 2 * I or tuple(w2.shape) != (S, H, I) or w2.dtype != w13.dtype:
         raise ValueError(f"banks w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} {w2.dtype} do not match x [T, {H}]")
     if not (w13.is_contiguous() and w2.is_contiguous()) or x.stride(1) != 1:
@@ -120,7 +148,24 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         raise ValueError(f"out must be a contiguous [{T}, {k}, {H}] tensor, got {tuple(out.shape)}")
     if a.dtype != w13.dtype or a.dim() != 2 or a.shape[0] < P or a.shape[1] != I or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [>= {P}, {I}] {w13.dtype} scratch, got {a.dtype} {tuple(a.shape)}")
-    _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, a, k, H, I, x.stride(0),
+    if biases is not None:
+        b13, b2 = biases
+        E = b13.shape[0]
+        if tuple(b13.shape) != (E, 2 * I) or tuple(b2.shape) != (E, H) or not b13.is_contiguous() \
+                or not b2.is_contiguous():
+            raise ValueError(f"biases must be contiguous [E, {2 * I}] and [E, {H}] tensors, got "
+                             f"{tuple(b13.shape)} / {tuple(b2.shape)}")
+        if (topk_ids is None or tuple(topk_ids.shape) != (T, k) or topk_ids.dtype != torch.int64
+                or not topk_ids.is_contiguous()):
+            raise ValueError(f"topk_ids must be a contiguous int64 [{T}, {k}] tensor with biases")
+        ids = topk_ids
+    else:
+        b13 = b2 = w13  # unread placeholders
+        ids = slot_tk
+    alpha, limit = swiglu_oai if swiglu_oai is not None else (1.0, 0.0)
+    _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, ids, w13, b13, a, k, H, I, x.stride(0), float(alpha),
+                                                 float(limit), OAI=swiglu_oai is not None, HAS_BIAS=biases is not None,
                                                  BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
-    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, topk_weights, out, H, I,
-                                              BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, ids, w2, b2, topk_weights, out, H, I,
+                                              HAS_BIAS=biases is not None, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
+                                              num_warps=NUM_WARPS)
