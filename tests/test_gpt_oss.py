@@ -395,6 +395,20 @@ def test_released_geometries_config_only(tmp_path, preset, layers, experts, tota
     assert abs(param_count(config_for("gpt_oss", preset)) - total) / total < 0.001
 
 
+def test_cli_config_only_for_dummy_weight_benchmarks(tmp_path, capsys):
+    """``edgemoe make-model --arch gpt_oss --preset gpt-oss-120b --config-only``: config, generation config and
+    the Harmony tokenizer, no weights."""
+    from edgemoe.cli import main
+
+    out = tmp_path / "120b"
+    assert main(["make-model", "--arch", "gpt_oss", "--preset", "gpt-oss-120b", "--out", str(out),
+                 "--config-only"]) == 0
+    assert not list(out.glob("*.safetensors"))
+    cfg = load_config(out)
+    assert (cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) == (36, 128, 2880, 2880)
+    assert "<|channel|>" in (out / "tokenizer_config.json").read_text() + (out / "tokenizer.json").read_text()
+
+
 def test_config_only_serves_dummy_weights(tmp_path):
     """``make-model --config-only`` + ``--load-format dummy`` (the benchmark path), at a reduced depth and width."""
     small = {"hidden_size": 128, "num_hidden_layers": 2, "num_local_experts": 16, "num_attention_heads": 4,
@@ -442,7 +456,11 @@ def test_variant_geometry(checkpoint):
     names = dict(ModelRunner(path, _engine_config(dtype=dtype), progress=False).model.named_parameters())
     assert ("lm_head.weight" in names) == (not cfg.tie_word_embeddings)
     assert cfg.sliding_window == 4 < len(PROMPT) and cfg.torch_dtype == dtype
-    assert load_file(path / "model.safetensors")["model.layers.1.mlp.experts.down_proj_bias"].abs().sum() > 0
+    sd = load_file(path / "model.safetensors")
+    for name in ("mlp.experts.down_proj_bias", "mlp.experts.gate_up_proj_bias", "mlp.router.bias", "self_attn.sinks"):
+        assert sd[f"model.layers.1.{name}"].float().abs().min() > 0, name  # nonzero: the parity depends on them
+    rope = cfg.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] > 1 and cfg.top_k == 4
 
 
 def test_batched_and_chunked_match_alone(tiny):
