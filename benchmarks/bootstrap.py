@@ -10,7 +10,7 @@ Steps (each result goes into the table and the JSON written to ``--out``):
    geometry) and times ``edgemoe convert`` on it (twice the disk, much slower to build). The default
    geometry is Qwen3-30B-A3B's (``--preset qwen3-30b-a3b``) with ``L`` chosen to give
    ``--experts-gb`` of experts (20 GB -> 17 layers of 1.21 GB). No network is needed.
-2. **Disk.** ``dd if=BANK of=/dev/null bs=16M iflag=direct`` over both bank files: the sequential
+2. **Disk.** ``dd if=BANK of=/dev/null bs=16M iflag=direct`` over the bank file: the sequential
    direct-I/O bandwidth of the disk holding the model, measured in the same run.
 3. **Read routes** into a fresh page-aligned host pool, page cache dropped for the files first
    (``posix_fadvise(DONTNEED)``): direct zero-copy with crc32 (the engine's route), the same without
@@ -123,8 +123,11 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
     import torch
 
     from edgemoe.config import parse_dtype
+    from edgemoe.experts.pool import HostExpertPool
     from edgemoe.models import load_config
     from edgemoe.models import model_class
+    from edgemoe.quant.layout import ExpertLayout
+    from edgemoe.quant.weights import WeightFormat
     from edgemoe.synth import write_config_only
     from edgemoe.weights.ftw import FTWWriter
 
@@ -138,19 +141,13 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
     E = cfg.num_experts
-    with FTWWriter(out, cfg, dt, source={"path": "synthetic (benchmarks/bootstrap.py --source direct)",
-                                         "fingerprint": f"seed:{seed}", "files": []}, overwrite=True) as w:
-        for name in ("w13", "w2"):
-            shape = w.banks[name].row_shape
-            n = int(torch.Size(shape).numel())
-            src = (torch.randn(2 * n + 1, generator=g) * 0.02).to(dt)
-            buf = torch.empty((E, *shape), dtype=dt)
-            for layer in range(cfg.num_moe_layers):
-                offs = torch.randint(0, n + 1, (E,), generator=g).tolist()
-                flat = buf.view(E, n)
-                for e in range(E):
-                    flat[e].copy_(src[offs[e]:offs[e] + n])
-                w.write_rows(name, buf)
+    layout = ExpertLayout.build(WeightFormat.for_dtype(dt), cfg.hidden_size, cfg.moe_intermediate_size)
+    layer_pool = HostExpertPool(E, layout)  # one MoE layer of random rows, refilled per layer
+    with FTWWriter(out, cfg, layout, source={"path": "synthetic (benchmarks/bootstrap.py --source direct)",
+                                             "fingerprint": f"seed:{seed}", "files": []}, overwrite=True) as w:
+        for layer in range(cfg.num_moe_layers):
+            layer_pool.fill_random(seed + layer)
+            w.write_rows(layer_pool.bank)
         tensors = {}
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
@@ -230,45 +227,38 @@ def filesystem_of(path: Path) -> str:
 
 def read_route(model_dir: Path, label: str, *, direct: bool, verify: bool, staging: bool, workers: int | None,
                pin: str | None = None, huge_pages: bool = False) -> dict:
-    """Read both banks into a fresh destination; ``pin``: None, "first", "after" or "cuda_alloc";
+    """Read the expert bank into a fresh destination; ``pin``: None, "first", "after" or "cuda_alloc";
     ``huge_pages``: destination advised ``MADV_HUGEPAGE`` (instead of the pool's default)."""
     import torch
 
-    from edgemoe.config import parse_dtype
-    from edgemoe.models import load_config
     from edgemoe.experts.pool import HostExpertPool, host_empty
-    from edgemoe.weights.ftw import bank_sources, read_manifest
+    from edgemoe.weights.ftw import bank_source, read_manifest
     from edgemoe.weights.ftw.direct_io import read_banks
 
     man = read_manifest(model_dir)
-    src = bank_sources(man, model_dir)
-    cfg = load_config(model_dir)
-    dtype = parse_dtype(man.banks["w13"].dtype)
-    drop_cache([s.path for s in src.values()])
+    src = bank_source(man, model_dir)
+    drop_cache([src.path])
     gc.collect()
     res = {"route": label, "direct": direct, "verify": verify, "staging": staging}
     t0 = time.perf_counter()
     pin_s = 0.0
     if pin == "cuda_alloc":
-        w13 = torch.empty((src["w13"].rows, *src["w13"].row_shape), dtype=dtype, pin_memory=True)
-        w2 = torch.empty((src["w2"].rows, *src["w2"].row_shape), dtype=dtype, pin_memory=True)
+        dest = torch.empty((src.rows, src.row_bytes), dtype=torch.uint8, pin_memory=True)
         pool = None
         pin_s = time.perf_counter() - t0
-        dests = (w13, w2)
     elif huge_pages:
         pool = None
-        dests = tuple(host_empty((s.rows, *s.row_shape), dtype, huge_pages=True) for s in (src["w13"], src["w2"]))
+        dest = host_empty((src.rows, src.row_bytes), torch.uint8, huge_pages=True)
     else:
-        pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        pool = HostExpertPool(src.rows, src.layout)
         if pin == "first":
             t1 = time.perf_counter()
             if not pool.pin():
                 res["error"] = "pin refused"
                 return res
             pin_s = time.perf_counter() - t1
-        dests = pool.banks()
-    stats = read_banks([(src["w13"], dests[0]), (src["w2"], dests[1])], workers=workers, direct=direct,
-                       verify=verify, staging=staging)
+        dest = pool.bank
+    stats = read_banks([(src, dest)], workers=workers, direct=direct, verify=verify, staging=staging)
     if pin == "after":
         t1 = time.perf_counter()
         if not pool.pin():
@@ -280,7 +270,7 @@ def read_route(model_dir: Path, label: str, *, direct: bool, verify: bool, stagi
                 "direct_effective": stats.direct, "workers": stats.workers, "fallbacks": stats.fallbacks})
     if pool is not None:
         pool.unpin()
-    del pool, dests
+    del pool, dest
     gc.collect()
     if pin == "cuda_alloc" and hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()  # give the cached pinned blocks back before the next measurement
@@ -322,7 +312,7 @@ def main() -> int:
 
     import torch
 
-    from edgemoe.weights.ftw import BANK_FILES, is_ftw, read_manifest
+    from edgemoe.weights.ftw import BANK_FILE, is_ftw, read_manifest
     from edgemoe.weights.ftw.direct_io import default_workers
 
     if args.experts_gb is None and args.layers is None and args.preset == "qwen3-30b-a3b":
@@ -346,8 +336,8 @@ def main() -> int:
         result["build"] = (build_direct(ftw_dir, args.preset, overrides, args.dtype, args.seed) if args.source == "direct"
                            else build_hf(hf_dir, ftw_dir, args.preset, overrides, args.dtype, args.seed))
     man = read_manifest(ftw_dir)
-    banks = [ftw_dir / BANK_FILES[b] for b in BANK_FILES]
-    bank_bytes = sum(b.nbytes for b in man.banks.values())
+    banks = [ftw_dir / BANK_FILE]
+    bank_bytes = man.bank.nbytes
     result["model"].update({"expert_bytes": bank_bytes, "non_expert_bytes": man.non_expert.nbytes,
                             "experts": man.experts.num_rows})
     print(f"model: {man.experts.num_rows} experts, {bank_bytes / GB:.2f} GB of banks, "

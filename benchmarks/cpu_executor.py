@@ -63,8 +63,8 @@ def _l3_bytes() -> int | None:
 
 
 def read_bandwidth(ex: native.NativeCpuExecutor, pool: HostExpertPool, seconds: float) -> float:
-    """GB/s of a parallel sum over both banks (their bytes read as float32), whole passes."""
-    views = [b.view(-1).view(torch.float32) for b in pool.banks()]  # bf16 pairs as float32: a byte stream
+    """GB/s of a parallel sum over the pool's byte bank (its bytes read as float32), whole passes."""
+    views = [pool.bank.view(-1).view(torch.float32)]  # the rows as float32: a byte stream
     nbytes = sum(v.numel() * 4 for v in views)
     for v in views:  # warm-up pass
         ex.sum_f32(v)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     build = {"seconds": b.seconds, "cached": b.cached, "dir": b.dir, "builder": b.builder}
     print(f"native extension: {'cached' if build.get('cached') else 'compiled'} in {time.perf_counter() - t0:.1f} s "
           f"({build.get('dir')})", flush=True)
-    pool = HostExpertPool(n_ids, H, I, dtype)
+    pool = HostExpertPool.dense(n_ids, H, I, dtype)
     t0 = time.perf_counter()
     pool.fill_random(seed=0)
     print(f"pool: {n_ids} experts x {row / 1e6:.2f} MB = {pool.nbytes / 1e9:.2f} GB ({args.dtype}), "

@@ -1,15 +1,18 @@
-"""Decode benchmark: tokens/s, hit rate and q*/m per expert-cache budget and policy, batch 1.
+"""Decode benchmark: tokens/s, hit rate and q*/m per expert-cache budget, policy and batch size.
 
 Loads the model once (``--load-format dummy`` by default: full geometry from config.json, random
-weights, no disk), measures B_P/B_H on this machine, then for each budget (GB of expert cache) and
-policy rebuilds the expert cache in place, prefills a prompt and times greedy decode. The
-all-resident run (every expert cached) is the ceiling. Writes a markdown table and a JSON file.
+weights, no disk), measures B_P/B_H on this machine, then for each budget (GB of expert cache),
+policy and batch size (``--batch-sizes``: sequences decoded together) rebuilds the expert cache in
+place, prefills the prompt of each sequence and times decode steps. The all-resident run (every
+expert cached) is the ceiling of each batch size. tokens/s counts every sequence's tokens; ms/token
+is per step. Writes a markdown table and a JSON file.
 
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
     python benchmarks/decode.py --arch deepseek_v3 --preset deepseek-v3 --layers 8 --budgets 8,16,32 --out results/
+    python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8 --policies qstar --batch-sizes 1,4,16,64
 
-The bound each run is compared with (bound/measured; issue 3 asks >= 0.7) is the all-resident time per
-token plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
+The bound each run is compared with (bound/measured; the target is >= 0.7) is the all-resident time per
+step of its batch size plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
 rate measured alone when the policy uses one branch, and at the concurrent pair's rates when it uses both.
 
 Random weights route near-uniformly, so the hit rate approaches the cache's share of experts: real
@@ -24,18 +27,17 @@ import platform
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
-from edgemoe.experts.bandwidth import bandwidths_from_profile, measure  # noqa: E402
-
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
 
 PREFILL_CHUNK = 8192
 
@@ -46,52 +48,59 @@ def _sync(dev: torch.device) -> None:
 
 
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
-            feed: list[int] | None, skip_prefill: bool = False) -> dict:
-    """Prefill ``prompt`` then decode ``warmup + tokens`` tokens; time the last ``tokens``.
+            feed: list[int] | None, skip_prefill: bool = False, batch: int = 1) -> dict:
+    """Prefill ``prompt`` for each of ``batch`` sequences, then decode them together ``warmup + tokens``
+    steps; time the last ``tokens`` steps (each decodes one token of every sequence).
 
-    ``feed``: the token given to each decode step (teacher forcing); ``None`` feeds back the greedy
-    token. A random-weight model's greedy output repeats one token, which would route every step to
-    the same experts; feeding random tokens gives near-uniform routing instead (the pessimistic case).
+    ``feed``: the tokens given to the decode steps (teacher forcing; sequence ``i`` of step ``s`` takes
+    ``feed[(s * batch + i) % len(feed)]``); ``None`` feeds back the greedy token. A random-weight
+    model's greedy output repeats one token, which would route every step to the same experts;
+    feeding random tokens gives near-uniform routing instead (the pessimistic case).
     """
     runner.set_expert_cache(slots, policy)
     dev = runner.device
     _sync(dev)
     t0 = time.perf_counter()
-    if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
-        runner.kv.allocate(0, len(prompt))
-        tok = prompt[-1]
-    else:
+    toks = []
+    for i in range(batch):
+        if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
+            runner.kv.allocate(i, len(prompt))
+            toks.append(prompt[-1])
+            continue
         for start in range(0, len(prompt), PREFILL_CHUNK):
-            logits = runner.execute([StepInput(0, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
-        tok = int(logits[0].argmax())
+            logits = runner.execute([StepInput(i, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
+        toks.append(int(logits[0].argmax()))
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     pos = len(prompt)
     step = 0
 
-    def next_input(t: int) -> int:
-        return t if feed is None else feed[step % len(feed)]
+    def decode_step() -> None:
+        nonlocal pos, step
+        ids = [toks[i] if feed is None else feed[(step * batch + i) % len(feed)] for i in range(batch)]
+        logits = runner.execute([StepInput(i, [t], pos) for i, t in enumerate(ids)], Phase.DECODE)
+        toks[:] = logits.argmax(dim=-1).tolist()
+        pos, step = pos + 1, step + 1
 
     for _ in range(warmup):
-        tok = int(runner.execute([StepInput(0, [next_input(tok)], pos)], Phase.DECODE)[0].argmax())
-        pos, step = pos + 1, step + 1
+        decode_step()
     before = dict(runner.experts.stats()["decode"])
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(tokens):
-        tok = int(runner.execute([StepInput(0, [next_input(tok)], pos)], Phase.DECODE)[0].argmax())
-        pos, step = pos + 1, step + 1
+        decode_step()
     _sync(dev)
     dt = time.perf_counter() - t0
     after = runner.experts.stats()["decode"]
     d = {k: after[k] - before[k] for k in after}
-    runner.free(0)
+    for i in range(batch):
+        runner.free(i)
     uses = d["hits"] + d["misses"]
     row = runner.pool.row_bytes
     return {
-        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt),
+        "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt), "batch": batch,
         "decode_path": runner.experts.decode_path,
-        "tokens_per_s": tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
+        "tokens_per_s": batch * tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
         "hit_rate": d["hits"] / uses if uses else 0.0,
         "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
         "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
@@ -159,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1", help="sequences decoded together, e.g. 1,4,16,64 (default 1)")
     ap.add_argument("--cpu-threads", type=int)
     ap.add_argument("--profile-seconds", type=float, default=1.0)
     ap.add_argument("--decode-input", default="random", choices=["random", "greedy"],
@@ -175,14 +185,21 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     model = model_dir(a)
+    batches = [int(b) for b in a.batch_sizes.split(",") if b]
+    from edgemoe.models import load_config
+
+    limit = load_config(model).context_length()
+    max_len = max([min(4096, limit), *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]])
+    per_seq = a.prompt_len + a.warmup + a.tokens + 16
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
-                       max_model_len=max([4096, *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]]))
+                       max_model_len=max_len, max_num_seqs=max(batches),
+                       kv_cache_tokens=max(max_len, max(batches) * per_seq))
     t0 = time.perf_counter()
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
-    prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                   runner.experts.cpu_executor, a.profile_seconds, 2_000_000_000)
+    prof = measure(runner.pool, runner.pool.layout, runner.device, runner.experts.cpu_executor, a.profile_seconds,
+                   2_000_000_000)
     runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
@@ -192,38 +209,42 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist()
-    feed = None if a.decode_input == "greedy" else torch.randint(0, vocab, (a.warmup + a.tokens,), generator=g).tolist()
+    feed = None if a.decode_input == "greedy" else torch.randint(
+        0, vocab, ((a.warmup + a.tokens) * max(batches),), generator=g).tolist()
     row = runner.pool.row_bytes
     results = []
+    resident_ms: dict[int, float] = {}
     if not a.no_resident:
         # every expert placed and pinned up front: all hits, the ceiling
-        r = run_one(runner, runner.pool.num_ids, "static", prompt, a.warmup, a.tokens, feed)
-        r["budget_gb"] = "all (resident)"
-        results.append(r)
-        print(r, flush=True)
+        for b in batches:
+            r = run_one(runner, runner.pool.num_ids, "static", prompt, a.warmup, a.tokens, feed, batch=b)
+            r["budget_gb"] = "all (resident)"
+            resident_ms[b] = r["ms_per_token"]
+            results.append(r)
+            print(r, flush=True)
         for ctx in [int(c) for c in a.contexts.split(",") if c]:
             long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
             r = run_one(runner, runner.pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
             r["budget_gb"] = "all (resident)"
             results.append(r)
             print(r, flush=True)
-    resident_ms = next((r["ms_per_token"] for r in results if r["context"] == a.prompt_len), None)
-    for gb, pol in [(float(gb), p) for gb in a.budgets.split(",") if gb for p in a.policies.split(",") if p]:
-        r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed)
+    runs = [(float(gb), p, b) for gb in a.budgets.split(",") if gb for p in a.policies.split(",") if p for b in batches]
+    for gb, pol, b in runs:
+        r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b)
         r["budget_gb"] = gb
         # bytes-bound limit: the resident step plus the slower miss branch, each at the rate measured
         # alone (one branch in use) or while both run (both in use: the concurrent pair)
         both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
         rates = prof["concurrent"] if both else prof["isolated"]
-        if resident_ms is not None and rates["b_p_gbps"] and rates["b_h_gbps"]:
+        if b in resident_ms and rates["b_p_gbps"] and rates["b_h_gbps"]:
             miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
                           r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
-            r["bound_ms"] = resident_ms + miss_ms
+            r["bound_ms"] = resident_ms[b] + miss_ms
             r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
         results.append(r)
         print(r, flush=True)
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
@@ -232,20 +253,22 @@ def main(argv=None) -> int:
         "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
         "pinned": runner.pinned, "load_s": load_s, "profile": prof,
         "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu, "source": runner.experts.bandwidths.source},
-        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens, "decode_input": a.decode_input, "routing": a.routing,
+        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
+        "batch_sizes": batches, "decode_input": a.decode_input, "routing": a.routing,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [
-        "| budget (GB) | policy | context | tokens/s | ms/token | bound ms | bound/measured | hit rate | fills/token "
-        "| CPU experts/token | q*/m (policy) | q/m (observed) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| budget (GB) | policy | batch | context | tokens/s | ms/step | bound ms | bound/measured | hit rate "
+        "| fills/step | CPU experts/step | q*/m (policy) | q/m (observed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
         bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
-        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | "
+        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ms_per_token']:.2f} | "
                      f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
                      f"{r['q_ratio_policy']:.3f} | {qo} |")
     table = "\n".join(lines)

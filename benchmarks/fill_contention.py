@@ -63,9 +63,9 @@ class CpuLoad:
         self.thread.join()
 
 
-def time_fills(kind: str, src: HostExpertPool, banks, q: int, reps: int) -> float:
-    """GB/s of copying ``q`` experts per call, ``reps`` calls, rotating over the source rows."""
-    dev = banks[0].device
+def time_fills(kind: str, src: HostExpertPool, bank: torch.Tensor, q: int, reps: int) -> float:
+    """GB/s of copying ``q`` packed expert rows per call into ``bank``, ``reps`` calls, rotating over the source rows."""
+    dev = bank.device
     meta = torch.tensor([0, 0, q, 0], dtype=torch.int32, device=dev)
     slots = torch.arange(q, dtype=torch.int64, device=dev)
     fids = [torch.arange(i * q, (i + 1) * q, dtype=torch.int64, device=dev) % src.num_ids for i in range(reps)]
@@ -73,12 +73,11 @@ def time_fills(kind: str, src: HostExpertPool, banks, q: int, reps: int) -> floa
     t0 = time.perf_counter()
     for i in range(reps):
         if kind == "gather":
-            gather_fills(meta, fids[i], slots, src.w13, src.w2, banks[0], banks[1])
+            gather_fills(meta, fids[i], slots, src.bank, bank)
         else:
             for j in range(q):
                 f = (i * q + j) % src.num_ids
-                banks[0][j].copy_(src.w13[f], non_blocking=True)
-                banks[1][j].copy_(src.w2[f], non_blocking=True)
+                bank[j].copy_(src.bank[f], non_blocking=True)
     torch.cuda.synchronize()
     return reps * q * src.row_bytes / (time.perf_counter() - t0) / 1e9
 
@@ -93,13 +92,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     row = 3 * H * I * 2
-    fill_pool = HostExpertPool(int(a.fill_gb * 1e9 // row), H, I, torch.bfloat16)
-    cpu_pool = HostExpertPool(int(a.cpu_gb * 1e9 // row), H, I, torch.bfloat16)
+    fill_pool = HostExpertPool.dense(int(a.fill_gb * 1e9 // row), H, I, torch.bfloat16)
+    cpu_pool = HostExpertPool.dense(int(a.cpu_gb * 1e9 // row), H, I, torch.bfloat16)
     for p in (fill_pool, cpu_pool):
         p.fill_random(0)
     fill_pool.pin()
-    banks = [torch.empty((a.q, *fill_pool.w13.shape[1:]), dtype=torch.bfloat16, device="cuda"),
-             torch.empty((a.q, *fill_pool.w2.shape[1:]), dtype=torch.bfloat16, device="cuda")]
+    banks = torch.empty((a.q, fill_pool.row_bytes), dtype=torch.uint8, device="cuda")
     for kind in ("gather", "memcpy"):  # warm up (Triton compiles)
         time_fills(kind, fill_pool, banks, a.q, 2)
     res = {}

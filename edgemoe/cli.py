@@ -259,10 +259,10 @@ def _cmd_make_model(args) -> int:
     try:
         if args.config_only:
             path = write_config_only(args.out, arch, args.preset, tokenizer=args.tokenizer, dtype=args.dtype,
-                                     overwrite=args.overwrite)
+                                     overwrite=args.overwrite, quant=args.quant)
         else:
             path = make_model(args.out, arch, args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, quant=args.quant)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         raise CLIError(str(exc)) from None
     print(path if path is not None else args.out)
@@ -292,9 +292,9 @@ def _cmd_convert(args) -> int:
         print(f"edgemoe: error: {e}", file=sys.stderr)
         return 2
     man = read_manifest(path)
-    gb = sum(b.nbytes for b in man.banks.values()) / 1e9
-    print(f"{path}: FTW v{FORMAT_VERSION}, {man.experts.num_rows} experts, {gb:.2f} GB of expert banks "
-          f"({man.banks['w13'].dtype}) + {man.non_expert.nbytes / 1e9:.2f} GB non-expert")
+    print(f"{path}: FTW v{FORMAT_VERSION}, {man.experts.num_rows} {man.layout['format']} experts, "
+          f"{man.bank.nbytes / 1e9:.2f} GB of expert rows ({man.bank.row_bytes / 1e6:.2f} MB each) + "
+          f"{man.non_expert.nbytes / 1e9:.2f} GB non-expert")
     return 0
 
 
@@ -307,7 +307,8 @@ def _register_convert(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
     p.add_argument("out_dir", help="FTW directory to create")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                   help="store weights in this dtype (default: the checkpoint's)")
+                   help="store float weights in this dtype (default: the checkpoint's; quantized experts keep their "
+                        "format, quantized non-expert weights are dequantized into it)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
@@ -427,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--config-only", action="store_true", help="config + tokenizer only (use --load-format dummy)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds a model")
+
+    from edgemoe.synth import QUANT_LAYOUTS
+
+    p.add_argument("--quant", default=None, choices=list(QUANT_LAYOUTS),
+                   help="write the weights in a released quantized layout: fp8 (block-128, Qwen3/DeepSeek FP8), "
+                        "mxfp4 (gpt-oss's fused experts), nvfp4-modelopt, nvfp4-ct (compressed-tensors); with "
+                        "--config-only, only its quantization_config (dummy weights of that format)")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("profile", help="measure B_P and B_H for this machine and model")
@@ -468,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``edgemoe`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging("warning" if getattr(args, "json", False) else getattr(args, "log_level", "info"))
+    _configure_logging("warning" if getattr(args, "json", False) else getattr(args, "log_level", None) or "info")
     try:
         return args.func(args)
     except CLIError as exc:

@@ -151,8 +151,9 @@ class ModelConfig:
     ``"sliding_attention"`` for attention over the last ``sliding_window`` positions (the query's
     own included), or ``"linear_attention"`` for a gated DeltaNet layer described by
     ``linear_attention``); empty means every layer is full attention. Full attention rotates the
-    first ``partial_rotary_factor * head_dim`` dims and, with ``attn_output_gate``, gates its output by a sigmoid of a second
-    ``q_proj`` half. ``shared_expert_intermediate_size`` > 0 adds a shared expert to every MoE block.
+    first ``partial_rotary_factor * head_dim`` dims and, with ``attn_output_gate``, gates its output by a
+    sigmoid of a second ``q_proj`` half. ``shared_expert_intermediate_size`` > 0 adds a shared expert to
+    every MoE block.
     ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3 always; optional for GLM-4.5).
     ``group_routing`` replaces the softmax top-k router by sigmoid, bias-corrected, group-limited
     routing. ``num_mtp_layers`` multi-token-prediction layers follow the decoder in the checkpoint

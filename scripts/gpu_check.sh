@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu decode prefill prefill-profile grouped agent (default: tests decode prefill)
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
+#        prefill-profile grouped agent (default: tests decode prefill)
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# packages the host lacks (pydantic, FastAPI, uvicorn, llguidance...) travel as wheels in .whl/ (carried)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "installing .whl/ failed" >&2; exit 1; }
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill)
 {
@@ -29,6 +35,22 @@ for stage in "${stages[@]}"; do
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
     timeout 240 python3 benchmarks/cpu_executor.py --threads 6,16 --batch 1,8 --experts-per-call 8 \
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
+  threads)
+    echo "== native executor B_H per thread count (1..cores), planned vs as asked, alone and beside 1 busy process"
+    for sp in 0 1; do
+      timeout 280 python3 benchmarks/thread_scaling.py executor --spinners $sp --seconds 0.5 --out "$OUT/threads-exec-s$sp" \
+        2>&1 | tee "$OUT/threads-exec-s$sp.log" | tail -n 70
+    done ;;
+  threads-decode)
+    echo "== decode tokens/s per CPU thread count (16-layer Qwen3-30B-A3B geometry, 2.42 GB expert cache)"
+    timeout ${THREADS_TIMEOUT:-580} python3 benchmarks/thread_scaling.py decode --layers 16 --budgets 2.42 \
+      --policies qstar,cpu-all --plans planned,as-asked --tokens 32 --warmup 8 --out "$OUT/threads-decode" ${THREADS_ARGS:-} 2>&1 \
+      | tee "$OUT/threads-decode.log" | tail -n 45 ;;
+  batches)
+    echo "== decode throughput at batch 1/4/16/64 (16-layer Qwen3-30B-A3B geometry, uniform routing)"
+    timeout ${BATCHES_TIMEOUT:-580} python3 benchmarks/decode.py --layers 16 --budgets 2.42,6.04 --policies qstar \
+      --batch-sizes 1,4,16,64 --tokens 32 --out "$OUT/batches" ${BATCHES_ARGS:-} 2>&1 | tee "$OUT/batches.log" \
+      | grep -v "^{'policy'" | tail -n 20 ;;
   decode)
     echo "== decode benchmark (Qwen3-30B-A3B geometry, dummy weights)"
     timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/decode.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" \

@@ -299,10 +299,12 @@ def start_agent_server(model_dir: Path, name: str | tuple[str, ...], *, engine_o
     from edgemoe.config import EngineConfig
     from edgemoe.engine.async_engine import AsyncLLM
 
+    from edgemoe.models import load_config
+
     @contextlib.contextmanager
     def run():
-        llm = AsyncLLM(str(model_dir), EngineConfig(device="cpu", **(engine_options or {"max_model_len": 4096})),
-                       progress=False)
+        default = {"max_model_len": min(4096, load_config(model_dir).context_length())}
+        llm = AsyncLLM(str(model_dir), EngineConfig(device="cpu", **(engine_options or default)), progress=False)
         try:
             assert llm.wait_ready(120)
             tok = llm.tokenizer

@@ -16,8 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-
-from edgemoe.experts.pool import HostExpertPool
 from edgemoe.models import load_config, model_class
 from edgemoe.synth import make_model
 from edgemoe.weights.ftw import (
@@ -64,18 +62,14 @@ def _load_hf(d: Path) -> None:
     cfg = load_config(d)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
-    pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                          torch.float32)
-    load_checkpoint(model, pool, d, torch.float32, torch.device("cpu"), cfg.num_experts, progress=False)
+    load_checkpoint(model, d, cfg, torch.float32, torch.device("cpu"), progress=False)
 
 
 def _load_ftw(d: Path) -> None:
     cfg = load_config(d)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
-    pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                          torch.float32)
-    load_ftw(model, pool, d, torch.float32, torch.device("cpu"), cfg, progress=False)
+    load_ftw(model, d, torch.float32, torch.device("cpu"), cfg, progress=False)
 
 
 def _flip_bit(path: Path, offset: int) -> None:
@@ -215,13 +209,14 @@ def test_intact_ftw_loads(ftw_dir):
     _load_ftw(ftw_dir)
 
 
-@pytest.mark.parametrize("bank", ["experts.w13.bin", "experts.w2.bin"])
-def test_flipped_bit_in_a_bank(ftw_dir, tmp_path, bank):
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.99])
+def test_flipped_bit_in_the_bank(ftw_dir, tmp_path, where):
     d = _copy(ftw_dir, tmp_path)
-    _flip_bit(d / bank, (d / bank).stat().st_size // 2)
+    bank = d / "experts.bin"
+    _flip_bit(bank, int(bank.stat().st_size * where))
     with pytest.raises(FTWChecksumError, match="checksum mismatch") as e:
         _load_ftw(d)
-    _one_line(e, d / bank, "MoE layers")
+    _one_line(e, bank, "MoE layers")
 
 
 def test_flipped_bit_in_the_non_expert_file(ftw_dir, tmp_path):
@@ -232,8 +227,7 @@ def test_flipped_bit_in_the_non_expert_file(ftw_dir, tmp_path):
     _one_line(e, d / "non_expert.safetensors")
 
 
-@pytest.mark.parametrize("name,what", [("experts.w13.bin", "bank file w13 is missing"),
-                                       ("experts.w2.bin", "bank file w2 is missing"),
+@pytest.mark.parametrize("name,what", [("experts.bin", "expert bank file is missing"),
                                        ("non_expert.safetensors", "non-expert weights file is missing")])
 def test_missing_ftw_file(ftw_dir, tmp_path, name, what):
     d = _copy(ftw_dir, tmp_path)
@@ -250,15 +244,18 @@ def _edit_manifest(d: Path, edit) -> None:
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda m: m["banks"]["w13"].pop("row_stride"), r"manifest field banks\.w13\.row_stride: Field required"),
-    (lambda m: m["banks"]["w2"].update(offset="0"), r"manifest field banks\.w2\.offset: Input should be a valid integer"),
-    (lambda m: m["banks"]["w2"].update(dtype="int8"), r"manifest field banks\.w2\.dtype: Input should be 'bfloat16'"),
-    (lambda m: m["banks"].pop("w2"), r"manifest field banks: Value error, lacks bank 'w2'"),
+    (lambda m: m["bank"].pop("row_bytes"), r"manifest field bank\.row_bytes: Field required"),
+    (lambda m: m["bank"].update(rows="0"), r"manifest field bank\.rows: Input should be a valid integer"),
+    (lambda m: m["layout"].update(format="int8"), r"manifest field layout: invalid expert layout description"),
+    (lambda m: m["layout"]["sections"][1].update(offset=8), r"manifest field layout: expert layout description .* "
+                                                            "does not match"),
+    (lambda m: m.pop("bank"), r"manifest field bank: Field required"),
     (lambda m: m.update(tensors=3), r"manifest field tensors: Extra inputs are not permitted"),
     (lambda m: m["experts"].update(num_experts=-1), r"manifest field experts\.num_experts: Input should be greater"),
     (lambda m: m["non_expert"]["checksum"].update(algorithm="md5"),
      r"manifest field non_expert\.checksum\.algorithm: Input should be 'crc32'"),
-], ids=["field-missing", "wrong-type", "bank-dtype", "bank-missing", "unknown-key", "negative", "checksum-algorithm"])
+], ids=["field-missing", "wrong-type", "layout-format", "layout-offsets", "bank-missing", "unknown-key", "negative",
+        "checksum-algorithm"])
 def test_manifest_that_does_not_follow_the_schema(ftw_dir, tmp_path, edit, match):
     d = _copy(ftw_dir, tmp_path)
     _edit_manifest(d, edit)
@@ -268,10 +265,11 @@ def test_manifest_that_does_not_follow_the_schema(ftw_dir, tmp_path, edit, match
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda m: m["banks"]["w13"]["checksum"]["chunks"].append(0), "inconsistent"),
-    (lambda m: m["banks"]["w13"].update(row_stride=100), "inconsistent"),
-    (lambda m: m["non_expert"]["checksum"]["chunks"].append(0), "inconsistent chunking"),
-], ids=["extra-checksum", "unaligned-stride", "non-expert-chunks"])
+    (lambda m: m["bank"]["checksum"]["chunks"].append(0), r"bank: inconsistent row_bytes/chunking .* checksums for"),
+    (lambda m: m["bank"].update(row_bytes=100), r"bank experts\.bin has 48 rows of 100 bytes, config\.json and the layout "
+                                                r"imply 48 rows of 49152"),
+    (lambda m: m["non_expert"]["checksum"]["chunks"].append(0), r"non_expert: inconsistent chunking \(chunk_bytes"),
+], ids=["extra-checksum", "row-bytes", "non-expert-chunks"])
 def test_manifest_inconsistent_with_itself(ftw_dir, tmp_path, edit, match):
     d = _copy(ftw_dir, tmp_path)
     _edit_manifest(d, edit)

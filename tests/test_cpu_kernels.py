@@ -24,6 +24,8 @@ from edgemoe.config import EngineConfig
 from edgemoe.experts import native
 from edgemoe.experts.cpu_executor import TorchCpuExecutor, make_cpu_executor
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 try:
     native.load_extension()
@@ -59,7 +61,7 @@ def _pool(shape: str, dtype: torch.dtype) -> HostExpertPool:
     key = (shape, dtype)
     if key not in _pools:
         H, I, N = SHAPES[shape]
-        p = HostExpertPool(N, H, I, dtype)
+        p = HostExpertPool.dense(N, H, I, dtype)
         p.fill_random(seed=11, std=0.05)
         _pools[key] = p
     return _pools[key]
@@ -70,7 +72,7 @@ def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuE
     key = (isa, threads)
     if key not in _cores:
         _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
-                                               max_tokens_per_expert=1 << 30)
+                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
     return _cores[key].with_pool(pool)
 
 
@@ -101,7 +103,7 @@ def reference(pool: HostExpertPool, x: torch.Tensor, work) -> torch.Tensor:
     """float64 ``Σ w · down(silu(gate(x)) · up(x))`` with the kernels' documented rounding points: for
     bf16 weights those of the torch path and the GPU kernels (x, gate, up, SiLU(gate), the
     activation, the down projection y, the router weight and y·w rounded to bf16)."""
-    bf16 = pool.dtype == torch.bfloat16
+    bf16 = pool.compute_dtype == torch.bfloat16
     I = pool.intermediate
 
     def r(t: torch.Tensor) -> torch.Tensor:
@@ -109,10 +111,11 @@ def reference(pool: HostExpertPool, x: torch.Tensor, work) -> torch.Tensor:
 
     xr = r(x)
     out = torch.zeros(x.shape, dtype=torch.float64)
+    w13, w2 = pool.view("w13"), pool.view("w2")
     for fid, tok, wt in work:
-        h = xr[tok] @ pool.w13[fid].double().T  # [n, 2I]
+        h = xr[tok] @ w13[fid].double().T  # [n, 2I]
         a = r(r(torch.nn.functional.silu(r(h[:, :I]))) * r(h[:, I:]))  # [n, I]
-        y = r(a @ pool.w2[fid].double().T)  # [n, H]
+        y = r(a @ w2[fid].double().T)  # [n, H]
         out.index_add_(0, tok, r(y * r(wt.float())[:, None]))
     return out
 
@@ -157,7 +160,7 @@ def test_kernels_match_float64_reference(isa, dtype, shape, T, threads):
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
 def test_results_do_not_depend_on_thread_count(isa):
     pool = _pool("qwen3-30b-a3b", torch.bfloat16)
-    _skip_unsupported(isa, pool.dtype)
+    _skip_unsupported(isa, pool.compute_dtype)
     x, work, _ = _ref("qwen3-30b-a3b", torch.bfloat16, 8)
     outs = []
     for threads in THREADS:
@@ -241,8 +244,8 @@ def test_executor_never_selects_an_isa_the_cpu_lacks(cap):
     feats = {name for name, on in native.cpu_features().items() if on}
     pool = _pool("tiny-tails", torch.bfloat16)
     ex = native.NativeCpuExecutor(pool, 1, isa=cap)
-    assert ex.isa == native.select_isa(feats, cap, pool.dtype)
-    assert ex.isa in native.supported_isas(pool.dtype)
+    assert ex.isa == native.select_isa(feats, cap, pool.compute_dtype)
+    assert ex.isa in native.supported_isas(pool.compute_dtype)
     assert native.ISA_LEVELS.index(ex.isa) <= native.ISA_LEVELS.index(cap)
 
 
@@ -308,7 +311,7 @@ def test_invalid_steps_raise_and_leave_out_untouched():
 
 def test_workers_wake_after_sleeping():
     pool = _pool("tails-16", torch.float32)
-    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0)  # workers sleep at once
+    ex = native.NativeCpuExecutor(pool, 3, spin_us=0, min_parallel_bytes=0, oversubscribe=True)  # workers sleep at once
     x, work, ref = _ref("tails-16", torch.float32, 8)
     for _ in range(3):
         time.sleep(0.02)
@@ -351,10 +354,60 @@ def test_factory_kinds_and_fallback(monkeypatch, caplog):
     assert any("no C++ compiler" in r.getMessage() and "torch-ops executor" in r.getMessage() for r in caplog.records)
 
 
-def test_factory_falls_back_for_dtypes_without_kernel():
-    pool = HostExpertPool(2, 16, 8, torch.float16)
+@pytest.mark.parametrize("fmt", [WeightFormat.FP16, WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4])
+def test_factory_falls_back_for_formats_without_kernel(fmt, caplog):
+    pool = HostExpertPool(2, ExpertLayout.build(fmt, 32, 32))
     pool.fill_random(seed=0)
-    assert isinstance(make_cpu_executor(pool, None, "auto"), TorchCpuExecutor)
+    with pytest.raises(native.NativeUnavailable, match=f"no native kernel for {fmt.value} expert rows"):
+        native.NativeCpuExecutor(pool, 1)
+    with caplog.at_level(logging.WARNING, logger="edgemoe.experts.cpu_executor"):
+        ex = make_cpu_executor(pool, None, "auto")
+    assert isinstance(ex, TorchCpuExecutor)
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
+        f"native CPU expert executor unavailable (no native kernel for {fmt.value} expert rows on this CPU (bf16 and "
+        "float32 rows have them)); using the torch-ops executor"]
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat), ids=[f.value for f in WeightFormat])
+@pytest.mark.parametrize("geometry", [(256, 192), (2048, 768)], ids=["partial-fp8-block", "qwen3-30b"])
+def test_bank_description_points_each_projection_at_its_row_sections(fmt, geometry):
+    """The ``ExpertBanks`` struct handed to the executor (and to the quantized kernels to come): for every
+    format, ``expert_matrix`` of each projection of each expert points at the bytes the layout says, with the
+    scale geometry the row encodes (``csrc/executor.h``)."""
+    H, I = geometry
+    lay = ExpertLayout.build(fmt, H, I)
+    pool = HostExpertPool(3, lay)
+    pool.fill_random(seed=1)
+    banks = native.expert_banks(native.load_extension(), pool)
+    assert (banks.row_bytes, banks.num_ids, banks.fmt) == (lay.row_bytes, 3, native.NATIVE_FORMATS[fmt])
+    base = pool.bank.data_ptr()
+    for fid in (0, 2):
+        row = base + fid * lay.row_bytes
+        gate, up, down = (banks.matrix(fid, p) for p in range(3))
+        w13, w2 = lay.section("w13"), lay.section("w2")
+        per_row13, per_row2 = w13.nbytes // (2 * I), w2.nbytes // H  # bytes of one matrix row
+        assert gate["data"] == row + w13.offset and up["data"] == row + w13.offset + I * per_row13
+        assert down["data"] == row + w2.offset
+        assert (gate["row_stride_bytes"], down["row_stride_bytes"]) == (per_row13, per_row2)
+        if fmt.dense:
+            assert gate["scales"] == up["scales"] == down["scales"] == 0
+            continue
+        s13, s2 = lay.section("w13_scale"), lay.section("w2_scale")
+        assert gate["scales"] == row + s13.offset and down["scales"] == row + s2.offset
+        if fmt is WeightFormat.FP8_BLOCK:  # up's grid starts after gate's ceil(I / 128) scale rows
+            assert (gate["scale_rows"], gate["scale_cols"]) == (128, 128)
+            assert gate["scale_row_stride_bytes"] == 4 * -(-H // 128) and down["scale_row_stride_bytes"] == 4 * -(-I // 128)
+            assert up["scales"] == gate["scales"] + -(-I // 128) * gate["scale_row_stride_bytes"]
+        else:
+            g = 32 if fmt is WeightFormat.MXFP4 else 16
+            assert (gate["scale_rows"], gate["scale_cols"], gate["scale_row_stride_bytes"]) == (1, g, H // g)
+            assert up["scales"] == gate["scales"] + I * (H // g) and down["scale_row_stride_bytes"] == I // g
+        if fmt is WeightFormat.NVFP4:  # the per-tensor multipliers stored in the row
+            s13_2 = lay.view(pool.bank, "w13_scale2")[fid]
+            assert (gate["global_scale"], up["global_scale"]) == tuple(s13_2.tolist())
+            assert down["global_scale"] == float(lay.view(pool.bank, "w2_scale2")[fid, 0])
+        else:
+            assert gate["global_scale"] == up["global_scale"] == down["global_scale"] == 1.0
 
 
 def test_engine_config_validates_cpu_executor():

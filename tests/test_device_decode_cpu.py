@@ -5,6 +5,7 @@ identical residency tables and counters, step after step, for every policy."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +24,8 @@ from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, make_policy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpreter) variant; tests/gpu covers CUDA")
 
@@ -34,13 +37,8 @@ GPT_OSS = ExpertActivation("swiglu_oai", alpha=1.702, limit=0.5, bias=True)
 
 
 def _pool(dtype: torch.dtype = torch.float32, activation: ExpertActivation = SILU_SWIGLU) -> HostExpertPool:
-    pool = HostExpertPool(LAYERS * E, H, I, dtype, activation)
-    g = torch.Generator().manual_seed(0)
-    pool.w13.copy_(torch.randn(pool.w13.shape, generator=g) * 0.2)
-    pool.w2.copy_(torch.randn(pool.w2.shape, generator=g) * 0.2)
-    if activation.bias:
-        pool.b13.copy_(torch.randn(pool.b13.shape, generator=g) * 0.5)
-        pool.b2.copy_(torch.randn(pool.b2.shape, generator=g) * 0.5)
+    pool = HostExpertPool.dense(LAYERS * E, H, I, dtype, activation)
+    pool.fill_random(0, std=0.2)
     return pool
 
 
@@ -48,12 +46,10 @@ def _pair(pool, slots, policy_name):
     policy = make_policy(policy_name, Bandwidths(10.0, 25.0, "test"))
     out = []
     for _ in range(2):
-        cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                            pool.dtype, torch.device("cpu"))
+        cache = ExpertCache(slots, pool.num_ids, pool.layout, pool.compute_dtype, torch.device("cpu"))
         out.append(HybridExperts(pool, cache, policy, TorchCpuExecutor(pool), E, torch.device("cpu")))
     eager, dev = out
-    dev.device_decode = DeviceDecode(pool, dev.cache, policy, dev.cpu, E, K, max_tokens=4,
-                                     layer_biases=dev.layer_biases)
+    dev.device_decode = DeviceDecode(pool, dev.cache, policy, dev.cpu, E, K, max_tokens=4)
     return eager, dev
 
 
@@ -156,3 +152,29 @@ def test_doorbell_wait_gives_up_without_a_server():
     assert int(bell[1]) == 2
     with pytest.raises(ValueError, match="int64"):
         doorbell.ring(seq.int(), bell)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4])
+def test_quantized_rows_switch_the_device_path_off_with_a_reason(monkeypatch, fmt):
+    """The device decode kernels read float rows only: a quantized cache decodes on the eager path (its rows
+    dequantized in torch), and says so, rather than running kernels that would misread the bytes."""
+    import edgemoe.engine.expert_runtime as er
+    from edgemoe.config import EngineConfig
+    from edgemoe.models import load_config
+    from edgemoe.synth import config_for
+
+    monkeypatch.setattr(er, "unavailable_reason", lambda device: None)  # as if the Triton kernels ran here
+    cfg = load_config(config_for("qwen3_moe", "tiny", {"num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
+                                                       "moe_intermediate_size": I}).to_dict())
+    assert cfg.num_moe_layers == LAYERS
+    engine = EngineConfig(device="cpu", expert_cache_slots=8, expert_policy="fill-all", cpu_executor="torch")
+    dense = er.ExpertRuntime(_pool(), cfg, engine, torch.device("cpu"), fallback=False, graphs_supported=True)
+    assert dense.device_decode is not None and dense.decode_path is not er.DecodePath.EAGER
+    pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32), torch.float32)
+    quant = er.ExpertRuntime(pool, replace(cfg, hidden_size=32, moe_intermediate_size=32), engine,
+                             torch.device("cpu"), fallback=False, graphs_supported=True)
+    assert quant.decode_path is er.DecodePath.EAGER and quant.device_decode is None
+    assert quant.decode_path_reason == (f"the device decode kernels do not read {fmt.value} expert rows yet: decode "
+                                        "dequantizes them in torch")
+    with pytest.raises(ValueError, match=f"not {fmt.value}"):
+        DeviceDecode(pool, quant.cache, quant.policy, quant.cpu_executor, E, K, max_tokens=2)

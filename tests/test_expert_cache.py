@@ -14,10 +14,16 @@ from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
+
+# every row format: float rows computed in place, quantized rows dequantized (float32 compute)
+FORMATS = [WeightFormat.FP32, WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4]
+H = 32  # MXFP4 needs multiples of 32
 
 
 def _cache(slots: int, ids: int = 40) -> ExpertCache:
-    return ExpertCache(slots, ids, [(4, 2), (2, 2)], torch.float32, torch.device("cpu"))
+    return ExpertCache(slots, ids, ExpertLayout.build(WeightFormat.FP32, 2, 2), torch.float32, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- residency tables and LRU
@@ -102,33 +108,36 @@ def test_policies():
 
 
 # ---------------------------------------------------------------- hybrid executor vs dense reference
-def _setup(slots: int, policy, layers: int = 3, E: int = 8, H: int = 16, I: int = 8, seed: int = 0):
-    torch.manual_seed(seed)
-    pool = HostExpertPool(layers * E, H, I, torch.float32)
-    pool.w13.normal_()
-    pool.w2.normal_()
-    cache = ExpertCache(slots, layers * E, [(2 * I, H), (H, I)], torch.float32, torch.device("cpu"))
+def _setup(slots: int, policy, layers: int = 3, E: int = 8, I: int = 32, seed: int = 0,
+           fmt: WeightFormat = WeightFormat.FP32):
+    pool = HostExpertPool(layers * E, ExpertLayout.build(fmt, H, I), torch.float32)
+    pool.fill_random(seed, std=1.0)
+    cache = ExpertCache(slots, layers * E, pool.layout, torch.float32, torch.device("cpu"))
     return pool, HybridExperts(pool, cache, policy, TorchCpuExecutor(pool), E, torch.device("cpu"))
 
 
 def _dense(pool, layer, x, ids, w, E):
+    """The reference: every route through the reference dequantization of its row (float rows: the row)."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             fid = layer * E + int(ids[t, j])
-            out[t] += w[t, j] * swiglu_expert(x[t:t + 1], pool.w13[fid], pool.w2[fid])[0]
+            w13, w2 = pool.layout.dequant_rows(pool.bank, [fid])
+            out[t] += w[t, j] * swiglu_expert(x[t:t + 1], w13[0], w2[0])[0]
     return out
 
 
-@pytest.mark.parametrize("policy", [QStarPolicy(Bandwidths(10.0, 30.0)), FillAllPolicy(), CpuAllPolicy(), StaticPolicy()])
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.value for f in FORMATS])
+@pytest.mark.parametrize("policy", [QStarPolicy(Bandwidths(10.0, 30.0)), FillAllPolicy(), CpuAllPolicy(),
+                                    StaticPolicy()])
 @pytest.mark.parametrize("T,phase", [(1, Phase.DECODE), (3, Phase.DECODE), (20, Phase.DECODE), (9, Phase.PREFILL)])
-def test_hybrid_output_is_exact_for_every_policy(policy, T, phase):
+def test_hybrid_output_is_exact_for_every_policy(policy, T, phase, fmt):
     E, k = 8, 3
-    pool, hy = _setup(slots=5, policy=policy)  # smaller than one layer's experts
+    pool, hy = _setup(slots=5, policy=policy, fmt=fmt)  # smaller than one layer's experts
     g = torch.Generator().manual_seed(T)
     for step in range(1, 8):
         layer = step % 3
-        x = torch.randn(T, 16, generator=g)
+        x = torch.randn(T, H, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
         w = torch.rand(T, k, generator=g)
         got = hy.forward(layer, x, ids, w, phase, step)
@@ -143,7 +152,7 @@ def test_hybrid_output_is_exact_for_every_policy(policy, T, phase):
 
 def test_decode_fills_follow_qstar_and_never_evict_hits():
     pool, hy = _setup(slots=6, policy=QStarPolicy(Bandwidths(10.0, 20.0)))  # q*/m = 0.5
-    x = torch.randn(1, 16)
+    x = torch.randn(1, H)
     hy.forward(0, x, torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 4), Phase.DECODE, 1)
     c = hy.cache.counters["decode"]
     assert (c.misses, c.fills, c.cpu) == (4, 2, 2)
@@ -154,9 +163,10 @@ def test_decode_fills_follow_qstar_and_never_evict_hits():
     assert (c.hits, c.fills) == (2, 4)
 
 
-def test_prefill_streams_every_expert_through_a_tiny_cache():
-    pool, hy = _setup(slots=2, policy=FillAllPolicy())
-    x = torch.randn(6, 16)
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.value for f in FORMATS])
+def test_prefill_streams_every_expert_through_a_tiny_cache(fmt):
+    pool, hy = _setup(slots=2, policy=FillAllPolicy(), fmt=fmt)
+    x = torch.randn(6, H)
     ids = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3], [4, 5, 6], [7, 0, 1]])
     w = torch.rand(6, 3)
     got = hy.forward(1, x, ids, w, Phase.PREFILL, 1)
@@ -172,7 +182,7 @@ def test_static_placement_pins_last_layers():
     assert resident == [8, 9] + list(range(16, 24))
     assert bool(hy.cache.pinned.all())
     for slot, fid in enumerate(hy.cache.owner_of.tolist()):
-        assert torch.equal(hy.cache.banks[0][slot], pool.w13[fid]) and torch.equal(hy.cache.banks[1][slot], pool.w2[fid])
+        assert torch.equal(hy.cache.bank[slot], pool.bank[fid])
 
 
 # ---------------------------------------------------------------- online (adaptive) policy

@@ -153,13 +153,20 @@ def test_lone_bandwidth_overrides_are_honoured(tiny_model_dir, tmp_path, monkeyp
     assert "B_P command line, B_H quick" in runner.summary()
     assert any("measuring B_P and B_H" in r.getMessage() for r in caplog.records)
 
-    saved = bandwidth.default_profile_path(64, 64, torch.float32, torch.device("cpu"))
-    saved.write_text(json.dumps(_profile()))
+    layout = runner.pool.layout
+    saved = bandwidth.default_profile_path(layout, torch.device("cpu"))
+
+    def profile_of_this_pool(**kw) -> dict:
+        prof = _profile(**kw)
+        prof["expert"].update(format=layout.format.value, row_bytes=layout.row_bytes)
+        return prof
+
+    saved.write_text(json.dumps(profile_of_this_pool()))
     runner = LLM(str(tiny_model_dir), progress=False, bandwidth_cpu_gbps=7.0, **opts).engine.runner
     bw = runner.experts.bandwidths
     assert (bw.pcie, bw.cpu) == (6.0, 7.0) and bw.source == f"B_P profile {saved} (concurrent pair), B_H command line"
 
-    saved.write_text(json.dumps(_profile(bp=0.02)))  # a saved implausible profile is not used
+    saved.write_text(json.dumps(profile_of_this_pool(bp=0.02)))  # a saved implausible profile is not used
     with caplog.at_level(logging.WARNING, logger="edgemoe.experts.bandwidth"):
         runner = LLM(str(tiny_model_dir), progress=False, bandwidth_cpu_gbps=7.0, **opts).engine.runner
     assert runner.experts.bandwidths.source.startswith("B_P quick start-up measurement")
@@ -172,8 +179,12 @@ def test_measurement_records_rounds_and_machine_load(tiny_model_dir):
     from edgemoe.experts.cpu_executor import TorchCpuExecutor
     from edgemoe.experts.pool import HostExpertPool
 
-    ex = TorchCpuExecutor(HostExpertPool(1, 64, 64, torch.float32))
-    prof = bandwidth.measure(None, 64, 64, torch.float32, torch.device("cpu"), ex, 0.15, 1 << 24)
+    from edgemoe.quant.layout import ExpertLayout
+    from edgemoe.quant.weights import WeightFormat
+
+    layout = ExpertLayout.build(WeightFormat.for_dtype(torch.float32), 64, 64)
+    ex = TorchCpuExecutor(HostExpertPool(1, layout, torch.float32))
+    prof = bandwidth.measure(None, layout, torch.device("cpu"), ex, 0.15, 1 << 24)
     assert len(prof["rounds"]["b_p_gbps"]) == len(prof["rounds"]["b_h_gbps"]) == bandwidth.ROUNDS
     assert prof["isolated"]["b_p_gbps"] in prof["rounds"]["b_p_gbps"]  # the median round
     assert prof["machine"]["cores"] >= 1

@@ -19,10 +19,12 @@ from safetensors.torch import load_file, save_file
 
 from edgemoe.cli import main
 from edgemoe.config import EngineConfig
-from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.models import load_config
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 from edgemoe.synth import make_model
 from edgemoe.weights import ftw
 from edgemoe.weights.bootstrap import PinOutcome, pin_or_fallback
@@ -83,15 +85,15 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 def test_round_trip_identical_tensors_and_tokens(hf_runner, ftw_dir):
     r = ModelRunner(ftw_dir, CFG, progress=False)
     assert r.weights_format == "FTW" and hf_runner.weights_format == "HF safetensors"
-    assert torch.equal(r.pool.w13, hf_runner.pool.w13) and torch.equal(r.pool.w2, hf_runner.pool.w2)
+    assert r.pool.layout == hf_runner.pool.layout and torch.equal(r.pool.bank, hf_runner.pool.bank)
     a, b = dict(hf_runner.model.named_parameters()), dict(r.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert greedy(r) == greedy(hf_runner)
     st = r.load_stats
     assert st.read.verified and st.read.zero_copy and st.expert_bytes == r.pool.nbytes
     assert st.read.bytes == r.pool.nbytes + (ftw_dir / "non_expert.safetensors").stat().st_size
-    assert r.pool.w13.data_ptr() % 4096 == 0 and r.pool.w2.data_ptr() % 4096 == 0
-    assert "(FTW)" in r.summary()
+    assert r.pool.bank.data_ptr() % 4096 == 0
+    assert "(FTW, fp32 experts)" in r.summary()
 
 
 def test_manifest_layout_and_self_contained(hf, ftw_dir):
@@ -99,12 +101,13 @@ def test_manifest_layout_and_self_contained(hf, ftw_dir):
     cfg = load_config(hf)
     n = cfg.num_moe_layers * cfg.num_experts
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    assert man.format == "edgemoe-ftw" and man.format_version == ftw.FORMAT_VERSION
-    assert man.banks["w13"].shape == [n, 2 * I, H] and man.banks["w2"].shape == [n, H, I]
-    for b in man.banks.values():
-        assert b.row_stride % 4096 == 0 and b.offset % 4096 == 0
-        assert (ftw_dir / b.file).stat().st_size == b.nbytes == b.offset + n * b.row_stride
-        assert len(b.checksum.chunks) == -(-b.nbytes // b.checksum.chunk_bytes)
+    assert man.format == "edgemoe-ftw" and man.format_version == ftw.FORMAT_VERSION == 2
+    layout = ExpertLayout.from_json(man.layout)
+    assert layout == ExpertLayout.build(WeightFormat.FP32, H, I)
+    b = man.bank
+    assert b.file == "experts.bin" and b.rows == n and b.row_bytes == layout.row_bytes and b.row_bytes % 4096 == 0
+    assert (ftw_dir / b.file).stat().st_size == b.nbytes == n * b.row_bytes
+    assert len(b.checksum.chunks) == -(-b.nbytes // b.checksum.chunk_bytes)
     assert man.source.fingerprint.startswith("sha256:")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert name in man.files and (ftw_dir / name).read_bytes() == (hf / name).read_bytes()
@@ -115,10 +118,12 @@ def test_manifest_layout_and_self_contained(hf, ftw_dir):
     sd = load_file(hf / "model.safetensors")
     j, e = 2, 5
     layer = cfg.moe_layers[j]
-    w13 = torch.from_file(str(ftw_dir / "experts.w13.bin"), size=n * 2 * I * H, dtype=torch.float32).view(n, 2 * I, H)
-    row = w13[j * cfg.num_experts + e]
+    bank = torch.from_file(str(ftw_dir / "experts.bin"), size=b.nbytes, dtype=torch.uint8).view(n, b.row_bytes)
+    row = layout.view(bank, "w13")[j * cfg.num_experts + e]
     assert torch.equal(row[:I], sd[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"])
     assert torch.equal(row[I:], sd[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"])
+    assert torch.equal(layout.view(bank, "w2")[j * cfg.num_experts + e],
+                       sd[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"])
 
 
 def test_fused_hf_layout_converts_identically(hf, ftw_dir, tmp_path):
@@ -134,28 +139,29 @@ def test_fused_hf_layout_converts_identically(hf, ftw_dir, tmp_path):
         sd[f"{pre}.gate_up_proj"], sd[f"{pre}.down_proj"] = torch.stack(gu), torch.stack(dn)
     save_file(sd, d / "model.safetensors")
     out = convert(d, tmp_path / "fused.ftw", progress=False)
-    for f in ("experts.w13.bin", "experts.w2.bin"):
-        assert (out / f).read_bytes() == (ftw_dir / f).read_bytes()
+    assert (out / "experts.bin").read_bytes() == (ftw_dir / "experts.bin").read_bytes()
 
 
-def test_padded_rows_and_dtype_cast_use_the_staging_route(tmp_path):
-    # I = 40, H = 64: w2 rows are 10240 bytes in fp32 -> padded to 12288 in the bank.
+def test_padded_sections_and_dtype_cast_use_the_staging_route(tmp_path):
+    # I = 40, H = 64: w13 is 20480 bytes in fp32, w2 10240: the row (30720 bytes) is padded to 32768.
     hf = make_model(tmp_path / "odd", "qwen3_moe", "tiny", dtype="float32", overrides={"moe_intermediate_size": 40})
     out = convert(hf, tmp_path / "odd.ftw", progress=False)
-    man = read_manifest(out)
-    assert man.banks["w2"].row_bytes == 10240 and man.banks["w2"].row_stride == 12288
-    for cfg in (CFG, EngineConfig(device="cpu", dtype="bfloat16", expert_policy="cpu-all")):
-        a, b = ModelRunner(hf, cfg, progress=False), ModelRunner(out, cfg, progress=False)
-        assert not b.load_stats.read.zero_copy and b.load_stats.read.verified
-        assert torch.equal(a.pool.w13, b.pool.w13) and torch.equal(a.pool.w2, b.pool.w2)
-        assert greedy(a, 6) == greedy(b, 6)
+    assert read_manifest(out).bank.row_bytes == 32768
+    a, b = ModelRunner(hf, CFG, progress=False), ModelRunner(out, CFG, progress=False)
+    assert b.load_stats.read.zero_copy and torch.equal(a.pool.bank, b.pool.bank)
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", expert_policy="cpu-all")  # fp32 rows read into bf16 rows
+    a, b = ModelRunner(hf, cfg, progress=False), ModelRunner(out, cfg, progress=False)
+    assert not b.load_stats.read.zero_copy and b.load_stats.read.verified
+    assert b.pool.format is WeightFormat.BF16 and torch.equal(a.pool.bank, b.pool.bank)
+    assert greedy(a, 6) == greedy(b, 6)
 
 
 def test_convert_to_bf16(hf, hf_runner, tmp_path):
     out = convert(hf, tmp_path / "bf16.ftw", progress=False, dtype="bfloat16")
-    assert read_manifest(out).banks["w13"].dtype == "bfloat16"
-    r = ModelRunner(out, CFG, progress=False)  # fp32 engine over bf16 banks: staged cast
-    torch.testing.assert_close(r.pool.w13, hf_runner.pool.w13.bfloat16().float(), rtol=0, atol=0)
+    assert read_manifest(out).layout["format"] == "bf16"
+    r = ModelRunner(out, CFG, progress=False)  # fp32 engine over bf16 rows: staged cast
+    for name in ("w13", "w2"):
+        torch.testing.assert_close(r.pool.view(name), hf_runner.pool.view(name).bfloat16().float(), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -175,34 +181,34 @@ def _no_reader_threads() -> bool:
 
 def test_truncated_bank(ftw_dir, tmp_path):
     d = _copy(ftw_dir, tmp_path)
-    bank = d / "experts.w2.bin"
+    bank = d / "experts.bin"
     os.truncate(bank, bank.stat().st_size - 4096)
-    with pytest.raises(FTWTruncatedError, match=r"experts\.w2\.bin: bank file is truncated"):
+    with pytest.raises(FTWTruncatedError, match=r"experts\.bin: bank file is truncated"):
         ModelRunner(d, CFG, progress=False)
 
 
 def test_missing_bank(ftw_dir, tmp_path):
     d = _copy(ftw_dir, tmp_path)
-    (d / "experts.w13.bin").unlink()
-    with pytest.raises(FTWTruncatedError, match=r"experts\.w13\.bin: bank file w13 is missing"):
+    (d / "experts.bin").unlink()
+    with pytest.raises(FTWTruncatedError, match=r"experts\.bin: expert bank file is missing"):
         ModelRunner(d, CFG, progress=False)
 
 
 def test_checksum_mismatch_in_a_bank_names_file_and_rows(ftw_dir, tmp_path):
     d = _copy(ftw_dir, tmp_path)
-    stride = read_manifest(d).banks["w13"].row_stride
-    _corrupt_byte(d / "experts.w13.bin", 37 * stride + 100)  # row 37 = MoE layer 2, expert 5
-    with pytest.raises(FTWChecksumError, match=r"experts\.w13\.bin: checksum mismatch .*rows 0-47 \(MoE layers 0-2\)"):
+    row = read_manifest(d).bank.row_bytes
+    _corrupt_byte(d / "experts.bin", 37 * row + 100)  # row 37 = MoE layer 2, expert 5
+    with pytest.raises(FTWChecksumError, match=r"experts\.bin: checksum mismatch .*rows 0-47 \(MoE layers 0-2\)"):
         ModelRunner(d, CFG, progress=False)
     assert _no_reader_threads()
 
 
 def test_checksum_chunks_localize_the_damage(hf, tmp_path):
-    d = convert(hf, tmp_path / "small-chunks.ftw", progress=False, chunk_bytes=64 << 10)  # 2 rows of w13 per chunk
-    b = read_manifest(d).banks["w13"]
-    assert b.checksum.chunk_bytes == 2 * b.row_stride and len(b.checksum.chunks) == 24
+    d = convert(hf, tmp_path / "small-chunks.ftw", progress=False, chunk_bytes=96 << 10)  # 2 rows per chunk
+    b = read_manifest(d).bank
+    assert b.checksum.chunk_bytes == 2 * b.row_bytes and len(b.checksum.chunks) == 24
     ModelRunner(d, CFG, progress=False)  # intact: every chunk verifies
-    _corrupt_byte(d / "experts.w13.bin", 37 * b.row_stride + 100)
+    _corrupt_byte(d / "experts.bin", 37 * b.row_bytes + 100)
     with pytest.raises(FTWChecksumError, match=r"\(chunk 18, rows 36-37 \(MoE layers 2-2\)\)"):
         ModelRunner(d, CFG, progress=False)
 
@@ -235,19 +241,31 @@ def test_malformed_non_expert_header(ftw_dir, tmp_path, monkeypatch):
 
 def test_verification_can_be_skipped(ftw_dir, tmp_path, monkeypatch):
     d = _copy(ftw_dir, tmp_path)
-    _corrupt_byte(d / "experts.w2.bin", 10)
+    _corrupt_byte(d / "experts.bin", 10)
     monkeypatch.setenv("EDGEMOE_FTW_VERIFY", "0")
     r = ModelRunner(d, CFG, progress=False)  # corrupt data loads: the user opted out of checking
     assert not r.load_stats.read.verified
 
 
-@pytest.mark.parametrize("version", [0, 2, "1"])
+@pytest.mark.parametrize("version", [0, 3, "2"])
 def test_manifest_of_another_version(ftw_dir, tmp_path, version):
     d = _copy(ftw_dir, tmp_path)
     man = json.loads((d / MANIFEST).read_text())
     man["format_version"] = version
     (d / MANIFEST).write_text(json.dumps(man))
-    with pytest.raises(FTWVersionError, match=rf"ftw\.json: FTW format version {version!r}; this edgemoe reads version 1"):
+    with pytest.raises(FTWVersionError,
+                       match=rf"ftw\.json: FTW format version {version!r}; this edgemoe reads version 2"):
+        ModelRunner(d, CFG, progress=False)
+
+
+def test_version_1_manifest_is_refused_with_a_reason(ftw_dir, tmp_path):
+    d = _copy(ftw_dir, tmp_path)
+    man = json.loads((d / MANIFEST).read_text())
+    man["format_version"] = 1
+    (d / MANIFEST).write_text(json.dumps(man))
+    with pytest.raises(FTWVersionError, match=r"FTW format version 1 \(two float banks .*this edgemoe reads version 2 "
+                                              r"\(one bank of packed expert rows, any format\): re-run "
+                                              r"`edgemoe convert`"):
         ModelRunner(d, CFG, progress=False)
 
 
@@ -303,7 +321,7 @@ def test_killed_convert_leaves_nothing_that_looks_complete(hf, tmp_path):
     assert p.returncode == 9, p.stderr
     partial = list(tmp_path.glob("killed.ftw.partial-*"))
     assert not out.exists() and len(partial) == 1 and not is_ftw(partial[0])
-    assert (partial[0] / "experts.w13.bin").exists()
+    assert (partial[0] / "experts.bin").exists()
     with pytest.raises(CheckpointError):  # without a manifest it is not FTW, and not a valid HF checkpoint
         ModelRunner(partial[0], CFG, progress=False)
     convert(hf, out, progress=False)  # the next convert succeeds and sweeps the dead process's leftovers
@@ -328,14 +346,14 @@ def test_existing_output_needs_overwrite(hf, ftw_dir, tmp_path):
         convert(hf, out, progress=False)
     convert(hf, out, progress=False, overwrite=True)
     assert is_ftw(out) and not (out / "keep.txt").exists()
-    assert (out / "experts.w13.bin").read_bytes() == (ftw_dir / "experts.w13.bin").read_bytes()
+    assert (out / "experts.bin").read_bytes() == (ftw_dir / "experts.bin").read_bytes()
 
 
 def test_convert_command(hf, tmp_path, capsys):
     argv = ["convert", str(hf), str(tmp_path / "cli.ftw"), "--no-progress", "--dtype", "bfloat16"]
     assert main(argv) == 0
-    assert "FTW v1, 48 experts" in capsys.readouterr().out
-    assert read_manifest(tmp_path / "cli.ftw").banks["w2"].dtype == "bfloat16"
+    assert "FTW v2, 48 bf16 experts" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "cli.ftw").layout["format"] == "bf16"
     assert main(argv) == 2  # exists now, without --overwrite
     assert "exists and is not empty" in capsys.readouterr().err
 
@@ -344,9 +362,9 @@ def test_convert_command(hf, tmp_path, capsys):
 
 
 def _sources(d: Path):
-    src = ftw.bank_sources(read_manifest(d), d)
-    pool = HostExpertPool(src["w13"].rows, src["w13"].row_shape[1], src["w2"].row_shape[1], src["w13"].dtype)
-    return [(src["w13"], pool.w13), (src["w2"], pool.w2)], pool
+    src = ftw.bank_source(read_manifest(d), d)
+    pool = HostExpertPool(src.rows, src.layout)
+    return [(src, pool.bank)], pool
 
 
 def test_o_direct_refused_at_open_falls_back_to_buffered(ftw_dir, hf_runner, monkeypatch):
@@ -360,8 +378,8 @@ def test_o_direct_refused_at_open_falls_back_to_buffered(ftw_dir, hf_runner, mon
     monkeypatch.setattr(direct_io.os, "open", no_direct)
     jobs, pool = _sources(ftw_dir)
     st = read_banks(jobs, workers=3)
-    assert not st.direct and st.verified and len(st.fallbacks) == 2 and "refused at open" in st.fallbacks[0]
-    assert torch.equal(pool.w13, hf_runner.pool.w13) and torch.equal(pool.w2, hf_runner.pool.w2)
+    assert not st.direct and st.verified and len(st.fallbacks) == 1 and "refused at open" in st.fallbacks[0]
+    assert torch.equal(pool.bank, hf_runner.pool.bank)
 
 
 def test_o_direct_refused_at_read_falls_back_to_buffered(ftw_dir, hf_runner, monkeypatch):
@@ -385,14 +403,14 @@ def test_o_direct_refused_at_read_falls_back_to_buffered(ftw_dir, hf_runner, mon
     jobs, pool = _sources(ftw_dir)
     st = read_banks(jobs, workers=2)
     assert not st.direct and any("read refused" in f for f in st.fallbacks)
-    assert torch.equal(pool.w13, hf_runner.pool.w13) and torch.equal(pool.w2, hf_runner.pool.w2)
+    assert torch.equal(pool.bank, hf_runner.pool.bank)
 
 
 # ------------------------------------------------------------------------------------ pinning refused
 
 
 def test_pin_decision_without_cuda(monkeypatch, caplog):
-    pool = HostExpertPool(4, 8, 8, torch.float32)
+    pool = HostExpertPool.dense(4, 8, 8, torch.float32)
     calls = []
     monkeypatch.setattr(HostExpertPool, "pin", lambda self: calls.append(1) or False)
     assert pin_or_fallback(pool, torch.device("cpu")) == PinOutcome(False, False)

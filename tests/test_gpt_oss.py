@@ -416,7 +416,8 @@ def test_config_only_serves_dummy_weights(tmp_path):
              "layer_types": ["sliding_attention", "full_attention"]}
     out = write_config_only(tmp_path / "c", "gpt_oss", "gpt-oss-120b", overrides=small)
     runner = ModelRunner(out, _engine_config(load_format="dummy", dtype="bfloat16"), progress=False)
-    assert runner.pool.b13.abs().sum() > 0 and runner.pool.b2.shape == (32, 128)
+    b13, b2 = runner.pool.view("b13"), runner.pool.view("b2")  # the rows' bias sections
+    assert b13.abs().sum() > 0 and b2.shape == (32, 128) and not torch.equal(b2[0], b2[1])
     logits, _ = greedy_decode(runner, PROMPT, 2)
     assert logits.shape == (3, 1024) and torch.isfinite(logits).all()
 
@@ -447,6 +448,65 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots, 
         assert st["decode"]["fills"] == 0 and st["prefill"]["fills"] == 0
     if slots == 32:  # T·k = 48 >= 2E: the prefill streamed whole layers through two staging regions
         assert st["prefill"]["fills"] >= 16
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """The tiny preset in gpt-oss's released MXFP4 layout (``make-model --quant mxfp4``: experts as
+    ``gate_up_proj_blocks`` / ``_scales`` (E8M0, bias 127) / ``_bias`` and ``down_proj_*``), and transformers'
+    greedy reference on it (its MXFP4 integration dequantizes the experts on the CPU)."""
+    out = tmp_path_factory.mktemp("gptoss-mxfp4") / "m"
+    make_model(out, "gpt_oss", "tiny", seed=7, dtype="float32", quant="mxfp4")
+    _randomize_biases(out)
+    return out, _reference(out)
+
+
+MXFP4_MODES = [("fill-all", 10_000, "torch"), ("qstar", 5, "torch"), ("fill-all", 32, "torch"),
+               ("static", 5, "torch"), ("qstar", 0, "auto")]
+
+
+@pytest.mark.parametrize("policy,slots,executor", MXFP4_MODES, ids=[f"{p}-{s}-{e}" for p, s, e in MXFP4_MODES])
+def test_mxfp4_release_layout_matches_transformers(mxfp4, policy, slots, executor):
+    """The experts stay MXFP4 in host memory and in the cache (packed rows with their float32 bias sections) and
+    compute dequantized, as transformers' ``integrations/mxfp4.py`` dequantizes them: identical greedy tokens and
+    logits within float32 noise in every mode."""
+    path, (ref_logits, ref_toks) = mxfp4
+    sd = load_file(path / "model.safetensors")
+    prefix = "model.layers.0.mlp.experts"
+    blocks, scales = sd[f"{prefix}.gate_up_proj_blocks"], sd[f"{prefix}.down_proj_scales"]
+    assert blocks.dtype == torch.uint8 and blocks.shape == (16, 64, 2, 16) and scales.shape == (16, 64, 1)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in sd
+    runner = ModelRunner(path, _engine_config(expert_policy=policy, expert_cache_slots=slots, cpu_executor=executor),
+                         progress=False)
+    pool = runner.pool
+    assert pool.format.value == "mxfp4" and pool.layout.has_bias and pool.compute_dtype == torch.float32
+    logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
+    assert toks == ref_toks
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    st = runner.experts.stats()["decode"]
+    assert st["misses"] == st["fills"] + st["cpu"]
+    if policy == "qstar" and slots:
+        assert st["fills"] > 0 and st["cpu"] > 0
+
+
+def test_mxfp4_rows_dequantize_as_transformers(mxfp4):
+    """Every expert row of the pool, dequantized, equals transformers' dequantized ``GptOssExperts`` weights
+    (gate/up de-interleaved, transposed to edgemoe's ``[2I, H]`` / ``[H, I]``) and biases, bit for bit."""
+    from transformers import GptOssForCausalLM
+
+    path = mxfp4[0]
+    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32)
+    pool = ModelRunner(path, _engine_config(expert_cache_slots=0), progress=False).pool
+    E = 16
+    w13, w2 = pool.layout.dequant_rows(pool.bank, range(pool.num_ids))
+    b13, b2 = pool.layout.bias_rows(pool.bank, range(pool.num_ids))
+    for layer, block in enumerate(ref.model.layers):
+        ex, rows = block.mlp.experts, slice(layer * E, (layer + 1) * E)
+        gu, gub = ex.gate_up_proj.data, ex.gate_up_proj_bias.data  # [E, H, 2I] interleaved, [E, 2I]
+        assert torch.equal(w13[rows], torch.cat((gu[..., ::2], gu[..., 1::2]), dim=-1).transpose(1, 2))
+        assert torch.equal(w2[rows], ex.down_proj.data.transpose(1, 2))
+        assert torch.equal(b13[rows], torch.cat((gub[:, ::2], gub[:, 1::2]), dim=-1))
+        assert torch.equal(b2[rows], ex.down_proj_bias.data)
 
 
 def test_variant_geometry(checkpoint):
@@ -503,16 +563,16 @@ def test_grouped_kernel_is_not_used_for_these_experts(monkeypatch):
     """``run_sorted_experts`` takes the torch loop for swiglu_oai / biased experts even where the grouped Triton
     kernel would run."""
     from edgemoe.experts import compute
+    from edgemoe.experts.pool import HostExpertPool
 
     used = []
     monkeypatch.setattr(compute, "kernel_module", lambda name, device: used.append(name) or object())
     monkeypatch.setattr(compute, "run_experts_loop", lambda *a: used.append("loop"))
     x, ids = torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int64)
-    args = (x, ids, torch.ones(2, 1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, 8), torch.zeros(1, 8, 2),
-            torch.zeros(2, 1, 8))
-    compute.run_sorted_experts(*args, act=ExpertActivation("swiglu_oai", bias=True),
-                               biases=(torch.zeros(1, 4), torch.zeros(1, 8)))
-    compute.run_sorted_experts(*args, act=ExpertActivation("swiglu_oai"))
+    for act in (ExpertActivation("swiglu_oai", bias=True), ExpertActivation("swiglu_oai")):
+        pool = HostExpertPool.dense(1, 8, 2, torch.float32, act)
+        compute.run_sorted_experts(x, ids, torch.ones(2, 1), torch.zeros(1, dtype=torch.int64), pool.layout, pool.bank,
+                                   torch.zeros(2, 1, 8), act=act)
     assert used == ["loop", "loop"]
 
 
@@ -554,12 +614,18 @@ def test_expert_biases_refused_where_the_experts_have_none(tiny_model_dir, tmp_p
         ModelRunner(d, _engine_config(), progress=False)
 
 
-def test_ftw_refuses_expert_biases(tiny, tmp_path):
+def test_ftw_round_trip_keeps_the_biases(tiny, tmp_path):
+    """``edgemoe convert`` writes the experts' rows with their bias sections; serving the FTW directory gives the
+    Hugging Face directory's logits."""
     from edgemoe.weights.ftw import convert
 
-    with pytest.raises(ValueError, match="GptOssForCausalLM has routed-expert biases, which FTW version 1 does not "
-                                         "store"):
-        convert(tiny[0], tmp_path / "ftw", progress=False)
+    path, (ref_logits, ref_toks) = tiny
+    out = convert(path, tmp_path / "ftw", progress=False)
+    runner = ModelRunner(out, _engine_config(), progress=False)
+    assert runner.weights_format == "FTW" and runner.pool.layout.has_bias
+    logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
+    assert toks == ref_toks
+    torch.testing.assert_close(logits, ref_logits, **TOL)
 
 
 # ------------------------------------------------------------------------------------------------ engine

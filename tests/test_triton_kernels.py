@@ -34,6 +34,8 @@ from edgemoe.kernels.decode_attention import (  # noqa: E402
 from edgemoe.kernels.expert_gemv import expert_gemv  # noqa: E402
 from edgemoe.kernels.gather import gather_fills  # noqa: E402
 from edgemoe.kernels.route_control import RouteOutputs, route_control  # noqa: E402
+from edgemoe.quant.layout import ExpertLayout  # noqa: E402
+from edgemoe.quant.weights import WeightFormat  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -65,7 +67,7 @@ def _warm_cache(S: int, N: int, pinned: int, seed: int) -> ExpertCache:
     """A cache after random traffic: resident, stale and free slots, equal last_used values, and
     ``pinned`` pinned slots (some resident, some free)."""
     g = torch.Generator().manual_seed(seed)
-    c = ExpertCache(S, N, [], torch.float32, torch.device("cpu"))
+    c = ExpertCache(S, N, None, torch.float32, torch.device("cpu"))
     for step in range(1, 6):
         ids = torch.randint(0, N, (int(torch.randint(1, 2 * S + 2, (1,), generator=g)),), generator=g).tolist()
         plan_step(c, FillAllPolicy(), {f: 1 + f % 3 for f in ids}, Phase.DECODE, step)
@@ -91,7 +93,7 @@ def _random_tables(S: int, N: int, seed: int, free: float, clocks: int) -> Exper
     """A cache with arbitrary (not traffic-shaped) tables: random owners, a ``free`` fraction of free
     slots, last_used drawn from ``[0, clocks)`` (few values: many ties), and pinned slots."""
     g = torch.Generator().manual_seed(seed)
-    c = ExpertCache(S, N, [], torch.float32, torch.device("cpu"))
+    c = ExpertCache(S, N, None, torch.float32, torch.device("cpu"))
     used = torch.rand(S, generator=g) >= free
     owners = torch.randperm(N, generator=g)[:S]
     for slot in torch.nonzero(used).view(-1).tolist():
@@ -175,7 +177,7 @@ def test_route_control_victim_order_across_scan_blocks():
     # groups=2, S=4100: the scan covers slots [0, 4096) then [4096, 4100). Group 0's two oldest slots
     # are 0 (first block) and 4096 (second block); group 1's oldest, slot 1, falls between them.
     S = 4100
-    ref = ExpertCache(S, S + 8, [], torch.float32, torch.device("cpu"))
+    ref = ExpertCache(S, S + 8, None, torch.float32, torch.device("cpu"))
     ref.slot_of[:S] = torch.arange(S)
     ref.owner_of.copy_(torch.arange(S))
     ref.last_used.fill_(100)
@@ -191,14 +193,31 @@ def test_route_control_large_steps(T, k, S, groups):
     _run_route_control(FillAllPolicy(), S=S, L=2, E=64, T=T, k=k, steps=2, pinned=7, seed=T, groups=groups)
 
 
+@pytest.mark.parametrize("T,k,S,E,policy", [(32, 8, 200, 128, "qstar-1/3"), (64, 8, 200, 256, "qstar-7/9"),
+                                            (17, 8, 90, 64, "fill-all"), (64, 8, 40, 256, "cpu-all"),
+                                            (20, 7, 150, 96, "qstar-1/4")])
+def test_route_control_batches_beyond_one_tile(T, k, S, E, policy):
+    # T·k = 256 and 512 (32 and 64 sequences of top-8), and 136 / 140: routes span 2-4 tiles of 128, so
+    # dedupe, fill ranks, CPU ordinals and offsets all compare routes across tiles; E = 128 experts
+    # per layer makes most experts repeat across tokens (several tokens per expert); S < distinct
+    # misses: CPU work every layer
+    c = _run_route_control(POLICIES[policy], S=S, L=2, E=E, T=T, k=k, steps=2, pinned=5, seed=T + S)
+    assert c.misses > 0 and (c.cpu > 0 or policy == "fill-all")
+
+
 def test_route_control_rejects_bad_arguments():
-    tab = ExpertCache(4, 16, [], torch.float32, DEV)
+    tab = ExpertCache(4, 16, None, torch.float32, DEV)
     rule = torch.tensor(FillAllPolicy().fill_rule(), dtype=torch.float64, device=DEV)
     counters = torch.zeros(4, dtype=torch.int64, device=DEV)
     args = (tab.slot_of, tab.owner_of, tab.last_used, tab.pinned, tab.clock, rule, counters)
-    ids = torch.zeros(17, 8, dtype=torch.int64, device=DEV)
-    with pytest.raises(ValueError, match="routes"):
-        route_control(ids, torch.ones(17, 8, device=DEV), 0, *args, RouteOutputs.empty(17 * 8, DEV))
+    ids = torch.zeros(0, 8, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="route"):
+        route_control(ids, torch.ones(0, 8, device=DEV), 0, *args, RouteOutputs.empty(8, DEV))
+    ids = torch.zeros(3, 8, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="scratch"):
+        out = RouteOutputs.empty(24, DEV)
+        out.scratch = out.scratch[:, :8]
+        route_control(ids, torch.ones(3, 8, device=DEV), 0, *args, out)
     ids = torch.zeros(2, 2, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="cpu_offsets"):
         out = RouteOutputs.empty(4, DEV)
@@ -206,44 +225,46 @@ def test_route_control_rejects_bad_arguments():
         route_control(ids, torch.ones(2, 2, device=DEV), 0, *args, out)
     with pytest.raises(ValueError, match="policy"):
         route_control(ids, torch.ones(2, 2, device=DEV), 0, *args[:5], rule.float(), counters, RouteOutputs.empty(4, DEV))
-    empty = ExpertCache(0, 16, [], torch.float32, DEV)
+    empty = ExpertCache(0, 16, None, torch.float32, DEV)
     with pytest.raises(ValueError, match="slot"):
         route_control(ids, torch.ones(2, 2, device=DEV), 0, empty.slot_of, empty.owner_of, empty.last_used,
                       empty.pinned, empty.clock, rule, counters, RouteOutputs.empty(4, DEV))
 
 
 # ---------------------------------------------------------------- gather
-@pytest.mark.parametrize("dtype,I,H", [(torch.bfloat16, 40, 120), (torch.bfloat16, 3, 5), (torch.float32, 3, 10)])
-def test_gather_copies_exactly_the_fills(dtype, I, H):
-    # bf16 2I x H = 80 x 120: 19200-byte rows, more than one 16 KiB chunk; 3 x 5 bf16: 4-byte words
+@pytest.mark.parametrize("fmt,I,H", [(WeightFormat.BF16, 40, 120), (WeightFormat.BF16, 3, 5), (WeightFormat.FP32, 3, 10),
+                                     (WeightFormat.NVFP4, 32, 64), (WeightFormat.MXFP4, 32, 64)])
+def test_gather_copies_exactly_the_fills(fmt, I, H):
+    # bf16 2I x H = 80 x 120 + 120 x 40: a 28672-byte row, more than one 16 KiB chunk; packed rows move as bytes
+    layout = ExpertLayout.build(fmt, H, I)
     g = torch.Generator().manual_seed(I)
     N, S = 9, 6
-    src13 = torch.randn(N, 2 * I, H, generator=g).to(dtype).to(DEV)
-    src2 = torch.randn(N, H, I, generator=g).to(dtype).to(DEV)
-    dst13 = torch.zeros(S, 2 * I, H, dtype=dtype, device=DEV)
-    dst2 = torch.zeros(S, H, I, dtype=dtype, device=DEV)
+    src = torch.randint(0, 256, (N, layout.row_bytes), generator=g, dtype=torch.uint8).to(DEV)
+    dst = torch.zeros(S, layout.row_bytes, dtype=torch.uint8, device=DEV)
     fid = torch.tensor([7, 2, 5, 0, -1], dtype=torch.int64, device=DEV)
     slot = torch.tensor([4, 0, 1, 3, -1], dtype=torch.int64, device=DEV)
     meta = torch.tensor([1, 3, 3, 0], dtype=torch.int32, device=DEV)  # 3 fills: the 4th pair is not copied
-    gather_fills(meta, fid, slot, src13, src2, dst13, dst2, num_programs=3)
+    gather_fills(meta, fid, slot, src, dst, num_programs=3)
     for f, s in zip([7, 2, 5], [4, 0, 1]):
-        assert torch.equal(dst13[s], src13[f]) and torch.equal(dst2[s], src2[f])
+        assert torch.equal(dst[s], src[f])
     for s in (2, 3, 5):
-        assert not dst13[s].any() and not dst2[s].any()
+        assert not dst[s].any()
     meta[2] = 0
-    dst13.zero_()
-    gather_fills(meta, fid, slot, src13, src2, dst13, dst2)
-    assert not dst13.any()
+    dst.zero_()
+    gather_fills(meta, fid, slot, src, dst)
+    assert not dst.any()
 
 
 def test_gather_rejects_mismatched_banks():
-    a = torch.zeros(3, 4, 2, device=DEV)
+    a = torch.zeros(3, 4096, dtype=torch.uint8, device=DEV)
     meta = torch.zeros(4, dtype=torch.int32, device=DEV)
     ids = torch.zeros(2, dtype=torch.int64, device=DEV)
-    with pytest.raises(ValueError, match="rows differ"):
-        gather_fills(meta, ids, ids, a, a, a.to(torch.bfloat16), a)
+    with pytest.raises(ValueError, match="rows of 4096 bytes and cache rows of 8192 bytes differ"):
+        gather_fills(meta, ids, ids, a, torch.zeros(3, 8192, dtype=torch.uint8, device=DEV))
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        gather_fills(meta, ids, ids, a, a.view(torch.float32))
     with pytest.raises(ValueError, match="meta"):
-        gather_fills(meta.long(), ids, ids, a, a, a, a)
+        gather_fills(meta.long(), ids, ids, a, a)
 
 
 # ---------------------------------------------------------------- expert GEMV
@@ -279,6 +300,15 @@ def test_expert_gemv_matches_swiglu_routes(dtype, T, k, H, I):
     else:  # bf16 rounding points agree; summation order may flip a projection's last bit
         torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2**-5, atol=2**-5 * ref.abs().max().item())
     assert not out.cpu()[slot_tk.view(T, k) < 0].any()
+    # over the section views of a byte bank (slots row_bytes apart): the same bits
+    layout = ExpertLayout.build(WeightFormat.for_dtype(dtype), H, I)
+    bank = layout.new_bank(S)
+    layout.view(bank, "w13").copy_(w13)
+    layout.view(bank, "w2").copy_(w2)
+    bank = bank.to(DEV)
+    out2 = torch.full((T, k, H), 7.0, dtype=dtype, device=DEV)
+    expert_gemv(x.to(DEV), slot_tk.to(DEV), w.to(DEV), layout.view(bank, "w13"), layout.view(bank, "w2"), out2, a)
+    assert torch.equal(out2, out)
 
 
 def test_expert_gemv_rejects_bad_shapes():

@@ -1,8 +1,11 @@
-"""``edgemoe profile``: measure B_P and B_H on this machine for a model's expert shape and save them.
+"""``edgemoe profile``: measure B_P and B_H on this machine for a model's deployed expert rows and save them.
 
-Reads only the model's ``config.json`` (no weights): experts of the model's shape are synthesized and
-rotated over ``ROTATE_BYTES_PROFILE`` bytes (far more than the last-level cache), and measured with
-the CPU executor the engine would use (``edgemoe.experts.bandwidth.measure``).
+Reads only the model's metadata (``config.json``, the safetensors headers or the FTW manifest; no weights)
+to find the row layout the engine deploys (format and shape: packed FP8 / MXFP4 / NVFP4 rows or float rows,
+:func:`edgemoe.weights.loader.deployed_layout`); random valid rows of that layout are synthesized and
+rotated over ``ROTATE_BYTES_PROFILE`` bytes (far more than the last-level cache), and measured with the
+CPU executor the engine would use for them (``edgemoe.experts.bandwidth.measure``). The profile is saved
+under a name keyed by format and shape, which the engine looks up.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.models import load_config
 from edgemoe.startup import startup_step
+from edgemoe.weights.loader import deployed_layout
 
 
 def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Path | None = None,
-                seconds: float = 1.0) -> dict:
-    """Measure this machine for ``model_dir``'s expert shape and save the profile JSON.
+                seconds: float = 1.0, rotate_bytes: int = ROTATE_BYTES_PROFILE) -> dict:
+    """Measure this machine for ``model_dir``'s deployed expert rows and save the profile JSON.
 
     Args:
-        model_dir: a checkpoint directory (its ``config.json``).
-        config: engine options (device, dtype, CPU executor and threads are used).
-        out_path: where to write (default: the per-shape path the engine looks up).
+        model_dir: a checkpoint directory (Hugging Face, FTW, or ``config.json`` alone with
+            ``--load-format dummy``).
+        config: engine options (device, dtype, load format, CPU executor and threads are used).
+        out_path: where to write (default: the per-format-and-shape path the engine looks up).
         seconds: measuring time per bandwidth.
+        rotate_bytes: bytes of rows rotated over (default: far more than a last-level cache).
 
     Returns:
         The profile dict (``edgemoe.experts.bandwidth``'s format) with ``"path"`` set.
@@ -46,18 +52,17 @@ def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Pat
     dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
     device = config.resolved_device()
     configure_torch_threads(config.cpu_threads)
-    executor = make_cpu_executor(HostExpertPool(1, cfg.hidden_size, cfg.moe_intermediate_size, dtype),
-                                 config.cpu_threads, config.cpu_executor)
+    layout = deployed_layout(model_dir, dtype, config.load_format)
+    act = cfg.expert_activation
+    executor = make_cpu_executor(HostExpertPool(1, layout, dtype, act), config.cpu_threads, config.cpu_executor)
     threads = f"{executor.threads} thread{'s' if executor.threads != 1 else ''}"
     with startup_step(f"measuring B_P and B_H on the {executor.name} CPU executor, {threads}",
                       f"about {4 * seconds + 1:.0f} s; keep the machine otherwise idle"):
-        prof = measure(None, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, executor, seconds,
-                       ROTATE_BYTES_PROFILE)
+        prof = measure(None, layout, device, executor, seconds, rotate_bytes, compute_dtype=dtype, activation=act)
     reason = implausible(prof)
     if reason is not None:
         raise ImplausibleMeasurement(f"implausible measurement, nothing saved: {reason} (re-run on an idle machine)")
-    path = Path(out_path) if out_path else default_profile_path(cfg.hidden_size, cfg.moe_intermediate_size, dtype,
-                                                                device)
+    path = Path(out_path) if out_path else default_profile_path(layout, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof, indent=2))
     prof["path"] = str(path)

@@ -260,7 +260,7 @@ class GlobalLRU(Policy):
 
     def __init__(self, wl: Workload, slots: int):
         super().__init__(wl, slots)
-        self.cache = ExpertCache(self.slots, wl.num_ids, [], torch.float32, torch.device("cpu"))
+        self.cache = ExpertCache(self.slots, wl.num_ids, None, torch.float32, torch.device("cpu"))
         self.policy = FillAllPolicy()
 
     def access(self, a: Access, i: int) -> tuple[int, int]:

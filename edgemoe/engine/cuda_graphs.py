@@ -1,7 +1,7 @@
 """Decode steps on the device path: fixed-shape static inputs and the CUDA graphs replayed over them.
 
-:class:`DecodeGraphs` owns one graph per padded batch size (1, 2, 4, 8 and ``max_num_seqs``; a
-smaller batch pads up), captured right after the first eager step of that size (which also compiles
+:class:`DecodeGraphs` owns one graph per padded batch size (1, 2, 4, 8, 16, 32, 64 up to
+``max_num_seqs``, and ``max_num_seqs``; a smaller batch pads up), captured right after the first eager step of that size (which also compiles
 the Triton kernels and warms cuBLAS), and the static inputs (:class:`DecodeInputs`) every graph
 reads. A batch size whose capture fails runs eagerly from then on. :meth:`DecodeGraphs.invalidate`
 drops every graph (the expert cache was rebuilt: its tensors moved).
@@ -19,7 +19,7 @@ from edgemoe.kvcache.state import RecurrentStatePool
 
 log = logging.getLogger(__name__)
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8)  # decode batch sizes with a captured CUDA graph (smaller batches pad up)
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes with a captured CUDA graph (smaller ones pad up)
 SCRATCH_SEQ = -1  # owner id of the padding rows' scratch KV page and recurrent-state slot
 
 

@@ -24,8 +24,9 @@ from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import CacheCounters, ExpertCache
 from edgemoe.experts.cpu_executor import make_cpu_executor
-from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.device_decode import DEVICE_FORMATS, DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels import unavailable_reason
@@ -85,7 +86,7 @@ class ExpertRuntime:
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
         self.fallback = fallback
         self.graphs_supported = graphs_supported
-        self.cpu_executor = make_cpu_executor(pool, config.cpu_threads, config.cpu_executor)
+        self.cpu_executor = self._make_cpu_executor()
         self.cache: ExpertCache | None = None
         self.bandwidths: Bandwidths | None = None
         self.policy: ExpertPolicy | None = None
@@ -95,10 +96,36 @@ class ExpertRuntime:
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
+        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
             self.set_cache(self.default_slots(), config.expert_policy)
+
+    def _make_cpu_executor(self, **native_kw):
+        return make_cpu_executor(self.pool, self.config.cpu_threads, self.config.cpu_executor,
+                                 alongside=ALONGSIDE_CUDA if self.device.type == "cuda" else 0, **native_kw)
+
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Replace the CPU executor by one of ``threads`` threads (``None``: the default count) and
+        rebuild the cache over it (cold, same size and policy), at a safe point between steps. The
+        caller rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Args:
+            threads: the count (capped as at start-up: ``edgemoe.experts.native.plan_threads``).
+            oversubscribe: take ``threads`` as given, beyond the cap (benchmarks measuring the cap).
+
+        Raises:
+            ValueError: ``threads < 1`` (nothing changes then).
+        """
+        if threads is not None and threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+        if self.hybrid is not None and self.hybrid.device_decode is not None:
+            self.hybrid.device_decode.close()  # its server thread is the old pool's worker 0
+            self.hybrid.device_decode = None
+        self.config = replace(self.config, cpu_threads=threads)
+        self.cpu_executor = self._make_cpu_executor(**({"oversubscribe": True} if oversubscribe else {}))
+        self.set_cache(self.cache.num_slots, self.policy.name)
 
     # ------------------------------------------------------------------ sizing
     def default_slots(self) -> int:
@@ -141,14 +168,13 @@ class ExpertRuntime:
             if self.hybrid.device_decode is not None:
                 self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
             self.hybrid = None
-        if self.cache is not None:  # free the old banks before allocating the new ones
-            self.cache.banks.clear()
+        if self.cache is not None:  # free the old bank before allocating the new one
+            self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         pool = self.pool
-        self.cache = ExpertCache(slots, pool.num_ids, [tuple(pool.w13.shape[1:]), tuple(pool.w2.shape[1:])],
-                                 pool.dtype, self.device)
+        self.cache = ExpertCache(slots, pool.num_ids, pool.layout, pool.compute_dtype, self.device)
         if self.bandwidths is None or (policy in ("qstar", "adaptive") and slots > 0
                                        and None in (self.bandwidths.pcie, self.bandwidths.cpu)):
             self.bandwidths = resolve_bandwidths(replace(self.config, expert_policy=policy), pool, self.cache,
@@ -190,12 +216,12 @@ class ExpertRuntime:
                              f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
         try:
             self.set_cache(new_slots, policy or old_policy)
-        except Exception as exc:  # noqa: BLE001 - any failure: put the previous cache back
+        except Exception as exc:
             log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
             try:
                 self.set_cache(old_slots, old_policy)
                 kept = f"kept {old_slots} slots"
-            except Exception:  # noqa: BLE001 - even the old size failed: the CPU-only cache always fits
+            except Exception:
                 self.set_cache(0, FALLBACK_POLICY)
                 kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
             raise ValueError(f"could not set up {new_slots} expert-cache slots "
@@ -205,9 +231,14 @@ class ExpertRuntime:
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device and the cache has slots; otherwise decode takes the eager path."""
+        on this device, read the pool's row format and the cache has slots; otherwise decode takes the
+        eager path (quantized rows: dequantized in torch, then the float math)."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
+        fmt = self.pool.format
+        if reason is None and fmt not in DEVICE_FORMATS:
+            reason = (f"the device decode kernels do not read {fmt.value} expert rows yet: decode dequantizes them "
+                      "in torch")
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"
         if reason is not None:
@@ -215,7 +246,7 @@ class ExpertRuntime:
             return
         cfg = self.model_config
         dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k,
-                          self.config.max_num_seqs, self.hybrid.layer_biases)
+                          self.config.max_num_seqs)
         self.hybrid.device_decode = dd
         graphs = not self.config.enforce_eager and dd.capturable and self.graphs_supported
         self.decode_path = DecodePath.DEVICE_GRAPHS if graphs else DecodePath.DEVICE
@@ -243,12 +274,20 @@ class ExpertRuntime:
         anyway) and raise if that branch went wrong, so the engine fails those requests instead of
         sampling from logits that lack the CPU experts.
 
+        The wait blocks (a ``blocking`` CUDA event: the thread sleeps in the driver until the GPU
+        reaches it) instead of spinning as a stream synchronization does by default: for the whole
+        step the CPU experts run on the native pool, and a spinning Python thread would take a core
+        from it (``edgemoe.experts.native.plan_threads``).
+
         Raises:
             RuntimeError: see ``DeviceDecode.check``.
         """
         dd = self.device_decode
         if dd is not None and dd.step is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            if self._step_done is None:
+                self._step_done = torch.cuda.Event(blocking=True)
+            self._step_done.record(torch.cuda.current_stream(self.device))
+            self._step_done.synchronize()
             dd.check()
 
     # ------------------------------------------------------------------ reporting
@@ -281,7 +320,8 @@ class ExpertRuntime:
         fallback = ": pinning refused, so policy cpu-all without expert cache" if self.fallback else ""
         path = self.decode_path.value + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")
         return [
-            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+            f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
+            f"{self.pool.format.value} rows of {self.pool.row_bytes / 1e6:.2f} MB; "
             f"host pool {self.pool.nbytes / 1e9:.2f} GB ({'pinned' if pinned else 'pageable'}{fallback})",
             f"  expert cache {self.cache.num_slots} slots = {self.cache.nbytes / 1e9:.2f} GB "
             f"({100 * self.cache.num_slots / max(1, self.pool.num_ids):.1f}% of experts), policy {self.policy.name}",

@@ -37,7 +37,7 @@ from edgemoe.models import load_config, model_class
 from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
 from edgemoe.weights.ftw import is_ftw, load_ftw
-from edgemoe.weights.loader import init_dummy, load_checkpoint
+from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +82,22 @@ class ModelRunner:
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
         tokenizer_loader.shutdown(wait=False)
 
-        self.pool = HostExpertPool(cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size,
-                                   cfg.moe_intermediate_size, self.dtype, cfg.expert_activation)
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
         self.weights_format = ("dummy weights" if config.load_format == "dummy" else
                                "FTW" if is_ftw(self.model_dir) else "HF safetensors")
-        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; "
-                          f"{size(self.pool.nbytes)} of routed experts into host memory, the rest onto "
-                          f"{self.device})"):
+        self.pool: HostExpertPool
+        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; routed experts "
+                          f"into host memory, the rest onto {self.device})"):
             if config.load_format == "dummy":
-                init_dummy(self.model, self.pool, self.dtype, self.device, config.seed, progress=progress)
+                layout = dummy_layout(self.model, self.model_dir, cfg, self.dtype)
+                self.pool = init_dummy(self.model, layout, cfg, self.dtype, self.device, config.seed,
+                                       progress=progress)
             elif is_ftw(self.model_dir):
-                self.load_stats = load_ftw(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg,
-                                           verify=config.verify_weights, progress=progress)
+                self.pool, self.load_stats = load_ftw(self.model, self.model_dir, self.dtype, self.device, cfg,
+                                                      verify=config.verify_weights, progress=progress)
             else:
-                load_checkpoint(self.model, self.pool, self.model_dir, self.dtype, self.device, cfg.num_experts,
-                                progress=progress)
+                self.pool = load_checkpoint(self.model, self.model_dir, cfg, self.dtype, self.device,
+                                            progress=progress)
             self.tokenizer = tokenizer_future.result()
         self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
@@ -206,6 +206,22 @@ class ModelRunner:
             self.experts.set_cache(slots, policy)
         finally:
             self._bind()
+
+    def set_cpu_threads(self, threads: int | None, oversubscribe: bool = False) -> None:
+        """Rebuild the CPU expert executor with ``threads`` (``None``: the default count) and torch's
+        intra-op threads to match, at a safe point between steps (benchmarks sweep the count this
+        way; ``oversubscribe`` lifts the cap, see :meth:`ExpertRuntime.set_cpu_threads`). The expert
+        cache is rebuilt cold over the new executor; decode graphs are captured again. B_H changes
+        with the count: set :attr:`ExpertRuntime.bandwidths` anew for the q* rule.
+
+        Raises:
+            ValueError: ``threads < 1``.
+        """
+        try:
+            self.experts.set_cpu_threads(threads, oversubscribe)
+        finally:
+            self._bind()
+        configure_torch_threads(threads)
 
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
         """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
@@ -381,7 +397,15 @@ class ModelRunner:
             record=self.record,
             state_slots=None if self.state is None else torch.tensor(state_slots, dtype=torch.int64, device=dev),
         )
-        return self._run_model(inputs, lambda _inputs, _slots: self.model(batch), state_slots, plans, phase)
+        return self._run_model(inputs, lambda _inputs, _slots: self._forward(batch), state_slots, plans, phase)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward over ``batch``; on the CPU its dense layers' GEMVs (decode rows) run on
+        the CPU executor's kernels and threads where it has them (``CpuExecutor.dense_linears``)."""
+        if self.device.type != "cpu":
+            return self.model(batch)
+        with self.experts.cpu_executor.dense_linears(int(batch.input_ids.numel())):
+            return self.model(batch)
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
@@ -419,9 +443,10 @@ class ModelRunner:
             dev += f" ({torch.cuda.get_device_name(self.device)}, {total / 2**30:.0f} GiB)"
         ex = self.experts.cpu_executor
         lines = [
-            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}), "
-            f"dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
-            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads",
+            f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
+            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
+            + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "

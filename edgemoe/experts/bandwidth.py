@@ -1,11 +1,12 @@
 """Measuring B_P and B_H on this machine with this model's expert shape (``edgemoe profile``).
 
-- **B_P**: host→device copy bandwidth of whole expert rows (both banks) from the pool's memory
-  (pinned when CUDA is present) into device slots. On a CPU-only machine the "device cache" is a
+- **B_P**: host→device copy bandwidth of whole packed expert rows (the deployed layout's ``row_bytes``:
+  FP8 / MXFP4 / NVFP4 rows move at their packed size) from the pool's memory (pinned when CUDA is
+  present) into device slots. On a CPU-only machine the "device cache" is a
   second host buffer, so B_P is a memory copy and is reported as not applying to PCIe.
-- **B_H**: bytes of expert weights the CPU executor *in use* (native kernels where they build, else
-  torch ops) consumes per second computing one token per expert (batch-1
-  decode) through its ``run`` call, weights rotating over far more than the last-level cache so they
+- **B_H**: bytes of expert rows (the same ``row_bytes``) the CPU executor *in use* (native kernels where
+  they build and read the format, else torch ops) consumes per second computing one token per expert
+  (batch-1 decode) through its ``run`` call, weights rotating over far more than the last-level cache so they
   come from DRAM (``edgemoe profile``: >= 2 GB, > 6x the H200 host's 300 MiB L3).
 - **Concurrent**: both at once (they contend for DRAM: on the H200 host a CPU read ran at 55 GB/s
   while host→device copies ran at 48 GB/s, against 57 and 55 GB/s alone). The policy then uses
@@ -30,6 +31,9 @@ rejected when
 
 ``edgemoe profile`` then saves nothing and fails with the reason; a saved profile that fails the
 check is not used; the quick start-up measurement is retried once and otherwise used with a warning.
+
+All bandwidths are GB/s (1e9 bytes per second). A saved profile is keyed by the expert format and shape
+(its file name and its match key): the engine looks up the one for its pool's layout.
 """
 
 from __future__ import annotations
@@ -47,14 +51,16 @@ from pathlib import Path
 
 import torch
 
+from edgemoe.config import ExpertActivation
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import Bandwidths, QStarPolicy
-from edgemoe.experts.pool import HostExpertPool
+from edgemoe.experts.pool import HostExpertPool, default_compute_dtype
+from edgemoe.quant.layout import ExpertLayout
 from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 3  # 2: B_H measured with DECODE_CPU_EXPERTS experts per call; 3: rounds and other processes' load
+PROFILE_VERSION = 4  # 2: B_H with DECODE_CPU_EXPERTS experts per call; 3: rounds, other processes' load; 4: by format
 ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
 ROTATE_BYTES_QUICK = 512_000_000
 QUICK_SECONDS = 0.15  # per bandwidth at start-up (`edgemoe profile`: 1 s)
@@ -68,10 +74,12 @@ experts of each layer to the CPU in one call (about 3.7 per layer under q* on th
 per-call cost is shared by that many experts, not charged to each."""
 
 
-def default_profile_path(hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> Path:
-    """``~/.cache/edgemoe/profile-{H}x{I}-{dtype}-{device}.json`` (``EDGEMOE_CACHE`` overrides the folder)."""
+def default_profile_path(layout: ExpertLayout, device: torch.device) -> Path:
+    """``~/.cache/edgemoe/profile-{H}x{I}-{format}-{device}.json`` (``EDGEMOE_CACHE`` overrides the folder),
+    e.g. ``profile-2048x768-nvfp4-cuda.json``."""
     root = Path(os.environ.get("EDGEMOE_CACHE", Path.home() / ".cache" / "edgemoe"))
-    return root / f"profile-{hidden}x{intermediate}-{str(dtype).replace('torch.', '')}-{torch.device(device).type}.json"
+    shape = f"{layout.hidden}x{layout.intermediate}"
+    return root / f"profile-{shape}-{layout.format.value}-{torch.device(device).type}.json"
 
 
 def _sync(device: torch.device) -> None:
@@ -79,14 +87,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rotation_pool(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: torch.dtype,
-                   rotate_bytes: int, pin: bool) -> HostExpertPool:
-    """The pool itself when it is large enough to defeat the CPU caches, else a synthetic one."""
+def _rotation_pool(pool: HostExpertPool | None, layout: ExpertLayout, compute_dtype: torch.dtype,
+                   rotate_bytes: int, pin: bool, activation: ExpertActivation) -> HostExpertPool:
+    """The pool itself when it is large enough to defeat the CPU caches, else a synthetic one of ``layout``."""
     if pool is not None and pool.nbytes >= rotate_bytes:
         return pool
-    row = 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
-    rows = max(8, -(-rotate_bytes // row))
-    synth = HostExpertPool(rows, hidden, intermediate, dtype)
+    rows = max(8, -(-rotate_bytes // layout.row_bytes))
+    synth = HostExpertPool(rows, layout, compute_dtype, activation)
     synth.fill_random(seed=1234)
     if pin:
         synth.pin()
@@ -95,14 +102,14 @@ def _rotation_pool(pool: HostExpertPool | None, hidden: int, intermediate: int, 
 
 def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, stop: threading.Event | None = None,
                  rows_per_copy: int = 8) -> float:
-    """B_P in GB/s: copy rotating runs of ``rows_per_copy`` expert rows from ``pool`` into ``device``.
+    """B_P in GB/s: copy rotating runs of ``rows_per_copy`` packed expert rows from ``pool`` into ``device``.
 
-    One copy call per bank per run keeps the Python side idle (it mostly waits in synchronize with the
-    GIL released), so a concurrent CPU measurement is not starved by this thread.
+    One copy call per run keeps the Python side idle (it mostly waits in synchronize with the GIL
+    released), so a concurrent CPU measurement is not starved by this thread.
     """
     device = torch.device(device)
     n = min(rows_per_copy, pool.num_ids)
-    dst = [torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=device) for b in pool.banks()]
+    dst = torch.empty((n, pool.row_bytes), dtype=torch.uint8, device=device)
     nb = pool.pinned and device.type == "cuda"
     starts = torch.randperm(max(1, pool.num_ids - n + 1)).tolist()
     moved, i = 0, 0
@@ -111,8 +118,7 @@ def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, sto
     while True:
         for _ in range(4):
             s = starts[i % len(starts)]
-            for d, src in zip(dst, pool.banks()):
-                d.copy_(src[s:s + n], non_blocking=nb)
+            dst.copy_(pool.bank[s:s + n], non_blocking=nb)
             moved += pool.row_bytes * n
             i += 1
         _sync(device)
@@ -140,7 +146,7 @@ def measure_cpu(pool: HostExpertPool, executor, seconds: float, tokens: int = 1,
     doorbell server drives it (no Python per call); the torch executor through ``run``.
 
     Returns:
-        GB/s (1e9 bytes of expert weights, both banks, per second).
+        GB/s (1e9 bytes of packed expert rows per second).
     """
     executor = _executor_for(pool, executor)
     order = torch.randperm(pool.num_ids)
@@ -217,17 +223,28 @@ def _rounds(fn, seconds: float) -> list[float]:
     return [fn(seconds / ROUNDS) for _ in range(ROUNDS)]
 
 
-def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
-            executor: CpuExecutor, seconds: float, rotate_bytes: int) -> dict:
-    """Isolated (median of ``ROUNDS`` rounds) and concurrent B_P/B_H for this expert shape, and the
-    other processes' load meanwhile. Returns the profile dict (see module doc); check it with
-    :func:`implausible` before trusting or saving it.
+def measure(pool: HostExpertPool | None, layout: ExpertLayout, device: torch.device, executor: CpuExecutor,
+            seconds: float, rotate_bytes: int, compute_dtype: torch.dtype | None = None,
+            activation: ExpertActivation | None = None) -> dict:
+    """Isolated (median of ``ROUNDS`` rounds) and concurrent B_P/B_H for experts of ``layout`` (the deployed
+    format and shape), and the other processes' load meanwhile. Returns the profile dict (see module doc);
+    check it with :func:`implausible` before trusting or saving it.
 
-    ``executor``: the CPU executor whose B_H is measured (rebound to the rotation pool, sharing its
-    threads). The profile records its ``name`` and ``threads``.
+    Args:
+        pool: the engine's pool, rotated over when it holds at least ``rotate_bytes``; else (or ``None``) a
+            synthetic pool of ``layout`` with random valid rows is measured.
+        executor: the CPU executor whose B_H is measured (rebound to the rotation pool, sharing its
+            threads). The profile records its ``name`` and ``threads``.
+        compute_dtype: the experts' compute dtype (default: the pool's, else the layout's default).
+        activation: the experts' activation (default: the pool's, else SiLU SwiGLU, with biases when the
+            layout has them).
     """
     device = torch.device(device)
-    rot = _rotation_pool(pool, hidden, intermediate, dtype, rotate_bytes, pin=device.type == "cuda")
+    if compute_dtype is None:
+        compute_dtype = pool.compute_dtype if pool is not None else default_compute_dtype(layout)
+    if activation is None:
+        activation = pool.activation if pool is not None else ExpertActivation(bias=layout.has_bias)
+    rot = _rotation_pool(pool, layout, compute_dtype, rotate_bytes, device.type == "cuda", activation)
     executor = _executor_for(rot, executor)
     measure_copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context
     measure_cpu(rot, executor, 0.05, experts_per_call=DECODE_CPU_EXPERTS)
@@ -246,8 +263,9 @@ def measure(pool: HostExpertPool | None, hidden: int, intermediate: int, dtype: 
                     "other_processes_cores": None if other is None else round(other, 3)},
         "cpu_executor": executor.name,
         "device": device.type,
-        "expert": {"hidden": hidden, "intermediate": intermediate, "dtype": str(dtype).replace("torch.", ""),
-                   "row_bytes": rot.row_bytes, "rotated_bytes": rot.nbytes},
+        "expert": {"hidden": layout.hidden, "intermediate": layout.intermediate, "format": layout.format.value,
+                   "compute_dtype": str(compute_dtype).replace("torch.", ""), "row_bytes": layout.row_bytes,
+                   "rotated_bytes": rot.nbytes},
         "pcie_applies": device.type == "cuda",
         "isolated": {"b_p_gbps": statistics.median(bps), "b_h_gbps": statistics.median(bhs)},
         "rounds": {"b_p_gbps": bps, "b_h_gbps": bhs},
@@ -275,6 +293,15 @@ def implausible(prof: dict) -> str | None:
     if other is not None and cores and other > MAX_OTHER_LOAD * cores:
         return f"other processes kept {other:.1f} of {cores} cores busy while measuring"
     return None
+
+
+def profile_matches(prof: dict, layout: ExpertLayout, device: torch.device) -> bool:
+    """Whether a saved profile was measured for ``layout``'s format and shape on ``device``'s kind (the match
+    key: profile version, format, ``H``, ``I``, ``row_bytes`` and device type)."""
+    exp = prof.get("expert") or {}
+    return (prof.get("version") == PROFILE_VERSION and exp.get("format") == layout.format.value
+            and exp.get("hidden") == layout.hidden and exp.get("intermediate") == layout.intermediate
+            and exp.get("row_bytes") == layout.row_bytes and prof.get("device") == torch.device(device).type)
 
 
 def bandwidths_from_profile(prof: dict, source: str) -> Bandwidths:
@@ -310,18 +337,18 @@ def _profile_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwi
             device, or fails the plausibility check.
     """
     explicit = bool(config.profile_path)
-    path = Path(config.profile_path) if explicit else default_profile_path(pool.hidden, pool.intermediate, pool.dtype,
-                                                                           cache.device)
+    path = Path(config.profile_path) if explicit else default_profile_path(pool.layout, cache.device)
     if not explicit and not path.exists():
         return None
     prof = read_profile(path)  # an explicit path that vanished raises FileNotFoundError here
     exp = prof.get("expert", {})
-    if not (prof.get("version") == PROFILE_VERSION and exp.get("hidden") == pool.hidden
-            and exp.get("intermediate") == pool.intermediate and prof.get("device") == cache.device.type):
+    if not profile_matches(prof, pool.layout, cache.device):
         if explicit:
-            raise ValueError(f"{path}: profile (version {prof.get('version')}) is for another expert shape/device "
-                             f"({exp}, {prof.get('device')}); this engine needs version {PROFILE_VERSION}, "
-                             f"H={pool.hidden} I={pool.intermediate} on {cache.device.type}")
+            raise ValueError(f"{path}: profile is for another expert format, shape or device (version "
+                             f"{prof.get('version')}, {exp}, {prof.get('device')}); this engine deploys "
+                             f"{pool.layout.format.value} experts H={pool.hidden} I={pool.intermediate} of "
+                             f"{pool.row_bytes} bytes on {cache.device.type} (profile version {PROFILE_VERSION}): "
+                             f"re-run `edgemoe profile`")
         return None
     reason = implausible(prof)
     if reason is not None:
@@ -347,8 +374,7 @@ def quick_measurement(pool: HostExpertPool, cache, executor) -> Bandwidths:
     for attempt in (1, 2):
         with startup_step("measuring B_P and B_H for the q* split", f"about {4 * QUICK_SECONDS:.0f} s; "
                           "`edgemoe profile` saves a longer measurement instead"):
-            prof = measure(pool, pool.hidden, pool.intermediate, pool.dtype, cache.device, executor, QUICK_SECONDS,
-                           ROTATE_BYTES_QUICK)
+            prof = measure(pool, pool.layout, cache.device, executor, QUICK_SECONDS, ROTATE_BYTES_QUICK)
         reason = implausible(prof)
         if reason is None:
             return bandwidths_from_profile(prof, "quick start-up measurement")
@@ -361,7 +387,8 @@ def resolve_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwid
     from a matching saved profile, else from a quick measurement (:func:`quick_measurement`);
     ``source`` says where each came from.
 
-    A saved profile matches when its version, expert shape and device match, it passes
+    A saved profile matches when its version, expert format and shape and device match
+    (:func:`profile_matches`), it passes
     :func:`implausible`, and it was measured with the CPU executor in use, on as many threads
     (``executor.name``/``threads``; B_H of the torch executor says little about the native one). An
     explicit ``profile_path`` measured with another executor is still used, with a warning. Nothing
@@ -394,7 +421,8 @@ def format_profile(prof: dict) -> str:
     e = prof["expert"]
     note = "" if prof.get("pcie_applies") else "  (CPU-only machine: B_P is a host memory copy; PCIe does not apply)"
     lines = [
-        f"expert shape H={e['hidden']} I={e['intermediate']} {e['dtype']}: {e['row_bytes'] / 1e6:.2f} MB per expert, "
+        f"expert shape H={e['hidden']} I={e['intermediate']} {e['format']} (computing in {e['compute_dtype']}): "
+        f"{e['row_bytes'] / 1e6:.2f} MB per expert row, "
         f"rotating over {e['rotated_bytes'] / 1e9:.2f} GB; device {prof['device']}; "
         f"CPU executor {prof.get('cpu_executor', 'torch')}, {prof['machine']['cpu_threads']} threads",
         f"isolated    B_P {iso['b_p_gbps']:7.2f} GB/s   B_H {iso['b_h_gbps']:7.2f} GB/s{note}",

@@ -1,6 +1,7 @@
 """The device expert cache: (layer, expert) slots under one global LRU across all MoE layers.
 
-DESIGN.md §2 and §4: a slot pool per expert bank on the compute device, a residency table
+DESIGN.md §2 and §4: one byte bank of slots on the compute device (``[S, row_bytes]``, rows in the host
+pool's :class:`~edgemoe.quant.layout.ExpertLayout`, so a fill copies one packed row), a residency table
 ``slot_of[moe_layer * E + expert]`` (-1 when not resident), its inverse ``owner_of[slot]`` (-1 when
 free), and ``last_used[slot]``, the model step at which the slot was last hit or filled. A hit
 refreshes recency, a fill admits a row into the least recently used slot not needed this step
@@ -17,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from edgemoe.quant.layout import ExpertLayout
 
 
 @dataclass
@@ -40,16 +43,18 @@ class CacheCounters:
 
 @dataclass
 class ExpertCache:
-    """Residency bookkeeping plus the slot banks.
+    """Residency bookkeeping plus the slot bank.
 
     Args:
         num_slots: ``S``, slots in the cache (0 disables it: every expert runs on the CPU).
         num_ids: ``N``, flat expert ids (``num_moe_layers * num_experts``).
-        bank_shapes: per-row shape of each expert bank, e.g. ``[(2I, H), (H, I)]``.
-        dtype, device: slot storage.
+        layout: the byte layout of one slot row (the host pool's), or ``None`` for the residency tables
+            alone (a bank of empty rows: routing-trace replay, table tests).
+        compute_dtype: the dtype the experts compute in (the host pool's ``compute_dtype``).
+        device: slot storage.
 
     Attributes:
-        banks: one ``[S, *row_shape]`` tensor per expert bank, on ``device``.
+        bank: uint8 ``[S, row_bytes]`` on ``device``; ``view(name)`` gives a section's typed view.
         slot_of: ``[N]`` int64, slot of each flat id or -1.
         owner_of: ``[S]`` int64, flat id held by each slot or -1.
         last_used: ``[S]`` int64, LRU clock (model step); free slots hold -1.
@@ -62,15 +67,16 @@ class ExpertCache:
 
     num_slots: int
     num_ids: int
-    bank_shapes: list[tuple[int, ...]]
-    dtype: torch.dtype
+    layout: ExpertLayout | None
+    compute_dtype: torch.dtype
     device: torch.device
-    banks: list[torch.Tensor] = field(init=False)
+    bank: torch.Tensor = field(init=False)
     counters: dict[str, CacheCounters] = field(init=False)
 
     def __post_init__(self):
         S = self.num_slots
-        self.banks = [torch.empty((S, *shape), dtype=self.dtype, device=self.device) for shape in self.bank_shapes]
+        row = 0 if self.layout is None else self.layout.row_bytes
+        self.bank = torch.empty((S, row), dtype=torch.uint8, device=self.device)  # [S, row_bytes]
         dev = self.device
         self.slot_of = torch.full((self.num_ids,), -1, dtype=torch.int64, device=dev)
         self.owner_of = torch.full((S,), -1, dtype=torch.int64, device=dev)
@@ -79,13 +85,27 @@ class ExpertCache:
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counters = {"prefill": CacheCounters(), "decode": CacheCounters()}
 
+    def view(self, name: str) -> torch.Tensor:
+        """Typed view of section ``name`` over every slot (``[S, *section.shape]``, no copy).
+
+        Raises:
+            ValueError: a cache without a layout (tables only).
+        """
+        if self.layout is None:
+            raise ValueError("this expert cache holds residency tables only (no layout, no slot rows)")
+        return self.layout.view(self.bank, name)
+
+    def release(self) -> None:
+        """Free the slot bank's memory (before a larger cache is allocated); the tables stay."""
+        self.bank = torch.empty((0, self.bank.shape[1]), dtype=torch.uint8, device=self.device)
+
     @property
     def slots_used(self) -> int:
         return int((self.owner_of >= 0).sum())
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.banks)
+        return self.bank.numel()
 
     def _index(self, idx: list[int]) -> torch.Tensor:
         return torch.tensor(idx, dtype=torch.int64, device=self.slot_of.device)

@@ -1,9 +1,9 @@
 """The CPU expert executor: computes routed experts in place from the host pool.
 
 Every executor implements :class:`CpuExecutor`: ``run(x [T, H], work, out [T, H] float32)``,
-``with_pool``, ``name``, ``threads`` and the capability ``registers_steps`` (whether
-:meth:`CpuExecutor.make_step` gives a step a device kernel can hand to the executor without a host
-sync, which a captured decode step needs). Two implement it:
+``with_pool``, ``name``, ``threads``, ``dense_linears`` and the capability ``registers_steps``
+(whether :meth:`CpuExecutor.make_step` gives a step a device kernel can hand to the executor without
+a host sync, which a captured decode step needs). Two implement it:
 
 - ``NativeCpuExecutor`` (``edgemoe.experts.native``): C++ kernels on a pinned thread pool,
   bandwidth-bound GEMVs for decode batches; the default where it builds.
@@ -15,6 +15,7 @@ sync, which a captured decode step needs). Two implement it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,6 +39,7 @@ class CpuExecutor(Protocol):
 
     name: str
     threads: int
+    threads_note: str | None  # why ``threads`` differs from the count asked for (None: it does not)
     registers_steps: bool
 
     def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:
@@ -45,6 +47,11 @@ class CpuExecutor(Protocol):
 
     def with_pool(self, pool: HostExpertPool) -> CpuExecutor:
         """The same executor (same threads) over another pool, e.g. a bandwidth-rotation pool."""
+
+    def dense_linears(self, rows: int) -> contextlib.AbstractContextManager:
+        """A context for a CPU forward over ``rows`` tokens in which dense linear layers with few rows
+        (decode GEMVs: the LM head, attention projections) run on this executor's kernels and threads,
+        where it has them."""
 
     def make_step(self, max_tokens: int, max_experts: int, max_routes: int | None = None,
                   x_dtype: torch.dtype = torch.float32, zero_out: bool = True,
@@ -62,6 +69,7 @@ class TorchCpuExecutor:
 
     name = "torch"
     registers_steps = False
+    threads_note = None
 
     def __init__(self, pool: HostExpertPool):
         self.pool = pool
@@ -72,6 +80,10 @@ class TorchCpuExecutor:
 
     def with_pool(self, pool: HostExpertPool) -> TorchCpuExecutor:
         return TorchCpuExecutor(pool)
+
+    def dense_linears(self, rows: int) -> contextlib.AbstractContextManager:
+        """Nothing changes: the dense layers are torch ops already."""
+        return contextlib.nullcontext()
 
     def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:
         """Accumulate ``Σ weight · expert(x[token])`` into ``out``.
@@ -87,18 +99,21 @@ class TorchCpuExecutor:
         raise NotImplementedError("the torch-ops CPU executor has no registered steps (registers_steps is False)")
 
 
-def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: str = "auto",
+def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: str = "auto", alongside: int = 0,
                       **native_kw) -> CpuExecutor:
     """The CPU expert executor for ``pool``.
 
     Args:
         pool: the host expert pool.
-        threads: native executor threads (``--cpu-threads``; ``None``: one per physical core). The
-            torch executor runs on torch's intra-op threads, which the engine sets.
+        threads: native executor threads (``--cpu-threads``; ``None``: the most that never
+            oversubscribe the cores, :func:`edgemoe.experts.native.plan_threads`). The torch executor
+            runs on torch's intra-op threads, which the engine sets.
         kind: ``"auto"`` or ``"native"`` (native where it builds and supports the pool's dtype and the
             experts' activation, else torch with a one-line warning), or ``"torch"``. The native kernels
             compute plain SiLU SwiGLU without biases; experts with another activation or biases
             (gpt-oss) always get the torch executor.
+        alongside: busy threads outside the native pool that need a core while it computes (on CUDA
+            :data:`edgemoe.experts.native.ALONGSIDE_CUDA`).
         native_kw: passed to :class:`~edgemoe.experts.native.NativeCpuExecutor` (``isa``, ``spin_us``, ...).
 
     Returns:
@@ -119,7 +134,7 @@ def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: st
     from edgemoe.experts.native import NativeCpuExecutor, NativeUnavailable
 
     try:
-        return NativeCpuExecutor(pool, threads, **native_kw)
+        return NativeCpuExecutor(pool, threads, alongside=alongside, **native_kw)
     except NativeUnavailable as e:
         log.warning("native CPU expert executor unavailable (%s); using the torch-ops executor", e)
         return TorchCpuExecutor(pool)

@@ -10,9 +10,9 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
    :func:`~edgemoe.kernels.doorbell.ring`, a one-program kernel storing the next request number into
    a doorbell in pinned memory; the executor's server thread (``RegisteredStep.serve``), polling it,
    starts computing the CPU experts at once;
-3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill row of both banks from
-   pinned host memory into its slot, zero-copy) and ``expert_gemv`` (hits and fills, every
-   (token, k) route in its own row of ``routed [T, k, H]``);
+3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill's packed row from the pinned
+   host pool's byte bank into its slot, zero-copy) and ``expert_gemv`` (hits and fills over the cache
+   bank's ``w13`` / ``w2`` section views, every (token, k) route in its own row of ``routed [T, k, H]``);
 4. join: :func:`~edgemoe.kernels.doorbell.wait` polls the doorbell's done word, then the
    executor's float32 partial is copied in and ``out = Σ_k routed (fixed order, float32) + partial``.
 
@@ -25,11 +25,13 @@ Without CUDA (tests run the Triton kernels in the interpreter on the CPU) the sa
 program order, with the server thread on the other side of the doorbell. The CPU branch needs the
 native executor; with the torch-ops executor it reads the work list back to the host (a sync) and
 the step cannot be captured.
+
+The kernels read float rows (bf16 / f16 / float32 layouts); :data:`DEVICE_FORMATS` lists them, and a
+cache of another format decodes on the eager path (``ExpertRuntime`` says why in its
+``decode_path_reason``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -37,6 +39,10 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.weights import WeightFormat
+
+DEVICE_FORMATS = (WeightFormat.BF16, WeightFormat.FP16, WeightFormat.FP32)
+"""Expert row formats the device path's kernels (``gather_fills`` moves any; ``expert_gemv`` computes these) read."""
 
 
 class DeviceDecode:
@@ -53,9 +59,12 @@ class DeviceDecode:
         num_experts: ``E``, experts per MoE layer.
         top_k: routed experts per token.
         max_tokens: largest decode batch.
-        layer_biases: ``layer_biases(moe_layer)`` -> that layer's expert biases ``(b13 [E, 2I], b2 [E, H])`` on
-            the device (``HybridExperts.layer_biases``), or ``None``; the activation is ``pool.activation``
-            (SiLU SwiGLU, or gpt-oss's clamped SwiGLU).
+
+    The experts' activation is ``pool.activation`` (SiLU SwiGLU, or gpt-oss's clamped SwiGLU); their biases,
+    if any, are the cache slots' bias sections.
+
+    Raises:
+        ValueError: a cache whose row format is not in :data:`DEVICE_FORMATS`.
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -65,26 +74,29 @@ class DeviceDecode:
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
-                 num_experts: int, top_k: int, max_tokens: int,
-                 layer_biases: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] = lambda _layer: None):
+                 num_experts: int, top_k: int, max_tokens: int):
         from edgemoe.kernels import doorbell
         from edgemoe.kernels.expert_gemv import expert_gemv
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
+        if cache.layout.format not in DEVICE_FORMATS:
+            names = ", ".join(f.value for f in DEVICE_FORMATS)
+            raise ValueError(f"the device decode kernels read {names} expert rows, not {cache.layout.format.value}")
         self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
         self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         self.num_experts = num_experts
-        self.layer_biases = layer_biases
         act = pool.activation
         self.swiglu_oai = (act.alpha, act.limit) if act.kind == "swiglu_oai" else None
+        self.biases = (cache.view("b13"), cache.view("b2")) if cache.layout.has_bias else None  # slots' sections
         dev = self.device = cache.device
         P = max_tokens * top_k
         H, I = pool.hidden, pool.intermediate
         self.out = RouteOutputs.empty(P, dev)
-        self.act = torch.zeros(P, I, dtype=cache.dtype, device=dev)  # [P, I] SiLU(gate)·up scratch
-        self.routed = torch.zeros(max_tokens, top_k, H, dtype=cache.dtype, device=dev)  # [T, k, H]
+        dt = cache.compute_dtype
+        self.act = torch.zeros(P, I, dtype=dt, device=dev)  # [P, I] SiLU(gate)·up scratch
+        self.routed = torch.zeros(max_tokens, top_k, H, dtype=dt, device=dev)  # [T, k, H]
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
         num, den, q_min = policy.fill_rule()
         self.policy = torch.tensor([num, den, q_min], dtype=torch.float64, device=dev)
@@ -100,7 +112,7 @@ class DeviceDecode:
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
         self.bell = None
         if self.cpu_branch and cpu_executor.registers_steps:
-            x_dtype = cache.dtype if cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            x_dtype = dt if dt in (torch.float32, torch.bfloat16) else torch.float32
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
             self.bell = self.step.serve(pin_memory=self.cuda)
         self._seen = (0, 0)  # waits given up and executor failures already reported by check()
@@ -166,12 +178,11 @@ class DeviceDecode:
             self._ring(self.seq, self.bell)
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
-        w13, w2 = c.banks
         if self.fills:
-            self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.w13, self.pool.w2, w13, w2)
+            self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
         routed = self.routed[:T]
-        self._expert_gemv(x, o.slot_tk, topk_weights, w13, w2, routed, self.act, self.swiglu_oai, topk_ids,
-                          self.layer_biases(moe_layer))
+        self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act, self.swiglu_oai,
+                          self.biases)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
             if self.step is not None:

@@ -25,12 +25,11 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.compute import expert_biases, gated_activation, gather_expert_weights, run_sorted_experts
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.experts.compute import gated_activation, run_sorted_experts
 from edgemoe.experts.prefill import PrefillStreamer
-
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
 
@@ -107,17 +106,14 @@ class HybridExperts:
 
     Args:
         pool: host expert pool (every routed expert).
-        cache: device expert cache (slot banks on the compute device).
+        cache: device expert cache (its slot bank on the compute device).
         policy: decides q per step.
         cpu: the CPU executor.
         num_experts: ``E`` (experts per MoE layer).
         device: compute device.
 
     Attributes:
-        act: the experts' activation (``pool.activation``).
-        biases: experts with biases: ``(b13 [N, 2I], b2 [N, H])`` float32 on the compute device, indexed by
-            flat id (a full copy of the pool's temporary bias banks: a few MB per layer, so fills need not
-            move them); ``None`` without biases.
+        act: the experts' activation (``pool.activation``; biases, if any, live in the experts' rows).
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu: CpuExecutor,
@@ -126,18 +122,10 @@ class HybridExperts:
         self.num_experts = num_experts
         self.device = torch.device(device)
         self.act = pool.activation
-        self.biases = None if pool.b13 is None else (pool.b13.to(self.device), pool.b2.to(self.device))
         self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
-        self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device, self.layer_biases)
+        self.prefill = PrefillStreamer(pool, cache, policy, num_experts, self.device)
         if policy.places_static:
             self.place_static()
-
-    def layer_biases(self, moe_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(b13 [E, 2I], b2 [E, H])`` of one MoE layer's experts by layer-local id (views), or ``None``."""
-        if self.biases is None:
-            return None
-        base = moe_layer * self.num_experts
-        return self.biases[0][base:base + self.num_experts], self.biases[1][base:base + self.num_experts]
 
     # ------------------------------------------------------------------ placement
     def place_static(self) -> None:
@@ -153,9 +141,9 @@ class HybridExperts:
         self.cache.pinned[: len(ids)] = True
 
     def _copy_in(self, fid: int, slot: int) -> None:
+        """One fill: expert ``fid``'s packed row into slot ``slot`` (one copy, whatever the format)."""
         non_blocking = self.pool.pinned and self.device.type == "cuda"
-        for dst, src in zip(self.cache.banks, self.pool.banks()):
-            dst[slot].copy_(src[fid], non_blocking=non_blocking)
+        self.cache.bank[slot].copy_(self.pool.bank[fid], non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ forward
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -185,7 +173,8 @@ class HybridExperts:
             x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
         # summed in a fixed order: the result does not depend on which wave or branch computed a route
-        routed = torch.zeros((T, topk_ids.shape[1], x.shape[1]), dtype=self.cache.dtype, device=x.device)  # [T, k, H]
+        routed = torch.zeros((T, topk_ids.shape[1], x.shape[1]), dtype=self.cache.compute_dtype,
+                             device=x.device)  # [T, k, H]
         if phase is Phase.DECODE:  # at most one wave: hits and fills computed together
             fills = plan.waves[0] if plan.waves else []
             for fid, slot in fills:
@@ -208,12 +197,15 @@ class HybridExperts:
                 tok, kpos = (flat == f).nonzero(as_tuple=True)  # [n] each
                 work.append((f, tok, w_cpu[tok, kpos]))
             self.cpu.run(x_cpu, work, out_cpu)
+            if not plan.hits and not plan.waves:  # nothing on the device: routed is all zeros
+                return out_cpu.to(x.device, x.dtype)
             return (routed.sum(dim=1, dtype=torch.float32) + out_cpu.to(x.device)).to(x.dtype)
         return routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
 
     def _run_device_pairs(self, x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, placed: dict[int, int],
                           routed: torch.Tensor) -> None:
-        """Small batches: every (token, k) route in one batched GEMV pair over gathered slot weights.
+        """Small batches: every (token, k) route in one batched GEMV pair over gathered slot weights
+        (float slots gathered as they are, quantized slots dequantized: :func:`gather_expert_weights`).
 
         Writes every row of ``routed [T, k, H]``; routes whose expert is not on the device (CPU set)
         are computed against slot 0 and zeroed.
@@ -222,17 +214,18 @@ class HybridExperts:
         slot_tk = torch.tensor([placed.get(f, -1) for f in flat.view(-1).tolist()], dtype=torch.int64)
         valid = (slot_tk >= 0).to(x.device, non_blocking=True)  # [P]
         s = slot_tk.clamp(min=0).to(x.device, non_blocking=True)  # [P]
-        w13, w2 = self.cache.banks
+        c = self.cache
+        w13, w2 = gather_expert_weights(c.layout, c.bank, s, c.compute_dtype)  # [P, 2I, H], [P, H, I]
         xp = x.to(w13.dtype).repeat_interleave(k, dim=0)  # [P, H]
-        h = torch.bmm(w13.index_select(0, s), xp[:, :, None]).squeeze(-1)  # [P, 2I]
-        fids = flat.view(-1).to(x.device, non_blocking=True) if self.biases is not None else None  # [P]
-        if fids is not None:
-            h = h + self.biases[0].index_select(0, fids).to(h.dtype)
+        biases = expert_biases(c.layout, c.bank)  # the slots' bias sections, or None
+        h = torch.bmm(w13, xp[:, :, None]).squeeze(-1)  # [P, 2I]
+        if biases is not None:
+            h = h + biases[0].index_select(0, s).to(h.dtype)
         gate, up = h.chunk(2, dim=-1)
         a = gated_activation(gate, up, self.act)  # [P, I]
-        y = torch.bmm(w2.index_select(0, s), a[:, :, None]).squeeze(-1)  # [P, H]
-        if fids is not None:
-            y = y + self.biases[1].index_select(0, fids).to(y.dtype)
+        y = torch.bmm(w2, a[:, :, None]).squeeze(-1)  # [P, H]
+        if biases is not None:
+            y = y + biases[1].index_select(0, s).to(y.dtype)
         y = y * w.reshape(-1, 1).to(y.dtype)
         y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
         routed.copy_(y.view(T, k, -1))
@@ -249,9 +242,8 @@ class HybridExperts:
         for fid, slot in placed.items():
             slots[fid - base] = slot
         expert_slots = torch.tensor(slots, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-        w13, w2 = self.cache.banks
-        run_sorted_experts(x, topk_ids, w, expert_slots, w13, w2, routed, zero_missing=False, act=self.act,
-                           biases=self.layer_biases(moe_layer))
+        run_sorted_experts(x, topk_ids, w, expert_slots, self.cache.layout, self.cache.bank, routed, zero_missing=False,
+                           act=self.act)
 
     def stats(self) -> dict:
         """Per-phase counters; decode includes the device path's counters (read with one sync)."""

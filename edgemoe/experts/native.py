@@ -20,6 +20,10 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
   > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
   never selected.
+- **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
+  address, ``row_bytes`` and every section's offset in a row, :func:`expert_banks`); kernels exist for
+  bf16 and float32 rows. A pool of another format (FP8, MXFP4, NVFP4, float16) raises
+  :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
 - **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
   (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
   do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
@@ -28,10 +32,13 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
   rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
   throughout. Results do not depend on the thread count.
-- **Threads**: one per physical core by default; the caller is thread 0, the others are pinned
-  (``sched_setaffinity``; skipped where refused or when threads exceed the cores), spin
-  ``spin_us`` (default 300, ``EDGEMOE_CPU_SPIN_US``) after a step, then sleep. The GIL is released
-  during a step.
+- **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
+  one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
+  the Python thread and the CUDA driver), never more. The caller is thread 0, the others are
+  pinned (``sched_setaffinity``; skipped where refused), spin ``spin_us`` (default 2000,
+  ``EDGEMOE_CPU_SPIN_US``) after a step, yielding their core to any other runnable thread and
+  stopping early when they find themselves preempted, then sleep. The GIL is released during a
+  step. :class:`NativeLinears` runs a CPU forward's dense GEMVs on the same threads.
 - **Inside the CUDA graph** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
   buffers once and returns a :class:`RegisteredStep`; :meth:`RegisteredStep.serve` starts a native
   thread that runs it whenever a device kernel rings its doorbell (``edgemoe/kernels/doorbell.py``),
@@ -61,11 +68,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
 from edgemoe.startup import startup_step
+from edgemoe.quant.weights import WeightFormat
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +88,16 @@ EXT_NAME = "edgemoe_cpu_ext"
 BUILD_CPU_SECONDS = 19  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 18.5 s user+sys)
 
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ Isa value
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # edgemoe::WeightFormat
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float kernels (edgemoe::WeightFormat)
+NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16: 2, WeightFormat.FP8_BLOCK: 3,
+                  WeightFormat.MXFP4: 4, WeightFormat.NVFP4: 5}
+"""Row format -> ``edgemoe::WeightFormat`` (``csrc/kernels.h``); which of them have kernels is the C++ side's answer."""
 X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
-DEFAULT_SPIN_US = 300
+# Between two steps of a CPU-only decode the caller runs serial torch ops (norms, RoPE, attention:
+# ~0.5 ms a layer on the dev VM); workers still spinning take the next GEMV at once: 2000 µs against
+# 300 µs measured 3-8 % more tokens/s there. A spin never holds a core another thread wants (SpinWait).
+DEFAULT_SPIN_US = 2000
 # Steps reading fewer weight bytes run on the calling thread alone: waking the pool costs more.
 DEFAULT_MIN_PARALLEL_BYTES = 256 * 1024
 # An expert with more tokens than this in one step runs on the torch-ops path (oneDNN GEMM; AMX where
@@ -387,9 +403,8 @@ def physical_core_cpus() -> list[int]:
     Reads ``/sys/devices/system/cpu/cpuN/topology`` (package, core); where it cannot, every allowed
     CPU counts as a core.
     """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     seen, out = set(), []
-    for cpu in allowed:
+    for cpu in _allowed_cpus():
         topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
             core = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
@@ -401,10 +416,113 @@ def physical_core_cpus() -> list[int]:
     return out or [0]
 
 
+def _allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+ALONGSIDE_CUDA = 1
+"""Cores the executor leaves free on a CUDA device: the Python thread launches and waits for the GPU
+while the pool computes, and the CUDA driver runs threads of its own; on the device decode path the
+pool's worker 0 is the doorbell server thread, so nothing of the pool runs on the Python thread."""
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """Thread count and pinning of the native executor's pool (from :func:`plan_threads`).
+
+    Attributes:
+        threads: pool threads, worker 0 included (the calling thread, or the doorbell server thread).
+        cpus: CPU per thread id (``[]``: unpinned). Entry 0 is worker 0's core: the doorbell server
+            pins itself there; a calling Python thread is never pinned (its affinity is not ours).
+        limit: most threads that never oversubscribe the cores (``cores - reserved``).
+        cores: physical cores this process may run on. reserved: cores left to the threads that run
+            beside the pool (``alongside`` minus the spare SMT siblings).
+        requested: the count asked for (``None``: the default, ``limit``).
+        note: why ``threads`` differs from ``requested`` (``None`` when it does not).
+        torch_threads: torch's intra-op threads during a CPU forward whose dense GEMVs all run on the
+            pool (a decode step, :class:`NativeLinears`): 1. What torch still computes there (norms,
+            RoPE, decode attention) is small, and an OpenMP team costs a scheduler slice at its
+            barrier whenever one of its threads has lost its core to the pool or to another process.
+    """
+
+    threads: int
+    cpus: tuple[int, ...]
+    limit: int
+    cores: int
+    reserved: int
+    requested: int | None
+    note: str | None
+    torch_threads: int = 1
+
+
+def plan_threads(requested: int | None = None, alongside: int = 0, pin: bool = True,
+                 cores: list[int] | None = None, logical: int | None = None, oversubscribe: bool = False) -> ThreadPlan:
+    """The native executor's thread count and pinning: the one place edgemoe decides them.
+
+    A pool thread that shares its core with another busy thread loses whole scheduler slices (ms),
+    and a step waits for its slowest thread, so the pool never takes more cores than are free of the
+    threads that must run beside it (``alongside``: on CUDA the Python thread and the CUDA driver's,
+    :data:`ALONGSIDE_CUDA`; CPU-only, the calling thread is worker 0 and nothing else runs). Spare SMT
+    siblings of the pinned cores host those threads instead of a whole core. On the H200 host (16
+    cores, no SMT) decode with 16 pool threads beside the Python thread ran 30 % slower than with 15.
+
+    Args:
+        requested: threads asked for (``--cpu-threads``; ``None``: the most that never oversubscribe).
+            A larger count is capped (``note`` says so).
+        alongside: busy threads outside the pool that need a core while the pool computes.
+        pin: pin pool threads to one physical core each (the last ``threads`` cores, so the
+            first ones stay free for the threads alongside).
+        cores: physical-core CPUs (default :func:`physical_core_cpus`). logical: logical CPUs this
+            process may use (default: its affinity mask).
+        oversubscribe: take ``requested`` as given even beyond ``limit`` (threads past the cores are
+            not pinned): tests of thread-count independence, and benchmarks that reproduce an
+            oversubscribed machine.
+
+    Returns:
+        A :class:`ThreadPlan`.
+
+    Raises:
+        ValueError: ``requested < 1`` or ``alongside < 0``.
+    """
+    if requested is not None and requested < 1:
+        raise ValueError(f"threads must be >= 1, got {requested}")
+    if alongside < 0:
+        raise ValueError(f"alongside must be >= 0, got {alongside}")
+    cores = list(physical_core_cpus() if cores is None else cores)
+    logical = len(_allowed_cpus()) if logical is None else int(logical)
+    reserved = min(len(cores) - 1, max(0, alongside - max(0, logical - len(cores))))
+    limit = max(1, len(cores) - reserved)
+    threads, note = limit, None
+    if requested is not None:
+        threads = int(requested) if oversubscribe else min(int(requested), limit)
+        if threads < requested:
+            note = (f"{requested} threads requested, {threads} used: {len(cores)} cores, {reserved} left to the "
+                    f"threads that run beside the pool")
+    cpus = tuple(cores[max(0, len(cores) - threads):]) if pin and threads <= len(cores) else ()
+    return ThreadPlan(threads, cpus, limit, len(cores), reserved, requested, note)
+
+
 # ---------------------------------------------------------------------------------------------- executor
 def _raise_status(status: int, where: str) -> None:
     exc, msg = _STATUS.get(status, (RuntimeError, f"status {status}"))
     raise exc(f"{where}: {msg}")
+
+
+def expert_banks(ext, pool: HostExpertPool):
+    """The ``ExpertBanks`` description of ``pool``'s byte bank (``csrc/executor.h``): its base address,
+    ``row_bytes``, geometry, format and every section's byte offset in a row (-1 where the format has none).
+
+    The pool must outlive every use of the description (the executor keeps a reference to it).
+    """
+    lay = pool.layout
+    off = {s.name: s.offset for s in lay.sections}
+    bn, bk = lay.block_size or (0, 0)
+    return ext.ExpertBanks(base=pool.bank.data_ptr(), row_bytes=lay.row_bytes, num_ids=pool.num_ids,
+                           hidden=lay.hidden, inter=lay.intermediate, fmt=NATIVE_FORMATS[lay.format],
+                           w13_off=off["w13"], w2_off=off["w2"], w13_scale_off=off.get("w13_scale", -1),
+                           w2_scale_off=off.get("w2_scale", -1), w13_scale2_off=off.get("w13_scale2", -1),
+                           w2_scale2_off=off.get("w2_scale2", -1), b13_off=off.get("b13", -1),
+                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk)
 
 
 class NativeCpuExecutor:
@@ -412,57 +530,70 @@ class NativeCpuExecutor:
     ``edgemoe.experts.cpu_executor``; ``registers_steps``: :meth:`make_step` is available).
 
     Args:
-        pool: the host expert pool; bf16 or float32 banks (``w13 [N, 2I, H]``, ``w2 [N, H, I]``).
-        threads: worker threads including the caller (``None``: one per physical core).
+        pool: the host expert pool; rows of a format with native kernels (bf16, float32).
+        threads: worker threads including the caller (``None``: the most that never oversubscribe the
+            cores; a larger count is capped: :func:`plan_threads`).
+        alongside: busy threads outside the pool that need a core (:func:`plan_threads`;
+            :data:`ALONGSIDE_CUDA` on a CUDA device).
         isa: highest ISA level to use (``None``: ``EDGEMOE_CPU_ISA``, else the best this CPU has).
-        pin: pin workers 1..n-1 to one CPU per physical core (skipped when threads exceed cores).
-        spin_us: µs a worker spins after a step before sleeping (``None``: ``EDGEMOE_CPU_SPIN_US`` or 300).
+        pin: pin the pool's threads to one physical core each (workers 1..n-1 at start, the doorbell
+            server thread when it runs).
+        oversubscribe: use ``threads`` even beyond the cores (:func:`plan_threads`).
+        spin_us: µs a worker spins after a step before sleeping (``None``: ``EDGEMOE_CPU_SPIN_US`` or 2000).
         min_parallel_bytes: steps reading fewer weight bytes run on the caller alone (0: always parallel).
         max_tokens_per_expert: experts with more tokens than this in a step run on the torch-ops path.
 
     Attributes:
         name: ``"native-<isa>"``, e.g. ``native-avx512bf16``. isa: the level in use for the pool's
-        dtype. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
+        row format. threads: worker count. pinned: CPU per thread (-1: not pinned; thread 0 is the caller).
+        plan: the :class:`ThreadPlan` the pool was built from; threads_note: its ``note``.
 
     Raises:
-        NativeUnavailable: the extension cannot be built/loaded, or the pool's dtype has no kernel.
+        NativeUnavailable: the extension cannot be built/loaded, or the pool's row format has no kernel.
         ValueError: unknown ``isa``.
     """
 
     registers_steps = True
 
-    def __init__(self, pool: HostExpertPool, threads: int | None = None, *, isa: str | None = None, pin: bool = True,
-                 spin_us: int | None = None, min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
-                 max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None):
+    def __init__(self, pool: HostExpertPool, threads: int | None = None, *, alongside: int = 0, isa: str | None = None,
+                 pin: bool = True, oversubscribe: bool = False, spin_us: int | None = None,
+                 min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
+                 max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None, _plan=None):
         ext = load_extension()
-        if pool.dtype not in WEIGHT_FORMATS:
-            raise NativeUnavailable(f"{str(pool.dtype).replace('torch.', '')} expert weights have no native kernel "
-                                    f"(bfloat16 and float32 do)")
         self.pool = pool
-        self._fmt = WEIGHT_FORMATS[pool.dtype]
+        self._fmt = NATIVE_FORMATS[pool.format]
         self.max_tokens_per_expert = int(max_tokens_per_expert)
         if _core is None:
-            cpus = physical_core_cpus()
-            n = int(threads) if threads else len(cpus)
-            if n < 1:
-                raise ValueError(f"threads must be >= 1, got {threads}")
+            _plan = plan_threads(threads, alongside, pin, oversubscribe=oversubscribe)
+            if _plan.note:
+                log.info("native CPU executor: %s", _plan.note)
             if spin_us is None:
                 spin_us = int(os.environ.get("EDGEMOE_CPU_SPIN_US", DEFAULT_SPIN_US))
             cap = isa if isa is not None else isa_cap_from_env()
-            _core = ext.Executor(n, cpus if pin and n <= len(cpus) else [], _level(cap), int(spin_us),
-                                 int(min_parallel_bytes))
+            _core = ext.Executor(_plan.threads, list(_plan.cpus), _level(cap), int(spin_us), int(min_parallel_bytes))
         self._core = _core
+        self.plan = _plan
         level = self._core.isa_for(self._fmt)
         if level < 0:
-            raise NativeUnavailable("no native kernel for this weight dtype on this CPU")
+            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU (bf16 and "
+                                    "float32 rows have them)")
+        self._banks = expert_banks(ext, pool)
         self.isa = ISA_LEVELS[level]
         self.name = f"native-{self.isa}"
         self.threads = self._core.threads
+        self.threads_note = _plan.note if _plan is not None else None
         self.pinned = list(self._core.pinned)
+
+    def dense_linears(self, rows: int) -> NativeLinears:
+        """A context for a CPU forward over ``rows`` tokens in which dense linear layers with few rows run
+        on this executor (:class:`NativeLinears`), torch's intra-op threads as :func:`plan_threads` says."""
+        return NativeLinears(self, self.max_tokens_per_expert,
+                             torch_threads=self.plan.torch_threads if rows <= self.max_tokens_per_expert else None)
 
     def with_pool(self, pool: HostExpertPool) -> "NativeCpuExecutor":
         """An executor over another pool sharing this one's threads (e.g. a bandwidth-rotation pool)."""
-        return NativeCpuExecutor(pool, max_tokens_per_expert=self.max_tokens_per_expert, _core=self._core)
+        return NativeCpuExecutor(pool, max_tokens_per_expert=self.max_tokens_per_expert, _core=self._core,
+                                 _plan=self.plan)
 
     def run(self, x: torch.Tensor, work: list[tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
         """Accumulate ``Σ weight · expert(x[token])`` into ``out`` (the GIL is released meanwhile).
@@ -514,12 +645,60 @@ class NativeCpuExecutor:
         wt = (wts[0] if len(wts) == 1 else torch.cat(wts)).to(torch.float32).contiguous()
         if tok.device.type != "cpu" or wt.device.type != "cpu":
             raise TypeError("token indices and weights must be CPU tensors")
-        w13, w2 = self.pool.w13, self.pool.w2
-        st = self._core.run(w13.data_ptr(), w2.data_ptr(), self.pool.num_ids, self.pool.hidden, self.pool.intermediate,
-                            self._fmt, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
+        st = self._core.run(self._banks, x.data_ptr(), X_FORMATS[x.dtype], x.shape[0], out.data_ptr(), fids, offsets,
                             tok.data_ptr(), wt.data_ptr())
         if st:
             _raise_status(st, f"{self.name}.run")
+
+    @property
+    def preempted_waits(self) -> int:
+        """Waits between steps whose spin a worker cut short because it had lost its core (a sign of
+        an oversubscribed machine; the worker then sleeps until the next step)."""
+        return self._core.preempted_waits
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T`` on the pool's threads with the native GEMV kernels (a linear layer without
+        bias, for the few rows of a decode step: bound by the bytes of ``weight`` read, which every
+        thread streams in its own row range).
+
+        Args:
+            x: ``[..., K]`` CPU tensor, float32 or bfloat16, last dim contiguous.
+            weight: ``[N, K]`` CPU tensor in the executor's weight formats (bfloat16 or float32),
+                rows contiguous. bf16 weights compute with ``x`` rounded to bf16 and float32
+                accumulation, as torch's bf16 matmul does.
+            out: optional ``[..., N]`` contiguous result (float32 or bfloat16); default a new tensor
+                of ``x.dtype``.
+
+        Returns:
+            ``out`` (or the new ``[..., N]`` tensor).
+
+        Raises:
+            TypeError: a tensor off the CPU, or an unsupported dtype. ValueError: shapes do not match.
+        """
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise TypeError(f"linear: tensors must be on the CPU, got x on {x.device}, weight on {weight.device}")
+        if weight.dtype not in WEIGHT_FORMATS or x.dtype not in X_FORMATS:
+            raise TypeError(f"linear: weight {weight.dtype} / x {x.dtype}: float32 and bfloat16 are supported")
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.stride(1) != 1:
+            raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and "
+                             "[N, K] with rows contiguous")
+        N, K = weight.shape
+        x2 = x.reshape(-1, K)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        M = x2.shape[0]
+        if out is None:
+            out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+        elif (out.dtype not in X_FORMATS or not out.is_contiguous() or out.device.type != "cpu"
+              or tuple(out.shape) != (*x.shape[:-1], N)):
+            raise ValueError(f"linear: out must be a contiguous float32/bfloat16 CPU tensor of shape "
+                             f"{(*x.shape[:-1], N)}, got {out.dtype} {tuple(out.shape)}")
+        st = self._core.linear(weight.data_ptr(), WEIGHT_FORMATS[weight.dtype], N, K,
+                               weight.stride(0) * weight.element_size(), x2.data_ptr(), X_FORMATS[x2.dtype], M,
+                               x2.stride(0), out.data_ptr(), X_FORMATS[out.dtype], N)
+        if st:
+            _raise_status(st, f"{self.name}.linear")
+        return out
 
     def sum_f32(self, t: torch.Tensor) -> float:
         """Sum of a contiguous float32 CPU tensor read by all threads (the read-bandwidth test)."""
@@ -533,6 +712,68 @@ class NativeCpuExecutor:
         """Register buffers for the C entry point (see :class:`RegisteredStep`); ``pin_memory``
         page-locks them so device copies into and out of them are asynchronous (and capturable)."""
         return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out, pin_memory)
+
+
+class NativeLinears(TorchFunctionMode):
+    """A context in which a forward's dense linear layers with few rows run on the native executor.
+
+    Every ``torch.nn.functional.linear(x, weight, bias)`` (``nn.Linear`` modules, the LM head, routers)
+    on CPU tensors with bfloat16 ``x`` and ``weight`` and at most ``max_rows`` rows of ``x`` is computed
+    by :meth:`NativeCpuExecutor.linear` on the pool's threads; anything else (float32, the GPU, a
+    prefill chunk: a GEMM, where oneDNN wins) runs through torch unchanged. A decode step's dense
+    layers are GEMVs bound by the bytes of their weights (the LM head of Qwen3-30B-A3B alone is
+    151936 x 2048 bf16 = 622 MB per token); torch's bf16 matmul at one row reaches a fraction of the
+    read bandwidth (``docs/benchmarks/cpu_executor.md``). Results equal torch's up to float32
+    summation order: the product is accumulated in float32 and rounded to bf16 once, a bias added
+    before that rounding.
+
+    While the context is active torch's intra-op threads are ``torch_threads`` (``None``: unchanged;
+    see :func:`plan_threads`).
+
+    Args:
+        executor: the native executor whose threads and kernels compute.
+        max_rows: most rows of ``x`` (tokens) sent to the native kernels.
+        torch_threads: torch intra-op threads inside the context (``None``: leave them).
+    """
+
+    def __init__(self, executor: "NativeCpuExecutor", max_rows: int = DEFAULT_MAX_TOKENS_PER_EXPERT,
+                 torch_threads: int | None = None):
+        super().__init__()
+        self.executor, self.max_rows, self.torch_threads = executor, int(max_rows), torch_threads
+        self._saved: list[int] = []
+
+    def __enter__(self):
+        if self.torch_threads is not None:
+            self._saved.append(torch.get_num_threads())
+            torch.set_num_threads(self.torch_threads)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.torch_threads is not None:
+                torch.set_num_threads(self._saved.pop())
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``F.linear(x, weight, bias)`` runs on the native kernels here."""
+        return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1 and x.dim() >= 1
+                and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= self.max_rows * x.shape[-1]
+                and (bias is None or bias.device.type == "cpu"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if self.takes(x, weight, bias):
+                if bias is None:
+                    return self.executor.linear(x, weight)
+                y = self.executor.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
+                return y.add_(bias).to(x.dtype)
+        return func(*args, **kwargs)
 
 
 class RegisteredStep:
@@ -569,11 +810,10 @@ class RegisteredStep:
         self.pack = torch.zeros(cpu_work_words(max_experts, max_routes), dtype=torch.int64, **pm)
         self.dims, self.fids, self.offsets, self.tok, self.wt = carve_cpu_work(self.pack, max_experts, max_routes)
         self._ext = ext
-        self.address = ext.step_create(executor._core, pool.w13.data_ptr(), pool.w2.data_ptr(), pool.num_ids,
-                                       pool.hidden, pool.intermediate, executor._fmt, X_FORMATS[x_dtype],
-                                       self.x.data_ptr(), self.out.data_ptr(), self.dims.data_ptr(),
-                                       self.fids.data_ptr(), self.offsets.data_ptr(), self.tok.data_ptr(),
-                                       self.wt.data_ptr(), max_tokens, max_experts, max_routes, bool(zero_out))
+        self.address = ext.step_create(executor._core, executor._banks, X_FORMATS[x_dtype], self.x.data_ptr(),
+                                       self.out.data_ptr(), self.dims.data_ptr(), self.fids.data_ptr(),
+                                       self.offsets.data_ptr(), self.tok.data_ptr(), self.wt.data_ptr(), max_tokens,
+                                       max_experts, max_routes, bool(zero_out))
         self.fn_address = ext.run_step_address()
         self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.fn_address)  # releases the GIL while running
 
@@ -642,21 +882,52 @@ class RegisteredStep:
             _raise_status(status, "step_bench")
         return calls, dt
 
+    def bench_served(self, order: torch.Tensor, tokens: int, experts_per_call: int, seconds: float,
+                     gap_us: int = 0, poll_us: int = 10) -> tuple[int, float]:
+        """Ring this step's doorbell server over rotating experts for ``seconds``, a native thread
+        standing in for the device (B_H as the device decode path drives the executor, without a GPU).
+
+        Per call the thread writes the work (experts ``order[c·e .. c·e + e)``, tokens ``0 ..
+        tokens - 1``), advances the request word, polls the done word every ``poll_us`` µs (0: spin;
+        the device's wait kernel uses no CPU core, a sleeping poll almost none), then idles
+        ``gap_us`` µs (the GPU's work between two MoE layers). Overwrites the step's work buffers.
+
+        Returns:
+            ``(calls, seconds elapsed)``.
+
+        Raises:
+            RuntimeError: the step is closed or not served (:meth:`serve` first). ValueError etc.:
+                sizes beyond the registered capacity, or a failed step.
+        """
+        if not self._server:
+            raise RuntimeError("bench_served() needs the doorbell server: call serve() first")
+        order = order.to(torch.int64).contiguous()
+        calls, dt, status = self._ext.server_bench(self._live(), self.doorbell.data_ptr(), self.doorbell[8:].data_ptr(),
+                                                   order.data_ptr(), order.numel(), int(tokens), int(experts_per_call),
+                                                   float(seconds), int(gap_us), int(poll_us))
+        if status:
+            _raise_status(status, "server_bench")
+        return calls, dt
+
     def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000) -> torch.Tensor:
         """Start a native thread that runs this step whenever its doorbell is rung (idempotent).
 
         Returns the doorbell: ``[16]`` int64 CPU tensor (pinned when ``pin_memory``): word 0 is the
         request counter a producer advances after writing the step's buffers, word 8 (its own cache
-        line) the last request served, stored after ``out`` is complete. The thread spins for
-        ``active_spin_us`` after each step (consecutive MoE layers arrive within microseconds), then
-        polls every 50 µs (every 1 ms after a second of silence). :meth:`close` stops it.
+        line) the last request served, stored after ``out`` is complete. The thread is the pool's
+        worker 0 and pins itself to the executor's first planned core (:attr:`ThreadPlan.cpus`). It
+        spins for ``active_spin_us`` after each step (consecutive MoE layers arrive within
+        microseconds), yielding its core to any other runnable thread and stopping early when it
+        finds itself preempted (:attr:`preempted`), then polls every 50 µs (every 1 ms after a second
+        of silence). :meth:`close` stops it.
         """
         if self._server:
             return self.doorbell
         self._live()
         self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
         self._server = self._ext.server_start(self.address, self.doorbell.data_ptr(),
-                                              self.doorbell[8:].data_ptr(), int(active_spin_us))
+                                              self.doorbell[8:].data_ptr(), int(active_spin_us),
+                                              self.executor._core.caller_cpu)
         _SERVING.add(self)
         return self.doorbell
 
@@ -664,6 +935,16 @@ class RegisteredStep:
     def served(self) -> int:
         """Requests the doorbell server has completed (0 when not serving)."""
         return self._ext.server_served(self._server) if self._server else 0
+
+    @property
+    def preempted(self) -> int:
+        """Idle spins the doorbell server cut short because it had lost its core (0 when not serving)."""
+        return self._ext.server_preempted(self._server) if self._server else 0
+
+    @property
+    def server_cpu(self) -> int:
+        """CPU the doorbell server thread pinned itself to (-1: not pinned, or not serving)."""
+        return self._ext.server_pinned(self._server) if self._server else -1
 
     @property
     def status(self) -> int:

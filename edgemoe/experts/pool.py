@@ -1,13 +1,11 @@
 """The host expert pool: every routed expert of the model, in host memory (DESIGN.md §1, §4).
 
-Experts are stored stacked in two banks indexed by the flat id ``moe_layer * E + expert``:
-``w13 [N, 2I, H]`` (gate rows then up rows) and ``w2 [N, H, I]``. Host memory is the source of
-truth; the device expert cache only ever holds copies of rows.
-
-Experts with biases (gpt-oss) also get two float32 bias banks, ``b13 [N, 2I]`` (gate's bias then up's)
-and ``b2 [N, H]``. They are temporary, beside the weight banks, until an expert's row carries its bias
-sections: they are not part of :meth:`HostExpertPool.banks` (fills do not copy them; the compute device
-keeps a full copy, ``HybridExperts.biases``).
+Experts are stored as one uint8 byte bank ``[N, row_bytes]`` indexed by the flat id
+``moe_layer * E + expert``; an :class:`~edgemoe.quant.layout.ExpertLayout` says where each tensor of
+an expert lives in its row, for every format (bf16 / float32 rows as well as FP8, MXFP4 and NVFP4 rows
+at their packed size). Typed section views (``pool.view("w13")``) give ``w13 [N, 2I, H]`` (gate rows
+then up rows) and ``w2 [N, H, I]`` for float layouts. Host memory is the source of truth; the device
+expert cache only ever holds copies of rows.
 """
 
 from __future__ import annotations
@@ -19,8 +17,13 @@ import mmap
 import torch
 
 from edgemoe.config import SILU_SWIGLU, ExpertActivation
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.quantize import pack_float_expert
+from edgemoe.quant.weights import WeightFormat
 
 log = logging.getLogger(__name__)
+
+_DATA_SECTIONS = ("w13", "w2", "b13", "b2")  # the sections of per-element values (the rest: block scales)
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
@@ -47,81 +50,102 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = Fa
     return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
 
 
+def default_compute_dtype(layout: ExpertLayout) -> torch.dtype:
+    """The dtype experts of ``layout`` compute in unless told otherwise: a float layout's own dtype, bfloat16
+    for quantized layouts (their rows are dequantized into it, as ``transformers`` does)."""
+    return layout.format.dtype if layout.format.dense else torch.bfloat16
+
+
 class HostExpertPool:
-    """Routed-expert banks in host memory.
+    """Routed experts in host memory: one byte bank of packed rows.
 
     Args:
         num_ids: ``N = num_moe_layers * num_experts`` rows.
-        hidden, intermediate: ``H`` and ``I`` (the expert's intermediate size).
-        dtype: storage dtype of the banks.
-        activation: the experts' activation and biases (the model's ``ExpertActivation``); with
-            ``activation.bias`` the bias banks are allocated.
+        layout: the byte layout of one row (format, ``H``, ``I``, sections).
+        compute_dtype: the dtype the experts compute in: a float layout's own dtype (the default), or for a
+            quantized layout the dtype its rows are dequantized into (default bfloat16).
+        activation: the experts' activation (the model's ``ExpertActivation``: SiLU SwiGLU, or gpt-oss's
+            clamped SwiGLU); ``activation.bias`` iff the layout has bias sections (``b13``, ``b2``).
 
-    Both banks are page-aligned (:func:`host_empty`) so the FTW bootstrap reads them with direct I/O.
+    The bank is page-aligned (:func:`host_empty`) so the FTW bootstrap reads it with direct I/O.
 
     Attributes:
-        w13: ``[N, 2I, H]`` gate (rows ``[:I]``) and up (rows ``[I:]``) projections.
-        w2: ``[N, H, I]`` down projection.
-        b13, b2: float32 ``[N, 2I]`` / ``[N, H]`` expert biases (temporary banks, see the module
-            docstring), or ``None`` without biases.
+        bank: uint8 ``[N, row_bytes]``; row ``i`` holds expert ``i``'s sections at ``layout``'s offsets.
+        layout: the :class:`~edgemoe.quant.layout.ExpertLayout`.
+        hidden, intermediate: ``H`` and ``I``.
         activation: as given.
-        pinned: whether the banks are page-locked (registered with CUDA) for async host→GPU copies.
+        pinned: whether the bank is page-locked (registered with CUDA) for async host→GPU copies.
+
+    Raises:
+        ValueError: a float layout with another ``compute_dtype`` (its rows are computed in place), or an
+            activation with biases over a layout without bias sections (or the reverse).
     """
 
-    def __init__(self, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype,
+    def __init__(self, num_ids: int, layout: ExpertLayout, compute_dtype: torch.dtype | None = None,
                  activation: ExpertActivation = SILU_SWIGLU):
-        self.num_ids, self.hidden, self.intermediate, self.dtype = num_ids, hidden, intermediate, dtype
+        if compute_dtype is None:
+            compute_dtype = default_compute_dtype(layout)
+        if layout.format.dense and compute_dtype != layout.format.dtype:
+            raise ValueError(f"a {layout.format.value} expert pool computes in {layout.format.dtype}, "
+                             f"not {compute_dtype}")
+        if layout.has_bias != activation.bias:
+            raise ValueError(f"expert layout has_bias={layout.has_bias} but the experts are {activation.describe()}")
+        self.num_ids, self.layout, self.compute_dtype = num_ids, layout, compute_dtype
         self.activation = activation
-        self.w13 = host_empty((num_ids, 2 * intermediate, hidden), dtype)  # [N, 2I, H]
-        self.w2 = host_empty((num_ids, hidden, intermediate), dtype)  # [N, H, I]
-        self.b13 = self.b2 = None
-        if activation.bias:
-            self.b13 = torch.empty(num_ids, 2 * intermediate, dtype=torch.float32)  # [N, 2I]
-            self.b2 = torch.empty(num_ids, hidden, dtype=torch.float32)  # [N, H]
+        self.hidden, self.intermediate = layout.hidden, layout.intermediate
+        self.bank = host_empty((num_ids, layout.row_bytes), torch.uint8)  # [N, row_bytes]
         self.pinned = False
-        self._registered: list[int] = []
+        self._registered: int | None = None
+
+    @classmethod
+    def dense(cls, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype,
+              activation: ExpertActivation = SILU_SWIGLU) -> HostExpertPool:
+        """A pool of float experts of ``dtype`` (bf16 / f16 / f32 rows: ``w13 [2I, H]``, ``w2 [H, I]``, and
+        float32 ``b13 [2I]``, ``b2 [H]`` with ``activation.bias``)."""
+        layout = ExpertLayout.build(WeightFormat.for_dtype(dtype), hidden, intermediate, has_bias=activation.bias)
+        return cls(num_ids, layout, activation=activation)
+
+    @property
+    def format(self) -> WeightFormat:
+        return self.layout.format
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one expert's weights (both banks; the bias banks stay on the host and, whole, on the
-        compute device, so they are not counted in what a fill or a cache slot moves)."""
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        """Bytes of one expert row (every section and the alignment padding)."""
+        return self.layout.row_bytes
 
     @property
     def nbytes(self) -> int:
         return self.row_bytes * self.num_ids
 
-    def banks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13, self.w2
+    def view(self, name: str) -> torch.Tensor:
+        """Typed view of section ``name`` over every row (``[N, *section.shape]``, no copy)."""
+        return self.layout.view(self.bank, name)
 
     def pin(self) -> bool:
-        """Page-lock the filled banks with ``cudaHostRegister`` (pin *after* filling: DESIGN.md §5).
+        """Page-lock the filled bank with ``cudaHostRegister`` (pin *after* filling: DESIGN.md §5).
 
         Returns ``True`` on success; on refusal (no CUDA, ulimit, OS limit) logs why and keeps
         pageable memory, returning ``False``. Never raises.
         """
         if self.pinned or not torch.cuda.is_available():
             return self.pinned
-        cudart = torch.cuda.cudart()
-        for bank in self.banks():
-            if bank.numel() == 0:
-                continue
-            err = cudart.cudaHostRegister(bank.data_ptr(), bank.numel() * bank.element_size(), 0)
-            if int(err) != 0:
-                log.warning("cudaHostRegister refused %.2f GB (error %s): expert pool stays pageable; "
-                            "host->GPU expert copies will be slow", bank.numel() * bank.element_size() / 1e9, err)
-                self.unpin()
-                return False
-            self._registered.append(bank.data_ptr())
+        if self.bank.numel() == 0:
+            self.pinned = True
+            return True
+        err = torch.cuda.cudart().cudaHostRegister(self.bank.data_ptr(), self.nbytes, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister refused %.2f GB (error %s): expert pool stays pageable; "
+                        "host->GPU expert copies will be slow", self.nbytes / 1e9, err)
+            return False
+        self._registered = self.bank.data_ptr()
         self.pinned = True
         return True
 
     def unpin(self) -> None:
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-        self._registered.clear()
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+        self._registered = None
         self.pinned = False
 
     def __del__(self):
@@ -131,27 +155,37 @@ class HostExpertPool:
             pass
 
     def fill_random(self, seed: int, std: float = 0.02, progress: bool = False) -> None:
-        """Dummy-weight fill (``--load-format dummy``): every row gets distinct random values.
+        """Dummy-weight fill (``--load-format dummy``): every row gets valid weights of the layout's format.
 
-        Draws one random source ~2 rows long and copies per-row windows of it at random offsets, so a
-        full-scale pool (tens of GB) fills at memory-copy speed rather than RNG speed. Bias banks get
-        ``N(0, std)`` values.
+        Two random float experts (``N(0, std)``) are quantized into the layout (:func:`~edgemoe.quant.quantize.
+        pack_float_expert`); each row's weight sections (``w13``, ``w2``) are windows of theirs at random
+        element offsets, so rows differ (biases too), and the other sections (block scales) are the first
+        expert's. A
+        full-scale pool (tens of GB) fills at memory-copy speed rather than RNG or quantizer speed.
         """
         g = torch.Generator().manual_seed(seed)
-        if self.b13 is not None:
-            for b in (self.b13, self.b2):
-                b.copy_(torch.randn(b.shape, generator=g) * std)
-        for bank in self.banks():
-            n = bank[0].numel()
-            if n == 0:
-                continue
-            src = (torch.randn(2 * n + 1, generator=g) * std).to(self.dtype)
-            offsets = torch.randint(0, n + 1, (self.num_ids,), generator=g).tolist()
-            flat = bank.view(self.num_ids, n)
-            it = range(self.num_ids)
-            if progress:
-                from tqdm import tqdm
+        lay, h, i = self.layout, self.hidden, self.intermediate
+        src = lay.new_bank(2)  # [2, row_bytes]
+        for r in range(2):
+            w13 = torch.randn(2 * i, h, generator=g) * std
+            w2 = torch.randn(h, i, generator=g) * std
+            b13, b2 = (torch.randn(2 * i, generator=g) * std, torch.randn(h, generator=g) * std) if lay.has_bias \
+                else (None, None)
+            pack_float_expert(lay, w13, w2, out=src[r], b13=b13, b2=b2)
+        it = range(self.num_ids)
+        if progress:
+            from tqdm import tqdm
 
-                it = tqdm(it, desc="dummy experts", unit="expert", leave=False)
-            for i in it:
-                flat[i].copy_(src[offsets[i]:offsets[i] + n])
+            it = tqdm(it, desc="dummy experts", unit="expert", leave=False)
+        windows = []
+        for s in lay.sections:
+            if s.name in _DATA_SECTIONS:
+                n = s.nbytes // s.dtype.itemsize
+                flat = src[:, s.offset:s.end].contiguous().view(s.dtype).reshape(-1)  # [2n] elements of both experts
+                windows.append((self.bank[:, s.offset:s.end].view(s.dtype), flat, n,
+                                torch.randint(0, n + 1, (self.num_ids,), generator=g).tolist()))
+            else:
+                self.bank[:, s.offset:s.end].copy_(src[0, s.offset:s.end])
+        for row in it:
+            for dst, flat, n, offsets in windows:
+                dst[row].copy_(flat[offsets[row]:offsets[row] + n])

@@ -37,7 +37,6 @@ Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on dem
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,8 +58,8 @@ reports beside ``overlap``). ``off``: never stream (every prefill step takes the
 def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
     """Coalesce ``(flat id, slot)`` pairs into runs ``(first id, first slot, length)`` where both advance by 1.
 
-    One copy per bank and run replaces one per expert (the pool's rows and the cache's slots are
-    contiguous along their first dimension).
+    One copy per run replaces one per expert (the pool's rows and the cache's slots are contiguous
+    byte rows).
     """
     runs: list[tuple[int, int, int]] = []
     for f, s in zip(fids, slots):
@@ -99,24 +98,22 @@ class PrefillStreamer:
     """The streamed prefill path of :class:`~edgemoe.experts.hybrid.HybridExperts` (module docstring).
 
     Args:
-        pool: host expert pool (source rows, ``[N, ...]`` banks).
+        pool: host expert pool (source rows of its byte bank).
         cache: device expert cache (staging regions are its slots; its tables and prefill counters
             are updated).
         policy: prefill streams only when ``policy.streams_prefill``.
         num_experts: ``E``, experts per MoE layer.
         device: compute device; on CUDA a copy stream is created.
-        layer_biases: ``layer_biases(moe_layer)`` -> the layer's expert biases ``(b13 [E, 2I], b2 [E, H])``
-            on the device, or ``None`` (``HybridExperts.layer_biases``); the activation is ``pool.activation``.
+
+    The experts' activation is ``pool.activation`` (their biases, if any, are in the staged rows).
 
     Attributes:
         mode: one of :data:`PREFILL_MODES` (settable between steps; ``ValueError`` for another value).
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, num_experts: int,
-                 device: torch.device,
-                 layer_biases: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] = lambda _layer: None):
+                 device: torch.device):
         self.pool, self.cache, self.policy = pool, cache, policy
-        self.layer_biases = layer_biases
         self.num_experts = num_experts
         self.num_layers = pool.num_ids // num_experts
         self.device = torch.device(device)
@@ -181,7 +178,7 @@ class PrefillStreamer:
             free = sorted(set(free) - set(victims))
         if self._cuda:  # earlier steps' kernels may still read the slots about to be overwritten
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.dtype, device=self.device)
+        routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.compute_dtype, device=self.device)
         self._cur = _StreamedStep(step, regions, free, routed)
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
@@ -223,8 +220,7 @@ class PrefillStreamer:
     def _copy(self, runs: list[tuple[int, int, int]]) -> None:
         non_blocking = self.pool.pinned and self._cuda
         for fid, slot, n in runs:
-            for dst, src in zip(self.cache.banks, self.pool.banks()):
-                dst[slot:slot + n].copy_(src[fid:fid + n], non_blocking=non_blocking)
+            self.cache.bank[slot:slot + n].copy_(self.pool.bank[fid:fid + n], non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ forward
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -258,10 +254,9 @@ class PrefillStreamer:
         counters.hits += len(hit_slots)
         counters.misses += len(routed_e) - len(hit_slots)
         cache.touch(hit_slots, cur.step)
-        w13, w2 = cache.banks
         base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
-        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], w13, w2, cur.routed,
-                           act=self.pool.activation, biases=self.layer_biases(moe_layer))
+        run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
+                           cur.routed, act=self.pool.activation)
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
         if overlap and self._cuda:
             cur.compute_done = torch.cuda.Event()

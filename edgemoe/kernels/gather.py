@@ -1,14 +1,15 @@
 """Fused host→device gather of one MoE layer's fills (DESIGN.md §2, §9).
 
 One launch copies, for every fill ``i < n_fill`` (``n_fill = meta[2]``, read on the device), row
-``fill_fid[i]`` of both host expert banks into row ``fill_slot[i]`` of the device cache banks. The
-host banks are page-locked (``cudaHostRegister``) and read zero-copy through their mapped address
-(under UVA the launcher translates a registered host pointer; the H200 host reached 51 GB/s this
-way, DESIGN.md §9), so the copy needs no per-row ``cudaMemcpyAsync`` and no host knowledge of
-``n_fill``: it can be captured in a CUDA graph right after :func:`~edgemoe.kernels.route_control`.
+``fill_fid[i]`` of the host expert pool's byte bank into row ``fill_slot[i]`` of the device cache's
+bank: one packed row per expert, whatever its format (bf16, FP8, MXFP4, NVFP4 rows alike). The host
+bank is page-locked (``cudaHostRegister``) and read zero-copy through its mapped address (under UVA
+the launcher translates a registered host pointer; the H200 host reached 51 GB/s this way, DESIGN.md
+§9), so the copy needs no per-row ``cudaMemcpyAsync`` and no host knowledge of ``n_fill``: it can be
+captured in a CUDA graph right after :func:`~edgemoe.kernels.route_control`.
 
 Rows are copied as 8-byte words (16-byte vector loads per thread pair) in chunks of ``BLOCK`` words;
-a persistent grid of programs strides over the ``n_fill × chunks`` work items of each bank.
+a persistent grid of programs strides over the ``n_fill × chunks`` work items.
 """
 
 from __future__ import annotations
@@ -38,25 +39,23 @@ def _copy_rows(src_ptr, dst_ptr, fill_fid_ptr, fill_slot_ptr, n_fill, ROW, pid, 
 
 
 @triton.jit
-def _gather_fills_kernel(meta_ptr, fill_fid_ptr, fill_slot_ptr, src13_ptr, dst13_ptr, ROW13, src2_ptr, dst2_ptr, ROW2,
-                         BLOCK: tl.constexpr):
+def _gather_fills_kernel(meta_ptr, fill_fid_ptr, fill_slot_ptr, src_ptr, dst_ptr, ROW, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_fill = tl.load(meta_ptr + 2)
-    _copy_rows(src13_ptr, dst13_ptr, fill_fid_ptr, fill_slot_ptr, n_fill, ROW13, pid, nprog, BLOCK)
-    _copy_rows(src2_ptr, dst2_ptr, fill_fid_ptr, fill_slot_ptr, n_fill, ROW2, pid, nprog, BLOCK)
+    _copy_rows(src_ptr, dst_ptr, fill_fid_ptr, fill_slot_ptr, n_fill, ROW, pid, nprog, BLOCK)
 
 
-def _words(src: torch.Tensor, dst: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two contiguous ``[rows, ...]`` banks as ``[rows, words]`` views, in the widest word that divides a
-    row and both base addresses."""
+def _words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two contiguous uint8 ``[rows, row_bytes]`` banks as ``[rows, words]`` views, in the widest word that
+    divides a row and both base addresses."""
     for t in (src, dst):
-        if not t.is_contiguous() or t.dim() < 2:
-            raise ValueError(f"{name} banks must be contiguous [rows, ...] tensors, got shape {tuple(t.shape)}")
-    if src.dtype != dst.dtype or tuple(src.shape[1:]) != tuple(dst.shape[1:]):
-        raise ValueError(f"{name}: source {src.dtype} {tuple(src.shape)} and cache {dst.dtype} {tuple(dst.shape)} "
-                         f"rows differ")
-    row_bytes = src[0].numel() * src.element_size()
+        if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"expert banks must be contiguous uint8 [rows, row_bytes] tensors, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if src.shape[1] != dst.shape[1]:
+        raise ValueError(f"pool rows of {src.shape[1]} bytes and cache rows of {dst.shape[1]} bytes differ")
+    row_bytes = src.shape[1]
     for word in (torch.int64, torch.int32, torch.int16, torch.uint8):
         size = torch.empty((), dtype=word).element_size()
         if row_bytes % size == 0 and src.data_ptr() % size == 0 and dst.data_ptr() % size == 0:
@@ -72,24 +71,22 @@ def default_programs(device: torch.device) -> int:
     return 4
 
 
-def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Tensor,
-                 src_w13: torch.Tensor, src_w2: torch.Tensor, dst_w13: torch.Tensor, dst_w2: torch.Tensor,
-                 num_programs: int | None = None) -> None:
-    """Copy the fills of one layer's step: ``dst_b[fill_slot[i]] = src_b[fill_fid[i]]`` for ``i < meta[2]``.
+def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Tensor, src: torch.Tensor,
+                 dst: torch.Tensor, num_programs: int | None = None) -> None:
+    """Copy the fills of one layer's step: ``dst[fill_slot[i]] = src[fill_fid[i]]`` for ``i < meta[2]``.
 
     Args:
         meta: ``[4]`` int32 from :func:`~edgemoe.kernels.route_control.route_control` (``meta[2]`` =
             fills).
         fill_fid, fill_slot: ``[K]`` int64 source rows and destination slots (first ``meta[2]`` valid).
-        src_w13, src_w2: host pool banks ``[N, 2I, H]`` and ``[N, H, I]`` — page-locked host tensors
-            (``HostExpertPool`` after ``pin()``) or device tensors.
-        dst_w13, dst_w2: cache banks ``[S, 2I, H]`` and ``[S, H, I]`` on the device, same dtype.
+        src: the host pool's byte bank, uint8 ``[N, row_bytes]`` — page-locked (``HostExpertPool`` after
+            ``pin()``) or a device tensor.
+        dst: the cache's byte bank, uint8 ``[S, row_bytes]`` on the device.
         num_programs: persistent grid size (default :func:`default_programs`); fixed per device, so
             the launch is CUDA-graph capturable.
 
     Raises:
-        ValueError: dtype or row-shape mismatch between a source and its destination, or
-            non-contiguous banks.
+        ValueError: banks that are not contiguous uint8 ``[rows, row_bytes]`` of one row size.
 
     A pageable (unregistered) host source is refused by Triton's launcher ("cannot be accessed from
     Triton"); copy such pools with ``cudaMemcpyAsync`` instead.
@@ -98,8 +95,6 @@ def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Te
         raise ValueError("meta must be the [4] int32 output of route_control")
     if fill_fid.dtype != torch.int64 or fill_slot.dtype != torch.int64 or fill_fid.numel() != fill_slot.numel():
         raise ValueError("fill_fid and fill_slot must be int64 tensors of the same length")
-    s13, d13 = _words(src_w13, dst_w13, "w13")
-    s2, d2 = _words(src_w2, dst_w2, "w2")
-    grid = (int(num_programs) if num_programs else default_programs(dst_w13.device),)
-    _gather_fills_kernel[grid](meta, fill_fid, fill_slot, s13, d13, s13.shape[1], s2, d2, s2.shape[1],
-                               BLOCK=BLOCK_WORDS, num_warps=NUM_WARPS)
+    s, d = _words(src, dst)
+    grid = (int(num_programs) if num_programs else default_programs(dst.device),)
+    _gather_fills_kernel[grid](meta, fill_fid, fill_slot, s, d, s.shape[1], BLOCK=BLOCK_WORDS, num_warps=NUM_WARPS)

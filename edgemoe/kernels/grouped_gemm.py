@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.expert_gemv import slot_matrices_contiguous
+
 
 @dataclass(frozen=True)
 class GroupedConfig:
@@ -82,7 +84,7 @@ def choose_config(routes: int, num_experts: int, hidden: int, inter: int, dtype:
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, stride_x,
+def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, stride_x, stride_s,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     n_tiles = tl.cdiv(I, BN)
     tile = tl.program_id(0) // n_tiles  # consecutive programs share the tile's x rows and the expert
@@ -98,7 +100,7 @@ def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, s
         cmask = cols < I
         kk = tl.arange(0, BK)
         x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_x  # [BM, 1]
-        w_g = w13_ptr + slot.to(tl.int64) * (2 * I * H) + cols.to(tl.int64)[None, :] * H  # [1, BN]
+        w_g = w13_ptr + slot.to(tl.int64) * stride_s + cols.to(tl.int64)[None, :] * H  # [1, BN]
         w_u = w_g + I * H
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
@@ -116,7 +118,7 @@ def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, s
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, wt_ptr, out_ptr, G, H, I,
+def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, wt_ptr, out_ptr, G, H, I, stride_s,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZERO_MISSING: tl.constexpr):
     n_tiles = tl.cdiv(H, BN)
     tile = tl.program_id(0) // n_tiles
@@ -136,7 +138,7 @@ def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, wt_ptr, out_ptr, G, H, I,
             wdt = w2_ptr.dtype.element_ty
             kk = tl.arange(0, BK)
             a_rows = a_ptr + pos.to(tl.int64)[:, None] * I  # [BM, 1]
-            w_rows = w2_ptr + slot.to(tl.int64) * (H * I) + cols.to(tl.int64)[None, :] * I  # [1, BN]
+            w_rows = w2_ptr + slot.to(tl.int64) * stride_s + cols.to(tl.int64)[None, :] * I  # [1, BN]
             acc = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, I, BK):
                 kmask = (k0 + kk) < I
@@ -195,7 +197,8 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         topk_weights: ``[T, k]`` router weights (any float dtype; rounded to the weights' dtype).
         expert_slots: ``[E]`` integer, on the device: the cache slot holding expert ``e``, or -1 when
             it is not on the device (the CPU branch computes those routes elsewhere).
-        w13: ``[S, 2I, H]`` slot bank, gate rows then up rows; w2: ``[S, H, I]``; contiguous, one dtype.
+        w13: ``[S, 2I, H]`` slots, gate rows then up rows; w2: ``[S, H, I]``; one dtype; one contiguous matrix
+            per slot, slots ``stride(0)`` elements apart (the cache bank's section views, or contiguous banks).
         routed: ``[T, k, H]`` contiguous output in the weights' dtype: row ``(t, j)`` is overwritten with
             ``topk_weights[t, j] · down(silu(gate(x_t)) · up(x_t))`` of expert ``topk_ids[t, j]``.
         zero_missing: rows of routes whose expert has slot -1 are written with zeros (``True``) or left
@@ -221,8 +224,8 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         raise ValueError("topk_ids and expert_slots must be integer tensors")
     if H13 != H or two_i != 2 * I or tuple(w2.shape) != (S, H, I) or w2.dtype != w13.dtype:
         raise ValueError(f"banks w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} {w2.dtype} do not match x [T, {H}]")
-    if not (w13.is_contiguous() and w2.is_contiguous()) or x.stride(1) != 1:
-        raise ValueError("w13, w2 must be contiguous and x rows contiguous")
+    if not (slot_matrices_contiguous(w13) and slot_matrices_contiguous(w2)) or x.stride(1) != 1:
+        raise ValueError("w13, w2 must hold one contiguous matrix per slot and x rows must be contiguous")
     if tuple(routed.shape) != (T, k, H) or not routed.is_contiguous() or routed.dtype != w13.dtype:
         raise ValueError(f"routed must be a contiguous [{T}, {k}, {H}] {w13.dtype} tensor, "
                          f"got {routed.dtype} {tuple(routed.shape)}")
@@ -237,7 +240,8 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     a = torch.empty((P, I), dtype=w13.dtype, device=x.device)  # SwiGLU activations, by sorted position
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(G * triton.cdiv(I, cfg.block_n1),)](
-        x, order, meta, w13, a, G, k, H, I, x.stride(0), BM=cfg.block_m, BN=cfg.block_n1, BK=cfg.block_k1, **launch)
+        x, order, meta, w13, a, G, k, H, I, x.stride(0), w13.stride(0), BM=cfg.block_m, BN=cfg.block_n1,
+        BK=cfg.block_k1, **launch)
     _down_kernel[(G * triton.cdiv(H, cfg.block_n2),)](
-        a, order, meta, w2, topk_weights.reshape(-1), routed, G, H, I,
+        a, order, meta, w2, topk_weights.reshape(-1), routed, G, H, I, w2.stride(0),
         BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, ZERO_MISSING=zero_missing, **launch)

@@ -7,7 +7,10 @@ the tables, and lays out the CPU branch's work in the registered-step format of 
 (``edgemoe_step`` in ``edgemoe/experts/csrc/executor.h``). Nothing is read back to the host, so the
 launch can be captured in a CUDA graph.
 
-Algorithm (``P = T·k`` routes, ``P <= 128``; ``S`` slots; FreeToken, arXiv 2608.16157, §2):
+Algorithm (``P = T·k`` routes, any ``P``; ``S`` slots; FreeToken, arXiv 2608.16157, §2). The
+pairwise steps compare routes in tiles of at most 128 x 128 (one tile up to 16 tokens of top-8),
+so a step of 64 sequences of top-8 is 16 tiles per pass; per-route values that other tiles read
+live in the caller's scratch rows between passes.
 
 1. Dedupe: pairwise comparison of the ``P`` flat ids; an expert's first route represents it, its
    route count is its token count.
@@ -35,7 +38,8 @@ import triton.language as tl
 
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
 
-MAX_ROUTES = 128  # P = T·k routes one launch handles
+TILE = 128  # routes per tile of the pairwise comparisons
+SCRATCH_ROWS = 6  # int32 per-route rows: count, within, slot, flags, rank, CPU-expert ordinal
 GROUPS = 64  # slot groups of the victim search (default)
 _HIT = tl.constexpr(-2)  # last_used mark of this step's hit slots during the search
 _NO_KEY = tl.constexpr(2**63 - 1)
@@ -62,6 +66,7 @@ class RouteOutputs:
         cpu_pack: ``[cpu_work_words(K, K)]`` int64 holding the ``cpu_*`` buffers above in the native
             executor's registered-step layout (:func:`~edgemoe.kernels.cpu_work.carve_cpu_work`), so one copy
             moves a step's CPU work to the host.
+        scratch: ``[SCRATCH_ROWS, K]`` int32 working rows of the kernel (no meaning outside it).
     """
 
     slot_tk: torch.Tensor
@@ -74,6 +79,7 @@ class RouteOutputs:
     cpu_tok: torch.Tensor
     cpu_wt: torch.Tensor
     cpu_pack: torch.Tensor
+    scratch: torch.Tensor
 
     @classmethod
     def empty(cls, max_routes: int, device: torch.device | str) -> "RouteOutputs":
@@ -84,7 +90,8 @@ class RouteOutputs:
         dims, fids, offsets, tok, wt = carve_cpu_work(pack, K, K)
         return cls(slot_tk=torch.full((K,), -1, dtype=torch.int32, device=device), fill_fid=torch.full((K,), -1, **i64),
                    fill_slot=torch.full((K,), -1, **i64), meta=torch.zeros(4, dtype=torch.int32, device=device),
-                   cpu_dims=dims, cpu_fids=fids, cpu_offsets=offsets, cpu_tok=tok, cpu_wt=wt, cpu_pack=pack)
+                   cpu_dims=dims, cpu_fids=fids, cpu_offsets=offsets, cpu_tok=tok, cpu_wt=wt, cpu_pack=pack,
+                   scratch=torch.zeros(SCRATCH_ROWS, K, dtype=torch.int32, device=device))
 
 
 @triton.jit
@@ -117,29 +124,43 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
                           slot_of_ptr, owner_of_ptr, last_used_ptr, pinned_ptr, clock_ptr, policy_ptr,
                           counters_ptr, S,
                           slot_tk_ptr, fill_fid_ptr, fill_slot_ptr, meta_ptr,
-                          cpu_dims_ptr, cpu_fids_ptr, cpu_offsets_ptr, cpu_tok_ptr, cpu_wt_ptr,
+                          cpu_dims_ptr, cpu_fids_ptr, cpu_offsets_ptr, cpu_tok_ptr, cpu_wt_ptr, scratch_ptr, SK,
                           BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
-    r = tl.arange(0, BLOCK_P)
-    valid = r < P
-    fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset  # [BP] int64 flat ids
-    wt = tl.load(topk_w_ptr + r, mask=valid, other=0.0).to(tl.float32)  # [BP]
+    # Routes are processed in tiles of BLOCK_P; a pairwise quantity of route i is a sum over every
+    # column tile j of [BLOCK_P, BLOCK_P] comparisons. Per-route values that later tiles read go
+    # through the caller's scratch rows (int32 [6, SK]): count, within, slot, flags, rank, CPU ordinal.
+    cnt_ptr, within_ptr, slot_ptr = scratch_ptr, scratch_ptr + SK, scratch_ptr + 2 * SK
+    flags_ptr, rank_ptr, eo_ptr = scratch_ptr + 3 * SK, scratch_ptr + 4 * SK, scratch_ptr + 5 * SK
+    lane = tl.arange(0, BLOCK_P)
     clock = tl.load(clock_ptr)
 
-    # 1. dedupe: routes of the same expert; the first route represents it
-    fi, fj = fid[:, None], fid[None, :]
-    ri, rj = r[:, None], r[None, :]
-    same = (fi == fj) & valid[:, None] & valid[None, :]  # [BP, BP]
-    cnt = tl.sum(same.to(tl.int32), axis=1)  # [BP] routes (tokens) of each route's expert
-    within = tl.sum((same & (rj < ri)).to(tl.int32), axis=1)  # [BP] earlier routes of the same expert
-    first = valid & (within == 0)
-
-    # 2. hits and misses; hit slots are marked for the victim search
-    slot = tl.load(slot_of_ptr + fid, mask=valid, other=-1)  # [BP]
-    hit = valid & (slot >= 0)
-    miss = valid & (slot < 0)
-    n_hits = tl.sum((first & hit).to(tl.int32))
-    m = tl.sum((first & miss).to(tl.int32))
-    tl.store(last_used_ptr + slot, _HIT, mask=hit)
+    # 1. dedupe (an expert's first route represents it, its route count is its token count) and
+    #    2. hits and misses; hit slots are marked for the victim search
+    n_hits = tl.zeros([], tl.int32)
+    m = tl.zeros([], tl.int32)
+    for i0 in range(0, P, BLOCK_P):
+        r = i0 + lane
+        valid = r < P
+        fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset  # [BP] int64 flat ids
+        cnt = tl.zeros([BLOCK_P], tl.int32)
+        within = tl.zeros([BLOCK_P], tl.int32)
+        for j0 in range(0, P, BLOCK_P):
+            c = j0 + lane
+            fc = tl.load(topk_ids_ptr + c, mask=c < P, other=0) + layer_offset
+            same = (fid[:, None] == fc[None, :]) & valid[:, None] & (c < P)[None, :]  # [BP, BP]
+            cnt += tl.sum(same.to(tl.int32), axis=1)
+            within += tl.sum((same & (c[None, :] < r[:, None])).to(tl.int32), axis=1)
+        first = valid & (within == 0)
+        slot = tl.load(slot_of_ptr + fid, mask=valid, other=-1)  # [BP]
+        hit = valid & (slot >= 0)
+        miss = valid & (slot < 0)
+        n_hits += tl.sum((first & hit).to(tl.int32))
+        m += tl.sum((first & miss).to(tl.int32))
+        tl.store(last_used_ptr + slot, _HIT, mask=hit)
+        tl.store(cnt_ptr + r, cnt, mask=valid)
+        tl.store(within_ptr + r, within, mask=valid)
+        tl.store(slot_ptr + r, slot.to(tl.int32), mask=valid)
+        tl.store(flags_ptr + r, first.to(tl.int32) | (miss.to(tl.int32) << 1), mask=valid)
     tl.debug_barrier()
 
     # 3. q from the policy's fill rule (float64, the host formula's operation order), clamped to the
@@ -157,12 +178,26 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     q = tl.minimum(q, n_evict)
 
     # 4. fill order: most-routed misses first, ties to the smaller flat id
-    um = (first & miss)[None, :]
-    ci, cj = cnt[:, None], cnt[None, :]
-    rank = tl.sum((um & ((cj > ci) | ((cj == ci) & (fj < fi)))).to(tl.int32), axis=1)  # [BP]
-    is_fill = miss & (rank < q)
-    is_cpu = miss & (rank >= q)
-    tl.store(fill_fid_ptr + rank, fid, mask=is_fill & first)
+    for i0 in range(0, P, BLOCK_P):
+        r = i0 + lane
+        valid = r < P
+        fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset
+        cnt = tl.load(cnt_ptr + r, mask=valid, other=0)
+        flags = tl.load(flags_ptr + r, mask=valid, other=0)
+        rank = tl.zeros([BLOCK_P], tl.int32)
+        for j0 in range(0, P, BLOCK_P):
+            c = j0 + lane
+            fc = tl.load(topk_ids_ptr + c, mask=c < P, other=0) + layer_offset
+            cc = tl.load(cnt_ptr + c, mask=c < P, other=0)
+            um = ((tl.load(flags_ptr + c, mask=c < P, other=0) & 3) == 3)[None, :]  # first & miss
+            rank += tl.sum((um & ((cc[None, :] > cnt[:, None]) | ((cc[None, :] == cnt[:, None]) &
+                                                                  (fc[None, :] < fid[:, None])))).to(tl.int32), axis=1)
+        miss = (flags & 2) != 0
+        is_fill = miss & (rank < q)
+        is_cpu = miss & (rank >= q)
+        tl.store(fill_fid_ptr + rank, fid, mask=is_fill & ((flags & 1) != 0))
+        tl.store(rank_ptr + r, rank, mask=valid)
+        tl.store(flags_ptr + r, flags | (is_cpu.to(tl.int32) << 2), mask=valid)
 
     # 5. victims in (last_used, slot) order into fill_slot[0 .. q)
     taken = tl.zeros([], tl.int32)
@@ -180,23 +215,34 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
                 gmin, gsec, n_evict = _group_minima(last_used_ptr, pinned_ptr, S, thr, BLOCK_R, G)
     tl.debug_barrier()
 
-    # 6. table updates: evict the victims' owners, admit the fills, refresh recency
-    fl = r < q
-    vic = tl.load(fill_slot_ptr + r, mask=fl, other=0)  # [BP] i-th victim
-    ffid = tl.load(fill_fid_ptr + r, mask=fl, other=0)  # [BP] i-th fill
-    old = tl.load(owner_of_ptr + vic, mask=fl, other=-1)
-    tl.debug_barrier()  # every (replicated) lane has read the old owners before they are overwritten
-    tl.store(slot_of_ptr + old, -1, mask=fl & (old >= 0))
-    tl.store(slot_of_ptr + ffid, vic, mask=fl)
-    tl.store(owner_of_ptr + vic, ffid, mask=fl)
-    tl.store(last_used_ptr + vic, clock, mask=fl)
-    tl.store(last_used_ptr + slot, clock, mask=hit)
-    tl.store(fill_fid_ptr + r, -1, mask=valid & ~fl)
-    tl.store(fill_slot_ptr + r, -1, mask=valid & ~fl)
-
-    # per-route slots (a fill's slot is its victim)
-    vslot = tl.load(fill_slot_ptr + rank, mask=is_fill, other=-1)
-    tl.store(slot_tk_ptr + r, tl.where(hit, slot, vslot).to(tl.int32), mask=valid)
+    # 6. table updates: evict the victims' owners, admit the fills, refresh recency; per-route slots
+    #    (a fill's slot is its victim). Tiles touch disjoint victims, so only a tile's own lanes race.
+    for i0 in range(0, P, BLOCK_P):
+        r = i0 + lane
+        valid = r < P
+        fl = r < q
+        vic = tl.load(fill_slot_ptr + r, mask=fl, other=0)  # [BP] i-th victim
+        ffid = tl.load(fill_fid_ptr + r, mask=fl, other=0)  # [BP] i-th fill
+        old = tl.load(owner_of_ptr + vic, mask=fl, other=-1)
+        slot = tl.load(slot_ptr + r, mask=valid, other=-1).to(tl.int64)
+        hit = valid & (slot >= 0)
+        flags = tl.load(flags_ptr + r, mask=valid, other=0)
+        rank = tl.load(rank_ptr + r, mask=valid, other=0)
+        is_fill = ((flags & 2) != 0) & (rank < q)
+        vslot = tl.load(fill_slot_ptr + rank, mask=is_fill, other=-1)
+        tl.debug_barrier()  # every (replicated) lane has read the old owners before they are overwritten
+        tl.store(slot_of_ptr + old, -1, mask=fl & (old >= 0))
+        tl.store(slot_of_ptr + ffid, vic, mask=fl)
+        tl.store(owner_of_ptr + vic, ffid, mask=fl)
+        tl.store(last_used_ptr + vic, clock, mask=fl)
+        tl.store(last_used_ptr + slot, clock, mask=hit)
+        tl.store(slot_tk_ptr + r, tl.where(hit, slot, vslot).to(tl.int32), mask=valid)
+    tl.debug_barrier()  # the fill list's first q entries are read (vslot) before the rest is cleared
+    for i0 in range(0, P, BLOCK_P):
+        r = i0 + lane
+        clear = (r < P) & (r >= q)
+        tl.store(fill_fid_ptr + r, -1, mask=clear)
+        tl.store(fill_slot_ptr + r, -1, mask=clear)
 
     n_fill = q
     n_cpu = m - q
@@ -210,16 +256,41 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     tl.atomic_add(counters_ptr + 3, n_cpu.to(tl.int64))
 
     # CPU work: experts ascending by flat id, routes grouped by expert in row-major (token) order
-    cpu_first = is_cpu & first
-    eo = tl.sum((cpu_first[None, :] & (fj < fi)).to(tl.int32), axis=1)  # [BP] CPU-expert ordinal
-    base = tl.sum((is_cpu[None, :] & (fj < fi)).to(tl.int32), axis=1)  # [BP] CPU routes of smaller ids
-    pos = base + within
-    tl.store(cpu_fids_ptr + eo, fid, mask=cpu_first)
-    tl.store(cpu_tok_ptr + pos, (r // K).to(tl.int64), mask=is_cpu)
-    tl.store(cpu_wt_ptr + pos, wt, mask=is_cpu)
-    off = tl.sum((is_cpu[None, :] & (eo[None, :] < ri)).to(tl.int64), axis=1)  # [BP] offsets[e], e = r
-    tl.store(cpu_offsets_ptr + r, off, mask=valid)
-    tl.store(cpu_offsets_ptr + P, tl.sum(is_cpu.to(tl.int64)))
+    n_cpu_routes = tl.zeros([], tl.int64)
+    for i0 in range(0, P, BLOCK_P):
+        r = i0 + lane
+        valid = r < P
+        fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset
+        flags = tl.load(flags_ptr + r, mask=valid, other=0)
+        is_cpu = (flags & 4) != 0
+        cpu_first = is_cpu & ((flags & 1) != 0)
+        eo = tl.zeros([BLOCK_P], tl.int32)  # CPU-expert ordinal
+        base = tl.zeros([BLOCK_P], tl.int32)  # CPU routes of smaller ids
+        for j0 in range(0, P, BLOCK_P):
+            c = j0 + lane
+            fc = tl.load(topk_ids_ptr + c, mask=c < P, other=0) + layer_offset
+            fcl = tl.load(flags_ptr + c, mask=c < P, other=0)
+            smaller = fc[None, :] < fid[:, None]
+            eo += tl.sum((((fcl[None, :] & 5) == 5) & smaller).to(tl.int32), axis=1)
+            base += tl.sum((((fcl[None, :] & 4) != 0) & smaller).to(tl.int32), axis=1)
+        pos = base + tl.load(within_ptr + r, mask=valid, other=0)
+        wt = tl.load(topk_w_ptr + r, mask=valid, other=0.0).to(tl.float32)  # [BP]
+        tl.store(cpu_fids_ptr + eo, fid, mask=cpu_first)
+        tl.store(cpu_tok_ptr + pos, (r // K).to(tl.int64), mask=is_cpu)
+        tl.store(cpu_wt_ptr + pos, wt, mask=is_cpu)
+        tl.store(eo_ptr + r, eo, mask=valid)
+        n_cpu_routes += tl.sum(is_cpu.to(tl.int64))
+    tl.debug_barrier()
+    for i0 in range(0, P, BLOCK_P):
+        r = i0 + lane
+        off = tl.zeros([BLOCK_P], tl.int64)  # offsets[e], e = r
+        for j0 in range(0, P, BLOCK_P):
+            c = j0 + lane
+            is_cpu = (tl.load(flags_ptr + c, mask=c < P, other=0) & 4) != 0
+            eo = tl.load(eo_ptr + c, mask=c < P, other=0)
+            off += tl.sum((is_cpu[None, :] & (eo[None, :] < r[:, None])).to(tl.int64), axis=1)
+        tl.store(cpu_offsets_ptr + r, off, mask=r < P)
+    tl.store(cpu_offsets_ptr + P, n_cpu_routes)
     tl.store(cpu_dims_ptr, T)
     tl.store(cpu_dims_ptr + 1, n_cpu.to(tl.int64))
 
@@ -238,10 +309,11 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
 
     Equal, tables included, to ``plan_step(cache, policy, tokens_per_expert, Phase.DECODE, clock)``
     (:mod:`edgemoe.experts.hybrid`) with ``tokens_per_expert`` counted over ``topk_ids``. One
-    single-program launch; no host synchronization, no allocation: CUDA-graph capturable.
+    single-program launch for any ``T·k`` (the pairwise passes loop over tiles of routes); no host
+    synchronization, no allocation: CUDA-graph capturable.
 
     Args:
-        topk_ids: ``[T, k]`` int64 expert index within the layer (contiguous). ``T·k <= 128``.
+        topk_ids: ``[T, k]`` int64 expert index within the layer (contiguous).
         topk_weights: ``[T, k]`` router weights (float32/bfloat16/float16, contiguous).
         layer_offset: ``moe_layer · E`` (the flat id of the layer's expert 0).
         slot_of: ``[N]`` int64 residency table (-1: not resident). owner_of: ``[S]`` int64 (-1: free).
@@ -255,15 +327,15 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
             per pass over the table; 1 makes it one arg-min pass per victim). Results do not depend on it.
 
     Raises:
-        ValueError: a shape, dtype or capacity mismatch, ``T·k > 128``, or an empty cache (``S = 0``:
+        ValueError: a shape, dtype or capacity mismatch, an empty step, or an empty cache (``S = 0``:
             every miss runs on the CPU; do not launch).
     """
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int64 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, k] int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     T, k = topk_ids.shape
     P = T * k
-    if P < 1 or P > MAX_ROUTES:
-        raise ValueError(f"route_control handles 1..{MAX_ROUTES} routes per launch, got T·k = {P}")
+    if P < 1:
+        raise ValueError(f"route_control needs at least one route, got T·k = {P}")
     if tuple(topk_weights.shape) != (T, k) or not topk_weights.is_contiguous() or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a contiguous float [T, k] = [{T}, {k}] tensor, got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
@@ -280,20 +352,24 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
                               ("meta", out.meta, torch.int32, 4), ("cpu_dims", out.cpu_dims, torch.int64, 2),
                               ("cpu_fids", out.cpu_fids, torch.int64, P),
                               ("cpu_offsets", out.cpu_offsets, torch.int64, P + 1),
-                              ("cpu_tok", out.cpu_tok, torch.int64, P), ("cpu_wt", out.cpu_wt, torch.float32, P)):
+                              ("cpu_tok", out.cpu_tok, torch.int64, P), ("cpu_wt", out.cpu_wt, torch.float32, P),
+                              ("scratch", out.scratch, torch.int32, SCRATCH_ROWS * P)):
         _check(name, t, dtype, n)
+    if out.scratch.dim() != 2 or out.scratch.shape[0] != SCRATCH_ROWS or out.scratch.shape[1] < P:
+        raise ValueError(f"scratch must be [{SCRATCH_ROWS}, >= {P}] int32, got {tuple(out.scratch.shape)}")
     if last_used.numel() != S or pinned.numel() != S:
         raise ValueError(f"owner_of, last_used and pinned must all have S = {S} entries")
-    block_p = max(16, triton.next_power_of_2(P))
+    block_p = max(16, triton.next_power_of_2(min(P, TILE)))
     if groups < 1 or groups & (groups - 1):
         raise ValueError(f"groups must be a power of two, got {groups}")
     # one CTA of 16 warps: a pass over the slot table loads 4096 slots (8 per thread) per iteration, 2048
-    # when the [P, P] route comparisons take the registers (sm_90 compile: 128 registers, spills < 50 B)
+    # when the [tile, tile] route comparisons take the registers (sm_90 compile at P = 128: 128 registers,
+    # spills < 50 B)
     block_s = 4096 if block_p <= 32 else 2048
     block_r = max(1, min(triton.next_power_of_2(S), block_s) // groups)
     _route_control_kernel[(1,)](
         topk_ids, topk_weights, int(layer_offset), P, k, T,
         slot_of, owner_of, last_used, pinned, clock, policy, counters, S,
         out.slot_tk, out.fill_fid, out.fill_slot, out.meta,
-        out.cpu_dims, out.cpu_fids, out.cpu_offsets, out.cpu_tok, out.cpu_wt,
+        out.cpu_dims, out.cpu_fids, out.cpu_offsets, out.cpu_tok, out.cpu_wt, out.scratch, out.scratch.shape[1],
         BLOCK_P=block_p, BLOCK_R=block_r, G=groups, num_warps=16)

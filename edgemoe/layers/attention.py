@@ -138,8 +138,11 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
         k = k_all.index_select(0, slots).transpose(0, 1)  # [Hk, kv_len, D]
         v = v_all.index_select(0, slots).transpose(0, 1)
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
-        if s.q_len == 1:  # decode: every cached key is visible
-            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
+        if s.q_len == 1:  # decode: every cached key is visible, so a KV head's G query heads attend as G
+            # query rows of that head with no mask: GQA without expanding K/V to every query head
+            hk, d = k.shape[0], k.shape[-1]
+            qg = qs.reshape(1, hk, -1, d)  # [1, Hk, G, D]
+            o = F.scaled_dot_product_attention(qg, k[None], v[None], scale=scale)[0].reshape(qs.shape)  # [Hq, 1, D]
         else:
             # prefill: 4-D inputs with the KV heads expanded and the causal mask as a lower-right bias, so
             # SDPA takes a fused kernel (flash or memory-efficient: neither accepts 3-D inputs, a boolean

@@ -61,8 +61,11 @@ class ExpertTensor(NamedTuple):
         expert: expert index within the layer; ``None`` for a fused tensor holding all ``E`` experts.
         role: ``gate_proj | up_proj | down_proj`` (per-expert release layout) or ``gate_up_proj |
             down_proj`` (fused ``[E, ...]`` layout of transformers 5 and of some releases).
-        param: ``weight``, or ``bias`` for a fused expert bias (gpt-oss's ``gate_up_proj_bias [E, 2I]``,
-            ``down_proj_bias [E, H]``).
+        param: the tensor's parameter within its module: per expert ``weight`` or a quantized release's
+            ``weight_scale_inv`` / ``weight_scale`` / ``weight_scale_2`` / ``weight_packed`` / ... (checked
+            against the declared scheme by the checkpoint index); fused ``weight`` (float), or MXFP4's
+            ``blocks`` / ``scales``, and ``bias`` (gpt-oss's ``gate_up_proj_blocks``, ``gate_up_proj_bias
+            [E, 2I]``, ...).
     """
 
     moe_layer: int
@@ -126,8 +129,8 @@ class MoECausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         prefix = re.escape(f"{decoder_prefix}layers.")
         module = re.escape(self.expert_module)
-        self._per_expert = re.compile(rf"^{prefix}(\d+)\.{module}\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-        self._fused = re.compile(rf"^{prefix}(\d+)\.{module}\.(gate_up_proj|down_proj)(_bias)?$")
+        self._per_expert = re.compile(rf"^{prefix}(\d+)\.{module}\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+        self._fused = re.compile(rf"^{prefix}(\d+)\.{module}\.(gate_up_proj|down_proj)(?:_(blocks|scales|bias))?$")
 
     # ------------------------------------------------------------------ what a subclass provides
     @classmethod
@@ -189,21 +192,23 @@ class MoECausalLM(nn.Module):
     def expert_target(self, name: str) -> ExpertTensor | None:
         """Map a checkpoint tensor name to its place in the expert pool; ``None`` for other tensors.
 
-        Recognized: ``{decoder_prefix}layers.N.{expert_module}.E.{gate,up,down}_proj.weight`` (per
-        expert) and ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused, laid out
-        as ``fused_experts`` says), with their fused biases ``..._bias`` (gpt-oss).
+        Recognized: ``{decoder_prefix}layers.N.{expert_module}.E.{gate,up,down}_proj.PARAM`` (per
+        expert; ``PARAM`` is ``weight`` or a quantized release's scale / packed tensor) and
+        ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused float, laid out as
+        ``fused_experts`` says), with an MXFP4 suffix ``_blocks`` / ``_scales`` or a bias ``_bias`` (gpt-oss's
+        fused release layouts).
 
         Raises:
             ValueError: an expert tensor of a layer that is not a MoE layer in this config.
         """
         m = self._per_expert.match(name)
         if m:
-            layer, expert, role, param = int(m.group(1)), int(m.group(2)), m.group(3), "weight"
+            layer, expert, role, param = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
         else:
             m = self._fused.match(name)
             if not m:
                 return None
-            layer, expert, role, param = int(m.group(1)), None, m.group(2), "bias" if m.group(3) else "weight"
+            layer, expert, role, param = int(m.group(1)), None, m.group(2), m.group(3) or "weight"
         if layer not in self.config.moe_layers:
             raise ValueError(f"tensor {name}: layer {layer} is not a MoE layer in this config")
         return ExpertTensor(self.config.moe_ordinal(layer), expert, role, param)

@@ -68,6 +68,29 @@ _GPT_OSS_20B = {
 }
 
 
+_TINY = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # != hidden_size / num_attention_heads, as in the releases
+    "num_local_experts": 16,
+    "num_experts_per_tok": 4,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "attention_bias": True,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {**_YARN, "factor": 8.0, "original_max_position_embeddings": 512,
+                        "rope_theta": 150000.0},
+    "rms_norm_eps": 1e-5,
+    "swiglu_limit": 1.0,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,
+}
+
+
 class GptOssAttention(nn.Module):
     """gpt-oss attention over the paged KV cache (``GptOssAttention``).
 
@@ -163,34 +186,14 @@ class GptOssForCausalLM(MoECausalLM):
     # and greedy continuations at this width. A window of 4 positions is shorter than the test prompts;
     # swiglu_limit 1.0 (the releases: 7.0) makes the clamps bite at this scale of activations.
     presets: ClassVar[dict[str, dict]] = {
-        "tiny": {
-            "vocab_size": 1024,
-            "hidden_size": 64,
-            "intermediate_size": 32,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,  # != hidden_size / num_attention_heads, as in the releases
-            "num_local_experts": 16,
-            "num_experts_per_tok": 4,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "attention_bias": True,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {**_YARN, "factor": 8.0, "original_max_position_embeddings": 512,
-                                "rope_theta": 150000.0},
-            "rms_norm_eps": 1e-5,
-            "swiglu_limit": 1.0,
-            "tie_word_embeddings": False,
-            "initializer_range": 0.2,
-        },
+        "tiny": _TINY,
+        "tiny-tied": {**_TINY, "tie_word_embeddings": True},
         "gpt-oss-20b": _GPT_OSS_20B,
         # openai/gpt-oss-120b config.json: gpt-oss-20b's widths with 36 layers of 128 experts (116.8 B
         # parameters, 5.1 B active).
         "gpt-oss-120b": {**_GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
                          "layer_types": ["sliding_attention", "full_attention"] * 18},
     }
-    presets["tiny-tied"] = {**presets["tiny"], "tie_word_embeddings": True}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

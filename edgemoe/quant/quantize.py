@@ -28,12 +28,14 @@ release layout); :func:`quantize_gpt_oss_experts` writes ``{module}.gate_up_proj
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from edgemoe.quant.dequant import E2M1_VALUES, FP4_MAX, FP8_E4M3_MAX
+from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.scheme import (
     FP8_DEFAULT_BLOCK,
     MXFP4_GROUP,
@@ -42,9 +44,11 @@ from edgemoe.quant.scheme import (
     QuantMethod,
     QuantScheme,
 )
+from edgemoe.quant.weights import QuantizedWeight, WeightFormat, mxfp4_expert_weight
 
 __all__ = [
     "hf_quant_config",
+    "pack_float_expert",
     "pack_fp4",
     "quantization_config",
     "quantize_fp8_block",
@@ -53,6 +57,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_state_dict",
+    "quantize_weight",
     "release_scheme",
     "round_to_e2m1",
 ]
@@ -202,24 +207,37 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], scheme: QuantSch
     """A float checkpoint's tensors rewritten in the release layout of ``scheme``.
 
     FP8 / NVFP4: each module in ``linears`` (names without ``.weight``) that the scheme does not exclude has
-    its ``.weight`` replaced by :func:`quantize_linear`'s tensors. MXFP4: each gpt-oss fused expert module
-    ``*.mlp.experts`` not excluded, saved by ``transformers`` as ``gate_up_proj [E, H, 2I]`` / ``down_proj
-    [E, I, H]`` (+ ``_bias``), becomes :func:`quantize_gpt_oss_experts`' tensors; ``linears`` is unused.
-    Every other tensor is kept as is.
+    its ``.weight`` replaced by :func:`quantize_linear`'s tensors. MXFP4: each fused expert module
+    ``*.mlp.experts`` not excluded becomes :func:`quantize_gpt_oss_experts`' tensors, from gpt-oss's float
+    layout as ``transformers`` saves it (``gate_up_proj [E, H, 2I]`` with gate/up interleaved along ``2I``,
+    ``down_proj [E, I, H]``, ``_bias``) or from per-expert ``*.mlp.experts.{e}.{gate,up,down}_proj.weight``
+    (the Qwen3-MoE layout; gate and up interleaved into gpt-oss's ``gate_up_proj`` rows); ``linears`` is
+    unused. Every other tensor is kept as is.
 
     Raises:
-        KeyError: a module of ``linears`` has no ``.weight`` in ``state_dict``.
+        KeyError: a module of ``linears`` has no ``.weight`` in ``state_dict``, or an expert projection is
+            missing.
     """
     out = dict(state_dict)
     if scheme.method is QuantMethod.MXFP4:
+        per_expert: dict[str, set[int]] = {}
         for name in list(state_dict):
             module, _, param = name.rpartition(".")
+            m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.gate_proj\.weight", name)
+            if m and not scheme.excludes(m.group(1)):
+                per_expert.setdefault(m.group(1), set()).add(int(m.group(2)))
             if param != "gate_up_proj" or not module.endswith("mlp.experts") or scheme.excludes(module):
                 continue
             gate_up = out.pop(f"{module}.gate_up_proj").transpose(1, 2)  # [E, 2I, H]
             down = out.pop(f"{module}.down_proj").transpose(1, 2)  # [E, H, I]
             gb, db = out.pop(f"{module}.gate_up_proj_bias", None), out.pop(f"{module}.down_proj_bias", None)
             out.update(quantize_gpt_oss_experts(module, gate_up, down, gb, db))
+        for module, experts in per_expert.items():
+            rows = [(out.pop(f"{module}.{e}.gate_proj.weight"), out.pop(f"{module}.{e}.up_proj.weight"))
+                    for e in sorted(experts)]
+            gate_up = torch.stack([torch.stack((g, u), dim=1).flatten(0, 1) for g, u in rows])  # [E, 2I, H] interleaved
+            down = torch.stack([out.pop(f"{module}.{e}.down_proj.weight") for e in sorted(experts)])  # [E, H, I]
+            out.update(quantize_gpt_oss_experts(module, gate_up, down))
         return out
     for module in linears:
         if scheme.excludes(module):
@@ -301,3 +319,46 @@ def hf_quant_config(scheme: QuantScheme) -> dict[str, Any]:
     return {"producer": {"name": "modelopt", "version": "unknown"},
             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NVFP4_GROUP,
                              "exclude_modules": list(scheme.ignore)}}
+
+
+def quantize_weight(fmt: WeightFormat, w: torch.Tensor,
+                    block_size: tuple[int, int] = FP8_DEFAULT_BLOCK) -> QuantizedWeight:
+    """Float ``[O, I]`` -> a :class:`~edgemoe.quant.weights.QuantizedWeight` of ``fmt`` in edgemoe's canonical form.
+
+    Dense formats are a cast; FP8 :func:`quantize_fp8_block` (float32 scales); MXFP4 :func:`quantize_mxfp4`;
+    NVFP4 :func:`quantize_nvfp4` with ModelOpt's multiplier convention.
+    """
+    shape = (int(w.shape[0]), int(w.shape[1]))
+    if fmt.dense:
+        return QuantizedWeight(fmt, shape, w.to(fmt.dtype))
+    if fmt is WeightFormat.FP8_BLOCK:
+        q, inv = quantize_fp8_block(w, block_size)
+        return QuantizedWeight(fmt, shape, q, inv.float(), block_size=tuple(block_size))
+    if fmt is WeightFormat.MXFP4:
+        blocks, scales = quantize_mxfp4(w)
+        return mxfp4_expert_weight(blocks, scales)
+    packed, scale, s2 = quantize_nvfp4(w, QuantMethod.NVFP4_MODELOPT)
+    return QuantizedWeight(fmt, shape, packed, scale, s2)
+
+
+def pack_float_expert(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor,
+                      out: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize one float expert into ``layout``'s format and pack its row (round-to-nearest, as
+    :func:`quantize_weight`).
+
+    Args:
+        w13: float ``[2I, H]`` (gate rows, then up rows). w2: float ``[H, I]``.
+        out: uint8 ``[row_bytes]`` to write into, or ``None`` for a new row.
+        b13: ``[2I]`` gate's bias then up's, b2: ``[H]`` (a layout with biases needs them; stored float32).
+
+    Returns:
+        uint8 ``[row_bytes]``.
+
+    Raises:
+        LayoutError: shapes that do not fit the layout, or biases missing / unexpected.
+    """
+    i = layout.intermediate
+    block = layout.block_size or FP8_DEFAULT_BLOCK
+    gate, up, down = (quantize_weight(layout.format, w, block) for w in (w13[:i], w13[i:], w2))
+    return layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=out)

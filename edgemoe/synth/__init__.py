@@ -14,7 +14,7 @@ Not on the serving path: nothing in the engine imports this package.
 
 from edgemoe.synth.archs import ARCHS, PRESETS, SynthArch, param_count
 from edgemoe.synth.tokenizer import ADDED_TOKENS, BUILT_VOCAB, CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
-from edgemoe.synth.writer import config_for, make_model, write_config_only
+from edgemoe.synth.writer import QUANT_LAYOUTS, config_for, make_model, quantize_checkpoint, write_config_only
 
 __all__ = [
     "ADDED_TOKENS",
@@ -22,11 +22,13 @@ __all__ = [
     "BUILT_VOCAB",
     "CHAT_TEMPLATE",
     "PRESETS",
+    "QUANT_LAYOUTS",
     "SPECIAL_TOKENS",
     "SynthArch",
     "build_tokenizer",
     "config_for",
     "make_model",
     "param_count",
+    "quantize_checkpoint",
     "write_config_only",
 ]

@@ -30,7 +30,11 @@ from edgemoe.weights.dtypes import WEIGHT_DTYPES, parse_dtype
 if TYPE_CHECKING:  # transformers takes ~2 s to import; import it only where it is used
     import transformers
 
-__all__ = ["config_for", "make_model", "write_config_only"]
+__all__ = ["QUANT_LAYOUTS", "config_for", "make_model", "quantize_checkpoint", "write_config_only"]
+
+QUANT_LAYOUTS = {"fp8": "fp8_block", "mxfp4": "mxfp4", "nvfp4-modelopt": "nvfp4_modelopt",
+                 "nvfp4-ct": "nvfp4_compressed_tensors"}
+"""``make-model --quant`` name -> :class:`~edgemoe.quant.scheme.QuantMethod` value of the released layout written."""
 
 # fp32 init then cast (so bf16 and fp32 checkpoints of one seed agree up to rounding) while the fp32
 # model stays under this; above it the model is built directly in the target dtype.
@@ -175,6 +179,7 @@ def make_model(
     overrides: dict | None = None,
     max_shard_size: str = "2GB",
     overwrite: bool = False,
+    quant: str | None = None,
 ) -> Path:
     """Build a random-weight checkpoint of a preset geometry in the Hugging Face layout.
 
@@ -207,13 +212,16 @@ def make_model(
         overrides: HF config kwargs applied last (see ``config_for``).
         max_shard_size: ``save_pretrained`` shard size, e.g. ``"2GB"``.
         overwrite: replace the model in a non-empty ``out_dir`` (refused otherwise).
+        quant: ``None`` (float weights), or a released quantized layout written from the float weights
+            (:func:`quantize_checkpoint`): ``"fp8"``, ``"mxfp4"``, ``"nvfp4-modelopt"``, ``"nvfp4-ct"``.
 
     Returns:
         ``Path(out_dir)``.
 
     Raises:
-        ValueError: unknown arch, preset or dtype (the message lists the choices), an invalid
-            override, or a ``vocab_size`` override below ``len(tokenizer)``.
+        ValueError: unknown arch, preset, dtype or quant (the message lists the choices), an invalid
+            override, a ``vocab_size`` override below ``len(tokenizer)``, or a geometry the quantized
+            layout cannot hold (e.g. MXFP4 needs ``H`` and ``I`` multiples of 32).
         FileNotFoundError: ``tokenizer`` holds no tokenizer.json/tokenizer_config.json.
         FileExistsError: ``out_dir`` is not empty and ``overwrite`` is not set (or it holds no model).
     """
@@ -221,6 +229,8 @@ def make_model(
     from transformers.utils import logging as hf_logging
 
     _check_dtype(dtype)
+    if quant is not None and quant not in QUANT_LAYOUTS:
+        raise ValueError(f"unknown quant {quant!r}; choices: {list(QUANT_LAYOUTS)}")
     out = Path(out_dir)
     config, ids = _prepare(out, arch, preset, tokenizer, overrides, overwrite)
     _, model_cls = ARCHS[arch].classes()
@@ -247,8 +257,65 @@ def make_model(
             hf_logging.enable_progress_bar()
     _write_generation_config(out, ids, model.config)
     _add_legacy_keys(out, model.config)
+    if quant is not None:
+        quantize_checkpoint(out, quant, max_shard_size=max_shard_size)
     _fix_mode(out)
     return out
+
+
+def quantize_checkpoint(model_dir: str | Path, quant: str, max_shard_size: str = "2GB") -> None:
+    """Rewrite the float checkpoint in ``model_dir`` in a quantized release layout, in place.
+
+    The tensors and ``quantization_config`` are the releases' (:mod:`edgemoe.quant.quantize`, round to
+    nearest): ``fp8`` — FP8 e4m3 ``weight`` + bfloat16 ``weight_scale_inv`` per 128x128 block on every
+    linear but the router, embeddings and LM head (as Qwen3's FP8 releases); ``nvfp4-modelopt`` — ModelOpt
+    NVFP4 (``weight`` / ``weight_scale`` / ``weight_scale_2`` / ``input_scale``, ``hf_quant_config.json``
+    beside ``config.json``); ``nvfp4-ct`` — compressed-tensors ``nvfp4-pack-quantized`` (``weight_packed``
+    / ``weight_scale`` / ``weight_global_scale``); ``mxfp4`` — the routed experts alone in gpt-oss's fused
+    layout (``mlp.experts.{gate_up,down}_proj_{blocks,scales}``, gate/up rows interleaved).
+
+    Raises:
+        ValueError: an unknown ``quant``, or weights the layout cannot hold.
+    """
+    import torch
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    from edgemoe.quant.quantize import quantize_state_dict, release_scheme
+    from edgemoe.quant.scheme import QuantMethod
+
+    if quant not in QUANT_LAYOUTS:
+        raise ValueError(f"unknown quant {quant!r}; choices: {list(QUANT_LAYOUTS)}")
+    method = QuantMethod(QUANT_LAYOUTS[quant])
+    scheme = release_scheme(method)
+    d = Path(model_dir)
+    shards = sorted(d.glob("*.safetensors"))
+    sd: dict[str, torch.Tensor] = {}
+    for f in shards:
+        sd.update(load_file(str(f)))
+    linears = [k.removesuffix(".weight") for k, v in sd.items()
+               if k.endswith(".weight") and v.dim() == 2 and "embed_tokens" not in k]
+    q = quantize_state_dict(sd, scheme, linears, scale_dtype=torch.bfloat16)
+    for f in shards:
+        f.unlink()
+    (d / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_torch_state_dict(q, str(d), max_shard_size=max_shard_size, metadata={"format": "pt"})
+    _write_quantization_config(d, quant)
+
+
+def _write_quantization_config(d: Path, quant: str) -> None:
+    """``config.json``'s ``quantization_config`` of a released layout (and ModelOpt's ``hf_quant_config.json``)."""
+    from edgemoe.quant.quantize import hf_quant_config, quantization_config, release_scheme
+    from edgemoe.quant.scheme import QuantMethod
+
+    method = QuantMethod(QUANT_LAYOUTS[quant])
+    scheme = release_scheme(method)
+    path = d / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"] = quantization_config(scheme)
+    path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+    if method is QuantMethod.NVFP4_MODELOPT:
+        (d / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(scheme), indent=2) + "\n")
 
 
 def _fix_mode(out_dir: Path) -> None:
@@ -268,12 +335,15 @@ def write_config_only(
     dtype: str = "bfloat16",
     overrides: dict | None = None,
     overwrite: bool = False,
+    quant: str | None = None,
 ) -> Path:
     """Write config.json, generation_config.json and tokenizer files, without weights.
 
     Same files and rules as ``make_model`` minus the safetensors: for engines that load a geometry
     with dummy weights (e.g. full-size ``qwen3-30b-a3b`` benchmarks without a 61 GB download).
-    ``dtype`` is only recorded in config.json (``dtype``).
+    ``dtype`` is only recorded in config.json (``dtype``). ``quant`` (see :func:`make_model`) records the
+    layout's ``quantization_config`` (and ModelOpt's ``hf_quant_config.json``), so dummy weights take that
+    expert format.
 
     Returns:
         ``Path(out_dir)``.
@@ -284,10 +354,14 @@ def write_config_only(
         FileExistsError: as for ``make_model`` (``overwrite``).
     """
     _check_dtype(dtype)
+    if quant is not None and quant not in QUANT_LAYOUTS:
+        raise ValueError(f"unknown quant {quant!r}; choices: {list(QUANT_LAYOUTS)}")
     out = Path(out_dir)
     config, ids = _prepare(out, arch, preset, tokenizer, overrides, overwrite)
     config.dtype = dtype
     config.save_pretrained(str(out))
     _write_generation_config(out, ids, config)
     _add_legacy_keys(out, config)
+    if quant is not None:
+        _write_quantization_config(out, quant)
     return out

@@ -26,6 +26,7 @@ _TABLE: tuple[tuple[torch.dtype, str, str, tuple[str, ...]], ...] = (
     (torch.float64, "float64", "F64", ()),
     (torch.float8_e4m3fn, "float8_e4m3fn", "F8_E4M3", ()),
     (torch.float8_e5m2, "float8_e5m2", "F8_E5M2", ()),
+    (torch.float8_e8m0fnu, "float8_e8m0fnu", "F8_E8M0", ()),  # power-of-two scales (FP8 releases with scale_fmt ue8m0)
     (torch.int64, "int64", "I64", ()),
     (torch.int32, "int32", "I32", ()),
     (torch.int16, "int16", "I16", ()),

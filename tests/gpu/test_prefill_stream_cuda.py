@@ -46,5 +46,4 @@ def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
         torch.cuda.synchronize()
         for slot, fid in enumerate(cache.owner_of.tolist()):
             if fid >= 0:
-                assert torch.equal(cache.banks[0][slot].cpu(), runner.pool.w13[fid])
-                assert torch.equal(cache.banks[1][slot].cpu(), runner.pool.w2[fid])
+                assert torch.equal(cache.bank[slot].cpu(), runner.pool.bank[fid])

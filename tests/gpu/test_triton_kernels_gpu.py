@@ -104,10 +104,11 @@ def _check_outputs(out: RouteOutputs, plan, flat, w, where: str) -> None:
 
 
 @pytest.mark.parametrize("T,S,policy,pinned", [(1, 2048, QSTAR, 0), (8, 2048, QSTAR, 64), (8, 6144, FillAllPolicy(), 0),
-                                               (16, 700, FillAllPolicy(), 0)])
+                                               (16, 700, FillAllPolicy(), 0), (32, 2048, QSTAR, 16),
+                                               (64, 2048, QSTAR, 0), (64, 700, FillAllPolicy(), 0)])
 def test_route_control_equals_plan_step_at_qwen3_scale(T, S, policy, pinned):
     g = torch.Generator().manual_seed(T * 7 + S)
-    ref = ExpertCache(S, LAYERS * E, [], torch.float32, torch.device("cpu"))
+    ref = ExpertCache(S, LAYERS * E, None, torch.float32, torch.device("cpu"))
     for step in range(1, 4):  # warm: resident, stale and free slots
         for layer in range(LAYERS):
             flat = _routing(T, TOPK, g) + layer * E
@@ -139,11 +140,11 @@ def test_route_control_equals_plan_step_at_qwen3_scale(T, S, policy, pinned):
     assert counters.tolist() == [c.hits, c.misses, c.fills, c.cpu]
 
 
-@pytest.mark.parametrize("T,S", [(1, 2048), (8, 2048), (1, 8192), (8, 8192)])
+@pytest.mark.parametrize("T,S", [(1, 2048), (8, 2048), (1, 8192), (8, 8192), (32, 2048), (64, 2048)])
 def test_route_control_latency(T, S):
     g = torch.Generator().manual_seed(S + T)
     N = max(LAYERS * E, S + E)
-    cache = ExpertCache(S, N, [], torch.float32, CUDA)
+    cache = ExpertCache(S, N, None, torch.float32, CUDA)
     cache.owner_of.copy_(torch.randperm(N, generator=g)[:S].to(CUDA))  # a full cache with random ages
     cache.slot_of[cache.owner_of] = torch.arange(S, device=CUDA)
     cache.last_used.copy_(torch.randint(0, 1000, (S,), generator=g).to(CUDA))
@@ -174,13 +175,15 @@ def test_route_control_latency(T, S):
             body()
     per_layer = (_seconds(graphs[1].replay, iters=10) - _seconds(graphs[0].replay, iters=10)) / LAYERS
     _report("route_control_latency", T=T, S=S, us_per_layer=per_layer * 1e6, fills_per_layer=fills_per_layer)
-    assert per_layer < 60e-6, f"route control takes {per_layer * 1e6:.1f} us per layer"
+    # the pairwise passes grow with (T·k / 128)^2 tiles: 16 tiles per pass at 64 sequences of top-8
+    limit = 60e-6 if T * TOPK <= 128 else 250e-6
+    assert per_layer < limit, f"route control takes {per_layer * 1e6:.1f} us per layer"
 
 
 # ---------------------------------------------------------------- fused fill gather
 @pytest.fixture(scope="module")
 def pinned_pool():
-    pool = HostExpertPool(40, H, I, torch.bfloat16)  # 40 Qwen3-30B-A3B experts of 9.4 MB
+    pool = HostExpertPool.dense(40, H, I, torch.bfloat16)  # 40 Qwen3-30B-A3B experts of 9.4 MB
     pool.fill_random(seed=5)
     if not pool.pin():
         pytest.skip("cudaHostRegister refused: no pinned pool")
@@ -192,8 +195,7 @@ def pinned_pool():
 def test_gather_matches_rows_and_pcie_bandwidth(pinned_pool, q):
     pool = pinned_pool
     S = 36
-    dst13 = torch.zeros(S, 2 * I, H, dtype=torch.bfloat16, device=CUDA)
-    dst2 = torch.zeros(S, H, I, dtype=torch.bfloat16, device=CUDA)
+    dst = torch.zeros(S, pool.row_bytes, dtype=torch.uint8, device=CUDA)
     g = torch.Generator().manual_seed(q)
     fid = torch.randperm(pool.num_ids, generator=g)[:q]
     slot = torch.randperm(S, generator=g)[:q]
@@ -204,19 +206,18 @@ def test_gather_matches_rows_and_pcie_bandwidth(pinned_pool, q):
     meta = torch.tensor([0, q, q, 0], dtype=torch.int32, device=CUDA)
 
     def triton_gather():
-        gather_fills(meta, fill_fid, fill_slot, pool.w13, pool.w2, dst13, dst2)
+        gather_fills(meta, fill_fid, fill_slot, pool.bank, dst)
 
-    def memcpy_rows():  # the eager path: one cudaMemcpyAsync per row and bank
+    def memcpy_rows():  # the eager path: one cudaMemcpyAsync per packed row
         for f, s in zip(fid.tolist(), slot.tolist()):
-            dst13[s].copy_(pool.w13[f], non_blocking=True)
-            dst2[s].copy_(pool.w2[f], non_blocking=True)
+            dst[s].copy_(pool.bank[f], non_blocking=True)
 
     triton_gather()
     torch.cuda.synchronize()
     for f, s in zip(fid.tolist(), slot.tolist()):
-        assert torch.equal(dst13[s].cpu(), pool.w13[f]) and torch.equal(dst2[s].cpu(), pool.w2[f])
+        assert torch.equal(dst[s].cpu(), pool.bank[f])
     untouched = sorted(set(range(S)) - set(slot.tolist()))
-    assert not dst13[untouched].any() and not dst2[untouched].any()
+    assert not dst[untouched].any()
     nbytes = q * pool.row_bytes
     bw_triton = nbytes / _seconds(triton_gather, iters=5 if q == 32 else 20)
     bw_memcpy = nbytes / _seconds(memcpy_rows, iters=5 if q == 32 else 20)
@@ -289,13 +290,13 @@ def test_expert_gemv_matches_eager_pairs_and_streams_hbm(slot_banks, T):
 def test_moe_decode_step_captured_in_one_cuda_graph():
     L, E_, H_, I_, S, T, k = 4, 16, 512, 128, 20, 2, 4
     P = T * k
-    pool = HostExpertPool(L * E_, H_, I_, torch.bfloat16)
+    pool = HostExpertPool.dense(L * E_, H_, I_, torch.bfloat16)
     pool.fill_random(seed=11, std=0.05)
     if not pool.pin():
         pytest.skip("cudaHostRegister refused: no pinned pool")
     try:
-        cache = ExpertCache(S, L * E_, [(2 * I_, H_), (H_, I_)], torch.bfloat16, CUDA)
-        ref = ExpertCache(S, L * E_, [], torch.float32, torch.device("cpu"))
+        cache = ExpertCache(S, L * E_, pool.layout, torch.bfloat16, CUDA)
+        ref = ExpertCache(S, L * E_, None, torch.float32, torch.device("cpu"))
         rule = torch.tensor(QStarPolicy(Bandwidths(30.0, 40.0)).fill_rule(), dtype=torch.float64, device=CUDA)
         counters = torch.zeros(4, dtype=torch.int64, device=CUDA)
         ids = torch.zeros(L, T, k, dtype=torch.int64, device=CUDA)  # static inputs of the graph
@@ -304,7 +305,8 @@ def test_moe_decode_step_captured_in_one_cuda_graph():
         outs = [RouteOutputs.empty(P, CUDA) for _ in range(L)]
         y = torch.zeros(L, T, k, H_, dtype=torch.bfloat16, device=CUDA)
         a = torch.zeros(P, I_, dtype=torch.bfloat16, device=CUDA)
-        w13, w2 = cache.banks
+        w13, w2 = cache.view("w13"), cache.view("w2")  # section views of the slot bank
+        pool13, pool2 = pool.view("w13"), pool.view("w2")
 
         def step():
             cache.clock.add_(1)
@@ -312,7 +314,7 @@ def test_moe_decode_step_captured_in_one_cuda_graph():
                 o = outs[layer]
                 route_control(ids[layer], wts[layer], layer * E_, cache.slot_of, cache.owner_of, cache.last_used,
                               cache.pinned, cache.clock, rule, counters, o)
-                gather_fills(o.meta, o.fill_fid, o.fill_slot, pool.w13, pool.w2, w13, w2)
+                gather_fills(o.meta, o.fill_fid, o.fill_slot, pool.bank, cache.bank)
                 expert_gemv(x[layer], o.slot_tk, wts[layer], w13, w2, y[layer], a)
 
         step()  # compile every kernel before capture, then reset the cache
@@ -353,14 +355,14 @@ def test_moe_decode_step_captured_in_one_cuda_graph():
                     if f not in placed:
                         assert not got.any(), f"CPU route {p} of layer {layer} not zero at step {stp}"
                         continue
-                    gate, up = F.linear(new_x[layer, t:t + 1], pool.w13[f]).chunk(2, dim=-1)
-                    want = (F.linear(F.silu(gate) * up, pool.w2[f]) * new_w[layer, t, j])[0].float()
+                    gate, up = F.linear(new_x[layer, t:t + 1], pool13[f]).chunk(2, dim=-1)
+                    want = (F.linear(F.silu(gate) * up, pool2[f]) * new_w[layer, t, j])[0].float()
                     torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5 * want.abs().max().item())
             for n in ("slot_of", "owner_of", "last_used"):
                 assert torch.equal(getattr(cache, n).cpu(), getattr(ref, n)), f"{n} differs after step {stp}"
             for slot, owner in enumerate(cache.owner_of.tolist()):  # the gathered rows are the owners' rows
                 if owner >= 0:
-                    assert torch.equal(w13[slot].cpu(), pool.w13[owner]) and torch.equal(w2[slot].cpu(), pool.w2[owner])
+                    assert torch.equal(cache.bank[slot].cpu(), pool.bank[owner])
         c = ref.counters["decode"]
         assert counters.tolist() == [c.hits, c.misses, c.fills, c.cpu] and c.fills > 0 and c.cpu > 0
     finally:

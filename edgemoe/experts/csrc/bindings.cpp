@@ -6,7 +6,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 
 #include "executor.h"
 #include "kernels.h"
@@ -22,18 +27,12 @@ T* ptr(uintptr_t a) {
 }
 
 // Allocates an edgemoe_step over registered buffers; freed by step_destroy.
-uintptr_t step_create(Executor& ex, uintptr_t w13, uintptr_t w2, int64_t num_ids, int64_t hidden, int64_t inter,
-                      int32_t weight_fmt, int32_t x_fmt, uintptr_t x, uintptr_t out, uintptr_t dims, uintptr_t fids,
-                      uintptr_t offsets, uintptr_t tok, uintptr_t wt, int64_t max_tokens, int64_t max_experts,
-                      int64_t max_routes, bool zero_out) {
+uintptr_t step_create(Executor& ex, const ExpertBanks& banks, int32_t x_fmt, uintptr_t x, uintptr_t out, uintptr_t dims,
+                      uintptr_t fids, uintptr_t offsets, uintptr_t tok, uintptr_t wt, int64_t max_tokens,
+                      int64_t max_experts, int64_t max_routes, bool zero_out) {
   auto* s = new edgemoe_step{};
   s->executor = &ex;
-  s->w13 = ptr<const void>(w13);
-  s->w2 = ptr<const void>(w2);
-  s->num_ids = num_ids;
-  s->hidden = hidden;
-  s->inter = inter;
-  s->weight_fmt = weight_fmt;
+  s->banks = banks;
   s->x_fmt = x_fmt;
   s->x = ptr<const void>(x);
   s->out = ptr<float>(out);
@@ -68,27 +67,66 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16));
   });
 
+  py::class_<ExpertBanks>(m, "ExpertBanks")
+      .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
+                       int64_t w13_off, int64_t w2_off, int64_t w13_scale_off, int64_t w2_scale_off,
+                       int64_t w13_scale2_off, int64_t w2_scale2_off, int64_t b13_off, int64_t b2_off,
+                       int32_t block_rows, int32_t block_cols) {
+             return ExpertBanks{ptr<const uint8_t>(base), row_bytes, num_ids, hidden, inter,
+                                static_cast<WeightFormat>(fmt), w13_off, w2_off, w13_scale_off, w2_scale_off,
+                                w13_scale2_off, w2_scale2_off, b13_off, b2_off, block_rows, block_cols};
+           }),
+           py::arg("base"), py::arg("row_bytes"), py::arg("num_ids"), py::arg("hidden"), py::arg("inter"),
+           py::arg("fmt"), py::arg("w13_off"), py::arg("w2_off"), py::arg("w13_scale_off"), py::arg("w2_scale_off"),
+           py::arg("w13_scale2_off"), py::arg("w2_scale2_off"), py::arg("b13_off"), py::arg("b2_off"),
+           py::arg("block_rows"), py::arg("block_cols"),
+           "The host expert pool's byte bank as the executor reads it (executor.h, ExpertBanks)")
+      .def_readonly("row_bytes", &ExpertBanks::row_bytes)
+      .def_readonly("num_ids", &ExpertBanks::num_ids)
+      .def_property_readonly("fmt", [](const ExpertBanks& b) { return static_cast<int32_t>(b.fmt); })
+      .def(
+          "matrix",
+          [](const ExpertBanks& b, int64_t fid, int32_t proj) {
+            const WeightView w = expert_matrix(b, fid, static_cast<Proj>(proj));
+            return py::dict(py::arg("data") = reinterpret_cast<uintptr_t>(w.data),
+                            py::arg("row_stride_bytes") = w.row_stride_bytes,
+                            py::arg("scales") = reinterpret_cast<uintptr_t>(w.scales),
+                            py::arg("scale_row_stride_bytes") = w.scale_row_stride_bytes,
+                            py::arg("scale_rows") = w.scale_rows, py::arg("scale_cols") = w.scale_cols,
+                            py::arg("global_scale") = w.global_scale);
+          },
+          py::arg("fid"), py::arg("proj"),
+          "The WeightView of projection proj (0 gate, 1 up, 2 down) of expert fid, as a dict of addresses");
+
   py::class_<Executor>(m, "Executor")
       .def(py::init<int, const std::vector<int>&, int, int, int64_t>(), py::arg("threads"), py::arg("cpus"),
            py::arg("isa_cap"), py::arg("spin_us"), py::arg("min_parallel_bytes"))
       .def_property_readonly("threads", &Executor::threads)
       .def_property_readonly("pinned", &Executor::pinned)
+      .def_property_readonly("caller_cpu", &Executor::caller_cpu)
+      .def_property_readonly("preempted_waits", &Executor::preempted_waits)
       .def("isa_for", [](const Executor& e, int fmt) { return e.isa_for(static_cast<WeightFormat>(fmt)); })
       .def_property_readonly("address", [](Executor& e) { return reinterpret_cast<uintptr_t>(&e); })
       .def(
           "run",
-          [](Executor& e, uintptr_t w13, uintptr_t w2, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
-             uintptr_t x, int32_t x_fmt, int64_t T, uintptr_t out, const std::vector<int64_t>& fids,
-             const std::vector<int64_t>& offsets, uintptr_t tok, uintptr_t wt) {
+          [](Executor& e, const ExpertBanks& b, uintptr_t x, int32_t x_fmt, int64_t T, uintptr_t out,
+             const std::vector<int64_t>& fids, const std::vector<int64_t>& offsets, uintptr_t tok, uintptr_t wt) {
             if (offsets.size() != fids.size() + 1) return static_cast<int32_t>(kBadOffsets);
-            const ExpertBanks b{ptr<const void>(w13), ptr<const void>(w2), num_ids, hidden, inter,
-                                static_cast<WeightFormat>(fmt)};
             const StepArgs s{ptr<const void>(x), x_fmt, T, ptr<float>(out), static_cast<int64_t>(fids.size()),
                              fids.data(), offsets.data(), ptr<const int64_t>(tok), ptr<const float>(wt), 0};
             py::gil_scoped_release nogil;  // the whole step runs without the GIL
             return e.run(b, s);
           },
           "One step; returns an edgemoe Status code (0 = ok)")
+      .def(
+          "linear",
+          [](Executor& e, uintptr_t w, int32_t fmt, int64_t N, int64_t K, int64_t w_stride, uintptr_t x, int32_t x_fmt,
+             int64_t M, int64_t ldx, uintptr_t y, int32_t y_fmt, int64_t ldy) {
+            py::gil_scoped_release nogil;
+            return e.linear(ptr<const void>(w), static_cast<WeightFormat>(fmt), N, K, w_stride, ptr<const void>(x),
+                            x_fmt, M, ldx, ptr<void>(y), y_fmt, ldy);
+          },
+          "Dense rows y[M, N] = x[M, K] @ W[N, K]^T on the pool; returns an edgemoe Status code (0 = ok)")
       .def(
           "sum_f32",
           [](Executor& e, uintptr_t p, int64_t n) {
@@ -138,14 +176,68 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(calls, dt, st->status);
       },
       "Run a registered step over rotating experts for `seconds` (B_H measurement); (calls, seconds, status)");
+  m.def(
+      "server_bench",
+      [](uintptr_t sp, uintptr_t request, uintptr_t done, uintptr_t order, int64_t n_order, int64_t tokens,
+         int64_t experts_per_call, double seconds, int64_t gap_us, int64_t poll_us) -> py::tuple {
+        // The device decode step's CPU side without a GPU: this thread stands in for the device. Per
+        // call it writes the registered step's work (as the decode graph's copies do), advances the
+        // request word (as the ring kernel does), polls the done word every poll_us (the wait kernel
+        // polls from the GPU, using no CPU core; 0: spin), then idles gap_us (the GPU's own work
+        // between two MoE layers). The step runs on the StepServer serving it. Returns (calls,
+        // elapsed seconds, status of the last step).
+        auto* st = ptr<edgemoe_step>(sp);
+        const int64_t E = experts_per_call, T = tokens;
+        if (E < 1 || T < 1 || n_order < 1) return py::make_tuple(int64_t{0}, 0.0, static_cast<int32_t>(kBadArgs));
+        if (E > st->max_experts || E * T > st->max_routes || T > st->max_tokens)
+          return py::make_tuple(int64_t{0}, 0.0, static_cast<int32_t>(kTooLarge));
+        auto* dims = const_cast<int64_t*>(st->dims);
+        auto* fids = const_cast<int64_t*>(st->fids);
+        auto* offsets = const_cast<int64_t*>(st->offsets);
+        auto* tok = const_cast<int64_t*>(st->tok);
+        auto* wt = const_cast<float*>(st->wt);
+        const auto* ord = ptr<const int64_t>(order);
+        auto* req = ptr<int64_t>(request);
+        const auto* fin = ptr<const int64_t>(done);
+        int64_t calls = 0, i = 0;
+        double dt = 0.0;
+        {
+          py::gil_scoped_release nogil;
+#if defined(__linux__)
+          prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
+          int64_t n = __atomic_load_n(req, __ATOMIC_ACQUIRE);
+          const auto t0 = std::chrono::steady_clock::now();
+          do {
+            dims[0] = T;
+            dims[1] = E;
+            for (int64_t e = 0; e <= E; ++e) offsets[e] = e * T;
+            for (int64_t r = 0; r < E * T; ++r) {
+              tok[r] = r % T;
+              wt[r] = 0.125f;
+            }
+            for (int64_t e = 0; e < E; ++e, ++i) fids[e] = ord[i % n_order];
+            __atomic_store_n(req, ++n, __ATOMIC_RELEASE);
+            while (__atomic_load_n(fin, __ATOMIC_ACQUIRE) < n) {
+              if (poll_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(poll_us));
+            }
+            ++calls;
+            if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+            dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          } while (st->status == kOk && dt < seconds);
+        }
+        return py::make_tuple(calls, dt, st->status);
+      },
+      "Ring a served registered step over rotating experts for `seconds` (the device side emulated); "
+      "(calls, seconds, status)");
   m.def("step_destroy", [](uintptr_t s) { delete ptr<edgemoe_step>(s); });
   m.def("step_status", [](uintptr_t s) { return ptr<edgemoe_step>(s)->status; });
   m.def("step_calls", [](uintptr_t s) { return ptr<edgemoe_step>(s)->calls; });
   m.def(
       "server_start",
-      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us) {
+      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us, int cpu) {
         return reinterpret_cast<uintptr_t>(
-            new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request), ptr<int64_t>(done), active_spin_us));
+            new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request), ptr<int64_t>(done), active_spin_us, cpu));
       },
       "Start a thread serving a registered step on a doorbell (request/done int64 words); returns its handle");
   m.def(
@@ -157,6 +249,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Stop and join a step server");
   m.def("server_served", [](uintptr_t s) { return ptr<StepServer>(s)->served(); });
   m.def("server_failed", [](uintptr_t s) { return ptr<StepServer>(s)->failed(); });
+  m.def("server_preempted", [](uintptr_t s) { return ptr<StepServer>(s)->preempted(); });
+  m.def("server_pinned", [](uintptr_t s) { return ptr<StepServer>(s)->pinned(); });
   m.def("run_step_address", [] { return reinterpret_cast<uintptr_t>(&edgemoe_run_step); },
         "Address of the C entry point void edgemoe_run_step(void* step) (cudaLaunchHostFunc-compatible)");
 }

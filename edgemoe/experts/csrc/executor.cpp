@@ -14,6 +14,7 @@
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #endif
 
 namespace edgemoe {
@@ -28,16 +29,60 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spin on `done()` with pause for a short while, then keep polling but yield the core between
-// polls: barrier and completion waits are short when every thread has its own core, and must not
-// starve a descheduled peer when the machine is oversubscribed.
+using Clock = std::chrono::steady_clock;
+
+inline int64_t us_since(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t).count();
+}
+
+// A busy wait that gives its core away when someone else wants it. Each call of poll() is one short
+// pause-spin; every kCheck polls the thread yields (sched_yield: a runnable thread on this CPU runs
+// first) and reads the clock. A gap of more than kPreemptedUs between two readings means the thread
+// lost its core for that long: the machine is oversubscribed, and spinning on would take a core
+// from a thread that has work (a pool worker, the Python thread, the CUDA driver). poll() then
+// returns false, as it does when the spin budget is spent, and the caller blocks instead.
+class SpinWait {
+ public:
+  static constexpr int kCheck = 64;
+  static constexpr int64_t kPreemptedUs = 200;
+  explicit SpinWait(int64_t budget_us) : budget_us_(budget_us), t0_(Clock::now()), last_(t0_) {}
+  // One poll interval; false (from then on) once the budget is spent or the thread was preempted.
+  bool poll() {
+    if (over_) return false;
+    cpu_relax();
+    if (++i_ % kCheck) return true;
+    std::this_thread::yield();
+    const auto now = Clock::now();
+    preempted_ = std::chrono::duration_cast<std::chrono::microseconds>(now - last_).count() > kPreemptedUs;
+    last_ = now;
+    over_ = preempted_ || std::chrono::duration_cast<std::chrono::microseconds>(now - t0_).count() >= budget_us_;
+    return !over_;
+  }
+  bool preempted() const { return preempted_; }
+
+ private:
+  int64_t budget_us_;
+  Clock::time_point t0_, last_;
+  uint32_t i_ = 0;
+  bool preempted_ = false, over_ = false;
+};
+
+// Waits for `done()` inside a job (barrier, completion), where there is no one to wake a sleeper:
+// pause-spin while the wait is short and the core is ours, then keep polling but yield the core
+// between polls, and sleep 20 us between polls once the wait has lasted 1 ms (a peer is off its core
+// for a scheduler slice: an oversubscribed machine).
 template <class Pred>
 inline void spin_until(Pred done) {
-  for (int i = 0; i < 4096; ++i) {
-    if (done()) return;
-    cpu_relax();
+  SpinWait w(50);
+  while (!done())
+    if (!w.poll()) break;
+  const auto t0 = Clock::now();
+  while (!done()) {
+    if (us_since(t0) < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  while (!done()) std::this_thread::yield();
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -66,10 +111,54 @@ size_t elem_size(WeightFormat fmt) { return fmt == WeightFormat::F32 ? 4 : 2; }
 
 }  // namespace
 
+// ============================================================================ expert rows
+WeightView expert_matrix(const ExpertBanks& b, int64_t fid, Proj p) {
+  const int64_t H = b.hidden, I = b.inter;
+  const bool down = p == Proj::Down;
+  const int64_t K = down ? I : H;                   // columns of the matrix
+  const int64_t first = p == Proj::Up ? I : 0;      // its first row within its section (up: rows [I, 2I) of w13)
+  const uint8_t* row = b.base + fid * b.row_bytes;
+  int64_t data_stride = 0;                          // bytes of one matrix row
+  switch (b.fmt) {
+    case WeightFormat::F32: data_stride = 4 * K; break;
+    case WeightFormat::BF16:
+    case WeightFormat::F16: data_stride = 2 * K; break;
+    case WeightFormat::FP8_E4M3_BLOCK: data_stride = K; break;
+    case WeightFormat::MXFP4:
+    case WeightFormat::NVFP4: data_stride = K / 2; break;
+  }
+  WeightView w{row + (down ? b.w2_off : b.w13_off) + first * data_stride, data_stride, nullptr, 0, 0, 0, 1.0f};
+  const int64_t scale_off = down ? b.w2_scale_off : b.w13_scale_off;
+  if (scale_off < 0) return w;
+  const uint8_t* scales = row + scale_off;
+  switch (b.fmt) {
+    case WeightFormat::FP8_E4M3_BLOCK: {  // float32 grid; up's grid follows gate's ceil(I / bn) scale rows
+      w.scale_rows = b.block_rows;
+      w.scale_cols = b.block_cols;
+      w.scale_row_stride_bytes = 4 * ((K + b.block_cols - 1) / b.block_cols);
+      const int64_t first_scale_row = p == Proj::Up ? (I + b.block_rows - 1) / b.block_rows : 0;
+      w.scales = scales + first_scale_row * w.scale_row_stride_bytes;
+      break;
+    }
+    case WeightFormat::MXFP4:
+    case WeightFormat::NVFP4: {  // one byte per group of 32 (e8m0) or 16 (e4m3) elements of a row
+      w.scale_rows = 1;
+      w.scale_cols = b.fmt == WeightFormat::MXFP4 ? 32 : 16;
+      w.scale_row_stride_bytes = K / w.scale_cols;
+      w.scales = scales + first * w.scale_row_stride_bytes;
+      const int64_t s2 = down ? b.w2_scale2_off : b.w13_scale2_off;
+      if (s2 >= 0) std::memcpy(&w.global_scale, row + s2 + (p == Proj::Up ? 4 : 0), sizeof(float));
+      break;
+    }
+    default: break;
+  }
+  return w;
+}
+
 // ============================================================================ ThreadPool
 ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus, int spin_us)
-    : n_(std::max(1, threads)), spin_us_(std::max(0, spin_us)), owner_pid_(static_cast<long>(getpid())),
-      pinned_(n_, -1) {
+    : n_(std::max(1, threads)), spin_us_(std::max(0, spin_us)), caller_cpu_(cpus.empty() ? -1 : cpus[0]),
+      owner_pid_(static_cast<long>(getpid())), pinned_(n_, -1) {
   threads_.reserve(n_ - 1);
   for (int tid = 1; tid < n_; ++tid) {
     const int cpu = tid < static_cast<int>(cpus.size()) ? cpus[tid] : -1;
@@ -119,21 +208,18 @@ void ThreadPool::worker(int tid, int cpu) {
   }
 }
 
-// Spin (pause) until the job generation moves or spin_us elapse, then sleep on the condition
-// variable. Lost wake-ups are impossible: a sleeper increments sleepers_ and re-checks gen_ under
-// the mutex (both seq_cst), and run() bumps gen_ before it reads sleepers_ (Dekker pattern), so
-// either the sleeper sees the new generation or run() sees the sleeper and notifies under the mutex.
+// Spin until the job generation moves or spin_us elapse (or the thread is found preempted: see
+// SpinWait), then sleep on the condition variable. Lost wake-ups are impossible: a sleeper increments
+// sleepers_ and re-checks gen_ under the mutex (both seq_cst), and run() bumps gen_ before it reads
+// sleepers_ (Dekker pattern), so either the sleeper sees the new generation or run() sees the sleeper
+// and notifies under the mutex.
 uint64_t ThreadPool::wait_for_job(uint64_t seen) {
-  using clock = std::chrono::steady_clock;
-  const auto t0 = clock::now();
-  for (uint32_t i = 1;; ++i) {
+  SpinWait w(spin_us_);
+  do {
     const uint64_t g = gen_.load(std::memory_order_acquire);
     if (g != seen) return g;
-    cpu_relax();
-    if ((i & 127) == 0 &&
-        std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t0).count() >= spin_us_)
-      break;
-  }
+  } while (w.poll());
+  if (w.preempted()) preempted_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(m_);
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
   cv_.wait(lk, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
@@ -181,7 +267,6 @@ struct Executor::Job {
   ActFormat act;
   bool serial;              // run on the caller alone (no barrier)
   int64_t H, I;
-  size_t wsize;             // bytes per weight element
   int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
   int64_t c2, n2;           // phase 2: output rows per chunk, chunks
   const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
@@ -220,7 +305,9 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
     }
     return kOk;
   }
-  if (!b.w13 || !b.w2 || b.hidden <= 0 || b.inter <= 0 || !s.x || !s.out || !s.tok || !s.wt) return kBadArgs;
+  if (!b.base || b.row_bytes <= 0 || b.w13_off < 0 || b.w2_off < 0 || b.hidden <= 0 || b.inter <= 0 || !s.x ||
+      !s.out || !s.tok || !s.wt)
+    return kBadArgs;
   if (s.offsets[0] != 0) return kBadOffsets;
   for (int64_t e = 0; e < s.n_experts; ++e) {
     if (s.offsets[e + 1] < s.offsets[e]) return kBadOffsets;
@@ -238,37 +325,11 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   const int64_t T = s.T, H = b.hidden, I = b.inter;
   if (s.zero_out) std::memset(s.out, 0, sizeof(float) * T * H);
 
-  // ---- activations: x in the kernel's operand format. bf16 weights compute with bf16-rounded x
-  // (as the torch path: x.to(bfloat16)); float32 weights use x as given.
+  // ---- activations: x in the kernel's operand format (bf16 weights compute with bf16-rounded x)
+  int64_t ldx;
+  const void* xa = prepare_x(ks, b.fmt, s.x, s.x_fmt, T, H, H, &ldx);
+  const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
   const bool bf16_w = b.fmt == WeightFormat::BF16;
-  const void* xa = nullptr;
-  size_t asize;
-  if (ks.act == ActFormat::BF16) {
-    asize = 2;
-    if (s.x_fmt == 1) {
-      xa = s.x;
-    } else {
-      x_bf16_.resize(T * H);
-      const float* x = static_cast<const float*>(s.x);
-      for (int64_t i = 0; i < T * H; ++i) x_bf16_[i] = f32_to_bf16(x[i]);
-      xa = x_bf16_.data();
-    }
-  } else {
-    asize = 4;
-    if (s.x_fmt == 0 && !bf16_w) {
-      xa = s.x;
-    } else {
-      x_f32_.resize(T * H);
-      if (s.x_fmt == 1) {
-        const uint16_t* x = static_cast<const uint16_t*>(s.x);
-        for (int64_t i = 0; i < T * H; ++i) x_f32_[i] = bf16_to_f32(x[i]);
-      } else {
-        const float* x = static_cast<const float*>(s.x);
-        for (int64_t i = 0; i < T * H; ++i) x_f32_[i] = bf16_to_f32(f32_to_bf16(x[i]));
-      }
-      xa = x_f32_.data();
-    }
-  }
   uint8_t* abase;
   if (ks.act == ActFormat::BF16) {
     act_bf16_.resize(R * I);
@@ -280,7 +341,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   xptr_.resize(R);
   aptr_.resize(R);
   for (int64_t r = 0; r < R; ++r) {
-    xptr_[r] = static_cast<const uint8_t*>(xa) + s.tok[r] * H * asize;
+    xptr_[r] = static_cast<const uint8_t*>(xa) + s.tok[r] * ldx * asize;
     aptr_[r] = abase + r * I * asize;
   }
 
@@ -292,7 +353,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
     active += n > 0;
   }
   const int p = pool_.size();
-  const int64_t bytes = active * 3 * H * I * static_cast<int64_t>(elem_size(b.fmt));
+  const int64_t bytes = active * b.row_bytes;
   Job J;
   J.self = this;
   J.b = b;
@@ -302,7 +363,6 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.serial = p == 1 || bytes < min_parallel_bytes_ || !pool_.usable();
   J.H = H;
   J.I = I;
-  J.wsize = elem_size(b.fmt);
   // ~4 chunks per thread per phase (dynamic balance), at least 16 rows (64 KiB of bf16 weights at
   // H = 2048) so a chunk is a long sequential stream; whole rows of 16 keep chunk edges on lines.
   const int64_t want = J.serial ? 1 : 4 * static_cast<int64_t>(p);
@@ -342,12 +402,11 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
   const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
   if (n == 0) return;
   const int64_t H = J.H, I = J.I;
-  const WeightView w{static_cast<const char*>(J.b.w13) + J.s.fids[e] * 2 * I * H * J.wsize,
-                     static_cast<int64_t>(H * J.wsize), nullptr, 0, 0};
+  const WeightView wg = expert_matrix(J.b, J.s.fids[e], Proj::Gate), wu = expert_matrix(J.b, J.s.fids[e], Proj::Up);
   float* g = scratch_[tid].data();
   float* u = g + n * rows;
-  J.gemv(w, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
-  J.gemv(w, I + i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
+  J.gemv(wg, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
+  J.gemv(wu, i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
   if (J.bf16_points)  // the torch path's bf16 linear outputs gate and up, and SiLU of gate, as bf16 values
     for (int64_t i = 0; i < n * rows; ++i) {
       g[i] = to_bf16_value(silu(to_bf16_value(g[i])));
@@ -378,8 +437,7 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
   for (int64_t e = 0; e < J.s.n_experts; ++e) {
     const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
     if (n == 0) continue;
-    const WeightView w{static_cast<const char*>(J.b.w2) + J.s.fids[e] * H * I * J.wsize,
-                       static_cast<int64_t>(I * J.wsize), nullptr, 0, 0};
+    const WeightView w = expert_matrix(J.b, J.s.fids[e], Proj::Down);
     J.gemv(w, o0, rows, I, J.aptr + r0, static_cast<int>(n), y, rows);
     for (int64_t j = 0; j < n; ++j) {
       float* o = J.s.out + J.s.tok[r0 + j] * H + o0;
@@ -393,6 +451,114 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
       }
     }
   }
+}
+
+const void* Executor::prepare_x(const KernelSet& ks, WeightFormat fmt, const void* x, int32_t x_fmt, int64_t T,
+                                int64_t H, int64_t ldx, int64_t* ld_out) {
+  const bool bf16_w = fmt == WeightFormat::BF16;
+  *ld_out = H;
+  if (ks.act == ActFormat::BF16) {
+    if (x_fmt == 1) {
+      *ld_out = ldx;
+      return x;
+    }
+    x_bf16_.resize(T * H);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xr = static_cast<const float*>(x) + t * ldx;
+      for (int64_t i = 0; i < H; ++i) x_bf16_[t * H + i] = f32_to_bf16(xr[i]);
+    }
+    return x_bf16_.data();
+  }
+  if (x_fmt == 0 && !bf16_w) {
+    *ld_out = ldx;
+    return x;
+  }
+  x_f32_.resize(T * H);
+  for (int64_t t = 0; t < T; ++t) {
+    if (x_fmt == 1) {
+      const uint16_t* xr = static_cast<const uint16_t*>(x) + t * ldx;
+      for (int64_t i = 0; i < H; ++i) x_f32_[t * H + i] = bf16_to_f32(xr[i]);
+    } else {
+      const float* xr = static_cast<const float*>(x) + t * ldx;
+      for (int64_t i = 0; i < H; ++i) x_f32_[t * H + i] = bf16_to_f32(f32_to_bf16(xr[i]));
+    }
+  }
+  return x_f32_.data();
+}
+
+struct Executor::LinearJob {
+  Executor* self;
+  GemvFn gemv;
+  WeightView w;
+  int64_t N, K, M, chunk, n_chunks, ldy;
+  const void* const* xptr;  // [M] operand row of each input row
+  void* y;
+  int32_t y_fmt;
+  alignas(64) std::atomic<int64_t> next{0};
+};
+
+void Executor::linear_job(void* job, int tid) {
+  LinearJob& J = *static_cast<LinearJob*>(job);
+  for (int64_t c; (c = J.next.fetch_add(1, std::memory_order_relaxed)) < J.n_chunks;) {
+    const int64_t r0 = c * J.chunk, rows = std::min(J.chunk, J.N - r0);
+    if (J.y_fmt == 0) {  // straight into y
+      J.gemv(J.w, r0, rows, J.K, J.xptr, static_cast<int>(J.M), static_cast<float*>(J.y) + r0, J.ldy);
+      continue;
+    }
+    float* t = J.self->scratch_[tid].data();  // [M, rows]
+    J.gemv(J.w, r0, rows, J.K, J.xptr, static_cast<int>(J.M), t, rows);
+    for (int64_t m = 0; m < J.M; ++m) {
+      uint16_t* dst = static_cast<uint16_t*>(J.y) + m * J.ldy + r0;
+      for (int64_t r = 0; r < rows; ++r) dst[r] = f32_to_bf16(t[m * rows + r]);
+    }
+  }
+}
+
+int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, int64_t w_stride, const void* x,
+                         int32_t x_fmt, int64_t M, int64_t ldx, void* y, int32_t y_fmt, int64_t ldy) {
+  const int f = static_cast<int>(fmt);
+  if (f < 0 || f >= kNumFormats || N < 0 || K < 1 || M < 0 || (x_fmt != 0 && x_fmt != 1) ||
+      (y_fmt != 0 && y_fmt != 1) || ldx < K || ldy < N || w_stride < K * static_cast<int64_t>(elem_size(fmt)))
+    return kBadArgs;
+  if (M == 0 || N == 0) return kOk;
+  if (!w || !x || !y) return kBadArgs;
+  const int level = isa_[f];
+  if (level < 0) return kNoKernel;
+  const KernelSet& ks = kernels_for(static_cast<Isa>(level)).by_format[f];
+  if (!ks.gemv) return kNoKernel;
+
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  int64_t lda;
+  const void* xa = prepare_x(ks, fmt, x, x_fmt, M, K, ldx, &lda);
+  const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
+  xptr_.resize(M);
+  for (int64_t m = 0; m < M; ++m) xptr_[m] = static_cast<const uint8_t*>(xa) + m * lda * asize;
+  const int p = pool_.size();
+  const bool serial = p == 1 || N * K * static_cast<int64_t>(elem_size(fmt)) < min_parallel_bytes_ || !pool_.usable();
+  LinearJob J;
+  J.self = this;
+  J.gemv = ks.gemv;
+  J.w = WeightView{w, w_stride, nullptr, 0, 0};
+  J.N = N;
+  J.K = K;
+  J.M = M;
+  // ~4 chunks per thread (dynamic balance), whole rows of 16
+  J.chunk = std::min(N, std::max<int64_t>(16, round_up(ceil_div(N, 4 * static_cast<int64_t>(serial ? 1 : p)), 16)));
+  J.n_chunks = ceil_div(N, J.chunk);
+  J.ldy = ldy;
+  J.xptr = xptr_.data();
+  J.y = y;
+  J.y_fmt = y_fmt;
+  if (y_fmt == 1) {
+    const size_t need = static_cast<size_t>(M * J.chunk);
+    for (auto& v : scratch_)
+      if (v.size() < need) v.resize(need);
+  }
+  if (serial)
+    linear_job(&J, 0);
+  else
+    pool_.run(&Executor::linear_job, &J);
+  return kOk;
 }
 
 namespace {
@@ -440,12 +606,10 @@ extern "C" void edgemoe_run_step(void* p) {
       st->status = edgemoe::kTooLarge;
       return;
     }
-    const edgemoe::ExpertBanks b{st->w13, st->w2, st->num_ids, st->hidden, st->inter,
-                                 static_cast<edgemoe::WeightFormat>(st->weight_fmt)};
     const edgemoe::StepArgs a{st->x, st->x_fmt, T, st->out, E, st->fids, st->offsets, st->tok, st->wt, st->zero_out};
-    st->status = static_cast<edgemoe::Executor*>(st->executor)->run(b, a);
+    st->status = static_cast<edgemoe::Executor*>(st->executor)->run(st->banks, a);
     if (st->status != edgemoe::kOk && st->zero_out && st->out)  // no stale partial from an earlier call
-      std::memset(st->out, 0, sizeof(float) * st->max_tokens * st->hidden);
+      std::memset(st->out, 0, sizeof(float) * st->max_tokens * st->banks.hidden);
     st->calls += 1;
   } catch (...) {
     st->status = edgemoe::kInternal;
@@ -455,8 +619,8 @@ extern "C" void edgemoe_run_step(void* p) {
 // ============================================================================ StepServer
 namespace edgemoe {
 
-StepServer::StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us)
-    : step_(step), request_(request), done_(done), active_spin_us_(std::max(0, active_spin_us)),
+StepServer::StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us, int cpu)
+    : step_(step), request_(request), done_(done), active_spin_us_(std::max(0, active_spin_us)), cpu_(cpu),
       owner_pid_(static_cast<long>(getpid())) {
   __atomic_store_n(done_, __atomic_load_n(request_, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);  // nothing pending
   thread_ = std::thread(&StepServer::loop, this);
@@ -472,9 +636,19 @@ StepServer::~StepServer() {
 }
 
 void StepServer::loop() {
-  using clock = std::chrono::steady_clock;
+#if defined(__linux__)
+  if (cpu_ >= 0 && cpu_ < CPU_SETSIZE) {  // this thread is the pool's worker 0: its own core
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu_, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) pinned_.store(cpu_, std::memory_order_release);
+  }
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the 50 us idle polls below wake on time
+#endif
   int64_t last = __atomic_load_n(done_, __ATOMIC_ACQUIRE);
-  auto t_last = clock::now();
+  auto t_last = Clock::now();
+  SpinWait active(active_spin_us_);
+  bool counted = false;  // this idle period's preemption is counted
   while (!stop_.load(std::memory_order_acquire)) {
     const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);  // written by the device over PCIe
     if (req != last) {
@@ -483,15 +657,17 @@ void StepServer::loop() {
       last = req;
       served_.fetch_add(1, std::memory_order_release);  // before done: a waiter that sees done sees it
       __atomic_store_n(done_, req, __ATOMIC_RELEASE);
-      t_last = clock::now();
+      t_last = Clock::now();
+      active = SpinWait(active_spin_us_);
+      counted = false;
       continue;
     }
-    const auto idle_us = std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - t_last).count();
-    if (idle_us < active_spin_us_) {
-      for (int i = 0; i < 64; ++i) cpu_relax();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(idle_us < 1000000 ? 50 : 1000));
+    if (active.poll()) continue;  // spinning, politely (see SpinWait)
+    if (active.preempted() && !counted) {
+      preempted_.fetch_add(1, std::memory_order_relaxed);
+      counted = true;
     }
+    std::this_thread::sleep_for(std::chrono::microseconds(us_since(t_last) < 1000000 ? 50 : 1000));
   }
 }
 

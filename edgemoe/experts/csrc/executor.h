@@ -41,14 +41,46 @@ enum Status : int32_t {
   kInternal = 7,     // allocation failure or another C++ exception (C entry point only)
 };
 
-// The host expert banks: w13 [num_ids, 2I, H] (gate rows then up rows), w2 [num_ids, H, I], dense
-// row-major in `fmt`. Future block-scaled formats add their scale banks here.
+// The host expert pool as the executor reads it: ONE byte bank of `num_ids` rows. Row i (flat id
+// moe_layer * E + expert) starts at base + i * row_bytes (row_bytes a multiple of 4096) and holds every
+// tensor of that expert as sections at fixed byte offsets from the row's start (ExpertLayout in
+// edgemoe/quant/layout.py: every offset a multiple of 64, the same for all rows); -1 marks a section
+// the format does not have. Per format (I = inter, H = hidden; FP8 block bn x bk = block_rows x
+// block_cols, 128 x 128 in every release):
+//
+//   field           F32 / BF16 / F16   FP8_E4M3_BLOCK                    MXFP4                  NVFP4
+//   w13_off         [2I, H] elements   e4m3 [2I, H]                      e2m1 uint8 [2I, H/2]   e2m1 uint8 [2I, H/2]
+//   w2_off          [H, I] elements    e4m3 [H, I]                       e2m1 uint8 [H, I/2]    e2m1 uint8 [H, I/2]
+//   w13_scale_off   -1                 f32 [2*ceil(I/bn), ceil(H/bk)]:   e8m0 uint8 [2I, H/32]  e4m3 [2I, H/16]
+//                                      gate's grid, then up's
+//   w2_scale_off    -1                 f32 [ceil(H/bn), ceil(I/bk)]      e8m0 uint8 [H, I/32]   e4m3 [H, I/16]
+//   w13_scale2_off  -1                 -1                                -1                     f32 [2]: gate's, up's
+//                                                                                               per-tensor multiplier
+//   w2_scale2_off   -1                 -1                                -1                     f32 [1]: down's
+//   b13_off         f32 [2I] gate's then up's expert bias where the model has them (gpt-oss), else -1
+//   b2_off          f32 [H] down's bias, else -1
+//   block_rows/cols 0                  bn, bk                            0                      0
+//
+// w13 is gate rows [0, I) then up rows [I, 2I) in every format (gpt-oss's interleaving is undone at
+// pack time). expert_matrix() turns a row into the WeightView of one projection, which is all a
+// kernel reads; the float kernels use w13_off / w2_off only.
 struct ExpertBanks {
-  const void* w13;
-  const void* w2;
+  const uint8_t* base;
+  int64_t row_bytes;
   int64_t num_ids, hidden, inter;
   WeightFormat fmt;
+  int64_t w13_off, w2_off;
+  int64_t w13_scale_off, w2_scale_off;
+  int64_t w13_scale2_off, w2_scale2_off;
+  int64_t b13_off, b2_off;
+  int32_t block_rows, block_cols;
 };
+
+// The projections of one expert: gate [I, H], up [I, H] (rows of w13) and down [H, I] (w2).
+enum class Proj : int32_t { Gate = 0, Up = 1, Down = 2 };
+
+// The WeightView of projection `p` of expert `fid` (see ExpertBanks for the sections it points into).
+WeightView expert_matrix(const ExpertBanks& b, int64_t fid, Proj p);
 
 // One step's CPU work: routes grouped by expert. Expert e = fids[e] is applied to tokens
 // tok[offsets[e] .. offsets[e+1]) with router weights wt[same range]. x: [T, H] in x_fmt (0 float32,
@@ -66,11 +98,13 @@ struct StepArgs {
   int32_t zero_out;  // 1: out[:T] is set to zero (after validation) before accumulating
 };
 
-// Persistent std::thread pool. The calling thread is worker 0 (it computes too and is never pinned:
-// it is a Python or CUDA-driver thread whose affinity is not ours to change); workers 1..n-1 are
-// pinned to cpus[i] when cpus has an entry for them (sched_setaffinity; refusal is ignored).
-// Between jobs workers spin for `spin_us` (catching the next MoE layer's call without a wake-up)
-// and then sleep on a condition variable.
+// Persistent std::thread pool. The calling thread is worker 0 (it computes too and is never pinned
+// here: a Python thread's affinity is not ours to change; a StepServer, the pool's own caller, pins
+// itself to cpus[0]); workers 1..n-1 are pinned to cpus[i] when cpus has an entry for them
+// (sched_setaffinity; refusal is ignored). Between jobs workers spin for `spin_us` (catching the
+// next MoE layer's call without a wake-up), yielding the core to any other runnable thread, and
+// sleep on a condition variable once the spin is spent or the worker finds itself preempted (an
+// oversubscribed machine: see SpinWait in executor.cpp).
 class ThreadPool {
  public:
   ThreadPool(int threads, const std::vector<int>& cpus, int spin_us);
@@ -85,6 +119,10 @@ class ThreadPool {
   void barrier();
   // CPU each thread was pinned to (-1: not pinned). Entry 0 is always -1 (the caller).
   const std::vector<int>& pinned() const { return pinned_; }
+  // The CPU meant for worker 0 (cpus[0]; -1: none): where a StepServer pins itself.
+  int caller_cpu() const { return caller_cpu_; }
+  // Waits between jobs whose spin was cut short because the worker had lost its core.
+  int64_t preempted_waits() const { return preempted_.load(std::memory_order_relaxed); }
   // False in a child process after fork(): the workers did not survive it. Callers then do all the
   // work on the calling thread (jobs take chunks dynamically, so one thread finishes any job).
   bool usable() const;
@@ -95,6 +133,7 @@ class ThreadPool {
 
   int n_;
   int spin_us_;
+  int caller_cpu_;
   long owner_pid_;
   std::vector<std::thread> threads_;
   std::vector<int> pinned_;
@@ -107,6 +146,7 @@ class ThreadPool {
   alignas(64) std::atomic<uint32_t> bar_gen_{0};
   alignas(64) std::atomic<int> started_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<int64_t> preempted_{0};
   std::mutex m_;
   std::condition_variable cv_;
 };
@@ -123,6 +163,16 @@ class Executor {
   // Status; on error nothing has been written to out.
   int32_t run(const ExpertBanks& banks, const StepArgs& step);
 
+  // A dense linear layer without bias for a few rows of input (decode): y[m, r] = sum_k W[r, k] x[m, k]
+  // for r < N, m < M. W: [N, K] in `fmt`, rows w_stride bytes apart; x: [M, K] (x_fmt 0 float32,
+  // 1 bfloat16), rows ldx elements apart; y: [M, N] (y_fmt 0 float32, 1 bfloat16: rounded to nearest
+  // even), rows ldy elements apart. bf16 weights compute with x rounded to bf16 (as run()). Output rows
+  // are split across the pool in chunks taken dynamically; every y element is computed by one chunk
+  // with a fixed operation order, so results do not depend on the thread count. Thread-safe
+  // (serialized with run()). Returns a Status.
+  int32_t linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, int64_t w_stride, const void* x,
+                 int32_t x_fmt, int64_t M, int64_t ldx, void* y, int32_t y_fmt, int64_t ldy);
+
   // Sum of n floats read by all threads (the read-bandwidth test); static split, 4 KiB aligned.
   double sum_f32(const float* p, int64_t n);
 
@@ -130,12 +180,20 @@ class Executor {
   int isa_for(WeightFormat fmt) const;
   int threads() const { return pool_.size(); }
   const std::vector<int>& pinned() const { return pool_.pinned(); }
+  int caller_cpu() const { return pool_.caller_cpu(); }
+  int64_t preempted_waits() const { return pool_.preempted_waits(); }
 
-  // Internal state of one step's job, shared by the pool threads.
+  // Internal state of one step's job (and of one linear()), shared by the pool threads.
   struct Job;
+  struct LinearJob;
 
  private:
   static void step_job(void* job, int tid);
+  static void linear_job(void* job, int tid);
+  // x [T, H] (rows ldx elements apart) in the operand format of `ks`, for weights of `fmt`: a pointer
+  // to x itself when no conversion is needed, else to a converted copy in x_bf16_ / x_f32_ (rows H apart).
+  const void* prepare_x(const KernelSet& ks, WeightFormat fmt, const void* x, int32_t x_fmt, int64_t T, int64_t H,
+                        int64_t ldx, int64_t* ld_out);
   void phase1_chunk(Job& J, int64_t c, int tid);
   void phase2_chunk(Job& J, int64_t c, int tid);
 
@@ -163,10 +221,7 @@ extern "C" {
 // pointer back to edgemoe_run_step.
 typedef struct edgemoe_step {
   void* executor;           // edgemoe::Executor*
-  const void* w13;          // expert banks (see ExpertBanks)
-  const void* w2;
-  int64_t num_ids, hidden, inter;
-  int32_t weight_fmt;       // edgemoe::WeightFormat
+  edgemoe::ExpertBanks banks;  // the host expert pool
   int32_t x_fmt;            // 0: float32, 1: bfloat16
   const void* x;            // [max_tokens, H]
   float* out;               // [max_tokens, H] float32
@@ -196,18 +251,24 @@ namespace edgemoe {
 //   server: a dedicated thread polls *request; when it differs from the last value served it runs
 //           edgemoe_run_step(step) (the pool's worker 0 is this thread) and stores that value
 //           into *done (release: out[] is complete before done moves).
-// The thread spins (pause) for `active_spin_us` after each served step, then polls every 50 us, and
-// every 1 ms after a second of silence. The destructor stops and joins the thread (in a forked child,
-// where the thread does not exist, it leaks the handle instead, as ThreadPool does).
+// The thread pins itself to `cpu` (the executor's caller_cpu(); -1: not pinned). It spins for
+// `active_spin_us` after each served step (yielding its core to any other runnable thread, and
+// stopping early when it finds itself preempted: SpinWait), then polls every 50 us, and every 1 ms
+// after a second of silence. The destructor stops and joins the thread (in a forked child, where the
+// thread does not exist, it leaks the handle instead, as ThreadPool does).
 class StepServer {
  public:
-  StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us);
+  StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us, int cpu);
   ~StepServer();
   StepServer(const StepServer&) = delete;
   StepServer& operator=(const StepServer&) = delete;
   int64_t served() const { return served_.load(std::memory_order_acquire); }
   // Served requests whose step returned a non-ok status (its out[] is then stale).
   int64_t failed() const { return failed_.load(std::memory_order_acquire); }
+  // Idle spins cut short because the thread had lost its core (an oversubscribed machine).
+  int64_t preempted() const { return preempted_.load(std::memory_order_relaxed); }
+  // CPU the thread pinned itself to (-1: not pinned, or not yet).
+  int pinned() const { return pinned_.load(std::memory_order_acquire); }
 
  private:
   void loop();
@@ -215,9 +276,12 @@ class StepServer {
   int64_t* request_;
   int64_t* done_;
   int active_spin_us_;
+  int cpu_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};
   std::atomic<int64_t> failed_{0};
+  std::atomic<int64_t> preempted_{0};
+  std::atomic<int> pinned_{-1};
   long owner_pid_;
   std::thread thread_;
 };

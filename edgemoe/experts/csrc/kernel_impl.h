@@ -17,9 +17,10 @@
 //   for each block of RB rows                 RB weight rows streamed side by side from DRAM
 //     for each tile of NT tokens              the RB x K block is re-read from L1 for tiles >= 2
 //       micro-kernel: RB x NT float accumulators held in registers across the whole K loop;
-//       K is walked one 64-byte cache line of weights per step, and the same line of the *next* row
-//       block is software-prefetched, so each thread keeps 2 x RB line streams in flight (hardware
-//       prefetchers stop at 4 KiB page ends, and a bf16 row of H = 2048 is exactly one page).
+//       K is walked one 64-byte cache line of weights per step, and the same line of the row block
+//       EDGEMOE_PREFETCH_BLOCKS ahead is software-prefetched into L2, so each thread keeps 2 x RB line
+//       streams in flight (hardware prefetchers stop at 4 KiB page ends, and a bf16 row of H = 2048 is
+//       exactly one page).
 // RB x NT is chosen per ISA to fit the register file (AVX-512: 32 zmm -> 4 x 4; AVX2: 16 ymm -> 4 x 2).
 // At T <= 8 the work is bound by the weight bytes read; arithmetic is far below the core's peak, so
 // the kernel's job is to keep enough independent loads in flight and to read every weight byte once.
@@ -33,13 +34,25 @@
 //   static reg load_tail(const Row&, int64_t k, int n);   (only when V::kMasked)
 //   static float at(const Row&, int64_t k);      one dequantized element (scalar tails)
 //   static const char* addr(const Row&, int64_t k);       byte address of element k (prefetch)
-// — and register `gemv<V, FmtNew, RB, NT>` in the ISA's table under its WeightFormat. fp8 with
-// 128-element block scales multiplies the converted lanes by scales[k / 128]; MXFP4 decodes nibbles
-// through a 16-entry table and scales by 2^(e8m0 - 127). The driver, tiling, threading and the
-// executor do not change.
+// — and register `gemv<V, FmtNew, RB, NT>` in the ISA's table under its WeightFormat. The WeightView a
+// kernel gets (executor.h, expert_matrix) already points at the projection's codes and scales in the
+// expert's row: FP8 multiplies the converted lanes by the float32 scale of row r / scale_rows, column
+// k / scale_cols (128 x 128); MXFP4 decodes nibbles through a 16-entry table and scales by
+// 2^(e8m0 - 127) per 32 columns; NVFP4 scales by float(e4m3) * global_scale per 16 columns. The
+// driver, tiling, threading and the executor do not change.
 
 #ifndef EDGEMOE_PREFETCH_BLOCKS
-#define EDGEMOE_PREFETCH_BLOCKS 1  // prefetch distance in row blocks (0: hardware prefetch only)
+#define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
+#endif
+#ifndef EDGEMOE_SUM_PREFETCH
+#define EDGEMOE_SUM_PREFETCH 1  // the read test prefetches as the GEMVs do
+#endif
+#ifndef EDGEMOE_PREFETCH_LOCALITY
+// __builtin_prefetch locality of the row-block prefetch: 2 = prefetcht1, into L2. A prefetch into L1
+// (3, prefetcht0) holds one of the core's few L1 miss buffers (~24) for a whole DRAM latency, which
+// caps a core near 24 lines per latency: 11-14 GB/s of bf16 weights on the 2-core Zen 4 dev VM
+// against 19-22 GB/s with L2 prefetches and the loads hitting L2 (docs/benchmarks/cpu_executor.md).
+#define EDGEMOE_PREFETCH_LOCALITY 2
 #endif
 
 namespace edgemoe {
@@ -101,7 +114,8 @@ inline void micro(const typename F::Row* rows, int64_t K, const float* const* a,
   for (; k + L <= K; k += L) {
     if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
 #pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r) __builtin_prefetch(F::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, 3);
+      for (int r = 0; r < RB; ++r)
+        __builtin_prefetch(F::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
     }
 #pragma GCC unroll 32
     for (int u = 0; u < L; u += W) {
@@ -194,7 +208,8 @@ void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const voi
 
 // ---------------------------------------------------------------------------- read test (SumFn)
 // Eight independent vector accumulators: enough loads in flight that the add latency never limits
-// the read rate; the sum is returned so the compiler cannot drop the loads.
+// the read rate; the sum is returned so the compiler cannot drop the loads. With 64-byte vectors each
+// line is prefetched into L2 4 KiB ahead (as the GEMVs prefetch), so the ceiling is a tuned read.
 template <class V>
 double sum_f32(const float* p, int64_t n) {
   using reg = typename V::reg;
@@ -204,6 +219,11 @@ double sum_f32(const float* p, int64_t n) {
   const reg one = V::one();
   int64_t k = 0;
   for (; k + 8 * W <= n; k += 8 * W) {
+    if constexpr (W >= 16 && EDGEMOE_SUM_PREFETCH) {  // a line per vector: L2 prefetch 4 KiB ahead
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        __builtin_prefetch(reinterpret_cast<const char*>(p + k + i * W) + 4096, 0, EDGEMOE_PREFETCH_LOCALITY);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) acc[i] = V::fmadd(V::load_f32(p + k + i * W), one, acc[i]);
   }

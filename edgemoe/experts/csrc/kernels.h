@@ -18,15 +18,17 @@
 
 namespace edgemoe {
 
-// Storage format of expert weights. Values are part of the Python ABI (native.py) and of the
-// registered-step struct; never renumber. Reserved entries name the formats the dequant hook is
-// meant for (kernel_impl.h, "Adding a weight format"); they have no kernels yet.
+// Storage format of expert weights (the row formats of edgemoe/quant/layout.py). Values are part of
+// the Python ABI (native.py) and of the registered-step struct; never renumber. Formats without a
+// kernel yet are the ones the dequant hook is meant for (kernel_impl.h, "Adding a weight format");
+// select_isa returns -1 for them and the Python side falls back to the torch executor.
 enum class WeightFormat : int32_t {
   F32 = 0,            // IEEE float32
   BF16 = 1,           // bfloat16 (upper half of a float32)
-  F16 = 2,            // reserved: IEEE half (F16C / AVX-512 vcvtph2ps dequant)
-  FP8_E4M3_BLOCK = 3, // reserved: fp8 e4m3 with one float32 scale per 128x128 block (DeepSeek style)
-  MXFP4 = 4,          // reserved: OCP MX fp4 (e2m1), one e8m0 scale per 32 elements (gpt-oss)
+  F16 = 2,            // no kernel yet: IEEE half (F16C / AVX-512 vcvtph2ps dequant)
+  FP8_E4M3_BLOCK = 3, // no kernel yet: fp8 e4m3 with one float32 scale per 128x128 block (DeepSeek, Qwen3 FP8)
+  MXFP4 = 4,          // no kernel yet: OCP MX fp4 (e2m1), one e8m0 scale per 32 elements (gpt-oss)
+  NVFP4 = 5,          // no kernel yet: fp4 (e2m1), one e4m3 scale per 16 elements, one float32 multiplier per tensor
 };
 
 // Format of the activation operand a kernel consumes (x for phase 1, a for phase 2).
@@ -64,15 +66,24 @@ uint32_t detect_cpu_features();
 // Returns -1 when `fmt` has no kernel at all (a reserved format).
 int select_isa(uint32_t features, int cap, WeightFormat fmt);
 
-// A bank of weight rows as a kernel sees it. `data` points at row 0; row r starts at
-// data + r * row_stride_bytes. `scales`/`scale_*` are the dequant side data of block-scaled formats
-// (unused by F32/BF16).
+// One [rows, K] weight matrix of one expert (gate, up or down) as a kernel sees it; built by
+// expert_matrix() (executor.h) from the expert's row of the byte bank. Row r of the matrix starts at
+// data + r * row_stride_bytes; its element k is dequantized as
+//   dense (F32 / BF16 / F16):  the element itself (scales == nullptr)
+//   FP8_E4M3_BLOCK:  e4m3 code * scale[r / scale_rows][k / scale_cols]        (float32 scales, 128 x 128)
+//   MXFP4:           e2m1(nibble) * 2^(e8m0[r][k / scale_cols] - 127)         (scale_rows 1, scale_cols 32)
+//   NVFP4:           e2m1(nibble) * (float(e4m3[r][k / scale_cols]) * global_scale)  (scale_rows 1, cols 16)
+// where scale row s starts at scales + s * scale_row_stride_bytes, and FP4 element k of a row is the
+// low nibble of byte k / 2 when k is even, the high nibble when odd. Kernels dequantize in registers
+// and must reproduce these values exactly (float32 products); edgemoe/quant/dequant.py is the reference.
 struct WeightView {
   const void* data;
   int64_t row_stride_bytes;
-  const void* scales;
-  int64_t scale_row_stride_bytes;
-  int32_t scale_block;
+  const void* scales;              // block scales of matrix row 0 (nullptr: dense)
+  int64_t scale_row_stride_bytes;  // bytes between consecutive scale rows
+  int32_t scale_rows;              // matrix rows sharing one scale row (FP8: block rows; FP4: 1)
+  int32_t scale_cols;              // matrix columns per scale (FP8: block columns; MXFP4: 32; NVFP4: 16)
+  float global_scale;              // NVFP4: the matrix's per-tensor multiplier; 1 otherwise
 };
 
 // Row-block GEMV, the one kernel signature every (ISA, format) pair implements:
@@ -93,7 +104,7 @@ struct KernelSet {
 };
 
 // Kernel table of one ISA level, one entry per WeightFormat value (index = int(fmt)).
-constexpr int kNumFormats = 5;
+constexpr int kNumFormats = 6;
 struct IsaKernels {
   KernelSet by_format[kNumFormats];
 };

@@ -16,15 +16,22 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 
 #ifndef EDGEMOE_PREFETCH_BLOCKS
-#define EDGEMOE_PREFETCH_BLOCKS 1  // prefetch distance in row blocks (0: hardware prefetch only)
+#define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
+#endif
+#ifndef EDGEMOE_PREFETCH_LOCALITY
+// __builtin_prefetch locality of the row-block prefetch: 2 = prefetcht1, into L2. A prefetch into L1
+// (3, prefetcht0) holds one of the core's few L1 miss buffers (~24) for a whole DRAM latency, which
+// caps a core near 24 lines per latency: 11-14 GB/s of bf16 weights on the 2-core Zen 4 dev VM
+// against 19-22 GB/s with L2 prefetches and the loads hitting L2 (docs/benchmarks/cpu_executor.md).
+#define EDGEMOE_PREFETCH_LOCALITY 2
 #endif
 
 namespace edgemoe {
 namespace {
 
 // y[j * ldy + r] = <row r, a[j]>, RB rows x NT tokens of accumulators (4 x 4 = 16 zmm), K walked one
-// 64-byte line (32 bf16) per step with the next row block's line prefetched; a masked final step
-// covers K % 32 (masked-off lanes load as zero and are never read from memory).
+// 64-byte line (32 bf16) per step with the line EDGEMOE_PREFETCH_BLOCKS row blocks ahead prefetched into
+// L2; a masked final step covers K % 32 (masked-off lanes load as zero and are never read from memory).
 template <int RB, int NT>
 inline void micro_dp(const uint16_t* const* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
                      int64_t pf) {
@@ -39,7 +46,8 @@ inline void micro_dp(const uint16_t* const* rows, int64_t K, const uint16_t* con
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+                           EDGEMOE_PREFETCH_LOCALITY);
       wv[r] = _mm512_loadu_si512(rows[r] + k);
     }
 #pragma GCC unroll 8

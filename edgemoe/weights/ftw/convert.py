@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
+from edgemoe.quant.weights import WeightFormat, dequantize_linear
 from edgemoe.weights.dtypes import WEIGHT_DTYPES, dtype_name, parse_dtype
-from edgemoe.weights.ftw.spec import FORMAT_VERSION, MANIFEST, is_ftw
+from edgemoe.weights.ftw.spec import MANIFEST, is_ftw
 from edgemoe.weights.ftw.writer import DEFAULT_CHUNK_BYTES, FTWWriter, check_target
 from edgemoe.weights.index import CheckpointIndex, ExpertGeometry
+from edgemoe.weights.loader import SafetensorsReader, cast_to_layout, pool_layout
 
 __all__ = ["convert", "source_fingerprint"]
 
@@ -40,18 +41,24 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
     """Convert the Hugging Face checkpoint ``hf_dir`` into the FTW directory ``out_dir`` (atomically).
 
     The checkpoint is indexed and checked first (:meth:`~edgemoe.weights.index.CheckpointIndex.check`:
-    the loader's strict rules and messages) and nothing is written until the whole checkpoint
-    matches ``config.json``. Experts are then streamed in flat-id order into the banks (crc32
-    computed while writing), the non-expert tensors go to ``non_expert.safetensors``,
-    config/tokenizer/generation files are copied, and the manifest is written last before the
-    directory is renamed into place. Tensors under the model's ``skipped_prefixes`` are not converted.
+    the loader's strict rules and messages, quantized tensors against the declared scheme) and nothing
+    is written until the whole checkpoint matches ``config.json``. Experts are then packed one row each
+    (:meth:`~edgemoe.quant.layout.ExpertLayout.pack_expert`: quantized experts keep their format and
+    scales, gpt-oss's MXFP4 gate/up de-interleaved) and streamed in flat-id order into the bank (crc32
+    computed while writing); the non-expert tensors go to ``non_expert.safetensors`` (quantized
+    non-expert linears dequantized), config/tokenizer/generation files are copied, and the manifest is
+    written last before the directory is renamed into place. Tensors under the model's
+    ``skipped_prefixes`` are not converted.
 
     Args:
-        hf_dir: HF checkpoint directory (config.json + safetensors, per-expert or fused expert layout).
+        hf_dir: HF checkpoint directory (config.json + safetensors, per-expert or fused expert layout,
+            float or quantized: FP8 block, MXFP4, NVFP4 ModelOpt / compressed-tensors).
         out_dir: the FTW directory to create.
         progress: tqdm bar over bytes written.
-        dtype: bank and non-expert dtype (``"bfloat16"``, ...); ``None`` keeps the checkpoint's
-            (``config.json``'s when the expert tensors mix dtypes or have none of the weight dtypes).
+        dtype: dtype of float expert rows and of the non-expert tensors (``"bfloat16"``, ...); ``None``
+            keeps the checkpoint's (``config.json``'s when the float expert tensors mix dtypes or have none
+            of the weight dtypes, and for dequantized non-expert linears). Quantized experts keep their
+            format whatever ``dtype`` is.
         overwrite: replace an existing non-empty ``out_dir``.
         chunk_bytes: target bytes per checksum chunk (default 16 MiB).
 
@@ -59,14 +66,11 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
         ``Path(out_dir)``.
 
     Raises:
-        FileNotFoundError: no config.json. ValueError: unsupported architecture, routed experts with
-        biases (gpt-oss: version 1 banks hold weights only), ``hf_dir`` is already FTW, or a
-        config.json that is not valid JSON (the file named). CheckpointError: a
-        checkpoint that does not match its config (one line naming the file and the tensor).
-        FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
+        FileNotFoundError: no config.json. ValueError: unsupported architecture or quantization config, or
+        ``hf_dir`` is already FTW, or a config.json that is not valid JSON (the file named).
+        CheckpointError: a checkpoint that does not match its config (one line naming the file and the
+        tensor). FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
     """
-    from safetensors import safe_open
-
     from edgemoe.models import load_config, model_class
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
@@ -74,40 +78,25 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
         raise ValueError(f"{hf_dir} is already an FTW directory ({MANIFEST} present)")
     cfg = load_config(hf_dir)
     geometry = ExpertGeometry.from_config(cfg)
-    if geometry.bias:
-        raise ValueError(f"{hf_dir}: {cfg.architecture} has routed-expert biases, which FTW version "
-                         f"{FORMAT_VERSION} does not store; serve the Hugging Face directory itself")
     check_target(out.absolute(), overwrite)
     index = CheckpointIndex.open(hf_dir)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
     plan = index.check(model, geometry)
-    E, I = geometry.num_experts, geometry.moe_intermediate_size
     found = plan.expert_dtypes()
     if dtype is not None:
-        bank_dtype = parse_dtype(dtype)
+        float_dtype = parse_dtype(dtype)
     elif len(found) == 1 and dtype_name(next(iter(found))) in WEIGHT_DTYPES:
-        bank_dtype = found.pop()
+        float_dtype = found.pop()
     else:
-        bank_dtype = parse_dtype(cfg.torch_dtype)
+        float_dtype = parse_dtype(cfg.torch_dtype)
+    fmt = plan.expert_format or WeightFormat.for_dtype(float_dtype)
+    layout = pool_layout(fmt, geometry, float_dtype, plan.scheme)
+    row = layout.new_bank(1)  # [1, row_bytes]
 
-    with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), "pt", device="cpu")) for f in index.files}
-
-        def fetch(fid: int, part: str) -> torch.Tensor:
-            x = plan.parts[(fid, part)]
-            h = handles[x.info.file]
-            if x.expert is not None:
-                return h.get_tensor(x.info.name)
-            t = h.get_slice(x.info.name)[fid % E]  # [2I, H] or [H, I]
-            if part == "gate_proj":
-                return t[:I]
-            if part == "up_proj":
-                return t[I:]
-            return t
-
+    with SafetensorsReader(index.files) as reader:
         source = source_fingerprint(hf_dir, index.files)
-        with FTWWriter(out, cfg, bank_dtype, source=source, overwrite=overwrite, chunk_bytes=chunk_bytes) as w:
+        with FTWWriter(out, cfg, layout, source=source, overwrite=overwrite, chunk_bytes=chunk_bytes) as w:
             bar = None
             if progress:
                 from tqdm import tqdm
@@ -115,20 +104,20 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                 bar = tqdm(total=w.bank_bytes, desc=f"convert {hf_dir.name}", unit="B", unit_scale=True)
             try:
                 for fid in range(geometry.num_rows):
-                    g = plan.parts[(fid, "gate_proj")]
-                    if g.role == "gate_up_proj":  # fused [E, 2I, H]: the row as stored
-                        row13 = handles[g.info.file].get_slice(g.info.name)[fid % E]  # [2I, H]
-                    else:
-                        row13 = torch.cat([fetch(fid, "gate_proj"), fetch(fid, "up_proj")], 0)  # [2I, H]
-                    nb = w.write_rows("w13", row13[None])
-                    nb += w.write_rows("w2", fetch(fid, "down_proj")[None])  # [1, H, I]
+                    gate, up, down = (cast_to_layout(x, layout) for x in plan.expert_weights(fid, reader))
+                    b13, b2 = plan.expert_biases(fid, reader) or (None, None)
+                    layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=row[0])
+                    nb = w.write_rows(row)
                     if bar is not None:
                         bar.update(nb)
                 tensors = {}
                 for name, info in plan.params.items():
-                    t = handles[info.file].get_tensor(name)
+                    t = reader.tensor(info)
                     keep = dtype is None or name.endswith(model.float32_parameters)
-                    tensors[name] = t if keep else t.to(bank_dtype)
+                    tensors[name] = t if keep else t.to(float_dtype)
+                for name, q in plan.quantized.items():
+                    t = {p: reader.tensor(info) for p, info in q.tensors.items()}
+                    tensors[name] = dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), float_dtype)
                 w.write_non_expert(tensors)
                 del tensors
                 w.copy_files(hf_dir)

@@ -7,11 +7,12 @@ worker threads. Each worker ``preadv``\\ s a chunk and, when verification is on,
 
 Two routes, chosen per bank:
 
-- **zero-copy** (preferred): the destination bank is page-aligned and contiguous, has the bank's
-  dtype and the file rows carry no padding (``row_stride == row_bytes``). Chunks are read straight
-  into the destination's memory with ``O_DIRECT`` (no page cache, no copy).
-- **staging**: otherwise (padded rows, a dtype cast, an unaligned destination) each worker reads into
-  its own page-aligned staging buffer and copies (casting) the rows into the destination.
+- **zero-copy** (preferred): the destination bank is page-aligned and contiguous and holds the file's
+  row layout. Chunks are read straight into the destination's memory with ``O_DIRECT`` (no page
+  cache, no copy).
+- **staging**: otherwise (float rows cast to another dtype, an unaligned destination) each worker
+  reads into its own page-aligned staging buffer and copies (casting, section by section) the rows
+  into the destination.
 
 ``O_DIRECT`` is refused by some filesystems (``EINVAL`` at open or at the first read); the reader then
 falls back to buffered reads for that file and records it in :class:`ReadStats`.
@@ -149,24 +150,27 @@ class _File:
 def _zero_copy_ok(src: BankSource | FileSource, dest: torch.Tensor) -> bool:
     if isinstance(src, FileSource):
         return True
-    return (dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src.dtype
-            and src.row_stride == src.row_bytes and dest.data_ptr() % ALIGN == 0
-            and src.offset % ALIGN == 0 and src.chunk_bytes % ALIGN == 0)
+    return (dest.device.type == "cpu" and dest.is_contiguous() and src.dest_layout == src.layout
+            and dest.data_ptr() % ALIGN == 0 and src.offset % ALIGN == 0 and src.chunk_bytes % ALIGN == 0)
 
 
 def _check_destination(src: BankSource | FileSource, dest: torch.Tensor) -> None:
-    """Raise ``ValueError`` when ``dest`` does not fit ``src``: ``[rows, *row_shape]`` (any floating
-    dtype) for a bank; a page-aligned contiguous CPU ``uint8`` tensor of at least ``nbytes`` rounded up
-    to :data:`ALIGN` for a file."""
+    """Raise ``ValueError`` when ``dest`` does not fit ``src``: uint8 ``[rows, row_bytes]`` of the
+    destination layout for a bank; a page-aligned contiguous CPU ``uint8`` tensor of at least ``nbytes``
+    rounded up to :data:`ALIGN` for a file."""
     if isinstance(src, FileSource):
         if (dest.dtype != torch.uint8 or dest.device.type != "cpu" or not dest.is_contiguous()
                 or dest.data_ptr() % ALIGN or dest.numel() < -(-src.nbytes // ALIGN) * ALIGN):
             raise ValueError(f"{src.path.name}: a file is read into a page-aligned uint8 CPU buffer of "
                              f">= {-(-src.nbytes // ALIGN) * ALIGN} bytes")
         return
-    if tuple(dest.shape) != (src.rows, *src.row_shape):
-        raise ValueError(f"{src.path.name}: destination shape {tuple(dest.shape)} != bank shape "
-                         f"{(src.rows, *src.row_shape)}")
+    want = (src.rows, src.dest_layout.row_bytes)
+    if dest.dtype != torch.uint8 or tuple(dest.shape) != want:
+        raise ValueError(f"{src.path.name}: destination {dest.dtype} {tuple(dest.shape)} is not a uint8 bank of "
+                         f"shape {want}")
+    if src.target is not None and not (src.layout.format.dense and src.target.format.dense):
+        raise ValueError(f"{src.path.name}: {src.layout.format.value} rows cannot be cast to "
+                         f"{src.target.format.value} rows (only float rows change dtype)")
 
 
 def read_banks(jobs: list[tuple[BankSource | FileSource, torch.Tensor]], *, workers: int | None = None,
@@ -177,9 +181,10 @@ def read_banks(jobs: list[tuple[BankSource | FileSource, torch.Tensor]], *, work
     Chunks are issued in job order (put a job first to have it complete first).
 
     Args:
-        jobs: ``(source, dest)`` pairs. A bank's ``dest`` is ``[rows, *row_shape]`` on the CPU, any
-            float dtype (cast from the bank's dtype through the staging route when they differ); a
-            file's is a page-aligned ``uint8`` buffer (page-aligned, at least ``nbytes`` rounded up to :data:`~edgemoe.weights.ftw.spec.ALIGN`).
+        jobs: ``(source, dest)`` pairs. A bank's ``dest`` is a uint8 ``[rows, row_bytes]`` CPU bank of the
+            source's ``dest_layout`` (float rows of another dtype are cast through the staging route); a
+            file's is a page-aligned ``uint8`` buffer (at least ``nbytes`` rounded up to
+            :data:`~edgemoe.weights.ftw.spec.ALIGN`).
         workers: reader threads (default :func:`default_workers`).
         direct: try ``O_DIRECT`` (falls back to buffered reads where refused).
         verify: compare each chunk's crc32 with ``source.crcs`` (skipped for sources without crcs).
@@ -237,11 +242,14 @@ def read_banks(jobs: list[tuple[BankSource | FileSource, torch.Tensor]], *, work
                     f"{src.path}: checksum mismatch in bytes [{src.offset + start}, {src.offset + end}) "
                     f"(chunk {k}, {src.describe_rows(start, end)}): crc32 {crc:#010x}, manifest says "
                     f"{src.crcs[k]:#010x}; the file is corrupt: re-run `edgemoe convert`")
-        if not routes[b]:  # staged bank rows: drop the padding, cast
-            r0, n = start // src.row_stride, (end - start) // src.row_stride
-            rows = torch.frombuffer(view, dtype=torch.uint8, count=n * src.row_stride).view(n, src.row_stride)
-            rows = rows[:, : src.row_bytes].view(src.dtype).view(n, *src.row_shape)
-            dest[r0:r0 + n].copy_(rows)
+        if not routes[b]:  # staged bank rows: copy, casting float sections to the destination's dtype
+            r0, n = start // src.row_bytes, (end - start) // src.row_bytes
+            rows = torch.frombuffer(view, dtype=torch.uint8, count=n * src.row_bytes).view(n, src.row_bytes)
+            if src.target is None:
+                dest[r0:r0 + n].copy_(rows)
+            else:
+                for sec in src.layout.sections:
+                    src.target.view(dest[r0:r0 + n], sec.name).copy_(src.layout.view(rows, sec.name))
         with bar_lock:
             if bar is not None:
                 bar.update(end - start)

@@ -6,15 +6,17 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 from edgemoe.weights.ftw.direct_io import ReadStats, read_banks
-from edgemoe.weights.ftw.spec import ALIGN, bank_sources, check_config, non_expert_source, read_manifest
+from edgemoe.weights.ftw.spec import ALIGN, bank_source, check_config, non_expert_source, read_manifest
 from edgemoe.weights.index import CheckpointIndex, TensorInfo, parse_safetensors_header
 
 log = logging.getLogger(__name__)
@@ -27,8 +29,8 @@ class FTWLoadStats:
     """Timings of one :func:`load_ftw` (seconds; bytes; GB/s = 1e9 bytes per second).
 
     Attributes:
-        read: the parallel read of both banks and ``non_expert.safetensors`` (all bytes, one pool).
-        expert_bytes / non_expert_bytes: bytes of the banks / of the non-expert file.
+        read: the parallel read of the expert bank and ``non_expert.safetensors`` (all bytes, one pool).
+        expert_bytes / non_expert_bytes: bytes of the bank / of the non-expert file.
         non_expert_ready_s: from the start of the read until the non-expert file was in (and verified).
         non_expert_load_s: copying the non-expert tensors into the model's parameters.
         check_s: manifest, config and size checks before the read. total_s: the whole load.
@@ -82,22 +84,23 @@ def _load_non_expert(model: nn.Module, buf: torch.Tensor, nbytes: int, path: Pat
             params[name].copy_(_view(buf, t))  # cast to the parameter's dtype
 
 
-def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+def load_ftw(model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
              cfg, *, verify: bool | None = None, workers: int | None = None, direct: bool = True,
-             progress: bool = True) -> FTWLoadStats:
-    """Fill ``model`` (built on the meta device) and ``pool`` from the FTW directory ``model_dir``.
+             progress: bool = True):
+    """Fill ``model`` (built on the meta device) from the FTW directory ``model_dir`` and return the host
+    expert pool holding its bank.
 
-    One pool of reader threads reads ``non_expert.safetensors`` (first) and both banks with direct
-    I/O: the banks straight into ``pool.w13 [N, 2I, H]`` / ``pool.w2 [N, H, I]`` (zero-copy when the
-    pool has the banks' dtype, else staged and cast), the non-expert file into a page-aligned buffer
-    whose tensors this thread copies into the model while the banks are still being read. Pinning is
+    One pool of reader threads reads ``non_expert.safetensors`` (first) and the expert bank with
+    direct I/O: the bank straight into the pool's byte bank (zero-copy: same rows; float rows of
+    another dtype than ``dtype`` are staged and cast), the non-expert file into a page-aligned buffer
+    whose tensors this thread copies into the model while the bank is still being read. Pinning is
     the caller's, after this returns (:func:`edgemoe.weights.bootstrap.pin_or_fallback`): pinning
     empty memory first would zero-fault every page before the reads touch it again.
 
     Args:
         model: an edgemoe model; its parameters may be on ``meta``.
-        pool: :class:`~edgemoe.experts.pool.HostExpertPool` sized for ``cfg``.
-        dtype: parameter / pool dtype (the banks' is cast when different).
+        dtype: parameter dtype; the pool's compute dtype (float rows of another dtype are cast to it,
+            quantized rows are kept and dequantize into it).
         device: where non-expert parameters live.
         cfg: the :class:`~edgemoe.config.ModelConfig` of ``model_dir/config.json``.
         verify: check every chunk's crc32 inside the parallel readers. ``None``: on unless the
@@ -107,7 +110,7 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
         workers: reader threads; direct: try ``O_DIRECT``; progress: tqdm bar.
 
     Returns:
-        :class:`FTWLoadStats`.
+        ``(pool, stats)``: the :class:`~edgemoe.experts.pool.HostExpertPool` and :class:`FTWLoadStats`.
 
     Raises:
         FTWVersionError: another format version. FTWError: a manifest that does not follow the schema.
@@ -115,18 +118,24 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
         the wrong size. FTWChecksumError: a chunk that fails crc32. CheckpointError: a malformed
         non-expert file, or a missing, unexpected or mis-shaped non-expert tensor (file and tensor named).
     """
-    from edgemoe.experts.pool import host_empty
+    from edgemoe.experts.pool import HostExpertPool, host_empty
 
     t0 = time.perf_counter()
     if verify is None:
         verify = os.environ.get("EDGEMOE_FTW_VERIFY", "1").strip().lower() not in ("0", "false", "no", "off")
     model_dir = Path(model_dir)
     man = read_manifest(model_dir)
-    check_config(man, cfg, model_dir)
-    sources = bank_sources(man, model_dir)
+    layout = check_config(man, cfg, model_dir)
+    src = bank_source(man, model_dir)
     ne_src = non_expert_source(man, model_dir)
-    stats = FTWLoadStats(ReadStats(), expert_bytes=sum(s.nbytes for s in sources.values()),
-                         non_expert_bytes=ne_src.nbytes, check_s=time.perf_counter() - t0)
+    target = layout
+    if layout.format.dense and layout.format.dtype != dtype:  # float rows of another dtype: cast while reading
+        target = ExpertLayout.build(WeightFormat.for_dtype(dtype), layout.hidden, layout.intermediate,
+                                    has_bias=layout.has_bias)
+        src = replace(src, target=target)
+    pool = HostExpertPool(src.rows, target, dtype, cfg.expert_activation)
+    stats = FTWLoadStats(ReadStats(), expert_bytes=src.nbytes, non_expert_bytes=ne_src.nbytes,
+                         check_s=time.perf_counter() - t0)
 
     model.materialize(dtype, device)
     ne_buf = host_empty((-(-ne_src.nbytes // ALIGN) * ALIGN,), torch.uint8)
@@ -148,7 +157,7 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
             ne_ready.set()
 
     t1 = time.perf_counter()
-    jobs = [(ne_src, ne_buf), (sources["w13"], pool.w13), (sources["w2"], pool.w2)]
+    jobs = [(ne_src, ne_buf), (src, pool.bank)]
     reader = threading.Thread(target=read, args=(jobs,), name="ftw-banks", daemon=True)
     reader.start()
     try:
@@ -166,4 +175,4 @@ def load_ftw(model: nn.Module, pool, model_dir: str | Path, dtype: torch.dtype, 
     stats.read = result["stats"]
     stats.total_s = time.perf_counter() - t0
     log.info("%s", stats.describe())
-    return stats
+    return pool, stats

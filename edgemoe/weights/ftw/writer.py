@@ -12,9 +12,9 @@ from typing import Self
 
 import torch
 
-from edgemoe.weights.dtypes import dtype_name
+from edgemoe.quant.layout import ExpertLayout
 from edgemoe.weights.ftw.direct_io import tensor_bytes
-from edgemoe.weights.ftw.spec import ALIGN, BANK_FILES, FORMAT, FORMAT_VERSION, MANIFEST, NON_EXPERT_FILE, Manifest
+from edgemoe.weights.ftw.spec import ALIGN, BANK_FILE, FORMAT, FORMAT_VERSION, MANIFEST, NON_EXPERT_FILE, Manifest
 from edgemoe.weights.index import ExpertGeometry
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FTWWriter", "check_target"]
@@ -63,27 +63,21 @@ def _crc32_file(path: Path, chunk_bytes: int) -> list[int]:
 
 
 class _BankWriter:
-    def __init__(self, path: Path, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, chunk_target: int):
-        self.path, self.rows, self.row_shape, self.dtype = path, rows, tuple(row_shape), dtype
-        self.row_bytes = int(torch.Size(row_shape).numel()) * dtype.itemsize
-        self.row_stride = _round_up(self.row_bytes)
-        self.chunk_bytes = self.row_stride * max(1, round(chunk_target / self.row_stride))  # whole rows
+    def __init__(self, path: Path, rows: int, layout: ExpertLayout, chunk_target: int):
+        self.path, self.rows, self.row_bytes = path, rows, layout.row_bytes
+        self.chunk_bytes = self.row_bytes * max(1, round(chunk_target / self.row_bytes))  # whole rows
         self.crc = _ChunkCrc(self.chunk_bytes)
         self.written = 0
         self.f = open(path, "wb")  # noqa: SIM115 - open across write() calls, closed by close() or abort()
 
     def write(self, rows: torch.Tensor) -> int:
-        rows = rows.to(self.dtype).contiguous()
         n = rows.shape[0]
-        if tuple(rows.shape[1:]) != self.row_shape:
-            raise ValueError(f"{self.path.name}: rows of shape {tuple(rows.shape[1:])}, bank rows are {self.row_shape}")
+        if rows.dtype != torch.uint8 or tuple(rows.shape[1:]) != (self.row_bytes,):
+            raise ValueError(f"{self.path.name}: rows must be uint8 [n, {self.row_bytes}], got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
         if self.written + n > self.rows:
             raise ValueError(f"{self.path.name}: more than {self.rows} rows written")
-        if self.row_stride != self.row_bytes:
-            padded = torch.zeros((n, self.row_stride), dtype=torch.uint8)
-            padded[:, : self.row_bytes].copy_(rows.reshape(n, -1).view(torch.uint8))
-            rows = padded
-        data = tensor_bytes(rows)
+        data = tensor_bytes(rows.contiguous())
         self.crc.update(data)
         self.f.write(data)
         self.written += n
@@ -95,9 +89,8 @@ class _BankWriter:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        return {"file": self.path.name, "dtype": dtype_name(self.dtype), "shape": [self.rows, *self.row_shape],
-                "offset": 0, "row_bytes": self.row_bytes, "row_stride": self.row_stride,
-                "nbytes": self.rows * self.row_stride,
+        return {"file": self.path.name, "rows": self.rows, "row_bytes": self.row_bytes,
+                "nbytes": self.rows * self.row_bytes,
                 "checksum": {"algorithm": "crc32", "chunk_bytes": self.chunk_bytes, "chunks": self.crc.finish()}}
 
 
@@ -122,15 +115,15 @@ def _fsync_dir(path: Path) -> None:
 class FTWWriter:
     """Writes one FTW directory atomically.
 
-    Usage: ``with FTWWriter(out_dir, cfg, dtype) as w:`` then ``w.write_rows("w13", rows)`` /
-    ``w.write_rows("w2", rows)`` in flat-id order (any batch size), ``w.write_non_expert(tensors)``,
-    ``w.copy_files(src_dir)``, and ``w.finish()`` (manifest last, rename into place). Leaving the block
-    without ``finish`` (an exception) removes the partial directory.
+    Usage: ``with FTWWriter(out_dir, cfg, layout) as w:`` then ``w.write_rows(rows)`` (packed rows in
+    flat-id order, any batch size), ``w.write_non_expert(tensors)``, ``w.copy_files(src_dir)``, and
+    ``w.finish()`` (manifest last, rename into place). Leaving the block without ``finish`` (an
+    exception) removes the partial directory.
 
     Args:
         out_dir: final directory; must not exist (or be empty) unless ``overwrite``.
         cfg: the model's :class:`~edgemoe.config.ModelConfig` (model type, architecture, bank geometry).
-        dtype: bank dtype (``bfloat16``, ``float16`` or ``float32``).
+        layout: the rows' :class:`~edgemoe.quant.layout.ExpertLayout` (any format).
         source: recorded in the manifest (``{"path", "fingerprint", "files"}``; ``None``: not converted
             from a Hugging Face directory).
         overwrite: replace an existing ``out_dir`` (only once the new one is complete).
@@ -140,10 +133,10 @@ class FTWWriter:
         FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
     """
 
-    def __init__(self, out_dir: str | Path, cfg, dtype: torch.dtype, *, source: dict | None = None,
+    def __init__(self, out_dir: str | Path, cfg, layout: ExpertLayout, *, source: dict | None = None,
                  overwrite: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.out_dir = Path(out_dir).absolute()
-        self.cfg, self.dtype, self.source, self.overwrite = cfg, dtype, source, overwrite
+        self.cfg, self.layout, self.source, self.overwrite = cfg, layout, source, overwrite
         self.chunk_bytes = _round_up(chunk_bytes)
         check_target(self.out_dir, overwrite)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -153,8 +146,7 @@ class FTWWriter:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir()
         geometry = ExpertGeometry.from_config(cfg)
-        self.banks = {name: _BankWriter(self.tmp / BANK_FILES[name], geometry.num_rows, shape, dtype, self.chunk_bytes)
-                      for name, shape in geometry.row_shapes().items()}
+        self.bank = _BankWriter(self.tmp / BANK_FILE, geometry.num_rows, layout, self.chunk_bytes)
         self.non_expert: dict | None = None
         self.files: list[str] = []
         self.done = False
@@ -168,11 +160,11 @@ class FTWWriter:
 
     @property
     def bank_bytes(self) -> int:
-        return sum(b.rows * b.row_stride for b in self.banks.values())
+        return self.bank.rows * self.bank.row_bytes
 
-    def write_rows(self, bank: str, rows: torch.Tensor) -> int:
-        """Append ``rows [n, *row_shape]`` (cast to the bank dtype) to ``bank``; returns bytes written."""
-        return self.banks[bank].write(rows)
+    def write_rows(self, rows: torch.Tensor) -> int:
+        """Append packed rows (uint8 ``[n, row_bytes]``) to the bank; returns bytes written."""
+        return self.bank.write(rows)
 
     def write_non_expert(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write the non-expert tensors (HF names) to ``non_expert.safetensors``."""
@@ -205,7 +197,7 @@ class FTWWriter:
             ValueError: a bank with missing rows, or no non-expert file / no config.json.
             FileExistsError: ``out_dir`` appeared meanwhile (without ``overwrite``).
         """
-        banks = {name: w.close() for name, w in self.banks.items()}
+        bank = self.bank.close()
         if self.non_expert is None:
             raise ValueError("FTWWriter.finish: write_non_expert was not called")
         if not (self.tmp / "config.json").is_file():
@@ -226,7 +218,8 @@ class FTWWriter:
                         "moe_intermediate_size": cfg.moe_intermediate_size,
                         "num_rows": cfg.num_moe_layers * cfg.num_experts,
                         "row_id": "moe_layer * num_experts + expert"},
-            "banks": banks,
+            "layout": self.layout.to_json(),
+            "bank": bank,
             "non_expert": self.non_expert,
             "files": sorted(self.files),
             "source": self.source,
@@ -256,9 +249,8 @@ class FTWWriter:
 
     def abort(self) -> None:
         """Close files and remove the partial directory."""
-        for w in self.banks.values():
-            if not w.f.closed:
-                w.f.close()
+        if not self.bank.f.closed:
+            self.bank.f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.done = True
 

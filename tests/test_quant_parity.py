@@ -1,0 +1,93 @@
+"""Quantized checkpoints (FP8 block-128, MXFP4, NVFP4 ModelOpt and compressed-tensors) served from their
+packed rows match their ``transformers`` reference (``tests/quant_reference.py``) in every execution mode on
+the CPU: all resident, each expert policy with a cache smaller than one layer, CPU-only.
+
+The engine computes in float32 here, so the comparison is exact up to float32 summation order: the
+dequantized weights are the same numbers on both sides (compressed-tensors NVFP4 experts: up to a few
+float32 ulp, the row storing ``1 / weight_global_scale`` as a multiplier). A bfloat16 run checks the
+rounding rule (float32 dequantization, then one rounding to bf16): it is bit-identical to serving a bf16
+copy of the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_reference import QUANTS, float_copy, quantized_checkpoint, reference_greedy, reference_model
+
+from edgemoe.config import EngineConfig
+from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.quant.weights import WeightFormat
+
+from conftest import greedy_decode
+
+MODES = [
+    ("fill-all", None),  # every expert resident
+    ("fill-all", 5),  # fewer slots than one layer's 16 experts: fills on demand
+    ("fill-all", 32),  # two staging regions of E slots: streamed prefill
+    ("qstar", 5),
+    ("cpu-all", 5),
+    ("static", 5),
+    ("qstar", 0),  # CPU-only
+]
+PROMPT = [3, 17, 92, 5, 41, 8, 77, 23, 64, 11, 9, 30]
+STEPS = 6
+FORMATS = {"fp8": WeightFormat.FP8_BLOCK, "mxfp4": WeightFormat.MXFP4, "nvfp4-modelopt": WeightFormat.NVFP4,
+           "nvfp4-ct": WeightFormat.NVFP4}
+
+
+@pytest.fixture(scope="module", params=QUANTS)
+def quantized(request, tmp_path_factory):
+    if request.param == "fp8":
+        pytest.importorskip("accelerate")  # transformers' FP8 loader requires it (test extra)
+    d = quantized_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", request.param)
+    ref = reference_model(d, request.param, tmp_path_factory.mktemp(f"{request.param}-ref") / "f32")
+    return request.param, d, reference_greedy(ref, PROMPT, STEPS)
+
+
+def _runner(path, policy: str, slots: int | None, dtype: str = "float32", **kw) -> ModelRunner:
+    return ModelRunner(path, EngineConfig(device="cpu", dtype=dtype, expert_policy=policy,
+                                          expert_cache_slots=10_000 if slots is None else slots,
+                                          bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, **kw), progress=False)
+
+
+@pytest.mark.parametrize("policy,slots", MODES, ids=[f"{p}-{s}" for p, s in MODES])
+def test_quantized_experts_match_transformers(quantized, policy, slots):
+    quant, path, (ref_logits, ref_toks) = quantized
+    runner = _runner(path, policy, slots)
+    pool = runner.pool
+    assert pool.format is FORMATS[quant] and pool.compute_dtype == torch.float32
+    assert runner.experts.cpu_executor.name == "torch"  # no native kernel reads these rows yet
+    logits, toks = greedy_decode(runner, PROMPT, STEPS, free=True)
+    assert toks == ref_toks
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    runner.experts.cache.check_invariants()
+    st = runner.experts.stats()["decode"]
+    assert st["misses"] == st["fills"] + st["cpu"]
+    if policy == "qstar" and slots:
+        assert st["fills"] > 0 and st["cpu"] > 0
+
+
+def test_bf16_compute_is_bit_identical_to_a_bf16_copy_of_the_dequantized_weights(quantized, tmp_path):
+    _, path, _ = quantized
+    copy = float_copy(path, tmp_path / "bf16", torch.bfloat16, ct_expert_multiplier=True)
+    for policy, slots in (("fill-all", None), ("qstar", 5), ("qstar", 0)):
+        q = greedy_decode(_runner(path, policy, slots, "bfloat16"), PROMPT, STEPS, free=True)
+        # the torch CPU executor on both sides (the quantized pool falls back to it; native bf16 kernels round
+        # differently within tolerance)
+        f = greedy_decode(_runner(copy, policy, slots, "bfloat16", cpu_executor="torch"), PROMPT, STEPS, free=True)
+        assert q[1] == f[1] and torch.equal(q[0], f[0]), (policy, slots)
+
+
+def test_packed_rows_are_the_checkpoint_bytes(quantized):
+    """The pool holds the released codes and scales as they are: its rows are smaller than bf16 rows by the
+    format's ratio, and the eager path's fills copy those bytes."""
+    _, path, _ = quantized
+    runner = _runner(path, "fill-all", 5)
+    bf16 = runner.pool.layout.build(WeightFormat.BF16, runner.pool.hidden, runner.pool.intermediate)
+    assert runner.pool.row_bytes < bf16.row_bytes
+    greedy_decode(runner, PROMPT, 2, free=True)
+    cache = runner.experts.cache
+    for slot, fid in enumerate(cache.owner_of.tolist()):
+        if fid >= 0:
+            assert torch.equal(cache.bank[slot], runner.pool.bank[fid])
