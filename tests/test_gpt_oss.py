@@ -409,13 +409,16 @@ def test_cli_config_only_for_dummy_weight_benchmarks(tmp_path, capsys):
     assert "<|channel|>" in (out / "tokenizer_config.json").read_text() + (out / "tokenizer.json").read_text()
 
 
-def test_config_only_serves_dummy_weights(tmp_path):
-    """``make-model --config-only`` + ``--load-format dummy`` (the benchmark path), at a reduced depth and width."""
+@pytest.mark.parametrize("quant", [None, "mxfp4"])
+def test_config_only_serves_dummy_weights(tmp_path, quant):
+    """``make-model --config-only [--quant mxfp4]`` + ``--load-format dummy`` (the benchmark path: bf16 or the
+    releases' MXFP4 rows), at a reduced depth and width."""
     small = {"hidden_size": 128, "num_hidden_layers": 2, "num_local_experts": 16, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 64, "vocab_size": 1024,
              "layer_types": ["sliding_attention", "full_attention"]}
-    out = write_config_only(tmp_path / "c", "gpt_oss", "gpt-oss-120b", overrides=small)
+    out = write_config_only(tmp_path / "c", "gpt_oss", "gpt-oss-120b", overrides=small, quant=quant)
     runner = ModelRunner(out, _engine_config(load_format="dummy", dtype="bfloat16"), progress=False)
+    assert runner.pool.format.value == (quant or "bf16")
     b13, b2 = runner.pool.view("b13"), runner.pool.view("b2")  # the rows' bias sections
     assert b13.abs().sum() > 0 and b2.shape == (32, 128) and not torch.equal(b2[0], b2[1])
     logits, _ = greedy_decode(runner, PROMPT, 2)
@@ -487,6 +490,25 @@ def test_mxfp4_release_layout_matches_transformers(mxfp4, policy, slots, executo
     assert st["misses"] == st["fills"] + st["cpu"]
     if policy == "qstar" and slots:
         assert st["fills"] > 0 and st["cpu"] > 0
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda sd: sd.pop("model.layers.1.mlp.experts.gate_up_proj_bias"),
+     r"missing 32 routed-expert tensor\(s\), first: MoE layer ordinal 1 expert 0 gate_proj\.bias"),
+    (lambda sd: sd.__setitem__("model.layers.2.mlp.experts.gate_up_proj_bias", torch.zeros(16, 60)),
+     r"tensor model\.layers\.2\.mlp\.experts\.gate_up_proj_bias has shape \(16, 60\), expected \(16, 64\)"),
+    (lambda sd: sd.__setitem__("model.layers.0.mlp.experts.down_proj_scales",
+                               torch.zeros(16, 64, 2, dtype=torch.uint8)),
+     r"tensor model\.layers\.0\.mlp\.experts\.down_proj_scales has shape \[16, 64, 2\], expected \[16, 64, 1\]"),
+], ids=["missing-bias", "bias-shape", "scales-shape"])
+def test_broken_mxfp4_checkpoint_names_the_tensor(mxfp4, tmp_path, edit, match):
+    d = tmp_path / "ckpt"
+    shutil.copytree(mxfp4[0], d)
+    sd = load_file(d / "model.safetensors")
+    edit(sd)
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=match):
+        ModelRunner(d, _engine_config(), progress=False)
 
 
 def test_mxfp4_rows_dequantize_as_transformers(mxfp4):

@@ -7,9 +7,12 @@ head that joins the softmax with a zero value, and, on the layers ``layer_types`
 ``sliding_window`` positions (128); the other layers attend to the whole prefix. The router is a linear
 layer with a bias; a token takes the top-k (4) experts by logit and weighs them by the softmax of those k
 logits. Experts have biases on both projections and compute gpt-oss's clamped SwiGLU
-(``ExpertActivation("swiglu_oai", alpha, limit)``); the checkpoint stores them fused and transposed with
-gate and up outputs interleaved (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``, their
-``_bias``), which the loader undoes. RMSNorm multiplies by its weight in float32 before rounding.
+(``ExpertActivation("swiglu_oai", alpha, limit)``). A bf16 checkpoint stores them fused and transposed with
+gate and up outputs interleaved (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``, their ``_bias``); the
+releases store them MXFP4 (``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``_scales`` (E8M0), interleaved
+too, ``down_proj_*``, bf16 ``_bias``). The loader undoes both layouts into the host pool's rows (MXFP4 rows
+stay MXFP4, dequantized where they compute; biases in float32 row sections). RMSNorm multiplies by its
+weight in float32 before rounding.
 
 Reference: transformers' ``modeling_gpt_oss.py`` (``GptOssAttention`` with ``eager_attention_forward``,
 ``GptOssTopKRouter``, ``GptOssExperts``, ``GptOssRMSNorm``). Parameter names equal the checkpoint's;
@@ -43,7 +46,7 @@ _YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.
          "original_max_position_embeddings": 4096}
 
 # openai/gpt-oss-20b config.json: 24 layers, 32 experts (20.9 B parameters, 3.6 B active). The release's
-# MXFP4 quantization_config is left out (dummy weights are bf16).
+# MXFP4 quantization_config is left out (``make-model --quant mxfp4`` adds it: dummy weights then MXFP4).
 _GPT_OSS_20B = {
     "vocab_size": 201088,
     "hidden_size": 2880,

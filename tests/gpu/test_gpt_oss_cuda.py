@@ -2,7 +2,9 @@
 transformers in every execution mode, decode on the device path (route control, fills, the expert GEMVs
 computing the clamped SwiGLU with biases, the paged decode kernel with sinks and sliding windows) replayed
 from CUDA graphs where the step has no CPU branch, and eagerly; the Triton paged decode kernel with sinks
-and windows on the GPU against the torch path; bf16 offloaded ``fill-all`` bit-identical to all-resident.
+and windows on the GPU against the torch path; bf16 offloaded ``fill-all`` bit-identical to all-resident; the
+released MXFP4 layout (rows kept MXFP4 in host memory and in the GPU cache, dequantized in torch on the
+eager decode path) against transformers.
 
 The CPU branch of gpt-oss's experts runs on the torch executor (the native kernels compute SiLU SwiGLU
 without biases), which reads its work list on the host: such steps run on the device path without a graph.
@@ -16,11 +18,13 @@ from test_gpt_oss import (
     DECODE_KERNEL_CASES,
     DECODE_STEPS,
     MODES,
+    MXFP4_MODES,
     PROMPT,
     TOL,
     VARIANTS,
     _check_bf16,
     _make,
+    _randomize_biases,
     _reference,
     check_decode_kernel,
 )
@@ -28,6 +32,7 @@ from test_gpt_oss import (
 from edgemoe.config import EngineConfig
 from edgemoe.engine.expert_runtime import DecodePath
 from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.synth import make_model
 
 from conftest import greedy_decode
 
@@ -97,3 +102,24 @@ def test_bf16_offloaded_fill_all_is_bit_identical_to_resident(tmp_path):
     offloaded, ot = greedy_decode(runner, prompt, 10, free=True)
     assert ot == rt and torch.equal(offloaded, resident)
     assert runner.experts.stats()["decode"]["fills"] > 0
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gptoss-cuda-mxfp4") / "m"
+    make_model(out, "gpt_oss", "tiny", seed=7, dtype="float32", quant="mxfp4")
+    _randomize_biases(out)
+    return out, _reference(out)
+
+
+@pytest.mark.parametrize("policy,slots,executor", MXFP4_MODES, ids=[f"{p}-{s}-{e}" for p, s, e in MXFP4_MODES])
+def test_mxfp4_matches_transformers_on_cuda(mxfp4_checkpoint, policy, slots, executor):
+    path, (ref_logits, ref_toks) = mxfp4_checkpoint
+    runner = ModelRunner(path, _config(expert_policy=policy, expert_cache_slots=slots, cpu_executor=executor),
+                         progress=False)
+    assert runner.pool.format.value == "mxfp4" and runner.experts.decode_path is DecodePath.EAGER
+    logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
+    assert toks == ref_toks
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    st = runner.experts.stats()["decode"]
+    assert st["misses"] == st["fills"] + st["cpu"]
