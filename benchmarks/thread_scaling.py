@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 QWEN3_30B_A3B = (2048, 768)  # hidden, moe_intermediate_size
 
@@ -85,7 +87,8 @@ class Spinners:
 def executor_sweep(a: argparse.Namespace) -> list[dict]:
     H, I = QWEN3_30B_A3B
     row = 3 * H * I * 2
-    pool = HostExpertPool(max(8, int(a.rotate_gb * 1e9) // row), H, I, torch.bfloat16)
+    pool = HostExpertPool(max(8, int(a.rotate_gb * 1e9) // row), ExpertLayout.build(WeightFormat.BF16, H, I),
+                          torch.bfloat16)
     t0 = time.perf_counter()
     pool.fill_random(seed=0)
     print(f"pool: {pool.num_ids} experts x {row / 1e6:.2f} MB = {pool.nbytes / 1e9:.2f} GB, filled in "
@@ -157,8 +160,7 @@ def decode_sweep(a: argparse.Namespace) -> tuple[list[dict], dict]:
         for n, how in [(n, how) for n in threads for how in a.plans.split(",")]:
             runner.set_cpu_threads(n, oversubscribe=how == "as-asked")
             ex = runner.experts.cpu_executor
-            prof = measure(runner.pool, runner.pool.hidden, runner.pool.intermediate, runner.dtype, runner.device,
-                           ex, a.profile_seconds, 2_000_000_000)
+            prof = measure(runner.pool, runner.pool.layout, runner.device, ex, a.profile_seconds, 2_000_000_000)
             runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/thread_scaling.py")
             for gb in [float(b) for b in a.budgets.split(",") if b]:
                 for pol in [p for p in a.policies.split(",") if p]:

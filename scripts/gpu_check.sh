@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
-#        prefill-profile grouped agent (default: tests decode prefill)
-# Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS.
+#        prefill-profile grouped agent peers (default: tests decode prefill)
+# peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
+# (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
+# then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
+# finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
+# Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -67,6 +72,10 @@ for stage in "${stages[@]}"; do
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
+  peers)
+    echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
+    timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \
+      ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | tail -n 60 ;;
   *) echo "unknown stage $stage" ;;
   esac
 done

@@ -97,7 +97,10 @@ def float_copy(src: Path, dst: Path, dtype: torch.dtype, ct_expert_multiplier: b
 def reference_model(ckpt: Path, quant: str, work: Path) -> transformers.PreTrainedModel:
     """The float32 ``transformers`` reference of a quantized checkpoint (see the module docstring)."""
     if quant == "fp8":
-        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        block = json.loads((ckpt / "config.json").read_text())["quantization_config"]["weight_block_size"]
+        # dequantize=True: without it, transformers keeps FP8 weights when a CUDA device is present
+        qc = transformers.FineGrainedFP8Config(weight_block_size=tuple(block), dequantize=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, quantization_config=qc)
         assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32  # dequantized on the CPU
         return model.eval()
     return transformers.Qwen3MoeForCausalLM.from_pretrained(float_copy(ckpt, work, torch.float32),

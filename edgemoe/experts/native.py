@@ -1,4 +1,4 @@
-"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool (DESIGN.md §2, §9).
+"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool.
 
 The torch-ops executor reaches about a third of the host's DRAM read bandwidth on decode batches
 (31 of 93 GB/s on the H200 host); a routed expert at T <= 8 is two GEMVs bound by the bytes of
@@ -39,7 +39,7 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   ``EDGEMOE_CPU_SPIN_US``) after a step, yielding their core to any other runnable thread and
   stopping early when they find themselves preempted, then sleep. The GIL is released during a
   step. :class:`NativeLinears` runs a CPU forward's dense GEMVs on the same threads.
-- **Inside the CUDA graph** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
+- **Inside the CUDA graph**: :meth:`NativeCpuExecutor.make_step` registers (pinned)
   buffers once and returns a :class:`RegisteredStep`; :meth:`RegisteredStep.serve` starts a native
   thread that runs it whenever a device kernel rings its doorbell (``edgemoe/kernels/doorbell.py``),
   which is how ``edgemoe/experts/device_decode.py`` hands its CPU branch over inside the captured
@@ -783,7 +783,7 @@ class RegisteredStep:
     kernel writing mapped memory); the step then runs with no Python involved, either through
     :meth:`serve` (a native thread polling a doorbell that a device kernel rings: the decode path's
     way, :mod:`edgemoe.kernels.doorbell`) or as a host node,
-    ``cudaLaunchHostFunc(stream, fn_address, address)`` (DESIGN.md §2).
+    ``cudaLaunchHostFunc(stream, fn_address, address)``.
 
     Buffers (CPU tensors, pinned when ``pin_memory``):
         x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call

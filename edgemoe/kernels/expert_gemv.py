@@ -1,4 +1,4 @@
-"""Grouped SwiGLU expert GEMVs over expert-cache slots for decode batches (DESIGN.md §2).
+"""Grouped SwiGLU expert GEMVs over expert-cache slots for decode batches.
 
 Every route ``p = t·k + j`` whose slot ``s = slot_tk[p]`` is on the device computes
 

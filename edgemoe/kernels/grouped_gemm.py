@@ -1,4 +1,4 @@
-"""Grouped SwiGLU expert GEMMs over expert-cache slots for prefill and large batches (DESIGN.md §3).
+"""Grouped SwiGLU expert GEMMs over expert-cache slots for prefill and large batches.
 
 Every ``(token, k)`` route ``p = t·k + j`` of one MoE layer whose expert ``e = topk_ids[t, j]`` sits in
 cache slot ``s = expert_slots[e] >= 0`` computes
