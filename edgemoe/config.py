@@ -342,6 +342,15 @@ class EngineConfig:
         None, "(layer, expert) slots in the device expert cache (default: from --expert-cache-gb, else on CUDA "
         "free memory minus 2 GiB, on CPU 0)", type=int)
     expert_cache_gb: float | None = option(None, "expert-cache budget in GB (1e9 bytes)", type=float)
+    gpu_budget: str = option(
+        "auto", "GPU memory for the expert cache and the KV cache together: auto (follow the device's free memory, "
+        "NVML's view of every process, keeping --gpu-headroom-gb free; the default) or a fixed size in GB; "
+        "CUDA only", metavar="auto|GB")
+    gpu_headroom_gb: float = option(2.0, "device memory (GB) auto mode keeps free for other processes and "
+                                    "activations: the expert cache shrinks when free memory drops below it")
+    min_expert_cache_slots: int | None = option(
+        None, "floor of expert-cache slots the KV cache may take memory from when it runs short (default: half "
+        "the start-up slots)", type=int)
     expert_policy: str = option(
         "qstar", "how decode-step expert misses are served: qstar (fill q* = m*B_P/B_H of m misses, the rest on "
         "the CPU), adaptive (q* corrected by measured step times), fill-all, cpu-all, static (whole layers "
@@ -384,7 +393,8 @@ class EngineConfig:
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
-        for name in ("expert_cache_slots", "state_checkpoints", "state_checkpoint_interval"):
+        for name in ("expert_cache_slots", "min_expert_cache_slots", "state_checkpoints",
+                     "state_checkpoint_interval"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -396,6 +406,10 @@ class EngineConfig:
         v = self.expert_cache_gb
         if v is not None and not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"expert_cache_gb must be a finite number >= 0, got {v}")
+        self.gpu_budget_bytes  # noqa: B018 - validates the value
+        v = self.gpu_headroom_gb
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"gpu_headroom_gb must be a finite number >= 0, got {v}")
         for name in ("bandwidth_pcie_gbps", "bandwidth_cpu_gbps"):
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
@@ -419,6 +433,23 @@ class EngineConfig:
         if bad:
             raise TypeError(f"unknown engine option(s) {bad}; valid: {sorted(names)}")
         return cls(**{k: v for k, v in kw.items() if v is not None})
+
+    @property
+    def gpu_budget_bytes(self) -> int | None:
+        """``gpu_budget`` in bytes, or ``None`` for ``auto``.
+
+        Raises:
+            ValueError: neither ``auto`` nor a finite number of GB > 0.
+        """
+        if str(self.gpu_budget).strip().lower() == "auto":
+            return None
+        try:
+            gb = float(self.gpu_budget)
+        except ValueError:
+            raise ValueError(f"gpu_budget {self.gpu_budget!r}: give auto or a size in GB") from None
+        if not (gb > 0 and math.isfinite(gb)):
+            raise ValueError(f"gpu_budget must be auto or a finite number of GB > 0, got {self.gpu_budget!r}")
+        return int(gb * 1e9)
 
     def resolved_device(self) -> torch.device:
         """The compute device (``auto``: CUDA when present).

@@ -1,5 +1,6 @@
 """Elastic expert-cache budget over HTTP (``/admin/expert-cache``): the cache is resized between steps
-of a running server, requests keep their exact results, bad bodies are 400s, the API key guards it."""
+of a running server, requests keep their exact results, bad bodies (and a GPU size on the CPU) are
+400s, the API key guards it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import running_server
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+
+from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me about caches."}]
 
@@ -43,15 +45,23 @@ def test_resize_between_requests_keeps_results(served):
     assert r.status_code == 200, r.text
     assert r.json()["slots"] == 9 and r.json()["policy"] == "qstar"
     assert _greedy(client) == before  # the cache only changes speed
-    row = r.json()["experts_total"]  # sized in GB: slots = gb * 1e9 // row bytes
-    r = httpx.post(base + "/admin/expert-cache", json={"gb": 0}, timeout=60)
+    row = r.json()["experts_total"]
+    r = httpx.post(base + "/admin/expert-cache", json={"slots": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["slots"] == 0 and r.json()["policy"] == "qstar"
     assert _greedy(client) == before  # every expert on the CPU executor now
     r = httpx.post(base + "/admin/expert-cache", json={"slots": row * 10}, timeout=60)
     assert r.json()["slots"] == row  # capped at the number of experts: all resident
-    r = httpx.post(base + "/admin/expert-cache", json={"gb": 1e300}, timeout=60)
-    assert r.status_code == 200 and r.json()["slots"] == row
     assert _greedy(client) == before
+
+
+@pytest.mark.parametrize("body", [{"gb": 6}, {"gb": 0}])
+def test_a_gpu_budget_on_the_cpu_is_400(served, body):
+    base, _ = served
+    before = httpx.get(base + "/admin/expert-cache").json()["slots"]
+    r = httpx.post(base + "/admin/expert-cache", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "not a GPU" in r.json()["error"]["message"]
+    assert httpx.get(base + "/admin/expert-cache").json()["slots"] == before
 
 
 @pytest.mark.parametrize("body", [{}, {"slots": -1}, {"gb": 1, "slots": 2}, {"policy": "fastest"}, {"size": 3},

@@ -177,9 +177,8 @@ class AsyncLLM:
         if not self.is_ready:
             return None
         runner = self.engine.runner
-        page = runner.engine_config.page_size
-        total = runner.kv_capacity_tokens // page
-        return total - runner.kv_free_tokens() // page, total
+        total = runner.kv_capacity_tokens // runner.kv.page_size
+        return total - runner.kv.free_pages, total
 
     @property
     def num_running(self) -> int:
@@ -216,7 +215,7 @@ class AsyncLLM:
             self._last_stats = self.call_in_engine_thread(lambda e: e.runner.expert_stats(), _STATS_TIMEOUT_S)
         except (TimeoutError, concurrent.futures.TimeoutError, EngineNotReadyError):
             pass
-        except Exception:  # noqa: BLE001 - a scrape must not fail because of the runner
+        except Exception:
             log.exception("expert_stats() failed")
         return self._last_stats
 
@@ -279,11 +278,11 @@ class AsyncLLM:
             engine = LLMEngine(runner, metrics=self.metrics)
             try:
                 self.tokenizer = copy.deepcopy(engine.tokenizer)
-            except Exception:  # noqa: BLE001 - share it when it cannot be copied
+            except Exception:
                 self.tokenizer = engine.tokenizer
             if self._on_ready is not None:
                 self._on_ready(engine)
-        except BaseException as exc:  # noqa: BLE001 - reported through /health, generate() and on_load_error
+        except BaseException as exc:
             log.debug("model failed to load", exc_info=exc)  # the message says what; the traceback is for debugging
             self.load_error = exc
             self._ready.set()
@@ -295,10 +294,11 @@ class AsyncLLM:
         try:
             while self._serve_commands(engine, block=not engine.has_unfinished_requests()):
                 if not engine.has_unfinished_requests():
+                    self._idle_tick(engine)
                     continue
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # noqa: BLE001 - a bug in the step must not kill the server
+                except Exception as exc:
                     log.exception("engine step failed; failing the in-flight requests")
                     outputs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 self._dispatch(outputs)
@@ -306,6 +306,14 @@ class AsyncLLM:
             self._stopped = True
             self._dispatch(engine.fail_all("the engine is shut down"))
             self._drain_after_stop()
+
+    @staticmethod
+    def _idle_tick(engine: LLMEngine) -> None:
+        """While idle (at most every ``_IDLE_POLL_S``), the memory budget still follows the device."""
+        try:
+            engine.runner.memory.tick()
+        except Exception:  # the budget must not stop the engine thread
+            log.exception("memory budget tick failed")
 
     def _drain_after_stop(self) -> None:
         """Answer commands that arrived after ``stop`` so no caller waits forever."""
@@ -335,7 +343,7 @@ class AsyncLLM:
                 try:
                     engine.add_request(request_id, ids, params, prompt=prompt, arrival_time=arrival)
                     self._streams[request_id] = stream
-                except Exception as exc:  # noqa: BLE001 - e.g. a duplicate id: reported to the caller
+                except Exception as exc:
                     stream.put(exc)
             elif kind == "abort":
                 out = engine.abort(cmd[1])
@@ -346,7 +354,7 @@ class AsyncLLM:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(engine))
-                    except BaseException as exc:  # noqa: BLE001
+                    except BaseException as exc:
                         fut.set_exception(exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

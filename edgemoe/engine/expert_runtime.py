@@ -23,8 +23,9 @@ from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import CacheCounters, ExpertCache
+from edgemoe.experts.compute import kernel_reason
 from edgemoe.experts.cpu_executor import make_cpu_executor
-from edgemoe.experts.device_decode import DEVICE_FORMATS, DeviceDecode
+from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
@@ -34,7 +35,14 @@ from edgemoe.weights.bootstrap import FALLBACK_POLICY
 
 log = logging.getLogger(__name__)
 
-GPU_MEMORY_MARGIN = 2 << 30  # bytes left free on the GPU when the expert cache is sized automatically
+
+class NoGpuError(ValueError):
+    """A GPU memory size was given for a runner whose device is not a GPU (nothing changes)."""
+
+
+class ResizeError(RuntimeError):
+    """A resize that passed validation could not be carried out (e.g. the device memory is not there);
+    the previous state was restored and the message says why."""
 
 
 def configure_torch_threads(cpu_threads: int | None) -> None:
@@ -74,6 +82,7 @@ class ExpertRuntime:
         device: the compute device.
         fallback: pinning was refused at start-up: no expert cache, every expert on the CPU.
         graphs_supported: the architecture's decode step can be captured (a class capability).
+        kv_bytes: bytes of the KV cache on the device (a fixed ``--gpu-budget`` holds both).
 
     Attributes:
         cache, policy, bandwidths, hybrid, cpu_executor: the current objects (rebuilt by
@@ -82,8 +91,9 @@ class ExpertRuntime:
     """
 
     def __init__(self, pool: HostExpertPool, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, *, fallback: bool, graphs_supported: bool):
+                 device: torch.device, *, fallback: bool, graphs_supported: bool, kv_bytes: int = 0):
         self.pool, self.model_config, self.config, self.device = pool, model_config, config, device
+        self.kv_bytes = kv_bytes  # the KV cache's bytes on the device when the cache is sized
         self.fallback = fallback
         self.graphs_supported = graphs_supported
         self.cpu_executor = self._make_cpu_executor()
@@ -128,18 +138,31 @@ class ExpertRuntime:
         self.set_cache(self.cache.num_slots, self.policy.name)
 
     # ------------------------------------------------------------------ sizing
-    def default_slots(self) -> int:
-        """Cache slots from the options: ``expert_cache_slots``, else ``expert_cache_gb``, else on CUDA
-        the free memory minus ``GPU_MEMORY_MARGIN``, on CPU 0; at most one slot per expert."""
+    def explicit_slots(self) -> int | None:
+        """Cache slots the options ask for (``expert_cache_slots``, else ``expert_cache_gb``), at most
+        one slot per expert; ``None`` when neither is given."""
         cfg, row, n = self.config, self.pool.row_bytes, self.pool.num_ids
         if cfg.expert_cache_slots is not None:
             return min(int(cfg.expert_cache_slots), n)
         if cfg.expert_cache_gb is not None:
             return min(int(cfg.expert_cache_gb * 1e9 // row), n)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(0, min(n, int((free - GPU_MEMORY_MARGIN) // row)))
-        return 0
+        return None
+
+    def default_slots(self) -> int:
+        """Cache slots at start-up: :meth:`explicit_slots`, else on CUDA what the GPU budget leaves
+        (``--gpu-budget GB``: the budget minus the KV cache already allocated; ``auto``: the device's
+        free memory minus ``--gpu-headroom-gb``), on CPU 0; at most one slot per expert."""
+        cfg, row, n = self.config, self.pool.row_bytes, self.pool.num_ids
+        explicit = self.explicit_slots()
+        if explicit is not None:
+            return explicit
+        if self.device.type != "cuda":
+            return 0
+        budget = cfg.gpu_budget_bytes
+        if budget is not None:
+            return max(0, min(n, int((budget - self.kv_bytes) // row)))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, min(n, int((free - cfg.gpu_headroom_gb * 1e9) // row)))
 
     @property
     def device_decode(self) -> DeviceDecode | None:
@@ -194,9 +217,14 @@ class ExpertRuntime:
             policy: a new expert policy (default: keep the current one).
 
         Raises:
+            NoGpuError: ``gb`` for a device that is not a GPU (size a cache there in ``slots``).
             ValueError: both or neither of ``gb``/``slots`` with no ``policy``, a negative or infinite
-                size, an unknown policy, a pool that could not be pinned, or a failed setup.
+                size, an unknown policy, or a pool that could not be pinned (nothing changes then).
+            ResizeError: the new cache could not be set up (the previous one is restored).
         """
+        if gb is not None and self.device.type != "cuda":
+            raise NoGpuError(f"gb {gb}: the device is {self.device}, not a GPU, so there is no GPU memory to budget; "
+                             "size the expert cache on this device in slots")
         if gb is not None and slots is not None:
             raise ValueError("give gb or slots, not both")
         if (gb is not None and gb < 0) or (slots is not None and slots < 0):
@@ -224,20 +252,19 @@ class ExpertRuntime:
             except Exception:
                 self.set_cache(0, FALLBACK_POLICY)
                 kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
-            raise ValueError(f"could not set up {new_slots} expert-cache slots "
+            raise ResizeError(f"could not set up {new_slots} expert-cache slots "
                              f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; {kept}") from None
         log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
                  self.cache.nbytes / 1e9, self.policy.name)
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device, read the pool's row format and the cache has slots; otherwise decode takes the
-        eager path (quantized rows: dequantized in torch, then the float math)."""
+        on this device, read the pool's rows (float, FP8 block, MXFP4, NVFP4: ``kernel_reason``) and the
+        cache has slots; otherwise decode takes the eager path."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
-        fmt = self.pool.format
-        if reason is None and fmt not in DEVICE_FORMATS:
-            reason = (f"the device decode kernels do not read {fmt.value} expert rows yet: decode dequantizes them "
+        if reason is None and (why := kernel_reason(self.pool.layout, self.pool.activation)) is not None:
+            reason = (f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them "
                       "in torch")
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"

@@ -8,7 +8,8 @@ request by one model step per :meth:`LLMEngine.step`, like vLLM's ``LLMEngine`` 
    batch (new requests and continued prompt chunks, at most ``prefill_chunk_tokens`` tokens) or a
    decode batch (one token for every running request).
 3. The runner computes the batch; a ``KVCacheFullError`` preempts the newest running request
-   (recomputed later), any other exception is isolated to the request(s) that cause it.
+   (recomputed later); running out of device memory shrinks the expert cache and retries the step
+   once (``GpuMemory.relieve``); any other exception is isolated to the request(s) that cause it.
 4. Rows whose prompt is complete are sampled; stop conditions (EOS, stop token ids, stop strings,
    ``max_tokens``) are checked, the text is detokenized incrementally, and one
    :class:`RequestOutput` per advanced request is returned.
@@ -30,7 +31,6 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import KVCacheFullError, ModelRunner
-from edgemoe.engine.sampling import SamplingParams, make_generator, sample
 from edgemoe.engine.request import (
     CompletionOutput,
     IncrementalDetokenizer,
@@ -40,8 +40,8 @@ from edgemoe.engine.request import (
     RequestOutput,
     RequestStatus,
 )
+from edgemoe.engine.sampling import SamplingParams, make_generator, sample
 from edgemoe.engine.scheduler import ScheduledBatch, Scheduler
-
 
 __all__ = [
     "CompletionOutput",
@@ -97,10 +97,11 @@ class LLMEngine:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Validate a prompt against the context and KV limits; return params with ``max_tokens`` clamped.
 
-        Reads only immutable limits, so any thread may call it.
+        Reads limits that are plain numbers (the KV limit as of the last resize), so any thread may call it.
 
         Raises:
-            PromptTooLongError: ``len(prompt) > max_model_len - 1`` or ``> kv_capacity_tokens``.
+            PromptTooLongError: ``len(prompt) > max_model_len - 1`` or more than the KV cache can hold, the
+                pages it may borrow included (``ModelRunner.kv_limit_tokens``).
             ValueError: an empty prompt or a token id outside the vocabulary.
         """
         n = len(prompt_token_ids)
@@ -109,13 +110,14 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if not all(0 <= int(t) < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        limit = min(self.max_model_len - 1, self.kv_capacity_tokens)
+        kv_limit = int(self.runner.kv_limit_tokens)
+        limit = min(self.max_model_len - 1, kv_limit)
         if n > limit:
             which = (
                 f"this model's maximum context length is {self.max_model_len} tokens and at least one "
                 "output token is needed"
                 if limit == self.max_model_len - 1
-                else f"the KV cache holds {self.kv_capacity_tokens} tokens"
+                else f"the KV cache holds {kv_limit} tokens"
             )
             raise PromptTooLongError(
                 f"The prompt has {n} tokens but at most {limit} are accepted: {which}. "
@@ -194,7 +196,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; return an output for every request that advanced or finished."""
+        """Run one model step; return an output for every request that advanced or finished. Before it
+        (a safe point), the memory budget follows the device (``GpuMemory.tick``, rate-limited)."""
+        self.runner.memory.tick()
         outputs: list[RequestOutput] = []
         batch = self._next_batch(outputs)
         new_tokens = 0
@@ -243,6 +247,7 @@ class LLMEngine:
 
         Returns ``(request, logits row [V])`` for every request whose prompt is now fully computed.
         """
+        relieved = False
         while True:
             if not batch.requests:
                 return []
@@ -257,7 +262,16 @@ class LLMEngine:
                 self.metrics.preemptions.inc()
                 log.info("KV cache full: preempted request %s (recomputed later)", victim.request_id)
                 batch = batch.without(victim)
-            except Exception as exc:  # noqa: BLE001 - isolate the faulty request(s)
+            except torch.OutOfMemoryError as exc:
+                # another process took the device memory between two samples: the expert cache gives some
+                # back and the step runs once more (when every sequence can resume), else fault isolation
+                resumable = all(inp.start_pos == 0 or self.runner.can_resume(inp.seq_id) for inp in batch.inputs)
+                if relieved or not resumable or not self.runner.memory.relieve():
+                    done = self._isolate(batch, exc, outputs)
+                    break
+                relieved = True
+                log.warning("step ran out of device memory; shrank the expert cache and retrying it")
+            except Exception as exc:
                 done = self._isolate(batch, exc, outputs)
                 break
         rows = []
@@ -297,7 +311,7 @@ class LLMEngine:
             except KVCacheFullError:
                 self.scheduler.preempt(req)
                 self.metrics.preemptions.inc()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("request %s failed", req.request_id, exc_info=e)
                 outputs.append(self._finish(req, "error", error=_describe(e)))
         return done

@@ -35,7 +35,8 @@ class ExpertCacheCollector:
     _COUNTERS = (
         ("hits", "edgemoe_expert_cache_hits", "Routed-expert uses served from the expert cache"),
         ("misses", "edgemoe_expert_cache_misses", "Routed-expert uses not resident in the expert cache"),
-        ("fills", "edgemoe_expert_cache_fills", "Experts copied host->device into a cache slot (streamed prefill copies whole layers)"),
+        ("fills", "edgemoe_expert_cache_fills",
+         "Experts copied host->device into a cache slot (streamed prefill copies whole layers)"),
         ("cpu", "edgemoe_expert_cpu_executed", "Misses computed by the CPU executor from host memory"),
     )
 
@@ -67,12 +68,42 @@ class ExpertCacheCollector:
         for key, name, doc in gauges:
             if stats.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        yield from self._memory(stats.get("memory"))
         yield InfoMetricFamily(
             "edgemoe_expert_policy",
             "Expert miss policy and where its bandwidths come from",
             value={"policy": str(stats.get("policy", "")), "active_rule": str(stats.get("policy_active", "")),
                    "bandwidth_source": str(stats.get("bandwidth_source", ""))},
         )
+
+
+    _MEMORY_GAUGES = (
+        ("budget_bytes", "edgemoe_gpu_budget_bytes",
+         "GPU memory for the expert and KV caches: a fixed budget, or (auto) what they hold plus free memory above "
+         "the headroom"),
+        ("headroom_bytes", "edgemoe_gpu_headroom_bytes", "Device memory auto mode keeps free"),
+        ("free_bytes", "edgemoe_gpu_free_bytes", "Free device memory, every process counted (last sample)"),
+        ("total_bytes", "edgemoe_gpu_total_bytes", "Device memory in total"),
+        ("expert_cache_bytes", "edgemoe_expert_cache_bytes", "Bytes of the device expert cache"),
+        ("kv_cache_bytes", "edgemoe_kv_cache_bytes", "Bytes of the KV cache"),
+        ("kv_borrowed_pages", "edgemoe_kv_cache_borrowed_pages",
+         "KV pages beyond the start-up pool, borrowed from the expert cache or free memory"),
+    )
+
+    def _memory(self, mem: dict | None) -> Iterator[Metric]:
+        """The memory budget's gauges (``GpuMemory.stats``) and resizes by reason."""
+        if not mem:
+            return
+        for key, name, doc in self._MEMORY_GAUGES:
+            if mem.get(key) is not None:
+                yield GaugeMetricFamily(name, doc, value=float(mem[key]))
+        yield GaugeMetricFamily("edgemoe_gpu_budget_auto", "1 when the GPU budget follows the device's free memory",
+                                value=float(bool(mem.get("auto"))))
+        fam = CounterMetricFamily("edgemoe_memory_resizes", "Expert-cache / KV-cache resizes by reason",
+                                  labels=["reason"])
+        for reason, n in (mem.get("resizes") or {}).items():
+            fam.add_metric([reason], float(n))
+        yield fam
 
 
 class EngineMetrics:
@@ -107,14 +138,16 @@ class EngineMetrics:
             "edgemoe_prefix_cache_hit_tokens", "Prompt tokens whose KV was reused from the prefix cache", registry=r
         )
         self.prompt_tokens_computed = Counter(
-            "edgemoe_prompt_tokens_computed", "Tokens computed by prefill (recompute after preemption included)", registry=r
+            "edgemoe_prompt_tokens_computed", "Tokens computed by prefill (recompute after preemption included)",
+            registry=r,
         )
         self.prefix_cache_pages = Gauge("edgemoe_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
         self.state_checkpoint_restores = Counter(
             "edgemoe_state_checkpoint_restores", "Admissions that resumed from a recurrent-state checkpoint", registry=r
         )
         self.state_checkpoint_reused_tokens = Counter(
-            "edgemoe_state_checkpoint_reused_tokens", "Prompt tokens skipped by resuming from a recurrent-state checkpoint",
+            "edgemoe_state_checkpoint_reused_tokens",
+            "Prompt tokens skipped by resuming from a recurrent-state checkpoint",
             registry=r,
         )
         self.state_checkpoints = Gauge(
@@ -124,7 +157,8 @@ class EngineMetrics:
             "edgemoe_time_to_first_token_seconds", "Time to first token (s)", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.tpot = Histogram(
-            "edgemoe_time_per_output_token_seconds", "Decode time per output token (s)", buckets=_TPOT_BUCKETS, registry=r
+            "edgemoe_time_per_output_token_seconds", "Decode time per output token (s)", buckets=_TPOT_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "edgemoe_e2e_request_latency_seconds", "Arrival to finish (s)", buckets=_LATENCY_BUCKETS, registry=r

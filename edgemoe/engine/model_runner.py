@@ -8,6 +8,8 @@ recurrent-state slots) and returns last-token logits. What it owns, by seam:
   the host expert pool, the paged KV pool and (hybrid models) the recurrent-state pool;
 - :class:`~edgemoe.engine.expert_runtime.ExpertRuntime` (``self.experts``): expert cache, policy,
   bandwidths, CPU executor, device decode path;
+- :class:`~edgemoe.engine.gpu_memory.GpuMemory` (``self.memory``): the device-memory budget of the
+  expert cache and the KV pool (auto mode, the KV / expert re-split), applied between steps;
 - :class:`~edgemoe.engine.prefix_state.PrefixStateManager` (``self.prefix``): prefix cache and
   recurrent-state checkpoints;
 - :class:`~edgemoe.engine.cuda_graphs.DecodeGraphs` (``self.graphs``): device-path decode steps and
@@ -28,7 +30,8 @@ import torch
 from edgemoe.config import DEFAULT_PREFILL_CHUNK_TOKENS, EngineConfig, parse_dtype
 from edgemoe.core import ForwardBatch, Phase, SeqSlice, StepInput
 from edgemoe.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, DecodeInputs
-from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, configure_torch_threads
+from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, NoGpuError, configure_torch_threads
+from edgemoe.engine.gpu_memory import GpuMemory, make_probe
 from edgemoe.engine.prefix_state import Plan, PrefixStateManager
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
@@ -56,7 +59,8 @@ class ModelRunner:
         progress: show progress bars while loading.
 
     Raises:
-        FileNotFoundError / ValueError: missing or unsupported config.
+        FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
+            ``gpu_budget`` or ``expert_cache_gb`` for a device that is not a GPU.
         CheckpointError: a checkpoint that does not match the config (file and tensor named).
     """
 
@@ -67,6 +71,11 @@ class ModelRunner:
             raise FileNotFoundError(f"{self.model_dir}: not a directory")
         self.engine_config = config
         self.device = config.resolved_device()
+        for name, value in (("gpu_budget", config.gpu_budget_bytes), ("expert_cache_gb", config.expert_cache_gb)):
+            if value is not None and self.device.type != "cuda":  # before the weights: fail fast
+                raise NoGpuError(f"{name} {getattr(config, name)}: the device is {self.device}, not a GPU, so there "
+                                 "is no GPU memory to budget; size an expert cache on this device with "
+                                 "expert_cache_slots")
         cfg = self.model_config = load_config(self.model_dir)
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
         self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
@@ -126,9 +135,12 @@ class ModelRunner:
         self.prefix.set_checkpoints(config.state_checkpoints, config.state_checkpoint_interval,
                                     config.anchor_checkpoints)
         self.experts = ExpertRuntime(self.pool, cfg, config, self.device, fallback=self.pin_outcome.fallback,
-                                     graphs_supported=model_cls.supports_cuda_graphs)
+                                     graphs_supported=model_cls.supports_cuda_graphs, kv_bytes=self.kv.nbytes)
         self.graphs: DecodeGraphs | None = None
         self._bind()
+        max_kv_pages = config.max_num_seqs * -(-self.max_model_len // ps) + self._scratch_pages
+        self.memory = GpuMemory(self.experts, self.kv, config, max_kv_pages=max_kv_pages, rebind=self._bind,
+                                probe=make_probe(self.device))
         self._step = 0
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
         self.load_seconds = time.perf_counter() - t0
@@ -226,19 +238,25 @@ class ModelRunner:
     def resize_expert_cache(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> dict:
         """Change the GPU budget and/or policy of the expert cache at run time (elastic memory), at a
         safe point between steps. The host pool and the KV cache stay as they are; the new cache
-        starts cold; decode graphs are captured again. If the new size cannot be allocated, the
-        previous size and policy are restored and the error is raised.
+        starts cold; decode graphs are captured again; the new size is the one auto mode grows back
+        to (:meth:`GpuMemory.configure`). If the new size cannot be allocated, the previous size and
+        policy are restored and the error is raised.
 
         Returns:
             :meth:`expert_stats` after the change.
 
         Raises:
-            ValueError: see :meth:`ExpertRuntime.resize`.
+            NoGpuError: ``gb`` on a device that is not a GPU. ValueError: see :meth:`ExpertRuntime.resize`.
+            ResizeError: the new cache could not be set up (the previous one is kept).
         """
-        try:
-            self.experts.resize(gb, slots, policy)
-        finally:
-            self._bind()
+        if gb is not None and slots is not None:
+            raise ValueError("give gb or slots, not both")
+        if gb is None and slots is None and policy is None:
+            raise ValueError("give gb, slots or policy")
+        if gb is not None and not self.memory.gpu:
+            raise NoGpuError(f"gb {gb}: the device is {self.device}, not a GPU, so there is no GPU memory to budget; "
+                             "size the expert cache on this device in slots")
+        self.memory.configure(expert_gb=gb, expert_slots=slots, policy=policy)
         return self.expert_stats()
 
     def set_state_checkpoints(self, slots: int, interval: int, anchors: bool = True) -> None:
@@ -261,14 +279,28 @@ class ModelRunner:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the KV cache holds for requests (the padding rows' scratch page excluded)."""
+        """Tokens the KV cache holds for requests now (the padding rows' scratch page excluded)."""
         return self.kv.capacity_tokens - self._scratch_pages * self.kv.page_size
 
+    @property
+    def kv_limit_tokens(self) -> int:
+        """Tokens the KV cache can hold for requests, counting the pages it may borrow from the expert
+        cache or the free device memory (:meth:`GpuMemory.lendable_kv_pages`, as of the last change:
+        safe to read from any thread)."""
+        return (self.memory.kv_limit_pages - self._scratch_pages) * self.kv.page_size
+
     def kv_free_tokens(self) -> int:
+        """Free KV tokens of the pool as it is."""
         return self.kv.free_tokens()
 
+    def kv_available_tokens(self) -> int:
+        """Free KV tokens plus those of the pages the KV cache may borrow (a step that needs them
+        borrows them, :meth:`GpuMemory.lend_kv`): what the scheduler may plan with."""
+        return (self.kv.free_pages + self.memory.lendable_kv_pages()) * self.kv.page_size
+
     def can_allocate(self, seq_id: int, total_len: int) -> bool:
-        return self.kv.can_allocate(seq_id, total_len) and (self.state is None or self.state.can_hold(seq_id))
+        fits = self.kv.pages_needed(seq_id, total_len) <= self.kv.free_pages + self.memory.lendable_kv_pages()
+        return fits and (self.state is None or self.state.can_hold(seq_id))
 
     def free(self, seq_id: int) -> None:
         self.kv.free(seq_id)
@@ -363,7 +395,7 @@ class ModelRunner:
             if end > self.max_model_len:
                 raise ValueError(f"sequence {inp.seq_id}: {end} tokens exceed max_model_len {self.max_model_len}")
             need += self.kv.pages_needed(inp.seq_id, end)
-        if need > self.kv.free_pages:
+        if need > self.kv.free_pages and not self.memory.lend_kv(need - self.kv.free_pages):
             raise KVCacheFullError(f"KV cache full: step needs {need} pages, {self.kv.free_pages} free")
         self._step += 1
         state_slots = self._state_slots(inputs)
@@ -431,11 +463,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ reporting
     def expert_stats(self) -> dict:
-        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`)."""
-        return self.experts.stats()
+        """Expert-cache state and counters for metrics and the summary (see :meth:`ExpertRuntime.stats`),
+        with the memory budget under ``memory`` (:meth:`GpuMemory.stats`, without its history)."""
+        return {**self.experts.stats(), "memory": self.memory.stats(history=False)}
 
     def summary(self) -> str:
-        """Start-up summary: device, budget, cache slots, B_P, B_H, q*/m, KV cache, decode path."""
+        """Start-up summary: device, cache slots, B_P, B_H, q*/m, decode path, GPU budget, KV cache."""
         cfg = self.model_config
         dev = str(self.device)
         if self.device.type == "cuda":
@@ -448,6 +481,7 @@ class ModelRunner:
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
             + (f" ({ex.threads_note})" if ex.threads_note else ""),
             *self.experts.summary_lines(self.pinned),
+            self.memory.summary_line(),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
             f"{self.kv.nbytes / 1e9:.3f} GB; "

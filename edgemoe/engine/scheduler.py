@@ -52,7 +52,9 @@ class Scheduler:
     """Chooses the next batch and owns admission, preemption and KV release.
 
     Args:
-        runner: provides ``page_size``, ``can_allocate(seq_id, total_len)``, ``kv_free_tokens()``,
+        runner: provides ``page_size``, ``can_allocate(seq_id, total_len)``, ``kv_available_tokens()`` (both
+            count the KV pages the runner may borrow from the expert cache; a step that needs them borrows
+            them instead of failing, so preemption only happens once that memory is gone too),
             ``free(seq_id)``, ``attach_prefix(seq_id, token_ids)`` and ``cache_prefix(seq_id, token_ids)``.
         max_num_seqs: most requests admitted at once.
         prefill_chunk_tokens: most tokens in one prefill batch.
@@ -146,7 +148,7 @@ class Scheduler:
         inputs: list[Any] = []
 
         def free() -> int:  # read again after each admission: a cached prefix it locks stops being free
-            return self.runner.kv_free_tokens() - claimed
+            return self.runner.kv_available_tokens() - claimed
 
         def fits(seq_id: int, start: int, n: int) -> bool:
             # The first chunk only needs the runner's word; later ones also share the free tokens.
@@ -159,7 +161,8 @@ class Scheduler:
             if not fits(req.seq_id, req.num_computed, n):
                 continue
             reqs.append(req)
-            inputs.append(StepInput(req.seq_id, req.token_slice(req.num_computed, req.num_computed + n), req.num_computed))
+            tokens = req.token_slice(req.num_computed, req.num_computed + n)
+            inputs.append(StepInput(req.seq_id, tokens, req.num_computed))
             budget, claimed = budget - n, claimed + n
         # Admit only while the decoding requests keep room for their next page each (a watermark,
         # as in vLLM), so a fresh admission is not preempted again at the very next decode step.

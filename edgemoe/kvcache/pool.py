@@ -11,10 +11,17 @@ With prefix caching (:class:`~edgemoe.kvcache.radix.RadixCache`), a page table s
 sequence *borrows* from the radix tree (a cached prefix, locked while the sequence lives) followed by
 pages it owns. Freeing a sequence unlocks the borrowed pages and returns only its own; cached pages
 nobody references count as free and are evicted (LRU) when an allocation runs out of unused pages.
+
+The pool's page count changes at run time (:meth:`PagedKVPool.resize`, between steps): growing
+reallocates the page storage with room for the new pages and copies the old pages over (page ids,
+page tables and cached prefixes stay valid; tensors captured by CUDA graphs move, so they are
+captured again); shrinking drops free pages at the top of the id range only. Allocation hands out the
+lowest free page id first, so pages at the top are the first to become free again.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,21 +123,19 @@ class PagedKVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         slots = num_pages * page_size
-        planes = tuple(torch.zeros((spec.num_layers, slots, *row), dtype=dtype, device=device) for row in spec.planes)
-        self.planes: tuple[torch.Tensor, ...] = planes
-        self.k, self.v = (None, None) if spec.is_latent else planes
-        self.latent = planes[0] if spec.is_latent else None
-        self.device = torch.device(device)
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.device, self.dtype = torch.device(device), dtype
+        self._set_planes(tuple(torch.zeros((spec.num_layers, slots, *row), dtype=dtype, device=device)
+                               for row in spec.planes))
+        self._free: list[int] = list(range(num_pages))  # a min-heap: the lowest free page id is handed out first
         self._pages: dict[int, list[int]] = {}
-        self.prefix_cache = RadixCache(page_size, self._free.extend) if prefix_caching else None
+        self.prefix_cache = RadixCache(page_size, self._release) if prefix_caching else None
         self._borrowed: dict[int, int] = {}  # seq_id -> leading pages of its table owned by the tree
         self._prefix_node: dict[int, RadixNode] = {}  # seq_id -> the radix node it locks
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes across all layers."""
-        return self.spec.bytes_per_token(self.planes[0].dtype)
+        return self.spec.bytes_per_token(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -179,7 +184,12 @@ class PagedKVPool:
             self.prefix_cache.evict(need - len(self._free))
         pages = self._pages.setdefault(seq_id, [])
         for _ in range(need):
-            pages.append(self._free.pop())
+            pages.append(heapq.heappop(self._free))
+
+    def _release(self, pages: Sequence[int]) -> None:
+        """Return ``pages`` to the free heap (a sequence's own pages, or pages the prefix cache gives back)."""
+        for p in pages:
+            heapq.heappush(self._free, p)
 
     def free(self, seq_id: int) -> None:
         """Release ``seq_id``: unlock the cached pages it borrows, return the pages it owns to the
@@ -189,8 +199,82 @@ class PagedKVPool:
         node = self._prefix_node.pop(seq_id, None)
         if node is not None:
             self.prefix_cache.unlock(node)
-        for p in reversed(pages[borrowed:]):
-            self._free.append(p)
+        self._release(pages[borrowed:])
+
+    # ------------------------------------------------------------------ resizing
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers and planes."""
+        return self.page_size * self.bytes_per_token
+
+    def min_pages(self) -> int:
+        """The fewest pages :meth:`resize` can shrink to now: one past the highest page a sequence or
+        the prefix cache holds (unreferenced cached pages at the top count as droppable)."""
+        held = [p for pages in self._pages.values() for p in pages]
+        if self.prefix_cache is not None:
+            held += self.prefix_cache.referenced_pages()
+        return max(held, default=-1) + 1
+
+    def resize(self, num_pages: int, stage_on_host: bool = False) -> None:
+        """Change the page count at a safe point between steps (no step in flight).
+
+        Growing allocates new storage of ``num_pages`` pages, copies the current pages into it (their
+        ids, the page tables and the prefix cache stay valid) and adds the new ids to the free pages;
+        the tensors move, so anything that captured their addresses (CUDA graphs) must be captured
+        again. ``stage_on_host`` copies the old pages through host memory first and frees them before
+        the new storage is allocated, so the device never holds both (slower: two host transfers).
+        Shrinking first evicts unreferenced cached pages at or above ``num_pages``, then keeps the
+        first ``num_pages`` pages.
+
+        Raises:
+            ValueError: ``num_pages < 1``, or a page at or above ``num_pages`` is held by a sequence or a
+                referenced prefix (see :meth:`min_pages`); nothing changes then.
+            torch.OutOfMemoryError: the new storage cannot be allocated (the pool is unchanged, unless
+                ``stage_on_host``: then the old pages are restored from the host copy first).
+        """
+        if num_pages < 1:
+            raise ValueError("KV pool needs at least one page")
+        old = self.num_pages
+        if num_pages == old:
+            return
+        if num_pages < old:
+            low = self.min_pages()
+            if num_pages < low:
+                raise ValueError(f"cannot shrink the KV pool to {num_pages} pages: page {low - 1} is in use")
+            if self.prefix_cache is not None:
+                self.prefix_cache.evict_where(lambda page: page >= num_pages)
+            keep = num_pages * self.page_size
+            self._set_planes(tuple(p[:, :keep].clone() for p in self.planes))
+            self._free = [p for p in self._free if p < num_pages]
+            heapq.heapify(self._free)
+        else:
+            slots, have = num_pages * self.page_size, old * self.page_size
+            olds = self.planes
+            if stage_on_host:
+                olds = tuple(p.cpu() for p in self.planes)
+                self._set_planes(())
+            try:
+                new = tuple(torch.zeros((p.shape[0], slots, *p.shape[2:]), dtype=p.dtype, device=self.device)
+                            for p in olds)
+            except torch.OutOfMemoryError:
+                if stage_on_host:
+                    self._set_planes(tuple(p.to(self.device) for p in olds))
+                raise
+            for n, o in zip(new, olds):
+                n[:, :have].copy_(o)
+            self._set_planes(new)
+            del olds
+            for p in range(old, num_pages):
+                heapq.heappush(self._free, p)
+        self.num_pages = num_pages
+
+    def _set_planes(self, planes: tuple[torch.Tensor, ...]) -> None:
+        self.planes = planes
+        if not planes:
+            self.k = self.v = self.latent = None
+            return
+        self.k, self.v = (None, None) if self.spec.is_latent else planes
+        self.latent = planes[0] if self.spec.is_latent else None
 
     def pages_of(self, seq_id: int) -> list[int]:
         """Page ids of ``seq_id`` in token order (empty for an unknown id)."""

@@ -41,7 +41,7 @@ class RadixNode:
         last_access: logical time of the last match or insert through this node.
     """
 
-    __slots__ = ("parent", "children", "tokens", "pages", "ref", "last_access")
+    __slots__ = ("children", "last_access", "pages", "parent", "ref", "tokens")
 
     def __init__(self, parent: RadixNode | None, tokens: tuple[int, ...], pages: list[int], last_access: int):
         self.parent = parent
@@ -217,6 +217,43 @@ class RadixCache:
         if freed:
             self._release(freed)
         return len(freed)
+
+    def evict_where(self, doomed: Callable[[int], bool]) -> int:
+        """Evict the unreferenced nodes holding a page for which ``doomed(page)`` is true (a KV pool
+        shrinking drops its top pages), and the descendants they must take along (themselves
+        unreferenced: a referenced node keeps its ancestors referenced).
+
+        Returns:
+            pages released to the pool.
+        """
+        freed: list[int] = []
+        gone: set[int] = set()  # ids of nodes removed with an evicted ancestor
+        for node in sorted(self._nodes(), key=self._depth):
+            if node.ref or id(node) in gone or not any(doomed(p) for p in node.pages):
+                continue
+            del node.parent.children[node.tokens[:self.page_size]]
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                gone.add(id(n))
+                freed.extend(n.pages)
+                self.num_pages -= len(n.pages)
+                self.evictable_pages -= len(n.pages)
+                stack.extend(n.children.values())
+        if freed:
+            self._release(freed)
+        return len(freed)
+
+    def referenced_pages(self) -> list[int]:
+        """Pages of nodes a live sequence references (locked); they cannot be evicted."""
+        return [p for n in self._nodes() if n.ref for p in n.pages]
+
+    @staticmethod
+    def _depth(node: RadixNode) -> int:
+        d = 0
+        while node.parent is not None:
+            node, d = node.parent, d + 1
+        return d
 
     def _nodes(self) -> list[RadixNode]:
         """Every node below the root."""

@@ -2,7 +2,8 @@
 and Anthropic APIs that coding agents speak.
 
 The app wires error handlers, the API-key check, ``GET /health`` (503 while the model loads, 200 when
-ready), ``GET /metrics`` (Prometheus), ``/admin/expert-cache`` and three routers: OpenAI chat
+ready), ``GET /metrics`` (Prometheus), ``/admin/memory`` (the GPU budget and the KV / expert split;
+``/admin/expert-cache``, its expert side) and three routers: OpenAI chat
 completions, completions and models (``openai_api.py``), Anthropic Messages (``messages_api.py``)
 and OpenAI Responses (``responses_api.py``), all streaming with SSE. The chat APIs share one pipeline
 (``serving.py``), the helpers of ``common.py`` and the output parsers of ``parsers/``.
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edgemoe import __version__
 from edgemoe.config import EXPERT_POLICIES, EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
+from edgemoe.engine.gpu_memory import ResizeError
 from edgemoe.server import messages_api, openai_api, responses_api
 from edgemoe.server.common import APIError, ContextLengthError, is_anthropic
 from edgemoe.server.config import ServerConfig
@@ -52,8 +54,23 @@ class ExpertCacheResize(BaseModel):
     """Body of ``POST /admin/expert-cache``: a new budget (``gb`` or ``slots``) and/or ``policy``."""
 
     model_config = {"extra": "forbid"}
-    gb: float | None = Field(None, ge=0, allow_inf_nan=False, description="expert-cache budget in GB (1e9 bytes)")
+    gb: float | None = Field(None, ge=0, allow_inf_nan=False,
+                             description="expert-cache budget in GB (1e9 bytes; GPU only)")
     slots: int | None = Field(None, ge=0, description="expert-cache size in (layer, expert) slots")
+    policy: Literal[EXPERT_POLICIES] | None = Field(None, description="expert policy (default: unchanged)")
+
+
+class MemoryUpdate(BaseModel):
+    """Body of ``POST /admin/memory``: any of the budget's settings (``GpuMemory.configure``)."""
+
+    model_config = {"extra": "forbid"}
+    auto: bool | None = Field(None, description="follow the device's free memory (true) or keep the budget fixed")
+    budget_gb: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                    description="a fixed GPU budget in GB for the expert and KV caches (auto off)")
+    headroom_gb: float | None = Field(None, ge=0, allow_inf_nan=False, description="device memory auto mode keeps free")
+    expert_gb: float | None = Field(None, ge=0, allow_inf_nan=False, description="expert-cache size in GB")
+    expert_slots: int | None = Field(None, ge=0, description="expert-cache size in (layer, expert) slots")
+    min_expert_slots: int | None = Field(None, ge=0, description="floor the KV cache may take the expert cache down to")
     policy: Literal[EXPERT_POLICIES] | None = Field(None, description="expert policy (default: unchanged)")
 
 
@@ -82,7 +99,8 @@ def error_response(scope: dict, exc: APIError) -> JSONResponse:
         message = exc.anthropic_message if isinstance(exc, ContextLengthError) else exc.message
         body: dict = {"type": "error", "error": {"type": kind, "message": message}}
     else:
-        body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)).model_dump()
+        info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+        body = ErrorResponse(error=info).model_dump()
     return JSONResponse(body, status_code=exc.status)
 
 
@@ -136,19 +154,20 @@ class _ApiKeyMiddleware:
             given = auth[7:].strip()
         if given is not None and secrets.compare_digest(given, self.api_key):
             return await self.app(scope, receive, send)
-        message = "Invalid API key" if given is not None else "Missing API key (Authorization: Bearer KEY or x-api-key: KEY)"
+        message = ("Invalid API key" if given is not None else
+                   "Missing API key (Authorization: Bearer KEY or x-api-key: KEY)")
         err = APIError(401, message, type="invalid_request_error", code="invalid_api_key")
         return await error_response(scope, err)(scope, receive, send)
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     """Create the FastAPI app serving ``llm``: error handlers, the API-key check, ``/health``,
-    ``/metrics``, ``/admin/expert-cache`` and the routers of the three APIs.
+    ``/metrics``, ``/admin/memory``, ``/admin/expert-cache`` and the routers of the three APIs.
 
     Args:
         llm: the async engine (it may still be loading; routes answer 503 until it is ready).
         config: the server's options (default ``ServerConfig()``). Without an API key, keep the server
-            on a loopback address: ``/admin/`` changes the expert cache.
+            on a loopback address: ``/admin/`` changes the memory budget and the expert cache.
     """
     config = config or ServerConfig()
     app = FastAPI(title="edgemoe", version=__version__)
@@ -167,7 +186,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(EngineNotReadyError)
     async def _not_ready(request: Request, exc: EngineNotReadyError):
-        return error_response(request.scope, APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready"))
+        err = APIError(503, str(exc), type="service_unavailable_error", code="model_not_ready")
+        return error_response(request.scope, err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -201,25 +221,44 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     def metrics():  # sync: runs in the thread pool, may wait for the engine thread's stats
         return Response(llm.metrics.render() + generate_latest(gateway), media_type=CONTENT_TYPE_LATEST)
 
+    def in_engine(fn):
+        """Run ``fn(runner)`` on the engine thread between two steps (a safe point: requests in flight
+        continue): a bad request is 400 (nothing changed), a resize that cannot be carried out 503
+        (the previous state is kept), each with the reason."""
+        def call(engine):
+            try:
+                return fn(engine.runner)
+            except ResizeError as exc:
+                raise APIError(503, str(exc), type="service_unavailable_error", code="resize_failed") from None
+            except ValueError as exc:  # NoGpuError included
+                raise APIError(400, str(exc)) from None
+
+        return llm.call_in_engine_thread(call, ADMIN_TIMEOUT_S)
+
+    @app.get("/admin/memory")
+    def memory_state():  # sync: waits for the engine thread
+        """The GPU budget, headroom, free memory, the KV / expert split and its recent history."""
+        return in_engine(lambda runner: runner.memory.stats())
+
+    @app.post("/admin/memory")
+    def memory_update(body: MemoryUpdate):
+        """Change the budget (``auto``, ``budget_gb``, ``headroom_gb``) and/or the expert cache
+        (``expert_gb`` or ``expert_slots``, ``policy``, ``min_expert_slots``) at run time."""
+        given = body.model_dump(exclude_none=True)
+        if not given:
+            raise APIError(400, f"give at least one of {', '.join(MemoryUpdate.model_fields)}")
+        return in_engine(lambda runner: runner.memory.configure(**given))
+
     @app.get("/admin/expert-cache")
-    def expert_cache_state():  # sync: waits for the engine thread
+    def expert_cache_state():
         """The expert cache's size, policy, bandwidths and counters (``ModelRunner.expert_stats``)."""
-        return llm.call_in_engine_thread(lambda e: e.runner.expert_stats(), ADMIN_TIMEOUT_S)
+        return in_engine(lambda runner: runner.expert_stats())
 
     @app.post("/admin/expert-cache")
     def expert_cache_resize(body: ExpertCacheResize):
-        """Change the expert cache's GPU budget (``gb`` or ``slots``) and/or its ``policy`` at run time.
-
-        Runs on the engine thread between two steps (a safe point): requests in flight continue with
-        the new cache. 400 when the size cannot be allocated (the previous cache is kept).
-        """
-        def resize(engine):
-            try:
-                return engine.runner.resize_expert_cache(body.gb, body.slots, body.policy)
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
-
-        return llm.call_in_engine_thread(resize, ADMIN_TIMEOUT_S)
+        """Change the expert cache's GPU budget (``gb`` or ``slots``) and/or its ``policy`` at run time
+        (the expert side of ``POST /admin/memory``)."""
+        return in_engine(lambda runner: runner.resize_expert_cache(body.gb, body.slots, body.policy))
 
     app.include_router(openai_api.router(serving))
     app.include_router(messages_api.router(serving))
