@@ -511,6 +511,21 @@ def test_broken_mxfp4_checkpoint_names_the_tensor(mxfp4, tmp_path, edit, match):
         ModelRunner(d, _engine_config(), progress=False)
 
 
+def test_quantized_kernels_are_not_used_for_these_experts():
+    """The Triton kernels read float rows of gpt-oss's experts (clamped SwiGLU, slot biases); quantized rows of
+    them decode on the eager path (the quantized kernels compute plain SiLU SwiGLU)."""
+    from edgemoe.experts.compute import kernel_reason
+    from edgemoe.quant.layout import ExpertLayout
+    from edgemoe.quant.weights import WeightFormat
+
+    act = ExpertActivation("swiglu_oai", 1.702, 7.0, bias=True)
+    assert kernel_reason(ExpertLayout.build(WeightFormat.BF16, 64, 32, has_bias=True), act) is None
+    assert kernel_reason(ExpertLayout.build(WeightFormat.MXFP4, 64, 32, has_bias=True), act) == (
+        "the quantized expert kernels compute SiLU SwiGLU without biases, not swiglu_oai (alpha 1.702, limit 7) "
+        "with biases")
+    assert kernel_reason(ExpertLayout.build(WeightFormat.MXFP4, 64, 32)) is None
+
+
 def test_mxfp4_rows_dequantize_as_transformers(mxfp4):
     """Every expert row of the pool, dequantized, equals transformers' dequantized ``GptOssExperts`` weights
     (gate/up de-interleaved, transposed to edgemoe's ``[2I, H]`` / ``[H, I]``) and biases, bit for bit."""
