@@ -1,9 +1,9 @@
 """Agentic replay benchmark: prefix reuse and TTFT per turn of multi-turn agent sessions on a hybrid
 (gated DeltaNet) model, with recurrent-state checkpoints at anchors, at intervals only, or none.
 
-A hybrid model resumes a cached prefix only from a saved recurrent state (DESIGN.md §4). Agent
+A hybrid model resumes a cached prefix only from a saved recurrent state. Agent
 harnesses edit their context between turns, so what matters is whether a checkpoint survives just
-before each edit. Three sessions, shaped like the paper's agentic workloads (DESIGN.md §10):
+before each edit. Three sessions, shaped like the paper's agentic workloads:
 
 - ``w2``: a coding agent, 3 turns (model calls): read a file, run the tests, answer; the harness
   truncates old tool outputs (every tool output but the latest keeps only its head).

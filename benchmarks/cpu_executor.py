@@ -5,16 +5,21 @@ For each thread count, on this machine:
 - **read**: a plain multithreaded read (the native extension's sum-reduce kernel, on the native
   executor's own pinned threads) over the whole rotation pool, several GB: the ceiling;
 - **B_H native / torch**: expert-weight bytes per second each executor consumes computing rotating
-  Qwen3-30B-A3B experts (H=2048, I=768, bf16: 9.44 MB each) through its ``run`` call, for batch 1 and
+  Qwen3-30B-A3B experts (H=2048, I=768) through its ``run`` call, for batch 1 and
   batch 8 (every token of the batch routed to every expert computed: the most arithmetic per byte a
   batch of 8 can ask for; real batch-8 decode puts 1-2 tokens on most experts) and for 1 or more
   experts per call (a decode step's CPU set of one MoE layer is one call).
+- **formats** (``--format``): bf16 rows (9.44 MB an expert), fp32, and the quantized rows at their packed
+  size, computing in bf16 as a quantized release does: fp8 (FP8 block-128, 4.72 MB), mxfp4 (2.51 MB),
+  nvfp4 (2.66 MB). B_H is always GB/s of *packed* row bytes (scales and padding included), so
+  ``native/read`` is the fraction of the DRAM read bandwidth a format's kernels reach.
 
 Weights rotate in random order over ``--rotate-gb`` (default 4 GB, > 13x the H200 host's 300 MiB
 L3), so they come from DRAM. Prints a table; writes JSON to ``--out`` (a file or a folder).
 
     python benchmarks/cpu_executor.py --out docs/benchmarks/cpu_executor.json
     python benchmarks/cpu_executor.py --threads 1,6,16 --seconds 2 --out /tmp/cpu.json
+    python benchmarks/cpu_executor.py --format bf16,fp8,mxfp4,nvfp4 --threads 6,15 --batch 1 --executors native
 """
 
 from __future__ import annotations
@@ -26,19 +31,23 @@ import os
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.experts import native  # noqa: E402
-from edgemoe.experts.bandwidth import measure_cpu  # noqa: E402
-from edgemoe.experts.cpu_executor import TorchCpuExecutor  # noqa: E402
-from edgemoe.experts.pool import HostExpertPool  # noqa: E402
+from edgemoe.experts import native
+from edgemoe.experts.bandwidth import measure_cpu
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 QWEN3_30B_A3B = (2048, 768)  # hidden, moe_intermediate_size
+FORMATS = {"bf16": WeightFormat.BF16, "fp32": WeightFormat.FP32, "fp8": WeightFormat.FP8_BLOCK,
+           "mxfp4": WeightFormat.MXFP4, "nvfp4": WeightFormat.NVFP4}
 
 
 def _cpu_model() -> str:
@@ -79,16 +88,20 @@ def read_bandwidth(ex: native.NativeCpuExecutor, pool: HostExpertPool, seconds: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ncores = len(native.physical_core_cpus())
     default_threads = sorted({t for t in (1, 2, 4, 6, 8, 12, 16, 24, 32) if t <= ncores} | {ncores})
     ap.add_argument("--threads", default=",".join(map(str, default_threads)),
-                    help=f"thread counts (default: {','.join(map(str, default_threads))}; {ncores} physical cores here)")
+                    help=f"thread counts (default: {','.join(map(str, default_threads))}; {ncores} physical cores "
+                         "here)")
     ap.add_argument("--batch", default="1,8", help="tokens routed to every expert computed (default 1,8)")
     ap.add_argument("--experts-per-call", default="1,4", help="experts per run() call (default 1,4)")
     ap.add_argument("--rotate-gb", type=float, default=4.0, help="size of the rotating expert pool, GB (default 4)")
     ap.add_argument("--seconds", type=float, default=1.0, help="seconds per measurement (default 1)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--format", default="bf16",
+                    help=f"expert row formats, comma-separated ({', '.join(FORMATS)}; default bf16); quantized rows "
+                         "compute in bf16")
     ap.add_argument("--isa", default=None, help=f"cap the native ISA ({', '.join(native.ISA_LEVELS)})")
     ap.add_argument("--executors", default="native,torch", help="which executors (default native,torch)")
     ap.add_argument("--out", default=None, help="JSON output file, or a folder for cpu_executor.json")
@@ -98,10 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batch.split(",")]
     epcs = [int(e) for e in args.experts_per_call.split(",")]
     kinds = args.executors.split(",")
-    dtype = getattr(torch, args.dtype)
+    formats = args.format.split(",")
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        sys.exit(f"cpu_executor benchmark: unknown --format {unknown}; choose from {list(FORMATS)}")
     H, I = QWEN3_30B_A3B
-    row = 3 * H * I * torch.empty((), dtype=dtype).element_size()
-    n_ids = max(8, int(args.rotate_gb * 1e9) // row)
 
     t0 = time.perf_counter()
     try:
@@ -112,52 +126,61 @@ def main(argv: list[str] | None = None) -> dict:
     build = {"seconds": b.seconds, "cached": b.cached, "dir": b.dir, "builder": b.builder}
     print(f"native extension: {'cached' if build.get('cached') else 'compiled'} in {time.perf_counter() - t0:.1f} s "
           f"({build.get('dir')})", flush=True)
-    pool = HostExpertPool.dense(n_ids, H, I, dtype)
-    t0 = time.perf_counter()
-    pool.fill_random(seed=0)
-    print(f"pool: {n_ids} experts x {row / 1e6:.2f} MB = {pool.nbytes / 1e9:.2f} GB ({args.dtype}), "
-          f"filled in {time.perf_counter() - t0:.1f} s; L3 {(_l3_bytes() or 0) / 2**20:.0f} MiB", flush=True)
 
     torch_threads0 = torch.get_num_threads()
-    rows = []
-    hdr = f"{'thr':>3} {'batch':>5} {'exp/call':>8} {'read GB/s':>9} {'native GB/s':>11} {'torch GB/s':>10} " \
-          f"{'native/read':>11} {'torch/read':>10} {'native/torch':>12}"
-    print(hdr)
-    print("-" * len(hdr))
-    for t in threads:
-        ex = native.NativeCpuExecutor(pool, t, isa=args.isa)
-        torch.set_num_threads(t)
-        te = TorchCpuExecutor(pool) if "torch" in kinds else None
-        read = read_bandwidth(ex, pool, args.seconds)
-        for b in batches:
-            for epc in epcs:
-                res = {"threads": t, "batch": b, "experts_per_call": epc, "read_gbps": read,
-                       "native_isa": ex.isa, "pinned": ex.pinned}
-                for kind, e in (("native", ex if "native" in kinds else None), ("torch", te)):
-                    if e is None:
-                        continue
-                    measure_cpu(pool, e, 0.1, tokens=b, experts_per_call=epc)  # warm-up
-                    res[f"{kind}_gbps"] = measure_cpu(pool, e, args.seconds, tokens=b, experts_per_call=epc)
-                rows.append(res)
-                nat, tor = res.get("native_gbps"), res.get("torch_gbps")
-                f = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
-                print(f"{t:>3} {b:>5} {epc:>8} {read:>9.2f} {f(nat):>11} {f(tor):>10} "
-                      f"{f(nat and nat / read):>11} {f(tor and tor / read):>10} {f(nat and tor and nat / tor):>12}",
-                      flush=True)
-        del ex, te
+    rows, experts, reads = [], {}, {}
+    hdr = f"{'format':>6} {'thr':>3} {'batch':>5} {'exp/call':>8} {'read GB/s':>9} {'native GB/s':>11} " \
+          f"{'torch GB/s':>10} {'native/read':>11} {'torch/read':>10} {'native/torch':>12}"
+    for name in formats:
+        lay = ExpertLayout.build(FORMATS[name], H, I)
+        n_ids = max(8, int(args.rotate_gb * 1e9) // lay.row_bytes)
+        pool = HostExpertPool(n_ids, lay, None if lay.format.dense else torch.bfloat16)
+        t0 = time.perf_counter()
+        pool.fill_random(seed=0)
+        experts[name] = {"row_bytes": lay.row_bytes, "rotated_bytes": pool.nbytes, "experts": n_ids,
+                         "compute_dtype": str(pool.compute_dtype).replace("torch.", "")}
+        print(f"\n{name} pool: {n_ids} experts x {lay.row_bytes / 1e6:.2f} MB = {pool.nbytes / 1e9:.2f} GB "
+              f"(computing in {experts[name]['compute_dtype']}), filled in {time.perf_counter() - t0:.1f} s; "
+              f"L3 {(_l3_bytes() or 0) / 2**20:.0f} MiB", flush=True)
+        print(hdr)
+        print("-" * len(hdr))
+        for t in threads:
+            ex = native.NativeCpuExecutor(pool, t, isa=args.isa)
+            torch.set_num_threads(t)
+            te = TorchCpuExecutor(pool) if "torch" in kinds else None
+            if t not in reads:  # the ceiling, measured once per thread count (over the first pool's bytes)
+                reads[t] = read_bandwidth(ex, pool, args.seconds)
+            read = reads[t]
+            for b in batches:
+                for epc in epcs:
+                    res = {"format": name, "threads": t, "batch": b, "experts_per_call": epc, "read_gbps": read,
+                           "native_isa": ex.isa, "pinned": ex.pinned}
+                    for kind, e in (("native", ex if "native" in kinds else None), ("torch", te)):
+                        if e is None:
+                            continue
+                        measure_cpu(pool, e, 0.1, tokens=b, experts_per_call=epc)  # warm-up
+                        res[f"{kind}_gbps"] = measure_cpu(pool, e, args.seconds, tokens=b, experts_per_call=epc)
+                    rows.append(res)
+                    nat, tor = res.get("native_gbps"), res.get("torch_gbps")
+                    f = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
+                    print(f"{name:>6} {t:>3} {b:>5} {epc:>8} {read:>9.2f} {f(nat):>11} {f(tor):>10} "
+                          f"{f(nat and nat / read):>11} {f(tor and tor / read):>10} "
+                          f"{f(nat and tor and nat / tor):>12}", flush=True)
+            del ex, te
+            gc.collect()
+        del pool
         gc.collect()
     torch.set_num_threads(torch_threads0)
 
     result = {
         "benchmark": "cpu_executor",
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "physical_cores": ncores,
                     "logical_cpus": os.cpu_count(), "l3_bytes": _l3_bytes(), "torch": torch.__version__},
         "isa": native.isa_report(),
         "build": build,
-        "expert": {"hidden": H, "intermediate": I, "dtype": args.dtype, "row_bytes": row,
-                   "rotated_bytes": pool.nbytes, "experts": n_ids},
+        "expert": {"hidden": H, "intermediate": I, "formats": experts},
         "seconds_each": args.seconds,
         "rows": rows,
     }

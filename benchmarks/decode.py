@@ -10,6 +10,16 @@ is per step. Writes a markdown table and a JSON file.
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8,16,32 --out results/
     python benchmarks/decode.py --arch deepseek_v3 --preset deepseek-v3 --layers 8 --budgets 8,16,32 --out results/
     python benchmarks/decode.py --preset qwen3-30b-a3b --budgets 8 --policies qstar --batch-sizes 1,4,16,64
+    python benchmarks/decode.py --quant mxfp4 --budgets 2,4,8 --policies qstar,fill-all --cpu-threads 6,15 --out r/mxfp4
+    python benchmarks/decode.py --compare r/bf16 r/fp8 r/mxfp4 r/nvfp4 --out r   # formats.md: ratios to the first
+
+``--quant`` gives the dummy experts a released quantized format (packed rows in the host pool and the cache,
+fills of packed bytes, the quantized Triton kernels on the GPU); budgets are GB of expert cache, so an equal
+budget holds 2x (FP8) or ~3.6x (4-bit) the experts of bf16. ``--cpu-threads`` takes a list: each count
+rebuilds the CPU executor and measures B_P/B_H anew. Policies with a CPU branch are skipped for a quantized
+pool on the torch CPU executor (no native kernel for its rows: seconds per token), unless
+``--torch-cpu-branch``. ``--compare`` reads the ``decode.json`` of earlier runs and writes ``formats.md``:
+tokens/s per format and its ratio to the first run's at the same budget, policy, threads and batch.
 
 The bound each run is compared with (bound/measured; the target is >= 0.7) is the all-resident time per
 step of its batch size plus the slower of the two miss branches: fills over B_P and CPU experts over B_H, each at the
@@ -38,6 +48,7 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
+from edgemoe.synth import QUANT_LAYOUTS
 
 PREFILL_CHUNK = 8192
 
@@ -148,16 +159,20 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quant", choices=list(QUANT_LAYOUTS),
+                    help="routed experts in this released quantized layout (dummy rows of its format)")
 
 
 def model_dir(a: argparse.Namespace) -> str:
-    """``--model``, or a temporary config-only directory of ``--arch``'s ``--preset`` (``--layers`` deep)."""
+    """``--model``, or a temporary config-only directory of ``--arch``'s ``--preset`` (``--layers`` deep, experts
+    in ``--quant``'s format)."""
     if a.model is not None:
         return a.model
     from edgemoe.synth import write_config_only
 
     overrides = None if a.layers is None else {"num_hidden_layers": a.layers}
-    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), a.arch, a.preset, overrides=overrides))
+    return str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-bench-"), a.arch, a.preset, overrides=overrides,
+                                 quant=a.quant))
 
 
 def main(argv=None) -> int:
@@ -169,7 +184,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1", help="sequences decoded together, e.g. 1,4,16,64 (default 1)")
-    ap.add_argument("--cpu-threads", type=int)
+    ap.add_argument("--cpu-threads", default="", help="CPU executor threads, a list (e.g. 6,15; default: the "
+                    "engine's count); each count is a sweep of its own")
+    ap.add_argument("--torch-cpu-branch", action="store_true",
+                    help="run policies with a CPU branch even for a quantized pool on the torch CPU executor")
+    ap.add_argument("--compare", nargs="+", metavar="DIR",
+                    help="only compare earlier runs' decode.json (first = baseline) into formats.md / formats.json")
     ap.add_argument("--profile-seconds", type=float, default=1.0)
     ap.add_argument("--decode-input", default="random", choices=["random", "greedy"],
                     help="token fed to each decode step: random (uniform routing) or the greedy output")
@@ -183,8 +203,11 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     a = ap.parse_args(argv)
+    if a.compare:
+        return compare(a.compare, Path(a.out))
 
     model = model_dir(a)
+    threads = [int(t) for t in a.cpu_threads.split(",") if t] or [None]
     batches = [int(b) for b in a.batch_sizes.split(",") if b]
     from edgemoe.models import load_config
 
@@ -192,87 +215,153 @@ def main(argv=None) -> int:
     max_len = max([min(4096, limit), *[int(c) + a.warmup + a.tokens + 8 for c in a.contexts.split(",") if c]])
     per_seq = a.prompt_len + a.warmup + a.tokens + 16
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
-                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.enforce_eager,
+                       expert_policy="cpu-all", cpu_threads=threads[0], enforce_eager=a.enforce_eager,
                        max_model_len=max_len, max_num_seqs=max(batches),
                        kv_cache_tokens=max(max_len, max(batches) * per_seq))
     t0 = time.perf_counter()
     runner = ModelRunner(model, cfg)
     load_s = time.perf_counter() - t0
-    prof = measure(runner.pool, runner.pool.layout, runner.device, runner.experts.cpu_executor, a.profile_seconds,
-                   2_000_000_000)
-    runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+    pool = runner.pool
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
     print(runner.summary(), flush=True)
-    print(f"profile: isolated {prof['isolated']}, concurrent {prof['concurrent']}", flush=True)
-
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist()
     feed = None if a.decode_input == "greedy" else torch.randint(
         0, vocab, ((a.warmup + a.tokens) * max(batches),), generator=g).tolist()
-    row = runner.pool.row_bytes
-    results = []
+    row = pool.row_bytes
+    results, profiles, skipped = [], {}, []
     resident_ms: dict[int, float] = {}
-    if not a.no_resident:
-        # every expert placed and pinned up front: all hits, the ceiling
-        for b in batches:
-            r = run_one(runner, runner.pool.num_ids, "static", prompt, a.warmup, a.tokens, feed, batch=b)
-            r["budget_gb"] = "all (resident)"
-            resident_ms[b] = r["ms_per_token"]
-            results.append(r)
-            print(r, flush=True)
-        for ctx in [int(c) for c in a.contexts.split(",") if c]:
-            long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
-            r = run_one(runner, runner.pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
-            r["budget_gb"] = "all (resident)"
-            results.append(r)
-            print(r, flush=True)
-    runs = [(float(gb), p, b) for gb in a.budgets.split(",") if gb for p in a.policies.split(",") if p for b in batches]
-    for gb, pol, b in runs:
-        r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b)
-        r["budget_gb"] = gb
-        # bytes-bound limit: the resident step plus the slower miss branch, each at the rate measured
-        # alone (one branch in use) or while both run (both in use: the concurrent pair)
-        both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
-        rates = prof["concurrent"] if both else prof["isolated"]
-        if b in resident_ms and rates["b_p_gbps"] and rates["b_h_gbps"]:
-            miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
-                          r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
-            r["bound_ms"] = resident_ms[b] + miss_ms
-            r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
+
+    def save() -> str:
+        """Write decode.json and decode.md with the results so far (a run cut short keeps them); the table."""
+        meta = {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
+            "machine": {"platform": platform.platform(),
+                        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                        "cpu_threads": [int(t) for t in profiles], "torch": torch.__version__},
+            "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
+            "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
+            "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
+            "pinned": runner.pinned, "load_s": load_s, "profiles": profiles, "skipped": skipped,
+            "format": pool.format.value, "quant": a.quant,
+            "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu,
+                                "source": runner.experts.bandwidths.source},
+            "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup,
+            "tokens": a.tokens,
+            "batch_sizes": batches, "decode_input": a.decode_input, "routing": a.routing,
+        }
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        lines = [
+            "| budget (GB) | policy | threads | batch | context | tokens/s | ms/step | bound ms | bound/measured "
+            "| hit rate | fills/step | CPU experts/step | q*/m (policy) | q/m (observed) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
+            bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
+            lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['threads']} | {r['batch']} | {r['context']} | "
+                         f"{r['tokens_per_s']:.1f} | "
+                         f"{r['ms_per_token']:.2f} | "
+                         f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
+                         f"{r['q_ratio_policy']:.3f} | {qo} |")
+        table = "\n".join(lines + ([""] if skipped else []) + [f"skipped: {x}" for x in skipped])
+        (out / "decode.md").write_text(table + "\n")
+        return table
+
+    def record(r: dict, budget) -> None:
+        r.update(budget_gb=budget, format=pool.format.value, threads=runner.experts.cpu_executor.threads,
+                 cpu_executor=runner.experts.cpu_executor.name)
         results.append(r)
         print(r, flush=True)
-    meta = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "cpu_threads": runner.experts.cpu_executor.threads, "torch": torch.__version__},
-        "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
-        "expert_mb": row / 1e6, "experts_total": runner.pool.num_ids, "pool_gb": runner.pool.nbytes / 1e9,
-        "kv_bytes_per_token": runner.kv.bytes_per_token, "kv_layout": runner.kv.spec.describe(),
-        "pinned": runner.pinned, "load_s": load_s, "profile": prof,
-        "bandwidths_used": {"b_p": runner.experts.bandwidths.pcie, "b_h": runner.experts.bandwidths.cpu, "source": runner.experts.bandwidths.source},
-        "decode_path": runner.experts.decode_path, "prompt_len": a.prompt_len, "warmup": a.warmup, "tokens": a.tokens,
-        "batch_sizes": batches, "decode_input": a.decode_input, "routing": a.routing,
-    }
-    out = Path(a.out)
+        save()
+
+    for n, th in enumerate(threads):
+        if n:
+            runner.set_cpu_threads(th)
+        prof = measure(pool, pool.layout, runner.device, runner.experts.cpu_executor, a.profile_seconds,
+                       2_000_000_000)
+        runner.experts.bandwidths = bandwidths_from_profile(prof, "measured by benchmarks/decode.py")
+        ex = runner.experts.cpu_executor
+        profiles[str(ex.threads)] = prof
+        print(f"CPU executor {ex.name} x {ex.threads} threads; profile: isolated {prof['isolated']}, "
+              f"concurrent {prof['concurrent']}", flush=True)
+        if n == 0 and not a.no_resident:
+            # every expert placed and pinned up front: all hits, the ceiling (no CPU work: once)
+            for b in batches:
+                r = run_one(runner, pool.num_ids, "static", prompt, a.warmup, a.tokens, feed, batch=b)
+                resident_ms[b] = r["ms_per_token"]
+                record(r, "all (resident)")
+            for ctx in [int(c) for c in a.contexts.split(",") if c]:
+                long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
+                r = run_one(runner, pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
+                record(r, "all (resident)")
+        torch_cpu = ex.name == "torch" and not pool.format.dense and not a.torch_cpu_branch
+        for gb in [float(x) for x in a.budgets.split(",") if x]:
+            for pol in [p for p in a.policies.split(",") if p]:
+                if pol == "fill-all" and n:  # no CPU branch: the thread count does not matter
+                    continue
+                if torch_cpu and pol != "fill-all":
+                    skipped.append(f"{pol} at {gb} GB, {ex.threads} threads: {pool.format.value} rows have no native "
+                                   "CPU kernel (torch executor)")
+                    continue
+                for b in batches:
+                    r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b)
+                    # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
+                    # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
+                    both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
+                    rates = prof["concurrent"] if both else prof["isolated"]
+                    if b in resident_ms and rates["b_p_gbps"] and rates["b_h_gbps"]:
+                        miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
+                                      r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
+                        r["bound_ms"] = resident_ms[b] + miss_ms
+                        r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
+                    record(r, gb)
+    for line in skipped:
+        print("skipped:", line, flush=True)
+    print(save())
+    return 0
+
+
+def compare(dirs: list[str], out: Path) -> int:
+    """``formats.md`` / ``formats.json`` in ``out``: each run's tokens/s and bytes-bound ratio beside the first
+    run's (the baseline, e.g. bf16) at the same budget, policy, threads and batch (resident runs: same batch)."""
+    runs = [json.loads((Path(d) / "decode.json").read_text()) for d in dirs]
+
+    def key(r: dict) -> tuple:
+        resident = not isinstance(r["budget_gb"], (int, float))
+        return (str(r["budget_gb"]), r["policy"], None if resident or r["policy"] == "fill-all" else r["threads"],
+                r["batch"], r["context"])
+
+    base = {key(r): r for r in runs[0]["results"]}
+    rows = []
+    for run in runs:
+        for r in run["results"]:
+            b = base.get(key(r))
+            rows.append({"format": r["format"], "budget_gb": r["budget_gb"], "policy": r["policy"],
+                         "threads": r["threads"], "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
+                         "ratio_to_baseline": r["tokens_per_s"] / b["tokens_per_s"] if b else None,
+                         "bound_ratio": r.get("bound_ratio"), "hit_rate": r["hit_rate"],
+                         "expert_mb": run["meta"]["expert_mb"], "cpu_executor": r["cpu_executor"]})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    lines = [
-        "| budget (GB) | policy | batch | context | tokens/s | ms/step | bound ms | bound/measured | hit rate "
-        "| fills/step | CPU experts/step | q*/m (policy) | q/m (observed) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
-        bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
-        lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['batch']} | {r['context']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['ms_per_token']:.2f} | "
-                     f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
-                     f"{r['q_ratio_policy']:.3f} | {qo} |")
-    table = "\n".join(lines)
-    (out / "decode.md").write_text(table + "\n")
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "runs": [r["meta"] for r in runs],
+            "baseline": runs[0]["meta"]["format"]}
+    (out / "formats.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    lines = [f"| format | expert MB | budget (GB) | policy | threads | batch | tokens/s | x {meta['baseline']} "
+             "| bound/measured | hit rate | CPU executor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (str(r["budget_gb"]), r["policy"], r["threads"], r["batch"])):
+        ratio = "-" if r["ratio_to_baseline"] is None else f"{r['ratio_to_baseline']:.2f}"
+        bound = "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.2f}"
+        lines.append(f"| {r['format']} | {r['expert_mb']:.2f} | {r['budget_gb']} | {r['policy']} | {r['threads']} | "
+                     f"{r['batch']} | {r['tokens_per_s']:.1f} | {ratio} | {bound} | {r['hit_rate']:.3f} | "
+                     f"{r['cpu_executor']} |")
+    skipped = [f"{run['meta']['format']}: {x}" for run in runs for x in run["meta"]["skipped"]]
+    table = "\n".join(lines + ([""] if skipped else []) + [f"skipped: {x}" for x in skipped])
+    (out / "formats.md").write_text(table + "\n")
     print(table)
     return 0
 

@@ -1,7 +1,7 @@
 """Fill bandwidth under CPU-executor load: zero-copy Triton gather vs copy-engine memcpy.
 
 The q* split assumes host→GPU fills keep B_P while the CPU executor streams other experts from the
-same DRAM (DESIGN.md §2, §9). This measures, for Qwen3-30B-A3B-shaped experts (9.44 MB), the
+same DRAM. This measures, for Qwen3-30B-A3B-shaped experts (9.44 MB), the
 fill bandwidth of ``gather_fills`` (SM loads through the host pointer) and of per-row
 ``cudaMemcpyAsync`` (copy engine), each alone and while the native CPU executor runs steps in a
 background thread; and the CPU executor's bandwidth alone and under each kind of fill.

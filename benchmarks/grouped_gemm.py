@@ -1,4 +1,4 @@
-"""Grouped expert GEMM benchmark: the Triton kernel pair vs the per-expert torch loop (DESIGN.md §3).
+"""Grouped expert GEMM benchmark: the Triton kernel pair vs the per-expert torch loop.
 
 One MoE layer's routed-expert compute at Qwen3-30B-A3B geometry (H=2048, I=768, E=128, top-8, bf16),
 every expert resident in a cache slot, uniform random routing, for prefill chunks of ``--tokens``

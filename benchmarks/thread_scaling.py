@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 QWEN3_30B_A3B = (2048, 768)  # hidden, moe_intermediate_size
 
@@ -85,7 +87,8 @@ class Spinners:
 def executor_sweep(a: argparse.Namespace) -> list[dict]:
     H, I = QWEN3_30B_A3B
     row = 3 * H * I * 2
-    pool = HostExpertPool(max(8, int(a.rotate_gb * 1e9) // row), H, I, torch.bfloat16)
+    pool = HostExpertPool(max(8, int(a.rotate_gb * 1e9) // row), ExpertLayout.build(WeightFormat.BF16, H, I),
+                          torch.bfloat16)
     t0 = time.perf_counter()
     pool.fill_random(seed=0)
     print(f"pool: {pool.num_ids} experts x {row / 1e6:.2f} MB = {pool.nbytes / 1e9:.2f} GB, filled in "

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
-# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu threads threads-decode batches decode prefill
-#        prefill-profile grouped agent peers elastic (default: tests decode prefill)
+# Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
+#        formats prefill prefill-profile grouped agent peers elastic (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
 # finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
-# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, elastic flags in $ELASTIC_ARGS.
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
+# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520),
+# elastic flags in $ELASTIC_ARGS.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -34,12 +36,19 @@ for stage in "${stages[@]}"; do
   tests)
     echo "== GPU tests (device decode path, Triton kernels, CUDA parity) + native CPU kernel tests"
     timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu \
-      tests/test_parity.py tests/test_cpu_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
+      tests/test_parity.py tests/test_cpu_kernels.py tests/test_cpu_quant_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
       | tee "$OUT/pytest.log" | grep -v "^SKIPPED" | tail -n 60 ;;
   cpu)
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
     timeout 240 python3 benchmarks/cpu_executor.py --threads 6,16 --batch 1,8 --experts-per-call 8 \
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
+  cpu-formats)
+    echo "== native CPU kernels per expert format: tests, then B_H in packed GB/s vs the read test at 6 and 15 threads"
+    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
+      | tail -n 3
+    timeout 150 python3 benchmarks/cpu_executor.py --format bf16,fp8,mxfp4,nvfp4 --threads 6,15 --batch 1,8 \
+      --experts-per-call 8 --executors native --out "$OUT/cpu_formats.json" 2>&1 | tee "$OUT/cpu-formats.log" \
+      | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:' ;;
   threads)
     echo "== native executor B_H per thread count (1..cores), planned vs as asked, alone and beside 1 busy process"
     for sp in 0 1; do
@@ -60,6 +69,21 @@ for stage in "${stages[@]}"; do
     echo "== decode benchmark (Qwen3-30B-A3B geometry, dummy weights)"
     timeout ${DECODE_TIMEOUT:-540} python3 benchmarks/decode.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" \
       | grep -v "^{'policy'" | tail -n 40 ;;
+  formats)
+    echo "== decode per expert format at equal expert VRAM (Qwen3-30B-A3B geometry, dummy weights, uniform routing)"
+    deadline=$((SECONDS + ${FORMATS_TIMEOUT:-520}))  # the whole stage, comparison included
+    runs=()
+    for q in bf16 fp8 mxfp4 nvfp4-modelopt; do
+      left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
+      [ $left -lt 30 ] && { echo "formats: no time left for $q"; continue; }
+      flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
+      timeout $left python3 benchmarks/decode.py "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
+        --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$q" ${FORMATS_ARGS:-} 2>&1 \
+        | tee "$OUT/formats-$q.log" | grep -v "^{'policy'" | tail -n 16
+      [ -f "$OUT/formats/$q/decode.json" ] && runs+=("$OUT/formats/$q")
+    done
+    [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
+      | tee "$OUT/formats.log" ;;
   prefill)
     echo "== prefill benchmark (double-buffered layer streaming vs serialized)"
     timeout 400 python3 benchmarks/prefill.py --out "$OUT" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" | tail -n 30 ;;

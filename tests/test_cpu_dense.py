@@ -22,6 +22,8 @@ from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 from edgemoe.synth import make_model
 
 try:
@@ -38,7 +40,7 @@ _execs: dict = {}
 def _executor(isa: str | None = None, threads: int = 2) -> native.NativeCpuExecutor:
     key = (isa, threads)
     if key not in _execs:
-        _execs[key] = native.NativeCpuExecutor(HostExpertPool(1, 16, 16, torch.bfloat16), threads, isa=isa,
+        _execs[key] = native.NativeCpuExecutor(HostExpertPool(1, ExpertLayout.build(WeightFormat.BF16, 16, 16), torch.bfloat16), threads, isa=isa,
                                                min_parallel_bytes=0, oversubscribe=True)
     return _execs[key]
 

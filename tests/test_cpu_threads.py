@@ -61,7 +61,7 @@ def test_requests_beyond_the_limit_are_capped_unless_oversubscribed():
 
 @needs_native
 def test_executor_follows_the_plan_and_the_server_pins_itself():
-    pool = HostExpertPool(4, 64, 32, torch.bfloat16)
+    pool = HostExpertPool.dense(4, 64, 32, torch.bfloat16)
     pool.fill_random(seed=1)
     cores = native.physical_core_cpus()
     ex = native.NativeCpuExecutor(pool, len(cores) + 3)
@@ -85,7 +85,7 @@ def test_executor_follows_the_plan_and_the_server_pins_itself():
 
 @needs_native
 def test_oversubscribed_pool_is_correct_and_notices_preemption():
-    pool = HostExpertPool(16, 256, 128, torch.bfloat16)
+    pool = HostExpertPool.dense(16, 256, 128, torch.bfloat16)
     pool.fill_random(seed=2)
     cores = len(native.physical_core_cpus())
     n = 2 * cores + 1

@@ -5,26 +5,25 @@ identical residency tables and counters, step after step, for every policy."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.experts.cache import ExpertCache  # noqa: E402
-from edgemoe.experts.cpu_executor import TorchCpuExecutor  # noqa: E402
-from edgemoe.experts.device_decode import DeviceDecode  # noqa: E402
-from edgemoe.experts.hybrid import HybridExperts  # noqa: E402
-from edgemoe.experts.policy import Bandwidths, make_policy  # noqa: E402
-from edgemoe.experts.pool import HostExpertPool  # noqa: E402
-from edgemoe.quant.layout import ExpertLayout  # noqa: E402
-from edgemoe.quant.weights import WeightFormat  # noqa: E402
+from edgemoe.core import Phase
+from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cpu_executor import TorchCpuExecutor
+from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.policy import Bandwidths, make_policy
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpreter) variant; tests/gpu covers CUDA")
 
@@ -143,27 +142,63 @@ def test_doorbell_wait_gives_up_without_a_server():
         doorbell.ring(seq.int(), bell)
 
 
-@pytest.mark.parametrize("fmt", [WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4])
-def test_quantized_rows_switch_the_device_path_off_with_a_reason(monkeypatch, fmt):
-    """The device decode kernels read float rows only: a quantized cache decodes on the eager path (its rows
-    dequantized in torch), and says so, rather than running kernels that would misread the bytes."""
+QUANT = {WeightFormat.FP8_BLOCK: (16, 16), WeightFormat.MXFP4: (128, 128), WeightFormat.NVFP4: (128, 128)}
+
+
+def _quant_pool(fmt: WeightFormat) -> HostExpertPool:
+    """A quantized pool at H = I = 32 (FP8 blocks of 16: several scale blocks per matrix)."""
+    pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32, block_size=QUANT[fmt]), torch.float32)
+    pool.fill_random(0, std=0.2)
+    return pool
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+@pytest.mark.parametrize("policy,slots", [("qstar", 6), ("fill-all", 30)])
+def test_quantized_device_path_equals_eager_path(fmt, policy, slots):
+    """Quantized rows on the device path: fills move packed rows, ``expert_gemv_quant`` dequantizes them in
+    the kernel; outputs equal the eager path's (rows dequantized in torch), tables and counters identical."""
+    pool = _quant_pool(fmt)
+    eager, dev = _pair(pool, slots, policy)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 3):
+        T = 3 - step
+        for c in (eager.cache, dev.cache):
+            c.clock.fill_(step)
+        for layer in range(LAYERS):
+            x = torch.randn(T, 32, generator=g)
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, k]
+            w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+            a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
+            b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            for name in ("slot_of", "owner_of", "last_used"):
+                assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
+    for slot, fid in enumerate(dev.cache.owner_of.tolist()):  # the fills copied the packed rows
+        if fid >= 0:
+            assert torch.equal(dev.cache.bank[slot], pool.bank[fid])
+    assert dev.stats()["decode"] == eager.stats()["decode"]
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+def test_quantized_rows_take_the_device_path(monkeypatch, fmt):
+    """A quantized cache decodes on the device path like a float one (the kernels dequantize in registers);
+    an FP8 block the kernels do not tile keeps the eager path and says why."""
     import edgemoe.engine.expert_runtime as er
     from edgemoe.config import EngineConfig
     from edgemoe.models import load_config
     from edgemoe.synth import config_for
 
     monkeypatch.setattr(er, "unavailable_reason", lambda device: None)  # as if the Triton kernels ran here
-    cfg = load_config(config_for("qwen3_moe", "tiny", {"num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
-                                                       "moe_intermediate_size": I}).to_dict())
+    cfg = load_config(config_for("qwen3_moe", "tiny", {"num_experts": E, "num_experts_per_tok": K, "hidden_size": 32,
+                                                       "moe_intermediate_size": 32}).to_dict())
     assert cfg.num_moe_layers == LAYERS
     engine = EngineConfig(device="cpu", expert_cache_slots=8, expert_policy="fill-all", cpu_executor="torch")
-    dense = er.ExpertRuntime(_pool(), cfg, engine, torch.device("cpu"), fallback=False, graphs_supported=True)
-    assert dense.device_decode is not None and dense.decode_path is not er.DecodePath.EAGER
-    pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32), torch.float32)
-    quant = er.ExpertRuntime(pool, replace(cfg, hidden_size=32, moe_intermediate_size=32), engine,
-                             torch.device("cpu"), fallback=False, graphs_supported=True)
-    assert quant.decode_path is er.DecodePath.EAGER and quant.device_decode is None
-    assert quant.decode_path_reason == (f"the device decode kernels do not read {fmt.value} expert rows yet: decode "
-                                        "dequantizes them in torch")
-    with pytest.raises(ValueError, match=f"not {fmt.value}"):
-        DeviceDecode(pool, quant.cache, quant.policy, quant.cpu_executor, E, K, max_tokens=2)
+    quant = er.ExpertRuntime(_quant_pool(fmt), cfg, engine, torch.device("cpu"), fallback=False, graphs_supported=True)
+    assert quant.device_decode is not None and quant.decode_path is not er.DecodePath.EAGER
+    if fmt is WeightFormat.FP8_BLOCK:
+        pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32, block_size=(16, 24)), torch.float32)
+        odd = er.ExpertRuntime(pool, cfg, engine, torch.device("cpu"), fallback=False, graphs_supported=True)
+        assert odd.decode_path is er.DecodePath.EAGER and odd.device_decode is None
+        assert "power of two" in odd.decode_path_reason
+        with pytest.raises(ValueError, match="do not read"):
+            DeviceDecode(pool, odd.cache, odd.policy, odd.cpu_executor, E, K, max_tokens=2)

@@ -2,7 +2,8 @@
 packed rows match their ``transformers`` reference (``tests/quant_reference.py``) in every execution mode on
 the CPU: all resident, each expert policy with a cache smaller than one layer, CPU-only.
 
-The engine computes in float32 here, so the comparison is exact up to float32 summation order: the
+The engine computes in float32 here, with the native CPU kernels dequantizing the packed rows in registers
+where the extension builds, so the comparison is exact up to float32 summation order: the
 dequantized weights are the same numbers on both sides (compressed-tensors NVFP4 experts: up to a few
 float32 ulp, the row storing ``1 / weight_global_scale`` as a multiplier). A bfloat16 run checks the
 rounding rule (float32 dequantization, then one rounding to bf16): it is bit-identical to serving a bf16
@@ -20,6 +21,18 @@ from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.quant.weights import WeightFormat
 
 from conftest import greedy_decode
+
+
+def _native_isas() -> list[str]:
+    from edgemoe.experts import native
+
+    try:
+        return native.supported_isas(WeightFormat.FP8_BLOCK, torch.float32)
+    except native.NativeUnavailable:
+        return []
+
+
+_NATIVE_ISAS = _native_isas()
 
 MODES = [
     ("fill-all", None),  # every expert resident
@@ -57,7 +70,8 @@ def test_quantized_experts_match_transformers(quantized, policy, slots):
     runner = _runner(path, policy, slots)
     pool = runner.pool
     assert pool.format is FORMATS[quant] and pool.compute_dtype == torch.float32
-    assert runner.experts.cpu_executor.name == "torch"  # no native kernel reads these rows yet
+    # the native kernels read the packed rows where the extension builds (the torch executor otherwise)
+    assert runner.experts.cpu_executor.name.startswith("native-") or not _NATIVE_ISAS
     logits, toks = greedy_decode(runner, PROMPT, STEPS, free=True)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
@@ -72,11 +86,29 @@ def test_bf16_compute_is_bit_identical_to_a_bf16_copy_of_the_dequantized_weights
     _, path, _ = quantized
     copy = float_copy(path, tmp_path / "bf16", torch.bfloat16, ct_expert_multiplier=True)
     for policy, slots in (("fill-all", None), ("qstar", 5), ("qstar", 0)):
-        q = greedy_decode(_runner(path, policy, slots, "bfloat16"), PROMPT, STEPS, free=True)
-        # the torch CPU executor on both sides (the quantized pool falls back to it; native bf16 kernels round
-        # differently within tolerance)
+        # the torch CPU executor on both sides (the native kernels' float32 summation order differs from
+        # oneDNN's: within tolerance, not bit-identical; test_native_executor_matches_torch_executor)
+        q = greedy_decode(_runner(path, policy, slots, "bfloat16", cpu_executor="torch"), PROMPT, STEPS, free=True)
         f = greedy_decode(_runner(copy, policy, slots, "bfloat16", cpu_executor="torch"), PROMPT, STEPS, free=True)
         assert q[1] == f[1] and torch.equal(q[0], f[0]), (policy, slots)
+
+
+@pytest.mark.skipif(not _NATIVE_ISAS, reason="native CPU extension unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_executor_matches_torch_executor(quantized, dtype):
+    """The native kernels dequantize the packed rows in registers; the torch executor dequantizes them with
+    ``dequant_rows`` and runs the float expert. Greedy tokens are equal, logits equal up to summation order
+    (float32) or a few bf16 one-ulp flips (bfloat16), CPU-only and with a cache smaller than a layer."""
+    _, path, _ = quantized
+    tol = {"float32": 1e-4, "bfloat16": 5e-2}[dtype]
+    for policy, slots in (("qstar", 0), ("qstar", 5)):
+        nat = _runner(path, policy, slots, dtype)
+        assert nat.experts.cpu_executor.name.startswith("native-")
+        n = greedy_decode(nat, PROMPT, STEPS, free=True)
+        t = greedy_decode(_runner(path, policy, slots, dtype, cpu_executor="torch"), PROMPT, STEPS, free=True)
+        assert n[1] == t[1], (policy, slots)
+        torch.testing.assert_close(n[0], t[0], rtol=tol, atol=tol)
+        assert nat.experts.stats()["decode"]["cpu"] > 0
 
 
 def test_packed_rows_are_the_checkpoint_bytes(quantized):

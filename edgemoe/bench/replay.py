@@ -14,7 +14,7 @@ warm the cache; miss rates are reported for decode accesses only, as ``misses / 
 
 Policies (``S`` slots over all ``N = L * E`` ids):
 
-- ``lru``: global LRU across layers, FreeToken (arXiv 2608.16157) §4 / DESIGN.md §2 — this is the
+- ``lru``: global LRU across layers, FreeToken (arXiv 2608.16157) §4 — this is the
   engine's own :class:`~edgemoe.experts.cache.ExpertCache` (``lookup``, ``touch``, ``choose_victims``,
   ``admit``) driven with the engine's step clock, so its counts equal the engine's counters.
 - ``layer-lru``: one LRU per MoE layer, ``S // L`` slots each (the first ``S % L`` layers get one more).

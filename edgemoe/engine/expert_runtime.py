@@ -23,8 +23,9 @@ from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import resolve_bandwidths
 from edgemoe.experts.cache import CacheCounters, ExpertCache
+from edgemoe.experts.compute import kernel_reason
 from edgemoe.experts.cpu_executor import make_cpu_executor
-from edgemoe.experts.device_decode import DEVICE_FORMATS, DeviceDecode
+from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import Bandwidths, ExpertPolicy, make_policy
@@ -258,13 +259,12 @@ class ExpertRuntime:
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
-        on this device, read the pool's row format and the cache has slots; otherwise decode takes the
-        eager path (quantized rows: dequantized in torch, then the float math)."""
+        on this device, read the pool's rows (float, FP8 block, MXFP4, NVFP4: ``kernel_reason``) and the
+        cache has slots; otherwise decode takes the eager path."""
         self.decode_path = DecodePath.EAGER
         reason = unavailable_reason(self.device)
-        fmt = self.pool.format
-        if reason is None and fmt not in DEVICE_FORMATS:
-            reason = (f"the device decode kernels do not read {fmt.value} expert rows yet: decode dequantizes them "
+        if reason is None and (why := kernel_reason(self.pool.layout)) is not None:
+            reason = (f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them "
                       "in torch")
         if reason is None and self.cache.num_slots == 0:
             reason = "no expert cache slots"

@@ -3,7 +3,7 @@
 Every engine owns its own ``CollectorRegistry`` (several engines, e.g. in tests, never collide).
 Request and token counters, latency histograms and queue gauges are updated by the engine; the
 expert-cache figures are read at scrape time from ``ModelRunner.expert_stats()`` by
-:class:`ExpertCacheCollector` (DESIGN.md §2: hits, misses, fills and CPU-executed expert uses per
+:class:`ExpertCacheCollector` (hits, misses, fills and CPU-executed expert uses per
 phase, cache slots, q*/m, B_P, B_H).
 """
 

@@ -1,6 +1,6 @@
 """The device expert cache: (layer, expert) slots under one global LRU across all MoE layers.
 
-DESIGN.md §2 and §4: one byte bank of slots on the compute device (``[S, row_bytes]``, rows in the host
+One byte bank of slots on the compute device (``[S, row_bytes]``, rows in the host
 pool's :class:`~edgemoe.quant.layout.ExpertLayout`, so a fill copies one packed row), a residency table
 ``slot_of[moe_layer * E + expert]`` (-1 when not resident), its inverse ``owner_of[slot]`` (-1 when
 free), and ``last_used[slot]``, the model step at which the slot was last hit or filled. A hit

@@ -5,11 +5,13 @@ Decode (the eager path's large batches), on-demand prefill waves and streamed pr
 :func:`run_sorted_experts`, and the torch CPU executor calls :func:`swiglu_expert`, so every path
 rounds at the same points (reference: transformers' ``Qwen3MoeExperts.forward``).
 
-Where a quantized row is dequantized (the torch reference path; quantized kernels will read the rows'
-sections at the layout's offsets and dequantize in registers instead): :func:`expert_weights` and
-:func:`gather_expert_weights` dequantize whole rows with :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`
-(float32 products, as ``transformers`` dequantizes) and round the result to the compute dtype, then the
-float expert math runs unchanged. Float rows are used in place through typed views (no copy, no rounding).
+Where a quantized row is dequantized: on CUDA the Triton kernels read the packed sections of the slot bank
+(:func:`quant_slots`) and dequantize each weight tile in registers; elsewhere (the torch reference path, and
+the torch CPU executor) :func:`expert_weights` and :func:`gather_expert_weights` dequantize whole rows with
+:meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows` (float32 products, as ``transformers`` dequantizes)
+and round the result to the compute dtype, then the float expert math runs unchanged. Both round at the same
+points: the float32 product of code and scale, rounded once to the compute dtype. Float rows are used in
+place through typed views (no copy, no rounding).
 """
 
 from __future__ import annotations
@@ -18,11 +20,37 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.kernels import kernel_module
+from edgemoe.kernels.quant_slots import QuantSlots, fp8_block_reason
 from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
 
 DEQUANT_GROUP_BYTES = 256 << 20
 """Prefill / large batches over quantized slots: experts are dequantized in groups of at most this many
 bytes of compute-dtype weights (bounds the temporary float bank)."""
+
+
+def kernel_reason(layout: ExpertLayout) -> str | None:
+    """``None`` when the Triton expert kernels read ``layout``'s rows (float rows, or FP8 block / MXFP4 /
+    NVFP4 dequantized in the kernels), else why not (FP8 with a column block the kernels do not tile)."""
+    if layout.format is WeightFormat.FP8_BLOCK:
+        return fp8_block_reason(layout.block_size)
+    return None
+
+
+def quant_slots(layout: ExpertLayout, bank: torch.Tensor) -> QuantSlots:
+    """The quantized kernels' view of a slot bank: every section of ``layout`` as a typed view of ``bank``
+    (uint8 ``[S, row_bytes]``, no copy).
+
+    Raises:
+        ValueError: a float layout (its kernels take ``w13`` / ``w2`` views directly).
+    """
+    if layout.format.dense:
+        raise ValueError(f"{layout.format.value} rows are not quantized: use the w13 / w2 section views")
+    nv = layout.format is WeightFormat.NVFP4
+    return QuantSlots(layout.format.value, layout.view(bank, "w13"), layout.view(bank, "w13_scale"),
+                      layout.view(bank, "w2"), layout.view(bank, "w2_scale"),
+                      layout.view(bank, "w13_scale2") if nv else None, layout.view(bank, "w2_scale2") if nv else None,
+                      layout.block_size)
 
 
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -75,11 +103,12 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                        zero_missing: bool = True) -> None:
     """Compute every route of one MoE layer whose expert is on the device, routes grouped by expert.
 
-    Float slots, where the Triton kernels run (CUDA): one grouped kernel pair over the bank's section
-    views, :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` (no host synchronization). Elsewhere:
-    :func:`run_experts_loop`. Quantized slots (no kernel reads them yet): the placed experts are
-    dequantized in groups (:func:`gather_expert_weights`, at most ``DEQUANT_GROUP_BYTES`` each) into a
-    temporary float bank and the same float computation runs over each group. Every path rounds where
+    Where the Triton kernels run (CUDA): one grouped kernel pair over the bank's section views, no host
+    synchronization: :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` for float slots,
+    :func:`~edgemoe.kernels.grouped_gemm.grouped_swiglu_quant` for quantized ones (weight tiles dequantized
+    in registers before each ``tl.dot``). Elsewhere float slots take :func:`run_experts_loop`, and quantized
+    slots are dequantized in groups (:func:`gather_expert_weights`, at most ``DEQUANT_GROUP_BYTES`` each)
+    into a temporary float bank over which the same float computation runs. Every path rounds where
     ``swiglu_expert`` does, and a route's row never depends on which group or call computed it.
 
     Args:
@@ -95,6 +124,11 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if layout.format.dense:
         _run_float(x, topk_ids, topk_weights, expert_slots, layout.view(bank, "w13"), layout.view(bank, "w2"), routed,
                    zero_missing)
+        return
+    grouped = kernel_module("grouped_gemm", x.device)
+    if grouped is not None and kernel_reason(layout) is None:
+        grouped.grouped_swiglu_quant(x, topk_ids, topk_weights, expert_slots, quant_slots(layout, bank), routed,
+                                     zero_missing=zero_missing)
         return
     E, dtype = expert_slots.numel(), routed.dtype
     slots = expert_slots.tolist()

@@ -26,8 +26,12 @@ program order, with the server thread on the other side of the doorbell. The CPU
 native executor; with the torch-ops executor it reads the work list back to the host (a sync) and
 the step cannot be captured.
 
-The kernels read float rows (bf16 / f16 / float32 layouts); :data:`DEVICE_FORMATS` lists them, and a
-cache of another format decodes on the eager path (``ExpertRuntime`` says why in its
+``expert_gemv`` reads float rows (bf16 / f16 / float32) through the bank's ``w13`` / ``w2`` views; for FP8
+block, MXFP4 and NVFP4 rows ``expert_gemv_quant`` reads the packed codes and scales of the same slot rows and
+dequantizes them in registers (``edgemoe.experts.compute.quant_slots``). Either way a fill moves the packed
+row, and ``fill-all`` is bit-identical to all-resident: the same kernel reads the same slot bytes, and a
+route's output depends on its own slot only. A layout neither kernel reads
+(:func:`~edgemoe.experts.compute.kernel_reason`) decodes on the eager path (``ExpertRuntime`` says why in its
 ``decode_path_reason``).
 """
 
@@ -36,13 +40,10 @@ from __future__ import annotations
 import torch
 
 from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.compute import kernel_reason, quant_slots
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
-from edgemoe.quant.weights import WeightFormat
-
-DEVICE_FORMATS = (WeightFormat.BF16, WeightFormat.FP16, WeightFormat.FP32)
-"""Expert row formats the device path's kernels (``gather_fills`` moves any; ``expert_gemv`` computes these) read."""
 
 
 class DeviceDecode:
@@ -61,7 +62,7 @@ class DeviceDecode:
         max_tokens: largest decode batch.
 
     Raises:
-        ValueError: a cache whose row format is not in :data:`DEVICE_FORMATS`.
+        ValueError: a cache whose rows the kernels do not read (:func:`~edgemoe.experts.compute.kernel_reason`).
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -73,14 +74,15 @@ class DeviceDecode:
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
                  num_experts: int, top_k: int, max_tokens: int):
         from edgemoe.kernels import doorbell
-        from edgemoe.kernels.expert_gemv import expert_gemv
+        from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
-        if cache.layout.format not in DEVICE_FORMATS:
-            names = ", ".join(f.value for f in DEVICE_FORMATS)
-            raise ValueError(f"the device decode kernels read {names} expert rows, not {cache.layout.format.value}")
-        self._route_control, self._gather_fills, self._expert_gemv = route_control, gather_fills, expert_gemv
+        if (reason := kernel_reason(cache.layout)) is not None:
+            raise ValueError(f"the device decode kernels do not read these {cache.layout.format.value} expert rows: "
+                             f"{reason}")
+        self._route_control, self._gather_fills = route_control, gather_fills
+        self._expert_gemv, self._expert_gemv_quant = expert_gemv, expert_gemv_quant
         self._ring, self._wait = doorbell.ring, doorbell.wait
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         self.num_experts = num_experts
@@ -148,7 +150,8 @@ class DeviceDecode:
             self.step.close()
             self.step = self.bell = None
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer's decode step.
 
         Args:
@@ -174,7 +177,10 @@ class DeviceDecode:
         if self.fills:
             self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
         routed = self.routed[:T]
-        self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act)
+        if c.layout.format.dense:
+            self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act)
+        else:  # packed codes and scales of the same slot rows, dequantized in registers
+            self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:
             if self.step is not None:

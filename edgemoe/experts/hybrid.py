@@ -1,6 +1,6 @@
 """Hybrid routed-expert execution: cache hits and fills on the device, the rest on the CPU.
 
-Per MoE layer and step (DESIGN.md §2):
+Per MoE layer and step:
 
 1. dedupe the step's routed experts and classify them against the residency table: hits H, misses M;
 2. ``q = policy(m)`` clamped to the slots that may be evicted this step (hits are never evicted);
@@ -54,7 +54,7 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
               step: int) -> StepPlan:
     """Classify a step's routed experts, choose fills and LRU victims, and update the residency tables.
 
-    This is the whole control of DESIGN.md §2: hits refresh recency; ``q = policy(m)`` clamped to the
+    This is the whole control of the hybrid decode step: hits refresh recency; ``q = policy(m)`` clamped to the
     slots evictable this step; the most-routed misses fill; victims are the least recently used slots
     not needed this step. Prefill under a streaming policy fills every miss, in waves of at most the
     evictable slots. The engine executes the plan; the routing-trace replay (``edgemoe.bench.replay``)

@@ -1,4 +1,4 @@
-"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool (DESIGN.md §2, §9).
+"""The native CPU expert executor: C++ kernels on a persistent pinned thread pool.
 
 The torch-ops executor reaches about a third of the host's DRAM read bandwidth on decode batches
 (31 of 93 GB/s on the H200 host); a routed expert at T <= 8 is two GEMVs bound by the bytes of
@@ -17,13 +17,19 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   one-line reason, and :func:`edgemoe.experts.cpu_executor.make_cpu_executor` falls back to the
   torch executor.
 - **ISA**: one binary for every x86-64 CPU; each kernel is compiled for its own target and picked at
-  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``, bf16 weights) > ``avx512`` > ``avx2`` (+FMA)
-  > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps the level; a level the CPU lacks is
-  never selected.
+  run time from cpuid: ``avx512bf16`` (``vdpbf16ps``: bf16 weights, and quantized weights computing
+  in bf16) > ``avx512`` > ``avx2`` (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
+  the level; a level the CPU lacks is never selected. float32 weights, and quantized rows computing in
+  float32, stop at ``avx512``.
 - **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
-  address, ``row_bytes`` and every section's offset in a row, :func:`expert_banks`); kernels exist for
-  bf16 and float32 rows. A pool of another format (FP8, MXFP4, NVFP4, float16) raises
-  :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
+  address, ``row_bytes``, every section's offset in a row and the compute dtype, :func:`expert_banks`).
+  Kernels exist for bf16 and float32 rows and for the quantized rows at their packed size: FP8 e4m3 with
+  128x128 float32 block scales, MXFP4 (e2m1 nibbles, E8M0 scale per 32) and NVFP4 (e2m1, e4m3 scale per
+  16, float32 per-tensor multiplier), computing in bfloat16 or float32. They read the codes and scales
+  straight from the row and dequantize in registers (``csrc/kernel_impl.h``, ``kernels_avx512bf16.cpp``);
+  nothing is dequantized to memory. A pool without a kernel (float16 rows, quantized rows computing in
+  float16, FP8 blocks that are not a power of two >= 16 columns, expert biases: :func:`native_reason`)
+  raises :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
 - **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
   (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
   do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
@@ -31,7 +37,14 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   sum over routes. What remains different is the order of float32 additions inside each dot
   product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
   rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
-  throughout. Results do not depend on the thread count.
+  throughout. Quantized rows: each weight is dequantized exactly as
+  :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows` does (float32 products: FP8 ``code * scale``,
+  MXFP4 ``e2m1 * 2^(e - 127)``, NVFP4 ``e2m1 * float32(float(e4m3) * multiplier)``); computing in bf16
+  it is then rounded to bf16 (nearest even, as the torch path's ``.to(bfloat16)`` of the dequantized
+  rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. The AVX-512-BF16
+  instructions treat float32 subnormals as zero (weights below 2^-126, which no release has), and the
+  vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results do not depend
+  on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
   one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
   the Python thread and the CUDA driver), never more. The caller is thread 0, the others are
@@ -39,7 +52,7 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   ``EDGEMOE_CPU_SPIN_US``) after a step, yielding their core to any other runnable thread and
   stopping early when they find themselves preempted, then sleep. The GIL is released during a
   step. :class:`NativeLinears` runs a CPU forward's dense GEMVs on the same threads.
-- **Inside the CUDA graph** (DESIGN.md §2): :meth:`NativeCpuExecutor.make_step` registers (pinned)
+- **Inside the CUDA graph**: :meth:`NativeCpuExecutor.make_step` registers (pinned)
   buffers once and returns a :class:`RegisteredStep`; :meth:`RegisteredStep.serve` starts a native
   thread that runs it whenever a device kernel rings its doorbell (``edgemoe/kernels/doorbell.py``),
   which is how ``edgemoe/experts/device_decode.py`` hands its CPU branch over inside the captured
@@ -74,8 +87,8 @@ from torch.overrides import TorchFunctionMode
 from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
-from edgemoe.startup import startup_step
 from edgemoe.quant.weights import WeightFormat
+from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +105,8 @@ WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float ke
 NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16: 2, WeightFormat.FP8_BLOCK: 3,
                   WeightFormat.MXFP4: 4, WeightFormat.NVFP4: 5}
 """Row format -> ``edgemoe::WeightFormat`` (``csrc/kernels.h``); which of them have kernels is the C++ side's answer."""
+QUANTIZED_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4)
+"""Quantized row formats the native kernels dequantize in registers."""
 X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 # Between two steps of a CPU-only decode the caller runs serial torch ops (norms, RoPE, attention:
@@ -356,44 +371,55 @@ def isa_cap_from_env() -> str | None:
     return None if v in ("", "auto", "best") else v
 
 
-def select_isa(features, cap: str | None = None, dtype: torch.dtype = torch.bfloat16) -> str | None:
+def select_isa(features, cap: str | None = None, dtype: torch.dtype | WeightFormat = torch.bfloat16,
+               compute: torch.dtype = torch.bfloat16) -> str | None:
     """The ISA level the executor picks for ``features`` (names or a mask) — the C++ function itself.
 
     Args:
         features: iterable of feature names (see :func:`feature_bits`) or a bitmask; may be fake.
         cap: highest level allowed (``None``: no cap).
-        dtype: weight dtype (``float32`` has no ``avx512bf16`` kernel and gets ``avx512``).
+        dtype: weight dtype, or a row :class:`~edgemoe.quant.weights.WeightFormat` (``float32`` has no
+            ``avx512bf16`` kernel and gets ``avx512``).
+        compute: a quantized format's compute dtype: its ``avx512bf16`` kernels compute in bfloat16, so in
+            ``float32`` the level stops at ``avx512``.
 
     Returns:
-        A name from :data:`ISA_LEVELS`, or ``None`` when the dtype has no native kernel.
+        A name from :data:`ISA_LEVELS`, or ``None`` when the format has no native kernel.
     """
-    fmt = WEIGHT_FORMATS.get(dtype)
+    fmt = NATIVE_FORMATS.get(dtype) if isinstance(dtype, WeightFormat) else WEIGHT_FORMATS.get(dtype)
     if fmt is None:
         return None
-    level = load_extension().select_isa(_mask(features), _level(cap), fmt)
+    cap_level = _level(cap)
+    if dtype in QUANTIZED_FORMATS and compute != torch.bfloat16:
+        top = ISA_LEVELS.index("avx512")
+        cap_level = top if cap_level < 0 else min(cap_level, top)
+    level = load_extension().select_isa(_mask(features), cap_level, fmt)
     return None if level < 0 else ISA_LEVELS[level]
 
 
-def supported_isas(dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Every level this CPU can run for ``dtype``, lowest first (what the tests force in turn)."""
+def supported_isas(dtype: torch.dtype | WeightFormat = torch.bfloat16,
+                   compute: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every level this CPU can run for ``dtype`` (a weight dtype or a row format computing in ``compute``),
+    lowest first (what the tests force in turn)."""
     mask = load_extension().cpu_features()
     out = []
     for cap in ISA_LEVELS:
-        lvl = select_isa(mask, cap, dtype)
+        lvl = select_isa(mask, cap, dtype, compute)
         if lvl is not None and lvl not in out:
             out.append(lvl)
     return out
 
 
 def isa_report() -> dict:
-    """Features, supported levels and the level picked per dtype under ``EDGEMOE_CPU_ISA``."""
+    """Features, supported levels and the level picked per weight dtype and per quantized row format
+    (computing in bfloat16) under ``EDGEMOE_CPU_ISA``."""
     cap = isa_cap_from_env()
+    kinds = {**{str(d).replace("torch.", ""): d for d in WEIGHT_FORMATS}, **{f.value: f for f in QUANTIZED_FORMATS}}
     return {
         "features": cpu_features(),
-        "supported": {str(d).replace("torch.", ""): supported_isas(d) for d in WEIGHT_FORMATS},
+        "supported": {name: supported_isas(k) for name, k in kinds.items()},
         "cap": cap,
-        "selected": {str(d).replace("torch.", ""): select_isa(load_extension().cpu_features(), cap, d)
-                     for d in WEIGHT_FORMATS},
+        "selected": {name: select_isa(load_extension().cpu_features(), cap, k) for name, k in kinds.items()},
     }
 
 
@@ -522,7 +548,32 @@ def expert_banks(ext, pool: HostExpertPool):
                            w13_off=off["w13"], w2_off=off["w2"], w13_scale_off=off.get("w13_scale", -1),
                            w2_scale_off=off.get("w2_scale", -1), w13_scale2_off=off.get("w13_scale2", -1),
                            w2_scale2_off=off.get("w2_scale2", -1), b13_off=off.get("b13", -1),
-                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk)
+                           b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk,
+                           compute=int(pool.compute_dtype == torch.bfloat16))
+
+
+def native_reason(pool: HostExpertPool) -> str | None:
+    """Why the native kernels cannot compute ``pool``'s experts whatever the CPU (``None``: they can).
+
+    Kernels exist for bf16 and float32 rows, and for FP8 block, MXFP4 and NVFP4 rows computing in bfloat16 or
+    float32; FP8 scale blocks must be powers of two of at least 16 columns (128 x 128 in every release), and
+    the pool's experts must have no biases (gpt-oss's are not computed by any path yet).
+    """
+    lay = pool.layout
+    if lay.format not in (WeightFormat.BF16, WeightFormat.FP32, *QUANTIZED_FORMATS):
+        return (f"no native kernel for {lay.format.value} expert rows (bf16, float32, fp8_block, mxfp4 and nvfp4 "
+                "rows have them)")
+    if lay.has_bias:
+        return f"no native kernel for {lay.format.value} expert rows with biases"
+    if lay.format in QUANTIZED_FORMATS and pool.compute_dtype not in (torch.bfloat16, torch.float32):
+        return (f"no native kernel for {lay.format.value} expert rows computing in {pool.compute_dtype} "
+                "(bfloat16 and float32 have them)")
+    if lay.format is WeightFormat.FP8_BLOCK:
+        bk = lay.block_size[1]
+        if bk < 16 or bk & (bk - 1):
+            return (f"no native kernel for FP8 block size {lay.block_size} (the kernels need power-of-two blocks "
+                    "of >= 16 columns)")
+    return None
 
 
 class NativeCpuExecutor:
@@ -530,7 +581,8 @@ class NativeCpuExecutor:
     ``edgemoe.experts.cpu_executor``; ``registers_steps``: :meth:`make_step` is available).
 
     Args:
-        pool: the host expert pool; rows of a format with native kernels (bf16, float32).
+        pool: the host expert pool; rows of a format with native kernels (bf16, float32; FP8 block, MXFP4 and
+            NVFP4 computing in bfloat16 or float32: :func:`native_reason`).
         threads: worker threads including the caller (``None``: the most that never oversubscribe the
             cores; a larger count is capped: :func:`plan_threads`).
         alongside: busy threads outside the pool that need a core (:func:`plan_threads`;
@@ -573,10 +625,12 @@ class NativeCpuExecutor:
             _core = ext.Executor(_plan.threads, list(_plan.cpus), _level(cap), int(spin_us), int(min_parallel_bytes))
         self._core = _core
         self.plan = _plan
-        level = self._core.isa_for(self._fmt)
+        reason = native_reason(pool)
+        if reason is not None:
+            raise NativeUnavailable(reason)
+        level = self._core.isa_for(self._fmt, pool.compute_dtype == torch.bfloat16)
         if level < 0:
-            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU (bf16 and "
-                                    "float32 rows have them)")
+            raise NativeUnavailable(f"no native kernel for {pool.format.value} expert rows on this CPU")
         self._banks = expert_banks(ext, pool)
         self.isa = ISA_LEVELS[level]
         self.name = f"native-{self.isa}"
@@ -783,7 +837,7 @@ class RegisteredStep:
     kernel writing mapped memory); the step then runs with no Python involved, either through
     :meth:`serve` (a native thread polling a doorbell that a device kernel rings: the decode path's
     way, :mod:`edgemoe.kernels.doorbell`) or as a host node,
-    ``cudaLaunchHostFunc(stream, fn_address, address)`` (DESIGN.md §2).
+    ``cudaLaunchHostFunc(stream, fn_address, address)``.
 
     Buffers (CPU tensors, pinned when ``pin_memory``):
         x ``[max_tokens, H]`` (``x_dtype``), out ``[max_tokens, H]`` float32 (zeroed by each call

@@ -1,4 +1,4 @@
-"""The host expert pool: every routed expert of the model, in host memory (DESIGN.md §1, §4).
+"""The host expert pool: every routed expert of the model, in host memory.
 
 Experts are stored as one uint8 byte bank ``[N, row_bytes]`` indexed by the flat id
 ``moe_layer * E + expert``; an :class:`~edgemoe.quant.layout.ExpertLayout` says where each tensor of
@@ -30,7 +30,7 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = Fa
 
     Page alignment lets direct I/O (``O_DIRECT``) read straight into the tensor (``torch.empty`` only
     guarantees 64 bytes). Pages are faulted in on first write, so filling then pinning touches each
-    page once (DESIGN.md §5). The mapping lives as long as any tensor viewing it.
+    page once. The mapping lives as long as any tensor viewing it.
 
     ``huge_pages`` asks for transparent huge pages (``MADV_HUGEPAGE``, a hint). Off by default: with
     the common ``defrag=madvise`` setting a fault may compact memory synchronously; direct-I/O fills of
@@ -111,7 +111,7 @@ class HostExpertPool:
         return self.layout.view(self.bank, name)
 
     def pin(self) -> bool:
-        """Page-lock the filled bank with ``cudaHostRegister`` (pin *after* filling: DESIGN.md §5).
+        """Page-lock the filled bank with ``cudaHostRegister`` (pin *after* filling).
 
         Returns ``True`` on success; on refusal (no CUDA, ulimit, OS limit) logs why and keeps
         pageable memory, returning ``False``. Never raises.

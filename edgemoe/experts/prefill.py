@@ -1,4 +1,4 @@
-"""Double-buffered, layer-streamed prefill (DESIGN.md §3; FreeToken, arXiv 2608.16157, prefill).
+"""Double-buffered, layer-streamed prefill (FreeToken, arXiv 2608.16157, prefill).
 
 A prefill chunk of thousands of tokens routes to nearly every expert of every MoE layer, so a
 prefill step streams whole layers through the expert cache and is bound by the host→device link:

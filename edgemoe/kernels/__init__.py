@@ -9,9 +9,11 @@ allocates scratch whose size follows the input shapes only).
 - :mod:`.doorbell`: ring / wait, handing a decode step's CPU work to the native executor's server
   thread through pinned memory and waiting for it.
 - :mod:`.gather`: the layer's fills, host expert pool → device cache slots, zero-copy over PCIe.
-- :mod:`.expert_gemv`: grouped SwiGLU expert GEMVs over cache slots for decode batches.
+- :mod:`.expert_gemv`: grouped SwiGLU expert GEMVs over cache slots for decode batches (float slots, and
+  FP8 block / MXFP4 / NVFP4 slots dequantized in registers).
 - :mod:`.grouped_gemm`: grouped SwiGLU expert GEMMs over cache slots for prefill and large batches
-  (routes aligned by expert on the device).
+  (routes aligned by expert on the device; quantized weight tiles dequantized before each dot).
+- :mod:`.quant_slots`: ``QuantSlots``, a quantized slot bank as those kernels read it (torch only).
 - :mod:`.decode_attention`: paged decode attention, split-KV (flash-decoding) with a merge pass.
 - :mod:`.gated_delta`: the gated delta rule of ``qwen3_5_moe``'s linear attention (prefill and decode).
 

@@ -1,4 +1,4 @@
-"""One decode step's CPU work in the native executor's registered-step layout (issue 4 item 4).
+"""One decode step's CPU work in the native executor's registered-step layout.
 
 ``route_control`` writes a step's CPU work into device buffers with this layout and the native
 executor's ``RegisteredStep`` reads it from pinned host buffers with the same layout, so a step's

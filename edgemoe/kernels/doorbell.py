@@ -1,4 +1,4 @@
-"""Device side of the CPU-branch doorbell (issue 4 item 4; DESIGN.md §2).
+"""Device side of the CPU-branch doorbell.
 
 The decode step hands its CPU work to the native executor without a host function in the stream:
 after the step's inputs are copied into the registered pinned buffers, :func:`ring` (one program)

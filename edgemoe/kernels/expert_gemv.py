@@ -1,4 +1,4 @@
-"""Grouped SwiGLU expert GEMVs over expert-cache slots for decode batches (DESIGN.md §2).
+"""Grouped SwiGLU expert GEMVs over expert-cache slots for decode batches.
 
 Every route ``p = t·k + j`` whose slot ``s = slot_tk[p]`` is on the device computes
 
@@ -15,6 +15,10 @@ Numerics follow ``swiglu_expert`` in the weights' dtype (the eager GPU path,
 ``HybridExperts._run_device_pairs``): x is rounded to the weight dtype; float32 accumulation; each
 projection, ``silu(g)``, the activation product, and the router-weight product are rounded to the
 weight dtype.
+
+:func:`expert_gemv_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4: codes and scales
+read from the slot rows and dequantized in registers, each weight rounded to the compute dtype as the torch
+path rounds its dequantized rows); its E2M1 / E8M0 decoders serve ``grouped_gemm`` too.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from edgemoe.kernels.quant_slots import QuantSlots
 
 # Tiles (sm_90 compile: 64 and 72 registers, no spills, 4 warps): gate/up reads 2 x [8, 256] weights per
 # iteration, down [16, 256]; at P = 8, I = 768, H = 2048 that is 768 and 1024 programs.
@@ -110,7 +116,8 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
     I = two_i // 2
     P = T * k
     if tuple(topk_weights.shape) != (T, k) or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, got {tuple(topk_weights.shape)}")
+        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T}, "
+                         f"got {tuple(topk_weights.shape)}")
     if H13 != H or two_i != 2 * I or tuple(w2.shape) != (S, H, I) or w2.dtype != w13.dtype:
         raise ValueError(f"banks w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} {w2.dtype} do not match x [T, {H}]")
     if not (slot_matrices_contiguous(w13) and slot_matrices_contiguous(w2)) or x.stride(1) != 1:
@@ -132,3 +139,225 @@ def slot_matrices_contiguous(bank: torch.Tensor) -> bool:
     contiguous tensor, or a section view of a byte bank whose slots are ``row_bytes`` apart."""
     return bank.dim() == 3 and bank.stride(2) == 1 and bank.stride(1) == bank.shape[2] and (
         bank.shape[0] <= 1 or bank.stride(0) >= bank.shape[1] * bank.shape[2])
+
+
+# ---------------------------------------------------------------- quantized slots
+# Format codes of the quantized kernels (constexpr ``FMT``); shared with ``grouped_gemm``.
+FP8, MXFP4, NVFP4 = 1, 2, 3
+FORMAT_CODES = {"fp8_block": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
+
+# Tiles of the quantized GEMVs, per format: (rows per program, scale groups per iteration) of the gate/up
+# launch and of the down launch. Each iteration covers 256 (FP8) or 512 (FP4) elements of a row, so every
+# thread loads 16 or 32 bytes of weights per row block and iteration.
+QUANT_TILES = {FP8: ((8, 256), (16, 256)), MXFP4: ((8, 512), (16, 256)), NVFP4: ((8, 512), (16, 256))}
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """FP4 E2M1 codes (the low 4 bits of an integer tensor) -> float32, exactly.
+
+    The three magnitude bits ``e1 e0 m`` go to float16's exponent/mantissa boundary (bits 11..9), the
+    sign to bit 15: that float16 is ``2^(e-15)·(1 + m/2)`` (``e > 0``) or the subnormal ``m·2^-15``, and
+    times ``2^14`` it is the E2M1 value (OCP MX v1.0 §5.3.3: 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+    c = c.to(tl.int16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def e8m0_to_f32(s):
+    """E8M0 scale bytes -> float32 ``2^(s - 127)`` (0 -> 2^-127, 255 -> NaN, as the OCP MX definition)."""
+    s = s.to(tl.int32)
+    bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _vec_tile(v_ptr, c0, K, FMT: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
+              CDT: tl.constexpr):
+    """Elements ``[c0, c0 + G·GS)`` of a vector, rounded to CDT, as float32 ``[1, G, GB]`` tiles matching
+    the weight tiles of :func:`_row_tile_dot`: FP8 one tile (``v1`` = ``v0``); FP4 the even and the odd
+    elements (the low and the high nibbles of the weight bytes)."""
+    grp = c0 // GS + tl.arange(0, G)  # [G]
+    j = tl.arange(0, GB)  # [GB]
+    if FMT == 1:
+        cols = grp[:, None] * GS + j[None, :]  # [G, GS]
+        v0 = tl.load(v_ptr + cols, mask=cols < K, other=0.0).to(CDT).to(tl.float32)[None, :, :]
+        v1 = v0
+    else:
+        ev = grp[:, None] * GS + 2 * j[None, :]  # [G, GB] even elements
+        m = ev < K
+        v0 = tl.load(v_ptr + ev, mask=m, other=0.0).to(CDT).to(tl.float32)[None, :, :]
+        v1 = tl.load(v_ptr + ev + 1, mask=m, other=0.0).to(CDT).to(tl.float32)[None, :, :]
+    return v0, v1
+
+
+@triton.jit
+def _row_tile_dot(acc, w_rows, s_rows, s2, rmask, v0, v1, c0, K, FMT: tl.constexpr, G: tl.constexpr,
+                  GS: tl.constexpr, GB: tl.constexpr, CDT: tl.constexpr):
+    """``acc [R, G, GB] += W[rows, c0 : c0 + G·GS] · v`` elementwise (reduced by the caller), W dequantized
+    in registers and rounded to CDT: ``(code · scale).to(CDT)``, the float32 product of the reference
+    (``ExpertLayout.dequant_rows``) followed by the compute dtype's rounding.
+
+    ``w_rows [R, 1, 1]``: each row's first weight (FP8 element, FP4 byte); ``s_rows [R, 1]``: each row's
+    first scale (FP8: its block row); ``s2``: NVFP4's per-tensor multiplier (a scalar)."""
+    grp = c0 // GS + tl.arange(0, G)  # [G] scale columns
+    gmask = rmask[:, None] & (grp < tl.cdiv(K, GS))[None, :]  # [R, G]
+    j = tl.arange(0, GB)
+    if FMT == 1:
+        cols = (grp[:, None] * GS + j[None, :])[None, :, :]  # [1, G, GS]
+        w = tl.load(w_rows + cols, mask=rmask[:, None, None] & (cols < K), other=0.0).to(tl.float32)
+        sc = tl.load(s_rows + grp[None, :], mask=gmask, other=0.0)  # [R, G]
+        acc += (w * sc[:, :, None]).to(CDT).to(tl.float32) * v0
+    else:
+        b = (grp[:, None] * GB + j[None, :])[None, :, :]  # [1, G, GB] byte of each element pair
+        q = tl.load(w_rows + b, mask=gmask[:, :, None], other=0)  # [R, G, GB] uint8
+        if FMT == 2:
+            sc = e8m0_to_f32(tl.load(s_rows + grp[None, :], mask=gmask, other=127))  # [R, G]
+        else:
+            sc = tl.load(s_rows + grp[None, :], mask=gmask, other=0.0).to(tl.float32) * s2
+        lo = (e2m1_to_f32(q & 15) * sc[:, :, None]).to(CDT).to(tl.float32)
+        hi = (e2m1_to_f32(q >> 4) * sc[:, :, None]).to(CDT).to(tl.float32)
+        acc += lo * v0 + hi * v1
+    return acc
+
+
+@triton.jit
+def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, K, H, I, stride_x, stride_w, stride_s,
+                      stride_s2, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
+                      GS: tl.constexpr, GB: tl.constexpr):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = tl.load(slot_ptr + p)
+    if s >= 0:
+        cdt = a_ptr.dtype.element_ty
+        rmask = rows < I
+        s64 = s.to(tl.int64)
+        w_g = w_ptr + s64 * stride_w + rows.to(tl.int64)[:, None, None] * ROW_W  # [R, 1, 1] gate rows
+        w_u = w_g + I * ROW_W  # up rows
+        if FMT == 1:  # scale rows: gate's block rows, then up's from ceil(I / bn) on
+            s_g = s_ptr + s64 * stride_s + (rows // BN_ROWS)[:, None] * ROW_S  # [R, 1]
+            s_u = s_g + tl.cdiv(I, BN_ROWS) * ROW_S
+        else:
+            s_g = s_ptr + s64 * stride_s + rows[:, None] * ROW_S
+            s_u = s_g + I * ROW_S
+        if FMT == 3:
+            g2 = tl.load(s2_ptr + s64 * stride_s2)
+            u2 = tl.load(s2_ptr + s64 * stride_s2 + 1)
+        else:
+            g2 = 1.0
+            u2 = 1.0
+        x_row = x_ptr + (p // K).to(tl.int64) * stride_x
+        acc_g = tl.zeros([BLOCK_R, G, GB], tl.float32)
+        acc_u = tl.zeros([BLOCK_R, G, GB], tl.float32)
+        for c0 in range(0, H, G * GS):
+            v0, v1 = _vec_tile(x_row, c0, H, FMT, G, GS, GB, cdt)
+            acc_g = _row_tile_dot(acc_g, w_g, s_g, g2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt)
+            acc_u = _row_tile_dot(acc_u, w_u, s_u, u2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt)
+        g = tl.sum(tl.sum(acc_g, axis=2), axis=1).to(cdt).to(tl.float32)  # [R]
+        u = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(cdt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(cdt).to(tl.float32)
+        tl.store(a_ptr + p.to(tl.int64) * I + rows, (act * u).to(cdt), mask=rmask)
+
+
+@triton.jit
+def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, wt_ptr, out_ptr, H, I, stride_w, stride_s, stride_s2,
+                   ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
+                   GS: tl.constexpr, GB: tl.constexpr):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < H
+    s = tl.load(slot_ptr + p)
+    odt = out_ptr.dtype.element_ty
+    if s >= 0:
+        cdt = a_ptr.dtype.element_ty
+        s64 = s.to(tl.int64)
+        w_rows = w_ptr + s64 * stride_w + rows.to(tl.int64)[:, None, None] * ROW_W  # [R, 1, 1]
+        if FMT == 1:
+            s_rows = s_ptr + s64 * stride_s + (rows // BN_ROWS)[:, None] * ROW_S  # [R, 1]
+        else:
+            s_rows = s_ptr + s64 * stride_s + rows[:, None] * ROW_S
+        if FMT == 3:
+            d2 = tl.load(s2_ptr + s64 * stride_s2)
+        else:
+            d2 = 1.0
+        a_row = a_ptr + p.to(tl.int64) * I
+        acc = tl.zeros([BLOCK_R, G, GB], tl.float32)
+        for c0 in range(0, I, G * GS):
+            v0, v1 = _vec_tile(a_row, c0, I, FMT, G, GS, GB, cdt)
+            acc = _row_tile_dot(acc, w_rows, s_rows, d2, rmask, v0, v1, c0, I, FMT, G, GS, GB, cdt)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1).to(cdt).to(tl.float32)  # [R]
+        r = tl.load(wt_ptr + p).to(cdt).to(tl.float32)
+        y = (y * r).to(cdt).to(odt)
+    else:
+        y = tl.zeros([BLOCK_R], odt)
+    tl.store(out_ptr + p.to(tl.int64) * H + rows, y, mask=rmask)
+
+
+def quant_launch_args(slots: QuantSlots, role: str) -> tuple:
+    """The pointer and stride arguments of one role (``"w13"`` or ``"w2"``) of quantized slots, shared by the
+    GEMV and grouped-GEMM kernels: ``(w, scale, scale2, stride_w, stride_s, stride_s2, ROW_W, ROW_S, BN_ROWS,
+    FMT, GS, GB)`` (``ROW_W``: weight storage units per row; ``ROW_S``: scales per (block) row; ``GS``:
+    elements per scale; ``GB``: storage units per scale group)."""
+    fmt = FORMAT_CODES[slots.format]
+    w, sc = getattr(slots, role), getattr(slots, f"{role}_scale")
+    s2 = getattr(slots, f"{role}_scale2") if fmt == NVFP4 else sc  # a placeholder pointer the kernel never reads
+    gs = slots.group
+    gb = gs if fmt == FP8 else gs // 2
+    bn = slots.block[0] if fmt == FP8 else 1
+    return (w, sc, s2, w.stride(0), sc.stride(0), s2.stride(0), w.shape[2], sc.shape[2], bn, fmt, gs, gb)
+
+
+def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tensor, slots: QuantSlots,
+                      out: torch.Tensor, a: torch.Tensor) -> None:
+    """:func:`expert_gemv` over quantized slots, dequantizing the packed rows in registers.
+
+    Every (token, k) route ``p`` with ``slot_tk[p] >= 0`` reads its slot's packed weights and scales
+    (FP8 block, MXFP4 or NVFP4: :class:`~edgemoe.kernels.quant_slots.QuantSlots`) and computes the weighted
+    SwiGLU output; routes with ``slot < 0`` write zeros.
+
+    Rounding points (those of the torch reference path, which dequantizes rows with
+    ``ExpertLayout.dequant_rows`` then runs ``swiglu_expert`` in the compute dtype): each weight is the
+    float32 product of its code and scale (NVFP4: ``code · (float(scale) · scale2)``) rounded to the compute
+    dtype ``a.dtype``; x is rounded to the compute dtype; float32 accumulation; each projection, ``silu(g)``,
+    the activation product and the router-weight product are rounded to the compute dtype. Only the
+    order of the float32 sums differs from the reference.
+
+    Args:
+        x: ``[T, H]`` hidden states (any float dtype; rows contiguous).
+        slot_tk: ``[>= T·k]`` int32 slot per route; -1: not on the device.
+        topk_weights: ``[T, k]`` router weights, contiguous.
+        slots: the cache's section views (:meth:`QuantSlots.check` passes).
+        out: ``[T, k, H]`` contiguous, any float dtype; route rows are overwritten.
+        a: ``[>= T·k, I]`` contiguous scratch in the compute dtype (bf16, fp16 or float32).
+
+    Raises:
+        ValueError: shape, dtype or contiguity mismatch.
+
+    Source: as :func:`expert_gemv`; the formats' definitions are those of ``edgemoe.quant.dequant``.
+    """
+    slots.check()
+    T, H = x.shape
+    I = slots.intermediate
+    k = topk_weights.shape[1] if topk_weights.dim() == 2 else -1
+    P = T * k
+    if slots.hidden != H:
+        raise ValueError(f"slots of hidden size {slots.hidden} do not match x [T, {H}]")
+    if tuple(topk_weights.shape) != (T, k) or not topk_weights.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"topk_weights must be a contiguous [T, k] tensor with T = {T} and x rows contiguous")
+    if slot_tk.dtype != torch.int32 or slot_tk.numel() < P or not slot_tk.is_contiguous():
+        raise ValueError(f"slot_tk must be a contiguous int32 tensor of at least {P} entries")
+    if tuple(out.shape) != (T, k, H) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{T}, {k}, {H}] tensor, got {tuple(out.shape)}")
+    if (a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or a.dim() != 2 or a.shape[0] < P
+            or a.shape[1] != I or not a.is_contiguous()):
+        raise ValueError(f"a must be a contiguous [>= {P}, {I}] float scratch, got {a.dtype} {tuple(a.shape)}")
+    w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w13")
+    (r1, e1), (r2, e2) = QUANT_TILES[fmt]
+    _q_gate_up_kernel[(P, triton.cdiv(I, r1))](
+        x, slot_tk, w, sc, s2, a, k, H, I, x.stride(0), sw, ss, ss2, row_w, row_s, bn,
+        FMT=fmt, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)
+    w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w2")
+    _q_down_kernel[(P, triton.cdiv(H, r2))](
+        a, slot_tk, w, sc, s2, topk_weights, out, H, I, sw, ss, ss2, row_w, row_s, bn,
+        FMT=fmt, BLOCK_R=r2, G=max(1, e2 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)

@@ -1,4 +1,4 @@
-"""Grouped SwiGLU expert GEMMs over expert-cache slots for prefill and large batches (DESIGN.md §3).
+"""Grouped SwiGLU expert GEMMs over expert-cache slots for prefill and large batches.
 
 Every ``(token, k)`` route ``p = t·k + j`` of one MoE layer whose expert ``e = topk_ids[t, j]`` sits in
 cache slot ``s = expert_slots[e] >= 0`` computes
@@ -28,17 +28,27 @@ product are rounded to the weight dtype. float32 weights use IEEE products (``in
 no TF32), as torch's matmul does by default. There is no split-K: each output row is reduced in one
 fixed order whatever other rows share its tile, so for a given :class:`GroupedConfig` a route's row does
 not depend on the batch composition (which other routes, experts or slots are in the call).
+
+:func:`grouped_swiglu_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4): each weight tile
+is loaded packed, dequantized in registers and rounded to the compute dtype, then fed to ``tl.dot`` (no
+dequantized copy of an expert in memory; ``docs/quantization.md`` says why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.expert_gemv import slot_matrices_contiguous
+from edgemoe.kernels.expert_gemv import (
+    e2m1_to_f32,
+    e8m0_to_f32,
+    quant_launch_args,
+    slot_matrices_contiguous,
+)
+from edgemoe.kernels.quant_slots import QuantSlots
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,14 @@ def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, wt_ptr, out_ptr, G, H, I, s
                 tl.store(out_ptrs, tl.zeros([BM, BN], odt), mask=omask)
 
 
+def _check_routes(x, topk_ids, topk_weights, expert_slots, T: int, k: int) -> None:
+    if tuple(topk_ids.shape) != (T, k) or tuple(topk_weights.shape) != (T, k) or expert_slots.dim() != 1:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be "
+                         f"[T, k] with T = {T}, expert_slots [E] (got {tuple(expert_slots.shape)})")
+    if topk_ids.is_floating_point() or expert_slots.is_floating_point():
+        raise ValueError("topk_ids and expert_slots must be integer tensors")
+
+
 def align_routes(topk_ids: torch.Tensor, expert_slots: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes sorted by expert and cut into one-expert M-tiles, with torch ops on the device (no host read).
 
@@ -217,11 +235,7 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     I = two_i // 2
     k = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
     E = expert_slots.numel()
-    if tuple(topk_ids.shape) != (T, k) or tuple(topk_weights.shape) != (T, k) or expert_slots.dim() != 1:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be "
-                         f"[T, k] with T = {T}, expert_slots [E] (got {tuple(expert_slots.shape)})")
-    if topk_ids.is_floating_point() or expert_slots.is_floating_point():
-        raise ValueError("topk_ids and expert_slots must be integer tensors")
+    _check_routes(x, topk_ids, topk_weights, expert_slots, T, k)
     if H13 != H or two_i != 2 * I or tuple(w2.shape) != (S, H, I) or w2.dtype != w13.dtype:
         raise ValueError(f"banks w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} {w2.dtype} do not match x [T, {H}]")
     if not (slot_matrices_contiguous(w13) and slot_matrices_contiguous(w2)) or x.stride(1) != 1:
@@ -245,3 +259,192 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     _down_kernel[(G * triton.cdiv(H, cfg.block_n2),)](
         a, order, meta, w2, topk_weights.reshape(-1), routed, G, H, I, w2.stride(0),
         BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, ZERO_MISSING=zero_missing, **launch)
+
+
+# ---------------------------------------------------------------- quantized slots
+@triton.jit
+def _q_tile_dot(acc, x_rows, pmask, w_cols, s_cols, s2, cmask, k0, K, FMT: tl.constexpr, BK: tl.constexpr,
+                GS: tl.constexpr, GB: tl.constexpr, CDT: tl.constexpr):
+    """``acc [BM, BN] += x[:, k0 : k0 + BK] @ W[k0 : k0 + BK, cols]`` with the weight tile dequantized in
+    registers and rounded to CDT before the dot (``(code · scale).to(CDT)``, as ``ExpertLayout.dequant_rows``
+    then the compute dtype's rounding).
+
+    ``x_rows [BM, 1]``: the routes' rows (any float dtype); ``w_cols [1, BN]``: the first weight (FP8
+    element, FP4 byte) of each weight row; ``s_cols [1, BN]``: its first scale (FP8: of its block row).
+    FP8: ``BK`` divides the block's ``GS`` columns, so one scale per weight row and tile. FP4: the low and
+    the high nibbles are two dots of ``BK / 2`` (even and odd elements of x)."""
+    if FMT == 1:
+        kk = k0 + tl.arange(0, BK)  # [BK]
+        kmask = kk < K
+        xt = tl.load(x_rows + kk[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0).to(CDT)
+        w = tl.load(w_cols + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        sc = tl.load(s_cols + k0 // GS, mask=cmask[None, :], other=0.0)  # [1, BN]
+        acc = tl.dot(xt, (w * sc).to(CDT), acc, input_precision="ieee")
+    else:
+        jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] bytes of the tile along a weight row
+        ev = 2 * jj  # even elements (low nibbles)
+        kmask = ev < K
+        wmask = kmask[:, None] & cmask[None, :]
+        q = tl.load(w_cols + jj[:, None], mask=wmask, other=0)  # [BK/2, BN] uint8
+        if FMT == 2:
+            sc = e8m0_to_f32(tl.load(s_cols + (jj // GB)[:, None], mask=wmask, other=127))  # [BK/2, BN]
+        else:
+            sc = tl.load(s_cols + (jj // GB)[:, None], mask=wmask, other=0.0).to(tl.float32) * s2
+        lo = (e2m1_to_f32(q & 15) * sc).to(CDT)
+        hi = (e2m1_to_f32(q >> 4) * sc).to(CDT)
+        xm = pmask[:, None] & kmask[None, :]
+        xe = tl.load(x_rows + ev[None, :], mask=xm, other=0.0).to(CDT)  # [BM, BK/2]
+        xo = tl.load(x_rows + ev[None, :] + 1, mask=xm, other=0.0).to(CDT)
+        acc = tl.dot(xe, lo, acc, input_precision="ieee")
+        acc = tl.dot(xo, hi, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
+def _q_gate_up_kernel(x_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, G, TOPK, H, I, stride_x, stride_w,
+                      stride_s, stride_s2, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr):
+    n_tiles = tl.cdiv(I, BN)
+    tile = tl.program_id(0) // n_tiles
+    first = tl.load(meta_ptr + tile)
+    end = tl.load(meta_ptr + G + tile)
+    slot = tl.load(meta_ptr + 2 * G + tile)
+    if (first < end) & (slot >= 0):
+        cdt = a_ptr.dtype.element_ty
+        pos = first + tl.arange(0, BM)  # [BM] sorted positions of the tile's routes
+        pmask = pos < end
+        tok = tl.load(order_ptr + pos, mask=pmask, other=0) // TOPK  # [BM]
+        cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)  # [BN] rows of g (and of u)
+        cmask = cols < I
+        x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_x  # [BM, 1]
+        s64 = slot.to(tl.int64)
+        w_g = w_ptr + s64 * stride_w + cols.to(tl.int64)[None, :] * ROW_W  # [1, BN]
+        w_u = w_g + I * ROW_W
+        if FMT == 1:
+            s_g = s_ptr + s64 * stride_s + (cols // BN_ROWS)[None, :] * ROW_S  # [1, BN]
+            s_u = s_g + tl.cdiv(I, BN_ROWS) * ROW_S
+        else:
+            s_g = s_ptr + s64 * stride_s + cols[None, :] * ROW_S
+            s_u = s_g + I * ROW_S
+        if FMT == 3:
+            g2 = tl.load(s2_ptr + s64 * stride_s2)
+            u2 = tl.load(s2_ptr + s64 * stride_s2 + 1)
+        else:
+            g2 = 1.0
+            u2 = 1.0
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, H, BK):
+            acc_g = _q_tile_dot(acc_g, x_rows, pmask, w_g, s_g, g2, cmask, k0, H, FMT, BK, GS, GB, cdt)
+            acc_u = _q_tile_dot(acc_u, x_rows, pmask, w_u, s_u, u2, cmask, k0, H, FMT, BK, GS, GB, cdt)
+        g = acc_g.to(cdt).to(tl.float32)
+        u = acc_u.to(cdt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(cdt).to(tl.float32)
+        tl.store(a_ptr + pos.to(tl.int64)[:, None] * I + cols[None, :], (act * u).to(cdt),
+                 mask=pmask[:, None] & cmask[None, :])
+
+
+@triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
+def _q_down_kernel(a_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, wt_ptr, out_ptr, G, H, I, stride_w, stride_s,
+                   stride_s2, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr, ZERO_MISSING: tl.constexpr):
+    n_tiles = tl.cdiv(H, BN)
+    tile = tl.program_id(0) // n_tiles
+    first = tl.load(meta_ptr + tile)
+    end = tl.load(meta_ptr + G + tile)
+    slot = tl.load(meta_ptr + 2 * G + tile)
+    if first < end:
+        odt = out_ptr.dtype.element_ty
+        pos = first + tl.arange(0, BM)  # [BM]
+        pmask = pos < end
+        route = tl.load(order_ptr + pos, mask=pmask, other=0)  # [BM] flat route t·k + j
+        cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)  # [BN] output columns
+        cmask = cols < H
+        out_ptrs = out_ptr + route.to(tl.int64)[:, None] * H + cols[None, :]  # [BM, BN]
+        omask = pmask[:, None] & cmask[None, :]
+        if slot >= 0:
+            cdt = a_ptr.dtype.element_ty
+            s64 = slot.to(tl.int64)
+            a_rows = a_ptr + pos.to(tl.int64)[:, None] * I  # [BM, 1]
+            w_rows = w_ptr + s64 * stride_w + cols.to(tl.int64)[None, :] * ROW_W  # [1, BN]
+            if FMT == 1:
+                s_rows = s_ptr + s64 * stride_s + (cols // BN_ROWS)[None, :] * ROW_S
+            else:
+                s_rows = s_ptr + s64 * stride_s + cols[None, :] * ROW_S
+            if FMT == 3:
+                d2 = tl.load(s2_ptr + s64 * stride_s2)
+            else:
+                d2 = 1.0
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, I, BK):
+                acc = _q_tile_dot(acc, a_rows, pmask, w_rows, s_rows, d2, cmask, k0, I, FMT, BK, GS, GB, cdt)
+            r = tl.load(wt_ptr + route, mask=pmask, other=0.0).to(cdt).to(tl.float32)  # [BM]
+            y = (acc.to(cdt).to(tl.float32) * r[:, None]).to(cdt)
+            tl.store(out_ptrs, y.to(odt), mask=omask)
+        else:
+            if ZERO_MISSING:
+                tl.store(out_ptrs, tl.zeros([BM, BN], odt), mask=omask)
+
+
+def quant_config(cfg: GroupedConfig, slots: QuantSlots) -> GroupedConfig:
+    """``cfg`` with the K steps the quantized tiles need: FP8 steps within one scale block (``BK <= bk``,
+    both powers of two); FP4 steps of at least 32 elements (whole scale groups, dots of ``K >= 16``)."""
+    if slots.format == "fp8_block":
+        bk = slots.group
+        return replace(cfg, block_k1=min(cfg.block_k1, bk), block_k2=min(cfg.block_k2, bk))
+    return replace(cfg, block_k1=max(cfg.block_k1, 32), block_k2=max(cfg.block_k2, 32))
+
+
+def grouped_swiglu_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         expert_slots: torch.Tensor, slots: QuantSlots, routed: torch.Tensor, *,
+                         zero_missing: bool = True, config: GroupedConfig | None = None) -> None:
+    """:func:`grouped_swiglu` over quantized slots (FP8 block, MXFP4, NVFP4), dequantizing each weight tile
+    in registers right before its ``tl.dot``: no dequantized copy of an expert ever reaches memory.
+
+    Rounding points as :func:`~edgemoe.kernels.expert_gemv.expert_gemv_quant`: each weight is the float32
+    product of its code and scale rounded to the compute dtype ``routed.dtype``; then the float kernels'
+    rounding (x to the compute dtype, float32 accumulation, each projection, ``silu(g)``, the activation
+    product and the router-weight product rounded to the compute dtype). A route's row does not depend on
+    the batch composition for a given config (no split-K), as :func:`grouped_swiglu`.
+
+    Args:
+        x, topk_ids, topk_weights, expert_slots, zero_missing: as :func:`grouped_swiglu`.
+        slots: the cache's section views (:meth:`QuantSlots.check` passes).
+        routed: ``[T, k, H]`` contiguous output in the compute dtype (bf16, fp16 or float32).
+        config: tiles; default :func:`choose_config` of ``(T·k, E, H, I, routed.dtype)``, then
+            :func:`quant_config`.
+
+    Raises:
+        ValueError: shape, dtype, device or contiguity mismatch.
+    """
+    slots.check()
+    T, H = x.shape
+    I = slots.intermediate
+    k = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
+    E = expert_slots.numel()
+    _check_routes(x, topk_ids, topk_weights, expert_slots, T, k)
+    if slots.hidden != H or x.stride(1) != 1:
+        raise ValueError(f"slots of hidden size {slots.hidden} do not match x [T, {H}] (rows contiguous)")
+    if (tuple(routed.shape) != (T, k, H) or not routed.is_contiguous()
+            or routed.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError(f"routed must be a contiguous [{T}, {k}, {H}] float tensor, got {routed.dtype} "
+                         f"{tuple(routed.shape)}")
+    if len({t.device for t in (x, topk_ids, topk_weights, expert_slots, slots.w13, routed)}) != 1:
+        raise ValueError("all tensors must be on one device")
+    P = T * k
+    if P == 0:
+        return
+    cfg = quant_config(config or choose_config(P, E, H, I, routed.dtype), slots)
+    order, meta = align_routes(topk_ids, expert_slots, cfg.block_m)  # [P], [3, G]
+    G = meta.shape[1]
+    a = torch.empty((P, I), dtype=routed.dtype, device=x.device)  # SwiGLU activations, by sorted position
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w13")
+    _q_gate_up_kernel[(G * triton.cdiv(I, cfg.block_n1),)](
+        x, order, meta, w, sc, s2, a, G, k, H, I, x.stride(0), sw, ss, ss2, row_w, row_s, bn,
+        FMT=fmt, BM=cfg.block_m, BN=cfg.block_n1, BK=cfg.block_k1, GS=gs, GB=gb, **launch)
+    w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w2")
+    _q_down_kernel[(G * triton.cdiv(H, cfg.block_n2),)](
+        a, order, meta, w, sc, s2, topk_weights.reshape(-1), routed, G, H, I, sw, ss, ss2, row_w, row_s, bn,
+        FMT=fmt, BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, GS=gs, GB=gb, ZERO_MISSING=zero_missing,
+        **launch)

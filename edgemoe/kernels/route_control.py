@@ -1,4 +1,4 @@
-"""Routing control of one MoE layer's decode step, on the device (DESIGN.md §2).
+"""Routing control of one MoE layer's decode step, on the device.
 
 The device twin of :func:`edgemoe.experts.hybrid.plan_step` (decode branch): one single-program
 Triton launch per MoE layer reads the router's top-k, classifies the step's experts against the

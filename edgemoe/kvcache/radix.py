@@ -1,4 +1,4 @@
-"""Radix-tree prefix cache over token ids, at KV-page granularity (DESIGN.md §4).
+"""Radix-tree prefix cache over token ids, at KV-page granularity.
 
 The idea is SGLang's RadixAttention (Zheng et al., "SGLang: Efficient Execution of Structured Language
 Model Programs", NeurIPS 2024, §3): the KV pages of finished and running sequences stay indexed by

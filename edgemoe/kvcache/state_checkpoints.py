@@ -1,4 +1,4 @@
-"""Recurrent-state checkpoints at semantic anchors (DESIGN.md §4), for hybrid models.
+"""Recurrent-state checkpoints at semantic anchors, for hybrid models.
 
 A gated-DeltaNet layer's state after token ``p - 1`` summarizes the whole prefix ``[0, p)``, so unlike
 KV pages it cannot be cut back to an earlier position: a new request can skip the prefill of a shared

@@ -1,8 +1,9 @@
 """Quantized checkpoints on CUDA (FP8 block-128, MXFP4, NVFP4 ModelOpt and compressed-tensors): packed rows in the
-pinned host pool and the device cache, fills of packed bytes, the device branch dequantizing slot rows in torch (no
-quantized kernel yet), the CPU branch on the torch executor; greedy tokens and logits against the transformers
-reference (``tests/quant_reference.py``) in every execution mode, offloaded ``fill-all`` bit-identical to all
-resident, and the device decode path switched off with its reason."""
+pinned host pool and the device cache, fills of packed bytes, the Triton kernels dequantizing slot rows in registers
+(the decode GEMV on the device decode path, CUDA graphs where the step has no CPU branch; the grouped GEMM of
+prefill), the CPU branch on the torch executor; greedy tokens and logits against the transformers reference
+(``tests/quant_reference.py``) in every execution mode, offloaded ``fill-all`` bit-identical to all resident, and
+graph replay bit-identical to the eager device path."""
 
 from __future__ import annotations
 
@@ -43,8 +44,13 @@ def _runner(path, policy, slots, dtype="float32"):
 def test_quantized_experts_on_cuda_match_transformers(quantized, policy, slots):
     _, path, (ref_logits, ref_toks) = quantized
     runner = _runner(path, policy, slots)
-    assert runner.pinned and runner.experts.decode_path is DecodePath.EAGER
-    assert runner.experts.decode_path_reason.startswith("the device decode kernels do not read")
+    assert runner.pinned
+    if slots == 0:
+        assert runner.experts.decode_path is DecodePath.EAGER
+    elif slots is None or (policy == "fill-all" and slots >= 32):  # no CPU branch: captured
+        assert runner.experts.decode_path is DecodePath.DEVICE_GRAPHS, runner.experts.decode_path_reason
+    else:  # a CPU branch on the torch executor (a host sync): the device path, eagerly
+        assert runner.experts.decode_path is DecodePath.DEVICE, runner.experts.decode_path_reason
     logits, toks = greedy_decode(runner, PROMPT, STEPS, free=True)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
@@ -63,3 +69,15 @@ def test_offloaded_fill_all_is_bit_identical_to_resident_on_cuda(quantized, dtyp
     for slots in (5, 32):  # on-demand fills, and streamed prefill through two staging regions
         offloaded = greedy_decode(_runner(path, "fill-all", slots, dtype), PROMPT, STEPS, free=True)
         assert offloaded[1] == resident[1] and torch.equal(offloaded[0], resident[0]), slots
+
+
+def test_graph_replay_is_bit_identical_to_the_eager_device_path(quantized):
+    _, path, _ = quantized
+    graphs = _runner(path, "fill-all", None, "bfloat16")
+    eager = ModelRunner(path, EngineConfig(device="cuda", dtype="bfloat16", expert_policy="fill-all",
+                                           expert_cache_slots=10_000, enforce_eager=True), progress=False)
+    assert graphs.experts.decode_path is DecodePath.DEVICE_GRAPHS and eager.experts.decode_path is DecodePath.DEVICE
+    a = greedy_decode(graphs, PROMPT, STEPS, free=True)
+    b = greedy_decode(eager, PROMPT, STEPS, free=True)
+    assert graphs.graphs.graphs  # decode steps were replayed from a captured graph
+    assert a[1] == b[1] and torch.equal(a[0], b[0])

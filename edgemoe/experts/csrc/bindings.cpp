@@ -71,15 +71,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
                        int64_t w13_off, int64_t w2_off, int64_t w13_scale_off, int64_t w2_scale_off,
                        int64_t w13_scale2_off, int64_t w2_scale2_off, int64_t b13_off, int64_t b2_off,
-                       int32_t block_rows, int32_t block_cols) {
+                       int32_t block_rows, int32_t block_cols, int32_t compute) {
              return ExpertBanks{ptr<const uint8_t>(base), row_bytes, num_ids, hidden, inter,
                                 static_cast<WeightFormat>(fmt), w13_off, w2_off, w13_scale_off, w2_scale_off,
-                                w13_scale2_off, w2_scale2_off, b13_off, b2_off, block_rows, block_cols};
+                                w13_scale2_off, w2_scale2_off, b13_off, b2_off, block_rows, block_cols, compute};
            }),
            py::arg("base"), py::arg("row_bytes"), py::arg("num_ids"), py::arg("hidden"), py::arg("inter"),
            py::arg("fmt"), py::arg("w13_off"), py::arg("w2_off"), py::arg("w13_scale_off"), py::arg("w2_scale_off"),
            py::arg("w13_scale2_off"), py::arg("w2_scale2_off"), py::arg("b13_off"), py::arg("b2_off"),
-           py::arg("block_rows"), py::arg("block_cols"),
+           py::arg("block_rows"), py::arg("block_cols"), py::arg("compute"),
            "The host expert pool's byte bank as the executor reads it (executor.h, ExpertBanks)")
       .def_readonly("row_bytes", &ExpertBanks::row_bytes)
       .def_readonly("num_ids", &ExpertBanks::num_ids)
@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             py::arg("scales") = reinterpret_cast<uintptr_t>(w.scales),
                             py::arg("scale_row_stride_bytes") = w.scale_row_stride_bytes,
                             py::arg("scale_rows") = w.scale_rows, py::arg("scale_cols") = w.scale_cols,
-                            py::arg("global_scale") = w.global_scale);
+                            py::arg("global_scale") = w.global_scale, py::arg("bf16_weights") = w.bf16_weights);
           },
           py::arg("fid"), py::arg("proj"),
           "The WeightView of projection proj (0 gate, 1 up, 2 down) of expert fid, as a dict of addresses");
@@ -105,7 +105,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("pinned", &Executor::pinned)
       .def_property_readonly("caller_cpu", &Executor::caller_cpu)
       .def_property_readonly("preempted_waits", &Executor::preempted_waits)
-      .def("isa_for", [](const Executor& e, int fmt) { return e.isa_for(static_cast<WeightFormat>(fmt)); })
+      .def(
+          "isa_for",
+          [](const Executor& e, int fmt, bool bf16_compute) { return e.isa_for(static_cast<WeightFormat>(fmt), bf16_compute); },
+          py::arg("fmt"), py::arg("bf16_compute") = true)
       .def_property_readonly("address", [](Executor& e) { return reinterpret_cast<uintptr_t>(&e); })
       .def(
           "run",

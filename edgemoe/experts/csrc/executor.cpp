@@ -127,7 +127,8 @@ WeightView expert_matrix(const ExpertBanks& b, int64_t fid, Proj p) {
     case WeightFormat::MXFP4:
     case WeightFormat::NVFP4: data_stride = K / 2; break;
   }
-  WeightView w{row + (down ? b.w2_off : b.w13_off) + first * data_stride, data_stride, nullptr, 0, 0, 0, 1.0f};
+  WeightView w{row + (down ? b.w2_off : b.w13_off) + first * data_stride, data_stride, nullptr, 0, 0, 0, 1.0f,
+               is_quantized(b.fmt) && b.compute == 1 ? 1 : 0};
   const int64_t scale_off = down ? b.w2_scale_off : b.w13_scale_off;
   if (scale_off < 0) return w;
   const uint8_t* scales = row + scale_off;
@@ -273,8 +274,8 @@ struct Executor::Job {
   const void* const* aptr;  // [R] SiLU·up row of each route (phase 2 input)
   float* act_f32;           // [R, I] when act == F32
   uint16_t* act_bf16;       // [R, I] when act == BF16
-  bool round_act;           // F32 activations of bf16 weights are rounded to bf16 values
-  bool bf16_points;         // bf16 weights: round where the torch path's bf16 ops do (gate, up, SiLU, y, y·w)
+  bool round_act;           // F32 activations of a bf16 computation are rounded to bf16 values
+  bool bf16_points;         // bf16 compute: round where the torch path's bf16 ops do (gate, up, SiLU, y, y·w)
   alignas(64) std::atomic<int64_t> next1{0};
   alignas(64) std::atomic<int64_t> next2{0};
 };
@@ -283,14 +284,19 @@ Executor::Executor(int threads, const std::vector<int>& cpus, int isa_cap, int s
                    int64_t min_parallel_bytes)
     : pool_(threads, cpus, spin_us), min_parallel_bytes_(std::max<int64_t>(0, min_parallel_bytes)) {
   const uint32_t feats = detect_cpu_features();
-  for (int f = 0; f < kNumFormats; ++f) isa_[f] = select_isa(feats, isa_cap, static_cast<WeightFormat>(f));
+  const int cap32 = isa_cap < 0 ? static_cast<int>(Isa::Avx512) : std::min(isa_cap, static_cast<int>(Isa::Avx512));
+  for (int f = 0; f < kNumFormats; ++f) {
+    isa_[f] = select_isa(feats, isa_cap, static_cast<WeightFormat>(f));
+    isa_f32_[f] = is_quantized(static_cast<WeightFormat>(f)) ? select_isa(feats, cap32, static_cast<WeightFormat>(f))
+                                                              : isa_[f];
+  }
   scratch_.resize(pool_.size());
   partial_.resize(pool_.size());
 }
 
-int Executor::isa_for(WeightFormat fmt) const {
+int Executor::isa_for(WeightFormat fmt, bool bf16_compute) const {
   const int f = static_cast<int>(fmt);
-  return (f >= 0 && f < kNumFormats) ? isa_[f] : -1;
+  return (f >= 0 && f < kNumFormats) ? (bf16_compute ? isa_[f] : isa_f32_[f]) : -1;
 }
 
 int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
@@ -316,7 +322,16 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   const int64_t R = s.offsets[s.n_experts];
   for (int64_t r = 0; r < R; ++r)
     if (s.tok[r] < 0 || s.tok[r] >= s.T) return kBadToken;
-  const int level = isa_[f];
+  if (is_quantized(b.fmt) && (b.w13_scale_off < 0 || b.w2_scale_off < 0 || (b.compute != 0 && b.compute != 1)))
+    return kBadArgs;
+  if (b.fmt == WeightFormat::FP8_E4M3_BLOCK &&
+      (b.block_rows < 1 || b.block_cols < 16 || (b.block_cols & (b.block_cols - 1)) != 0))
+    return kBadArgs;  // the kernels need power-of-two scale blocks of >= 16 columns (128 x 128 in releases)
+  if ((b.fmt == WeightFormat::MXFP4 && (b.hidden % 32 || b.inter % 32)) ||
+      (b.fmt == WeightFormat::NVFP4 && (b.hidden % 16 || b.inter % 16)))
+    return kBadArgs;
+  const bool bf16c = computes_bf16(b);
+  const int level = isa_for(b.fmt, bf16c);
   if (level < 0) return kNoKernel;
   const KernelSet& ks = kernels_for(static_cast<Isa>(level)).by_format[f];
   if (!ks.gemv) return kNoKernel;
@@ -325,11 +340,10 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   const int64_t T = s.T, H = b.hidden, I = b.inter;
   if (s.zero_out) std::memset(s.out, 0, sizeof(float) * T * H);
 
-  // ---- activations: x in the kernel's operand format (bf16 weights compute with bf16-rounded x)
+  // ---- activations: x in the kernel's operand format (a bf16 computation uses bf16-rounded x)
   int64_t ldx;
-  const void* xa = prepare_x(ks, b.fmt, s.x, s.x_fmt, T, H, H, &ldx);
+  const void* xa = prepare_x(ks, bf16c, s.x, s.x_fmt, T, H, H, &ldx);
   const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
-  const bool bf16_w = b.fmt == WeightFormat::BF16;
   uint8_t* abase;
   if (ks.act == ActFormat::BF16) {
     act_bf16_.resize(R * I);
@@ -375,8 +389,8 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.aptr = aptr_.data();
   J.act_f32 = act_f32_.data();
   J.act_bf16 = act_bf16_.data();
-  J.round_act = bf16_w && ks.act == ActFormat::F32;
-  J.bf16_points = bf16_w;
+  J.round_act = bf16c && ks.act == ActFormat::F32;
+  J.bf16_points = bf16c;
   const size_t need = static_cast<size_t>(nmax * std::max(2 * J.c1, J.c2));
   for (auto& v : scratch_)
     if (v.size() < need) v.resize(need);
@@ -453,9 +467,8 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
   }
 }
 
-const void* Executor::prepare_x(const KernelSet& ks, WeightFormat fmt, const void* x, int32_t x_fmt, int64_t T,
+const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T,
                                 int64_t H, int64_t ldx, int64_t* ld_out) {
-  const bool bf16_w = fmt == WeightFormat::BF16;
   *ld_out = H;
   if (ks.act == ActFormat::BF16) {
     if (x_fmt == 1) {
@@ -469,7 +482,7 @@ const void* Executor::prepare_x(const KernelSet& ks, WeightFormat fmt, const voi
     }
     return x_bf16_.data();
   }
-  if (x_fmt == 0 && !bf16_w) {
+  if (x_fmt == 0 && !bf16_compute) {
     *ld_out = ldx;
     return x;
   }
@@ -517,7 +530,7 @@ void Executor::linear_job(void* job, int tid) {
 int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, int64_t w_stride, const void* x,
                          int32_t x_fmt, int64_t M, int64_t ldx, void* y, int32_t y_fmt, int64_t ldy) {
   const int f = static_cast<int>(fmt);
-  if (f < 0 || f >= kNumFormats || N < 0 || K < 1 || M < 0 || (x_fmt != 0 && x_fmt != 1) ||
+  if (f < 0 || f >= kNumFormats || is_quantized(fmt) || N < 0 || K < 1 || M < 0 || (x_fmt != 0 && x_fmt != 1) ||
       (y_fmt != 0 && y_fmt != 1) || ldx < K || ldy < N || w_stride < K * static_cast<int64_t>(elem_size(fmt)))
     return kBadArgs;
   if (M == 0 || N == 0) return kOk;
@@ -529,7 +542,7 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
 
   std::lock_guard<std::mutex> lock(run_mutex_);
   int64_t lda;
-  const void* xa = prepare_x(ks, fmt, x, x_fmt, M, K, ldx, &lda);
+  const void* xa = prepare_x(ks, fmt == WeightFormat::BF16, x, x_fmt, M, K, ldx, &lda);
   const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
   xptr_.resize(M);
   for (int64_t m = 0; m < M; ++m) xptr_[m] = static_cast<const uint8_t*>(xa) + m * lda * asize;

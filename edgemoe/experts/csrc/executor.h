@@ -60,6 +60,10 @@ enum Status : int32_t {
 //   b13_off         f32 [2I] gate's then up's expert bias where the model has them (gpt-oss), else -1
 //   b2_off          f32 [H] down's bias, else -1
 //   block_rows/cols 0                  bn, bk                            0                      0
+//   compute         the pool's compute dtype: 0 float32, 1 bfloat16 (BF16 rows always 1, F32 rows 0).
+//                   Quantized rows computing in bf16 are dequantized, then rounded to bf16 (as the
+//                   torch path's .to(bfloat16) of the float32 dequantization), and the step rounds
+//                   where the bf16 path does; in float32 nothing is rounded.
 //
 // w13 is gate rows [0, I) then up rows [I, 2I) in every format (gpt-oss's interleaving is undone at
 // pack time). expert_matrix() turns a row into the WeightView of one projection, which is all a
@@ -74,7 +78,14 @@ struct ExpertBanks {
   int64_t w13_scale2_off, w2_scale2_off;
   int64_t b13_off, b2_off;
   int32_t block_rows, block_cols;
+  int32_t compute;
 };
+
+// Whether a step over `b` computes in bf16 (x, activations and outputs rounded where the torch path's
+// bf16 ops round).
+inline bool computes_bf16(const ExpertBanks& b) {
+  return b.fmt == WeightFormat::BF16 || (is_quantized(b.fmt) && b.compute == 1);
+}
 
 // The projections of one expert: gate [I, H], up [I, H] (rows of w13) and down [H, I] (w2).
 enum class Proj : int32_t { Gate = 0, Up = 1, Down = 2 };
@@ -176,8 +187,10 @@ class Executor {
   // Sum of n floats read by all threads (the read-bandwidth test); static split, 4 KiB aligned.
   double sum_f32(const float* p, int64_t n);
 
-  // ISA level used for `fmt` on this CPU under the cap (-1: none).
-  int isa_for(WeightFormat fmt) const;
+  // ISA level used for `fmt` on this CPU under the cap (-1: none); `bf16_compute` for a quantized
+  // format computing in bf16 (the avx512bf16 kernels need bf16 operands: in float32 the level stops
+  // at avx512).
+  int isa_for(WeightFormat fmt, bool bf16_compute = true) const;
   int threads() const { return pool_.size(); }
   const std::vector<int>& pinned() const { return pool_.pinned(); }
   int caller_cpu() const { return pool_.caller_cpu(); }
@@ -192,13 +205,14 @@ class Executor {
   static void linear_job(void* job, int tid);
   // x [T, H] (rows ldx elements apart) in the operand format of `ks`, for weights of `fmt`: a pointer
   // to x itself when no conversion is needed, else to a converted copy in x_bf16_ / x_f32_ (rows H apart).
-  const void* prepare_x(const KernelSet& ks, WeightFormat fmt, const void* x, int32_t x_fmt, int64_t T, int64_t H,
+  const void* prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T, int64_t H,
                         int64_t ldx, int64_t* ld_out);
   void phase1_chunk(Job& J, int64_t c, int tid);
   void phase2_chunk(Job& J, int64_t c, int tid);
 
   ThreadPool pool_;
-  int isa_[kNumFormats];
+  int isa_[kNumFormats];      // per format (bf16 compute for quantized formats)
+  int isa_f32_[kNumFormats];  // quantized formats computing in float32: capped at avx512
   int64_t min_parallel_bytes_;
   std::mutex run_mutex_;
   // Buffers reused across steps (grow only; no allocation in steady state).

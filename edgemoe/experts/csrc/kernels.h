@@ -19,17 +19,21 @@
 namespace edgemoe {
 
 // Storage format of expert weights (the row formats of edgemoe/quant/layout.py). Values are part of
-// the Python ABI (native.py) and of the registered-step struct; never renumber. Formats without a
-// kernel yet are the ones the dequant hook is meant for (kernel_impl.h, "Adding a weight format");
-// select_isa returns -1 for them and the Python side falls back to the torch executor.
+// the Python ABI (native.py) and of the registered-step struct; never renumber. A format without a
+// kernel (F16) makes select_isa return -1 and the Python side fall back to the torch executor.
 enum class WeightFormat : int32_t {
   F32 = 0,            // IEEE float32
   BF16 = 1,           // bfloat16 (upper half of a float32)
   F16 = 2,            // no kernel yet: IEEE half (F16C / AVX-512 vcvtph2ps dequant)
-  FP8_E4M3_BLOCK = 3, // no kernel yet: fp8 e4m3 with one float32 scale per 128x128 block (DeepSeek, Qwen3 FP8)
-  MXFP4 = 4,          // no kernel yet: OCP MX fp4 (e2m1), one e8m0 scale per 32 elements (gpt-oss)
-  NVFP4 = 5,          // no kernel yet: fp4 (e2m1), one e4m3 scale per 16 elements, one float32 multiplier per tensor
+  FP8_E4M3_BLOCK = 3, // fp8 e4m3 with one float32 scale per 128x128 block (DeepSeek, Qwen3 FP8)
+  MXFP4 = 4,          // OCP MX fp4 (e2m1), one e8m0 scale per 32 elements (gpt-oss)
+  NVFP4 = 5,          // fp4 (e2m1), one e4m3 scale per 16 elements, one float32 multiplier per tensor
 };
+
+// Whether a format's rows are quantized (dequantized inside the kernels).
+constexpr bool is_quantized(WeightFormat f) {
+  return f == WeightFormat::FP8_E4M3_BLOCK || f == WeightFormat::MXFP4 || f == WeightFormat::NVFP4;
+}
 
 // Format of the activation operand a kernel consumes (x for phase 1, a for phase 2).
 // F32 kernels dequantize weights to float32 lanes and FMA; the AVX-512-BF16 kernel feeds
@@ -59,7 +63,8 @@ uint32_t detect_cpu_features();
 
 // The highest ISA level whose requirements `features` meets, capped at `cap`, that has a kernel for
 // `fmt`. Pure function of its arguments (tests call it with fake feature sets):
-//   avx512bf16: avx512f+bw+vl + avx512_bf16 (bf16 weights only; f32 weights use the avx512 kernel)
+//   avx512bf16: avx512f+bw+vl + avx512_bf16 (bf16 weights, and quantized weights computed in bf16:
+//               `vdpbf16ps`; f32 weights, and quantized weights computed in float32, use avx512)
 //   avx512:     avx512f+bw+vl   (bw/vl: masked 16-bit loads for bf16 tails)
 //   avx2:       avx2 + fma
 //   scalar:     always
@@ -75,7 +80,11 @@ int select_isa(uint32_t features, int cap, WeightFormat fmt);
 //   NVFP4:           e2m1(nibble) * (float(e4m3[r][k / scale_cols]) * global_scale)  (scale_rows 1, cols 16)
 // where scale row s starts at scales + s * scale_row_stride_bytes, and FP4 element k of a row is the
 // low nibble of byte k / 2 when k is even, the high nibble when odd. Kernels dequantize in registers
-// and must reproduce these values exactly (float32 products); edgemoe/quant/dequant.py is the reference.
+// and must reproduce these values exactly (float32 products: for NVFP4 float(e4m3) * global_scale is
+// rounded to float32 first, then multiplied by the e2m1 value, as the reference does);
+// edgemoe/quant/dequant.py (ExpertLayout.dequant_rows) is the reference. When bf16_weights is set (a
+// quantized pool computing in bf16, as the torch path does after dequantizing to float32 and casting
+// with .to(bfloat16)) each dequantized float32 element is then rounded to bf16, nearest-even.
 struct WeightView {
   const void* data;
   int64_t row_stride_bytes;
@@ -84,6 +93,7 @@ struct WeightView {
   int32_t scale_rows;              // matrix rows sharing one scale row (FP8: block rows; FP4: 1)
   int32_t scale_cols;              // matrix columns per scale (FP8: block columns; MXFP4: 32; NVFP4: 16)
   float global_scale;              // NVFP4: the matrix's per-tensor multiplier; 1 otherwise
+  int32_t bf16_weights;            // quantized formats: round each dequantized element to bf16 (0: float32)
 };
 
 // Row-block GEMV, the one kernel signature every (ISA, format) pair implements:

@@ -11,6 +11,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+#include "kernel_impl.h"
+
 namespace edgemoe {
 namespace {
 
@@ -35,12 +37,36 @@ struct Vec256 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static reg load_bf16_tail(const uint16_t* p, int) { return load_bf16(p); }  // unused
+  // ---- quantized formats
+  static reg set1(float f) { return _mm256_set1_ps(f); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg round_bf16(reg v) {  // u + 0x7fff + ((u >> 16) & 1), low half cleared: nearest even
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  // 4 bytes -> 8 codes in element order: the 32 bits broadcast, dword lane i shifted right by 4i; vpermps
+  // uses 3 index bits, so the table gives the magnitude and bit 3 of the code is moved to the sign.
+  static reg fp4(const uint8_t* p) {
+    int32_t b4;
+    std::memcpy(&b4, p, sizeof b4);
+    const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(b4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1), idx);
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    return _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+  }
+  // e4m3 bytes sign-extended, shifted left by 20, masked: sign on bit 31, magnitude on bits 20..26
+  // (see e4m3_to_f32); the multiply by 2^120 rescales exactly.
+  static reg e4m3(const uint8_t* p) {
+    const __m256i d = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 20);
+    const __m256i f = _mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0x87f00000u)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(f), _mm256_set1_ps(0x1p120f));
+  }
 };
 
 }  // namespace
 }  // namespace edgemoe
-
-#include "kernel_impl.h"
 
 namespace edgemoe {
 namespace {
@@ -56,6 +82,18 @@ void gemv_bf16_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K,
                     float* y, int64_t ldy) {
   gemv<Vec256, FmtBF16<Vec256>, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
 }
+void gemv_fp8_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                   float* y, int64_t ldy) {
+  gemv_q<Vec256, FmtFP8, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
+}
+void gemv_mxfp4_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                     float* y, int64_t ldy) {
+  gemv_q<Vec256, FmtMXFP4, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
+}
+void gemv_nvfp4_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                     float* y, int64_t ldy) {
+  gemv_q<Vec256, FmtNVFP4, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
+}
 double sum_f32_avx2(const float* p, int64_t n) { return sum_f32<Vec256>(p, n); }
 
 }  // namespace
@@ -70,6 +108,9 @@ const IsaKernels& kernels_avx2() {
     IsaKernels t{};
     t.by_format[int(WeightFormat::F32)] = {&gemv_f32_avx2, ActFormat::F32, &sum_f32_avx2};
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_avx2, ActFormat::F32, &sum_f32_avx2};
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_avx2, ActFormat::F32, &sum_f32_avx2};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_avx2, ActFormat::F32, &sum_f32_avx2};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_avx2, ActFormat::F32, &sum_f32_avx2};
     return t;
   }();
   return k;

@@ -12,6 +12,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 
+#include "kernel_impl.h"
+
 namespace edgemoe {
 namespace {
 
@@ -35,12 +37,43 @@ struct Vec512 {
     const __m256i h = _mm256_maskz_loadu_epi16(mask(n), p);  // masked-off lanes never touch memory
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  // ---- quantized formats
+  static reg set1(float f) { return _mm512_set1_ps(f); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg round_bf16(reg v) {  // u + 0x7fff + ((u >> 16) & 1), low half cleared: nearest even
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  // 8 bytes -> 16 codes in element order: dword lane i takes the 32-bit half holding code i and shifts
+  // it right by 4 * (i % 8); the low nibble indexes the e2m1 table (vpermps uses 4 index bits: the
+  // sign is the table's upper half).
+  static reg fp4_decode(__m128i b8) {
+    const __m512i half = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                                  _mm512_castsi128_si512(b8));
+    const __m512i codes = _mm512_srlv_epi32(half, _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12,
+                                                                   8, 4, 0));
+    return _mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1));  // uses index bits 0..3 only
+  }
+  static reg fp4(const uint8_t* p) { return fp4_decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static reg fp4_tail(const uint8_t* p, int n) {
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), p);
+    return _mm512_maskz_mov_ps(mask(n), fp4_decode(b));
+  }
+  // e4m3 byte, sign-extended to 32 bits, shifted left by 20: the sign lands on bit 31 and the 7
+  // magnitude bits on bits 20..26; the mask keeps those (see e4m3_to_f32), the multiply rescales.
+  static reg e4m3_decode(__m128i b16) {
+    const __m512i d = _mm512_slli_epi32(_mm512_cvtepi8_epi32(b16), 20);
+    const __m512i f = _mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0x87f00000u)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(f), _mm512_set1_ps(0x1p120f));
+  }
+  static reg e4m3(const uint8_t* p) { return e4m3_decode(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static reg e4m3_tail(const uint8_t* p, int n) { return e4m3_decode(_mm_maskz_loadu_epi8(mask(n), p)); }
 };
 
 }  // namespace
 }  // namespace edgemoe
-
-#include "kernel_impl.h"
 
 namespace edgemoe {
 namespace {
@@ -56,6 +89,18 @@ void gemv_bf16_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
                       float* y, int64_t ldy) {
   gemv<Vec512, FmtBF16<Vec512>, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
 }
+void gemv_fp8_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                     float* y, int64_t ldy) {
+  gemv_q<Vec512, FmtFP8, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+}
+void gemv_mxfp4_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                       float* y, int64_t ldy) {
+  gemv_q<Vec512, FmtMXFP4, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+}
+void gemv_nvfp4_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                       float* y, int64_t ldy) {
+  gemv_q<Vec512, FmtNVFP4, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+}
 double sum_f32_avx512(const float* p, int64_t n) { return sum_f32<Vec512>(p, n); }
 
 }  // namespace
@@ -70,6 +115,9 @@ const IsaKernels& kernels_avx512() {
     IsaKernels t{};
     t.by_format[int(WeightFormat::F32)] = {&gemv_f32_avx512, ActFormat::F32, &sum_f32_avx512};
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_avx512, ActFormat::F32, &sum_f32_avx512};
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_avx512, ActFormat::F32, &sum_f32_avx512};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_avx512, ActFormat::F32, &sum_f32_avx512};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_avx512, ActFormat::F32, &sum_f32_avx512};
     return t;
   }();
   return k;

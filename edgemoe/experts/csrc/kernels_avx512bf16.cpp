@@ -1,9 +1,25 @@
-// AVX-512-BF16 kernel for bf16 weights: `vdpbf16ps` multiplies 32 bf16 pairs and accumulates into
-// 16 float32 lanes, so one 64-byte line of weights is one instruction per token, with no widening
-// of the weights. Both operands must be bf16: the executor rounds x and the SiLU·up activation to
-// bf16 for this kernel (round-to-nearest-even, exactly as torch's .to(bfloat16)), which is what the
-// torch path and the GPU path compute with too. float32 weights have no kernel at this level:
-// select_isa() then picks the AVX-512F one.
+// AVX-512-BF16 kernels: `vdpbf16ps` multiplies 32 bf16 pairs and accumulates into 16 float32 lanes,
+// so one 64-byte line of bf16 weights is one instruction per token, with no widening of the weights.
+// Both operands must be bf16: the executor rounds x and the SiLU·up activation to bf16 for these
+// kernels (round-to-nearest-even, exactly as torch's .to(bfloat16)), which is what the torch path and
+// the GPU path compute with too. float32 weights have no kernel at this level: select_isa() then picks
+// the AVX-512F one.
+//
+// Quantized rows computing in bf16 (FP8 block, MXFP4, NVFP4): each 32-element chunk of a row is
+// dequantized in registers straight to the bf16 values the torch path computes with,
+// bf16(float32(code * scale)), then fed to `vdpbf16ps`:
+//   FP8    32 e4m3 bytes -> two float32 vectors (bit placement + one exact multiply, as in
+//          kernel_impl.h), times the block scale, -> `vcvtne2ps2bf16` (nearest even);
+//   MXFP4  16 bytes of nibbles -> 32 word indices (dword j = byte j | byte j << 12: low word's low
+//          nibble = element 2j, high word = element 2j + 1) into a 32-entry bf16 table of the 16
+//          e2m1 values times the chunk's 2^(e8m0 - 127) (`vpermw`; the table is built by one float32
+//          multiply and `vcvtne2ps2bf16`, and is duplicated so index bit 4 is ignored);
+//   NVFP4  as MXFP4, the chunk's two groups of 16 with their own tables in the two halves of the
+//          32-entry table: float32(e2m1 * float32(float(e4m3 scale) * global_scale)), rounded to bf16.
+// The e2m1 * scale products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16`
+// rounds to nearest even as .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat
+// float32 subnormal inputs as zero: weights below 2^-126 in magnitude (which no release has) count
+// as zero here.
 #include <cstdint>
 #include <cstring>
 
@@ -15,16 +31,9 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 
-#ifndef EDGEMOE_PREFETCH_BLOCKS
-#define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
-#endif
-#ifndef EDGEMOE_PREFETCH_LOCALITY
-// __builtin_prefetch locality of the row-block prefetch: 2 = prefetcht1, into L2. A prefetch into L1
-// (3, prefetcht0) holds one of the core's few L1 miss buffers (~24) for a whole DRAM latency, which
-// caps a core near 24 lines per latency: 11-14 GB/s of bf16 weights on the 2-core Zen 4 dev VM
-// against 19-22 GB/s with L2 prefetches and the loads hitting L2 (docs/benchmarks/cpu_executor.md).
-#define EDGEMOE_PREFETCH_LOCALITY 2
-#endif
+#include "kernel_impl.h"
+
+// EDGEMOE_PREFETCH_BLOCKS / EDGEMOE_PREFETCH_LOCALITY: as kernel_impl.h defines them.
 
 namespace edgemoe {
 namespace {
@@ -107,6 +116,280 @@ void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, c
   }
 }
 
+// ---------------------------------------------------------------------------- quantized rows
+inline __mmask32 mask32(int n) { return static_cast<__mmask32>((1ull << n) - 1ull); }  // 0 < n < 32
+
+// e4m3 bytes -> float32 (see kernel_impl.h, e4m3_to_f32) scaled by 2^-120: the caller's multiply restores it.
+inline __m512 e4m3_raw(__m128i b16) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(b16), 20),
+                                              _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
+}
+
+// A decoder D provides: Row, row(w, r), kLine (elements per 64 bytes of codes), line(row, k, n, eff)
+// (per-row state for elements [k, k + min(n, kLine)): NVFP4's group multipliers), chunk(row, k, eff)
+// (32 bf16 weights, elements [k, k + 32), `eff` the line state at k's group), tail(row, k, n, eff)
+// (the first n < 32 of them, the rest zero or finite), addr(row, k) (prefetch).
+struct DecFP8 {
+  struct Row { const uint8_t* p; const float* s; int shift; };
+  static constexpr int kLine = 64;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            reinterpret_cast<const float*>(static_cast<const char*>(w.scales) +
+                                           (r / w.scale_rows) * w.scale_row_stride_bytes),
+            __builtin_ctz(static_cast<unsigned>(w.scale_cols))};
+  }
+  static __m512i convert(__m512 lo, __m512 hi, float sc) {
+    // code * 2^-120 * (sc * 2^120) is the product code * sc, rounded once, while sc * 2^120 is exact;
+    // a scale >= 2^8 (far above any release's) takes the two multiplies instead.
+    if (sc < 0x1p8f && sc > -0x1p8f) {
+      const __m512 m = _mm512_set1_ps(sc * 0x1p120f);
+      lo = _mm512_mul_ps(lo, m);
+      hi = _mm512_mul_ps(hi, m);
+    } else {
+      const __m512 e = _mm512_set1_ps(0x1p120f), m = _mm512_set1_ps(sc);
+      lo = _mm512_mul_ps(_mm512_mul_ps(lo, e), m);
+      hi = _mm512_mul_ps(_mm512_mul_ps(hi, e), m);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo
+  }
+  static void line(const Row&, int64_t, int64_t, float*) {}
+  static __m512i chunk(const Row& row, int64_t k, const float*) {
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + k));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + k + 16));
+    return convert(e4m3_raw(b0), e4m3_raw(b1), row.s[k >> row.shift]);
+  }
+  static __m512i tail(const Row& row, int64_t k, int n, const float*) {
+    const __m256i b = _mm256_maskz_loadu_epi8(mask32(n), row.p + k);
+    return convert(e4m3_raw(_mm256_castsi256_si128(b)), e4m3_raw(_mm256_extracti128_si256(b, 1)),
+                   row.s[k >> row.shift]);
+  }
+  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
+};
+
+// 16 bytes of nibbles -> 32 word indices in element order (low word of dword j: byte j, whose low
+// nibble is element 2j; high word: byte j >> 4 = element 2j + 1).
+inline __m512i fp4_indices(__m128i b16) {
+  const __m512i d = _mm512_cvtepu8_epi32(b16);
+  return _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+}
+
+struct DecMXFP4 {
+  struct Row { const uint8_t* p; const uint8_t* s; const float* tab; };
+  static constexpr int kLine = 128;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, scale_tables().e8m0};
+  }
+  static __m512i decode(const Row& row, int64_t k, __m128i b16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(row.tab[row.s[k >> 5]]));  // exact
+    const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(v, v);  // entries 16..31 repeat 0..15: bit 4 ignored
+    return _mm512_permutexvar_epi16(fp4_indices(b16), lut);
+  }
+  static void line(const Row&, int64_t, int64_t, float*) {}
+  static __m512i chunk(const Row& row, int64_t k, const float*) {
+    return decode(row, k, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1))));
+  }
+  static __m512i tail(const Row& row, int64_t k, int n, const float*) {
+    return decode(row, k, _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1)));
+  }
+  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
+};
+
+struct DecNVFP4 {
+  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  static constexpr int kLine = 128;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+  }
+  // Groups k / 16 (elements 0..15 of the chunk: table entries 0..15) and k / 16 + 1 (entries 16..31).
+  static __m512i decode(__m128i b16, float eff0, float eff1) {
+    const __m512 e2m1 = _mm512_loadu_ps(kE2M1);
+    const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e2m1, _mm512_set1_ps(eff1)),
+                                                     _mm512_mul_ps(e2m1, _mm512_set1_ps(eff0)));
+    // (idx & 0x000f000f) | (0x00100010 in the upper 8 dwords): ternary-logic table (A & B) | C
+    const __m512i half = _mm512_set_epi32(0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010,
+                                          0x00100010, 0x00100010, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx = _mm512_ternarylogic_epi32(fp4_indices(b16), _mm512_set1_epi32(0x000f000f), half, 0xEA);
+    return _mm512_permutexvar_epi16(idx, lut);
+  }
+  // The multipliers float32(float(e4m3) * global_scale) of the line's (up to 8) groups, into eff[0..8):
+  // the scale bytes decoded as in kernel_impl.h's e4m3 (exact), then one rounding multiply. Only the
+  // groups below n elements are read.
+  static void line(const Row& row, int64_t k, int64_t n, float* eff) {
+    const int groups = n >= 128 ? 8 : static_cast<int>(n >> 4);
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 4));
+    const __m512 v = _mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f));
+    _mm512_storeu_ps(eff, _mm512_mul_ps(v, _mm512_set1_ps(row.g)));
+  }
+  static __m512i chunk(const Row& row, int64_t k, const float* eff) {
+    return decode(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1))), eff[0], eff[1]);
+  }
+  static __m512i tail(const Row& row, int64_t k, int n, const float* eff) {  // n = 16 (K % 16 == 0): one group
+    return decode(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1)),
+                  eff[0], 0.0f);
+  }
+  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
+};
+
+// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens; K walked one 64-byte line of codes per step
+// (D::kLine elements, 32 per `vdpbf16ps`), the same line EDGEMOE_PREFETCH_BLOCKS row blocks ahead
+// prefetched into L2, then whole chunks of 32 and one masked chunk. Fixed operation order per (r, j).
+template <class D, int RB, int NT>
+inline void micro_q(const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
+                    int64_t pf) {
+  __m512 acc[RB][NT];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) float eff[RB][16];  // per-line state of each row (D::line)
+  int64_t k = 0;
+  for (; k + D::kLine <= K; k += D::kLine) {
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
+        __builtin_prefetch(D::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
+      D::line(rows[r], k, D::kLine, eff[r]);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < D::kLine; u += 32) {
+      __m512i wv[RB];
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k + u, eff[r] + (u >> 4));
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) {
+        const __m512i av = _mm512_loadu_si512(a[j] + k + u);
+#pragma GCC unroll 16
+        for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+      }
+    }
+  }
+  if (k < K)
+    for (int r = 0; r < RB; ++r) D::line(rows[r], k, K - k, eff[r]);  // the last partial line
+  const int64_t k_line = k;
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k, eff[r] + ((k - k_line) >> 4));
+    for (int j = 0; j < NT; ++j) {
+      const __m512i av = _mm512_loadu_si512(a[j] + k);
+      for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+    }
+  }
+  if (k < K) {  // masked: activation lanes past K load as zero (and the weights there are finite)
+    const int n = static_cast<int>(K - k);
+    __m512i wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = D::tail(rows[r], k, n, eff[r] + ((k - k_line) >> 4));
+    for (int j = 0; j < NT; ++j) {
+      const __m512i av = _mm512_maskz_loadu_epi16(mask32(n), a[j] + k);
+      for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+template <class D, int RB>
+inline void micro_q_tile(int nt, const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y,
+                         int64_t ldy, int64_t pf) {
+  switch (nt) {
+    case 4: return micro_q<D, RB, 4>(rows, K, a, y, ldy, pf);
+    case 3: return micro_q<D, RB, 3>(rows, K, a, y, ldy, pf);
+    case 2: return micro_q<D, RB, 2>(rows, K, a, y, ldy, pf);
+    default: return micro_q<D, RB, 1>(rows, K, a, y, ldy, pf);
+  }
+}
+
+// Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16 rows of `buf` (K elements each, `ld` apart):
+// the same chunks, in the same order, that micro_q feeds to `vdpbf16ps`.
+template <class D>
+inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
+  alignas(64) float eff[16];
+  for (int i = 0; i < nr; ++i) {
+    const typename D::Row row = D::row(w, row0 + i);
+    uint16_t* dst = buf + i * ld;
+    int64_t k = 0;
+    for (; k + D::kLine <= K; k += D::kLine) {
+      __builtin_prefetch(D::addr(row, k) + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
+                         EDGEMOE_PREFETCH_LOCALITY);
+      D::line(row, k, D::kLine, eff);
+      for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, eff + (u >> 4)));
+    }
+    if (k < K) D::line(row, k, K - k, eff);
+    const int64_t k_line = k;
+    for (; k + 32 <= K; k += 32) _mm512_storeu_si512(dst + k, D::chunk(row, k, eff + ((k - k_line) >> 4)));
+    if (k < K) {
+      const int n = static_cast<int>(K - k);
+      _mm512_mask_storeu_epi16(dst + k, mask32(n), D::tail(row, k, n, eff + ((k - k_line) >> 4)));
+    }
+  }
+}
+
+// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
+constexpr int64_t kDecodeBufK = 8192;
+
+// GemvFn for quantized rows computing in bf16 (WeightView::bf16_weights; the executor never selects
+// this level for a float32 computation), bf16 activations; blocking as kernel_impl.h's gemv. With more
+// tokens than one tile, a row block is dequantized once into a stack buffer and every tile runs the
+// bf16 micro-kernel over it (the same `vdpbf16ps` sequence per (row, token) as the fused micro_q, so
+// results do not depend on the token count).
+template <class D>
+void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+               int64_t ldy) {
+  constexpr int RB = 4, NT = 4;
+  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
+  if (n > NT && K <= kDecodeBufK) {
+    alignas(64) uint16_t buf[RB * kDecodeBufK];
+    const int64_t ld = (K + 31) / 32 * 32;
+    const uint16_t* brow[RB];
+    for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
+    for (int64_t r = 0; r < nrows; r += RB) {
+      const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
+      decode_rows<D>(w, row0 + r, nr, K, buf, ld);
+      for (int j0 = 0; j0 < n; j0 += NT) {
+        const int nt = n - j0 < NT ? n - j0 : NT;
+        if (nr == RB) {
+          micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
+        } else {
+          for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
+        }
+      }
+    }
+    return;
+  }
+  typename D::Row rows[RB];
+  int64_t r = 0;
+  for (; r + RB <= nrows; r += RB) {
+    for (int i = 0; i < RB; ++i) rows[i] = D::row(w, row0 + r + i);
+    for (int j0 = 0; j0 < n; j0 += NT) {
+      const int nt = n - j0 < NT ? n - j0 : NT;
+      micro_q_tile<D, RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+    }
+  }
+  for (; r < nrows; ++r) {
+    rows[0] = D::row(w, row0 + r);
+    for (int j0 = 0; j0 < n; j0 += NT) {
+      const int nt = n - j0 < NT ? n - j0 : NT;
+      micro_q_tile<D, 1>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
+    }
+  }
+}
+
+void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+                 int64_t ldy) {
+  gemv_q_dp<DecFP8>(w, row0, nrows, K, act, n, y, ldy);
+}
+void gemv_mxfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                   float* y, int64_t ldy) {
+  gemv_q_dp<DecMXFP4>(w, row0, nrows, K, act, n, y, ldy);
+}
+void gemv_nvfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                   float* y, int64_t ldy) {
+  gemv_q_dp<DecNVFP4>(w, row0, nrows, K, act, n, y, ldy);
+}
+
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
 
 }  // namespace
@@ -119,8 +402,11 @@ namespace edgemoe {
 const IsaKernels& kernels_avx512bf16() {
   static const IsaKernels k = [] {
     IsaKernels t{};
-    t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16,
-                                            kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32};
+    const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
+    t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16, sum};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_dp, ActFormat::BF16, sum};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_dp, ActFormat::BF16, sum};
     return t;
   }();
   return k;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "kernel_impl.h"
 
 namespace edgemoe {
 namespace {
@@ -30,8 +31,6 @@ struct VecScalar {
 }  // namespace
 }  // namespace edgemoe
 
-#include "kernel_impl.h"
-
 namespace edgemoe {
 
 const IsaKernels& kernels_scalar() {
@@ -41,6 +40,10 @@ const IsaKernels& kernels_scalar() {
                                            &sum_f32<VecScalar>};
     t.by_format[int(WeightFormat::BF16)] = {&gemv<VecScalar, FmtBF16<VecScalar>, 4, 2>, ActFormat::F32,
                                             &sum_f32<VecScalar>};
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_q<VecScalar, FmtFP8, 4, 2>, ActFormat::F32,
+                                                      &sum_f32<VecScalar>};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_q<VecScalar, FmtMXFP4, 4, 2>, ActFormat::F32, &sum_f32<VecScalar>};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_q<VecScalar, FmtNVFP4, 4, 2>, ActFormat::F32, &sum_f32<VecScalar>};
     return t;
   }();
   return k;

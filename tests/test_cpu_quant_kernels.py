@@ -1,0 +1,224 @@
+"""Native CPU kernels over quantized expert rows (FP8 block-128, MXFP4, NVFP4), dequantized in registers.
+
+- every ISA level this CPU supports (forced through the ``isa`` cap) × every format × compute dtype
+  (float32, bfloat16) matches a float64 reference of the dequantized rows
+  (:meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`, the torch path's weights) with the
+  documented rounding points, for odd shapes (FP8 with H and I not multiples of 16 or 128, FP4 formats
+  with I not a multiple of 128), the Qwen3-30B-A3B expert, several tokens and experts, 1 and 2 threads;
+- results do not depend on the thread count; the native executor agrees with the torch executor;
+- the registered step (the device decode path's CPU branch) runs quantized rows;
+- which pools have no native kernel (float16 compute, FP8 blocks the kernels cannot tile).
+
+Skipped as a whole, with the reason, when the extension cannot be built here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe.experts import native
+from edgemoe.experts.cpu_executor import TorchCpuExecutor, make_cpu_executor
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.quant.layout import ExpertLayout
+from edgemoe.quant.weights import WeightFormat
+
+try:
+    native.load_extension()
+    UNAVAILABLE = None
+except native.NativeUnavailable as e:
+    UNAVAILABLE = str(e)
+
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
+
+FORMATS = {"fp8": WeightFormat.FP8_BLOCK, "mxfp4": WeightFormat.MXFP4, "nvfp4": WeightFormat.NVFP4}
+SHAPES = {  # format: {name: (H, I, experts)}
+    "fp8": {"odd": (200, 72, 6), "partial-blocks": (304, 176, 5), "qwen3-30b-a3b": (2048, 768, 3)},
+    "mxfp4": {"odd": (96, 160, 6), "qwen3-30b-a3b": (2048, 768, 3)},
+    "nvfp4": {"odd": (80, 48, 6), "partial-128": (144, 208, 5), "qwen3-30b-a3b": (2048, 768, 3)},
+}
+CASES = [(f, s) for f in FORMATS for s in SHAPES[f]]
+COMPUTE = {"f32": torch.float32, "bf16": torch.bfloat16}
+TOKENS = (1, 3, 8)
+THREADS = (1, 2)
+TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}  # as tests/test_cpu_kernels.py: a bf16 one-ulp flip
+MAX_DIFFERING = 0.25
+
+_pools: dict = {}
+_cores: dict = {}
+_refs: dict = {}
+
+
+def _pool(fmt: str, shape: str, compute: torch.dtype) -> HostExpertPool:
+    key = (fmt, shape, compute)
+    if key not in _pools:
+        H, I, N = SHAPES[fmt][shape]
+        p = HostExpertPool(N, ExpertLayout.build(FORMATS[fmt], H, I), compute)
+        p.fill_random(seed=7, std=0.05)
+        _pools[key] = p
+    return _pools[key]
+
+
+def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuExecutor:
+    key = (isa, threads)
+    if key not in _cores:
+        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
+                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
+    return _cores[key].with_pool(pool)
+
+
+def _work(T: int, num_ids: int, seed: int, k: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    k = min(k, num_ids)
+    ids = torch.stack([torch.randperm(num_ids, generator=g)[:k] for _ in range(T)])  # [T, k]
+    w = torch.rand(T, k, generator=g) + 0.1
+    work = []
+    for fid in torch.randperm(num_ids, generator=g).tolist():
+        tok, kpos = (ids == fid).nonzero(as_tuple=True)
+        if tok.numel():
+            work.append((fid, tok, w[tok, kpos]))
+    return work
+
+
+def reference(pool: HostExpertPool, x: torch.Tensor, work) -> torch.Tensor:
+    """float64 ``Σ w · down(silu(gate(x)) · up(x))`` over the dequantized rows (``dequant_rows``: float32, as
+    the torch path dequantizes), rounded where the kernels document: in bfloat16 the weights, x, gate, up,
+    SiLU(gate), the activation, y, the router weight and y·w are bf16 values; in float32 nothing is."""
+    bf16 = pool.compute_dtype == torch.bfloat16
+    I = pool.intermediate
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).double() if bf16 else t.double()
+
+    xr = r(x)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for fid, tok, wt in work:
+        w13, w2 = pool.layout.dequant_rows(pool.bank, [fid])  # [1, 2I, H], [1, H, I] float32
+        h = xr[tok] @ r(w13[0]).T  # [n, 2I]
+        a = r(r(torch.nn.functional.silu(r(h[:, :I]))) * r(h[:, I:]))  # [n, I]
+        y = r(a @ r(w2[0]).T)  # [n, H]
+        out.index_add_(0, tok, r(y * r(wt.float())[:, None]))
+    return out
+
+
+def _ref(fmt, shape, compute, T):
+    key = (fmt, shape, compute, T)
+    if key not in _refs:
+        pool = _pool(fmt, shape, compute)
+        x = torch.randn(T, pool.hidden, generator=torch.Generator().manual_seed(T))
+        work = _work(T, pool.num_ids, seed=50 + T)
+        _refs[key] = (x, work, reference(pool, x, work))
+    return _refs[key]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _differing(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((out.double() - ref).abs() > 1e-6 * ref.abs().max()).double().mean())
+
+
+def _skip_unsupported(isa: str, fmt: str, compute: torch.dtype) -> None:
+    have = native.supported_isas(FORMATS[fmt], compute)
+    if isa not in have:
+        pytest.skip(f"no {isa} kernel for {fmt} computing in {compute} here: supported {have}")
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("compute", list(COMPUTE))
+@pytest.mark.parametrize("fmt,shape", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_quantized_kernels_match_float64_reference(isa, fmt, shape, compute, T, threads):
+    compute = COMPUTE[compute]
+    _skip_unsupported(isa, fmt, compute)
+    pool = _pool(fmt, shape, compute)
+    x, work, ref = _ref(fmt, shape, compute, T)
+    ex = _executor(pool, isa, threads)
+    assert ex.isa == isa and ex.threads == threads
+    out = torch.zeros(T, pool.hidden)
+    ex.run(x, work, out)
+    assert _rel_err(out, ref) < TOL[compute], f"{ex.name} {fmt}: relative error {_rel_err(out, ref):.2e}"
+    assert _differing(out, ref) < MAX_DIFFERING, f"{ex.name} {fmt}: {_differing(out, ref):.1%} of outputs differ"
+
+
+@pytest.mark.parametrize("compute", list(COMPUTE))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_results_do_not_depend_on_thread_count(fmt, compute):
+    compute = COMPUTE[compute]
+    pool = _pool(fmt, "qwen3-30b-a3b", compute)
+    x, work, _ = _ref(fmt, "qwen3-30b-a3b", compute, 8)
+    isa = native.supported_isas(FORMATS[fmt], compute)[-1]
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.zeros(8, pool.hidden)
+        _executor(pool, isa, threads).run(x, work, out)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("compute", list(COMPUTE))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_native_matches_torch_executor(fmt, compute):
+    """The torch executor dequantizes the rows (float32, then the compute dtype) and runs the float expert;
+    the native kernels compute the same numbers up to float32 summation order."""
+    compute = COMPUTE[compute]
+    pool = _pool(fmt, "qwen3-30b-a3b", compute)
+    x, work, _ = _ref(fmt, "qwen3-30b-a3b", compute, 3)
+    ex = make_cpu_executor(pool, None, "auto")
+    assert isinstance(ex, native.NativeCpuExecutor)
+    out, ref = torch.zeros(3, pool.hidden), torch.zeros(3, pool.hidden)
+    ex.run(x, work, out)
+    TorchCpuExecutor(pool).run(x, work, ref)
+    torch.testing.assert_close(out, ref, atol=TOL[compute] * float(ref.abs().max()), rtol=0)
+    assert _differing(out, ref.double()) < MAX_DIFFERING
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_registered_step_runs_quantized_rows(fmt):
+    pool = _pool(fmt, "odd", torch.bfloat16)
+    x, work, ref = _ref(fmt, "odd", torch.bfloat16, 3)
+    ex = native.NativeCpuExecutor(pool, 2, min_parallel_bytes=0, oversubscribe=True)
+    step = ex.make_step(max_tokens=4, max_experts=pool.num_ids, x_dtype=torch.bfloat16)
+    try:
+        step.set_work(x.to(torch.bfloat16), work)
+        step()
+        assert _rel_err(step.out[:3], ref) < TOL[torch.bfloat16]
+    finally:
+        step.close()
+
+
+def test_pools_without_a_native_kernel():
+    f16 = HostExpertPool(2, ExpertLayout.build(WeightFormat.NVFP4, 32, 32), torch.float16)
+    with pytest.raises(native.NativeUnavailable, match=r"computing in torch\.float16"):
+        native.NativeCpuExecutor(f16, 1)
+    odd_block = HostExpertPool(2, ExpertLayout.build(WeightFormat.FP8_BLOCK, 64, 64, block_size=(128, 96)))
+    with pytest.raises(native.NativeUnavailable, match="FP8 block size"):
+        native.NativeCpuExecutor(odd_block, 1)
+    assert isinstance(make_cpu_executor(odd_block, None, "auto"), TorchCpuExecutor)
+
+
+def test_isa_for_quantized_formats_in_float32_stops_at_avx512():
+    """``vdpbf16ps`` needs bf16 operands: a quantized pool computing in float32 runs the AVX-512F kernels."""
+    feats = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"]
+    for fmt in FORMATS.values():
+        assert native.select_isa(feats, None, fmt, torch.float32) == "avx512"
+        assert native.select_isa(feats, "avx2", fmt, torch.bfloat16) == "avx2"
+        assert native.select_isa([], None, fmt) == "scalar"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt):
+    """Eight tokens on one expert (the kernels dequantize a row block once for all token tiles) give each
+    token the bits it gets alone or in a tile of three (the fused path)."""
+    pool = _pool(fmt, "qwen3-30b-a3b", torch.bfloat16)
+    x = torch.randn(8, pool.hidden, generator=torch.Generator().manual_seed(3))
+    wt = torch.rand(8, generator=torch.Generator().manual_seed(4))
+    ex = _executor(pool, native.supported_isas(FORMATS[fmt])[-1], 2)
+    full = torch.zeros(8, pool.hidden)
+    ex.run(x, [(1, torch.arange(8), wt)], full)
+    for toks in (torch.tensor([5]), torch.tensor([0, 2, 7])):
+        part = torch.zeros(8, pool.hidden)
+        ex.run(x, [(1, toks, wt[toks])], part)
+        assert torch.equal(part[toks], full[toks])

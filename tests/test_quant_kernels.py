@@ -1,0 +1,145 @@
+"""The quantized expert kernels (``expert_gemv_quant``, ``grouped_swiglu_quant``: FP8 block, MXFP4, NVFP4 slots
+dequantized in registers) against the reference dequantizer (``ExpertLayout.dequant_rows``) followed by the torch
+expert math, at small shapes. Without CUDA they run in Triton's interpreter; the CUDA variants at real geometry
+are ``tests/gpu/test_quant_kernels_gpu.py``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from edgemoe.experts.compute import quant_slots  # noqa: E402
+from edgemoe.kernels.expert_gemv import e2m1_to_f32, e8m0_to_f32, expert_gemv_quant  # noqa: E402
+from edgemoe.kernels.grouped_gemm import grouped_swiglu_quant  # noqa: E402
+from edgemoe.kernels.quant_slots import QuantSlots  # noqa: E402
+from edgemoe.quant.dequant import E2M1_VALUES, e8m0_to_float  # noqa: E402
+from edgemoe.quant.layout import ExpertLayout  # noqa: E402
+from edgemoe.quant.quantize import pack_float_expert  # noqa: E402
+from edgemoe.quant.weights import WeightFormat  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# (format, H, I, FP8 block): FP8 with partial blocks in both dimensions, FP4 with several scale groups per tile
+CASES = [(WeightFormat.FP8_BLOCK, 80, 40, (32, 16)), (WeightFormat.FP8_BLOCK, 64, 64, (128, 128)),
+         (WeightFormat.MXFP4, 96, 64, None), (WeightFormat.NVFP4, 80, 48, None)]
+IDS = [f"{f.value}-{h}x{i}" for f, h, i, _ in CASES]
+
+
+def _bank(fmt: WeightFormat, H: int, I: int, block, S: int, seed: int = 0) -> tuple[ExpertLayout, torch.Tensor]:
+    lay = ExpertLayout.build(fmt, H, I, block_size=block or (128, 128))
+    g = torch.Generator().manual_seed(seed)
+    bank = lay.new_bank(S)
+    for r in range(S):
+        pack_float_expert(lay, torch.randn(2 * I, H, generator=g) * 0.2, torch.randn(H, I, generator=g) * 0.2,
+                          out=bank[r])
+    return lay, bank
+
+
+def _reference(lay, bank, x, slot_of_route, w, dtype):
+    """Every route through the reference: rows dequantized (float32) and rounded to ``dtype``, then SwiGLU."""
+    w13, w2 = lay.dequant_rows(bank, range(bank.shape[0]))  # [S, 2I, H], [S, H, I] float32
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+    T, k = w.shape
+    out = torch.zeros(T, k, x.shape[1], dtype=dtype)
+    for p, s in enumerate(slot_of_route):
+        if s < 0:
+            continue
+        t, j = divmod(p, k)
+        gate, up = F.linear(x[t:t + 1].to(dtype), w13[s]).chunk(2, dim=-1)
+        out[t, j] = (F.linear(F.silu(gate) * up, w2[s]) * w[t, j].to(dtype))[0]
+    return out
+
+
+def _close(got, want, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+@triton.jit
+def _decode_codes(c_ptr, s_ptr, v_ptr, e_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(v_ptr + i, e2m1_to_f32(tl.load(c_ptr + i)))
+    tl.store(e_ptr + i, e8m0_to_f32(tl.load(s_ptr + i)))
+
+
+def test_fp4_and_e8m0_decoders_are_exact_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    vals = torch.empty(256, device=DEV)
+    scales = torch.empty(256, device=DEV)
+    _decode_codes[(1,)](codes & 15, codes, vals, scales, N=256)
+    want = torch.tensor(E2M1_VALUES * 16)
+    assert torch.equal(vals.cpu(), want) and torch.equal(torch.signbit(vals.cpu()), torch.signbit(want))
+    torch.testing.assert_close(scales.cpu(), e8m0_to_float(codes.cpu()), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,H,I,block", CASES, ids=IDS)
+def test_expert_gemv_quant_matches_the_reference_dequantizer(fmt, H, I, block, dtype):
+    lay, bank = _bank(fmt, H, I, block, S=3)
+    g = torch.Generator().manual_seed(1)
+    T, k = 2, 2
+    x = torch.randn(T, H, generator=g)
+    slot_tk = [2, -1, 1, 0]
+    w = torch.rand(T, k, generator=g)
+    out = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
+    a = torch.empty(T * k, I, dtype=dtype, device=DEV)
+    expert_gemv_quant(x.to(DEV), torch.tensor(slot_tk, dtype=torch.int32, device=DEV), w.to(DEV),
+                      quant_slots(lay, bank.to(DEV)), out, a)
+    _close(out, _reference(lay, bank, x, slot_tk, w, dtype), dtype)
+    assert not out[0, 1].any()  # the CPU route's row is zeroed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,H,I,block", CASES, ids=IDS)
+def test_grouped_swiglu_quant_matches_the_reference_dequantizer(fmt, H, I, block, dtype):
+    S, E, T, k = 4, 6, 9, 2
+    lay, bank = _bank(fmt, H, I, block, S)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+    slots = [3, -1, 0, 2, -1, 1]  # experts 1 and 4 are not on the device
+    w = torch.rand(T, k, generator=g)
+    qs = quant_slots(lay, bank.to(DEV))
+    dev = [t.to(DEV) for t in (x, ids, w, torch.tensor(slots))]
+    out = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
+    grouped_swiglu_quant(*dev, qs, out)
+    want = _reference(lay, bank, x, [slots[e] for e in ids.view(-1).tolist()], w, dtype)
+    _close(out, want, dtype)
+    kept = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
+    grouped_swiglu_quant(*dev, qs, kept, zero_missing=False)  # rows of missing experts left as they were
+    missing = torch.tensor([slots[e] < 0 for e in ids.view(-1).tolist()]).view(T, k)
+    assert bool((kept.cpu()[missing] == 9.0).all()) and torch.equal(kept.cpu()[~missing], out.cpu()[~missing])
+
+
+def test_quant_kernels_reject_bad_slots_and_buffers():
+    lay, bank = _bank(WeightFormat.NVFP4, 32, 32, None, S=2)
+    qs = quant_slots(lay, bank.to(DEV))
+    x, w = torch.zeros(1, 32, device=DEV), torch.ones(1, 2, device=DEV)
+    slot = torch.zeros(2, dtype=torch.int32, device=DEV)
+    out, a = torch.zeros(1, 2, 32, device=DEV), torch.zeros(2, 32, device=DEV)
+    with pytest.raises(ValueError, match="w13_scale2"):
+        expert_gemv_quant(x, slot, w, QuantSlots("nvfp4", qs.w13, qs.w13_scale, qs.w2, qs.w2_scale), out, a)
+    with pytest.raises(ValueError, match="w13_scale must be"):
+        expert_gemv_quant(x, slot, w, QuantSlots("mxfp4", qs.w13, qs.w13_scale, qs.w2, qs.w2_scale), out, a)
+    with pytest.raises(ValueError, match="power of two"):
+        QuantSlots("fp8_block", qs.w13, qs.w13_scale, qs.w2, qs.w2_scale, block=(128, 96)).check()
+    with pytest.raises(ValueError, match="int32"):
+        expert_gemv_quant(x, slot.long(), w, qs, out, a)
+    with pytest.raises(ValueError, match="scratch"):
+        expert_gemv_quant(x, slot, w, qs, out, a[:, :16])
+    with pytest.raises(ValueError, match="routed"):
+        grouped_swiglu_quant(x, torch.zeros(1, 2, dtype=torch.long, device=DEV), w,
+                             torch.zeros(2, dtype=torch.long, device=DEV), qs, out[:, :1])
+    with pytest.raises(ValueError, match="not quantized"):
+        quant_slots(ExpertLayout.build(WeightFormat.BF16, 32, 32), bank)
