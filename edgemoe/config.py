@@ -33,6 +33,48 @@ class LinearAttentionConfig:
     conv_kernel: int
 
 
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The math of one routed expert beyond its three projections: its gated activation and biases.
+
+    ``kind``:
+
+    - ``"silu"``: ``down(silu(gate(x)) * up(x))`` (SwiGLU, Shazeer 2020; Qwen3-MoE, GLM-4.5,
+      DeepSeek-V3);
+    - ``"swiglu_oai"``: gpt-oss's clamped SwiGLU, ``g = min(gate, limit)``, ``u = clamp(up, -limit,
+      limit)``, ``down((u + 1) * g * sigmoid(alpha * g))`` (transformers' ``GptOssExperts._apply_gate``).
+
+    ``bias``: every projection adds a bias (``gate_up_proj_bias`` / ``down_proj_bias`` in gpt-oss),
+    after its matrix product. ``alpha`` and ``limit`` are read only for ``swiglu_oai``.
+    """
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias: bool = False
+
+    def __post_init__(self):
+        if self.kind not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {self.kind!r}: choose one of {', '.join(EXPERT_ACTIVATIONS)}")
+
+    @property
+    def plain(self) -> bool:
+        """SiLU SwiGLU without biases: what the native CPU kernels and the Triton expert kernels compute."""
+        return self.kind == "silu" and not self.bias
+
+    def describe(self) -> str:
+        """One phrase for logs and reasons, e.g. ``swiglu_oai (alpha 1.702, limit 7) with biases``."""
+        what = self.kind if self.kind == "silu" else f"{self.kind} (alpha {self.alpha:g}, limit {self.limit:g})"
+        return what + (" with biases" if self.bias else "")
+
+
+SILU_SWIGLU = ExpertActivation()
+"""Plain SwiGLU experts (the default)."""
+
+
 @dataclass(frozen=True)
 class LatentAttentionConfig:
     """Geometry of multi-head latent attention (MLA: DeepSeek-V2, arXiv 2405.04434 §2.1; DeepSeek-V3).
@@ -105,15 +147,18 @@ class ModelConfig:
     ``j`` (the j-th entry of ``moe_layers``) have the flat id ``j * num_experts + e`` everywhere in
     the expert pool and cache.
 
-    ``layer_types[i]`` names decoder layer ``i``'s token mixer (``"full_attention"``, or
-    ``"linear_attention"`` for a gated DeltaNet layer described by ``linear_attention``); empty means
-    every layer is full attention. Full attention rotates the first ``partial_rotary_factor *
-    head_dim`` dims and, with ``attn_output_gate``, gates its output by a sigmoid of a second
-    ``q_proj`` half. ``shared_expert_intermediate_size`` > 0 adds a shared expert to every MoE block.
+    ``layer_types[i]`` names decoder layer ``i``'s token mixer (``"full_attention"``,
+    ``"sliding_attention"`` for attention over the last ``sliding_window`` positions (the query's
+    own included), or ``"linear_attention"`` for a gated DeltaNet layer described by
+    ``linear_attention``); empty means every layer is full attention. Full attention rotates the
+    first ``partial_rotary_factor * head_dim`` dims and, with ``attn_output_gate``, gates its output by a
+    sigmoid of a second ``q_proj`` half. ``shared_expert_intermediate_size`` > 0 adds a shared expert to
+    every MoE block.
     ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3 always; optional for GLM-4.5).
     ``group_routing`` replaces the softmax top-k router by sigmoid, bias-corrected, group-limited
     routing. ``num_mtp_layers`` multi-token-prediction layers follow the decoder in the checkpoint
     (decoder layer indices ``num_layers, num_layers + 1, ...``); they are not served.
+    ``expert_activation``: the routed experts' activation and biases (:class:`ExpertActivation`).
     ``raw`` is the architecture's HF config dict (the text config of a multimodal checkpoint), kept
     for ``hf_config`` (transformers' RoPE initializers and the reference implementation in tests).
     """
@@ -151,6 +196,8 @@ class ModelConfig:
     latent_attention: LatentAttentionConfig | None = None
     group_routing: GroupLimitedRoutingConfig | None = None
     num_mtp_layers: int = 0
+    sliding_window: int | None = None
+    expert_activation: ExpertActivation = SILU_SWIGLU
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
 
     @property
@@ -179,8 +226,14 @@ class ModelConfig:
         return int((base or self.max_position_embeddings) * float(factor))
 
     def expert_numel(self) -> int:
-        """Elements of one routed expert: gate+up ``[2I, H]`` and down ``[H, I]``."""
-        return 3 * self.moe_intermediate_size * self.hidden_size
+        """Elements of one routed expert: gate+up ``[2I, H]`` and down ``[H, I]``, plus their biases
+        ``[2I]`` and ``[H]`` when ``expert_activation.bias``."""
+        I, H = self.moe_intermediate_size, self.hidden_size
+        return 3 * I * H + (2 * I + H if self.expert_activation.bias else 0)
+
+    def is_sliding_attention(self, layer: int) -> bool:
+        """Whether decoder ``layer`` attends over a sliding window of ``sliding_window`` keys."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def hf_config(self):
         """The ``transformers`` config object for this model (for the reference implementation)."""

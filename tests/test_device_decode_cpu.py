@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from edgemoe.config import SILU_SWIGLU, ExpertActivation
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
@@ -30,8 +31,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (interpre
 E, K, H, I, LAYERS = 12, 4, 32, 16, 3
 
 
-def _pool() -> HostExpertPool:
-    pool = HostExpertPool.dense(LAYERS * E, H, I, torch.float32)
+# gpt-oss's experts: clamped SwiGLU (a limit that bites at these activations) with biases
+GPT_OSS = ExpertActivation("swiglu_oai", alpha=1.702, limit=0.5, bias=True)
+
+
+def _pool(dtype: torch.dtype = torch.float32, activation: ExpertActivation = SILU_SWIGLU) -> HostExpertPool:
+    pool = HostExpertPool.dense(LAYERS * E, H, I, dtype, activation)
     pool.fill_random(0, std=0.2)
     return pool
 
@@ -41,7 +46,7 @@ def _pair(pool, slots, policy_name, partition=False):
                          num_layers=LAYERS, max_misses=4 * K, expert_bytes=pool.row_bytes)
     out = []
     for _ in range(2):
-        cache = ExpertCache(slots, pool.num_ids, pool.layout, torch.float32, torch.device("cpu"), num_experts=E,
+        cache = ExpertCache(slots, pool.num_ids, pool.layout, pool.compute_dtype, torch.device("cpu"), num_experts=E,
                             partition_layers=partition)
         out.append(HybridExperts(pool, cache, policy, TorchCpuExecutor(pool), E, torch.device("cpu")))
     eager, dev = out
@@ -49,12 +54,19 @@ def _pair(pool, slots, policy_name, partition=False):
     return eager, dev
 
 
-@pytest.mark.parametrize("policy,slots,partition", [
-    ("qstar", 6, False), ("fill-all", 5, False), ("fill-all", 30, False), ("cpu-all", 7, False),
-    ("static", 13, False), ("auto", 6, False),
-    ("qstar", 8, True), ("fill-all", 16, True), ("auto", 10, True)])  # per-layer LRU: 8 = 3 + 3 + 2 slots
-def test_device_path_equals_eager_path(policy, slots, partition):
-    pool = _pool()
+@pytest.mark.parametrize("policy,slots,experts,partition", [
+    ("qstar", 6, "silu", False), ("fill-all", 5, "silu", False), ("fill-all", 30, "silu", False),
+    ("cpu-all", 7, "silu", False), ("static", 13, "silu", False), ("qstar", 6, "gpt-oss", False),
+    ("fill-all", 30, "gpt-oss", False), ("qstar", 6, "gpt-oss-bf16", False), ("static", 13, "gpt-oss-bf16", False),
+    ("auto", 6, "silu", False),
+    ("qstar", 8, "silu", True), ("fill-all", 16, "silu", True), ("auto", 10, "silu", True)])  # 8 = 3 + 3 + 2 slots
+def test_device_path_equals_eager_path(policy, slots, experts, partition):
+    """SiLU SwiGLU experts, and gpt-oss's (clamped SwiGLU with biases) in float32 and bfloat16 (the kernels round
+    where the torch path does; their dot products sum in another order, so bf16 outputs differ by a few ulps);
+    global and per-layer LRU (``partition``), the auto policy's per-layer table and reuse accounting."""
+    dtype = torch.bfloat16 if experts.endswith("bf16") else torch.float32
+    pool = _pool(dtype, GPT_OSS if experts.startswith("gpt-oss") else SILU_SWIGLU)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     eager, dev = _pair(pool, slots, policy, partition)
     g = torch.Generator().manual_seed(1)
     for step in range(1, 7):
@@ -69,7 +81,7 @@ def test_device_path_equals_eager_path(policy, slots, partition):
             w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
             a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
             b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b, a, **tol)
             for name in ("slot_of", "owner_of", "last_used", "ghost_slot", "slot_ghost", "reuse"):
                 assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
         dev.cache.check_invariants()

@@ -455,9 +455,10 @@ def test_engine_preemption_prefix_cache_and_fault_isolation(tiny, monkeypatch):
     plain = LLMEngine(ModelRunner(path, _engine_config(enable_prefix_caching=False), progress=False))
     alone = [_run(plain, [p])[0].outputs[0].token_ids for p in prompts]
 
-    # 144 KV tokens hold ~2 of these sequences at once: preemption and recompute; 16-token prefill chunks
-    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=144, max_model_len=128,
-                                                       prefill_chunk_tokens=16), progress=False))
+    # 144 KV tokens hold ~2 of these sequences at once: preemption and recompute; 16-token prefill chunks;
+    # the floor at the cache's size keeps the KV cache from borrowing expert slots instead
+    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=144, max_model_len=128, prefill_chunk_tokens=16,
+                                                       min_expert_cache_slots=5), progress=False))
     assert [o.outputs[0].token_ids for o in _run(tight, prompts)] == alone
     assert tight.metrics.preemptions._value.get() > 0
 

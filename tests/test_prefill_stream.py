@@ -256,7 +256,7 @@ def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", use)
     run = prefill_mod.run_sorted_experts
     monkeypatch.setattr(prefill_mod, "run_sorted_experts",
-                        lambda *a: (log.append(("compute", current[-1].name)), run(*a))[1])
+                        lambda *a, **kw: (log.append(("compute", current[-1].name)), run(*a, **kw))[1])
     pool = _pool()
     hy = _hybrid(pool, 2 * E + 2)
     hy.prefill._cuda = True  # the CUDA branches, with the stand-ins above

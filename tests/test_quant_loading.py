@@ -138,7 +138,8 @@ FP8_EXPERT = "model.layers.0.mlp.experts.3.down_proj"
                                torch.zeros(16, 64, 3, dtype=torch.uint8)),
      r"tensor model\.layers\.2\.mlp\.experts\.down_proj_scales has shape \[16, 64, 3\], expected \[16, 64, 2\]"),
     ("mxfp4", lambda sd: sd.__setitem__("model.layers.2.mlp.experts.down_proj_bias", torch.zeros(16, 64)),
-     r"tensor model\.layers\.2\.mlp\.experts\.down_proj_bias: routed-expert biases are not supported"),
+     r"tensor model\.layers\.2\.mlp\.experts\.down_proj_bias: routed-expert biases, but Qwen3MoeForCausalLM's "
+     "experts have none"),
 ], ids=["fp8-scale-shape", "fp8-weight-dtype", "fp8-missing-scale", "fp8-attention-scale", "fp8-excluded-router",
         "mixed-formats", "modelopt-missing-scale2", "modelopt-scale-shape", "ct-packed-shape", "mxfp4-scales-shape",
         "mxfp4-bias"])

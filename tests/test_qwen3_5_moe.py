@@ -433,9 +433,10 @@ def test_engine_preemption_and_few_state_slots_match_alone(tiny):
     base = dict(kv_cache_tokens=512, max_model_len=256)
     alone_engine = LLMEngine(ModelRunner(path, _engine_config(**base), progress=False))
     alone = [_run(alone_engine, [p])[0] for p in prompts]
-    # 160 KV tokens hold ~3 of these sequences: preemption + recompute; 16-token prefill chunks
-    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=160, max_model_len=256, prefill_chunk_tokens=16),
-                                  progress=False))
+    # 160 KV tokens hold ~3 of these sequences: preemption + recompute; 16-token prefill chunks; the floor at
+    # the cache's size keeps the KV cache from borrowing expert slots instead
+    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=160, max_model_len=256, prefill_chunk_tokens=16,
+                                                       min_expert_cache_slots=6), progress=False))
     assert _run(tight, prompts) == alone
     assert tight.metrics.preemptions._value.get() > 0
     assert tight.runner.state.free_slots == tight.runner.state.num_slots

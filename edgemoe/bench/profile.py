@@ -53,11 +53,12 @@ def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Pat
     device = config.resolved_device()
     configure_torch_threads(config.cpu_threads)
     layout = deployed_layout(model_dir, dtype, config.load_format)
-    executor = make_cpu_executor(HostExpertPool(1, layout, dtype), config.cpu_threads, config.cpu_executor)
+    act = cfg.expert_activation
+    executor = make_cpu_executor(HostExpertPool(1, layout, dtype, act), config.cpu_threads, config.cpu_executor)
     threads = f"{executor.threads} thread{'s' if executor.threads != 1 else ''}"
     with startup_step(f"measuring B_P and B_H on the {executor.name} CPU executor, {threads}",
                       f"about {4 * seconds + 1:.0f} s; keep the machine otherwise idle"):
-        prof = measure(None, layout, device, executor, seconds, rotate_bytes, compute_dtype=dtype)
+        prof = measure(None, layout, device, executor, seconds, rotate_bytes, compute_dtype=dtype, activation=act)
     reason = implausible(prof)
     if reason is not None:
         raise ImplausibleMeasurement(f"implausible measurement, nothing saved: {reason} (re-run on an idle machine)")

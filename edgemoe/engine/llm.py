@@ -10,7 +10,7 @@ from typing import Any
 from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "normalize_messages", "render_chat", "render_chat_text"]
+__all__ = ["LLM", "arguments_as_objects", "normalize_messages", "render_chat", "render_chat_text"]
 
 Message = dict[str, Any]
 
@@ -74,7 +74,7 @@ def render_chat_text(
     attempts = [msgs]
     if any(m.get("content") is None for m in msgs):
         attempts.append([{**m, "content": ""} if m.get("content") is None else m for m in msgs])
-    decoded = _arguments_as_objects(attempts[-1])
+    decoded = arguments_as_objects(attempts[-1])
     if decoded is not None:
         attempts.append(decoded)
     for i, attempt in enumerate(attempts):
@@ -118,7 +118,7 @@ def render_chat(
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def _arguments_as_objects(messages: list[Message]) -> list[Message] | None:
+def arguments_as_objects(messages: list[Message]) -> list[Message] | None:
     """``messages`` with every tool call's JSON-string arguments decoded (those that decode to an
     object); ``None`` when there are none to decode."""
     out, changed = [], False

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from edgemoe.config import ExpertActivation
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import Bandwidths, QStarPolicy
 from edgemoe.experts.pool import HostExpertPool, default_compute_dtype
@@ -88,12 +89,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _rotation_pool(pool: HostExpertPool | None, layout: ExpertLayout, compute_dtype: torch.dtype,
-                   rotate_bytes: int, pin: bool) -> HostExpertPool:
+                   rotate_bytes: int, pin: bool, activation: ExpertActivation) -> HostExpertPool:
     """The pool itself when it is large enough to defeat the CPU caches, else a synthetic one of ``layout``."""
     if pool is not None and pool.nbytes >= rotate_bytes:
         return pool
     rows = max(8, -(-rotate_bytes // layout.row_bytes))
-    synth = HostExpertPool(rows, layout, compute_dtype)
+    synth = HostExpertPool(rows, layout, compute_dtype, activation)
     synth.fill_random(seed=1234)
     if pin:
         synth.pin()
@@ -224,7 +225,8 @@ def _rounds(fn, seconds: float) -> list[float]:
 
 
 def measure(pool: HostExpertPool | None, layout: ExpertLayout, device: torch.device, executor: CpuExecutor,
-            seconds: float, rotate_bytes: int, compute_dtype: torch.dtype | None = None) -> dict:
+            seconds: float, rotate_bytes: int, compute_dtype: torch.dtype | None = None,
+            activation: ExpertActivation | None = None) -> dict:
     """Isolated (median of ``ROUNDS`` rounds) and concurrent B_P/B_H for experts of ``layout`` (the deployed
     format and shape), and the other processes' load meanwhile. Returns the profile dict (see module doc);
     check it with :func:`implausible` before trusting or saving it.
@@ -235,11 +237,15 @@ def measure(pool: HostExpertPool | None, layout: ExpertLayout, device: torch.dev
         executor: the CPU executor whose B_H is measured (rebound to the rotation pool, sharing its
             threads). The profile records its ``name`` and ``threads``.
         compute_dtype: the experts' compute dtype (default: the pool's, else the layout's default).
+        activation: the experts' activation (default: the pool's, else SiLU SwiGLU, with biases when the
+            layout has them).
     """
     device = torch.device(device)
     if compute_dtype is None:
         compute_dtype = pool.compute_dtype if pool is not None else default_compute_dtype(layout)
-    rot = _rotation_pool(pool, layout, compute_dtype, rotate_bytes, pin=device.type == "cuda")
+    if activation is None:
+        activation = pool.activation if pool is not None else ExpertActivation(bias=layout.has_bias)
+    rot = _rotation_pool(pool, layout, compute_dtype, rotate_bytes, device.type == "cuda", activation)
     executor = _executor_for(rot, executor)
     measure_copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context
     measure_cpu(rot, executor, 0.05, experts_per_call=DECODE_CPU_EXPERTS)

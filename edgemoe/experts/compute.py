@@ -1,9 +1,14 @@
-"""Routed-expert compute shared by every path: one expert (SwiGLU), an expert's weights from a byte bank,
-and all of one MoE layer's routes grouped by expert over the expert cache's slot bank.
+"""Routed-expert compute shared by every path: one expert (SwiGLU, or gpt-oss's clamped SwiGLU with
+biases), an expert's weights from a byte bank, and all of one MoE layer's routes grouped by expert over
+the expert cache's slot bank.
 
 Decode (the eager path's large batches), on-demand prefill waves and streamed prefill all call
 :func:`run_sorted_experts`, and the torch CPU executor calls :func:`swiglu_expert`, so every path
-rounds at the same points (reference: transformers' ``Qwen3MoeExperts.forward``).
+rounds at the same points (references: transformers' ``Qwen3MoeExperts.forward`` and ``GptOssExperts``).
+The activation comes from the model's :class:`~edgemoe.config.ExpertActivation`; experts with biases
+(gpt-oss) keep them in their rows (float32 sections ``b13 [2I]``, gate's then up's, and ``b2 [H]``), read
+through :func:`expert_biases`. Only plain SiLU SwiGLU without biases runs on the Triton grouped kernels,
+anything else on torch ops.
 
 Where a quantized row is dequantized: on CUDA the Triton kernels read the packed sections of the slot bank
 (:func:`quant_slots`) and dequantize each weight tile in registers; elsewhere (the torch reference path, and
@@ -19,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from edgemoe.config import SILU_SWIGLU as SILU
+from edgemoe.config import ExpertActivation
 from edgemoe.kernels import kernel_module
 from edgemoe.kernels.quant_slots import QuantSlots, fp8_block_reason
 from edgemoe.quant.layout import ExpertLayout
@@ -29,9 +36,13 @@ DEQUANT_GROUP_BYTES = 256 << 20
 bytes of compute-dtype weights (bounds the temporary float bank)."""
 
 
-def kernel_reason(layout: ExpertLayout) -> str | None:
-    """``None`` when the Triton expert kernels read ``layout``'s rows (float rows, or FP8 block / MXFP4 /
-    NVFP4 dequantized in the kernels), else why not (FP8 with a column block the kernels do not tile)."""
+def kernel_reason(layout: ExpertLayout, act: ExpertActivation = SILU) -> str | None:
+    """``None`` when the Triton expert kernels read ``layout``'s rows and compute ``act`` (float rows of any
+    activation; FP8 block / MXFP4 / NVFP4 dequantized in the kernels, for plain SiLU SwiGLU experts without
+    biases), else why not (FP8 with a column block the kernels do not tile; quantized rows of gpt-oss's
+    experts)."""
+    if not layout.format.dense and not act.plain:
+        return f"the quantized expert kernels compute SiLU SwiGLU without biases, not {act.describe()}"
     if layout.format is WeightFormat.FP8_BLOCK:
         return fp8_block_reason(layout.block_size)
     return None
@@ -53,18 +64,48 @@ def quant_slots(layout: ExpertLayout, bank: torch.Tensor) -> QuantSlots:
                       layout.block_size)
 
 
-def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One routed expert: ``down(silu(gate(x)) * up(x))``.
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation = SILU) -> torch.Tensor:
+    """The expert's gated activation of its gate and up projections (``[..., I]`` each, same dtype).
+
+    ``silu``: ``silu(gate) * up``. ``swiglu_oai``: ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`` with
+    ``g = min(gate, limit)``, op for op as transformers' ``GptOssExperts._apply_gate`` (so 16-bit inputs
+    round at the same points).
+    """
+    if act.kind == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(min=None, max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+def _add_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b.to(y.dtype)
+
+
+def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: ExpertActivation = SILU,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """One routed expert: ``down(act(gate(x), up(x)))``, each projection followed by its bias when given.
 
     Args:
         x: ``[n, H]`` tokens routed to the expert, in the weights' dtype.
         w13: ``[2I, H]`` gate rows then up rows. w2: ``[H, I]``.
+        act: the activation (:func:`gated_activation`).
+        b13: ``[2I]`` gate's bias then up's, or ``None``; b2: ``[H]`` or ``None`` (any float dtype, cast to
+            the weights'; added after the product, as transformers' experts do).
 
     Returns:
-        ``[n, H]`` in the weights' dtype (reference: ``Qwen3MoeExperts.forward``).
+        ``[n, H]`` in the weights' dtype (references: ``Qwen3MoeExperts.forward``, ``GptOssExperts``).
     """
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
-    return F.linear(F.silu(gate) * up, w2)  # [n, H]
+    gate, up = _add_bias(F.linear(x, w13), b13).chunk(2, dim=-1)  # [n, I] each
+    return _add_bias(F.linear(gated_activation(gate, up, act), w2), b2)  # [n, H]
+
+
+def expert_biases(layout: ExpertLayout, bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The bias sections of every row of a byte bank: float32 views ``(b13 [N, 2I], b2 [N, H])`` (no copy), or
+    ``None`` for a layout without biases."""
+    if not layout.has_bias:
+        return None
+    return layout.view(bank, "b13"), layout.view(bank, "b2")
 
 
 def expert_weights(layout: ExpertLayout, bank: torch.Tensor, row: int,
@@ -100,16 +141,17 @@ def gather_expert_weights(layout: ExpertLayout, bank: torch.Tensor, rows: torch.
 
 def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
                        layout: ExpertLayout, bank: torch.Tensor, routed: torch.Tensor,
-                       zero_missing: bool = True) -> None:
+                       zero_missing: bool = True, act: ExpertActivation = SILU) -> None:
     """Compute every route of one MoE layer whose expert is on the device, routes grouped by expert.
 
-    Where the Triton kernels run (CUDA): one grouped kernel pair over the bank's section views, no host
-    synchronization: :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` for float slots,
-    :func:`~edgemoe.kernels.grouped_gemm.grouped_swiglu_quant` for quantized ones (weight tiles dequantized
-    in registers before each ``tl.dot``). Elsewhere float slots take :func:`run_experts_loop`, and quantized
-    slots are dequantized in groups (:func:`gather_expert_weights`, at most ``DEQUANT_GROUP_BYTES`` each)
-    into a temporary float bank over which the same float computation runs. Every path rounds where
-    ``swiglu_expert`` does, and a route's row never depends on which group or call computed it.
+    Where the Triton kernels run (CUDA), for plain SiLU experts: one grouped kernel pair over the bank's
+    section views, no host synchronization: :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` for float
+    slots, :func:`~edgemoe.kernels.grouped_gemm.grouped_swiglu_quant` for quantized ones (weight tiles
+    dequantized in registers before each ``tl.dot``). Elsewhere, and for another activation or with biases
+    (gpt-oss), float slots take :func:`run_experts_loop`, and quantized slots are dequantized in groups
+    (:func:`gather_expert_weights`, at most ``DEQUANT_GROUP_BYTES`` each) into a temporary float bank over
+    which the same float computation runs. Every path rounds where ``swiglu_expert`` does, and a route's row
+    never depends on which group or call computed it.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; cast to the compute dtype).
@@ -120,13 +162,15 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         routed: ``[T, k, H]`` in the compute dtype; row ``(t, j)`` is overwritten with
             ``topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` when that expert has a slot, else
             with zeros (``zero_missing``) or left as it is.
+        act: the experts' activation (biases, when ``layout`` has them, come from the slots' rows).
     """
+    biases = expert_biases(layout, bank)
     if layout.format.dense:
         _run_float(x, topk_ids, topk_weights, expert_slots, layout.view(bank, "w13"), layout.view(bank, "w2"), routed,
-                   zero_missing)
+                   zero_missing, act, biases)
         return
     grouped = kernel_module("grouped_gemm", x.device)
-    if grouped is not None and kernel_reason(layout) is None:
+    if grouped is not None and kernel_reason(layout, act) is None:
         grouped.grouped_swiglu_quant(x, topk_ids, topk_weights, expert_slots, quant_slots(layout, bank), routed,
                                      zero_missing=zero_missing)
         return
@@ -143,28 +187,32 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         for j, e in enumerate(experts):
             local[e] = j
         local_slots = torch.tensor(local, dtype=torch.int64, device=x.device)
-        _run_float(x, topk_ids, topk_weights, local_slots, w13, w2, routed, zero_missing=False)
+        group_biases = None if biases is None else (biases[0].index_select(0, rows), biases[1].index_select(0, rows))
+        _run_float(x, topk_ids, topk_weights, local_slots, w13, w2, routed, False, act, group_biases)
     if zero_missing and len(placed) < E:
         missing = expert_slots.index_select(0, topk_ids.reshape(-1)) < 0  # [P]
         routed.view(-1, routed.shape[-1])[missing] = 0
 
 
-def _run_float(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing) -> None:
-    grouped = kernel_module("grouped_gemm", x.device)
+def _run_float(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing, act, biases) -> None:
+    grouped = kernel_module("grouped_gemm", x.device) if act.plain and biases is None else None
     if grouped is not None:
         grouped.grouped_swiglu(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing=zero_missing)
     else:
-        run_experts_loop(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing)
+        run_experts_loop(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing, act, biases)
 
 
 def run_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
-                     w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True) -> None:
+                     w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, zero_missing: bool = True,
+                     act: ExpertActivation = SILU, biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """:func:`run_sorted_experts` over float banks with torch ops on any device: a stable sort of the routes
     by expert, then one ``swiglu_expert`` per expert over its block (the per-expert counts and slots are
     read on the host).
 
     Args:
         w13: ``[S, 2I, H]`` and w2: ``[S, H, I]`` float slot banks (section views: rows may be strided).
+        act: the experts' activation. biases: ``(b13 [S, 2I], b2 [S, H])`` indexed like the slot banks, or
+            ``None``.
 
     Each expert sees its tokens in increasing ``(t, j)`` order (reference: ``Qwen3MoeExperts.forward``).
     """
@@ -184,7 +232,9 @@ def run_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
             continue
         rows = order.narrow(0, start, n)  # [n]
         if slots[e] >= 0:
-            y = swiglu_expert(xd.index_select(0, tok.narrow(0, start, n)), w13[slots[e]], w2[slots[e]])  # [n, H]
+            s = slots[e]
+            b13, b2 = (None, None) if biases is None else (biases[0][s], biases[1][s])
+            y = swiglu_expert(xd.index_select(0, tok.narrow(0, start, n)), w13[s], w2[s], act, b13, b2)  # [n, H]
             out.index_copy_(0, rows, y * wts.narrow(0, start, n)[:, None])
         elif zero_missing:
             out.index_fill_(0, rows, 0)
@@ -198,13 +248,16 @@ def run_experts_torch(pool, x: torch.Tensor, work: list[tuple[int, torch.Tensor,
     dequantized) — the torch CPU executor, and the native executor's path for GEMM-sized experts.
 
     Args:
-        pool: the ``HostExpertPool`` (``bank``, ``layout``, ``compute_dtype``).
+        pool: the ``HostExpertPool`` (``bank``, ``layout``, ``compute_dtype``, ``activation``; biases from the
+            rows when the layout has them).
         x: ``[T, H]`` hidden states on the CPU (any float dtype; cast to the compute dtype).
         work: per expert ``(flat_id, token_idx [n] int64, weight [n] float)``.
         out: ``[T, H]`` float32 CPU accumulator (added to, not overwritten).
     """
     xd = x.to(pool.compute_dtype)
+    biases = expert_biases(pool.layout, pool.bank)
     for fid, tok, wt in work:
         w13, w2 = expert_weights(pool.layout, pool.bank, int(fid), pool.compute_dtype)
-        y = swiglu_expert(xd.index_select(0, tok), w13, w2)  # [n, H]
+        b13, b2 = (None, None) if biases is None else (biases[0][int(fid)], biases[1][int(fid)])
+        y = swiglu_expert(xd.index_select(0, tok), w13, w2, pool.activation, b13, b2)  # [n, H]
         out.index_add_(0, tok, (y * wt.to(y.dtype)[:, None]).float())

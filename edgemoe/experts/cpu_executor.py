@@ -108,8 +108,10 @@ def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: st
         threads: native executor threads (``--cpu-threads``; ``None``: the most that never
             oversubscribe the cores, :func:`edgemoe.experts.native.plan_threads`). The torch executor
             runs on torch's intra-op threads, which the engine sets.
-        kind: ``"auto"`` or ``"native"`` (native where it builds and supports the pool's dtype, else
-            torch with a one-line warning), or ``"torch"``.
+        kind: ``"auto"`` or ``"native"`` (native where it builds and supports the pool's dtype and the
+            experts' activation, else torch with a one-line warning), or ``"torch"``. The native kernels
+            compute plain SiLU SwiGLU without biases; experts with another activation or biases
+            (gpt-oss) always get the torch executor.
         alongside: busy threads outside the native pool that need a core while it computes (on CUDA
             :data:`edgemoe.experts.native.ALONGSIDE_CUDA`).
         native_kw: passed to :class:`~edgemoe.experts.native.NativeCpuExecutor` (``isa``, ``spin_us``, ...).
@@ -124,6 +126,10 @@ def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: st
     if kind not in CPU_EXECUTORS:
         raise ValueError(f"cpu executor {kind!r}: choose one of {CPU_EXECUTORS}")
     if kind == "torch":
+        return TorchCpuExecutor(pool)
+    if not pool.activation.plain:
+        log.warning("native CPU expert executor computes SiLU SwiGLU experts without biases, not %s; using the "
+                    "torch-ops executor", pool.activation.describe())
         return TorchCpuExecutor(pool)
     from edgemoe.experts.native import NativeCpuExecutor, NativeUnavailable
 

@@ -64,6 +64,9 @@ class DeviceDecode:
         top_k: routed experts per token.
         max_tokens: largest decode batch.
 
+    The experts' activation is ``pool.activation`` (SiLU SwiGLU, or gpt-oss's clamped SwiGLU); their biases,
+    if any, are the cache slots' bias sections.
+
     Raises:
         ValueError: a cache whose rows the kernels do not read (:func:`~edgemoe.experts.compute.kernel_reason`),
             or ``cache.num_experts`` is not ``num_experts`` (its reuse rows would be wrong).
@@ -82,7 +85,7 @@ class DeviceDecode:
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
-        if (reason := kernel_reason(cache.layout)) is not None:
+        if (reason := kernel_reason(cache.layout, pool.activation)) is not None:
             raise ValueError(f"the device decode kernels do not read these {cache.layout.format.value} expert rows: "
                              f"{reason}")
         self._route_control, self._gather_fills = route_control, gather_fills
@@ -93,6 +96,9 @@ class DeviceDecode:
             raise ValueError(f"the expert cache counts {cache.num_experts} experts per layer, the model {num_experts} "
                              "(ExpertCache(num_experts=...))")
         self.num_experts = num_experts
+        act = pool.activation
+        self.swiglu_oai = (act.alpha, act.limit) if act.kind == "swiglu_oai" else None
+        self.biases = (cache.view("b13"), cache.view("b2")) if cache.layout.has_bias else None  # slots' sections
         dev = self.device = cache.device
         P = max_tokens * top_k
         H, I = pool.hidden, pool.intermediate
@@ -223,8 +229,9 @@ class DeviceDecode:
             self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
         routed = self.routed[:T]
         if c.layout.format.dense:
-            self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act)
-        else:  # packed codes and scales of the same slot rows, dequantized in registers
+            self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act,
+                              self.swiglu_oai, self.biases)
+        else:  # packed codes and scales of the same slot rows, dequantized in registers (plain SiLU experts)
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch:

@@ -25,7 +25,7 @@ import torch
 
 from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.compute import gather_expert_weights, run_sorted_experts
+from edgemoe.experts.compute import expert_biases, gated_activation, gather_expert_weights, run_sorted_experts
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
@@ -119,6 +119,9 @@ class HybridExperts:
         cpu: the CPU executor.
         num_experts: ``E`` (experts per MoE layer).
         device: compute device.
+
+    Attributes:
+        act: the experts' activation (``pool.activation``; biases, if any, live in the experts' rows).
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu: CpuExecutor,
@@ -126,6 +129,7 @@ class HybridExperts:
         self.pool, self.cache, self.policy, self.cpu = pool, cache, policy, cpu
         self.num_experts = num_experts
         self.device = torch.device(device)
+        self.act = pool.activation
         self.device_decode = None  # DeviceDecode: decode steps with their control on the device (CUDA)
         self.routers: list | None = None  # every MoE layer's router, when next-layer prefetch is on
         self.prefetch_counts = {"prefetched": 0, "prefetch_hits": 0}  # eager path (the device path: prefetched)
@@ -270,10 +274,15 @@ class HybridExperts:
         c = self.cache
         w13, w2 = gather_expert_weights(c.layout, c.bank, s, c.compute_dtype)  # [P, 2I, H], [P, H, I]
         xp = x.to(w13.dtype).repeat_interleave(k, dim=0)  # [P, H]
+        biases = expert_biases(c.layout, c.bank)  # the slots' bias sections, or None
         h = torch.bmm(w13, xp[:, :, None]).squeeze(-1)  # [P, 2I]
+        if biases is not None:
+            h = h + biases[0].index_select(0, s).to(h.dtype)
         gate, up = h.chunk(2, dim=-1)
-        a = torch.nn.functional.silu(gate) * up  # [P, I]
+        a = gated_activation(gate, up, self.act)  # [P, I]
         y = torch.bmm(w2, a[:, :, None]).squeeze(-1)  # [P, H]
+        if biases is not None:
+            y = y + biases[1].index_select(0, s).to(y.dtype)
         y = y * w.reshape(-1, 1).to(y.dtype)
         y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
         routed.copy_(y.view(T, k, -1))
@@ -290,7 +299,8 @@ class HybridExperts:
         for fid, slot in placed.items():
             slots[fid - base] = slot
         expert_slots = torch.tensor(slots, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-        run_sorted_experts(x, topk_ids, w, expert_slots, self.cache.layout, self.cache.bank, routed, zero_missing=False)
+        run_sorted_experts(x, topk_ids, w, expert_slots, self.cache.layout, self.cache.bank, routed, zero_missing=False,
+                           act=self.act)
 
     def stats(self) -> dict:
         """Per-phase counters; decode includes the device path's counters (read with one sync)."""

@@ -16,13 +16,14 @@ import mmap
 
 import torch
 
+from edgemoe.config import SILU_SWIGLU, ExpertActivation
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.quantize import pack_float_expert
 from edgemoe.quant.weights import WeightFormat
 
 log = logging.getLogger(__name__)
 
-_DATA_SECTIONS = ("w13", "w2")  # the sections holding weight elements (the rest: scales, biases)
+_DATA_SECTIONS = ("w13", "w2", "b13", "b2")  # the sections of per-element values (the rest: block scales)
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
@@ -63,6 +64,8 @@ class HostExpertPool:
         layout: the byte layout of one row (format, ``H``, ``I``, sections).
         compute_dtype: the dtype the experts compute in: a float layout's own dtype (the default), or for a
             quantized layout the dtype its rows are dequantized into (default bfloat16).
+        activation: the experts' activation (the model's ``ExpertActivation``: SiLU SwiGLU, or gpt-oss's
+            clamped SwiGLU); ``activation.bias`` iff the layout has bias sections (``b13``, ``b2``).
 
     The bank is page-aligned (:func:`host_empty`) so the FTW bootstrap reads it with direct I/O.
 
@@ -70,28 +73,37 @@ class HostExpertPool:
         bank: uint8 ``[N, row_bytes]``; row ``i`` holds expert ``i``'s sections at ``layout``'s offsets.
         layout: the :class:`~edgemoe.quant.layout.ExpertLayout`.
         hidden, intermediate: ``H`` and ``I``.
+        activation: as given.
         pinned: whether the bank is page-locked (registered with CUDA) for async host→GPU copies.
 
     Raises:
-        ValueError: a float layout with another ``compute_dtype`` (its rows are computed in place).
+        ValueError: a float layout with another ``compute_dtype`` (its rows are computed in place), or an
+            activation with biases over a layout without bias sections (or the reverse).
     """
 
-    def __init__(self, num_ids: int, layout: ExpertLayout, compute_dtype: torch.dtype | None = None):
+    def __init__(self, num_ids: int, layout: ExpertLayout, compute_dtype: torch.dtype | None = None,
+                 activation: ExpertActivation = SILU_SWIGLU):
         if compute_dtype is None:
             compute_dtype = default_compute_dtype(layout)
         if layout.format.dense and compute_dtype != layout.format.dtype:
             raise ValueError(f"a {layout.format.value} expert pool computes in {layout.format.dtype}, "
                              f"not {compute_dtype}")
+        if layout.has_bias != activation.bias:
+            raise ValueError(f"expert layout has_bias={layout.has_bias} but the experts are {activation.describe()}")
         self.num_ids, self.layout, self.compute_dtype = num_ids, layout, compute_dtype
+        self.activation = activation
         self.hidden, self.intermediate = layout.hidden, layout.intermediate
         self.bank = host_empty((num_ids, layout.row_bytes), torch.uint8)  # [N, row_bytes]
         self.pinned = False
         self._registered: int | None = None
 
     @classmethod
-    def dense(cls, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype) -> HostExpertPool:
-        """A pool of float experts of ``dtype`` (bf16 / f16 / f32 rows: ``w13 [2I, H]``, ``w2 [H, I]``)."""
-        return cls(num_ids, ExpertLayout.build(WeightFormat.for_dtype(dtype), hidden, intermediate))
+    def dense(cls, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype,
+              activation: ExpertActivation = SILU_SWIGLU) -> HostExpertPool:
+        """A pool of float experts of ``dtype`` (bf16 / f16 / f32 rows: ``w13 [2I, H]``, ``w2 [H, I]``, and
+        float32 ``b13 [2I]``, ``b2 [H]`` with ``activation.bias``)."""
+        layout = ExpertLayout.build(WeightFormat.for_dtype(dtype), hidden, intermediate, has_bias=activation.bias)
+        return cls(num_ids, layout, activation=activation)
 
     @property
     def format(self) -> WeightFormat:
@@ -147,7 +159,8 @@ class HostExpertPool:
 
         Two random float experts (``N(0, std)``) are quantized into the layout (:func:`~edgemoe.quant.quantize.
         pack_float_expert`); each row's weight sections (``w13``, ``w2``) are windows of theirs at random
-        element offsets, so rows differ, and the other sections (block scales) are the first expert's. A
+        element offsets, so rows differ (biases too), and the other sections (block scales) are the first
+        expert's. A
         full-scale pool (tens of GB) fills at memory-copy speed rather than RNG or quantizer speed.
         """
         g = torch.Generator().manual_seed(seed)
@@ -156,7 +169,9 @@ class HostExpertPool:
         for r in range(2):
             w13 = torch.randn(2 * i, h, generator=g) * std
             w2 = torch.randn(h, i, generator=g) * std
-            pack_float_expert(lay, w13, w2, out=src[r])
+            b13, b2 = (torch.randn(2 * i, generator=g) * std, torch.randn(h, generator=g) * std) if lay.has_bias \
+                else (None, None)
+            pack_float_expert(lay, w13, w2, out=src[r], b13=b13, b2=b2)
         it = range(self.num_ids)
         if progress:
             from tqdm import tqdm

@@ -105,6 +105,8 @@ class PrefillStreamer:
         num_experts: ``E``, experts per MoE layer.
         device: compute device; on CUDA a copy stream is created.
 
+    The experts' activation is ``pool.activation`` (their biases, if any, are in the staged rows).
+
     Attributes:
         mode: one of :data:`PREFILL_MODES` (settable between steps; ``ValueError`` for another value).
     """
@@ -254,7 +256,7 @@ class PrefillStreamer:
         cache.touch(hit_slots, cur.step)
         base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
         run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
-                           cur.routed)
+                           cur.routed, act=self.pool.activation)
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
         if overlap and self._cuda:
             cur.compute_done = torch.cuda.Event()

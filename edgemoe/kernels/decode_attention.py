@@ -16,6 +16,12 @@ row ``block_tables[b, t // page_size]·page_size + t % page_size``).
 
 A sequence with ``context_len = 0`` (a padding row of a captured batch) gets zeros.
 
+gpt-oss's variants (reference: transformers' ``GptOssAttention``): a sliding ``window`` restricts a
+sequence to its last ``window`` keys (launch 1 skips the partitions and blocks before them, the merge
+ignores their partitions), and per-head attention ``sinks`` add one logit to each head's softmax with a
+zero value: the merge takes ``max(m, sink)`` as its reference and adds ``2^(sink·log2 e − max)`` to the
+denominator.
+
 :func:`paged_latent_decode_attention` is the multi-head latent attention twin (DeepSeek-V3's absorbed
 decode, as SGLang's and vLLM's MLA decode kernels): every query head attends to one shared row per token
 (``[c ‖ k_pe]``, width ``C + R``) and the value is the row's first ``C`` values; launch 1 takes a block of
@@ -82,7 +88,13 @@ def make_decode_scratch(max_batch: int, num_q_heads: int, head_dim: int, max_mod
 
 
 @triton.jit
-def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
+def _window_start(ctx, window):
+    """First key position a query at ``ctx - 1`` sees: ``ctx - window`` (at least 0), or 0 without a window."""
+    return tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+
+
+@triton.jit
+def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
                       stride_mb, stride_mh, stride_ab, stride_ah, stride_ap,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -91,8 +103,9 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_pt
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    lo = _window_start(ctx, window)
     start = part * PART
-    if start < ctx:
+    if start < ctx and start + PART > lo:
         g = tl.arange(0, BLOCK_G)
         gmask = g < G
         head = kvh * G + g  # [BG] query heads of this KV head
@@ -102,9 +115,10 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_pt
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        first = tl.maximum(start, (lo // BLOCK_N) * BLOCK_N)  # blocks wholly before the window are skipped
+        for n0 in range(first, end, BLOCK_N):
             t = n0 + tl.arange(0, BLOCK_N)  # [BN] token positions
-            tmask = t < end
+            tmask = (t < end) & (t >= lo)
             page = tl.load(bt_ptr + b * stride_bt + t // PAGE, mask=tmask, other=0)
             row = page.to(tl.int64) * PAGE + t % PAGE  # [BN] flat KV rows
             kt = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=tmask[:, None], other=0.0)
@@ -125,25 +139,32 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_pt
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, stride_mb, stride_mh, stride_ab, stride_ah, stride_ap,
-                  stride_ob, stride_oh, max_parts, D: tl.constexpr, PART: tl.constexpr, BLOCK_PARTS: tl.constexpr,
-                  CHUNK: tl.constexpr):
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, sinks_ptr, window, stride_mb, stride_mh, stride_ab,
+                  stride_ah, stride_ap, stride_ob, stride_oh, max_parts, D: tl.constexpr, PART: tl.constexpr,
+                  BLOCK_PARTS: tl.constexpr, CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     n = tl.minimum(tl.cdiv(ctx, PART), max_parts)  # partitions written by launch 1
+    p0 = _window_start(ctx, window) // PART  # partitions before the window's were not written
     pi = tl.arange(0, BLOCK_PARTS)
+    pvalid = (pi < n) & (pi >= p0)
     mrow = m_ptr + b * stride_mb + h * stride_mh
-    mv = tl.load(mrow + pi, mask=pi < n, other=float("-inf"))  # [BLOCK_PARTS]
+    mv = tl.load(mrow + pi, mask=pvalid, other=float("-inf"))  # [BLOCK_PARTS]
     m_max = tl.where(n > 0, tl.max(mv), 0.0)
-    lv = tl.load(l_ptr + b * stride_mb + h * stride_mh + pi, mask=pi < n, other=0.0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # log2 units, like m
+        m_max = tl.where(n > 0, tl.maximum(m_max, sink), 0.0)
+    lv = tl.load(l_ptr + b * stride_mb + h * stride_mh + pi, mask=pvalid, other=0.0)
     total = tl.sum(tl.exp2(mv - m_max) * lv)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_max)  # the sink's column: its value is zero
     d = tl.arange(0, D)
     o = tl.zeros([D], tl.float32)
     arow = acc_ptr + b.to(tl.int64) * stride_ab + h * stride_ah
-    for c0 in range(0, n, CHUNK):
+    for c0 in range(p0 // CHUNK * CHUNK, n, CHUNK):
         pc = c0 + tl.arange(0, CHUNK)
-        pmask = pc < n
+        pmask = (pc < n) & (pc >= p0)
         wc = tl.exp2(tl.load(mrow + pc, mask=pmask, other=float("-inf")) - m_max)  # [CHUNK]
         ac = tl.load(arow + pc[:, None] * stride_ap + d[None, :], mask=pmask[:, None], other=0.0)  # [CHUNK, D]
         o += tl.sum(wc[:, None] * ac, axis=0)
@@ -153,8 +174,11 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, stride_mb, stride_mh,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                           scratch: DecodeAttentionScratch, page_size: int) -> None:
-    """``out[b, h] = softmax(scale · q[b, h] · K_bᵀ) · V_b`` over the first ``context_lens[b]`` tokens.
+                           scratch: DecodeAttentionScratch, page_size: int, sinks: torch.Tensor | None = None,
+                           window: int = 0) -> None:
+    """``out[b, h] = softmax(scale · q[b, h] · K_bᵀ) · V_b`` over the first ``context_lens[b]`` tokens
+    (the last ``window`` of them when ``window > 0``), with one more softmax column of logit ``sinks[h]``
+    and value zero when ``sinks`` is given.
 
     Args:
         q: ``[B, Hq, D]`` one query token per sequence (bf16/fp16/fp32; last dim contiguous).
@@ -168,6 +192,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scratch: from :func:`make_decode_scratch` with ``max_batch >= B`` and the same ``Hq`` and
             ``D``; contexts beyond its ``max_partitions·partition_size`` tokens are not attended.
         page_size: tokens per KV page (a power of two).
+        sinks: ``[Hq]`` attention-sink logits (any float dtype, contiguous; gpt-oss), or ``None``.
+        window: sliding window in tokens, the new one included (gpt-oss's sliding layers: 128); 0 = none.
 
     Raises:
         ValueError: shape, dtype, layout or scratch mismatch.
@@ -196,18 +222,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sm, sa = scratch.m, scratch.acc
     if sm.shape[0] < B or sm.shape[1] != Hq or sa.shape[3] != D:
         raise ValueError(f"scratch {tuple(sa.shape)} does not fit B={B}, Hq={Hq}, D={D}")
+    if sinks is not None and (sinks.shape != (Hq,) or sinks.stride(0) != 1 or sinks.device != q.device):
+        raise ValueError(f"sinks must be a contiguous [{Hq}] tensor on {q.device}, got {tuple(sinks.shape)}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = none), got {window}")
     G = Hq // Hk
     part = scratch.partition_size
     _partition_kernel[(B, Hk, scratch.max_partitions)](
-        q, k_cache, v_cache, block_tables, context_lens, sm, scratch.l, sa, float(scale) * _LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, sm, scratch.l, sa, float(scale) * _LOG2E, int(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), sm.stride(0), sm.stride(1), sa.stride(0), sa.stride(1), sa.stride(2),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, PAGE=page_size, PART=part, BLOCK_N=min(BLOCK_N, part),
         num_warps=4)
     _merge_kernel[(B, Hq)](
-        sm, scratch.l, sa, context_lens, out, sm.stride(0), sm.stride(1), sa.stride(0), sa.stride(1), sa.stride(2),
-        out.stride(0), out.stride(1), scratch.max_partitions, D=D, PART=part, BLOCK_PARTS=triton.next_power_of_2(scratch.max_partitions),
-        CHUNK=16, num_warps=4)
+        sm, scratch.l, sa, context_lens, out, sm if sinks is None else sinks, int(window), sm.stride(0), sm.stride(1),
+        sa.stride(0), sa.stride(1), sa.stride(2), out.stride(0), out.stride(1), scratch.max_partitions, D=D, PART=part,
+        BLOCK_PARTS=triton.next_power_of_2(scratch.max_partitions), CHUNK=16, HAS_SINKS=sinks is not None,
+        num_warps=4)
 
 
 @triton.jit
@@ -310,6 +341,6 @@ def paged_latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, block_t
         sa.stride(1), sa.stride(2), C=C, R=R, BLOCK_H=LATENT_BLOCK_H, PAGE=page_size, PART=part,
         BLOCK_N=min(LATENT_BLOCK_N, part), num_warps=4, num_stages=2)
     _merge_kernel[(B, H)](
-        sm, scratch.l, sa, context_lens, out, sm.stride(0), sm.stride(1), sa.stride(0), sa.stride(1), sa.stride(2),
-        out.stride(0), out.stride(1), scratch.max_partitions, D=C, PART=part,
-        BLOCK_PARTS=triton.next_power_of_2(scratch.max_partitions), CHUNK=16, num_warps=4)
+        sm, scratch.l, sa, context_lens, out, sm, 0, sm.stride(0), sm.stride(1), sa.stride(0), sa.stride(1),
+        sa.stride(2), out.stride(0), out.stride(1), scratch.max_partitions, D=C, PART=part,
+        BLOCK_PARTS=triton.next_power_of_2(scratch.max_partitions), CHUNK=16, HAS_SINKS=False, num_warps=4)

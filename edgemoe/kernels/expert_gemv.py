@@ -2,10 +2,13 @@
 
 Every route ``p = t·k + j`` whose slot ``s = slot_tk[p]`` is on the device computes
 
-    [g; u] = w13[s] @ x[t]          (g: rows [0, I), u: rows [I, 2I) — the layout of ``swiglu_expert``)
-    out[t, j] = topk_weights[t, j] · (w2[s] @ (silu(g) · u))
+    [g; u] = w13[s] @ x[t] (+ b13[s])   (g: rows [0, I), u: rows [I, 2I) — the layout of ``swiglu_expert``)
+    out[t, j] = topk_weights[t, j] · (w2[s] @ act(g, u) (+ b2[s]))
 
-and routes with ``s < 0`` (CPU set) write zeros. Two launches: gate/up + activation into a caller
+with ``act`` SiLU SwiGLU, ``silu(g) · u``, or gpt-oss's clamped SwiGLU, ``(clamp(u, ±limit) + 1) ·
+g' · sigmoid(alpha · g')`` with ``g' = min(g, limit)`` (``ExpertActivation("swiglu_oai")``), the
+slot's bias sections when the experts have them (gpt-oss), and routes with ``s < 0`` (CPU set) writing
+zeros. Two launches: gate/up + activation into a caller
 scratch ``a [P, I]``, then down projection + router weight. At decode a route reads its whole expert
 once (``3·I·H`` weights) for one token, so both launches are bandwidth-bound GEMVs: the grids split
 every route's output rows into blocks (``(P, I / BLOCK_I)`` and ``(P, H / BLOCK_O)``) so that even
@@ -13,12 +16,14 @@ every route's output rows into blocks (``(P, I / BLOCK_I)`` and ``(P, H / BLOCK_
 
 Numerics follow ``swiglu_expert`` in the weights' dtype (the eager GPU path,
 ``HybridExperts._run_device_pairs``): x is rounded to the weight dtype; float32 accumulation; each
-projection, ``silu(g)``, the activation product, and the router-weight product are rounded to the
-weight dtype.
+projection, each bias addition, every step of the activation (``silu(g)`` and its product; for
+gpt-oss ``u + 1``, ``alpha · g'``, the sigmoid and both products, as ``gated_activation`` rounds them),
+and the router-weight product are rounded to the weight dtype.
 
-:func:`expert_gemv_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4: codes and scales
-read from the slot rows and dequantized in registers, each weight rounded to the compute dtype as the torch
-path rounds its dequantized rows); its E2M1 / E8M0 decoders serve ``grouped_gemm`` too.
+:func:`expert_gemv_quant` is the same pair over quantized slots of plain SiLU experts without biases (FP8
+block, MXFP4, NVFP4: codes and scales read from the slot rows and dequantized in registers, each weight
+rounded to the compute dtype as the torch path rounds its dequantized rows); its E2M1 / E8M0 decoders serve
+``grouped_gemm`` too.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x, stride_s,
-                    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, b13_ptr, a_ptr, K, H, I, stride_x, stride_s, stride_b, alpha, limit,
+                    OAI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     s = tl.load(slot_ptr + p)
@@ -59,13 +64,25 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, a_ptr, K, H, I, stride_x, stride_s
             acc_u += tl.load(w_u + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xv[None, :]
         g = tl.sum(acc_g, axis=1).to(wdt).to(tl.float32)  # [BI]
         u = tl.sum(acc_u, axis=1).to(wdt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(wdt).to(tl.float32)
+        if HAS_BIAS:
+            b = b13_ptr + s.to(tl.int64) * stride_b + rows  # the slot's gate bias, then up's
+            g = (g + tl.load(b, mask=rmask, other=0.0).to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
+            u = (u + tl.load(b + I, mask=rmask, other=0.0).to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
+        if OAI:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            z = (g * alpha).to(wdt).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-z))).to(wdt).to(tl.float32)
+            act = (g * sig).to(wdt).to(tl.float32)
+            u = (u + 1.0).to(wdt).to(tl.float32)
+        else:
+            act = (g / (1.0 + tl.exp(-g))).to(wdt).to(tl.float32)
         tl.store(a_ptr + p.to(tl.int64) * I + rows, (act * u).to(wdt), mask=rmask)
 
 
 @triton.jit
-def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I, stride_s,
-                 BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(a_ptr, slot_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, H, I, stride_s, stride_b,
+                 HAS_BIAS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     rmask = rows < H
@@ -83,6 +100,9 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I, stride_s,
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
             acc += w.to(tl.float32) * av[None, :]
         y = tl.sum(acc, axis=1).to(wdt).to(tl.float32)  # [BO]
+        if HAS_BIAS:
+            b = tl.load(b2_ptr + s.to(tl.int64) * stride_b + rows, mask=rmask, other=0.0)
+            y = (y + b.to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
         r = tl.load(wt_ptr + p).to(wdt).to(tl.float32)
         y = (y * r).to(wdt).to(odt)
     else:
@@ -91,8 +111,10 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, wt_ptr, out_ptr, H, I, stride_s,
 
 
 def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, out: torch.Tensor, a: torch.Tensor) -> None:
-    """Weighted SwiGLU outputs of every (token, k) route whose expert sits in a cache slot.
+                w2: torch.Tensor, out: torch.Tensor, a: torch.Tensor, swiglu_oai: tuple[float, float] | None = None,
+                biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Weighted expert outputs (SwiGLU, or gpt-oss's clamped SwiGLU with biases) of every (token, k) route
+    whose expert sits in a cache slot.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; rounded to the weight dtype; rows may be strided).
@@ -102,13 +124,16 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
             section views (each slot's matrix contiguous; slots ``stride(0)`` elements apart, the row size).
         out: ``[T, k, H]`` contiguous; route rows are overwritten (zeros for ``slot < 0``).
         a: ``[>= T·k, I]`` contiguous scratch in the weight dtype (the SwiGLU activations).
+        swiglu_oai: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU, or ``None`` for SiLU SwiGLU.
+        biases: ``(b13 [S, 2I], b2 [S, H])`` float32 bias sections of the slots (gate's bias then up's; each
+            slot's vector contiguous, slots ``stride(0)`` apart: the cache bank's section views), or ``None``.
 
     Raises:
         ValueError: shape, dtype or contiguity mismatch.
 
-    Source: the SwiGLU expert of Qwen3-MoE (``swiglu_expert``, ``transformers``' ``Qwen3MoeExperts``);
-    the split-rows GEMV is the usual bandwidth-bound decode layout (one program per block of output
-    rows of one route).
+    Source: the experts of Qwen3-MoE and gpt-oss (``swiglu_expert``; ``transformers``' ``Qwen3MoeExperts``,
+    ``GptOssExperts``); the split-rows GEMV is the usual bandwidth-bound decode layout (one program per
+    block of output rows of one route).
     """
     T, H = x.shape
     k = topk_weights.shape[1] if topk_weights.dim() == 2 else -1
@@ -128,10 +153,25 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         raise ValueError(f"out must be a contiguous [{T}, {k}, {H}] tensor, got {tuple(out.shape)}")
     if a.dtype != w13.dtype or a.dim() != 2 or a.shape[0] < P or a.shape[1] != I or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [>= {P}, {I}] {w13.dtype} scratch, got {a.dtype} {tuple(a.shape)}")
-    _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, a, k, H, I, x.stride(0), w13.stride(0),
-                                                 BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
-    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, topk_weights, out, H, I, w2.stride(0),
-                                              BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    if biases is not None:
+        b13, b2 = biases
+        if tuple(b13.shape) != (S, 2 * I) or tuple(b2.shape) != (S, H) or b13.stride(1) != 1 or b2.stride(1) != 1 \
+                or b13.stride(0) != b2.stride(0):
+            raise ValueError(f"biases must be [{S}, {2 * I}] and [{S}, {H}] slot sections with unit column stride and "
+                             f"one slot stride, got {tuple(b13.shape)} / {tuple(b2.shape)}")
+        stride_b = b13.stride(0)
+    else:
+        b13 = b2 = w13  # unread placeholders
+        stride_b = 0
+    alpha, limit = swiglu_oai if swiglu_oai is not None else (1.0, 0.0)
+    has_bias = biases is not None
+    _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, b13, a, k, H, I, x.stride(0), w13.stride(0),
+                                                 stride_b, float(alpha), float(limit), OAI=swiglu_oai is not None,
+                                                 HAS_BIAS=has_bias, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H,
+                                                 num_warps=NUM_WARPS)
+    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, b2, topk_weights, out, H, I, w2.stride(0), stride_b,
+                                              HAS_BIAS=has_bias, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
+                                              num_warps=NUM_WARPS)
 
 
 def slot_matrices_contiguous(bank: torch.Tensor) -> bool:

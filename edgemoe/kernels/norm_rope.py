@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, ZERO_CENTERED: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     FLOAT32_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -27,17 +27,22 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, ZERO_CEN
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         y = h * (1.0 + w)
+    elif FLOAT32_SCALE:
+        y = h * w  # the weight multiply in float32, then one rounding
     else:
         y = h.to(x.dtype).to(tl.float32) * w  # cast back to the input dtype before the weight multiply
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+             float32_scale: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim in one launch.
 
     Args:
         x: ``[..., D]`` (last dim contiguous); normalized in float32.
-        weight: ``[D]``; ``zero_centered``: the scale is ``1 + weight`` (Qwen3.5's norms).
+        weight: ``[D]``; ``zero_centered``: the scale is ``1 + weight`` (Qwen3.5's norms);
+            ``float32_scale``: the weight multiplies the float32 normalized value before the one rounding
+            to ``x.dtype`` (gpt-oss's norms), instead of the value rounded to ``x.dtype``.
         eps: added to the mean square.
 
     Returns:
@@ -48,11 +53,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     rows = x.reshape(-1, D)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    dtype = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    dtype = x.dtype if zero_centered or float32_scale else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, D, rows.stride(0), out.stride(0), float(eps),
-                                           ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(D),
+                                           ZERO_CENTERED=zero_centered, FLOAT32_SCALE=float32_scale,
+                                           BLOCK=triton.next_power_of_2(D),
                                            num_warps=4 if D <= 2048 else 8)
     return out.view(x.shape)
 

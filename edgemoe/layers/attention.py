@@ -4,6 +4,16 @@ Per step: project, q/k norm, RoPE, write the new keys/values into their KV slots
 sequence's queries to its cached keys with a causal offset (query ``i`` of a sequence whose cache
 holds ``kv_len`` tokens sees keys ``[0, kv_len - q_len + i]``). Attention itself is
 ``torch.nn.functional.scaled_dot_product_attention`` with GQA. Reference: ``Qwen3MoeAttention``.
+
+Two variants gpt-oss uses (reference: transformers' ``GptOssAttention`` and its
+``eager_attention_forward``), on every path:
+
+- a sliding window of ``W`` keys: the query at position ``p`` sees keys ``(p - W, p]``;
+- attention sinks: a learned logit ``sink[h]`` per query head joins each softmax as one more column
+  whose value is zero, so ``out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink[h]})``. Under SDPA the sink is
+  an extra key: queries get one more dimension holding 1, the sink key holds ``sink[h] / scale`` there
+  (zero elsewhere, and a zero value), so its scaled score is exactly ``sink[h]``; the dimensions are
+  padded to a multiple of 8 so SDPA keeps its fused kernels.
 """
 
 from __future__ import annotations
@@ -19,8 +29,87 @@ from edgemoe.kvcache.pool import PagedKVPool
 from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 
+SINK_PAD = 8  # extra head dims carrying the sink logit (a multiple of 8: SDPA's fused kernels need it)
+WINDOW_QUERY_BLOCK = 1024  # queries per SDPA call in a sliding-window layer (keys per call <= this + W - 1)
 
-def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
+                   mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """SDPA with one sink logit per head (module docstring).
+
+    Args:
+        q: ``[Hq, n, D]``; k, v: ``[Hq, m, D]`` (KV heads already expanded to the query heads).
+        sinks: ``[Hq]`` sink logits (any float dtype).
+        scale: softmax scale of ``q · k``.
+        mask: a boolean ``[n, m]`` (True = visible), or ``None``: every key visible, or with ``causal``
+            query ``i`` sees keys ``[0, m - n + i]`` (lower-right aligned). The sink is always visible.
+
+    Returns:
+        ``[Hq, n, D]`` in ``q.dtype``.
+    """
+    Hq, n, D = q.shape
+    m = k.shape[1]
+    one = q.new_zeros(Hq, n, SINK_PAD)
+    one[..., 0] = 1
+    q1 = torch.cat([q, one], dim=-1)  # [Hq, n, D + P]
+    sink_key = q.new_zeros(Hq, 1, D + SINK_PAD)
+    sink_key[:, 0, D] = sinks.float() / scale
+    k1 = torch.cat([sink_key, torch.cat([k, k.new_zeros(Hq, m, SINK_PAD)], dim=-1)], dim=1)  # [Hq, m + 1, D + P]
+    v1 = torch.cat([v.new_zeros(Hq, 1, D + SINK_PAD), torch.cat([v, v.new_zeros(Hq, m, SINK_PAD)], dim=-1)],
+                   dim=1)  # [Hq, m + 1, D + P]
+    if mask is not None:
+        mask = torch.cat([mask.new_ones(n, 1), mask], dim=1)  # [n, m + 1]
+    elif causal:
+        mask = causal_lower_right(n, m + 1)  # the sink key first: query i still sees keys [0, m - n + i]
+    o = F.scaled_dot_product_attention(q1[None], k1[None], v1[None], attn_mask=mask, scale=scale)[0]
+    return o[..., :D]
+
+
+def _gather_kv(k_all: torch.Tensor, v_all: torch.Tensor, page_table: torch.Tensor, ps: int, lo: int, hi: int,
+               rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions ``[lo, hi)`` of one sequence, KV heads repeated ``rep`` times:
+    ``[Hk·rep, hi - lo, D]`` each."""
+    pos = torch.arange(lo, hi, device=k_all.device)
+    slots = page_table[pos // ps] * ps + pos % ps  # [hi - lo]
+    k = k_all.index_select(0, slots).transpose(0, 1)  # [Hk, hi - lo, D]
+    v = v_all.index_select(0, slots).transpose(0, 1)
+    return k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+
+
+def _window_sink_attention(qs: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, s, ps: int, scale: float,
+                           sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """One sequence's queries ``qs [Hq, q_len, D]`` with a sliding window and/or sinks: ``[Hq, q_len, D]``.
+
+    A windowed layer computes its queries in blocks of :data:`WINDOW_QUERY_BLOCK`, each against the keys its
+    window reaches only, so the cost grows with ``q_len · W`` rather than ``q_len · kv_len``.
+    """
+    Hq = qs.shape[0]
+    rep = Hq // k_all.shape[1]
+    first = s.kv_len - s.q_len  # absolute position of the first query
+    block = WINDOW_QUERY_BLOCK if window else s.q_len
+    out = []
+    for a in range(0, s.q_len, block):
+        b = min(a + block, s.q_len)
+        lo = max(0, first + a - window + 1) if window else 0
+        hi = first + b
+        k, v = _gather_kv(k_all, v_all, s.page_table, ps, lo, hi, rep)  # [Hq, hi - lo, D]
+        mask = None
+        if window:
+            qpos = torch.arange(first + a, hi, device=qs.device)[:, None]  # [n, 1]
+            kpos = torch.arange(lo, hi, device=qs.device)[None, :]  # [1, m]
+            mask = (kpos <= qpos) & (kpos > qpos - window)  # [n, m]
+        causal = mask is None and b - a > 1
+        qb = qs[:, a:b]
+        if sinks is not None:
+            out.append(sink_attention(qb, k, v, sinks, scale, mask, causal))
+            continue
+        bias = causal_lower_right(b - a, hi - lo) if causal else mask
+        out.append(F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=bias, scale=scale)[0])
+    return torch.cat(out, dim=1)
+
+
+def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: ForwardBatch, scale: float,
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of the batch's new queries against each sequence's paged KV.
 
     Args:
@@ -29,6 +118,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
         layer: attention-layer index into the pool.
         batch: gives each sequence's query range, KV length and page table.
         scale: softmax scale (``D ** -0.5``).
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss), or ``None``.
+        window: sliding window in positions (the query's own included), or ``None`` for full attention.
 
     Returns:
         ``[T, Hq, D]`` attention output in ``q.dtype``.
@@ -37,6 +128,11 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
     k_all, v_all = kv.k[layer], kv.v[layer]  # [S, Hk, D]
     ps = kv.page_size
     for s in batch.seqs:
+        if sinks is not None or window:
+            qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
+            o = _window_sink_attention(qs, k_all, v_all, s, ps, scale, sinks, window)
+            out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+            continue
         pos = torch.arange(s.kv_len, device=q.device)
         slots = s.page_table[pos // ps] * ps + pos % ps  # [kv_len]
         k = k_all.index_select(0, slots).transpose(0, 1)  # [Hk, kv_len, D]
@@ -60,11 +156,13 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKVPool, layer: int,
-                     batch: ForwardBatch, scale: float) -> torch.Tensor:
+                     batch: ForwardBatch, scale: float, sinks: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Write the new tokens' ``k``/``v`` ``[T, Hk, D]`` into their KV slots, then attend ``q [T, Hq, D]``.
 
     Decode steps on the device path (``batch.decode`` set) use the Triton paged decode kernel over
     the block tables (fixed shapes, graph-capturable); other steps use :func:`paged_attention`.
+    ``sinks`` (``[Hq]`` logits) and ``window`` (positions) as in :func:`paged_attention`, on both paths.
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``.
@@ -72,12 +170,12 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     kv.k[layer].index_copy_(0, batch.kv_slots, k.to(kv.k.dtype))
     kv.v[layer].index_copy_(0, batch.kv_slots, v.to(kv.v.dtype))
     if batch.decode is None:
-        return paged_attention(q, kv, layer, batch, scale)
+        return paged_attention(q, kv, layer, batch, scale, sinks, window)
     from edgemoe.kernels.decode_attention import paged_decode_attention
 
     o = torch.empty_like(q)  # [B, Hq, D]
     paged_decode_attention(q, kv.k[layer], kv.v[layer], batch.decode.block_tables, batch.decode.context_lens, scale,
-                           o, batch.decode.attn_scratch, kv.page_size)
+                           o, batch.decode.attn_scratch, kv.page_size, sinks=sinks, window=window or 0)
     return o
 
 

@@ -37,23 +37,26 @@ class TopKRouter(nn.Module):
         return ids, weights.to(logits.dtype)
 
 
-class SparseMoeBlock(nn.Module):
-    """Router + routed experts of one MoE layer; ``forward(x [T, H], batch) -> [T, H]``.
+class MoeBlock(nn.Module):
+    """Routed experts of one MoE layer behind a router; ``forward(x [T, H], batch) -> [T, H]``.
 
     The experts' weights are not parameters of this module: they live in the host pool and the
     device expert cache, reached through ``self.experts`` (a ``HybridExperts`` bound by the runner).
-    The router (``gate``) is chosen by the config (see the module docstring); its ids and weights are
-    what every expert path computes with.
+    A subclass owns the router (under the checkpoint's name for it) and implements :meth:`route`; its
+    ids and weights are what every expert path computes with.
     """
 
-    def __init__(self, cfg: ModelConfig, moe_layer: int):
+    def __init__(self, moe_layer: int):
         super().__init__()
-        self.gate = TopKRouter(cfg) if cfg.group_routing is None else GroupLimitedSigmoidRouter(cfg)
         self.moe_layer = moe_layer
         self.experts = None  # HybridExperts, bound by the model runner
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k])``."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        ids, weights = self.gate(x)
+        ids, weights = self.route(x)
         if batch.decode is not None:  # padding rows of a captured batch: route like row 0, weight 0
             valid = batch.decode.valid[:, None]  # [T, 1]
             ids = torch.where(valid, ids, ids[:1])
@@ -63,6 +66,17 @@ class SparseMoeBlock(nn.Module):
         out = self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)
         self.experts.prefetch_next(self.moe_layer, x, batch)
         return out
+
+
+class SparseMoeBlock(MoeBlock):
+    """A :class:`MoeBlock` whose router is ``gate``, chosen by the config (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, moe_layer: int):
+        super().__init__(moe_layer)
+        self.gate = TopKRouter(cfg) if cfg.group_routing is None else GroupLimitedSigmoidRouter(cfg)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

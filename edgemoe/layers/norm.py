@@ -24,20 +24,24 @@ class RMSNorm(nn.Module):
     """``y = weight * (x / sqrt(mean(x^2) + eps))``, normalized over the last dim.
 
     Input ``[..., D]`` of any float dtype; the statistic is computed in float32 and the result is cast
-    back to the input dtype before the weight multiply (matching ``Qwen3MoeRMSNorm``).
+    back to the input dtype before the weight multiply (matching ``Qwen3MoeRMSNorm``), or, with
+    ``float32_scale``, multiplied by the weight in float32 and then cast (matching ``GptOssRMSNorm``).
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, float32_scale: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.float32_scale = float32_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (fused := fused_kernels(x)) is not None:  # one launch, same rounding points
-            return fused.rms_norm(x, self.weight, self.eps)
+            return fused.rms_norm(x, self.weight, self.eps, float32_scale=self.float32_scale)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float32_scale:
+            return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
 
 

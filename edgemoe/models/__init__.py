@@ -13,6 +13,7 @@ from edgemoe.config import ModelConfig, read_hf_config
 from edgemoe.models.base import MoECausalLM
 from edgemoe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from edgemoe.models.glm4_moe import Glm4MoeForCausalLM
+from edgemoe.models.gpt_oss import GptOssForCausalLM
 from edgemoe.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from edgemoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -21,6 +22,7 @@ FAMILIES: tuple[type[MoECausalLM], ...] = (
     Qwen3_5MoeForCausalLM,
     Glm4MoeForCausalLM,
     DeepseekV3ForCausalLM,
+    GptOssForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {arch: cls for cls in FAMILIES for arch in cls.architectures}

@@ -14,6 +14,8 @@ An architecture is one file in ``edgemoe.models`` holding a subclass of :class:`
   ``cfg.num_mtp_layers`` layers stored after the decoder are added per instance);
 - ``float32_parameters``: parameter-name suffixes kept in float32 at every model dtype (as the
   reference's ``_keep_in_fp32_modules_strict``, e.g. a sigmoid router and its correction bias);
+- ``fused_experts``: the layout of the checkpoint's fused ``[E, ...]`` expert tensors
+  (:class:`FusedExpertLayout`: transposed and/or gate/up interleaved, gpt-oss's);
 - for ``edgemoe make-model`` and the parity tests: ``hf_classes`` (the ``transformers`` config and
   model classes of the reference implementation, whose ``save_pretrained`` writes the release
   layout), ``presets`` (HF config kwargs of the geometries edgemoe tests and benchmarks with;
@@ -32,6 +34,7 @@ loader materializes them (:meth:`MoECausalLM.materialize`).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -40,14 +43,14 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
-from edgemoe.layers.moe import SparseMoeBlock
+from edgemoe.layers.moe import MoeBlock
 
 if TYPE_CHECKING:
     from edgemoe.kvcache.pool import PagedKVPool
     from edgemoe.kvcache.state import RecurrentStatePool, StateSpec
     from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
 
-__all__ = ["ExpertTensor", "MoECausalLM"]
+__all__ = ["ExpertTensor", "FusedExpertLayout", "MoECausalLM"]
 
 
 class ExpertTensor(NamedTuple):
@@ -61,13 +64,32 @@ class ExpertTensor(NamedTuple):
         param: the tensor's parameter within its module: per expert ``weight`` or a quantized release's
             ``weight_scale_inv`` / ``weight_scale`` / ``weight_scale_2`` / ``weight_packed`` / ... (checked
             against the declared scheme by the checkpoint index); fused ``weight`` (float), or MXFP4's
-            ``blocks`` / ``scales`` / ``bias`` (gpt-oss's ``gate_up_proj_blocks``, ...).
+            ``blocks`` / ``scales``, and ``bias`` (gpt-oss's ``gate_up_proj_blocks``, ``gate_up_proj_bias
+            [E, 2I]``, ...).
     """
 
     moe_layer: int
     expert: int | None
     role: str
     param: str = "weight"
+
+
+@dataclass(frozen=True)
+class FusedExpertLayout:
+    """How a fused ``[E, ...]`` expert tensor of a checkpoint stores each expert (transformers'
+    ``use_experts_implementation(is_transposed=..., is_concatenated=...)``).
+
+    Attributes:
+        transposed: ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (inputs first), else
+            ``[E, 2I, H]`` and ``[E, H, I]`` (outputs first, as ``nn.Linear`` weights).
+        interleaved: gate output ``j`` at ``2j`` and up output ``j`` at ``2j + 1`` of ``gate_up_proj`` (and
+            of its bias), else gate outputs then up outputs.
+
+    The host pool always stores ``w13 [2I, H]`` as gate rows then up rows; the loader undoes both.
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
 
 
 class MoECausalLM(nn.Module):
@@ -92,6 +114,7 @@ class MoECausalLM(nn.Module):
     skipped_prefixes: tuple[str, ...] = ()  # the class's; an instance adds its MTP layers
     float32_parameters: ClassVar[tuple[str, ...]] = ()
     expert_module: ClassVar[str] = "mlp.experts"
+    fused_experts: ClassVar[FusedExpertLayout] = FusedExpertLayout()
     hf_classes: ClassVar[tuple[str, str]] = ("", "")
     presets: ClassVar[dict[str, dict]] = {}
     fixed_vocab_presets: ClassVar[frozenset[str]] = frozenset()
@@ -162,17 +185,18 @@ class MoECausalLM(nn.Module):
                 p.data = p.data.float()
         self.to_empty(device=device)
 
-    def moe_blocks(self) -> list[SparseMoeBlock]:
+    def moe_blocks(self) -> list[MoeBlock]:
         """The routed-expert block of every MoE layer, in layer order."""
-        return [m for m in self.decoder.layers.modules() if isinstance(m, SparseMoeBlock)]
+        return [m for m in self.decoder.layers.modules() if isinstance(m, MoeBlock)]
 
     def expert_target(self, name: str) -> ExpertTensor | None:
         """Map a checkpoint tensor name to its place in the expert pool; ``None`` for other tensors.
 
         Recognized: ``{decoder_prefix}layers.N.{expert_module}.E.{gate,up,down}_proj.PARAM`` (per
         expert; ``PARAM`` is ``weight`` or a quantized release's scale / packed tensor) and
-        ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused float), with an
-        MXFP4 suffix ``_blocks`` / ``_scales`` / ``_bias`` (gpt-oss's fused release layout).
+        ``{decoder_prefix}layers.N.{expert_module}.{gate_up_proj,down_proj}`` (fused float, laid out as
+        ``fused_experts`` says), with an MXFP4 suffix ``_blocks`` / ``_scales`` or a bias ``_bias`` (gpt-oss's
+        fused release layouts).
 
         Raises:
             ValueError: an expert tensor of a layer that is not a MoE layer in this config.

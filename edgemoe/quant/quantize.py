@@ -342,21 +342,23 @@ def quantize_weight(fmt: WeightFormat, w: torch.Tensor,
 
 
 def pack_float_expert(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize one float expert into ``layout``'s format and pack its row (round-to-nearest, as
     :func:`quantize_weight`).
 
     Args:
         w13: float ``[2I, H]`` (gate rows, then up rows). w2: float ``[H, I]``.
         out: uint8 ``[row_bytes]`` to write into, or ``None`` for a new row.
+        b13: ``[2I]`` gate's bias then up's, b2: ``[H]`` (a layout with biases needs them; stored float32).
 
     Returns:
         uint8 ``[row_bytes]``.
 
     Raises:
-        LayoutError: shapes that do not fit the layout (a layout with biases needs them: not supported here).
+        LayoutError: shapes that do not fit the layout, or biases missing / unexpected.
     """
     i = layout.intermediate
     block = layout.block_size or FP8_DEFAULT_BLOCK
     gate, up, down = (quantize_weight(layout.format, w, block) for w in (w13[:i], w13[i:], w2))
-    return layout.pack_expert(gate, up, down, out=out)
+    return layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=out)

@@ -12,7 +12,8 @@ What is served (field names and event shapes follow the ``anthropic`` SDK's type
   are ignored), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``any`` / ``tool`` calls
   follow ``input_schema``; ``disable_parallel_tool_use`` is accepted and not enforced), ``thinking``
   (``enabled``/``adaptive`` → the template's ``enable_thinking``, ``disabled`` → off; omitted = the
-  model's default), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  model's default; with ``output_config.effort``, also the template's ``reasoning_effort``, which
+  gpt-oss's Harmony template reads), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
   ``output_config.format`` (a JSON schema, enforced by structured output);
 - responses with ``thinking`` (empty ``signature``), ``text`` and ``tool_use`` blocks, ``stop_reason``
   ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, usage (prompt tokens served
@@ -54,7 +55,7 @@ from edgemoe.server.common import (
     stream_failure,
 )
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
 
 __all__ = ["CountTokensRequest", "MessageResponse", "MessagesRequest", "router", "to_chat_spec"]
 
@@ -153,7 +154,8 @@ class OutputFormatParam(_In):
 
 
 class OutputConfigParam(_In):
-    """``output_config``: ``format`` (a JSON schema the answer must follow, enforced); ``effort`` is ignored."""
+    """``output_config``: ``format`` (a JSON schema the answer must follow, enforced); ``effort`` becomes the chat
+    template's ``reasoning_effort`` (gpt-oss's Harmony template reads it)."""
 
     format: OutputFormatParam | None = None
     effort: str | None = None
@@ -220,6 +222,23 @@ def _result_text(block: ToolResultBlockParam, where: str) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
+def _reasoning_effort(body: CountTokensRequest) -> tuple[str | None, str]:
+    """The reasoning effort a Messages request asks for, and its field: ``output_config.effort`` as given, else
+    from ``thinking``: ``disabled`` -> low (Harmony always reasons; low is the least), a ``budget_tokens``
+    below 4096 -> low, below 16384 -> medium, larger -> high; ``adaptive`` or no budget -> none (the
+    template's default)."""
+    if body.output_config is not None and body.output_config.effort is not None:
+        return body.output_config.effort, "output_config.effort"
+    t = body.thinking
+    if t is None or t.type == "adaptive":
+        return None, "thinking"
+    if t.type == "disabled":
+        return "low", "thinking"
+    if t.budget_tokens is None:
+        return None, "thinking"
+    return ("low" if t.budget_tokens < 4096 else "medium" if t.budget_tokens < 16384 else "high"), "thinking"
+
+
 def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     """Convert an Anthropic request into the shared :class:`ChatSpec` (OpenAI-style messages).
 
@@ -279,6 +298,8 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     kwargs = None
     if body.thinking is not None:
         kwargs = {"enable_thinking": body.thinking.type != "disabled"}
+    effort, param = _reasoning_effort(body)
+    kwargs = with_reasoning_effort(kwargs, effort, param)
     sampling: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
         sampling = {

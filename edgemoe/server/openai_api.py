@@ -68,7 +68,7 @@ from edgemoe.server.protocol import (
     UsageInfo,
     new_id,
 )
-from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
 
 __all__ = ["SYSTEM_FINGERPRINT", "chat_messages", "router"]
 
@@ -177,7 +177,8 @@ def router(serving: Serving) -> APIRouter:
             tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             tool_choice={"name": choice.function.name} if not isinstance(choice, str) else choice,
             output_schema=body.response_format.schema() if body.response_format is not None else None,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=with_reasoning_effort(body.chat_template_kwargs, body.reasoning_effort,
+                                                       "reasoning_effort"),
             sampling=body.sampling_fields(body.effective_max_tokens),
         )
         prepared = await serving.prepare(spec, new_id("chatcmpl"))

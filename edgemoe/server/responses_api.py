@@ -10,7 +10,8 @@ What is served (field names and event shapes follow the ``openai`` SDK's ``types
   them carries its ``namespace``); other types (``custom``, ``web_search``, ...) are a 400 naming the tool;
   ``tool_choice`` (``auto``, ``none``, ``required``, ``{"type": "function", "name"}``),
   ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (``json_object`` /
-  ``json_schema``, enforced by structured output), ``reasoning`` (accepted; the effort is not used);
+  ``json_schema``, enforced by structured output), ``reasoning`` (``effort`` becomes the chat template's
+  ``reasoning_effort``, read by gpt-oss's Harmony template);
 - output items ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``) and
   ``function_call``; ``status`` ``completed`` or ``incomplete`` (``max_output_tokens``); usage;
 - streaming: ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
@@ -50,7 +51,7 @@ from edgemoe.server.common import (
     stream_failure,
 )
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id
+from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
 
 __all__ = ["ResponsesRequest", "function_tools", "router", "to_chat_spec"]
 
@@ -280,12 +281,16 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
             raise APIError(400, f"{where}: input items of type {item.type!r} are not supported", param="input")
     choice = body.tool_choice or "auto"
     fmt = body.text.format if body.text is not None else None
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise APIError(400, f"reasoning.effort: must be a string, got {effort!r}", param="reasoning.effort")
     return ChatSpec(
         messages=messages,
         tools=function_tools(body.tools)[0] or None,
         tool_choice=choice if isinstance(choice, str) else {"name": choice.name},
         output_schema=fmt.schema() if fmt is not None else None,
         output_field="text.format",
+        chat_template_kwargs=with_reasoning_effort(None, effort, "reasoning.effort"),
         sampling={
             "max_tokens": body.max_output_tokens,
             "temperature": body.temperature,

@@ -29,7 +29,7 @@ import jinja2
 from fastapi import Request
 
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
-from edgemoe.engine.llm import render_chat, render_chat_text
+from edgemoe.engine.llm import arguments_as_objects, render_chat, render_chat_text
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
 from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
 from edgemoe.server.common import APIError, ContextLengthError
@@ -43,11 +43,12 @@ from edgemoe.server.parsers import (
     collect,
     resolve_parsers,
 )
+from edgemoe.server.parsers.harmony import template_history
 from edgemoe.server.parsers.think import THINK_END, ThinkParser, prompt_ends_in_reasoning
 from edgemoe.server.protocol import sampling_kwargs
 from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
 
-__all__ = ["ChatSpec", "Prepared", "Serving", "new_tool_call_id"]
+__all__ = ["ChatSpec", "Prepared", "Serving", "new_tool_call_id", "with_reasoning_effort"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,29 @@ def new_tool_call_id(prefix: str = "call") -> str:
 
 def _tool_name(tool: dict) -> str | None:
     return (tool.get("function") or {}).get("name")
+
+
+REASONING_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                     "xhigh": "high", "max": "high"}
+"""An API's reasoning effort -> the chat template's ``reasoning_effort`` (gpt-oss's Harmony system message
+knows low, medium and high; the APIs' lower and higher settings map to the nearest)."""
+
+
+def with_reasoning_effort(kwargs: dict[str, Any] | None, effort: str | None, param: str) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` plus ``reasoning_effort`` from an API's effort setting (OpenAI
+    ``reasoning_effort``, Responses ``reasoning.effort``, Anthropic ``output_config.effort`` or the thinking
+    budget), mapped by :data:`REASONING_EFFORTS`; a ``reasoning_effort`` the request put in
+    ``chat_template_kwargs`` wins. Templates without the variable ignore it.
+
+    Raises:
+        APIError: 400 naming ``param`` for an effort outside :data:`REASONING_EFFORTS`.
+    """
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"{param}: unknown effort {effort!r}; choose one of {', '.join(REASONING_EFFORTS)}",
+                       param=param)
+    return {"reasoning_effort": REASONING_EFFORTS[effort], **(kwargs or {})}
 
 
 def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
@@ -221,7 +245,9 @@ class Serving:
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Adapt messages to the model family: past tool calls as the model's own markup where the
-        template cannot render them (DeepSeek-V3); reasoning also as ``thinking`` for Harmony's template."""
+        template cannot render them (DeepSeek-V3); for Harmony's template (gpt-oss) tool-call arguments as
+        objects (it writes them with ``tojson``) and the history reshaped by
+        :func:`~edgemoe.server.parsers.harmony.template_history`."""
         cls = self.parsers.tool_parser
         out = []
         for m in messages:
@@ -230,9 +256,9 @@ class Serving:
             if markup is not None:
                 m = {k: v for k, v in m.items() if k != "tool_calls"}
                 m["content"] = (m.get("content") or "") + markup
-            if self.parsers.harmony and m.get("reasoning_content") is not None:
-                m = {**m, "thinking": m["reasoning_content"]}
             out.append(m)
+        if self.parsers.harmony:
+            out = template_history(arguments_as_objects(out) or out)
         return out
 
     def render_prompt(self, spec: ChatSpec) -> Rendered:

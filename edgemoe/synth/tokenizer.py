@@ -13,7 +13,14 @@ The built tokenizer has a family's special and added tokens and chat template
   ``<|assistant|>``, ``<|observation|>``), its reasoning and tool-call markup (``<think>``,
   ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>``, ``<tool_response>``)
   and the chat template released with GLM-4.5 (``zai-org/GLM-4.5`` ``chat_template.jinja``, the
-  version embedded in the GLM-4.5-Air conversions), ``data/glm4_moe_chat_template.jinja``.
+  version embedded in the GLM-4.5-Air conversions), ``data/glm4_moe_chat_template.jinja``;
+- ``gpt_oss``: the Harmony format's special tokens of gpt-oss's ``o200k_harmony`` vocabulary, in its
+  id order (``<|startoftext|>``, ``<|endoftext|>``, ``<|return|>``, ``<|constrain|>``, ``<|channel|>``,
+  ``<|start|>``, ``<|end|>``, ``<|message|>``, ``<|call|>``, ``<|endofprompt|>``; the reserved ids between
+  them are left out), eos ``<|return|>``, ``<|endoftext|>``, ``<|call|>`` (the releases'
+  ``generation_config.json``), and the chat template released with gpt-oss (``openai/gpt-oss-20b``
+  ``chat_template.jinja``, the revision that ends tool calls with ``<|call|>`` and keeps a tool call's
+  analysis until a final answer; ``reasoning_effort`` low / medium / high), ``data/gpt_oss_chat_template.jinja``.
 
 The templates and the BPE's training text (``data/corpus.txt``: plain English, chat, JSON tool calls
 and code) are package data.
@@ -84,6 +91,7 @@ class TokenizerSpec:
             first is the tokenizer's ``eos_token``.
         pad_token: the padding token.
         template_file: the chat template, a file of ``edgemoe/synth/data``.
+        bos_token: the tokenizer's ``bos_token`` (never added to encodings), or ``None``.
     """
 
     special_tokens: tuple[str, ...]
@@ -91,6 +99,7 @@ class TokenizerSpec:
     eos_tokens: tuple[str, ...]
     pad_token: str
     template_file: str
+    bos_token: str | None = None
 
     @property
     def chat_template(self) -> str:
@@ -115,6 +124,16 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
         pad_token="<|endoftext|>",
         template_file="glm4_moe_chat_template.jinja",
     ),
+    # gpt-oss's o200k_harmony order (ids 199998, 199999, 200002, 200003, 200005-200008, 200012, 200018)
+    "gpt_oss": TokenizerSpec(
+        special_tokens=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                        "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>"),
+        added_tokens=(),
+        eos_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
+        pad_token="<|endoftext|>",
+        template_file="gpt_oss_chat_template.jinja",
+        bos_token="<|startoftext|>",
+    ),
 }
 
 SPECIAL_TOKENS = TOKENIZERS["qwen3"].special_tokens  # special: skipped by decode
@@ -132,7 +151,8 @@ def build_tokenizer(out_dir: str | Path | None, vocab_size: int,
     (Qwen3's: ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, then ``<tool_call>``,
     ``</tool_call>``, ``<tool_response>``, ``</tool_response>``, ``<think>``, ``</think>``, as in
     Qwen3's vocabulary). eos is ``spec.eos_tokens[0]`` (Qwen3: ``<|im_end|>``), pad
-    ``spec.pad_token``, no bos; the chat template is ``spec.chat_template``.
+    ``spec.pad_token``, bos ``spec.bos_token`` (never added to encodings); the chat template is
+    ``spec.chat_template``.
 
     Args:
         out_dir: where ``save_pretrained`` writes tokenizer.json, tokenizer_config.json and
@@ -186,7 +206,7 @@ def build_tokenizer(out_dir: str | Path | None, vocab_size: int,
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.added_tokens])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=None,
+        bos_token=spec.bos_token,
         eos_token=spec.eos_tokens[0],
         pad_token=spec.pad_token,
         unk_token=None,

@@ -192,30 +192,40 @@ class ExpertGeometry:
     Attributes:
         num_moe_layers: MoE layers ``L``. num_experts: routed experts per layer ``E``.
         hidden_size: ``H``. moe_intermediate_size: ``I``.
+        bias: every expert projection has a bias (gpt-oss), which the checkpoint must provide.
     """
 
     num_moe_layers: int
     num_experts: int
     hidden_size: int
     moe_intermediate_size: int
+    bias: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> ExpertGeometry:
         """From a :class:`~edgemoe.config.ModelConfig`."""
-        return cls(cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        return cls(cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                   cfg.expert_activation.bias)
 
     @property
     def num_rows(self) -> int:
         """``N = L * E`` experts; flat id ``moe_layer * E + expert``."""
         return self.num_moe_layers * self.num_experts
 
-    def tensor_shape(self, role: str, fused: bool) -> tuple[int, ...]:
+    def tensor_shape(self, role: str, fused: bool, transposed: bool = False) -> tuple[int, ...]:
         """Checkpoint shape of a float expert tensor: per expert ``gate_proj``/``up_proj`` ``[I, H]``,
-        ``down_proj`` ``[H, I]``; fused ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``."""
+        ``down_proj`` ``[H, I]``; fused ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``
+        (``transposed``: ``[E, H, 2I]``, ``[E, I, H]``, gpt-oss's bf16 release)."""
         H, I, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
         if fused:
-            return (E, 2 * I, H) if role == "gate_up_proj" else (E, H, I)
+            shape = (E, 2 * I, H) if role == "gate_up_proj" else (E, H, I)
+            return (E, shape[2], shape[1]) if transposed else shape
         return (H, I) if role == "down_proj" else (I, H)
+
+    def bias_shape(self, role: str) -> tuple[int, int]:
+        """Checkpoint shape of a fused expert bias: ``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``."""
+        E = self.num_experts
+        return (E, 2 * self.moe_intermediate_size) if role == "gate_up_proj" else (E, self.hidden_size)
 
     def projection_shape(self, role: str) -> tuple[int, int]:
         """``(out, in)`` of one expert's projection: ``gate_proj``/``up_proj`` ``(I, H)``, ``gate_up_proj``
@@ -263,9 +273,13 @@ class ExpertSource:
         moe_layer: its MoE layer ordinal. expert: its expert, ``None`` for a fused ``[E, ...]`` group.
         role: ``gate_proj | up_proj | down_proj`` per expert; ``gate_up_proj | down_proj`` fused.
         tensors: parameter -> tensor: per expert ``weight`` and the scheme's scale tensors; fused float
-            ``weight``; fused MXFP4 ``blocks`` and ``scales`` (gpt-oss's ``*_blocks`` / ``*_scales``).
+            ``weight``; fused MXFP4 ``blocks`` and ``scales`` (gpt-oss's ``*_blocks`` / ``*_scales``); fused
+            ``bias`` (gpt-oss's ``*_bias``, ``[E, 2I]`` / ``[E, H]``).
         format: the projection's storage format (checked against the scheme).
         shape: ``(out, in)`` of one expert's projection.
+        transposed: a fused float tensor stores inputs first (``[E, H, 2I]`` / ``[E, I, H]``).
+        interleaved: fused ``gate_up_proj`` rows (and its bias) alternate gate and up (gpt-oss: gate row ``j``
+            at ``2j``, up row ``j`` at ``2j + 1``); MXFP4 blocks always do.
     """
 
     module: str
@@ -275,6 +289,8 @@ class ExpertSource:
     tensors: dict[str, TensorInfo]
     format: WeightFormat
     shape: tuple[int, int]
+    transposed: bool = False
+    interleaved: bool = False
 
     @property
     def first(self) -> TensorInfo:
@@ -299,12 +315,23 @@ class ExpertSource:
                 return {"down_proj": mxfp4_expert_weight(blocks, scales)}
             gate, up, _ = gpt_oss_gate_up(blocks, scales)
             return {"gate_proj": gate, "up_proj": up}
-        t = reader.index(self.tensors["weight"], expert)  # [2I, H] or [H, I]
+        t = reader.index(self.tensors["weight"], expert)  # [2I, H] or [H, I] (transposed: [H, 2I] or [I, H])
+        if self.transposed:
+            t = t.t().contiguous()
         if self.role == "down_proj":
             return {"down_proj": QuantizedWeight(self.format, self.shape, t)}
         i = self.shape[0] // 2
-        return {"gate_proj": QuantizedWeight(self.format, (i, self.shape[1]), t[:i]),
-                "up_proj": QuantizedWeight(self.format, (i, self.shape[1]), t[i:])}
+        gate, up = (t[0::2], t[1::2]) if self.interleaved else (t[:i], t[i:])
+        return {"gate_proj": QuantizedWeight(self.format, (i, self.shape[1]), gate.contiguous()),
+                "up_proj": QuantizedWeight(self.format, (i, self.shape[1]), up.contiguous())}
+
+    def read_bias(self, expert: int, reader: TensorReader) -> torch.Tensor:
+        """Layer-local ``expert``'s bias of this fused source, float32: ``gate_up_proj`` ``[2I]`` (gate's, then
+        up's: the interleaving undone), ``down_proj`` ``[H]``."""
+        b = reader.index(self.tensors["bias"], expert).float()
+        if self.role == "gate_up_proj" and (self.interleaved or self.format is WeightFormat.MXFP4):
+            b = torch.cat((b[0::2], b[1::2]))
+        return b
 
 
 @dataclass
@@ -356,6 +383,15 @@ class CheckpointPlan:
             if part not in got:
                 got.update(self.parts[(fid, part)].read(fid % self.num_experts, self.scheme, reader))
         return got["gate_proj"], got["up_proj"], got["down_proj"]
+
+    def expert_biases(self, fid: int, reader: TensorReader) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Expert ``fid``'s float32 ``(b13 [2I] (gate's, then up's), b2 [H])``, or ``None`` for experts
+        without biases."""
+        if (fid, "down_proj.bias") not in self.parts:
+            return None
+        e = fid % self.num_experts
+        return (self.parts[(fid, "gate_proj.bias")].read_bias(e, reader),
+                self.parts[(fid, "down_proj.bias")].read_bias(e, reader))
 
 
 def _first(names: list[str], n: int = 5) -> str:
@@ -449,9 +485,10 @@ class CheckpointIndex:
                 a tensor that is not floating-point where the model has a float parameter, an unexpected
                 tensor, quantized tensors that do not fit the declared scheme (dtype, shape, scale shape,
                 missing scales, an excluded module carrying them, no ``quantization_config``), an expert
-                tensor of a layer that is not a MoE layer, an expert index ``>= E``, routed-expert biases,
-                two tensors giving the same expert projection, experts of two formats; or, naming
-                ``source``, missing parameters or missing expert projections.
+                tensor of a layer that is not a MoE layer, an expert index ``>= E``, routed-expert biases for
+                experts without biases (or per expert), a bias of the wrong shape, two tensors giving the same
+                expert projection, experts of two formats; or, naming ``source``, missing parameters or
+                missing expert projections or biases.
         """
         params = {name: tuple(p.shape) for name, p in model.named_parameters()}
         model_name = type(model).__name__
@@ -486,8 +523,12 @@ class CheckpointIndex:
             if target.expert is not None and target.expert >= experts.num_experts:
                 raise CheckpointError(f"{f}: tensor {name}: expert {target.expert} >= num_experts "
                                       f"{experts.num_experts}")
-            if target.param == "bias":
-                raise CheckpointError(f"{f}: tensor {name}: routed-expert biases are not supported by {model_name}")
+            if target.param == "bias" and not experts.bias:
+                raise CheckpointError(f"{f}: tensor {name}: routed-expert biases, but {model_name}'s experts "
+                                      "have none in this config")
+            if target.param == "bias" and target.expert is not None:
+                raise CheckpointError(f"{f}: tensor {name}: per-expert biases are not supported (fused "
+                                      "gate_up_proj_bias / down_proj_bias are)")
             if target.expert is not None:
                 module = name.rpartition(".")[0]
                 key = module
@@ -507,7 +548,7 @@ class CheckpointIndex:
                 raise CheckpointError(str(e)) from None
             plan.quantized[wname] = QuantizedLinear(module, shape, tensors)
         for target, module, tensors in groups.values():
-            src = self._expert_source(scheme, target, module, tensors, experts)
+            src = self._expert_source(scheme, target, module, tensors, experts, model.fused_experts)
             first = plan.expert_format
             if first is None:
                 plan.expert_format = src.format
@@ -525,11 +566,14 @@ class CheckpointIndex:
                         raise CheckpointError(f"{src.first.file}: tensor {src.first.name}: MoE layer ordinal {j} "
                                               f"expert {ee} {part} is also given by {other.name} in {other.file.name}")
                     plan.parts[key] = src
+                    if "bias" in src.tensors:
+                        plan.parts[(key[0], f"{part}.bias")] = src
         missing = sorted(set(params) - set(plan.params) - set(plan.quantized))
         if missing:
             raise CheckpointError(f"{self.source}: missing tensor(s) {_first(missing)}")
         if experts is not None:
-            absent = [(fid, part) for fid in range(experts.num_rows) for part in _EXPERT_PARTS
+            wanted = _EXPERT_PARTS + (tuple(f"{p}.bias" for p in _EXPERT_PARTS) if experts.bias else ())
+            absent = [(fid, part) for fid in range(experts.num_rows) for part in wanted
                       if (fid, part) not in plan.parts]
             if absent:
                 fid, part = absent[0]
@@ -539,32 +583,48 @@ class CheckpointIndex:
 
     @staticmethod
     def _expert_source(scheme: QuantScheme, target, module: str, tensors: dict[str, TensorInfo],
-                       experts: ExpertGeometry) -> ExpertSource:
-        """Check one expert module's (or fused group's) tensors against the scheme; its :class:`ExpertSource`."""
+                       experts: ExpertGeometry, fused_layout) -> ExpertSource:
+        """Check one expert module's (or fused group's) tensors against the scheme (float fused tensors laid
+        out as ``fused_layout``, the model's :class:`~edgemoe.models.base.FusedExpertLayout`, and their
+        biases); its :class:`ExpertSource`."""
         role, fused = target.role, target.expert is None
         shape = experts.projection_shape(role)
-        first = tensors.get("weight") or tensors.get("blocks") or next(iter(tensors.values()))
+        bias = tensors.get("bias")
+        if bias is not None:
+            want = experts.bias_shape(role)
+            if not bias.dtype.is_floating_point:
+                raise CheckpointError(f"{bias.file}: tensor {bias.name} has dtype {bias.dtype}, expected a "
+                                      "floating-point dtype")
+            if bias.shape != want:
+                raise CheckpointError(f"{bias.file}: tensor {bias.name} has shape {bias.shape}, expected {want}")
+            if len(tensors) == 1:
+                raise CheckpointError(f"{bias.file}: tensor {bias.name}: a bias without its {role} weights")
+        weights = {p: t for p, t in tensors.items() if p != "bias"}
+        first = weights.get("weight") or weights.get("blocks") or next(iter(weights.values()))
         f = first.file
+        transposed = False
         try:
-            if fused and set(tensors) == {"weight"}:  # float [E, 2I, H] / [E, H, I]
+            if fused and set(weights) == {"weight"}:  # float [E, 2I, H] / [E, H, I], or as fused_layout says
                 if first.dtype not in _DENSE_DTYPES:
                     raise CheckpointError(f"{f}: tensor {first.name} has dtype {first.dtype}, expected a float "
                                           "dtype (a fused quantized expert tensor is MXFP4's *_blocks / *_scales)")
-                want = experts.tensor_shape(role, True)
+                transposed = fused_layout.transposed
+                want = experts.tensor_shape(role, True, transposed)
                 if first.shape != want:
                     raise CheckpointError(f"{f}: tensor {first.name} has shape {first.shape}, expected {want}")
                 fmt = WeightFormat.for_dtype(first.dtype)
             elif fused:
-                if "weight" in tensors:
-                    raise CheckpointError(f"{f}: tensor {tensors['weight'].name} beside MXFP4 blocks of the same "
+                if "weight" in weights:
+                    raise CheckpointError(f"{f}: tensor {weights['weight'].name} beside MXFP4 blocks of the same "
                                           "projection")
-                validate_mxfp4_experts(scheme, module, role, _metas(tensors), experts.num_experts, shape, str(f))
+                validate_mxfp4_experts(scheme, module, role, _metas(weights), experts.num_experts, shape, str(f))
                 fmt = WeightFormat.MXFP4
             else:
-                fmt = validate_linear(scheme, module, _metas(tensors), shape, str(f))
+                fmt = validate_linear(scheme, module, _metas(weights), shape, str(f))
         except QuantTensorError as e:
             raise CheckpointError(str(e)) from None
-        return ExpertSource(module, target.moe_layer, target.expert, role, tensors, fmt, shape)
+        interleaved = fused and fused_layout.interleaved
+        return ExpertSource(module, target.moe_layer, target.expert, role, tensors, fmt, shape, transposed, interleaved)
 
 
 def _metas(tensors: dict[str, TensorInfo]) -> dict[str, TensorMeta]:

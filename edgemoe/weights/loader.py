@@ -70,7 +70,7 @@ def pool_layout(fmt: WeightFormat, geometry: ExpertGeometry, dtype: torch.dtype,
     """
     if fmt.dense:
         fmt = WeightFormat.for_dtype(dtype)
-    return ExpertLayout.build(fmt, geometry.hidden_size, geometry.moe_intermediate_size,
+    return ExpertLayout.build(fmt, geometry.hidden_size, geometry.moe_intermediate_size, has_bias=geometry.bias,
                               block_size=scheme.block_size or FP8_DEFAULT_BLOCK)
 
 
@@ -89,8 +89,10 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, cfg, dtype: torch.d
     Tensors under the model's ``skipped_prefixes`` (e.g. a vision tower a text-only server does not
     run) are skipped; every other tensor is loaded strictly. Experts come per expert
     (``...experts.{e}.{gate,up,down}_proj.weight`` and, quantized, its scale tensors) or fused per layer
-    (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``; MXFP4: gpt-oss's
-    ``experts.{gate_up,down}_proj_{blocks,scales}``, gate/up de-interleaved at pack time).
+    (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, or transposed and gate/up
+    interleaved as the model's ``fused_experts`` says, with fused biases ``..._bias``: gpt-oss's bf16
+    layout; MXFP4: gpt-oss's ``experts.{gate_up,down}_proj_{blocks,scales}``; gate/up de-interleaved at pack
+    time, biases into the rows' ``b13`` / ``b2`` sections).
 
     Args:
         model: an edgemoe model exposing ``expert_target(name)`` and ``skipped_prefixes``; its
@@ -115,7 +117,7 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, cfg, dtype: torch.d
     index = CheckpointIndex.open(model_dir)
     plan = index.check(model, geometry)
     layout = pool_layout(plan.expert_format or WeightFormat.for_dtype(dtype), geometry, dtype, plan.scheme)
-    pool = HostExpertPool(geometry.num_rows, layout, dtype)
+    pool = HostExpertPool(geometry.num_rows, layout, dtype, cfg.expert_activation)
     model.materialize(dtype, device)
     _load_plan(model, pool, plan, index.files, progress)
     return pool
@@ -144,7 +146,8 @@ def _load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, fil
                 bar.update(1)
         for fid in range(pool.num_ids):
             gate, up, down = (cast_to_layout(w, layout) for w in plan.expert_weights(fid, reader))
-            layout.pack_expert(gate, up, down, out=pool.bank[fid])
+            b13, b2 = plan.expert_biases(fid, reader) or (None, None)
+            layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=pool.bank[fid])
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -183,7 +186,7 @@ def init_dummy(model: nn.Module, layout: ExpertLayout, cfg, dtype: torch.dtype, 
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
-    pool = HostExpertPool(ExpertGeometry.from_config(cfg).num_rows, layout, dtype)
+    pool = HostExpertPool(ExpertGeometry.from_config(cfg).num_rows, layout, dtype, cfg.expert_activation)
     pool.fill_random(seed, std=std, progress=progress)
     return pool
 

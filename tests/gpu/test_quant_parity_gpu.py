@@ -49,6 +49,8 @@ def test_quantized_experts_on_cuda_match_transformers(quantized, policy, slots):
         assert runner.experts.decode_path is DecodePath.EAGER
     elif slots is None or (policy == "fill-all" and slots >= 32):  # no CPU branch: captured
         assert runner.experts.decode_path is DecodePath.DEVICE_GRAPHS, runner.experts.decode_path_reason
+    elif runner.experts.cpu_executor.registers_steps:  # the native quantized kernels: the CPU branch is captured
+        assert runner.experts.decode_path is DecodePath.DEVICE_GRAPHS, runner.experts.decode_path_reason
     else:  # a CPU branch on the torch executor (a host sync): the device path, eagerly
         assert runner.experts.decode_path is DecodePath.DEVICE, runner.experts.decode_path_reason
     logits, toks = greedy_decode(runner, PROMPT, STEPS, free=True)

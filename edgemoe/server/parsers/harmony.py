@@ -3,7 +3,7 @@
 Format (OpenAI Harmony response format; the generation prompt ends with ``<|start|>assistant``)::
 
     <|channel|>analysis<|message|>Need the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>
     ... or ...
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
@@ -18,12 +18,12 @@ header is answer text.
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from edgemoe.server.parsers.base import JsonArgs, ParseEvent, find_first, partial_suffix, text_event
 from edgemoe.server.parsers.tagged import ToolParser
 
-__all__ = ["HarmonyParser"]
+__all__ = ["HarmonyParser", "template_history"]
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
@@ -132,3 +132,57 @@ class HarmonyParser(ToolParser):
         self._buf = ""
         self._close(out)
         return out
+
+
+def template_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-shaped chat history as gpt-oss's released chat template expects it.
+
+    The template renders an assistant message's reasoning from ``thinking`` (here: ``reasoning_content``),
+    one tool call per assistant message (``tool_calls[0]``), and names each ``tool`` result after the most
+    recent call; it refuses a tool-call message with both ``content`` and ``thinking``. So:
+
+    - ``reasoning_content`` becomes ``thinking``;
+    - an assistant message with ``n > 1`` tool calls becomes ``n`` messages of one call each, each followed
+      by its results (the ``tool`` messages whose ``tool_call_id`` is that call's ``id``; results without a
+      matching id keep their order), as Harmony itself alternates calls and results; the reasoning stays
+      with the first call;
+    - a tool-call message with both text and reasoning keeps the reasoning (the model's analysis, which
+      Harmony carries across tool calls) and drops the text (a commentary preamble the template cannot
+      render).
+
+    Messages are not modified in place.
+    """
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        i += 1
+        if m.get("role") != "assistant":
+            out.append(m)
+            continue
+        m = {k: v for k, v in m.items() if k != "reasoning_content"}
+        if messages[i - 1].get("reasoning_content") is not None:
+            m["thinking"] = messages[i - 1]["reasoning_content"]
+        calls = m.pop("tool_calls", None) or []
+        if not calls:
+            out.append(m)
+            continue
+        if m.get("thinking") and m.get("content"):
+            m["content"] = None
+        results = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            results.append(messages[i])
+            i += 1
+        ids = [c.get("id") for c in calls]
+        by_id = {c_id: [r for r in results if r.get("tool_call_id") == c_id] for c_id in ids if c_id}
+        matched = {id(r) for rs in by_id.values() for r in rs}
+        unmatched = [r for r in results if id(r) not in matched]
+        for j, call in enumerate(calls):
+            turn = {**m, "tool_calls": [call]} if j == 0 else {"role": "assistant", "tool_calls": [call]}
+            out.append(turn)
+            mine = by_id.get(ids[j], []) if ids[j] else []
+            if not mine and unmatched:
+                mine = [unmatched.pop(0)]
+            out.extend(mine)
+        out.extend(unmatched)
+    return out

@@ -105,7 +105,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
             try:
                 for fid in range(geometry.num_rows):
                     gate, up, down = (cast_to_layout(x, layout) for x in plan.expert_weights(fid, reader))
-                    layout.pack_expert(gate, up, down, out=row[0])
+                    b13, b2 = plan.expert_biases(fid, reader) or (None, None)
+                    layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=row[0])
                     nb = w.write_rows(row)
                     if bar is not None:
                         bar.update(nb)

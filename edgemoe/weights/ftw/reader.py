@@ -130,9 +130,10 @@ def load_ftw(model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device
     ne_src = non_expert_source(man, model_dir)
     target = layout
     if layout.format.dense and layout.format.dtype != dtype:  # float rows of another dtype: cast while reading
-        target = ExpertLayout.build(WeightFormat.for_dtype(dtype), layout.hidden, layout.intermediate)
+        target = ExpertLayout.build(WeightFormat.for_dtype(dtype), layout.hidden, layout.intermediate,
+                                    has_bias=layout.has_bias)
         src = replace(src, target=target)
-    pool = HostExpertPool(src.rows, target, dtype)
+    pool = HostExpertPool(src.rows, target, dtype, cfg.expert_activation)
     stats = FTWLoadStats(ReadStats(), expert_bytes=src.nbytes, non_expert_bytes=ne_src.nbytes,
                          check_s=time.perf_counter() - t0)
 

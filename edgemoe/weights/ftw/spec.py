@@ -271,7 +271,8 @@ def check_config(man: Manifest, cfg, model_dir: str | Path) -> ExpertLayout:
     describes the bank of ``man``; return the bank's row layout.
 
     Raises:
-        FTWConfigError: another model type, expert geometry or row layout (both values named).
+        FTWConfigError: another model type, expert geometry or row layout (both values named), or expert
+            biases in the rows but not in the config (or the reverse).
         FTWError: a layout this edgemoe does not build.
     """
     model_dir = Path(model_dir)
@@ -287,6 +288,9 @@ def check_config(man: Manifest, cfg, model_dir: str | Path) -> ExpertLayout:
     if (layout.hidden, layout.intermediate) != (geometry.hidden_size, geometry.moe_intermediate_size):
         raise FTWConfigError(f"{where}: the bank's rows are H={layout.hidden} I={layout.intermediate}, config.json "
                              f"implies H={geometry.hidden_size} I={geometry.moe_intermediate_size}")
+    if layout.has_bias != geometry.bias:
+        raise FTWConfigError(f"{where}: the bank's rows {'have' if layout.has_bias else 'lack'} expert biases, "
+                             f"config.json's experts {'have' if geometry.bias else 'have none'}")
     if man.bank.rows != geometry.num_rows or man.bank.row_bytes != layout.row_bytes:
         raise FTWConfigError(f"{where}: bank {man.bank.file} has {man.bank.rows} rows of {man.bank.row_bytes} bytes, "
                              f"config.json and the layout imply {geometry.num_rows} rows of {layout.row_bytes}")
