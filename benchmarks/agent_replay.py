@@ -47,16 +47,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.engine.llm import LLM, render_chat  # noqa: E402
-from edgemoe.engine.sampling import SamplingParams  # noqa: E402
-from edgemoe.kvcache.state_checkpoints import anchor_token_ids, checkpoint_positions  # noqa: E402
+from edgemoe.engine.llm import LLM, render_chat
+from edgemoe.engine.sampling import SamplingParams
+from edgemoe.kvcache.state_checkpoints import anchor_token_ids, checkpoint_positions
 
 SESSIONS = ("w2", "w4", "cut")
 MODES = ("anchors", "interval", "none")
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
 
 def _write(a, argv, runner, llm, load_s, results, modes) -> str:
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "torch": torch.__version__},

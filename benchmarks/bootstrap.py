@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +124,7 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
 
     from edgemoe.config import parse_dtype
     from edgemoe.experts.pool import HostExpertPool
-    from edgemoe.models import load_config
-    from edgemoe.models import model_class
+    from edgemoe.models import load_config, model_class
     from edgemoe.quant.layout import ExpertLayout
     from edgemoe.quant.weights import WeightFormat
     from edgemoe.synth import write_config_only
@@ -322,7 +321,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     tag = f"{args.preset}-L{overrides.get('num_hidden_layers', 'preset')}-{args.dtype}"
     ftw_dir, hf_dir = work / f"{tag}.ftw", work / f"{tag}.hf"
-    result: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    result: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

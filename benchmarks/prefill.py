@@ -28,7 +28,7 @@ import json
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import add_model_args, model_dir, route_uniformly  # noqa: E402
+from decode import add_model_args, model_dir, route_uniformly
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
-from edgemoe.experts.bandwidth import measure_copy  # noqa: E402
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.bandwidth import measure_copy
 
 TARGET_RATIO = 1.15
 
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
                       f"{r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tok/s, {r['transferred_bytes'] / 1e9:.2f} GB moved, "
                       f"ratio {r['ratio_to_routed_bound'] or 0:.3f}", flush=True)
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else None,
                     "torch": torch.__version__},

@@ -45,11 +45,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.engine.async_engine import AsyncLLM  # noqa: E402
-from edgemoe.server.app import build_app  # noqa: E402
-from edgemoe.server.config import ServerConfig  # noqa: E402
-from edgemoe.server.transport import uvicorn_config  # noqa: E402
+from edgemoe.config import EngineConfig
+from edgemoe.engine.async_engine import AsyncLLM
+from edgemoe.server.app import build_app
+from edgemoe.server.config import ServerConfig
+from edgemoe.server.transport import uvicorn_config
 
 APIS = ("chat", "messages", "responses")
 TOOLS = [
@@ -156,7 +156,7 @@ class Session:
                 self.record(f"requests_{self.api}")
                 self.record("tool_calls" if call else "answers")
                 self.record("latency_s", time.monotonic() - start)
-            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+            except Exception as exc:
                 self.record("errors")
                 with self.lock:
                     self.stats.setdefault("error_messages", []).append(f"{self.api} turn {turn}: {exc!r}"[:300])

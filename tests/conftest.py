@@ -298,7 +298,6 @@ def start_agent_server(model_dir: Path, name: str | tuple[str, ...], *, engine_o
 
     from edgemoe.config import EngineConfig
     from edgemoe.engine.async_engine import AsyncLLM
-
     from edgemoe.models import load_config
 
     @contextlib.contextmanager

@@ -10,10 +10,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import start_agent_server
 from test_agents_openai import PARALLEL, TURN1, TURN3
 
 from edgemoe.engine.llm import render_chat
+
+from conftest import start_agent_server
 
 MODEL = "qwen3-tiny"
 TOOLS = [

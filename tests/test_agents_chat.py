@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import io
 
+from test_agents_openai import MODEL, TURN3
+
 from edgemoe.cli import main
 from edgemoe.server.chat_client import ChatSession, Output, main_loop
-from test_agents_openai import MODEL, TURN3
 
 ANSWER = "In Paris it is 18 °C and the local time is 14:05."
 

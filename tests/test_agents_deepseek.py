@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_agents_openai import TOOLS
+
+from edgemoe.engine.llm import render_chat
 
 from conftest import start_agent_server
-from edgemoe.engine.llm import render_chat
-from test_agents_openai import TOOLS
 
 MODEL = "dsv3-tiny"
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

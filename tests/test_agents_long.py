@@ -13,9 +13,9 @@ import re
 import time
 
 import pytest
+from test_agents_openai import TURN1
 
 from conftest import QWEN3_TOKENIZER_DIR, start_agent_server
-from test_agents_openai import TURN1
 
 MODEL = "qwen3-long"
 TARGET_TOKENS = 30_000

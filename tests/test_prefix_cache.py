@@ -8,7 +8,6 @@ import httpx
 import pytest
 import torch
 
-from conftest import running_server
 from edgemoe import SamplingParams
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
@@ -16,6 +15,8 @@ from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import StepInput
+
+from conftest import running_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PARAMS = SamplingParams(max_tokens=12, **GREEDY)

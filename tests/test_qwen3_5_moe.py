@@ -19,16 +19,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from edgemoe import SamplingParams
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
-from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSpec
 from edgemoe.layers.gated_deltanet import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch
+from edgemoe.models import load_config
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
+
+from conftest import greedy_decode
 
 PRESET = "qwen3.5-moe-tiny"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(80)]  # > one 64-token chunk of the delta rule

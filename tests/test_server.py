@@ -14,13 +14,14 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
 from edgemoe.server.parsers.think import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
+
+from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a brave little expert."}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})

@@ -14,10 +14,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+
+from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Hello there."}]
 LIMITS = {"max_request_bytes": 1 << 20, "max_messages": 64, "header_timeout_s": 1.0, "body_timeout_s": 1.0}

@@ -13,10 +13,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import ScriptedOutputs, running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+
+from conftest import ScriptedOutputs, running_server
 
 NAMES = ("tiny", "claude-sonnet-4-5", "claude-haiku-4-5")
 MESSAGES = [{"role": "user", "content": "Hello there."}]

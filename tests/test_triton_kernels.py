@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 
@@ -25,7 +25,6 @@ from edgemoe.core import Phase  # noqa: E402
 from edgemoe.experts.cache import ExpertCache  # noqa: E402
 from edgemoe.experts.hybrid import plan_step  # noqa: E402
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy  # noqa: E402
-
 from edgemoe.kernels.decode_attention import (  # noqa: E402
     make_decode_scratch,
     paged_decode_attention,

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -143,7 +143,7 @@ class RoutingRecorder:
 
     def write_header(self, **meta) -> None:
         """Start a recording session (segment); ``meta`` adds fields (model geometry, notes)."""
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        created = datetime.now(UTC).isoformat(timespec="seconds")
         self._write({"type": "header", "format": FORMAT, "version": VERSION, "created": created, **meta})
         self._header_written = True
 

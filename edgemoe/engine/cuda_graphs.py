@@ -160,7 +160,7 @@ class DecodeGraphs:
         if use_graphs:
             try:
                 self._capture(model, bs, batch)
-            except Exception:  # noqa: BLE001 - this size stays eager; the eager result stands
+            except Exception:
                 log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
                 self.failed.add(bs)
                 torch.cuda.synchronize(self.device)

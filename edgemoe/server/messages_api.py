@@ -428,7 +428,7 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                     }
                 )
                 yield _sse({"type": "message_stop"})
-    except Exception as exc:  # noqa: BLE001 - the client gets an error event, never a cut stream
+    except Exception as exc:
         yield _sse({"type": "error", "error": {"type": "api_error", "message": stream_failure(exc)}})
     finally:
         if not finished:

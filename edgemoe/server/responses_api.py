@@ -463,7 +463,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 status = _status(out)
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 yield ev(kind, response=shell.response(status, output, out))
-    except Exception as exc:  # noqa: BLE001 - the client gets error + response.failed, never a cut stream
+    except Exception as exc:
         message = stream_failure(exc)
         yield ev("error", code="server_error", message=message, param=None)
         failed = shell.response("failed", output, error={"code": "server_error", "message": message})

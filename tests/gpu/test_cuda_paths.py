@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.experts.policy import Bandwidths
 from edgemoe.synth import make_model
+
+from conftest import greedy_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -18,7 +18,6 @@ from edgemoe.kernels.gated_delta import (  # noqa: E402
     fused_recurrent_gated_delta_rule,
 )
 
-
 HK, HV, D = 16, 32, 128
 CONV_DIM, CONV_K = 2 * HK * D + HV * D, 4
 
@@ -68,8 +67,11 @@ def test_head_dims_match_torch_path(dk, dv):
     ``edgemoe.layers.gated_deltanet``, fp32: a 150-token prefill (three chunks, the last partial) from a
     state, then three decode steps. Tolerance 1e-4 relative, 5e-4 where a head dim is 16 (not used by the
     model: it takes torch at or below MIN_KERNEL_HEAD_DIM; 16 x 48 measured 2.2e-4 on the state once)."""
-    from edgemoe.layers.gated_deltanet import (MIN_KERNEL_HEAD_DIM, chunk_gated_delta_rule_torch,
-                                               recurrent_gated_delta_rule_torch)
+    from edgemoe.layers.gated_deltanet import (
+        MIN_KERNEL_HEAD_DIM,
+        chunk_gated_delta_rule_torch,
+        recurrent_gated_delta_rule_torch,
+    )
 
     tol = 1e-4 if min(dk, dv) > MIN_KERNEL_HEAD_DIM else 5e-4
 
