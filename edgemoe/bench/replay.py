@@ -618,7 +618,7 @@ def slots_for(capacities: list[float], num_ids: int) -> list[int]:
     for f in capacities:
         if not 0 <= f <= 1:
             raise ValueError(f"capacity {f} is not a fraction in [0, 1] (use --capacity-slots for slot counts)")
-        out.append(min(num_ids, int(round(f * num_ids))))
+        out.append(min(num_ids, round(f * num_ids)))
     return out
 
 

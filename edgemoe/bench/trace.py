@@ -161,7 +161,8 @@ class RoutingRecorder:
         if batch is not self._batch:  # positions are shared by all layers of a step
             self._batch, self._pos = batch, batch.positions.to("cpu").numpy().tolist()
         ids = topk_ids.detach().to("cpu").numpy().tolist()  # numpy's tolist is ~6x faster than torch's
-        w = np.round(topk_weights.detach().to("cpu", torch.float32).numpy().astype(np.float64), WEIGHT_DECIMALS).tolist()
+        w = np.round(topk_weights.detach().to("cpu", torch.float32).numpy().astype(np.float64),
+                     WEIGHT_DECIMALS).tolist()
         phase = getattr(batch.phase, "value", batch.phase)
         dlayer = self._moe_layers[moe_layer] if self._moe_layers is not None else None
         lines = []

@@ -1,8 +1,9 @@
 """Decode steps on the device path: fixed-shape static inputs and the CUDA graphs replayed over them.
 
 :class:`DecodeGraphs` owns one graph per padded batch size (1, 2, 4, 8, 16, 32, 64 up to
-``max_num_seqs``, and ``max_num_seqs``; a smaller batch pads up), captured right after the first eager step of that size (which also compiles
-the Triton kernels and warms cuBLAS), and the static inputs (:class:`DecodeInputs`) every graph
+``max_num_seqs``, and ``max_num_seqs``; a smaller batch pads up), captured right after the first
+eager step of that size (which also compiles the Triton kernels and warms cuBLAS), and the static
+inputs (:class:`DecodeInputs`) every graph
 reads. A batch size whose capture fails runs eagerly from then on. :meth:`DecodeGraphs.invalidate`
 drops every graph (the expert cache was rebuilt: its tensors moved).
 """

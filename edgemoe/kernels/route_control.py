@@ -331,7 +331,8 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
             every miss runs on the CPU; do not launch).
     """
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int64 or not topk_ids.is_contiguous():
-        raise ValueError(f"topk_ids must be a contiguous [T, k] int64 tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+        raise ValueError(f"topk_ids must be a contiguous [T, k] int64 tensor, "
+                         f"got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     T, k = topk_ids.shape
     P = T * k
     if P < 1:
