@@ -64,7 +64,8 @@ class CpuLoad:
 
 
 def time_fills(kind: str, src: HostExpertPool, bank: torch.Tensor, q: int, reps: int) -> float:
-    """GB/s of copying ``q`` packed expert rows per call into ``bank``, ``reps`` calls, rotating over the source rows."""
+    """GB/s of copying ``q`` packed expert rows per call into ``bank``, ``reps`` calls, rotating over the source
+    rows."""
     dev = bank.device
     meta = torch.tensor([0, 0, q, 0], dtype=torch.int32, device=dev)
     slots = torch.arange(q, dtype=torch.int64, device=dev)

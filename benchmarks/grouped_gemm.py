@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['tokens']:>6} {r['grouped_s'] * 1e3:>10.3f} {r.get('grouped_graph_s', float('nan')) * 1e3:>9.3f} "
               f"{r.get('loop_s', float('nan')) * 1e3:>8.2f} {r.get('speedup', float('nan')):>7.1f} "
-              f"{r['grouped_tflops']:>8.1f} {r['grouped_weight_gbps']:>11.0f} {r.get('max_rel_diff', float('nan')):>12.2e}")
+              f"{r['grouped_tflops']:>8.1f} {r['grouped_weight_gbps']:>11.0f} "
+              f"{r.get('max_rel_diff', float('nan')):>12.2e}")
     if a.out:
         meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),

@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
-                   f"threads, device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""),
+                   f"threads, device {args.device}"
+                   + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""),
         "command": "python benchmarks/structured_output.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "vocab_size": vocab_size,
         "vocab_build_s": vocab_s,
