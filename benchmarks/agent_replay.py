@@ -47,16 +47,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.engine.llm import LLM, render_chat  # noqa: E402
-from edgemoe.engine.sampling import SamplingParams  # noqa: E402
-from edgemoe.kvcache.state_checkpoints import anchor_token_ids, checkpoint_positions  # noqa: E402
+from edgemoe.engine.llm import LLM, render_chat
+from edgemoe.engine.sampling import SamplingParams
+from edgemoe.kvcache.state_checkpoints import anchor_token_ids, checkpoint_positions
 
 SESSIONS = ("w2", "w4", "cut")
 MODES = ("anchors", "interval", "none")
@@ -176,7 +176,8 @@ def build_session(name: str, synth: Synth, scale: float, reply_scale: float) -> 
         tools = [_tool("read_file", "Read a file of the repository", path="file path"),
                  _tool("run_tests", "Run the test suite", target="test selector"),
                  _tool("edit_file", "Replace text in a file", path="file path", patch="unified diff")]
-        start = [{"role": "system", "content": "You are a coding agent. " + _INSTRUCTIONS + "\n" + synth.text(6000 * s)},
+        start = [{"role": "system",
+                  "content": "You are a coding agent. " + _INSTRUCTIONS + "\n" + synth.text(6000 * s)},
                  {"role": "user", "content": "Fix the failing cache test. " + synth.text(150 * s)}]
         steps = [
             (_reply(think(), call=("read_file", {"path": "edgemoe/experts/cache.py"})),
@@ -209,7 +210,8 @@ def build_session(name: str, synth: Synth, scale: float, reply_scale: float) -> 
     if name == "cut":
         tools = [_tool("fetch_log", "Fetch a service log", service="service name"),
                  _tool("fetch_metrics", "Fetch a service's metrics", service="service name")]
-        start = [{"role": "system", "content": "You are an operations agent. " + _INSTRUCTIONS + "\n" + synth.text(3000 * s)},
+        start = [{"role": "system",
+                  "content": "You are an operations agent. " + _INSTRUCTIONS + "\n" + synth.text(3000 * s)},
                  {"role": "user", "content": "Why did the service restart? " + synth.text(80 * s)}]
         steps = [
             (_reply(think(), call=("fetch_log", {"service": "edgemoe"})),
@@ -271,7 +273,8 @@ def run_mode(llm: LLM, turns: list[tuple[list[int], list[int]]], mode: str, slot
     computed: list[list[int]] = []  # token sequences earlier turns computed (prompt + output but the last)
     records = []
     for k, (prompt, reply) in enumerate(turns):
-        params = SamplingParams(max_tokens=len(reply), temperature=0.0, ignore_eos=True, logits_processors=[forced(reply)])
+        params = SamplingParams(max_tokens=len(reply), temperature=0.0, ignore_eos=True,
+                                logits_processors=[forced(reply)])
         out = llm.generate([prompt], params)[0]
         if out.error or out.outputs[0].token_ids != reply:
             raise RuntimeError(f"turn {k}: the scripted reply was not generated ({out.error})")
@@ -296,13 +299,14 @@ def _markdown(results: dict, modes: list[str]) -> str:
         if not modes:
             continue
         lines += [f"### {name}", "",
-                  "| turn | prompt | shared | " + " | ".join(f"{m}: reused | prefilled | TTFT (s)" for m in modes) + " |",
+                  "| turn | prompt | shared | "
+                  + " | ".join(f"{m}: reused | prefilled | TTFT (s)" for m in modes) + " |",
                   "|---|---|---|" + "---|---|---|" * len(modes)]
         for rows in zip(*(res[m]["turns"] for m in modes)):
             cells = " | ".join(f"{r['reused']} | {r['prefilled']} | {r['ttft_s']:.3f}" for r in rows)
             lines.append(f"| {rows[0]['turn']} | {rows[0]['prompt_tokens']} | {rows[0]['shared_prefix']} | {cells} |")
-        total = " | ".join(f"**{res[m]['reused']}** | **{res[m]['prefilled']}** | worst **{res[m]['worst_ttft_s']:.3f}**"
-                           for m in modes)
+        total = " | ".join(f"**{res[m]['reused']}** | **{res[m]['prefilled']}** | "
+                           f"worst **{res[m]['worst_ttft_s']:.3f}**" for m in modes)
         lines += [f"| all | {res[modes[0]]['prompt_tokens']} | | {total} |", ""]
     return "\n".join(lines)
 
@@ -377,7 +381,8 @@ def main(argv=None) -> int:
             }
             r = results[name][mode]
             print(f"{name:4s} {mode:8s} turns {len(rows):2d}  prompt {r['prompt_tokens']:7d}  reused {r['reused']:7d}  "
-                  f"prefilled {r['prefilled']:7d}  worst TTFT {r['worst_ttft_s']:.3f} s  ({r['wall_s']:.1f} s)", flush=True)
+                  f"prefilled {r['prefilled']:7d}  worst TTFT {r['worst_ttft_s']:.3f} s  ({r['wall_s']:.1f} s)",
+                  flush=True)
             _write(a, argv, runner, llm, load_s, results, modes)  # after every run: a timeout keeps what finished
     table = _write(a, argv, runner, llm, load_s, results, modes)
     print(table)
@@ -386,12 +391,14 @@ def main(argv=None) -> int:
 
 def _write(a, argv, runner, llm, load_s, results, modes) -> str:
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "machine": {"platform": platform.platform(),
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
-        "load_s": load_s, "decode_path": runner.experts.decode_path, "expert_cache_slots": runner.experts.cache.num_slots,
+        "load_s": load_s, "decode_path": runner.experts.decode_path,
+        "expert_cache_slots": runner.experts.cache.num_slots,
         "experts_total": runner.pool.num_ids, "checkpoints": a.checkpoints, "interval": a.interval,
         "scale": a.scale, "reply_scale": a.reply_scale,
         "anchor_ids": sorted(anchor_token_ids(llm.tokenizer, runner.eos_token_ids)),

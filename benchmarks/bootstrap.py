@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +124,7 @@ def build_direct(out: Path, preset: str, overrides: dict, dtype: str, seed: int)
 
     from edgemoe.config import parse_dtype
     from edgemoe.experts.pool import HostExpertPool
-    from edgemoe.models import load_config
-    from edgemoe.models import model_class
+    from edgemoe.models import load_config, model_class
     from edgemoe.quant.layout import ExpertLayout
     from edgemoe.quant.weights import WeightFormat
     from edgemoe.synth import write_config_only
@@ -322,7 +321,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     tag = f"{args.preset}-L{overrides.get('num_hidden_layers', 'preset')}-{args.dtype}"
     ftw_dir, hf_dir = work / f"{tag}.ftw", work / f"{tag}.hf"
-    result: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    result: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -333,7 +332,8 @@ def main() -> int:
 
     if not (args.reuse and is_ftw(ftw_dir) and (args.source == "direct" or (hf_dir / "config.json").exists())):
         print(f"building {ftw_dir} ({args.source}) ...", flush=True)
-        result["build"] = (build_direct(ftw_dir, args.preset, overrides, args.dtype, args.seed) if args.source == "direct"
+        result["build"] = (build_direct(ftw_dir, args.preset, overrides, args.dtype, args.seed)
+                           if args.source == "direct"
                            else build_hf(hf_dir, ftw_dir, args.preset, overrides, args.dtype, args.seed))
     man = read_manifest(ftw_dir)
     banks = [ftw_dir / BANK_FILE]
@@ -351,17 +351,24 @@ def main() -> int:
     workers = [int(w) for w in args.workers.split(",") if w] or [default_workers()]
     routes = []
     for nw in workers:
-        routes.append(read_route(ftw_dir, "direct, zero-copy, crc32 (engine)", direct=True, verify=True, staging=False, workers=nw))
+        routes.append(read_route(ftw_dir, "direct, zero-copy, crc32 (engine)", direct=True, verify=True, staging=False,
+                                 workers=nw))
     nw = workers[-1]
-    routes.append(read_route(ftw_dir, "direct, zero-copy, no verify", direct=True, verify=False, staging=False, workers=nw))
-    routes.append(read_route(ftw_dir, "direct, staged + copy, crc32", direct=True, verify=True, staging=True, workers=nw))
-    routes.append(read_route(ftw_dir, "buffered, zero-copy, crc32", direct=False, verify=True, staging=False, workers=nw))
+    routes.append(read_route(ftw_dir, "direct, zero-copy, no verify", direct=True, verify=False, staging=False,
+                             workers=nw))
+    routes.append(read_route(ftw_dir, "direct, staged + copy, crc32", direct=True, verify=True, staging=True,
+                             workers=nw))
+    routes.append(read_route(ftw_dir, "buffered, zero-copy, crc32", direct=False, verify=True, staging=False,
+                             workers=nw))
     routes.append(read_route(ftw_dir, "direct, zero-copy, crc32, THP pool", direct=True, verify=True, staging=False,
                              workers=nw, huge_pages=True))
     if torch.cuda.is_available():
-        routes.append(read_route(ftw_dir, "pin after fill (engine)", direct=True, verify=True, staging=False, workers=nw, pin="after"))
-        routes.append(read_route(ftw_dir, "pin first, then fill", direct=True, verify=True, staging=False, workers=nw, pin="first"))
-        routes.append(read_route(ftw_dir, "cudaHostAlloc, then fill", direct=True, verify=True, staging=False, workers=nw, pin="cuda_alloc"))
+        routes.append(read_route(ftw_dir, "pin after fill (engine)", direct=True, verify=True, staging=False,
+                                 workers=nw, pin="after"))
+        routes.append(read_route(ftw_dir, "pin first, then fill", direct=True, verify=True, staging=False,
+                                 workers=nw, pin="first"))
+        routes.append(read_route(ftw_dir, "cudaHostAlloc, then fill", direct=True, verify=True, staging=False,
+                                 workers=nw, pin="cuda_alloc"))
     else:
         result["pin_note"] = "no CUDA: pin-first vs pin-after-fill skipped"
     result["routes"] = routes
@@ -384,7 +391,8 @@ def main() -> int:
           f"({result['machine']['filesystem']})")
     print(fmt_table(rows, ("route", "readers", "read GB/s", "% of dd", "pin s", "total s", "zero-copy", "O_DIRECT")))
     print()
-    trows = [(k, v["format"], v["device"], f"{v['start_to_first_token_s']:.2f}", f"{v['interpreter_start_s'] + v['imports_s']:.2f}",
+    trows = [(k, v["format"], v["device"], f"{v['start_to_first_token_s']:.2f}",
+              f"{v['interpreter_start_s'] + v['imports_s']:.2f}",
               f"{v['runner_init_s']:.2f}", f"{v['load_stats']['total_s']:.2f}" if v.get("load_stats") else "-",
               f"{v['load_stats']['read_gbps']:.2f}" if v.get("load_stats") else "-",
               f"{v['pin_s']:.2f}", f"{v['first_prefill_s']:.2f}") for k, v in ttft.items()]

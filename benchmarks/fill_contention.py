@@ -16,16 +16,16 @@ import json
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.experts.native import NativeCpuExecutor  # noqa: E402
-from edgemoe.experts.pool import HostExpertPool  # noqa: E402
-from edgemoe.kernels.gather import gather_fills  # noqa: E402
+from edgemoe.experts.native import NativeCpuExecutor
+from edgemoe.experts.pool import HostExpertPool
+from edgemoe.kernels.gather import gather_fills
 
 H, I = 2048, 768
 
@@ -64,7 +64,8 @@ class CpuLoad:
 
 
 def time_fills(kind: str, src: HostExpertPool, bank: torch.Tensor, q: int, reps: int) -> float:
-    """GB/s of copying ``q`` packed expert rows per call into ``bank``, ``reps`` calls, rotating over the source rows."""
+    """GB/s of copying ``q`` packed expert rows per call into ``bank``, ``reps`` calls, rotating over the source
+    rows."""
     dev = bank.device
     meta = torch.tensor([0, 0, q, 0], dtype=torch.int32, device=dev)
     slots = torch.arange(q, dtype=torch.int64, device=dev)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         with CpuLoad(cpu_pool, a.threads) as load:
             res[f"{kind}_under_cpu_gbps"] = time_fills(kind, fill_pool, banks, a.q, a.reps)
         res[f"cpu_under_{kind}_gbps"] = load.gbps
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
             "gpu": torch.cuda.get_device_name(), "threads": a.threads, "q": a.q, "expert_mb": row / 1e6}
     out = Path(a.out)

@@ -23,16 +23,16 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import parse_dtype  # noqa: E402
-from edgemoe.experts.compute import run_experts_loop  # noqa: E402
-from edgemoe.kernels.grouped_gemm import choose_config, grouped_swiglu  # noqa: E402
+from edgemoe.config import parse_dtype
+from edgemoe.experts.compute import run_experts_loop
+from edgemoe.kernels.grouped_gemm import choose_config, grouped_swiglu
 
 
 def median_seconds(fn, iters: int, warmup: int, device: torch.device) -> float:
@@ -125,9 +125,10 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['tokens']:>6} {r['grouped_s'] * 1e3:>10.3f} {r.get('grouped_graph_s', float('nan')) * 1e3:>9.3f} "
               f"{r.get('loop_s', float('nan')) * 1e3:>8.2f} {r.get('speedup', float('nan')):>7.1f} "
-              f"{r['grouped_tflops']:>8.1f} {r['grouped_weight_gbps']:>11.0f} {r.get('max_rel_diff', float('nan')):>12.2e}")
+              f"{r['grouped_tflops']:>8.1f} {r['grouped_weight_gbps']:>11.0f} "
+              f"{r.get('max_rel_diff', float('nan')):>12.2e}")
     if a.out:
-        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": a.dtype,
                 "hidden": H, "inter": I, "experts": E, "top_k": a.top_k, "iters": a.iters, "torch": torch.__version__}

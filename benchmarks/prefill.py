@@ -28,7 +28,7 @@ import json
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import add_model_args, model_dir, route_uniformly  # noqa: E402
+from decode import add_model_args, model_dir, route_uniformly
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.core import Phase  # noqa: E402
-from edgemoe.engine.model_runner import ModelRunner, StepInput  # noqa: E402
-from edgemoe.experts.bandwidth import measure_copy  # noqa: E402
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts.bandwidth import measure_copy
 
 TARGET_RATIO = 1.15
 
@@ -108,7 +108,8 @@ def table(results: list[dict]) -> str:
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     by = {(r["slots"], r["chunk_index"], r["mode"]): r for r in results}
     lines = [
-        "| cache (GB) | slots | chunk | tokens | streamed | time (s) | tokens/s | GB moved | GB routed | routed GB / B_P (s) "
+        "| cache (GB) | slots | chunk | tokens | streamed | time (s) | tokens/s | GB moved | GB routed "
+        "| routed GB / B_P (s) "
         "| ratio (≤ 1.15) | moved GB / B_P (s) | ratio to moved | serial time (s) | serial ratio | overlap speed-up |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -130,8 +131,9 @@ def prompt_totals(results: list[dict]) -> list[dict]:
     """Whole-prompt figures per (cache, mode): the chunks' times summed (e.g. 16k tokens as two chunks)."""
     totals: dict[tuple[int, str], dict] = {}
     for r in results:
-        t = totals.setdefault((r["slots"], r["mode"]), {"slots": r["slots"], "cache_gb": r["cache_gb"], "mode": r["mode"],
-                                                        "tokens": 0, "seconds": 0.0, "transferred_bytes": 0})
+        t = totals.setdefault((r["slots"], r["mode"]), {"slots": r["slots"], "cache_gb": r["cache_gb"],
+                                                        "mode": r["mode"], "tokens": 0, "seconds": 0.0,
+                                                        "transferred_bytes": 0})
         t["tokens"] += r["tokens"]
         t["seconds"] += r["seconds"]
         t["transferred_bytes"] += r["transferred_bytes"]
@@ -141,7 +143,8 @@ def prompt_totals(results: list[dict]) -> list[dict]:
 
 
 def totals_table(totals: list[dict]) -> str:
-    lines = ["| cache (GB) | slots | mode | prompt tokens | time (s) | tokens/s | GB moved |", "|---|---|---|---|---|---|---|"]
+    lines = ["| cache (GB) | slots | mode | prompt tokens | time (s) | tokens/s | GB moved |",
+             "|---|---|---|---|---|---|---|"]
     for t in totals:
         lines.append(f"| {t['cache_gb']:.1f} | {t['slots']} | {t['mode']} | {t['tokens']} | {t['seconds']:.3f} "
                      f"| {t['tokens_per_s']:.0f} | {t['transferred_bytes'] / 1e9:.2f} |")
@@ -198,12 +201,14 @@ def main(argv=None) -> int:
             for r in run_prompt(runner, slots, a.policy, mode, prompt, a.chunk, b_p):
                 results.append(r)
                 print(f"cache {r['cache_gb']:.1f} GB ({slots} slots) {mode:8s} chunk {r['chunk_index']}: "
-                      f"{r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tok/s, {r['transferred_bytes'] / 1e9:.2f} GB moved, "
+                      f"{r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tok/s, "
+                      f"{r['transferred_bytes'] / 1e9:.2f} GB moved, "
                       f"ratio {r['ratio_to_routed_bound'] or 0:.3f}", flush=True)
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join([Path(__file__).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else None,
+        "machine": {"platform": platform.platform(),
+                    "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else None,
                     "torch": torch.__version__},
         "model": runner.model_config.architecture, "preset": a.preset if a.model is None else a.model,
         "moe_layers": runner.model_config.num_moe_layers, "experts_per_layer": runner.model_config.num_experts,
@@ -215,7 +220,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     totals = prompt_totals(results)
     (out / "prefill.json").write_text(json.dumps({"meta": meta, "results": results, "prompts": totals}, indent=2))
-    md = (f"B_P = {b_p:.1f} GB/s (measured in this run); expert {row / 1e6:.2f} MB; pool {runner.pool.nbytes / 1e9:.2f} GB; "
+    md = (f"B_P = {b_p:.1f} GB/s (measured in this run); expert {row / 1e6:.2f} MB; "
+          f"pool {runner.pool.nbytes / 1e9:.2f} GB; "
           f"chunk {a.chunk} tokens x {a.chunks}; policy {a.policy}; routing {a.routing}\n\n{table(results)}\n\n"
           f"Whole prompts ({a.chunks} chunks, cold cache at the start):\n\n{totals_table(totals)}\n")
     (out / "prefill.md").write_text(md)

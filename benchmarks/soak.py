@@ -45,11 +45,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.engine.async_engine import AsyncLLM  # noqa: E402
-from edgemoe.server.app import build_app  # noqa: E402
-from edgemoe.server.config import ServerConfig  # noqa: E402
-from edgemoe.server.transport import uvicorn_config  # noqa: E402
+from edgemoe.config import EngineConfig
+from edgemoe.engine.async_engine import AsyncLLM
+from edgemoe.server.app import build_app
+from edgemoe.server.config import ServerConfig
+from edgemoe.server.transport import uvicorn_config
 
 APIS = ("chat", "messages", "responses")
 TOOLS = [
@@ -156,7 +156,7 @@ class Session:
                 self.record(f"requests_{self.api}")
                 self.record("tool_calls" if call else "answers")
                 self.record("latency_s", time.monotonic() - start)
-            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+            except Exception as exc:
                 self.record("errors")
                 with self.lock:
                     self.stats.setdefault("error_messages", []).append(f"{self.api} turn {turn}: {exc!r}"[:300])
@@ -212,7 +212,8 @@ class Session:
         call = calls[min(calls)]
         args = self._check(call["name"], call["arguments"])
         history.append({"role": "assistant", "content": content or None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]})
+            {"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}}]})
         history.append({"role": "tool", "tool_call_id": call["id"], "content": self._result(call["name"], args)})
         return call
 
@@ -257,8 +258,10 @@ class Session:
             return None
         call = calls[0]
         args = self._check(call.name, call.arguments)
-        history.append({"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments})
-        history.append({"type": "function_call_output", "call_id": call.call_id, "output": self._result(call.name, args)})
+        history.append({"type": "function_call", "call_id": call.call_id, "name": call.name,
+                        "arguments": call.arguments})
+        history.append({"type": "function_call_output", "call_id": call.call_id,
+                        "output": self._result(call.name, args)})
         return call
 
 
@@ -307,7 +310,8 @@ def run(args) -> dict:
     requests = {api: stats.get(f"requests_{api}", 0) for api in APIS}
     audit_ok = (after["free_pages"] == before["free_pages"] and after["sequences_holding_pages"] == 0
                 and after["owned_pages"] == 0 and after["referenced_tree_nodes"] == 0
-                and after["pages_in_two_places"] == 0 and after["pages_lost"] == 0 and after["free_tokens_equal_capacity"])
+                and after["pages_in_two_places"] == 0 and after["pages_lost"] == 0
+                and after["free_tokens_equal_capacity"])
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), device {args.device}",
@@ -323,7 +327,8 @@ def run(args) -> dict:
         "latency_s": {"p50": round(statistics.median(latencies), 3) if latencies else None,
                       "p95": round(latencies[int(0.95 * (len(latencies) - 1))], 3) if latencies else None,
                       "max": round(latencies[-1], 3) if latencies else None},
-        "rss_mb": {"warm": round(rss_warm, 1), "peak": round(rss_peak, 1), "ceiling": round(rss_warm + args.rss_growth_mb, 1)},
+        "rss_mb": {"warm": round(rss_warm, 1), "peak": round(rss_peak, 1),
+                   "ceiling": round(rss_warm + args.rss_growth_mb, 1)},
         "kv_before": before,
         "kv_after": after,
         "kv_audit_ok": audit_ok,
@@ -343,7 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="output cap per turn")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity (default: max-model-len)")
-    ap.add_argument("--warmup-s", type=float, default=None, help="RSS baseline after this long (default 10%% of the run)")
+    ap.add_argument("--warmup-s", type=float, default=None,
+                    help="RSS baseline after this long (default 10%% of the run)")
     ap.add_argument("--rss-growth-mb", type=float, default=512.0, help="allowed RSS growth after warm-up (MB)")
     ap.add_argument("--out", default=None, help="directory for soak.json")
     args = ap.parse_args(argv)

@@ -36,12 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import EngineConfig  # noqa: E402
-from edgemoe.engine.llm import render_chat  # noqa: E402
-from edgemoe.engine.llm_engine import LLMEngine  # noqa: E402
-from edgemoe.engine.sampling import SamplingParams  # noqa: E402
-from edgemoe.server.parsers.qwen3 import Qwen3ToolParser  # noqa: E402
-from edgemoe.server.structured import Grammar, GrammarLogitsProcessor, GrammarVocab  # noqa: E402
+from edgemoe.config import EngineConfig
+from edgemoe.engine.llm import render_chat
+from edgemoe.engine.llm_engine import LLMEngine
+from edgemoe.engine.sampling import SamplingParams
+from edgemoe.server.parsers.qwen3 import Qwen3ToolParser
+from edgemoe.server.structured import Grammar, GrammarLogitsProcessor, GrammarVocab
 
 SCHEMA = {
     "type": "object",
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
-                   f"threads, device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""),
+                   f"threads, device {args.device}"
+                   + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""),
         "command": "python benchmarks/structured_output.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "vocab_size": vocab_size,
         "vocab_build_s": vocab_s,

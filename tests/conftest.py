@@ -40,7 +40,8 @@ def _patch_triton_interpreter() -> None:
         return
     if getattr(it, "_edgemoe_patched", False):
         return
-    orig_patch, orig_dot, orig_cast = it._patch_lang_tensor, it.InterpreterBuilder.create_dot, it.InterpreterBuilder.cast_impl
+    orig_patch = it._patch_lang_tensor
+    orig_dot, orig_cast = it.InterpreterBuilder.create_dot, it.InterpreterBuilder.cast_impl
 
     def patch_lang_tensor(tensor, scope):
         orig_patch(tensor, scope)
@@ -298,7 +299,6 @@ def start_agent_server(model_dir: Path, name: str | tuple[str, ...], *, engine_o
 
     from edgemoe.config import EngineConfig
     from edgemoe.engine.async_engine import AsyncLLM
-
     from edgemoe.models import load_config
 
     @contextlib.contextmanager

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     causal_conv1d_update as ref_conv_update,
+)
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
 )
 
-__all__ = ["ref_chunk", "ref_recurrent", "ref_conv_update"]
+__all__ = ["ref_chunk", "ref_conv_update", "ref_recurrent"]
 
 
 def _heads_repeated(ref):

@@ -10,10 +10,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import start_agent_server
 from test_agents_openai import PARALLEL, TURN1, TURN3
 
 from edgemoe.engine.llm import render_chat
+
+from conftest import start_agent_server
 
 MODEL = "qwen3-tiny"
 TOOLS = [
@@ -28,7 +29,8 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"timezone": {"type": "string"}}},
     },
 ]
-SYSTEM = [{"type": "text", "text": "You are Claude Code, a coding agent."}, {"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}}]
+SYSTEM = [{"type": "text", "text": "You are Claude Code, a coding agent."},
+          {"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}}]
 USER = {"role": "user", "content": [{"type": "text", "text": "What's the weather in Paris?"}]}
 
 
@@ -65,7 +67,8 @@ def test_tool_use_with_thinking(server):
     assert msg.content[0].thinking == "The user wants the weather in Paris. I should call get_weather."
     assert msg.content[1].text == "I'll look that up."
     use = msg.content[2]
-    assert use.id.startswith("toolu_") and use.name == "get_weather" and use.input == {"city": "Paris", "unit": "celsius"}
+    assert (use.id.startswith("toolu_") and use.name == "get_weather"
+            and use.input == {"city": "Paris", "unit": "celsius"})
     assert msg.usage.input_tokens > 0 and msg.usage.output_tokens == len(server.llm.tokenizer.encode(TURN1)) + 1
 
 
@@ -90,7 +93,8 @@ def test_streaming_thinking_and_tool_use_event_sequence(server):
             assert events[i][1]["delta"]["type"] == expected_delta[s["content_block"]["type"]]
             n_deltas += 1
             i += 1
-        assert n_deltas >= 1 and events[i] == ("content_block_stop", {"type": "content_block_stop", "index": s["index"]})
+        assert n_deltas >= 1
+        assert events[i] == ("content_block_stop", {"type": "content_block_stop", "index": s["index"]})
         i += 1
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
@@ -132,22 +136,26 @@ def test_three_turn_conversation_with_tool_results_and_thinking(server):
     ]
     count = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages, tools=TOOLS)
     third = client.messages.create(model=MODEL, max_tokens=300, system=SYSTEM, messages=messages, tools=TOOLS)
-    assert third.stop_reason == "end_turn" and third.content[-1].text == "In Paris it is 18 °C and the local time is 14:05."
+    assert third.stop_reason == "end_turn"
+    assert third.content[-1].text == "In Paris it is 18 °C and the local time is 14:05."
     assert count.input_tokens == third.usage.input_tokens + third.usage.cache_read_input_tokens
     # The same conversation in OpenAI form renders to exactly these tokens.
     openai_messages = [
         {"role": "system", "content": "You are Claude Code, a coding agent.\n\nBe terse."},
         {"role": "user", "content": "What's the weather in Paris?"},
         {"role": "assistant", "content": "I'll look that up.", "reasoning_content": first.content[0].thinking,
-         "tool_calls": [{"id": use.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
+         "tool_calls": [{"id": use.id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
         {"role": "tool", "tool_call_id": use.id, "content": "18 C, sunny"},
         {"role": "assistant", "content": None, "reasoning_content": second.content[0].thinking,
-         "tool_calls": [{"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}} for u in uses]},
+         "tool_calls": [{"id": u.id, "type": "function",
+                         "function": {"name": u.name, "arguments": json.dumps(u.input)}} for u in uses]},
         {"role": "tool", "tool_call_id": uses[0].id, "content": "22 C"},
         {"role": "tool", "tool_call_id": uses[1].id, "content": "Error: boom"},
         {"role": "user", "content": "Thanks!"},
     ]
-    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]}} for t in TOOLS]
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in TOOLS]
     text, ids = render_chat(tok, openai_messages, tools=tools)
     assert third.usage.input_tokens + third.usage.cache_read_input_tokens == len(ids)
     assert '<tool_response>\n22 C\n</tool_response>\n<tool_response>\nError: boom\n</tool_response>' in text
@@ -164,7 +172,8 @@ def test_stop_sequences_max_tokens_and_thinking_switch(server):
                                  thinking={"type": "disabled"})
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 3
     with_think = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    without = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}], thinking={"type": "disabled"})
+    without = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           thinking={"type": "disabled"})
     assert without.input_tokens == with_think.input_tokens + len(server.llm.tokenizer.encode("<think>\n\n</think>\n\n"))
 
 
@@ -180,17 +189,23 @@ def test_errors_in_anthropic_shape(server):
     url = server.base + "/v1/messages"
     r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
-    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]})
+    assert r.json() == {"type": "error",
+                        "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
+    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5,
+                              "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0].text")
-    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "server_tool_use"}]}]})
+    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5,
+                              "messages": [{"role": "user", "content": [{"type": "server_tool_use"}]}]})
     assert r.status_code == 400 and "messages[0].content[0]: 'server_tool_use' blocks" in r.json()["error"]["message"]
-    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]})
+    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5,
+                              "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0].source.type")
-    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
+    r = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": "hot"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("temperature")
     with pytest.raises(anthropic.NotFoundError) as info:
-        server.anthropic().messages.create(model="claude-opus-4", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+        server.anthropic().messages.create(model="claude-opus-4", max_tokens=5,
+                                           messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["error"]["type"] == "not_found_error"
     # Unknown top-level fields are accepted, as the real API does for e.g. `metadata`, `service_tier`.
     server.scripts.push(TURN3)
@@ -203,7 +218,8 @@ def test_api_key_on_every_api(qwen3_tokenizer_model_dir):
     with start_agent_server(qwen3_tokenizer_model_dir, MODEL, api_key="sekret") as srv:
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             r = httpx.post(srv.base + path, json={}, headers={"x-api-key": "wrong"})
-            assert r.status_code == 401 and r.json() == {"type": "error", "error": {"type": "authentication_error", "message": "Invalid API key"}}
+            assert r.status_code == 401 and r.json() == {
+                "type": "error", "error": {"type": "authentication_error", "message": "Invalid API key"}}
         for path in ("/v1/chat/completions", "/v1/responses", "/v1/completions"):
             r = httpx.post(srv.base + path, json={})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -216,4 +232,5 @@ def test_api_key_on_every_api(qwen3_tokenizer_model_dir):
                 model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         # The right key works through both SDKs (Authorization: Bearer / x-api-key).
         assert srv.openai().models.list().data[0].id == MODEL
-        assert srv.anthropic().messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+        counted = srv.anthropic().messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert counted.input_tokens > 0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import io
 
+from test_agents_openai import MODEL, TURN3
+
 from edgemoe.cli import main
 from edgemoe.server.chat_client import ChatSession, Output, main_loop
-from test_agents_openai import MODEL, TURN3
 
 ANSWER = "In Paris it is 18 °C and the local time is 14:05."
 
@@ -28,7 +29,8 @@ def test_chat_session_streams_reasoning_dimmed_and_resets(qwen_agent_server):
     srv.scripts.push(TURN3, TURN3)
     buf = io.StringIO()
     session = ChatSession(srv.openai(), MODEL, system="Be brief.", temperature=0)
-    assert main_loop(session, _lines("Weather?", "", "/reset", "Again?", "/exit", "never read"), Output(buf, use_rich=False)) == 0
+    lines = _lines("Weather?", "", "/reset", "Again?", "/exit", "never read")
+    assert main_loop(session, lines, Output(buf, use_rich=False)) == 0
     text = buf.getvalue()
     assert text.count("I have both answers.") == 2 and text.count(ANSWER) == 2
     assert text.index("I have both answers.") < text.index(ANSWER)

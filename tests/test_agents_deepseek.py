@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_agents_openai import TOOLS
+
+from edgemoe.engine.llm import render_chat
 
 from conftest import start_agent_server
-from edgemoe.engine.llm import render_chat
-from test_agents_openai import TOOLS
 
 MODEL = "dsv3-tiny"
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -51,12 +52,14 @@ def test_three_turn_parallel_tool_calls(server):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "Europe/Paris"})]
     messages += [msg.model_dump(exclude_none=True) | {"content": None}]
-    messages += [{"role": "tool", "tool_call_id": c.id, "content": out} for c, out in zip(msg.tool_calls, ["18 C", "14:05"])]
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": out}
+                 for c, out in zip(msg.tool_calls, ["18 C", "14:05"])]
 
     with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS) as stream:
         final = stream.get_final_completion()
     (call,) = final.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Lyon", "unit": "celsius"}
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Lyon", "unit": "celsius"}
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": "20 C"}]
 
@@ -72,10 +75,12 @@ def test_three_turn_parallel_tool_calls(server):
     from test_agents_openai import chat_messages_for_template
 
     history = [
-        {**m, "content": (m["content"] or "") + DeepSeekV3ToolParser.history_markup(m["tool_calls"])} if m.get("tool_calls") else m
+        {**m, "content": (m["content"] or "") + DeepSeekV3ToolParser.history_markup(m["tool_calls"])}
+        if m.get("tool_calls") else m
         for m in chat_messages_for_template(messages)
     ]
-    text, ids = render_chat(tok, [system, *[{k: v for k, v in m.items() if k != "tool_calls"} for m in history]], tools=TOOLS)
+    text, ids = render_chat(tok, [system, *[{k: v for k, v in m.items() if k != "tool_calls"} for m in history]],
+                            tools=TOOLS)
     assert r3.usage.prompt_tokens == len(ids)
     # Past calls appear exactly as the model wrote them (the official template's tool branch cannot
     # render under transformers 5, which drops content=None).
@@ -92,7 +97,8 @@ def test_anthropic_streaming_tool_use(server):
     ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
-    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {"city": "Lyon", "unit": "celsius"})]
+    assert [(b.type, b.name, b.input) for b in final.content] == [
+        ("tool_use", "get_weather", {"city": "Lyon", "unit": "celsius"})]
 
 
 def test_anthropic_multi_turn_tool_use(server):

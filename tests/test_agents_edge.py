@@ -78,10 +78,13 @@ def test_documents_and_images_become_text(server):
     text = f"notes.txt\n\nLine one.\nLine two.\n\n{DOCUMENT_NOTE}\n\n{IMAGE_NOTE}\n\nSummarize."
     assert count == len(render_chat(tok, [{"role": "user", "content": text}])[1])
     # OpenAI chat image_url parts: the same note (it was a 400).
-    parts = [{"type": "text", "text": "What is this? "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+    parts = [{"type": "text", "text": "What is this? "},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
     server.scripts.push(TURN3)
-    r = server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], temperature=0)
-    assert r.usage.prompt_tokens == len(render_chat(tok, [{"role": "user", "content": "What is this? " + IMAGE_NOTE}])[1])
+    r = server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                                temperature=0)
+    assert r.usage.prompt_tokens == len(
+        render_chat(tok, [{"role": "user", "content": "What is this? " + IMAGE_NOTE}])[1])
 
 
 def test_context_overflow_uses_the_wording_anthropic_clients_parse(server):
@@ -92,7 +95,8 @@ def test_context_overflow_uses_the_wording_anthropic_clients_parse(server):
     m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", info.value.body["error"]["message"])
     assert m and int(m.group(1)) > int(m.group(2)) == limit
     with pytest.raises(anthropic.BadRequestError):  # count_tokens is not limited; messages are
-        client.messages.create(model=MODEL, max_tokens=10, system="word " * 5000, messages=[{"role": "user", "content": "hi"}])
+        client.messages.create(model=MODEL, max_tokens=10, system="word " * 5000,
+                               messages=[{"role": "user", "content": "hi"}])
     # The OpenAI APIs keep their own wording and code.
     r = httpx.post(server.base + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
@@ -128,4 +132,5 @@ def test_responses_namespace_tools_are_flattened_and_unservable_tools_rejected(s
         assert rr.json()["error"]["message"].startswith(f"tools[1]: tools of type '{kind}'")
     rr = httpx.post(server.base + "/v1/responses", json={"model": MODEL, "input": "x", "tools": [
         {**namespace, "tools": [{"type": "custom", "name": "x"}]}]})
-    assert rr.status_code == 400 and rr.json()["error"]["message"].startswith("tools[0].tools[0]: tools of type 'custom'")
+    assert rr.status_code == 400
+    assert rr.json()["error"]["message"].startswith("tools[0].tools[0]: tools of type 'custom'")

@@ -13,9 +13,9 @@ import re
 import time
 
 import pytest
+from test_agents_openai import TURN1
 
 from conftest import QWEN3_TOKENIZER_DIR, start_agent_server
-from test_agents_openai import TURN1
 
 MODEL = "qwen3-long"
 TARGET_TOKENS = 30_000
@@ -55,13 +55,15 @@ def test_30k_token_system_prompt_round_trip(long_model_dir):
     with start_agent_server(long_model_dir, MODEL, engine_options=engine) as srv:
         system = _system_prompt(srv.llm.tokenizer)
         client = srv.anthropic()
-        tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+        tools = [{"name": "get_weather",
+                  "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
         messages = [{"role": "user", "content": "What's the weather in Paris?"}]
         counted = client.messages.count_tokens(model=MODEL, system=system, messages=messages, tools=tools).input_tokens
         assert TARGET_TOKENS <= counted < 32768
         srv.scripts.push(TURN1)
         start = time.monotonic()
-        with client.messages.stream(model=MODEL, max_tokens=200, system=system, messages=messages, tools=tools) as stream:
+        with client.messages.stream(model=MODEL, max_tokens=200, system=system, messages=messages,
+                                    tools=tools) as stream:
             final = stream.get_final_message()
         elapsed = time.monotonic() - start
         print(f"\n30k-token system prompt: {counted} prompt tokens, request took {elapsed:.1f} s")

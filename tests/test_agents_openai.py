@@ -25,7 +25,8 @@ TOOLS = [
             "description": "Current weather in a city.",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "properties": {"city": {"type": "string"},
+                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                 "required": ["city"],
             },
         },
@@ -73,7 +74,8 @@ def test_three_turn_tool_conversation(server):
     m1 = r1.choices[0]
     assert m1.finish_reason == "tool_calls"
     assert m1.message.content == "I'll look that up."
-    assert m1.message.model_extra["reasoning_content"] == "The user wants the weather in Paris. I should call get_weather."
+    assert m1.message.model_extra["reasoning_content"] == ("The user wants the weather in Paris. "
+                                                           "I should call get_weather.")
     (call1,) = m1.message.tool_calls
     assert call1.id.startswith("call_") and call1.type == "function"
     assert call1.function.name == "get_weather"
@@ -94,7 +96,8 @@ def test_three_turn_tool_conversation(server):
     text, ids = render_chat(tok, chat_messages_for_template(messages), tools=TOOLS)
     assert r2.usage.prompt_tokens == len(ids)
     # The history was rendered the Qwen3 way: the call, the tool response, the reasoning kept.
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+            '</tool_call>') in text
     assert '<tool_response>\n{"temperature": 18, "unit": "celsius"}\n</tool_response>' in text
     assert "<think>\nThe user wants the weather in Paris. I should call get_weather.\n</think>" in text
 
@@ -138,7 +141,8 @@ def test_streamed_tool_call_deltas_reassembled_by_sdk(server):
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
     assert all(d.index == 0 for d in deltas)
     assert "".join(d.function.arguments or "" for d in deltas) == '{"city": "Paris", "unit": "celsius"}'
-    reasoning = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks if ch.choices)
+    reasoning = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                        for ch in chunks if ch.choices)
     assert reasoning == "The user wants the weather in Paris. I should call get_weather."
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -146,7 +150,8 @@ def test_streamed_tool_call_deltas_reassembled_by_sdk(server):
 def test_parallel_tool_calls(server):
     client = server.openai()
     server.scripts.push(PARALLEL, PARALLEL)
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather and time in Tokyo?"}], tools=TOOLS, temperature=0)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather and time in Tokyo?"}], tools=TOOLS,
+              temperature=0)
     msg = client.chat.completions.create(**kw).choices[0].message
     assert [c.function.name for c in msg.tool_calls] == ["get_weather", "get_time"]
     assert len({c.id for c in msg.tool_calls}) == 2 and msg.content is None
@@ -214,13 +219,15 @@ def test_reasoning_content_in_history_and_generation_defaults(server, qwen3_toke
 
 def test_wrong_types_name_the_field(server):
     url = server.base + "/v1/chat/completions"
-    r = httpx.post(url, json={"model": MODEL, "messages": [USER], "tools": [{"type": "function", "function": {"name": 3}}]})
+    r = httpx.post(url, json={"model": MODEL, "messages": [USER],
+                              "tools": [{"type": "function", "function": {"name": 3}}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools[0].function.name")
     r = httpx.post(url, json={"model": MODEL, "messages": [USER], "tool_choice": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]})
     assert r.status_code == 400 and "messages[0].tool_calls[0].function.name" in r.json()["error"]["message"]
-    r = httpx.post(server.base + "/v1/responses", json={"model": MODEL, "input": [{"type": "function_call", "name": "x"}]})
+    r = httpx.post(server.base + "/v1/responses",
+                   json={"model": MODEL, "input": [{"type": "function_call", "name": "x"}]})
     assert r.status_code == 400 and "input[0].call_id" in r.json()["error"]["message"]
     r = httpx.post(server.base + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
@@ -255,7 +262,8 @@ def test_responses_function_calls_and_reasoning(server):
     # Turn 2 (Codex style, stateless): the whole history with the call and its output.
     history = [
         {"role": "user", "content": "What's the weather in Paris?"},
-        {"type": "reasoning", "id": r.output[0].id, "summary": [], "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "reasoning", "id": r.output[0].id, "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
     ]

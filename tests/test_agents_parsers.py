@@ -36,7 +36,8 @@ def parse_all_ways(make, text: str) -> ParsedOutput:
     whole, events = _feed(make, [text])
     for e in events:  # a call's name comes once, on its first event
         if e.kind == "tool_call":
-            assert (e.name is not None) == (e is next(x for x in events if x.kind == "tool_call" and x.index == e.index))
+            first = next(x for x in events if x.kind == "tool_call" and x.index == e.index)
+            assert (e.name is not None) == (e is first)
     for i in range(1, len(text)):
         assert _feed(make, [text[:i], text[i:]])[0] == whole, f"split at {i}: {text[:i]!r} | {text[i:]!r}"
     assert _feed(make, list(text))[0] == whole
@@ -57,7 +58,8 @@ def chain(tool_cls, start_in_reasoning=False, tools=None):
 def test_qwen3_tool_calls_with_reasoning():
     text = (
         "<think>\nNeed two calls.\n</think>\n\nChecking both.\n\n<tool_call>\n"
-        '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2.5e1, true, null], "q": "a \\"b\\" \\u00e9"}}\n'
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2.5e1, true, null], '
+        '"q": "a \\"b\\" \\u00e9"}}\n'
         '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     )
     out = parse_all_ways(chain(Qwen3ToolParser), text)
@@ -71,7 +73,8 @@ def test_qwen3_tool_calls_with_reasoning():
 
 def test_qwen3_variants_and_text_around_calls():
     # Keys in another order, and arguments as a JSON-encoded string: read whole at </tool_call>.
-    out = parse_all_ways(chain(Qwen3ToolParser), '<tool_call>{"arguments": "{\\"a\\": 1}", "name": "f"}</tool_call> done')
+    out = parse_all_ways(chain(Qwen3ToolParser),
+                         '<tool_call>{"arguments": "{\\"a\\": 1}", "name": "f"}</tool_call> done')
     assert out.tool_calls == [ToolCall(0, "f", '{"a": 1}')] and out.content == "done"
     # No closing tag before EOS: the call is still complete.
     out = parse_all_ways(chain(Qwen3ToolParser), 'x<tool_call>\n{"name": "f", "arguments": {"k": "v"}}\n')
@@ -85,7 +88,8 @@ def test_qwen3_variants_and_text_around_calls():
     "text, content, calls",
     [
         ("<tool_call>\nnot json at all\n</tool_call> after", "<tool_call>\nnot json at all\n</tool_call> after", []),
-        ('<tool_call>{"name": 5, "arguments": {}}</tool_call>', '<tool_call>{"name": 5, "arguments": {}}</tool_call>', []),
+        ('<tool_call>{"name": 5, "arguments": {}}</tool_call>', '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+         []),
         ("answer <tool_call>\n{\"name\": \"f\"", "answer", []),  # cut in the header (max_tokens): markup dropped
         ("a <tool_c", "a <tool_c", []),  # half a tag at the end is text
         ("x <tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1]}</tool_call>", "x]}</tool_call>",
@@ -118,7 +122,8 @@ def test_qwen3_coder_xml_calls_typed_by_schema():
     assert out.content == "Running it."
     assert [c.name for c in out.tool_calls] == ["run", "run"]
     assert json.loads(out.tool_calls[0].arguments) == {
-        "cmd": "ls -la <dir>", "timeout": 30, "ratio": 0.5, "dry": False, "env": {"A": "1"}, "args": [1, 2], "extra": "42"}
+        "cmd": "ls -la <dir>", "timeout": 30, "ratio": 0.5, "dry": False, "env": {"A": "1"}, "args": [1, 2],
+        "extra": "42"}
     assert out.tool_calls[1].arguments == "{}"
 
 
@@ -128,7 +133,8 @@ def test_qwen3_coder_lenient_and_malformed():
     assert out.tool_calls == [ToolCall(0, "run", '{"cmd": "pwd"}')] and out.content is None
     out = parse_all_ways(lambda: Qwen3CoderToolParser(CODER_TOOLS), "<tool_call>\n<oops>\n</tool_call>")
     assert out.content == "<tool_call>\n<oops>\n</tool_call>" and not out.tool_calls
-    out = parse_all_ways(lambda: Qwen3CoderToolParser(CODER_TOOLS), "<function=run>\n<parameter=timeout>\nsoon\n</parameter>\nhm")
+    out = parse_all_ways(lambda: Qwen3CoderToolParser(CODER_TOOLS),
+                         "<function=run>\n<parameter=timeout>\nsoon\n</parameter>\nhm")
     assert out.tool_calls == [ToolCall(0, "run", '{"timeout": "soon"}')] and out.content == "\nhm"
 
 
@@ -142,7 +148,8 @@ def test_deepseek_v3_calls():
     text = (f"Sure.{B}{CB}function{SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}\n```{CE}\n"
             f"{CB}function{SEP}get_time\n```json\n{{}}\n```{CE}{E}")
     out = parse_all_ways(chain(DeepSeekV3ToolParser), text)
-    assert out.content == "Sure." and out.tool_calls == [ToolCall(0, "get_weather", '{"city": "Paris"}'), ToolCall(1, "get_time", "{}")]
+    assert out.content == "Sure."
+    assert out.tool_calls == [ToolCall(0, "get_weather", '{"city": "Paris"}'), ToolCall(1, "get_time", "{}")]
     # DeepSeek-V3.1 form: name<sep>{args}.
     out = parse_all_ways(chain(DeepSeekV3ToolParser), f"{B}{CB}get_weather{SEP}{{\"city\": \"Rome\"}}{CE}{E}")
     assert out.tool_calls == [ToolCall(0, "get_weather", '{"city": "Rome"}')] and out.content is None
@@ -204,7 +211,8 @@ def test_think_only_and_plain():
 
 def test_random_chunkings_of_a_long_transcript():
     text = ("<think>\nplan: " + "step " * 40 + "\n</think>\n\nok " + "".join(
-        f'<tool_call>\n{{"name": "t{i}", "arguments": {{"i": {i}, "s": "x{{}}\\n"}}}}\n</tool_call>\n' for i in range(5)))
+        f'<tool_call>\n{{"name": "t{i}", "arguments": {{"i": {i}, "s": "x{{}}\\n"}}}}\n</tool_call>\n'
+        for i in range(5)))
     whole = _feed(chain(Qwen3ToolParser), [text])[0]
     assert [c.name for c in whole.tool_calls] == [f"t{i}" for i in range(5)]
     rng = random.Random(0)
@@ -260,7 +268,8 @@ def _advance(doc: str):
     return state
 
 
-@pytest.mark.parametrize("doc", ['{"a": [1, -2.5e+3, true, false, null, {"b": "\\u00e9\\n"}], "c": {}}', "[]", "0", '"x"', "-0.5E2"])
+@pytest.mark.parametrize("doc", ['{"a": [1, -2.5e+3, true, false, null, {"b": "\\u00e9\\n"}], "c": {}}', "[]", "0",
+                                 '"x"', "-0.5E2"])
 def test_json_prefix_accepts_valid_json(doc):
     json.loads(doc)
     for i in range(len(doc)):

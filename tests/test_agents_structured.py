@@ -102,7 +102,8 @@ def test_strict_tool_under_auto_constrains_only_the_call(server):
     tools = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True,
                                                "parameters": {**TOOLS[0]["function"]["parameters"],
                                                               "additionalProperties": False}}}]
-    server.scripts.push('I will check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>')
+    server.scripts.push('I will check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n'
+                        '</tool_call>')
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        tools=tools, max_tokens=120, temperature=0, extra_body={
                                            "chat_template_kwargs": {"enable_thinking": False}})

@@ -266,8 +266,8 @@ def test_manifest_that_does_not_follow_the_schema(ftw_dir, tmp_path, edit, match
 
 @pytest.mark.parametrize("edit,match", [
     (lambda m: m["bank"]["checksum"]["chunks"].append(0), r"bank: inconsistent row_bytes/chunking .* checksums for"),
-    (lambda m: m["bank"].update(row_bytes=100), r"bank experts\.bin has 48 rows of 100 bytes, config\.json and the layout "
-                                                r"imply 48 rows of 49152"),
+    (lambda m: m["bank"].update(row_bytes=100), r"bank experts\.bin has 48 rows of 100 bytes, "
+                                                r"config\.json and the layout imply 48 rows of 49152"),
     (lambda m: m["non_expert"]["checksum"]["chunks"].append(0), r"non_expert: inconsistent chunking \(chunk_bytes"),
 ], ids=["extra-checksum", "row-bytes", "non-expert-chunks"])
 def test_manifest_inconsistent_with_itself(ftw_dir, tmp_path, edit, match):
@@ -291,7 +291,7 @@ def test_manifest_disagreeing_with_config_json(ftw_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["moe_intermediate_size"] = 32
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(FTWConfigError, match="moe_intermediate_size 32 in config.json, 64 in the banks") as e:
+    with pytest.raises(FTWConfigError, match=r"moe_intermediate_size 32 in config\.json, 64 in the banks") as e:
         _load_ftw(d)
     _one_line(e, d / "config.json", d / MANIFEST)
 

@@ -40,8 +40,8 @@ _execs: dict = {}
 def _executor(isa: str | None = None, threads: int = 2) -> native.NativeCpuExecutor:
     key = (isa, threads)
     if key not in _execs:
-        _execs[key] = native.NativeCpuExecutor(HostExpertPool(1, ExpertLayout.build(WeightFormat.BF16, 16, 16), torch.bfloat16), threads, isa=isa,
-                                               min_parallel_bytes=0, oversubscribe=True)
+        pool = HostExpertPool(1, ExpertLayout.build(WeightFormat.BF16, 16, 16), torch.bfloat16)
+        _execs[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0, oversubscribe=True)
     return _execs[key]
 
 

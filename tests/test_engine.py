@@ -241,8 +241,10 @@ def test_llm_front(tiny_model_dir, alone, prompts):
     assert llm.generate(text, params)[0].outputs[0].token_ids == alone[1]
 
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    out = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0), chat_template_kwargs={"enable_thinking": False})
-    expected = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    out = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0),
+                   chat_template_kwargs={"enable_thinking": False})
+    expected = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=False)
     assert out[0].prompt == expected and out[0].prompt.endswith("<think>\n\n</think>\n\n")
     assert out[0].prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
     two = llm.chat([messages, messages + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "Sure?"}]])

@@ -151,7 +151,7 @@ def test_hybrid_output_is_exact_for_every_policy(policy, T, phase, fmt):
 
 
 def test_decode_fills_follow_qstar_and_never_evict_hits():
-    pool, hy = _setup(slots=6, policy=QStarPolicy(Bandwidths(10.0, 20.0)))  # q*/m = 0.5
+    _, hy = _setup(slots=6, policy=QStarPolicy(Bandwidths(10.0, 20.0)))  # q*/m = 0.5
     x = torch.randn(1, H)
     hy.forward(0, x, torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 4), Phase.DECODE, 1)
     c = hy.cache.counters["decode"]
@@ -236,9 +236,11 @@ def test_adaptive_engine_runs_match_resident_tokens(tiny_model_dir):
         return out
 
     kw = dict(device="cpu", dtype="float32", cpu_executor="torch", bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0)
-    resident = greedy(ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=10**6, expert_policy="fill-all", **kw),
+    resident = greedy(ModelRunner(tiny_model_dir,
+                                  EngineConfig(expert_cache_slots=10**6, expert_policy="fill-all", **kw),
                                   progress=False))
-    runner = ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=6, expert_policy="adaptive", **kw), progress=False)
+    runner = ModelRunner(tiny_model_dir, EngineConfig(expert_cache_slots=6, expert_policy="adaptive", **kw),
+                         progress=False)
     runner.experts.policy.probe_steps = 2
     seen = set()
     real = runner.experts.policy.observe

@@ -178,7 +178,6 @@ def test_lone_bandwidth_overrides_are_honoured(tiny_model_dir, tmp_path, monkeyp
 def test_measurement_records_rounds_and_machine_load(tiny_model_dir):
     from edgemoe.experts.cpu_executor import TorchCpuExecutor
     from edgemoe.experts.pool import HostExpertPool
-
     from edgemoe.quant.layout import ExpertLayout
     from edgemoe.quant.weights import WeightFormat
 

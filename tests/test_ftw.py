@@ -226,7 +226,8 @@ def test_truncated_non_expert_file(ftw_dir, tmp_path):
     d = _copy(ftw_dir, tmp_path)
     f = d / "non_expert.safetensors"
     os.truncate(f, f.stat().st_size - 1)
-    with pytest.raises(FTWTruncatedError, match=r"non_expert\.safetensors: \d+ bytes, manifest says \d+ \(truncated\?\)"):
+    with pytest.raises(FTWTruncatedError,
+                       match=r"non_expert\.safetensors: \d+ bytes, manifest says \d+ \(truncated\?\)"):
         ModelRunner(d, CFG, progress=False)
 
 
@@ -313,10 +314,10 @@ def test_convert_rejects_a_bad_checkpoint_before_writing(hf, tmp_path):
 
 def test_killed_convert_leaves_nothing_that_looks_complete(hf, tmp_path):
     out = tmp_path / "killed.ftw"
-    code = ("import os, sys; sys.path.insert(0, %r)\n"
+    code = (f"import os, sys; sys.path.insert(0, {str(ROOT)!r})\n"
             "from edgemoe.weights import ftw\n"
             "ftw.FTWWriter.finish = lambda self: os._exit(9)  # killed before the manifest\n"
-            "ftw.convert(%r, %r, progress=False)\n") % (str(ROOT), str(hf), str(out))
+            f"ftw.convert({str(hf)!r}, {str(out)!r}, progress=False)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 9, p.stderr
     partial = list(tmp_path.glob("killed.ftw.partial-*"))

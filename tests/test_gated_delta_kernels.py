@@ -13,17 +13,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
-from gated_delta_reference import ref_chunk, ref_conv_update, ref_recurrent  # noqa: E402
+from gated_delta_reference import ref_chunk, ref_conv_update, ref_recurrent
 
-from edgemoe.kernels.gated_delta import (  # noqa: E402
+from edgemoe.kernels.gated_delta import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
-
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -91,11 +91,23 @@ def _make(out, preset="tiny", dtype="float32", overrides=None, seed=7):
     return out
 
 
-def _reference(path, dtype=torch.float32, prompt=PROMPT, steps=DECODE_STEPS):
-    """Greedy prefill + decode with transformers (full recompute per token): (logits [steps+1, V], tokens)."""
+def _load_reference(path, dtype=torch.float32):
+    """transformers' ``GptOssForCausalLM`` of ``path`` with the checkpoint's clamped-SwiGLU constants: releases
+    before 5.24 hard-code ``alpha`` 1.702 and ``limit`` 7.0 (the released values) and ignore ``swiglu_alpha`` /
+    ``swiglu_limit`` in config.json, which the tiny configs set to make the clamps bite."""
     from transformers import GptOssForCausalLM
 
     model = GptOssForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    cfg = model.config
+    for layer in model.model.layers:
+        layer.mlp.experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)
+        layer.mlp.experts.limit = getattr(cfg, "swiglu_limit", 7.0)
+    return model
+
+
+def _reference(path, dtype=torch.float32, prompt=PROMPT, steps=DECODE_STEPS):
+    """Greedy prefill + decode with transformers (full recompute per token): (logits [steps+1, V], tokens)."""
+    model = _load_reference(path, dtype)
     ids = torch.tensor([prompt])
     logits, toks = [], []
     with torch.no_grad():

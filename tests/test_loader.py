@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from edgemoe.config import EngineConfig
-from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.models import load_config
 from edgemoe.synth import make_model
 from edgemoe.weights.index import CheckpointError
 

@@ -12,12 +12,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels.norm_rope import apply_rope, rms_norm  # noqa: E402
-from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm  # noqa: E402
+from edgemoe.kernels.norm_rope import apply_rope, rms_norm
+from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -331,7 +331,8 @@ def test_runner_streamed_prefill_then_decode_matches_resident(tiny_model_dir):
         runner.set_expert_cache(slots, policy)
         streamer, calls = runner.experts.hybrid.prefill, []
         forward = streamer.forward
-        streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
+        streamer.forward = lambda layer, *a, calls=calls, forward=forward: (calls.append(layer)
+                                                                            or forward(layer, *a))
         got, gt = greedy_decode(runner, prompt, 4, chunk_ends=list(range(20, len(prompt), 20)), free=True)
         assert calls == list(range(L_)) * 2  # both 20-token chunks streamed (T·k = 80 >= 2E = 32)
         pf = runner.experts.stats()["prefill"]
@@ -359,7 +360,8 @@ def test_prefill_benchmark_cpu_smoke(tmp_path, load_benchmark):
     for r in rows:
         assert r["streamed"] and r["seconds"] > 0 and r["transferred_bytes"] > 0
         assert r["transferred_bytes"] == r["fills"] * res["meta"]["expert_bytes"]
-        assert r["ratio_to_routed_bound"] == pytest.approx(r["seconds"] / (r["routed_bytes"] / (res["meta"]["b_p_gbps"] * 1e9)))
+        assert r["ratio_to_routed_bound"] == pytest.approx(
+            r["seconds"] / (r["routed_bytes"] / (res["meta"]["b_p_gbps"] * 1e9)))
     assert {(t["slots"], t["mode"], t["tokens"]) for t in res["prompts"]} == {
         (s, m, 64) for s in (32, 40) for m in ("overlap", "serial")}
     assert "| 32 |" in (tmp_path / "prefill.md").read_text()
@@ -373,5 +375,6 @@ def test_admit_many_and_evict_keep_tables_inverse():
     with pytest.raises(RuntimeError):
         c.admit_many([8, 7], [1, 3], 4)
     c.evict([2, 3])
-    assert c.owner_of.tolist() == [6, -1, -1, -1] and int(c.slot_of[7]) == -1 and c.last_used.tolist() == [3, -1, -1, -1]
+    assert (c.owner_of.tolist() == [6, -1, -1, -1] and int(c.slot_of[7]) == -1
+            and c.last_used.tolist() == [3, -1, -1, -1])
     c.check_invariants()

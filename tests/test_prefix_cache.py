@@ -8,7 +8,6 @@ import httpx
 import pytest
 import torch
 
-from conftest import running_server
 from edgemoe import SamplingParams
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
@@ -16,6 +15,8 @@ from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import StepInput
+
+from conftest import running_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PARAMS = SamplingParams(max_tokens=12, **GREEDY)
@@ -194,7 +195,8 @@ def test_prefix_caching_can_be_turned_off(plain, prompts, tmp_path):
     assert [o.cached_tokens for o in outs] == [0, 0] and counters(plain)[0] == 0
     parse = build_parser().parse_args
     assert engine_config_from_args(parse(["serve", str(tmp_path)])).enable_prefix_caching is True
-    assert engine_config_from_args(parse(["serve", str(tmp_path), "--no-prefix-caching"])).enable_prefix_caching is False
+    config = engine_config_from_args(parse(["serve", str(tmp_path), "--no-prefix-caching"]))
+    assert config.enable_prefix_caching is False
 
 
 # ---------------------------------------------------------------- the APIs
@@ -251,7 +253,8 @@ def test_apis_report_cached_tokens(server):
     assert c1.usage.prompt_tokens == c2.usage.prompt_tokens == n
     assert c2.usage.prompt_tokens_details.cached_tokens == (n - 1) // PS * PS
 
-    resp = chat.responses.create(model="tiny", instructions=system, input="What is four?", max_output_tokens=3, temperature=0)
+    resp = chat.responses.create(model="tiny", instructions=system, input="What is four?", max_output_tokens=3,
+                                 temperature=0)
     assert resp.usage.input_tokens_details.cached_tokens >= reuse
 
     claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)

@@ -130,5 +130,5 @@ def test_unsupported_configs_name_the_field(cfg, match):
 
 def test_unreadable_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(QuantConfigError, match="config.json: cannot read JSON"):
+    with pytest.raises(QuantConfigError, match=r"config\.json: cannot read JSON"):
         detect_scheme(tmp_path)

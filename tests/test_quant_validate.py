@@ -131,7 +131,7 @@ def test_mxfp4_experts():
     with pytest.raises(QuantTensorError, match=r"gate_up_proj_blocks has shape \[4, 192, 2, 16\], expected "
                                                r"\[8, 192, 2, 16\]"):
         validate_mxfp4_experts(gpt_oss, module, "gate_up_proj", ok, 8, (192, 64), F)
-    with pytest.raises(QuantTensorError, match="missing tensor .*gate_up_proj_scales"):
+    with pytest.raises(QuantTensorError, match=r"missing tensor .*gate_up_proj_scales"):
         validate_mxfp4_experts(gpt_oss, module, "gate_up_proj", {"blocks": blocks}, 4, (192, 64), F)
     with pytest.raises(QuantTensorError, match="declares fp8_block"):
         validate_mxfp4_experts(FP8, module, "gate_up_proj", ok, 4, (192, 64), F)

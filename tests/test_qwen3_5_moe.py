@@ -19,16 +19,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from edgemoe import SamplingParams
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
-from edgemoe.models import load_config
 from edgemoe.core import Phase
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSpec
 from edgemoe.layers.gated_deltanet import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch
+from edgemoe.models import load_config
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
+
+from conftest import greedy_decode
 
 PRESET = "qwen3.5-moe-tiny"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(80)]  # > one 64-token chunk of the delta rule
@@ -166,7 +167,7 @@ def test_35b_preset_config_only_serves_dummy_weights(tmp_path):
     out = write_config_only(tmp_path / "c", "qwen3_5_moe", "qwen3.6-35b-a3b", overrides=small)
     runner = ModelRunner(out, _engine_config(load_format="dummy", dtype="bfloat16"), progress=False)
     assert runner.state.spec.conv_width == 3 and runner.state.recurrent.dtype == torch.float32
-    logits, toks = greedy_decode(runner, PROMPT[:20], 2)
+    logits, _ = greedy_decode(runner, PROMPT[:20], 2)
     assert logits.shape == (3, 1024) and torch.isfinite(logits).all()
 
 
@@ -302,8 +303,8 @@ def test_conditional_generation_layout_matches_transformers(conditional, device)
     """Fused experts under ``model.language_model.``; ``model.visual.*`` and ``mtp.*`` skipped."""
     path, (ref_logits, ref_toks) = conditional
     runner = ModelRunner(path, _engine_config(device=device), progress=False)
-    assert runner.model.decoder_prefix == "model.language_model." and "model.language_model.layers.1.self_attn.q_proj.weight" in dict(
-        runner.model.named_parameters())
+    assert runner.model.decoder_prefix == "model.language_model."
+    assert "model.language_model.layers.1.self_attn.q_proj.weight" in dict(runner.model.named_parameters())
     logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
@@ -357,7 +358,8 @@ def test_gated_delta_kernels_match_torch_path(tiny, monkeypatch, device):
         cfg = _engine_config(expert_policy="fill-all", expert_cache_slots=10_000, device=device)
         runner = ModelRunner(tiny[0], cfg, progress=False)
         # the prompt in one prefill, and in three (later chunks start from the carried state)
-        return greedy_decode(runner, PROMPT, DECODE_STEPS, seq_id=1), greedy_decode(runner, PROMPT, 2, seq_id=2, chunk_ends=[5, 70])
+        return (greedy_decode(runner, PROMPT, DECODE_STEPS, seq_id=1),
+                greedy_decode(runner, PROMPT, 2, seq_id=2, chunk_ends=[5, 70]))
 
     reference = run(lambda name, device: None)
     assert calls == {"chunk": 0, "recurrent": 0}

@@ -14,13 +14,14 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.async_engine import AsyncLLM
 from edgemoe.engine.llm import render_chat
 from edgemoe.server.parsers.think import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
+
+from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a brave little expert."}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -173,7 +174,8 @@ def test_chat_non_streaming_and_streaming_agree(served):
     }
     assert all(ch.usage is None for ch in chunks[:-1])
     # include_usage: every other chunk carries "usage": null; without it there is no usage key at all.
-    url, body = served.base + "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "stream": True}
+    url = served.base + "/v1/chat/completions"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "stream": True}
     for include, expect in ((True, '"usage":null'), (False, None)):
         with httpx.stream("POST", url, json={**body, "stream_options": {"include_usage": include}}) as resp:
             events = [line for line in resp.iter_lines() if line.startswith("data: {")]
@@ -261,7 +263,8 @@ def test_malformed_json_and_bad_fields_are_400(served):
     assert r.status_code == 400 and err["param"] == "max_tokens" and "max_tokens" in err["message"]
     r = httpx.post(url, json={"model": "tiny", "messages": MESSAGES, "stream_options": {"include_usage": "maybe"}})
     err = _error_body(r)
-    assert r.status_code == 400 and err["param"] == "stream_options" and "stream_options.include_usage" in err["message"]
+    assert r.status_code == 400 and err["param"] == "stream_options"
+    assert "stream_options.include_usage" in err["message"]
     r = httpx.post(served.base + "/v1/completions", json={"model": "tiny", "prompt": {"a": 1}})
     assert r.status_code == 400 and _error_body(r)["param"] == "prompt"
 
@@ -419,7 +422,8 @@ def qwen_served(qwen3_tokenizer_model_dir) -> Iterator[Served]:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
 
     def factory():
-        runner = ModelRunner(str(qwen3_tokenizer_model_dir), EngineConfig(device="cpu", max_model_len=1024), progress=False)
+        runner = ModelRunner(str(qwen3_tokenizer_model_dir), EngineConfig(device="cpu", max_model_len=1024),
+                             progress=False)
         assert eos in runner.eos_token_ids
         return _scripted(runner, script, eos)
 
@@ -436,7 +440,8 @@ def test_qwen3_chat_template_rendering(qwen_served):
     tok = qwen_served.llm.tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     text, ids = render_chat(tok, messages)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.decode(ids) == text
     no_think, _ = render_chat(tok, messages, chat_template_kwargs={"enable_thinking": False})
     assert no_think == text + "<think>\n\n</think>\n\n"
@@ -457,7 +462,8 @@ def test_qwen3_reasoning_content(qwen_served):
     script_len = len(qwen_served.llm.tokenizer.encode(SCRIPT, add_special_tokens=False))
     assert r.usage.completion_tokens == script_len + 1  # + <|im_end|>
 
-    chunks = list(c.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=200, temperature=0, stream=True))
+    chunks = list(c.chat.completions.create(model="qwen3-tiny", messages=messages, max_tokens=200, temperature=0,
+                                            stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)
@@ -516,4 +522,5 @@ def test_generation_config_defaults_fill_omitted_fields(sampling_defaults_served
     defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert sampling_kwargs(defaults, temperature=None, top_p=0.5, top_k=None, max_tokens=3) == {
         "temperature": 0.6, "top_p": 0.5, "top_k": 20, "max_tokens": 3}
-    assert sampling_kwargs({}, temperature=None, top_p=None, top_k=None) == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert sampling_kwargs({}, temperature=None, top_p=None, top_k=None) == {"temperature": 1.0, "top_p": 1.0,
+                                                                             "top_k": 0}

@@ -14,10 +14,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+
+from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Hello there."}]
 LIMITS = {"max_request_bytes": 1 << 20, "max_messages": 64, "header_timeout_s": 1.0, "body_timeout_s": 1.0}
@@ -54,11 +55,13 @@ def _sse(r: httpx.Response) -> list[str]:
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/v1/chat/completions",
+     '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
     ("/v1/chat/completions", ('{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": '
                              '[{"type": "text", "text": "a\\udc00b"}]}], "stop": ["\\ud83d"]}')),
     ("/v1/completions", '{"model": "tiny", "max_tokens": 3, "prompt": "x \\ud800 y"}'),
-    ("/v1/messages", '{"model": "tiny", "max_tokens": 3, "system": "s\\udfff", "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/v1/messages", ('{"model": "tiny", "max_tokens": 3, "system": "s\\udfff", '
+                      '"messages": [{"role": "user", "content": "hi \\ud800"}]}')),
     ("/v1/messages/count_tokens", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'),
     ("/v1/responses", '{"model": "tiny", "max_output_tokens": 3, "input": "hi \\ud800", "instructions": "\\udbff"}'),
 ])
@@ -76,7 +79,8 @@ def test_lone_surrogates_in_text_are_replaced(server, path, body):
 def test_lone_surrogate_in_model_is_404_and_streams_are_whole(server, path):
     base, _ = server
     field = "input" if path == "/v1/responses" else "messages"
-    body = {"model": "ti\ud800ny", "max_tokens": 3, "max_output_tokens": 3, field: MESSAGES if field == "messages" else "hi"}
+    body = {"model": "ti\ud800ny", "max_tokens": 3, "max_output_tokens": 3,
+            field: MESSAGES if field == "messages" else "hi"}
     r = _post(base, path, json.dumps(body))  # json.dumps writes the lone surrogate as \ud800
     assert r.status_code == 404 and "ti\ufffdny" in r.text
     body["model"] = "tiny"
@@ -219,7 +223,8 @@ def test_body_over_the_limit_is_413_at_once(server):
         r = _post(base, path, big)
         assert r.status_code == 413 and time.monotonic() - start < 2
         if shape == "openai":
-            assert r.json()["error"]["code"] == "request_too_large" and "--max-request-bytes" in r.json()["error"]["message"]
+            assert r.json()["error"]["code"] == "request_too_large"
+            assert "--max-request-bytes" in r.json()["error"]["message"]
         else:
             assert r.json()["error"]["type"] == "request_too_large"
     with pytest.raises(openai.APIStatusError) as info:
@@ -233,7 +238,8 @@ def test_body_over_the_limit_is_413_at_once(server):
             yield b"z" * (64 << 10)
         yield b'"}]}'
 
-    r = httpx.post(base + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(base + "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
     assert r.status_code == 413
 
 

@@ -13,10 +13,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import ScriptedOutputs, running_server
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+
+from conftest import ScriptedOutputs, running_server
 
 NAMES = ("tiny", "claude-sonnet-4-5", "claude-haiku-4-5")
 MESSAGES = [{"role": "user", "content": "Hello there."}]
@@ -110,7 +111,8 @@ def test_default_output_cap(served, tiny_model_dir):
     try:
         assert llm.wait_ready(120)
         with running_server(llm, "tiny", default_max_tokens=4) as base2:
-            r = _clients(base2)[0].chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"ignore_eos": True})
+            r = _clients(base2)[0].chat.completions.create(model="tiny", messages=MESSAGES,
+                                                           extra_body={"ignore_eos": True})
             assert r.usage.completion_tokens == 4
     finally:
         llm.shutdown()

@@ -195,7 +195,8 @@ def test_store_find_rules():
     assert store.find(prefix, 7, 10) == (slot, 7)
     # snapshot views give what save_layer wrote (layer 0 only)
     snap = store.snapshot(store.find(prefix, 10, 10).slot)
-    assert torch.equal(snap.conv[0], torch.full((6, 3), 9.0)) and torch.equal(snap.recurrent[0], torch.full((2, 4, 4), 9.0))
+    assert torch.equal(snap.conv[0], torch.full((6, 3), 9.0))
+    assert torch.equal(snap.recurrent[0], torch.full((2, 4, 4), 9.0))
     assert not snap.conv[1].any() and not snap.recurrent[1].any()
 
 
@@ -259,7 +260,8 @@ def test_failed_step_discards_its_checkpoints(model_dir, tokenizer, monkeypatch)
     with pytest.raises(ZeroDivisionError):
         runner.execute([StepInput(1, a, 0)], Phase.PREFILL)
     monkeypatch.undo()
-    assert runner.prefix.checkpoints._entries == [None] * runner.prefix.checkpoints.num_slots and runner.prefix.checkpoints.saved == 0
+    assert runner.prefix.checkpoints._entries == [None] * runner.prefix.checkpoints.num_slots
+    assert runner.prefix.checkpoints.saved == 0
     runner.execute([StepInput(1, a, 0)], Phase.PREFILL)
     assert len(runner.prefix.checkpoints.positions()) == len(_anchor_positions(a, runner.prefix.anchor_ids))
 

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 
@@ -25,7 +25,6 @@ from edgemoe.core import Phase  # noqa: E402
 from edgemoe.experts.cache import ExpertCache  # noqa: E402
 from edgemoe.experts.hybrid import plan_step  # noqa: E402
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy  # noqa: E402
-
 from edgemoe.kernels.decode_attention import (  # noqa: E402
     make_decode_scratch,
     paged_decode_attention,
@@ -224,7 +223,8 @@ def test_route_control_rejects_bad_arguments():
         out.cpu_offsets = out.cpu_offsets[:4]
         route_control(ids, torch.ones(2, 2, device=DEV), 0, *args, out)
     with pytest.raises(ValueError, match="policy"):
-        route_control(ids, torch.ones(2, 2, device=DEV), 0, *args[:5], rule.float(), counters, RouteOutputs.empty(4, DEV))
+        route_control(ids, torch.ones(2, 2, device=DEV), 0, *args[:5], rule.float(), counters,
+                      RouteOutputs.empty(4, DEV))
     empty = ExpertCache(0, 16, None, torch.float32, DEV)
     with pytest.raises(ValueError, match="slot"):
         route_control(ids, torch.ones(2, 2, device=DEV), 0, empty.slot_of, empty.owner_of, empty.last_used,
@@ -232,8 +232,9 @@ def test_route_control_rejects_bad_arguments():
 
 
 # ---------------------------------------------------------------- gather
-@pytest.mark.parametrize("fmt,I,H", [(WeightFormat.BF16, 40, 120), (WeightFormat.BF16, 3, 5), (WeightFormat.FP32, 3, 10),
-                                     (WeightFormat.NVFP4, 32, 64), (WeightFormat.MXFP4, 32, 64)])
+@pytest.mark.parametrize("fmt,I,H", [(WeightFormat.BF16, 40, 120), (WeightFormat.BF16, 3, 5),
+                                     (WeightFormat.FP32, 3, 10), (WeightFormat.NVFP4, 32, 64),
+                                     (WeightFormat.MXFP4, 32, 64)])
 def test_gather_copies_exactly_the_fills(fmt, I, H):
     # bf16 2I x H = 80 x 120 + 120 x 40: a 28672-byte row, more than one 16 KiB chunk; packed rows move as bytes
     layout = ExpertLayout.build(fmt, H, I)
@@ -339,8 +340,10 @@ def _attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
     return out
 
 
-@pytest.mark.parametrize("dtype,D,Hq,Hk,page,part", [(torch.float32, 64, 4, 2, 16, 64), (torch.bfloat16, 128, 4, 1, 32, 128),
-                                                     (torch.float16, 64, 2, 2, 64, 64), (torch.bfloat16, 64, 8, 2, 16, 256)])
+@pytest.mark.parametrize("dtype,D,Hq,Hk,page,part", [(torch.float32, 64, 4, 2, 16, 64),
+                                                     (torch.bfloat16, 128, 4, 1, 32, 128),
+                                                     (torch.float16, 64, 2, 2, 64, 64),
+                                                     (torch.bfloat16, 64, 8, 2, 16, 256)])
 def test_paged_decode_attention_matches_sdpa(dtype, D, Hq, Hk, page, part):
     g = torch.Generator().manual_seed(D + page)
     lens = [1, 0, 130, 77, part, part + 1]  # 0: a padding row; 1; across pages and partitions

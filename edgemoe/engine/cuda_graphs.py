@@ -1,8 +1,9 @@
 """Decode steps on the device path: fixed-shape static inputs and the CUDA graphs replayed over them.
 
 :class:`DecodeGraphs` owns one graph per padded batch size (1, 2, 4, 8, 16, 32, 64 up to
-``max_num_seqs``, and ``max_num_seqs``; a smaller batch pads up), captured right after the first eager step of that size (which also compiles
-the Triton kernels and warms cuBLAS), and the static inputs (:class:`DecodeInputs`) every graph
+``max_num_seqs``, and ``max_num_seqs``; a smaller batch pads up), captured right after the first
+eager step of that size (which also compiles the Triton kernels and warms cuBLAS), and the static
+inputs (:class:`DecodeInputs`) every graph
 reads. A batch size whose capture fails runs eagerly from then on. :meth:`DecodeGraphs.invalidate`
 drops every graph (the expert cache was rebuilt: its tensors moved).
 """
@@ -160,7 +161,7 @@ class DecodeGraphs:
         if use_graphs:
             try:
                 self._capture(model, bs, batch)
-            except Exception:  # noqa: BLE001 - this size stays eager; the eager result stands
+            except Exception:
                 log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
                 self.failed.add(bs)
                 torch.cuda.synchronize(self.device)

@@ -93,7 +93,8 @@ class SamplingParams:
         self.stop = list(stop)
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
-            raise SamplingParamsError("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+            raise SamplingParamsError("stop_token_ids",
+                                      f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

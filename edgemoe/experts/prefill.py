@@ -198,7 +198,8 @@ class PrefillStreamer:
         n_spare = min(len(missing), len(cur.spare))
         dest = cur.spare[:n_spare] + cur.regions[layer % 2][:len(missing) - n_spare]
         if len(dest) < len(missing):
-            raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts of layer {layer}")
+            raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts "
+                               f"of layer {layer}")
         del cur.spare[:n_spare]
         cache.admit_many([base + e for e in missing], dest, cur.step)
         for e, s in zip(missing, dest):
@@ -223,7 +224,8 @@ class PrefillStreamer:
             self.cache.bank[slot:slot + n].copy_(self.pool.bank[fid:fid + n], non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one MoE layer of the streamed step (call only after :meth:`claims`).
 
         Args:

@@ -121,14 +121,16 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_pt
             tmask = (t < end) & (t >= lo)
             page = tl.load(bt_ptr + b * stride_bt + t // PAGE, mask=tmask, other=0)
             row = page.to(tl.int64) * PAGE + t % PAGE  # [BN] flat KV rows
-            kt = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=tmask[:, None], other=0.0)
+            kt = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=tmask[:, None],
+                         other=0.0)
             s = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale  # [BG, BN] log2 units
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=tmask[:, None], other=0.0)
+            vt = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=tmask[:, None],
+                         other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
             m_i = m_new
         mo = b * stride_mb + head * stride_mh + part
@@ -205,7 +207,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     if k_cache.dim() != 3 or tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[2] != D:
-        raise ValueError(f"k_cache/v_cache must be [rows, Hk, {D}], got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        raise ValueError(f"k_cache/v_cache must be [rows, Hk, {D}], "
+                         f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     if Hq % Hk or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q [B, {Hq}, {D}] {q.dtype} does not match KV heads {Hk} {k_cache.dtype}")
     if D < 16 or D & (D - 1) or page_size < 1 or page_size & (page_size - 1):

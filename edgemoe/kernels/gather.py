@@ -4,8 +4,9 @@ One launch copies, for every fill ``i < n_fill`` (``n_fill = meta[2]``, read on 
 ``fill_fid[i]`` of the host expert pool's byte bank into row ``fill_slot[i]`` of the device cache's
 bank: one packed row per expert, whatever its format (bf16, FP8, MXFP4, NVFP4 rows alike). The host
 bank is page-locked (``cudaHostRegister``) and read zero-copy through its mapped address (under UVA
-the launcher translates a registered host pointer; the H200 host reached 51 GB/s this way), so the copy needs no per-row ``cudaMemcpyAsync`` and no host knowledge of ``n_fill``: it can be
-captured in a CUDA graph right after :func:`~edgemoe.kernels.route_control`.
+the launcher translates a registered host pointer; the H200 host reached 51 GB/s this way), so the
+copy needs no per-row ``cudaMemcpyAsync`` and no host knowledge of ``n_fill``: it can be captured in
+a CUDA graph right after :func:`~edgemoe.kernels.route_control`.
 
 Rows are copied as 8-byte words (16-byte vector loads per thread pair) in chunks of ``BLOCK`` words;
 a persistent grid of programs strides over the ``n_fill × chunks`` work items.

@@ -4,8 +4,8 @@ A decode step at batch 1 is bound by launches, not bytes: in eager torch ops, on
 element-wise kernels and one RoPE application about a dozen, four norms and one RoPE per layer.
 These kernels do each in one launch and round where the torch modules do
 (``edgemoe.layers.norm.RMSNorm`` / ``ZeroCenteredRMSNorm`` and ``edgemoe.layers.rotary``); they agree
-with them to an ulp (the norm's float32 reduction order and ``rsqrt`` differ from torch's). Reference: ``Qwen3MoeRMSNorm`` and ``apply_rotary_pos_emb`` in
-``transformers``.
+with them to an ulp (the norm's float32 reduction order and ``rsqrt`` differ from torch's).
+Reference: ``Qwen3MoeRMSNorm`` and ``apply_rotary_pos_emb`` in ``transformers``.
 """
 
 from __future__ import annotations

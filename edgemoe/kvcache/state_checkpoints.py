@@ -81,7 +81,7 @@ class _Entry:
     """Bookkeeping of one occupied slot: the token ids ``[0, p)`` it summarizes, its LRU time, whether
     its tensors are complete (``ready``) or still being written by the current step."""
 
-    __slots__ = ("tokens", "last_used", "ready")
+    __slots__ = ("last_used", "ready", "tokens")
 
     def __init__(self, tokens: array, last_used: int):
         self.tokens = tokens

@@ -149,8 +149,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
             # mask, or GQA with a bias); query i sees keys [0, kv_len - q_len + i]
             rep = qs.shape[0] // k.shape[0]
             k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # [Hq, kv_len, D]
-            o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=causal_lower_right(s.q_len, s.kv_len),
-                                               scale=scale)[0]
+            o = F.scaled_dot_product_attention(qs[None], k[None], v[None],
+                                               attn_mask=causal_lower_right(s.q_len, s.kv_len), scale=scale)[0]
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     return out
 

@@ -21,7 +21,6 @@ importable (:func:`gated_delta_rule`); elsewhere as the torch functions here.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +31,6 @@ from edgemoe.kernels import kernel_module
 from edgemoe.kvcache.state import RecurrentStatePool
 from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
 from edgemoe.layers.norm import GatedRMSNorm
-
 
 CHUNK_SIZE = 64
 

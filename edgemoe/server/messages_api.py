@@ -113,7 +113,12 @@ def _block_tag(value: Any) -> str:
 
 
 ContentBlockParam = Annotated[
-    Annotated[TextBlockParam, Tag("Text")] | Annotated[ToolUseBlockParam, Tag("ToolUse")] | Annotated[ToolResultBlockParam, Tag("ToolResult")] | Annotated[ThinkingBlockParam, Tag("Thinking")] | Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")] | Annotated[OtherBlockParam, Tag("Other")],
+    Annotated[TextBlockParam, Tag("Text")]
+    | Annotated[ToolUseBlockParam, Tag("ToolUse")]
+    | Annotated[ToolResultBlockParam, Tag("ToolResult")]
+    | Annotated[ThinkingBlockParam, Tag("Thinking")]
+    | Annotated[RedactedThinkingBlockParam, Tag("RedactedThinking")]
+    | Annotated[OtherBlockParam, Tag("Other")],
     Discriminator(_block_tag),
 ]
 
@@ -264,7 +269,8 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
                 args = json.dumps(b.input, ensure_ascii=False)
                 calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": args}})
             else:
-                raise APIError(400, f"{where}: {b.type!r} blocks are not supported in {m.role} messages", param="messages")
+                raise APIError(400, f"{where}: {b.type!r} blocks are not supported in {m.role} messages",
+                               param="messages")
         text = "\n\n".join(texts)
         if m.role == "system":
             if messages:
@@ -285,14 +291,15 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     if system_text:
         messages.insert(0, {"role": "system", "content": system_text})
     tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema,
-                                          **({"strict": True} if t.strict else {})}}
+        {"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                          "parameters": t.input_schema, **({"strict": True} if t.strict else {})}}
         for t in body.tools or []
         if t.input_schema is not None and not t.defer_loading
     ]
     choice: str | dict = "auto"
     if body.tool_choice is not None:
-        choice = {"auto": "auto", "any": "required", "none": "none"}.get(body.tool_choice.type) or {"name": body.tool_choice.name}
+        choice = ({"auto": "auto", "any": "required", "none": "none"}.get(body.tool_choice.type)
+                  or {"name": body.tool_choice.name})
         if isinstance(choice, dict) and not choice["name"]:
             raise APIError(400, "tool_choice.name: required when tool_choice.type is 'tool'", param="tool_choice")
     kwargs = None
@@ -394,7 +401,8 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
         )
         async for events, out in serving.events(serving.generate(prepared), prepared.new_parser()):
             for e in events:
-                key = ("tool_use", e.index) if e.kind == "tool_call" else ("thinking" if e.kind == "reasoning" else "text", None)
+                key = (("tool_use", e.index) if e.kind == "tool_call"
+                       else ("thinking" if e.kind == "reasoning" else "text", None))
                 if key != block:
                     if block is not None:
                         yield stop()
@@ -405,7 +413,8 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                         yield start({"type": "text", "text": ""})
                     else:
                         has_tool_use = True
-                        yield start({"type": "tool_use", "id": new_tool_call_id("toolu"), "name": e.name or "", "input": {}})
+                        yield start({"type": "tool_use", "id": new_tool_call_id("toolu"), "name": e.name or "",
+                                     "input": {}})
                 if not e.text:
                     continue
                 if e.kind == "reasoning":
@@ -428,7 +437,7 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                     }
                 )
                 yield _sse({"type": "message_stop"})
-    except Exception as exc:  # noqa: BLE001 - the client gets an error event, never a cut stream
+    except Exception as exc:
         yield _sse({"type": "error", "error": {"type": "api_error", "message": stream_failure(exc)}})
     finally:
         if not finished:

@@ -251,7 +251,7 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
         try:
             async for out in gen:
                 await q.put((i, out))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+        except Exception as exc:
             await q.put((i, exc))
         finally:
             await q.put((i, None))
@@ -336,7 +336,7 @@ async def _chat_stream(serving: Serving, prepared: Prepared, include_usage: bool
         if include_usage and final is not None:
             yield _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                     usage=_usage([final]), system_fingerprint=SYSTEM_FINGERPRINT))
-    except Exception as exc:  # noqa: BLE001 - the client gets an error event and [DONE], never a cut stream
+    except Exception as exc:
         yield _error_event(exc)
     finally:
         if final is None:
@@ -380,7 +380,7 @@ async def _completion_stream(
             yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                 usage=_usage(list(finals.values())),
                                                 system_fingerprint=SYSTEM_FINGERPRINT))
-    except Exception as exc:  # noqa: BLE001 - the client gets an error event and [DONE], never a cut stream
+    except Exception as exc:
         yield _error_event(exc)
     finally:
         if len(finals) < len(gens):

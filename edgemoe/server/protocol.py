@@ -3,7 +3,8 @@ responses out). The Anthropic Messages and OpenAI Responses models live in ``mes
 ``responses_api.py``.
 
 Requests accept and ignore unknown fields (``extra="allow"``) so SDKs sending newer parameters keep
-working; lone surrogates in any string become U+FFFD (:class:`~edgemoe.server.common.RequestBody`). Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
+working; lone surrogates in any string become U+FFFD (:class:`~edgemoe.server.common.RequestBody`).
+Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
 types by pydantic. ``presence_penalty`` / ``frequency_penalty`` are accepted and ignored (the sampler has
 no penalties yet); ``reasoning_effort`` becomes the chat template's ``reasoning_effort`` (gpt-oss's Harmony
 template reads it).

@@ -103,7 +103,11 @@ def _item_tag(value: Any) -> str:
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")] | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")] | Annotated[ReasoningItem, Tag("Reasoning")] | Annotated[OtherItem, Tag("Other")],
+    Annotated[MessageItem, Tag("Message")]
+    | Annotated[FunctionCallItem, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
+    | Annotated[ReasoningItem, Tag("Reasoning")]
+    | Annotated[OtherItem, Tag("Other")],
     Discriminator(_item_tag),
 ]
 
@@ -214,7 +218,8 @@ def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, A
         if any(o["function"]["name"] == name for o in out):
             raise APIError(400, f"{where}.name: a second function named {name!r}", param="tools")
         out.append({"type": "function",
-                    "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}})
+                    "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                 if t.get(k) is not None}})
         if namespace is not None:
             namespace_of[name] = namespace
 
@@ -264,7 +269,8 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
             reasoning.append(content_text(parts, f"{where}.content", "input"))
         elif isinstance(item, FunctionCallItem):
             turn = assistant if assistant is not None else open_assistant()
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             turn.setdefault("tool_calls", []).append(call)
         elif isinstance(item, MessageItem) and item.role == "assistant":
             turn = assistant if assistant is not None and not assistant.get("tool_calls") else open_assistant()
@@ -307,7 +313,8 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
 
 
 def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": status}
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -333,7 +340,8 @@ def output_items(parsed: ParsedOutput, namespaces: dict[str, str]) -> list[dict[
     if parsed.content:
         items.append(_message_item(new_tool_call_id("msg"), parsed.content))
     for call in parsed.tool_calls:
-        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments, namespaces))
+        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments,
+                                namespaces))
     return items
 
 
@@ -403,14 +411,17 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             part = {"type": "reasoning_text", "text": ""}
         elif kind == "content":
             cur = {"kind": kind, "key": key, "id": new_tool_call_id("msg"), "text": ""}
-            item, part = _message_item(cur["id"], "", "in_progress"), {"type": "output_text", "text": "", "annotations": []}
+            item = _message_item(cur["id"], "", "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": []}
         else:
-            cur = {"kind": kind, "key": key, "id": new_tool_call_id("fc"), "text": "", "call_id": new_tool_call_id("call"), "name": name or ""}
+            cur = {"kind": kind, "key": key, "id": new_tool_call_id("fc"), "text": "",
+                   "call_id": new_tool_call_id("call"), "name": name or ""}
             item, part = _call_item(cur["id"], cur["call_id"], cur["name"], "", shell.namespaces, "in_progress"), None
         output.append(item)
         events = [ev("response.output_item.added", output_index=idx, item=item)]
         if part is not None:
-            events.append(ev("response.content_part.added", item_id=cur["id"], output_index=idx, content_index=0, part=part))
+            events.append(ev("response.content_part.added", item_id=cur["id"], output_index=idx, content_index=0,
+                             part=part))
         return events
 
     def close_item() -> list[str]:
@@ -423,12 +434,15 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             events = [ev("response.reasoning_text.done", item_id=item_id, output_index=idx, content_index=0, text=text)]
         elif cur["kind"] == "content":
             item, part = _message_item(item_id, text), {"type": "output_text", "text": text, "annotations": []}
-            events = [ev("response.output_text.done", item_id=item_id, output_index=idx, content_index=0, text=text, logprobs=[])]
+            events = [ev("response.output_text.done", item_id=item_id, output_index=idx, content_index=0, text=text,
+                         logprobs=[])]
         else:
             item, part = _call_item(item_id, cur["call_id"], cur["name"], text, shell.namespaces), None
-            events = [ev("response.function_call_arguments.done", item_id=item_id, output_index=idx, name=cur["name"], arguments=text)]
+            events = [ev("response.function_call_arguments.done", item_id=item_id, output_index=idx, name=cur["name"],
+                         arguments=text)]
         if part is not None:
-            events.append(ev("response.content_part.done", item_id=item_id, output_index=idx, content_index=0, part=part))
+            events.append(ev("response.content_part.done", item_id=item_id, output_index=idx, content_index=0,
+                             part=part))
         output[idx] = item
         events.append(ev("response.output_item.done", output_index=idx, item=item))
         cur = None
@@ -451,9 +465,11 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 cur["text"] += e.text
                 idx, item_id = len(output) - 1, cur["id"]
                 if e.kind == "reasoning":
-                    yield ev("response.reasoning_text.delta", item_id=item_id, output_index=idx, content_index=0, delta=e.text)
+                    yield ev("response.reasoning_text.delta", item_id=item_id, output_index=idx, content_index=0,
+                             delta=e.text)
                 elif e.kind == "content":
-                    yield ev("response.output_text.delta", item_id=item_id, output_index=idx, content_index=0, delta=e.text, logprobs=[])
+                    yield ev("response.output_text.delta", item_id=item_id, output_index=idx, content_index=0,
+                             delta=e.text, logprobs=[])
                 else:
                     yield ev("response.function_call_arguments.delta", item_id=item_id, output_index=idx, delta=e.text)
             if out.finished:
@@ -463,7 +479,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 status = _status(out)
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 yield ev(kind, response=shell.response(status, output, out))
-    except Exception as exc:  # noqa: BLE001 - the client gets error + response.failed, never a cut stream
+    except Exception as exc:
         message = stream_failure(exc)
         yield ev("error", code="server_error", message=message, param=None)
         failed = shell.response("failed", output, error={"code": "server_error", "message": message})

@@ -205,7 +205,8 @@ class Serving:
             llm = self.ready()
             self._parsers = resolve_parsers(self.config.tool_call_parser, self.config.reasoning_parser,
                                             llm.model_config.model_type, llm.tokenizer)
-            log.info("parsers: tool-call %s, reasoning %s (%s)", self._parsers.tool, self._parsers.reasoning, self._parsers.why)
+            log.info("parsers: tool-call %s, reasoning %s (%s)", self._parsers.tool, self._parsers.reasoning,
+                     self._parsers.why)
         return self._parsers
 
     @property
@@ -300,7 +301,7 @@ class Serving:
             raise APIError(400, str(exc).replace("messages", field_, 1), param=field_) from None
         except jinja2.TemplateError as exc:  # e.g. the template's raise_exception on a bad role order
             raise APIError(400, f"{field_}: the chat template failed: {exc}", param=field_) from None
-        return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools)
+        return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools)  # noqa: RUF071 (texts, not paths)
 
     async def render(self, spec: ChatSpec) -> Rendered:
         """:meth:`render_prompt` on a worker thread, so a long prompt does not stall other clients."""
@@ -327,7 +328,8 @@ class Serving:
         """
         parsers = self.parsers
         # The prompt opened a think block: a constrained answer closes it at once.
-        opened = REASONING_PARSERS[parsers.reasoning] is ThinkParser and prompt_ends_in_reasoning(rendered.generation_prompt)
+        opened = (REASONING_PARSERS[parsers.reasoning] is ThinkParser
+                  and prompt_ends_in_reasoning(rendered.generation_prompt))
 
         def lead(vocab: GrammarVocab) -> str:
             return vocab.literal(THINK_END + "\n\n") if opened else ""

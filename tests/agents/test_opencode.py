@@ -62,7 +62,8 @@ def session(request, tmp_path_factory):
         config_dir.mkdir(parents=True)
         (config_dir / "opencode.json").write_text(json.dumps(opencode_config(server.base, package), indent=1))
         turns = [
-            "<think>\nThe user wants a new file.\n</think>\n\n" + tool_call("write", {"filePath": str(server.workdir / "hello.txt"), "content": CONTENT}),
+            "<think>\nThe user wants a new file.\n</think>\n\n"
+            + tool_call("write", {"filePath": str(server.workdir / "hello.txt"), "content": CONTENT}),
             tool_call("bash", {"command": "cat hello.txt", "description": "Show hello.txt"}),
             FINAL,
         ]

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.experts.policy import Bandwidths
 from edgemoe.synth import make_model
+
+from conftest import greedy_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -25,7 +26,8 @@ def small(tmp_path_factory):
 
 
 def test_pool_is_pinned_and_fill_all_is_bit_identical_to_resident(small):
-    runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
+    runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6),
+                         progress=False)
     assert runner.pinned
     resident, rt = greedy_decode(runner, PROMPT, 12, free=True)
     runner.set_expert_cache(12, "fill-all")  # < one layer (32 experts), >= a step's top-8
@@ -36,7 +38,8 @@ def test_pool_is_pinned_and_fill_all_is_bit_identical_to_resident(small):
 
 
 def test_qstar_on_cuda_matches_resident_tokens(small):
-    runner = ModelRunner(small, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
+    runner = ModelRunner(small, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all",
+                                             expert_cache_slots=10**6), progress=False)
     resident, rt = greedy_decode(runner, PROMPT, 12, free=True)
     runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
     runner.set_expert_cache(20, "qstar")

@@ -1,7 +1,8 @@
 """CUDA-only checks of the device decode path (routing control on the device, Triton kernels, CUDA
-graphs, the CPU branch handed to the native executor through the doorbell): graph replay equals the eager device path bit for bit,
-offloaded fill-all equals resident bit for bit, qstar's CPU branch inside the graph gives the resident
-tokens, padded batch sizes give each sequence its batch-1 result, and the device tables stay consistent."""
+graphs, the CPU branch handed to the native executor through the doorbell): graph replay equals the
+eager device path bit for bit, offloaded fill-all equals resident bit for bit, qstar's CPU branch
+inside the graph gives the resident tokens, padded batch sizes give each sequence its batch-1
+result, and the device tables stay consistent."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ step, and timings against the reference (printed, not asserted; run with ``-s`` 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -17,7 +19,6 @@ from edgemoe.kernels.gated_delta import (  # noqa: E402
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
-
 
 HK, HV, D = 16, 32, 128
 CONV_DIM, CONV_K = 2 * HK * D + HV * D, 4
@@ -68,8 +69,11 @@ def test_head_dims_match_torch_path(dk, dv):
     ``edgemoe.layers.gated_deltanet``, fp32: a 150-token prefill (three chunks, the last partial) from a
     state, then three decode steps. Tolerance 1e-4 relative, 5e-4 where a head dim is 16 (not used by the
     model: it takes torch at or below MIN_KERNEL_HEAD_DIM; 16 x 48 measured 2.2e-4 on the state once)."""
-    from edgemoe.layers.gated_deltanet import (MIN_KERNEL_HEAD_DIM, chunk_gated_delta_rule_torch,
-                                               recurrent_gated_delta_rule_torch)
+    from edgemoe.layers.gated_deltanet import (
+        MIN_KERNEL_HEAD_DIM,
+        chunk_gated_delta_rule_torch,
+        recurrent_gated_delta_rule_torch,
+    )
 
     tol = 1e-4 if min(dk, dv) > MIN_KERNEL_HEAD_DIM else 5e-4
 
@@ -172,23 +176,23 @@ def test_timings_vs_reference():
     rows = []
     for T in (1024, 8192):
         q, k, v, g, beta = make_inputs(1, T)
-        ours = bench_ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
-                                                       use_qk_l2norm_in_kernel=True))
-        ref = bench_ms(lambda: ref_chunk(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True))
+        ours = bench_ms(partial(chunk_gated_delta_rule, q, k, v, g, beta, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True))
+        ref = bench_ms(partial(ref_chunk, q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True))
         rows.append((f"prefill B=1 T={T}", ours, ref))
     for B in (1, 8):
         q, k, v, g, beta = make_inputs(B, 1)
         state = torch.zeros(B, HV, D, D, device="cuda")
-        ours = bench_ms(lambda: fused_recurrent_gated_delta_rule(q, k, v, g, beta, state,
-                                                                 use_qk_l2norm_in_kernel=True))
-        ref = bench_ms(lambda: ref_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                             use_qk_l2norm_in_kernel=True))
+        ours = bench_ms(partial(fused_recurrent_gated_delta_rule, q, k, v, g, beta, state,
+                                use_qk_l2norm_in_kernel=True))
+        ref = bench_ms(partial(ref_recurrent, q, k, v, g, beta, initial_state=state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True))
         rows.append((f"decode B={B}", ours, ref))
         x = torch.randn(B, CONV_DIM, 1, device="cuda", dtype=torch.bfloat16)
         conv_state = torch.randn(B, CONV_DIM, CONV_K, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(CONV_DIM, CONV_K, device="cuda", dtype=torch.bfloat16)
-        ours = bench_ms(lambda: causal_conv1d_update(x, conv_state, weight, None, "silu"))
-        ref = bench_ms(lambda: ref_conv_update(x, conv_state, weight, None, "silu"))
+        ours = bench_ms(partial(causal_conv1d_update, x, conv_state, weight, None, "silu"))
+        ref = bench_ms(partial(ref_conv_update, x, conv_state, weight, None, "silu"))
         rows.append((f"conv update B={B}", ours, ref))
     print(f"\n{'gated delta (Hk=16, Hv=32, D=128, bf16)':42s} {'triton ms':>10s} {'torch ms':>10s} {'speed-up':>9s}")
     for name, ours, ref in rows:

@@ -71,7 +71,8 @@ def test_grouped_matches_the_torch_loop_at_real_geometry(banks, T):
     err_kernel = (out.float() - ref).abs()
     err_loop = (loop.float() - ref).abs()
     scale = ref.abs().max().item()
-    print(f"[grouped T={T}] max |kernel - loop| / max|ref| = {(out.float() - loop.float()).abs().max().item() / scale:.3g}, "
+    print(f"[grouped T={T}] max |kernel - loop| / max|ref| = "
+          f"{(out.float() - loop.float()).abs().max().item() / scale:.3g}, "
           f"mean err vs fp32: kernel {err_kernel.mean().item():.3g} loop {err_loop.mean().item():.3g}, "
           f"bits differ from loop: {(out != loop).float().mean().item():.3%}")
     torch.testing.assert_close(out.float(), loop.float(), rtol=2**-6, atol=2**-6 * scale)

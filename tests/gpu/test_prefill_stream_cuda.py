@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy_decode
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.synth import make_model
+
+from conftest import greedy_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -26,7 +27,8 @@ def small(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
 def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
-    runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6), progress=False)
+    runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6),
+                         progress=False)
     assert runner.pinned
     runner.experts.hybrid.prefill.mode = "off"
     ref, rt = greedy_decode(runner, PROMPT, 6, chunk_ends=list(range(48, len(PROMPT), 48)), free=True)
@@ -36,7 +38,8 @@ def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
         streamer, calls = runner.experts.hybrid.prefill, []
         streamer.mode = mode
         forward = streamer.forward
-        streamer.forward = lambda layer, *a: calls.append(layer) or forward(layer, *a)
+        streamer.forward = lambda layer, *a, calls=calls, forward=forward: (calls.append(layer)
+                                                                            or forward(layer, *a))
         got, gt = greedy_decode(runner, PROMPT, 6, chunk_ends=list(range(48, len(PROMPT), 48)), free=True)
         assert calls == list(range(L)) * 2  # both chunks streamed
         assert gt == rt

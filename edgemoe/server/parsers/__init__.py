@@ -152,7 +152,8 @@ class ParserConfig:
 
 def check_parser_names(tool: str | None, reasoning: str | None) -> None:
     """Raise ``ValueError`` (naming the option and the choices) for an unknown parser name."""
-    for value, table, flag in ((tool, TOOL_PARSERS, "--tool-call-parser"), (reasoning, REASONING_PARSERS, "--reasoning-parser")):
+    for value, table, flag in ((tool, TOOL_PARSERS, "--tool-call-parser"),
+                               (reasoning, REASONING_PARSERS, "--reasoning-parser")):
         if value not in (None, "auto") and value not in table:
             raise ValueError(f"{flag}: unknown parser {value!r}; choices: auto, {', '.join(table)}")
 

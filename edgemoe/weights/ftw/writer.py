@@ -68,7 +68,7 @@ class _BankWriter:
         self.chunk_bytes = self.row_bytes * max(1, round(chunk_target / self.row_bytes))  # whole rows
         self.crc = _ChunkCrc(self.chunk_bytes)
         self.written = 0
-        self.f = open(path, "wb")  # noqa: SIM115 - open across write() calls, closed by close() or abort()
+        self.f = open(path, "wb")
 
     def write(self, rows: torch.Tensor) -> int:
         n = rows.shape[0]
