@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats prefill prefill-profile grouped agent peers elastic policy (default: tests decode prefill)
+#        formats prefill prefill-profile grouped agent structured peers elastic policy (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
@@ -36,8 +36,10 @@ for stage in "${stages[@]}"; do
   case "$stage" in
   tests)
     echo "== GPU tests (device decode path, Triton kernels, CUDA parity) + native CPU kernel tests"
-    timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu \
-      tests/test_parity.py tests/test_cpu_kernels.py tests/test_cpu_quant_kernels.py tests/test_qwen3_5_moe.py tests/test_deepseek_v3.py ${TEST_ARGS:-} 2>&1 \
+    # $TEST_PATHS replaces the default selection (e.g. only the files a change touches)
+    timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 ${TEST_PATHS:-tests/gpu \
+      tests/test_parity.py tests/test_cpu_kernels.py tests/test_cpu_quant_kernels.py tests/test_qwen3_5_moe.py \
+      tests/test_deepseek_v3.py} ${TEST_ARGS:-} 2>&1 \
       | tee "$OUT/pytest.log" | grep -v "^SKIPPED" | tail -n 60 ;;
   cpu)
     echo "== CPU executor benchmark (read bandwidth vs B_H, Qwen3-30B-A3B expert shape)"
@@ -103,6 +105,11 @@ for stage in "${stages[@]}"; do
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
+  structured)
+    echo "== structured output: per-token cost of the llguidance grammar on the decode path (CUDA)"
+    timeout ${STRUCTURED_TIMEOUT:-240} python3 benchmarks/structured_output.py --device cuda \
+      ${STRUCTURED_TOKENIZER:+--tokenizer $STRUCTURED_TOKENIZER} --out "$OUT/structured_output" ${STRUCTURED_ARGS:-} 2>&1 \
+      | tee "$OUT/structured_output.log" | tail -n 30 ;;
   peers)
     echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
     timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \

@@ -265,3 +265,43 @@ def test_quantized_rows_take_the_device_path(monkeypatch, fmt):
         assert "power of two" in odd.decode_path_reason
         with pytest.raises(ValueError, match="do not read"):
             DeviceDecode(pool, odd.cache, odd.policy, odd.cpu_executor, E, K, max_tokens=2)
+
+
+def test_cpu_handoff_and_collect_store_ring_wait_and_add_only_with_cpu_work():
+    """handoff stores x (converted to the step's dtype) and the work list into the host buffers and rings,
+    only when the layer has CPU work; collect then waits for the done word and adds the partial (a layer
+    without CPU work gets y cast, nothing rung, nothing waited for); a wait nobody answers gives up after
+    max_polls and counts it in bell[1]."""
+    from edgemoe.kernels.cpu_handoff import COLLECT_BLOCK, collect, handoff
+
+    T, Hd = 3, COLLECT_BLOCK + 5  # two collect programs, the second partly masked
+    x = torch.randn(T, Hd, dtype=torch.bfloat16)
+    x_host, pack_host = torch.zeros(4 * Hd, dtype=torch.float32), torch.zeros(40, dtype=torch.int64)
+    pack = torch.arange(33, dtype=torch.int64) + 7
+    seq, bell = torch.zeros(1, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    y = torch.randn(T, Hd)
+    cpu_out = torch.randn(4 * Hd)
+    no_work, work = torch.zeros(1, dtype=torch.int32), torch.full((1,), 2, dtype=torch.int32)
+
+    handoff(x, x_host, pack, pack_host, no_work, seq, bell)
+    assert int(seq[0]) == 0 and int(bell[0]) == 0 and not x_host.any() and not pack_host.any()
+    out = collect(y, cpu_out, no_work, seq, bell, torch.bfloat16, max_polls=3)
+    assert torch.equal(out, y.to(torch.bfloat16)) and int(bell[1]) == 0
+
+    handoff(x, x_host, pack, pack_host, work, seq, bell)
+    assert int(seq[0]) == 1 and int(bell[0]) == 1
+    assert torch.equal(x_host[:T * Hd], x.float().flatten()) and not x_host[T * Hd:].any()
+    assert torch.equal(pack_host[:33], pack) and not pack_host[33:].any()
+    bell[8] = 1  # the executor answered
+    out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3)
+    assert torch.equal(out, y + cpu_out[:T * Hd].view(T, Hd)) and int(bell[1]) == 0
+
+    handoff(x, x_host, pack, pack_host, work, seq, bell)
+    out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3)  # nobody answers
+    assert int(seq[0]) == 2 and int(bell[1]) == 1
+    with pytest.raises(ValueError, match="int32"):
+        handoff(x, x_host, pack, pack_host, work.long(), seq, bell)
+    with pytest.raises(ValueError, match="fit"):
+        handoff(x, x_host[:10], pack, pack_host, work, seq, bell)
+    with pytest.raises(ValueError, match="float32"):
+        collect(y.bfloat16(), cpu_out, work, seq, bell, torch.float32)

@@ -6,17 +6,18 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
 1. ``route_control`` (one Triton launch): dedupe the step's experts, classify them against the
    residency table, q from the policy parameters held in a device tensor, LRU victims, table
    rewrite; it emits a fixed-shape fill list and the CPU work in the native executor's packed format;
-2. hand-off of the CPU branch: two device→pinned-host copies (``x`` and the packed work) and
-   :func:`~edgemoe.kernels.doorbell.ring`, a one-program kernel storing the next request number into
-   a doorbell in pinned memory; the executor's server thread (``RegisteredStep.serve``), polling it,
-   starts computing the CPU experts at once. A layer step without CPU work does not ring (the ring
-   reads the work count ``route_control`` wrote), so its wait returns at once and the stale partial
-   is not added: an armed CPU branch costs a layer without misses two small copies and two launches;
+2. hand-off of the CPU branch: :func:`~edgemoe.kernels.cpu_handoff.handoff` (one program) stores ``x``
+   and the packed work straight into the registered step's pinned host buffers, fences them and rings
+   the doorbell (:mod:`edgemoe.kernels.doorbell`); the executor's server thread
+   (``RegisteredStep.serve``), polling it, starts computing the CPU experts at once. A layer step without
+   CPU work (the count ``route_control`` wrote) stores and rings nothing: an armed CPU branch costs a
+   layer without misses two launches that return at once;
 3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill's packed row from the pinned
    host pool's byte bank into its slot, zero-copy) and ``expert_gemv`` (hits and fills over the cache
    bank's ``w13`` / ``w2`` section views, every (token, k) route in its own row of ``routed [T, k, H]``);
-4. join: :func:`~edgemoe.kernels.doorbell.wait` polls the doorbell's done word, then the
-   executor's float32 partial is copied in and ``out = Σ_k routed (fixed order, float32) + partial``.
+4. join: ``y = Σ_k routed`` (fixed order, float32), then :func:`~edgemoe.kernels.cpu_handoff.collect`:
+   after a hand-off it polls the doorbell's done word and adds the executor's float32 partial (read
+   from pinned host memory), and casts to the model dtype.
 
 The ring is enqueued before the fills on purpose: ``gather_fills`` is a persistent grid that
 occupies every SM until the last fill row is copied, so a hand-off placed on a second stream
@@ -80,7 +81,7 @@ class DeviceDecode:
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
                  num_experts: int, top_k: int, max_tokens: int):
-        from edgemoe.kernels import doorbell
+        from edgemoe.kernels.cpu_handoff import collect, handoff
         from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
@@ -90,7 +91,7 @@ class DeviceDecode:
                              f"{reason}")
         self._route_control, self._gather_fills = route_control, gather_fills
         self._expert_gemv, self._expert_gemv_quant = expert_gemv, expert_gemv_quant
-        self._ring, self._wait = doorbell.ring, doorbell.wait
+        self._handoff, self._collect = handoff, collect
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         if cache.num_experts != num_experts:
             raise ValueError(f"the expert cache counts {cache.num_experts} experts per layer, the model {num_experts} "
@@ -220,9 +221,7 @@ class DeviceDecode:
                             num_experts=self.num_experts, slots=c.victim_range(moe_layer))
         cpu_out = self.cpu_out[:T]
         if self.cpu_branch and self.step is not None:  # hand-off first: the fills below hold every SM
-            self.step.x[:T].copy_(x, non_blocking=True)
-            self.step.pack.copy_(o.cpu_pack, non_blocking=True)
-            self._ring(self.seq, self.bell, work=o.meta[3:])  # rings only when this layer has CPU work
+            self._handoff(x, self.step.x, o.cpu_pack, self.step.pack, o.meta[3:], self.seq, self.bell)
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
         if self.fills:
@@ -234,13 +233,10 @@ class DeviceDecode:
         else:  # packed codes and scales of the same slot rows, dequantized in registers (plain SiLU experts)
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
+        if self.cpu_branch and self.step is not None:  # waits, and adds the partial, only after a hand-off
+            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype)
         if self.cpu_branch:
-            if self.step is not None:
-                self._wait(self.seq, self.bell)  # returns at once when the ring was skipped
-                cpu_out.copy_(self.step.out[:T], non_blocking=True)
-                y = torch.where(o.meta[3] > 0, y + cpu_out, y)  # without CPU work the partial is a stale one
-            else:
-                y = y + cpu_out
+            y = y + cpu_out
         return y.to(x.dtype)
 
     def _cpu_branch_sync(self, x: torch.Tensor, cpu_out: torch.Tensor) -> None:

@@ -61,9 +61,11 @@ def test_graph_replay_is_bit_identical_to_eager_device_path(small):
 
 
 def test_offloaded_fill_all_is_bit_identical_to_resident_on_device_path(small):
-    runner = _runner(small, expert_policy="fill-all", expert_cache_slots=10**6)
+    # global LRU: 80 slots >= a padded batch's 64 routes, so no CPU branch at all (per-layer LRU would give
+    # each of the 8 layers 10 victim slots, and a batch's misses beyond them would go to the CPU)
+    runner = _runner(small, expert_policy="fill-all", expert_cache_slots=10**6, expert_eviction="global-lru")
     resident, rt = _decode(runner, PROMPTS[:1], steps=12)
-    runner.set_expert_cache(80, "fill-all")  # >= a padded batch's 64 routes: no CPU branch at all
+    runner.set_expert_cache(80, "fill-all")
     assert not runner.experts.device_decode.cpu_branch
     offloaded, ot = _decode(runner, PROMPTS[:1], steps=12)
     assert ot == rt and torch.equal(offloaded, resident)

@@ -1,0 +1,152 @@
+"""The CPU branch's hand-off and collection on the device decode path, each one launch.
+
+A decode step's MoE layer gives its CPU experts to the native executor through the doorbell
+(:mod:`edgemoe.kernels.doorbell`: request word ``bell[0]``, done word ``bell[8]``, give-ups ``bell[1]``).
+Two kernels do the device side:
+
+- :func:`handoff`: when the layer has CPU work (``work[0] > 0``, route_control's CPU expert count), store
+  the hidden states ``x`` and the packed work list straight into the registered step's pinned host
+  buffers (the GPU writes host memory at its mapped address), fence them to system scope, then ring
+  (advance ``seq`` and store it into ``bell[0]``). Without CPU work it returns at once and rings nothing.
+- :func:`collect`: the layer's output ``y`` (GPU experts' sum, float32) cast to the model dtype; when
+  the layer had CPU work, each program first polls the done word until it reaches ``seq`` (the same
+  deadlock guard as :func:`edgemoe.kernels.doorbell.wait`) and adds the CPU partial, read from pinned
+  host memory.
+
+Against two device-to-host copies, a ring, a wait, a host-to-device copy and two element-wise kernels,
+a layer whose misses are all filled (most layers at a high hit rate) now pays for two launches that
+exit at once, and a layer with CPU work moves the same bytes without the copy engine's per-copy
+latency. Both are capturable in a CUDA graph.
+
+Memory ordering: every thread of :func:`handoff` fences its stores to system scope (``membar.sys``)
+before the block barrier after which the request word is written; :func:`collect` fences after seeing
+the done word and reads the partial with volatile loads. On the CPU (the Triton interpreter, used by
+the tests) the fences are not emitted: the interpreter runs programs one after another.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from edgemoe.kernels.doorbell import MAX_POLLS
+
+HANDOFF_BLOCK = 1024
+COLLECT_BLOCK = 4096
+
+
+@triton.jit
+def _fence_sys(token):
+    """``membar.sys`` executed by every thread (the result is a dummy equal to ``token``)."""
+    return tl.inline_asm_elementwise("membar.sys;\n\tmov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _handoff_kernel(x_ptr, xh_ptr, n_x, pack_ptr, packh_ptr, n_pack, work_ptr, seq_ptr, bell_ptr,
+                    BLOCK: tl.constexpr, FENCE: tl.constexpr):
+    work = tl.load(work_ptr)
+    if work > 0:
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n_x, BLOCK):
+            m = start + offs < n_x
+            v = tl.load(x_ptr + start + offs, mask=m)
+            tl.store(xh_ptr + start + offs, v.to(xh_ptr.dtype.element_ty), mask=m, cache_modifier=".wt")
+        for start in range(0, n_pack, BLOCK):
+            m = start + offs < n_pack
+            tl.store(packh_ptr + start + offs, tl.load(pack_ptr + start + offs, mask=m), mask=m,
+                     cache_modifier=".wt")
+        if FENCE:
+            work = _fence_sys(work)
+        tl.debug_barrier()
+        n = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, n)
+        tl.store(bell_ptr, n, cache_modifier=".wt")
+
+
+@triton.jit
+def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max_polls, BLOCK: tl.constexpr,
+                    DONE: tl.constexpr, GAVE_UP: tl.constexpr, FENCE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    y = tl.load(y_ptr + offs, mask=m)
+    work = tl.load(work_ptr)
+    if work > 0:
+        target = tl.load(seq_ptr)
+        done = tl.load(bell_ptr + DONE, volatile=True)
+        gave_up = tl.load(bell_ptr + GAVE_UP, volatile=True)
+        polls = tl.where(gave_up > 0, max_polls, 0)  # the server is gone: do not wait again
+        while (done < target) & (polls < max_polls):
+            done = tl.load(bell_ptr + DONE, volatile=True)
+            polls += 1
+        if (done < target) & (pid == 0):
+            tl.store(bell_ptr + GAVE_UP, gave_up + 1, cache_modifier=".wt")
+        if FENCE:
+            work = _fence_sys(work)
+        y += tl.load(cpu_ptr + offs, mask=m, volatile=True)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _check_words(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor) -> None:
+    if seq.dtype != torch.int64 or seq.numel() < 1 or bell.dtype != torch.int64 or bell.numel() < 9:
+        raise ValueError("seq must be [1] int64 and the doorbell [16] int64 (RegisteredStep.serve)")
+    if work.dtype != torch.int32 or work.numel() < 1:
+        raise ValueError("work must be a [1] int32 tensor (the step's CPU expert count)")
+
+
+def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host: torch.Tensor, work: torch.Tensor,
+            seq: torch.Tensor, bell: torch.Tensor) -> None:
+    """Hand a layer's CPU work to the executor when it has any (one program, enqueued on the stream).
+
+    Args:
+        x: ``[T, H]`` hidden states on the device (any float dtype), contiguous.
+        x_host: the registered step's input rows (pinned host memory, at least ``T·H`` elements, float32
+            or bfloat16; ``x`` is converted on the store).
+        pack: ``[W]`` int64 packed CPU work list on the device (``RouteOutputs.cpu_pack``).
+        pack_host: the registered step's ``[W]`` int64 pinned work list.
+        work: ``[1]`` int32 on the device: the layer's CPU expert count (``RouteOutputs.meta[3:]``).
+        seq: ``[1]`` int64 device sequence counter; bell: ``[16]`` int64 pinned doorbell
+            (:mod:`edgemoe.kernels.doorbell`).
+
+    Raises:
+        ValueError: wrong dtypes or sizes.
+    """
+    _check_words(seq, bell, work)
+    if not x.is_contiguous() or x_host.numel() < x.numel() or pack_host.numel() < pack.numel():
+        raise ValueError(f"x must be contiguous and fit the step's rows ({tuple(x.shape)} into "
+                         f"{x_host.numel()} elements; work list {pack.numel()} into {pack_host.numel()} words)")
+    if pack.dtype != torch.int64 or pack_host.dtype != torch.int64:
+        raise ValueError("the packed work lists must be int64")
+    _handoff_kernel[(1,)](x, x_host, x.numel(), pack, pack_host, pack.numel(), work, seq, bell,
+                          BLOCK=HANDOFF_BLOCK, FENCE=x.device.type == "cuda", num_warps=4)
+
+
+def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: torch.Tensor, bell: torch.Tensor,
+            dtype: torch.dtype, max_polls: int = MAX_POLLS) -> torch.Tensor:
+    """The layer's output: ``y`` plus, when the layer had CPU work, the executor's partial once it is done.
+
+    Args:
+        y: ``[T, H]`` float32 on the device (the GPU experts' weighted sum), contiguous.
+        cpu_out: the registered step's float32 output rows (pinned host memory, at least ``T·H``).
+        work, seq, bell: as in :func:`handoff`; the wait polls ``bell[8]`` until it reaches ``seq[0]``
+            (at most ``max_polls`` polls; a give-up is counted in ``bell[1]``, and the partial is then wrong).
+        dtype: the output dtype.
+
+    Returns:
+        ``[T, H]`` in ``dtype``: ``y + cpu_out[:T]`` when ``work[0] > 0``, else ``y``.
+
+    Raises:
+        ValueError: wrong dtypes or sizes.
+    """
+    _check_words(seq, bell, work)
+    if y.dtype != torch.float32 or cpu_out.dtype != torch.float32 or not y.is_contiguous() \
+            or cpu_out.numel() < y.numel():
+        raise ValueError("y and the CPU partial must be float32, y contiguous, the partial at least as large")
+    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    n = y.numel()
+    _collect_kernel[(triton.cdiv(n, COLLECT_BLOCK),)](y, out, cpu_out, n, work, seq, bell, int(max_polls),
+                                                      BLOCK=COLLECT_BLOCK, DONE=8, GAVE_UP=1,
+                                                      FENCE=y.device.type == "cuda", num_warps=4)
+    return out
