@@ -54,6 +54,57 @@ def test_fixed_costs_decide_few_misses():
     assert copy.num_fills(1) == 0
 
 
+def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
+    """Hand-offs whose join waited for the CPU raise its modeled cost one level per window (more fills);
+    joins that never waited lower it; windows without enough hand-offs drift back to the model's costs."""
+    bw = Bandwidths(53.0, 98.7)
+    auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
+    base = [auto.num_fills(m) for m in range(1, 17)]
+    late = LayerObservation(handoffs=[20, 20], late=[19, 18])
+    for _ in range(8):
+        auto.observe_layers(late)
+    assert auto.cpu_level == 8 and auto.cpu_scale == pytest.approx(2.0)
+    more = [auto.num_fills(m) for m in range(1, 17)]
+    assert all(a >= b for a, b in zip(more, base)) and sum(more) > sum(base)
+    assert auto.effective_costs().cpu_s == pytest.approx(2 * auto.costs.cpu_s)
+    for _ in range(100):
+        auto.observe_layers(late)
+    assert auto.cpu_level == auto.balance_levels[1]  # bounded
+    auto.observe_layers(LayerObservation(handoffs=[2, 3], late=[2, 3]))  # 5 < balance_min_handoffs: no verdict
+    assert auto.cpu_level == auto.balance_levels[1] - 1
+    early = LayerObservation(handoffs=[20, 20], late=[0, 1])
+    for _ in range(60):
+        auto.observe_layers(early)
+    assert auto.cpu_level == auto.balance_levels[0]
+    fewer = [auto.num_fills(m) for m in range(1, 17)]
+    assert all(a <= b for a, b in zip(fewer, base)) and sum(fewer) < sum(base)
+    balanced = LayerObservation(handoffs=[20, 20], late=[10, 10])
+    level = auto.cpu_level
+    auto.observe_layers(balanced)
+    assert auto.cpu_level == level  # inside the band: stays
+    for _ in range(40):
+        auto.observe_layers(LayerObservation(handoffs=[0, 0], late=[0, 0]))
+    assert auto.cpu_level == 0 and [auto.num_fills(m) for m in range(1, 17)] == base
+
+
+def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():
+    """t_save is the marginal time of a miss at the measured miss count: a layer missing about once a step
+    saves a whole branch time per avoided miss, twice the balance value q* implies, so less reuse makes it
+    fill every miss."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7, fill_fixed_s=1.75e-5), ROW, num_layers=1, max_misses=16)
+    c = auto.effective_costs()
+    balance = auto.t_save(c)
+    assert balance == pytest.approx(c.fill_s * c.cpu_s / (c.fill_s + c.cpu_s))
+    auto.observe_layers(LayerObservation(misses_per_layer_step=0.6))
+    one = auto.t_save(auto.effective_costs())
+    assert one == pytest.approx(min(c.fill_fixed_s + c.fill_s, c.cpu_fixed_s + c.cpu_s))
+    assert one > 1.8 * balance
+    auto.observe_layers(LayerObservation(misses_per_layer_step=40.0))
+    assert auto.miss_rate == pytest.approx(20.3)  # exponentially weighted
+    many = auto.t_save(auto.effective_costs())
+    assert balance * 0.8 < many < one
+
+
 def test_measured_reuse_makes_a_layer_fill_every_miss():
     auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0), ROW, num_layers=3, max_misses=16)
     before = auto.fill_table().clone()

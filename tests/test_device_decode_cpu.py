@@ -125,6 +125,7 @@ def test_cpu_branch_through_the_doorbell(policy, slots):
             calls += int(dd.out.meta[3]) > 0
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert 0 < calls and dd.step.served == calls and int(dd.seq[0]) == calls and int(dd.bell[8]) == calls
+    assert int(dd.join_stats[:, 0].sum()) == calls  # every hand-off counted at its join
     assert dev.stats()["decode"] == eager.stats()["decode"]
     assert dev.stats()["decode"]["cpu"] > 0
     dd.check()  # no wait gave up, no step failed
@@ -293,12 +294,19 @@ def test_cpu_handoff_and_collect_store_ring_wait_and_add_only_with_cpu_work():
     assert torch.equal(x_host[:T * Hd], x.float().flatten()) and not x_host[T * Hd:].any()
     assert torch.equal(pack_host[:33], pack) and not pack_host[33:].any()
     bell[8] = 1  # the executor answered
-    out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3)
+    stats = torch.zeros(3, 2, dtype=torch.int64)
+    out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3, stats=stats, layer=1)
     assert torch.equal(out, y + cpu_out[:T * Hd].view(T, Hd)) and int(bell[1]) == 0
+    assert stats.tolist() == [[0, 0], [1, 0], [0, 0]]  # one hand-off, the CPU was done: not late
+    collect(y, cpu_out, no_work, seq, bell, torch.float32, stats=stats, layer=1)
+    assert stats.tolist() == [[0, 0], [1, 0], [0, 0]]  # no hand-off, nothing counted
 
     handoff(x, x_host, pack, pack_host, work, seq, bell)
-    out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3)  # nobody answers
+    out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3, stats=stats, layer=2)  # nobody answers
     assert int(seq[0]) == 2 and int(bell[1]) == 1
+    assert stats.tolist() == [[0, 0], [1, 0], [1, 1]]  # late
+    with pytest.raises(ValueError, match="layer 3"):
+        collect(y, cpu_out, work, seq, bell, torch.float32, stats=stats, layer=3)
     with pytest.raises(ValueError, match="int32"):
         handoff(x, x_host, pack, pack_host, work.long(), seq, bell)
     with pytest.raises(ValueError, match="fit"):

@@ -104,7 +104,7 @@ class ExpertRuntime:
         self.decode_path = DecodePath.EAGER
         self.decode_path_reason: str | None = None
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
-        self._reuse_seen: list[list[int]] | None = None  # the cache's reuse counters at the last read
+        self._reuse_seen: tuple | None = None  # (reuse, join stats, decode misses, decode steps) at the last read
         self._decode_steps = 0
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
@@ -313,12 +313,19 @@ class ExpertRuntime:
     def _observe_reuse(self) -> None:
         """Feed a per-layer policy the cache's reuse counters since the last read (one small host read,
         between steps: the previous step's sampling already synchronized) and push a changed table."""
-        now = self.cache.reuse.tolist()  # [L][net reuse, fills]
+        dd = self.device_decode
+        joins = dd.join_stats.tolist() if dd is not None else None  # [L][hand-offs, late]
+        now = (self.cache.reuse.tolist(), joins, self.hybrid.stats()["decode"]["misses"], self._decode_steps)
         seen, self._reuse_seen = self._reuse_seen, now
         if seen is None:
-            seen = [[0, 0]] * len(now)
-        obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(now, seen)],
-                               fills=[a[1] - b[1] for a, b in zip(now, seen)])
+            seen = ([[0, 0]] * len(now[0]), None if joins is None else [[0, 0]] * len(joins), now[2], now[3])
+        (reuse, joins, misses, steps), (reuse0, joins0, misses0, steps0) = now, seen
+        layer_steps = (steps - steps0) * self.cache.num_layers
+        obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(reuse, reuse0)],
+                               fills=[a[1] - b[1] for a, b in zip(reuse, reuse0)],
+                               handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
+                               late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
+                               misses_per_layer_step=(misses - misses0) / layer_steps if layer_steps > 0 else None)
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
 

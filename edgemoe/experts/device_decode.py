@@ -74,6 +74,8 @@ class DeviceDecode:
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
+        join_stats: ``[L, 2]`` int64 on the device, per MoE layer: hand-offs to the native executor and
+            those whose join found the CPU branch still running, since creation.
         cpu_branch: whether the CPU branch is enqueued at all (``False`` when every expert is resident,
             or when every step's misses fit the evictable slots and the policy fills them all).
         fills: whether ``gather_fills`` is launched (``False`` when every expert is resident).
@@ -123,6 +125,7 @@ class DeviceDecode:
         self.cpu_out = torch.zeros(max_tokens, H, dtype=torch.float32, device=dev)  # [T, H] CPU partial
         self.cuda = dev.type == "cuda"
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
+        self.join_stats = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device=dev)  # [L, (hand-offs, late)]
         self.bell = None
         if self.cpu_branch and cpu_executor.registers_steps:
             x_dtype = dt if dt in (torch.float32, torch.bfloat16) else torch.float32
@@ -234,7 +237,8 @@ class DeviceDecode:
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch and self.step is not None:  # waits, and adds the partial, only after a hand-off
-            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype)
+            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype, stats=self.join_stats,
+                                 layer=moe_layer)
         if self.cpu_branch:
             y = y + cpu_out
         return y.to(x.dtype)

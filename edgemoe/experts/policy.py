@@ -394,12 +394,20 @@ class LayerObservation:
             Their ratio is the net reuse of a fill (zero in expectation without routing locality).
         fill_samples: ``(fills, seconds, concurrent)`` of fill branches measured (any layers).
         cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
+        handoffs: ``[L]`` int, per MoE layer: decode layer steps that handed CPU work to the executor on
+            the device path; ``late``: ``[L]`` int, those whose join found the CPU branch still running
+            (the GPU had to wait for it). Their ratio says which branch finishes last.
+        misses_per_layer_step: mean misses (deduplicated experts) of one MoE layer's decode step over the
+            window, or ``None``.
     """
 
     reuse_net: list[int] | None = None
     fills: list[int] | None = None
     fill_samples: list[tuple[int, float, bool]] = field(default_factory=list)
     cpu_samples: list[tuple[int, float, bool]] = field(default_factory=list)
+    handoffs: list[int] | None = None
+    late: list[int] | None = None
+    misses_per_layer_step: float | None = None
 
 
 class AutoPolicy(ExpertPolicy):
@@ -424,6 +432,20 @@ class AutoPolicy(ExpertPolicy):
     (``[L, M + 1]``, :meth:`fill_table`) when any entry changes. No probe steps: every decision uses
     the current estimates.
 
+    ``t_save`` is the marginal time of one more miss at the measured mean miss count ``m̄`` of a layer
+    step (``T*(k) − T*(k − 1)``, ``k = max(1, round(m̄))``, ``T*`` the best split's time): about a whole
+    expert's branch time when a layer misses once or less, the balance value above for many misses.
+
+    Balance on the device path, where branch times are not measured per step: the join of each hand-off
+    records whether the CPU branch was still running when the GPU reached it (``late``). Over each
+    window with at least :attr:`balance_min_handoffs` hand-offs, a late fraction above
+    :attr:`balance_band`'s upper edge raises the CPU side's cost by one level (``2^(1/8)``, both its
+    fixed and per-expert time), below the lower edge lowers it; the levels are bounded
+    (:attr:`balance_levels`); a window with too few hand-offs to judge moves it one level back toward 1x,
+    so a CPU side priced out by a passing slowdown is tried again. The split then settles where the CPU
+    finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
+    than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
+
     Args:
         costs: the prior cost model (from the measured bandwidths and fixed costs).
         num_layers: ``L``, MoE layers.
@@ -439,6 +461,10 @@ class AutoPolicy(ExpertPolicy):
     per_layer = True
     fills_free_slots = True
     rebuild_tolerance = 0.01  # cost estimates closer than this (relative) to the last ones keep the split hulls
+    balance_band = (0.35, 0.65)  # late fraction of hand-offs inside which the CPU cost level stays
+    balance_min_handoffs = 8  # hand-offs a window needs before its late fraction moves the level
+    balance_levels = (-16, 24)  # CPU cost scale 2^(level/8): 0.25x .. 8x of the model's
+    miss_rate_decay = 0.5  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior_weight: float = 4.0, fit_halflife: float = 256.0):
@@ -454,8 +480,10 @@ class AutoPolicy(ExpertPolicy):
         self.cpu_fit = EwLinearFit(costs.cpu_fixed_s, costs.cpu_s, fit_halflife)
         self._table: list[list[int]] = []
         self._tensor: torch.Tensor | None = None
-        self._hulls: list[tuple[list[int], list[float]]] = []
         self._hull_costs: MissCosts | None = None
+        self._hulls_by_level: dict[int, list[tuple[list[int], list[float]]]] = {}
+        self.cpu_level = 0
+        self.miss_rate: float | None = None
         self._rebuild()
 
     @classmethod
@@ -511,17 +539,40 @@ class AutoPolicy(ExpertPolicy):
             self._tensor = torch.tensor(self._table, dtype=torch.int32)
         return self._tensor
 
+    @property
+    def cpu_scale(self) -> float:
+        """The balance controller's factor on the CPU branch's modeled time (1.0 until it moves)."""
+        return 2.0 ** (self.cpu_level / 8)
+
+    def effective_costs(self) -> MissCosts:
+        """The cost model the table is built from: the estimates with the CPU side scaled by :attr:`cpu_scale`."""
+        c, k = self.costs, self.cpu_scale
+        return replace(c, cpu_s=c.cpu_s * k, cpu_conc_s=c.cpu_conc_s * k, cpu_fixed_s=c.cpu_fixed_s * k)
+
+    def t_save(self, c: MissCosts) -> float:
+        """Seconds one fewer miss saves a layer step (see the class docstring)."""
+        if self.miss_rate is None:
+            return c.fill_s * c.cpu_s / (c.fill_s + c.cpu_s)
+        k = max(1, min(self.M, round(self.miss_rate)))
+
+        def best(m: int) -> float:
+            return min(c.split_seconds(m, q, self.armed) for q in range(m + 1))
+
+        return max(best(k) - best(k - 1), 0.0)
+
     def _rebuild(self) -> bool:
-        c = self.costs
-        if not _close(c, self._hull_costs, self.rebuild_tolerance):  # new hulls (M + 1 of at most M + 1 points)
-            self._hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)])
-                           for m in range(self.M + 1)]
-            self._hull_costs = c
-        t_save = c.fill_s * c.cpu_s / (c.fill_s + c.cpu_s)
+        if not _close(self.costs, self._hull_costs, self.rebuild_tolerance):
+            self._hulls_by_level, self._hull_costs = {}, self.costs  # new estimates: every level's hulls are stale
+        c = self.effective_costs()
+        hulls = self._hulls_by_level.get(self.cpu_level)
+        if hulls is None:  # M + 1 hulls of at most M + 1 points, kept per level (the controller revisits levels)
+            hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)]) for m in range(self.M + 1)]
+            self._hulls_by_level[self.cpu_level] = hulls
+        t_save = self.t_save(c)
         table = []
         for r in self.reuse:
             v = max(r, 0.0) * t_save
-            table.append([hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in self._hulls])
+            table.append([hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls])
         changed = table != self._table
         if changed:
             self._table, self._tensor = table, None
@@ -535,6 +586,19 @@ class AutoPolicy(ExpertPolicy):
             for layer, (net, n) in enumerate(zip(obs.reuse_net, obs.fills)):
                 self._net[layer] = self._net[layer] * d + net
                 self._n[layer] = self._n[layer] * d + n
+        if obs.misses_per_layer_step is not None:
+            prev, w, m = self.miss_rate, self.miss_rate_decay, obs.misses_per_layer_step
+            self.miss_rate = m if prev is None else w * prev + (1 - w) * m
+        if obs.handoffs is not None:
+            lo, hi = self.balance_levels
+            if (n := sum(obs.handoffs)) >= self.balance_min_handoffs:
+                frac = sum(obs.late) / n
+                if frac > self.balance_band[1]:
+                    self.cpu_level = min(self.cpu_level + 1, hi)
+                elif frac < self.balance_band[0]:
+                    self.cpu_level = max(self.cpu_level - 1, lo)
+            elif self.cpu_level:  # too few hand-offs to judge (e.g. the CPU side was priced out): drift back
+                self.cpu_level -= 1 if self.cpu_level > 0 else -1
         p = self.prior
         if obs.fill_samples or obs.cpu_samples:
             for n, t, conc in obs.fill_samples:

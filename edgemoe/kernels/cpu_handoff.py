@@ -11,7 +11,8 @@ Two kernels do the device side:
 - :func:`collect`: the layer's output ``y`` (GPU experts' sum, float32) cast to the model dtype; when
   the layer had CPU work, each program first polls the done word until it reaches ``seq`` (the same
   deadlock guard as :func:`edgemoe.kernels.doorbell.wait`) and adds the CPU partial, read from pinned
-  host memory.
+  host memory. It can count, per layer, the hand-offs and those where the GPU had to wait for the CPU
+  (the signal the ``auto`` policy balances its split on).
 
 Against two device-to-host copies, a ring, a wait, a host-to-device copy and two element-wise kernels,
 a layer whose misses are all filled (most layers at a high hit rate) now pays for two launches that
@@ -66,8 +67,9 @@ def _handoff_kernel(x_ptr, xh_ptr, n_x, pack_ptr, packh_ptr, n_pack, work_ptr, s
 
 
 @triton.jit
-def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max_polls, BLOCK: tl.constexpr,
-                    DONE: tl.constexpr, GAVE_UP: tl.constexpr, FENCE: tl.constexpr):
+def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max_polls, stats_ptr, layer,
+                    BLOCK: tl.constexpr, DONE: tl.constexpr, GAVE_UP: tl.constexpr, FENCE: tl.constexpr,
+                    STATS: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -77,6 +79,10 @@ def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max
         target = tl.load(seq_ptr)
         done = tl.load(bell_ptr + DONE, volatile=True)
         gave_up = tl.load(bell_ptr + GAVE_UP, volatile=True)
+        if STATS:
+            if pid == 0:  # one hand-off; late when the CPU branch was still running as the GPU got here
+                tl.atomic_add(stats_ptr + layer * 2, 1)
+                tl.atomic_add(stats_ptr + layer * 2 + 1, (done < target).to(tl.int64))
         polls = tl.where(gave_up > 0, max_polls, 0)  # the server is gone: do not wait again
         while (done < target) & (polls < max_polls):
             done = tl.load(bell_ptr + DONE, volatile=True)
@@ -124,7 +130,8 @@ def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host
 
 
 def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: torch.Tensor, bell: torch.Tensor,
-            dtype: torch.dtype, max_polls: int = MAX_POLLS) -> torch.Tensor:
+            dtype: torch.dtype, max_polls: int = MAX_POLLS, stats: torch.Tensor | None = None,
+            layer: int = 0) -> torch.Tensor:
     """The layer's output: ``y`` plus, when the layer had CPU work, the executor's partial once it is done.
 
     Args:
@@ -133,6 +140,10 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
         work, seq, bell: as in :func:`handoff`; the wait polls ``bell[8]`` until it reaches ``seq[0]``
             (at most ``max_polls`` polls; a give-up is counted in ``bell[1]``, and the partial is then wrong).
         dtype: the output dtype.
+        stats: ``[L, 2]`` int64 on the device, or ``None``: after a hand-off, ``stats[layer, 0]`` counts it
+            and ``stats[layer, 1]`` counts it as late when the done word had not reached ``seq`` at the
+            join's first look (the GPU waited for the CPU branch).
+        layer: the MoE layer's row of ``stats``.
 
     Returns:
         ``[T, H]`` in ``dtype``: ``y + cpu_out[:T]`` when ``work[0] > 0``, else ``y``.
@@ -144,9 +155,15 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
     if y.dtype != torch.float32 or cpu_out.dtype != torch.float32 or not y.is_contiguous() \
             or cpu_out.numel() < y.numel():
         raise ValueError("y and the CPU partial must be float32, y contiguous, the partial at least as large")
+    if stats is not None and (stats.dtype != torch.int64 or stats.dim() != 2 or stats.shape[1] != 2
+                              or not 0 <= layer < stats.shape[0]):
+        raise ValueError(f"stats must be [L, 2] int64 with layer {layer} in range, got {stats.dtype} "
+                         f"{tuple(stats.shape)}")
     out = torch.empty(y.shape, dtype=dtype, device=y.device)
     n = y.numel()
     _collect_kernel[(triton.cdiv(n, COLLECT_BLOCK),)](y, out, cpu_out, n, work, seq, bell, int(max_polls),
+                                                      seq if stats is None else stats, int(layer),
                                                       BLOCK=COLLECT_BLOCK, DONE=8, GAVE_UP=1,
-                                                      FENCE=y.device.type == "cuda", num_warps=4)
+                                                      FENCE=y.device.type == "cuda", STATS=stats is not None,
+                                                      num_warps=4)
     return out
