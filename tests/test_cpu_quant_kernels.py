@@ -222,3 +222,72 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt):
         part = torch.zeros(8, pool.hidden)
         ex.run(x, [(1, toks, wt[toks])], part)
         assert torch.equal(part[toks], full[toks])
+
+
+def _crafted_pool(fmt: str, H: int, I: int, seed: int) -> HostExpertPool:
+    """A bf16-computing pool whose codes and scales the kernels' special cases hit: FP8 rows cycling
+    through every finite e4m3 code (subnormals, ±0, the largest), MXFP4 rows with E8M0 scale bytes
+    spread over 0 .. 254 plus their extremes (0: 2^-127, 1, 254), small enough where the products
+    would overflow."""
+    pool = HostExpertPool(2, ExpertLayout.build(FORMATS[fmt], H, I), torch.bfloat16)
+    pool.fill_random(seed=seed, std=0.05)
+    lay, g = pool.layout, torch.Generator().manual_seed(seed)
+    for name in ("w13", "w2"):
+        codes = lay.view(pool.bank, name)  # [2, rows, K or K/2]
+        if fmt == "fp8":
+            finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+            idx = torch.randint(0, finite.numel(), codes.shape, generator=g)
+            codes.view(torch.uint8).copy_(finite[idx])
+        else:
+            scales = lay.view(pool.bank, f"{name}_scale")  # [2, rows, K / 32] uint8
+            s = torch.randint(100, 140, scales.shape, generator=g, dtype=torch.int32)
+            s[..., 0] = 0
+            s[0, 0::3, -1] = 1
+            s[1, 1::3, -1] = 254  # with codes of magnitude <= 1 (2^127 at most): finite weights
+            if s.shape[-1] > 1:
+                s[1, 2::3, 1] = 150
+            scales.copy_(s.to(torch.uint8))
+            big = s[..., -1] == 254
+            row = codes[..., -16:]  # the last scale group of each row
+            row[big] = row[big] & 0xAA  # every nibble's magnitude bits <= 0b010 (e2m1 <= 1.0), sign kept
+    return pool
+
+
+@pytest.mark.parametrize("fmt,H,I", [("fp8", 352, 224), ("mxfp4", 352, 224), ("mxfp4", 256, 128)])
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_crafted_codes_and_scales_match_the_reference(isa, fmt, H, I):
+    """Every finite FP8 code (subnormal codes exact, not flushed) and MXFP4 scales across the E8M0 range
+    (the power-of-two post-scaling of whole blocks of 128, and the in-order chunks of the K % 128 tail)
+    give the reference's numbers at every ISA level; rows are whole 128-blocks plus a tail of 96."""
+    _skip_unsupported(isa, fmt, torch.bfloat16)
+    pool = _crafted_pool(fmt, H, I, seed=11)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(5)) * (1e-30 if fmt == "mxfp4" else 1.0)
+    work = [(0, torch.tensor([0, 2, 4]), torch.tensor([0.5, 1.0, 0.25])),
+            (1, torch.tensor([1, 2, 3, 4]), torch.tensor([1.0, 0.5, 0.75, 0.3]))]
+    ref = reference(pool, x, work)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    out = torch.zeros(5, H)
+    _executor(pool, isa, 1).run(x, work, out)
+    assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{fmt} {isa}: relative error {_rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_token_tiles_and_remainders(fmt):
+    """Token counts that hit every tile shape of the kernels (1-2 tokens x 4 rows, 3-4 x 2, 5-8 x 1, the
+    FP8 buffered path above 4, several tiles of 8 with a remainder) and row counts with a row tail: each
+    token gets the bits it gets alone, and the reference's numbers."""
+    pool = _pool(fmt, "odd", torch.bfloat16)
+    isa = native.supported_isas(FORMATS[fmt])[-1]
+    ex = _executor(pool, isa, 2)
+    x = torch.randn(19, pool.hidden, generator=torch.Generator().manual_seed(19))
+    wt = torch.rand(19, generator=torch.Generator().manual_seed(20)) + 0.1
+    alone = torch.zeros(19, pool.hidden)
+    for t in range(19):
+        ex.run(x, [(2, torch.tensor([t]), wt[t:t + 1])], alone)
+    for n in (2, 4, 5, 7, 8, 12, 19):
+        toks = torch.arange(n)
+        out = torch.zeros(19, pool.hidden)
+        ex.run(x, [(2, toks, wt[:n])], out)
+        assert torch.equal(out[:n], alone[:n]), f"{fmt}: {n} tokens on one expert"
+        ref = reference(pool, x[:n], [(2, toks, wt[:n])])
+        assert _rel_err(out[:n], ref) < TOL[torch.bfloat16]

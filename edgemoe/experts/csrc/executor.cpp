@@ -273,7 +273,7 @@ struct Executor::Job {
   const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
   const void* const* aptr;  // [R] SiLU·up row of each route (phase 2 input)
   float* act_f32;           // [R, I] when act == F32
-  uint16_t* act_bf16;       // [R, I] when act == BF16
+  uint16_t* act_bf16;       // [R, I] when act is BF16 or BF16_Q128
   bool round_act;           // F32 activations of a bf16 computation are rounded to bf16 values
   bool bf16_points;         // bf16 compute: round where the torch path's bf16 ops do (gate, up, SiLU, y, y·w)
   alignas(64) std::atomic<int64_t> next1{0};
@@ -343,9 +343,9 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   // ---- activations: x in the kernel's operand format (a bf16 computation uses bf16-rounded x)
   int64_t ldx;
   const void* xa = prepare_x(ks, bf16c, s.x, s.x_fmt, T, H, H, &ldx);
-  const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
+  const size_t asize = is_bf16_act(ks.act) ? 2 : 4;
   uint8_t* abase;
-  if (ks.act == ActFormat::BF16) {
+  if (is_bf16_act(ks.act)) {
     act_bf16_.resize(R * I);
     abase = reinterpret_cast<uint8_t*>(act_bf16_.data());
   } else {
@@ -433,6 +433,10 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
     if (J.act == ActFormat::BF16) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
       for (int64_t r = 0; r < rows; ++r) dst[r] = f32_to_bf16((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
+    } else if (J.act == ActFormat::BF16_Q128) {
+      uint16_t* dst = J.act_bf16 + (r0 + j) * I;
+      for (int64_t r = 0; r < rows; ++r)
+        dst[q128_pos(i0 + r, I)] = f32_to_bf16((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
     } else {
       float* dst = J.act_f32 + (r0 + j) * I + i0;
       if (J.round_act)
@@ -470,6 +474,20 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
 const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T,
                                 int64_t H, int64_t ldx, int64_t* ld_out) {
   *ld_out = H;
+  if (ks.act == ActFormat::BF16_Q128) {  // permuted copy, from bf16 or rounded from float32
+    x_bf16_.resize(T * H);
+    for (int64_t t = 0; t < T; ++t) {
+      uint16_t* dst = x_bf16_.data() + t * H;
+      if (x_fmt == 1) {
+        const uint16_t* xr = static_cast<const uint16_t*>(x) + t * ldx;
+        for (int64_t i = 0; i < H; ++i) dst[q128_pos(i, H)] = xr[i];
+      } else {
+        const float* xr = static_cast<const float*>(x) + t * ldx;
+        for (int64_t i = 0; i < H; ++i) dst[q128_pos(i, H)] = f32_to_bf16(xr[i]);
+      }
+    }
+    return x_bf16_.data();
+  }
   if (ks.act == ActFormat::BF16) {
     if (x_fmt == 1) {
       *ld_out = ldx;
@@ -543,7 +561,7 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
   std::lock_guard<std::mutex> lock(run_mutex_);
   int64_t lda;
   const void* xa = prepare_x(ks, fmt == WeightFormat::BF16, x, x_fmt, M, K, ldx, &lda);
-  const size_t asize = ks.act == ActFormat::BF16 ? 2 : 4;
+  const size_t asize = is_bf16_act(ks.act) ? 2 : 4;
   xptr_.resize(M);
   for (int64_t m = 0; m < M; ++m) xptr_[m] = static_cast<const uint8_t*>(xa) + m * lda * asize;
   const int p = pool_.size();

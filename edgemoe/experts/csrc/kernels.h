@@ -37,8 +37,20 @@ constexpr bool is_quantized(WeightFormat f) {
 
 // Format of the activation operand a kernel consumes (x for phase 1, a for phase 2).
 // F32 kernels dequantize weights to float32 lanes and FMA; the AVX-512-BF16 kernel feeds
-// `vdpbf16ps`, which needs both operands in bf16.
-enum class ActFormat : int32_t { F32 = 0, BF16 = 1 };
+// `vdpbf16ps`, which needs both operands in bf16. BF16_Q128 is bf16 with every whole block of 128
+// elements of a row stored quad-interleaved (q128_pos): the order in which the AVX-512-BF16 quantized
+// kernels decode a 64-byte line of FP4 codes (four nibbles of a 16-bit word are elements 4i .. 4i + 3,
+// one word shift apart) or two lines of FP8 codes, so the weights need no cross-lane shuffle into
+// element order; the activation is permuted once per step instead.
+enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2 };
+
+// Position of element k of a K-element activation row in the BF16_Q128 layout: in the block of 128
+// elements holding k, run k % 4 (32 elements) at offset (k % 128) / 4; the last K % 128 elements stay
+// in order.
+constexpr int64_t q128_pos(int64_t k, int64_t K) {
+  return k >= K - K % 128 ? k : (k & ~int64_t{127}) + (k & 3) * 32 + ((k & 127) >> 2);
+}
+constexpr bool is_bf16_act(ActFormat a) { return a == ActFormat::BF16 || a == ActFormat::BF16_Q128; }
 
 // Instruction-set levels, ordered: a level implies every lower one is usable on the same CPU.
 enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };

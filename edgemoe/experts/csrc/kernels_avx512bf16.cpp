@@ -5,21 +5,22 @@
 // the GPU path compute with too. float32 weights have no kernel at this level: select_isa() then picks
 // the AVX-512F one.
 //
-// Quantized rows computing in bf16 (FP8 block, MXFP4, NVFP4): each 32-element chunk of a row is
-// dequantized in registers straight to the bf16 values the torch path computes with,
-// bf16(float32(code * scale)), then fed to `vdpbf16ps`:
-//   FP8    32 e4m3 bytes -> two float32 vectors (bit placement + one exact multiply, as in
-//          kernel_impl.h), times the block scale, -> `vcvtne2ps2bf16` (nearest even);
-//   MXFP4  16 bytes of nibbles -> 32 word indices (dword j = byte j | byte j << 12: low word's low
-//          nibble = element 2j, high word = element 2j + 1) into a 32-entry bf16 table of the 16
-//          e2m1 values times the chunk's 2^(e8m0 - 127) (`vpermw`; the table is built by one float32
-//          multiply and `vcvtne2ps2bf16`, and is duplicated so index bit 4 is ignored);
-//   NVFP4  as MXFP4, the chunk's two groups of 16 with their own tables in the two halves of the
-//          32-entry table: float32(e2m1 * float32(float(e4m3 scale) * global_scale)), rounded to bf16.
-// The e2m1 * scale products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16`
-// rounds to nearest even as .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat
-// float32 subnormal inputs as zero: weights below 2^-126 in magnitude (which no release has) count
-// as zero here.
+// Quantized rows computing in bf16 (FP8 block, MXFP4, NVFP4), fed to `vdpbf16ps` with bf16 activations:
+//   FP8    whole blocks of 128 columns (two lines of codes) decoded in the BF16_Q128 order of the
+//          activation (kernels.h): word shifts place each e4m3 byte's sign and magnitude bits where a
+//          float32 wants them (no widening shuffle), one exact multiply by the block scale, and
+//          `vcvtne2ps2bf16` (nearest even): the bf16 values bf16(float32(code * scale)) of the torch path;
+//   MXFP4  whole blocks of 128 (one line of nibbles) in the BF16_Q128 order: the four nibbles of each
+//          16-bit word are shifted down and looked up in one fixed e2m1 -> bf16 table (`vpermw`); the
+//          e8m0 scale, a power of two, multiplies the block's partial sums (one FMA), which is exact up
+//          to float32 summation order;
+//   NVFP4  in element order, chunk by chunk: 32 word indices into a 32-entry bf16 table holding the
+//          chunk's two groups of 16: float32(e2m1 * float32(float(e4m3 scale) * global_scale)),
+//          rounded to bf16 (bf16 rounding per weight makes post-scaling inexact here);
+//   the last K % 128 elements of FP8 and MXFP4 rows take that per-chunk path too (DecFP8, DecMXFP4).
+// Products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16` rounds to nearest even as
+// .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat float32 subnormal inputs as zero:
+// weights below 2^-126 in magnitude (which no release has) count as zero here.
 #include <cstdint>
 #include <cstring>
 
@@ -141,7 +142,7 @@ struct DecFP8 {
   static __m512i convert(__m512 lo, __m512 hi, float sc) {
     // code * 2^-120 * (sc * 2^120) is the product code * sc, rounded once, while sc * 2^120 is exact;
     // a scale >= 2^8 (far above any release's) takes the two multiplies instead.
-    if (sc < 0x1p8f && sc > -0x1p8f) {
+    if (__builtin_expect(sc < 0x1p8f && sc > -0x1p8f, 1)) {
       const __m512 m = _mm512_set1_ps(sc * 0x1p120f);
       lo = _mm512_mul_ps(lo, m);
       hi = _mm512_mul_ps(hi, m);
@@ -232,11 +233,17 @@ struct DecNVFP4 {
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
 
+// ---------------------------------------------------------------------------- rows in element order
+// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
+constexpr int64_t kDecodeBufK = 8192;
+
+// NVFP4 keeps this path (its Q128 step, StepNVFP4, measured no faster at one token and half as fast at
+// eight): each chunk of 32 is dequantized to its final bf16 weights through per-group tables.
 // y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens; K walked one 64-byte line of codes per step
 // (D::kLine elements, 32 per `vdpbf16ps`), the same line EDGEMOE_PREFETCH_BLOCKS row blocks ahead
 // prefetched into L2, then whole chunks of 32 and one masked chunk. Fixed operation order per (r, j).
 template <class D, int RB, int NT>
-inline void micro_q(const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
+inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
                     int64_t pf) {
   __m512 acc[RB][NT];
 #pragma GCC unroll 16
@@ -292,20 +299,20 @@ inline void micro_q(const typename D::Row* rows, int64_t K, const uint16_t* cons
 }
 
 template <class D, int RB>
-inline void micro_q_tile(int nt, const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y,
+inline void micro_n_tile(int nt, const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y,
                          int64_t ldy, int64_t pf) {
   switch (nt) {
-    case 4: return micro_q<D, RB, 4>(rows, K, a, y, ldy, pf);
-    case 3: return micro_q<D, RB, 3>(rows, K, a, y, ldy, pf);
-    case 2: return micro_q<D, RB, 2>(rows, K, a, y, ldy, pf);
-    default: return micro_q<D, RB, 1>(rows, K, a, y, ldy, pf);
+    case 4: return micro_n<D, RB, 4>(rows, K, a, y, ldy, pf);
+    case 3: return micro_n<D, RB, 3>(rows, K, a, y, ldy, pf);
+    case 2: return micro_n<D, RB, 2>(rows, K, a, y, ldy, pf);
+    default: return micro_n<D, RB, 1>(rows, K, a, y, ldy, pf);
   }
 }
 
 // Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16 rows of `buf` (K elements each, `ld` apart):
 // the same chunks, in the same order, that micro_q feeds to `vdpbf16ps`.
 template <class D>
-inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
+inline void decode_rows_n(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
   alignas(64) float eff[16];
   for (int i = 0; i < nr; ++i) {
     const typename D::Row row = D::row(w, row0 + i);
@@ -327,16 +334,13 @@ inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, ui
   }
 }
 
-// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
-constexpr int64_t kDecodeBufK = 8192;
 
-// GemvFn for quantized rows computing in bf16 (WeightView::bf16_weights; the executor never selects
-// this level for a float32 computation), bf16 activations; blocking as kernel_impl.h's gemv. With more
+// GemvFn of the natural-order path (NVFP4: ActFormat::BF16 activations); blocking as kernel_impl.h's gemv. With more
 // tokens than one tile, a row block is dequantized once into a stack buffer and every tile runs the
 // bf16 micro-kernel over it (the same `vdpbf16ps` sequence per (row, token) as the fused micro_q, so
 // results do not depend on the token count).
 template <class D>
-void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+void gemv_n_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                int64_t ldy) {
   constexpr int RB = 4, NT = 4;
   const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
@@ -347,7 +351,7 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
     for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
     for (int64_t r = 0; r < nrows; r += RB) {
       const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
-      decode_rows<D>(w, row0 + r, nr, K, buf, ld);
+      decode_rows_n<D>(w, row0 + r, nr, K, buf, ld);
       for (int j0 = 0; j0 < n; j0 += NT) {
         const int nt = n - j0 < NT ? n - j0 : NT;
         if (nr == RB) {
@@ -365,29 +369,305 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
     for (int i = 0; i < RB; ++i) rows[i] = D::row(w, row0 + r + i);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_q_tile<D, RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+      micro_n_tile<D, RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
     }
   }
   for (; r < nrows; ++r) {
     rows[0] = D::row(w, row0 + r);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_q_tile<D, 1>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
+      micro_n_tile<D, 1>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- whole 128-element blocks
+// A block of 128 elements at k (k % 128 == 0) is decoded without any shuffle into element order: the
+// activation is in the BF16_Q128 layout (kernels.h), where chunk c of the block (32 bf16 at offset 32c)
+// holds elements k + 4i + c, i < 32. A step decoder S (derived from the row decoder D above, whose
+// chunk/tail serve the last K % 128 elements, in order) provides
+//   kChunks, kScales: step(row, k, w, s) writes kChunks bf16 weight vectors (w[c] pairs with activation
+//   chunk c % 4) and kScales float32 multipliers; with kScales == 0 the weights are final (FP8) and are
+//   accumulated straight into the (row, token) accumulator, else chunks 4g .. 4g + 3 are accumulated
+//   into two fresh partials (chunks 0, 1 and 2, 3: half the `vdpbf16ps` dependency chain) whose sum is
+//   multiplied by s[g] and added (one FMA per block and token).
+// Post-scaling (MXFP4) is exact up to the float32 summation order: each `vdpbf16ps` product of a bf16
+// activation and an e2m1 value is exact in float32, and multiplying by a power of two is exact, so
+// scaling the partial sums instead of each weight changes only where the sums round.
+
+// 16-bit words of e2m1 codes -> bf16 e2m1 values (vpermw reads index bits 0..4: entries 16..31 repeat).
+alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040,
+    0xc080, 0xc0c0, 0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
+    0xc000, 0xc040, 0xc080, 0xc0c0};
+
+// 64 bytes of nibbles (128 elements) -> the four Q128 chunks: word i of the line holds elements 4i .. 4i + 3
+// in its four nibbles, so chunk c is the line shifted right by 4c, looked up through `lut`.
+inline void fp4_chunks(const uint8_t* p, __m512i lut, __m512i* w) {
+  const __m512i b = _mm512_loadu_si512(p);
+  w[0] = _mm512_permutexvar_epi16(b, lut);
+  w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
+  w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), lut);
+  w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), lut);
+}
+
+// MXFP4: the e2m1 values themselves; chunk lane pair 2l, 2l + 1 (float32 lane l of the partial) holds
+// elements 8l + c, 8l + 4 + c, all in scale group l / 4, so s[0] lane l = 2^(e8m0[k / 32 + l / 4] - 127):
+// the four scale bytes broadcast, byte l / 4 moved to the low byte of dword l (vpshufb), shifted to the
+// exponent field. E8M0 0 (2^-127) gives scale 0, as the weights e2m1 * 2^-127 are below bf16's normal
+// range and `vdpbf16ps` flushes them (the per-weight path gives zero too); 255 (NaN) gives an infinite
+// scale and a non-finite result.
+struct StepMXFP4 : DecMXFP4 {
+  static constexpr int kChunks = 4, kScales = 1, kLines = 1;
+  static void step(const Row& row, int64_t k, __m512i* w, __m512* s) {
+    fp4_chunks(row.p + (k >> 1), _mm512_load_si512(kE2M1Bf16), w);
+    int32_t b4;
+    std::memcpy(&b4, row.s + (k >> 5), sizeof b4);
+    const __m512i ctrl = _mm512_set_epi32(
+        static_cast<int>(0x80808003u), static_cast<int>(0x80808003u), static_cast<int>(0x80808003u),
+        static_cast<int>(0x80808003u), static_cast<int>(0x80808002u), static_cast<int>(0x80808002u),
+        static_cast<int>(0x80808002u), static_cast<int>(0x80808002u), static_cast<int>(0x80808001u),
+        static_cast<int>(0x80808001u), static_cast<int>(0x80808001u), static_cast<int>(0x80808001u),
+        static_cast<int>(0x80808000u), static_cast<int>(0x80808000u), static_cast<int>(0x80808000u),
+        static_cast<int>(0x80808000u));
+    s[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), ctrl), 23));
+  }
+};
+
+// FP8 block-128: two lines of codes (128 elements, one block column). As 16-bit words, word 2i of a line
+// holds elements 4i (low byte) and 4i + 1, word 2i + 1 elements 4i + 2 and 4i + 3; an arithmetic word
+// shift right by 4 puts the high byte's sign on bit 15 and its 7 magnitude bits on bits 4..10, i.e. the
+// dword's high word at float32 bits 20..26 with the sign on bit 31 (e4m3_to_f32's placement): element
+// 4i + 3 directly, 4i + 1 after a dword shift left by 16; the low bytes likewise after a word shift left
+// by 8. Then the exact product with the block scale, rounded to bf16 nearest-even (DecFP8::convert):
+// chunk c = elements 4i + c of the first line (words 0..15) and of the second (16..31).
+struct StepFP8 : DecFP8 {
+  static constexpr int kChunks = 4, kScales = 0, kLines = 2;
+  static void raw4(const uint8_t* p, __m512* e) {
+    const __m512i d = _mm512_loadu_si512(p);
+    const __m512i m = _mm512_set1_epi32(static_cast<int>(0x87f00000u));
+    const __m512i hi = _mm512_srai_epi16(d, 4), lo = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
+    e[0] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(lo, 16), m));
+    e[1] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(hi, 16), m));
+    e[2] = _mm512_castsi512_ps(_mm512_and_si512(lo, m));
+    e[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, m));
+  }
+  static void step(const Row& row, int64_t k, __m512i* w, __m512*) {  // one scale: scale_cols >= 128
+    __m512 e0[4], e1[4];
+    raw4(row.p + k, e0);
+    raw4(row.p + k + 64, e1);
+    const float sc = row.s[k >> row.shift];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) w[c] = convert(e0[c], e1[c], sc);
+  }
+};
+
+// FP8 with blocks narrower than 128 columns (16, 32 or 64; no release has them): a scale per lane,
+// (code * 2^120) * scale as in DecFP8::convert's general case.
+struct StepFP8Narrow : StepFP8 {
+  __attribute__((noinline)) static void step(const Row& row, int64_t k, __m512i* w, __m512*) {
+    __m512 e0[4], e1[4];
+    raw4(row.p + k, e0);
+    raw4(row.p + k + 64, e1);
+    const __m512 e = _mm512_set1_ps(0x1p120f);
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) float s0[16], s1[16];
+      for (int i = 0; i < 16; ++i) {
+        s0[i] = row.s[(k + 4 * i + c) >> row.shift];
+        s1[i] = row.s[(k + 64 + 4 * i + c) >> row.shift];
+      }
+      w[c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_mul_ps(e1[c], e), _mm512_load_ps(s1)),
+                                          _mm512_mul_ps(_mm512_mul_ps(e0[c], e), _mm512_load_ps(s0)));
+    }
+  }
+};
+
+// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens, activations in the BF16_Q128 layout: whole blocks
+// of 128 through S::step (each row's block decoded once for all NT tokens; its lines EDGEMOE_PREFETCH_BLOCKS
+// row blocks ahead prefetched into L2), then the last K % 128 elements in order through the row decoder:
+// chunks of 32 and one masked chunk. Fixed operation order per (r, j), whatever RB and NT.
+template <class S, int RB, int NT>
+inline void micro_q(const typename S::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
+                    int64_t pf) {
+  __m512 acc[RB][NT];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t full = K - K % 128;
+  int64_t k = 0;
+  for (; k < full; k += 128) {
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
+#pragma GCC unroll 2
+        for (int l = 0; l < S::kLines; ++l)
+          __builtin_prefetch(S::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+                             EDGEMOE_PREFETCH_LOCALITY);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      __m512i w[S::kChunks];
+      __m512 s[S::kScales > 0 ? S::kScales : 1];
+      S::step(rows[r], k, w, s);
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) {
+        const uint16_t* aj = a[j] + k;
+        if constexpr (S::kScales == 0) {
+#pragma GCC unroll 8
+          for (int c = 0; c < S::kChunks; ++c)
+            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[c], (__m512bh)_mm512_loadu_si512(aj + 32 * (c & 3)));
+        } else {
+#pragma GCC unroll 2
+          for (int g = 0; g < S::kScales; ++g) {  // two partials of two chunks: half the dependency chain
+            __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[4 * g], (__m512bh)_mm512_loadu_si512(aj));
+            __m512 p1 =
+                _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[4 * g + 2], (__m512bh)_mm512_loadu_si512(aj + 64));
+            p0 = _mm512_dpbf16_ps(p0, (__m512bh)w[4 * g + 1], (__m512bh)_mm512_loadu_si512(aj + 32));
+            p1 = _mm512_dpbf16_ps(p1, (__m512bh)w[4 * g + 3], (__m512bh)_mm512_loadu_si512(aj + 96));
+            acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s[g], acc[r][j]);
+          }
+        }
+      }
+    }
+  }
+  if (k < K) {  // the last K % 128 elements, in order
+    alignas(64) float eff[RB][16];
+    for (int r = 0; r < RB; ++r) S::line(rows[r], k, K - k, eff[r]);
+    const int64_t k_line = k;
+    for (; k + 32 <= K; k += 32) {
+      __m512i wv[RB];
+      for (int r = 0; r < RB; ++r) wv[r] = S::chunk(rows[r], k, eff[r] + ((k - k_line) >> 4));
+      for (int j = 0; j < NT; ++j) {
+        const __m512i av = _mm512_loadu_si512(a[j] + k);
+        for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+      }
+    }
+    if (k < K) {  // masked: activation lanes past K load as zero (and the weights there are finite)
+      const int n = static_cast<int>(K - k);
+      __m512i wv[RB];
+      for (int r = 0; r < RB; ++r) wv[r] = S::tail(rows[r], k, n, eff[r] + ((k - k_line) >> 4));
+      for (int j = 0; j < NT; ++j) {
+        const __m512i av = _mm512_maskz_loadu_epi16(mask32(n), a[j] + k);
+        for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// Row blocks of RB rows for a tile of nt <= NT tokens (templates instantiated only up to NT), then the
+// nrows % RB row tail one row at a time.
+template <class S, int RB, int NT>
+inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const uint16_t* const* a,
+                      float* y, int64_t ldy) {
+  typename S::Row rows[RB];
+  int64_t r = 0;
+  for (; r + RB <= nrows; r += RB) {
+    for (int i = 0; i < RB; ++i) rows[i] = S::row(w, row0 + r + i);
+    micro_q<S, RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
+  }
+  for (; r < nrows; ++r) {
+    rows[0] = S::row(w, row0 + r);
+    micro_q<S, 1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
+  }
+}
+
+// Dequantizes rows [row0, row0 + nr) (nr <= 4) of a format with final weights (S::kScales == 0) into bf16
+// rows of `buf` (K elements each, `ld` apart) in the activation's BF16_Q128 order: the chunks micro_q feeds
+// to `vdpbf16ps`, in the same order, so micro_dp over the buffer computes the same bits.
+template <class S>
+inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
+  static_assert(S::kScales == 0, "post-scaled formats have no bf16 row to buffer");
+  alignas(64) float eff[16];
+  const int64_t full = K - K % 128;
+  for (int i = 0; i < nr; ++i) {
+    const typename S::Row row = S::row(w, row0 + i);
+    uint16_t* dst = buf + i * ld;
+    int64_t k = 0;
+    for (; k < full; k += 128) {
+      for (int l = 0; l < S::kLines; ++l)
+        __builtin_prefetch(S::addr(row, k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
+                           EDGEMOE_PREFETCH_LOCALITY);
+      __m512i wv[S::kChunks];
+      S::step(row, k, wv, nullptr);
+      for (int c = 0; c < S::kChunks; ++c) _mm512_storeu_si512(dst + k + 32 * c, wv[c]);
+    }
+    if (k < K) S::line(row, k, K - k, eff);
+    const int64_t k_line = k;
+    for (; k + 32 <= K; k += 32) _mm512_storeu_si512(dst + k, S::chunk(row, k, eff + ((k - k_line) >> 4)));
+    if (k < K) {
+      const int n = static_cast<int>(K - k);
+      _mm512_mask_storeu_epi16(dst + k, mask32(n), S::tail(row, k, n, eff + ((k - k_line) >> 4)));
+    }
+  }
+}
+
+// GemvFn for quantized rows computing in bf16 (WeightView::bf16_weights; the executor never selects
+// this level for a float32 computation), BF16_Q128 activations. Tokens in tiles of up to 8, each row's
+// blocks decoded once per tile: 4 rows x 1..2 tokens, 2 rows x 3..4, 1 row x 5..8. A format with final
+// weights (FP8) and more than 4 tokens dequantizes each block of 4 rows once into a stack buffer instead
+// and runs the bf16 micro-kernel over it for every tile of 4 tokens (the same `vdpbf16ps` sequence per
+// (row, token), so results do not depend on the token count).
+template <class S>
+void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+               int64_t ldy) {
+  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
+  if constexpr (S::kScales == 0) {
+    constexpr int RB = 4, NT = 4;
+    if (n > NT && K <= kDecodeBufK) {
+      alignas(64) uint16_t buf[RB * kDecodeBufK];
+      const int64_t ld = (K + 31) / 32 * 32;
+      const uint16_t* brow[RB];
+      for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
+      for (int64_t r = 0; r < nrows; r += RB) {
+        const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
+        decode_rows<S>(w, row0 + r, nr, K, buf, ld);
+        for (int j0 = 0; j0 < n; j0 += NT) {
+          const int nt = n - j0 < NT ? n - j0 : NT;
+          if (nr == RB) {
+            micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
+          } else {
+            for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
+          }
+        }
+      }
+      return;
+    }
+  }
+  for (int j0 = 0; j0 < n; j0 += 8) {
+    const int nt = n - j0 < 8 ? n - j0 : 8;
+    float* yt = y + j0 * ldy;
+    switch (nt) {
+      case 1: rows_tile<S, 4, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 2: rows_tile<S, 4, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 3: rows_tile<S, 2, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 4: rows_tile<S, 2, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 5: rows_tile<S, 1, 5>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 6: rows_tile<S, 1, 6>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 7: rows_tile<S, 1, 7>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      default: rows_tile<S, 1, 8>(w, row0, nrows, K, a + j0, yt, ldy); break;
     }
   }
 }
 
 void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                  int64_t ldy) {
-  gemv_q_dp<DecFP8>(w, row0, nrows, K, act, n, y, ldy);
+  if (w.scale_cols >= 128)
+    gemv_q_dp<StepFP8>(w, row0, nrows, K, act, n, y, ldy);
+  else
+    gemv_q_dp<StepFP8Narrow>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_mxfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                    float* y, int64_t ldy) {
-  gemv_q_dp<DecMXFP4>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_q_dp<StepMXFP4>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_nvfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                    float* y, int64_t ldy) {
-  gemv_q_dp<DecNVFP4>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_n_dp<DecNVFP4>(w, row0, nrows, K, act, n, y, ldy);
 }
 
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
@@ -404,8 +684,8 @@ const IsaKernels& kernels_avx512bf16() {
     IsaKernels t{};
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
-    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16, sum};
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_dp, ActFormat::BF16, sum};
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16_Q128, sum};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_dp, ActFormat::BF16_Q128, sum};
     t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_dp, ActFormat::BF16, sum};
     return t;
   }();
