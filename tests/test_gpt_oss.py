@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -95,9 +96,15 @@ def _load_reference(path, dtype=torch.float32):
     """transformers' ``GptOssForCausalLM`` of ``path`` with the checkpoint's clamped-SwiGLU constants: releases
     before 5.24 hard-code ``alpha`` 1.702 and ``limit`` 7.0 (the released values) and ignore ``swiglu_alpha`` /
     ``swiglu_limit`` in config.json, which the tiny configs set to make the clamps bite."""
-    from transformers import GptOssForCausalLM
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
-    model = GptOssForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    kw = {}
+    quant = json.loads((Path(path) / "config.json").read_text()).get("quantization_config", {})
+    if quant.get("quant_method") == "mxfp4":
+        # dequantized into ``dtype`` at load, as on a CPU-only machine: with a CUDA device present and no
+        # ``kernels`` package some releases otherwise keep the experts MXFP4 or dequantize them to bf16
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+    model = GptOssForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
     cfg = model.config
     for layer in model.model.layers:
         layer.mlp.experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)

@@ -118,7 +118,9 @@ class DeviceDecode:
         evictable = min(cache.evictable([], layer) for layer in range(cache.num_layers))  # per victim range
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
         fills_all = num >= den and q_min == 0 and not policy.online  # an online policy may switch
-        self.cpu_branch = not (all_resident or (fills_all and evictable >= P))
+        # a layer step misses at most min(P, E) experts: fill-all never needs the CPU when every victim range
+        # holds that many (a cache of every expert split per layer holds E per layer, fewer than a batch's P)
+        self.cpu_branch = not (all_resident or (fills_all and evictable >= min(P, num_experts)))
         self.fills = not all_resident  # every expert resident: route_control never emits a fill
         self.cpu = cpu_executor
         self.step = None  # RegisteredStep of the native executor
