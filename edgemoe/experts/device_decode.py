@@ -52,7 +52,6 @@ from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
 
-
 AUTO_DOORBELL_WAIT = "kernel"
 """What ``auto`` resolves to: the polling kernel, the wait the decode benchmarks measured
 (``docs/benchmarks/decode.md``); ``stream-op`` is taken only when named (``benchmarks/doorbell_wait.py``
