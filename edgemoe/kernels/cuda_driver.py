@@ -97,8 +97,18 @@ def unavailable_reason(device: torch.device | str, library: str = LIBRARY) -> st
     return got if isinstance(got, str) else None
 
 
+def driver_version() -> int | None:
+    """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0), or ``None`` without a usable driver."""
+    got = _load(LIBRARY)
+    if isinstance(got, str):
+        return None
+    v = ctypes.c_int()
+    got.check(got.version(ctypes.byref(v)), "cuDriverGetVersion")
+    return v.value
+
+
 def _driver() -> _Driver:
-    got = _load()
+    got = _load(LIBRARY)
     if isinstance(got, str):
         raise DriverError(got)
     return got
