@@ -847,6 +847,7 @@ class RegisteredStep:
 
     Attributes:
         address: the ``edgemoe_step*`` (int). fn_address: ``void edgemoe_run_step(void*)`` (int).
+        releases: the doorbell server posts the release word (``serve(release_timeout_s=...)``).
     """
 
     def __init__(self, executor: NativeCpuExecutor, max_tokens: int, max_experts: int, max_routes: int | None,
