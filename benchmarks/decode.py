@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgemoe.config import EngineConfig
+from edgemoe.config import DOORBELL_WAITS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
@@ -237,6 +237,8 @@ def main(argv=None) -> int:
                     help="the expert cache's eviction rule (EngineConfig.expert_eviction)")
     ap.add_argument("--prefetch", default="off", choices=["off", "next-layer"],
                     help="expert prefetch in decode (EngineConfig.prefetch)")
+    ap.add_argument("--doorbell-wait", default="auto", choices=list(DOORBELL_WAITS),
+                    help="how the device path waits for its CPU experts (EngineConfig.doorbell_wait)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
@@ -276,7 +278,7 @@ def main(argv=None) -> int:
     per_seq = a.prompt_len + a.warmup + a.tokens + 16
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=threads[0], enforce_eager=a.enforce_eager,
-                       expert_eviction=a.eviction, prefetch=a.prefetch,
+                       expert_eviction=a.eviction, prefetch=a.prefetch, doorbell_wait=a.doorbell_wait,
                        max_model_len=max_len, max_num_seqs=max(batches),
                        kv_cache_tokens=max(max_len, max(batches) * per_seq))
     t0 = time.perf_counter()

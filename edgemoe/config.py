@@ -316,6 +316,7 @@ EXPERT_POLICIES = ("qstar", "auto", "adaptive", "fill-all", "cpu-all", "static")
 EXPERT_EVICTIONS = ("layer-lru", "global-lru")
 EXPERT_PREFETCH = ("off", "next-layer")
 CPU_EXECUTORS = ("auto", "native", "torch")
+DOORBELL_WAITS = ("auto", "kernel", "stream-op")
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
@@ -371,6 +372,11 @@ class EngineConfig:
         type=int)
     cpu_executor: str = option("auto", "CPU expert executor: auto (native C++ kernels where they build), "
                                "native, torch (torch ops)", choices=CPU_EXECUTORS)
+    doorbell_wait: str = option(
+        "auto", "how the device decode step waits for its CPU experts (CUDA): kernel (a one-program kernel polling "
+        "pinned memory, holding an SM while it waits), stream-op (cuStreamWaitValue32 stream memory operations, "
+        "waiting in the GPU's front end without an SM; CUDA driver 11.7 or later) or auto (kernel)",
+        choices=DOORBELL_WAITS)
     bandwidth_pcie_gbps: float | None = option(None, "B_P override in GB/s (host->device expert copies)",
                                                type=float)
     bandwidth_cpu_gbps: float | None = option(None, "B_H override in GB/s (CPU expert execution)", type=float)
@@ -402,7 +408,7 @@ class EngineConfig:
     def __post_init__(self):
         for name, choices in (("expert_policy", EXPERT_POLICIES), ("expert_eviction", EXPERT_EVICTIONS),
                               ("prefetch", EXPERT_PREFETCH), ("cpu_executor", CPU_EXECUTORS),
-                              ("load_format", LOAD_FORMATS)):
+                              ("doorbell_wait", DOORBELL_WAITS), ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("expert_cache_slots", "min_expert_cache_slots", "state_checkpoints",

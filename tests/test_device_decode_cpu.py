@@ -150,7 +150,7 @@ def test_doorbell_wait_gives_up_without_a_server():
     once (and count), so a dead server fails steps instead of hanging them."""
     from edgemoe.kernels import doorbell
 
-    seq, bell = torch.zeros(1, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    seq, bell = torch.zeros(1, dtype=torch.int64), torch.zeros(24, dtype=torch.int64)
     doorbell.ring(seq, bell)
     assert int(seq[0]) == 1 and int(bell[0]) == 1
     bell[8] = 1  # answered

@@ -25,7 +25,7 @@ from edgemoe.experts.bandwidth import BANDWIDTH_POLICIES, resolve_bandwidths
 from edgemoe.experts.cache import CacheCounters, ExpertCache
 from edgemoe.experts.compute import kernel_reason
 from edgemoe.experts.cpu_executor import make_cpu_executor
-from edgemoe.experts.device_decode import DeviceDecode
+from edgemoe.experts.device_decode import DeviceDecode, resolve_doorbell_wait
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import REUSE_READ_STEPS, Bandwidths, ExpertPolicy, LayerObservation, make_policy
@@ -88,6 +88,8 @@ class ExpertRuntime:
         cache, policy, bandwidths, hybrid, cpu_executor: the current objects (rebuilt by
             :meth:`set_cache`); ``hybrid.device_decode`` is the device decode path or ``None``.
         decode_path: :class:`DecodePath`; ``decode_path_reason``: why not the fastest one (or ``None``).
+        doorbell_wait: the device path's doorbell wait for the summary (e.g. ``kernel (auto)``; ``None``
+            without a device path).
     """
 
     def __init__(self, pool: HostExpertPool, model_config: ModelConfig, config: EngineConfig,
@@ -103,6 +105,7 @@ class ExpertRuntime:
         self.hybrid: HybridExperts | None = None
         self.decode_path = DecodePath.EAGER
         self.decode_path_reason: str | None = None
+        self.doorbell_wait: str | None = None  # the device path's doorbell wait, as the summary names it
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         self._reuse_seen: tuple | None = None  # (reuse, join stats, decode misses, decode steps) at the last read
         self._decode_steps = 0
@@ -271,7 +274,7 @@ class ExpertRuntime:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run
         on this device, read the pool's rows (float, FP8 block, MXFP4, NVFP4: ``kernel_reason``) and the
         cache has slots; otherwise decode takes the eager path."""
-        self.decode_path = DecodePath.EAGER
+        self.decode_path, self.doorbell_wait = DecodePath.EAGER, None
         reason = unavailable_reason(self.device)
         if reason is None and (why := kernel_reason(self.pool.layout, self.pool.activation)) is not None:
             reason = (f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them "
@@ -282,8 +285,9 @@ class ExpertRuntime:
             self.decode_path_reason = reason
             return
         cfg = self.model_config
+        wait_mode, self.doorbell_wait = resolve_doorbell_wait(self.config.doorbell_wait, self.device)
         dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k,
-                          self.config.max_num_seqs)
+                          self.config.max_num_seqs, wait_mode=wait_mode)
         self.hybrid.device_decode = dd
         graphs = not self.config.enforce_eager and dd.capturable and self.graphs_supported
         self.decode_path = DecodePath.DEVICE_GRAPHS if graphs else DecodePath.DEVICE
@@ -379,6 +383,9 @@ class ExpertRuntime:
 
         fallback = ": pinning refused, so policy cpu-all without expert cache" if self.fallback else ""
         path = self.decode_path.value + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")
+        dd = self.device_decode
+        if dd is not None and dd.step is not None:
+            path += f"; CPU branch through the doorbell, wait {self.doorbell_wait}"
         return [
             f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
             f"{self.pool.format.value} rows of {self.pool.row_bytes / 1e6:.2f} MB; "

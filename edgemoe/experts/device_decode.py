@@ -16,8 +16,12 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
    host pool's byte bank into its slot, zero-copy) and ``expert_gemv`` (hits and fills over the cache
    bank's ``w13`` / ``w2`` section views, every (token, k) route in its own row of ``routed [T, k, H]``);
 4. join: ``y = Σ_k routed`` (fixed order, float32), then :func:`~edgemoe.kernels.cpu_handoff.collect`:
-   after a hand-off it polls the doorbell's done word and adds the executor's float32 partial (read
-   from pinned host memory), and casts to the model dtype.
+   after a hand-off it waits for the executor's answer and adds its float32 partial (read from pinned
+   host memory), and casts to the model dtype. The wait is collect's own polling of the done word
+   (``wait_mode="kernel"``, holding an SM meanwhile), or, before collect,
+   :func:`~edgemoe.kernels.doorbell.wait_stream_op` (``"stream-op"``: a ``cuStreamWaitValue32`` on the
+   release word, which waits in the GPU's front end, and a write resetting it; collect then finds the
+   answer at its first look; see :func:`resolve_doorbell_wait`).
 
 The ring is enqueued before the fills on purpose: ``gather_fills`` is a persistent grid that
 occupies every SM until the last fill row is copied, so a hand-off placed on a second stream
@@ -42,11 +46,44 @@ from __future__ import annotations
 
 import torch
 
+from edgemoe.config import DOORBELL_WAITS
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.compute import kernel_reason, quant_slots
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
+
+AUTO_DOORBELL_WAIT = "kernel"
+"""What ``auto`` resolves to: the polling kernel, the wait the decode benchmarks measured
+(``docs/benchmarks/decode.md``); ``stream-op`` is taken only when named (``benchmarks/doorbell_wait.py``
+measures both on a GPU: wake-up latency, the cost to concurrent GPU work, tokens/s)."""
+
+
+def resolve_doorbell_wait(requested: str, device: torch.device) -> tuple[str, str]:
+    """The doorbell wait the device decode path uses, and a phrase for the start-up summary.
+
+    Args:
+        requested: ``doorbell_wait`` (:data:`DOORBELL_WAITS`): ``kernel`` (a one-program polling
+            kernel), ``stream-op`` (stream memory operations, CUDA driver 11.7 or later) or ``auto``
+            (:data:`AUTO_DOORBELL_WAIT`).
+        device: the compute device.
+
+    Returns:
+        ``(mode, phrase)``: ``mode`` in ``edgemoe.kernels.doorbell.WAIT_MODES``.
+
+    Raises:
+        ValueError: an unknown mode, or ``stream-op`` where the driver cannot enqueue stream memory
+            operations on ``device`` (the message says why).
+    """
+    from edgemoe.kernels import cuda_driver
+
+    if requested not in DOORBELL_WAITS:
+        raise ValueError(f"doorbell_wait {requested!r}: choose one of {', '.join(DOORBELL_WAITS)}")
+    if requested == "auto":
+        return AUTO_DOORBELL_WAIT, f"{AUTO_DOORBELL_WAIT} (auto)"
+    if requested == "stream-op" and (why := cuda_driver.unavailable_reason(device)) is not None:
+        raise ValueError(f"doorbell_wait stream-op: {why}; use --doorbell-wait kernel")
+    return requested, requested
 
 
 class DeviceDecode:
@@ -64,13 +101,16 @@ class DeviceDecode:
         num_experts: ``E``, experts per MoE layer.
         top_k: routed experts per token.
         max_tokens: largest decode batch.
+        wait_mode: how the device waits for the CPU branch: ``kernel`` or ``stream-op``
+            (:func:`resolve_doorbell_wait`; stream-op needs CUDA).
 
     The experts' activation is ``pool.activation`` (SiLU SwiGLU, or gpt-oss's clamped SwiGLU); their biases,
     if any, are the cache slots' bias sections.
 
     Raises:
         ValueError: a cache whose rows the kernels do not read (:func:`~edgemoe.experts.compute.kernel_reason`),
-            or ``cache.num_experts`` is not ``num_experts`` (its reuse rows would be wrong).
+            ``cache.num_experts`` is not ``num_experts`` (its reuse rows would be wrong), or a ``wait_mode``
+            this device cannot run.
 
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
@@ -79,10 +119,12 @@ class DeviceDecode:
         cpu_branch: whether the CPU branch is enqueued at all (``False`` when every expert is resident,
             or when every step's misses fit the evictable slots and the policy fills them all).
         fills: whether ``gather_fills`` is launched (``False`` when every expert is resident).
+        wait_mode: ``kernel`` or ``stream-op``.
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
-                 num_experts: int, top_k: int, max_tokens: int):
+                 num_experts: int, top_k: int, max_tokens: int, wait_mode: str = "kernel"):
+        from edgemoe.kernels import cuda_driver, doorbell
         from edgemoe.kernels.cpu_handoff import collect, handoff
         from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant
         from edgemoe.kernels.gather import gather_fills
@@ -93,7 +135,12 @@ class DeviceDecode:
                              f"{reason}")
         self._route_control, self._gather_fills = route_control, gather_fills
         self._expert_gemv, self._expert_gemv_quant = expert_gemv, expert_gemv_quant
-        self._handoff, self._collect = handoff, collect
+        self._handoff, self._collect, self._wait_stream_op = handoff, collect, doorbell.wait_stream_op
+        if wait_mode not in doorbell.WAIT_MODES:
+            raise ValueError(f"wait_mode {wait_mode!r}: choose one of {', '.join(doorbell.WAIT_MODES)}")
+        if wait_mode == "stream-op" and (why := cuda_driver.unavailable_reason(cache.device)) is not None:
+            raise ValueError(f"wait_mode stream-op: {why}")
+        self.wait_mode = wait_mode
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         if cache.num_experts != num_experts:
             raise ValueError(f"the expert cache counts {cache.num_experts} experts per layer, the model {num_experts} "
@@ -129,10 +176,17 @@ class DeviceDecode:
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
         self.join_stats = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device=dev)  # [L, (hand-offs, late)]
         self.bell = None
+        self._release_address: int | None = None  # device address of the release word (stream-op)
+        self._release_word: torch.Tensor | None = None  # [1] int32 view of it, stored by a hand-off without work
         if self.cpu_branch and cpu_executor.registers_steps:
             x_dtype = dt if dt in (torch.float32, torch.bfloat16) else torch.float32
             self.step = cpu_executor.make_step(max_tokens, P, P, x_dtype=x_dtype, zero_out=True, pin_memory=self.cuda)
-            self.bell = self.step.serve(pin_memory=self.cuda)
+            stream_op = wait_mode == "stream-op"
+            self.bell = self.step.serve(pin_memory=self.cuda,
+                                        release_timeout_s=doorbell.RELEASE_TIMEOUT_S if stream_op else None)
+            if stream_op:
+                self._release_word = doorbell.release_word(self.bell)
+                self._release_address = cuda_driver.host_device_pointer(self._release_word, dev)
         self._seen = (0, 0)  # waits given up and executor failures already reported by check()
         self.prefetch_out: RouteOutputs | None = None
         self.prefetch_counters: torch.Tensor | None = None  # [4] int64: (hits, misses, fills, -) of predictions
@@ -192,8 +246,8 @@ class DeviceDecode:
         new = (gave_up - self._seen[0], failed - self._seen[1])
         self._seen = (gave_up, failed)
         if new[0]:
-            raise RuntimeError(f"{new[0]} CPU-branch waits gave up: the native executor's server did not answer "
-                               f"({self.step.served} steps served)")
+            raise RuntimeError(f"{new[0]} CPU-branch waits gave up ({self.wait_mode} wait): the native executor's "
+                               f"server did not answer ({self.step.served} steps served)")
         if new[1]:
             raise RuntimeError(f"{new[1]} CPU-branch steps failed in the native executor "
                                f"(last status {self.step.status})")
@@ -203,7 +257,7 @@ class DeviceDecode:
         :meth:`forward` runs the CPU branch synchronously."""
         if self.step is not None:
             self.step.close()
-            self.step = self.bell = None
+            self.step = self.bell = self._release_address = self._release_word = None
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -226,7 +280,8 @@ class DeviceDecode:
                             num_experts=self.num_experts, slots=c.victim_range(moe_layer))
         cpu_out = self.cpu_out[:T]
         if self.cpu_branch and self.step is not None:  # hand-off first: the fills below hold every SM
-            self._handoff(x, self.step.x, o.cpu_pack, self.step.pack, o.meta[3:], self.seq, self.bell)
+            self._handoff(x, self.step.x, o.cpu_pack, self.step.pack, o.meta[3:], self.seq, self.bell,
+                          release=self._release_word)
         elif self.cpu_branch:
             self._cpu_branch_sync(x, cpu_out)
         if self.fills:
@@ -239,7 +294,11 @@ class DeviceDecode:
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.cpu_branch and self.step is not None:  # waits, and adds the partial, only after a hand-off
-            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype, stats=self.join_stats,
+            if self._release_address is not None:  # released at once by a hand-off without CPU work
+                self._wait_stream_op(self._release_address, torch.cuda.current_stream(self.device).cuda_stream)
+            # the stream-op wait leaves collect nothing to wait for: no lateness to count
+            stats = self.join_stats if self._release_address is None else None
+            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype, stats=stats,
                                  layer=moe_layer)
         if self.cpu_branch:
             y = y + cpu_out

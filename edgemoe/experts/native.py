@@ -847,11 +847,13 @@ class RegisteredStep:
 
     Attributes:
         address: the ``edgemoe_step*`` (int). fn_address: ``void edgemoe_run_step(void*)`` (int).
+        releases: the doorbell server posts the release word (``serve(release_timeout_s=...)``).
     """
 
     def __init__(self, executor: NativeCpuExecutor, max_tokens: int, max_experts: int, max_routes: int | None,
                  x_dtype: torch.dtype, zero_out: bool, pin_memory: bool = False):
         self._server = self.address = 0  # doorbell server handle (serve), edgemoe_step* (below)
+        self.releases = False  # serve(release_timeout_s=...): the server posts the release word
         if x_dtype not in X_FORMATS:
             raise ValueError(f"x_dtype must be float32 or bfloat16, got {x_dtype}")
         ext = load_extension()
@@ -963,25 +965,46 @@ class RegisteredStep:
             _raise_status(status, "server_bench")
         return calls, dt
 
-    def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000) -> torch.Tensor:
+    def serve(self, pin_memory: bool = True, active_spin_us: int = 20_000,
+              release_timeout_s: float | None = None) -> torch.Tensor:
         """Start a native thread that runs this step whenever its doorbell is rung (idempotent).
 
-        Returns the doorbell: ``[16]`` int64 CPU tensor (pinned when ``pin_memory``): word 0 is the
-        request counter a producer advances after writing the step's buffers, word 8 (its own cache
-        line) the last request served, stored after ``out`` is complete. The thread is the pool's
-        worker 0 and pins itself to the executor's first planned core (:attr:`ThreadPlan.cpus`). It
-        spins for ``active_spin_us`` after each step (consecutive MoE layers arrive within
+        Returns the doorbell: ``[24]`` int64 CPU tensor (pinned when ``pin_memory``): word 0 is the
+        request counter a producer advances after writing the step's buffers, word 1 the count of
+        requests given up, word 8 (its own cache line) the last request served, stored after ``out``
+        is complete, and word 16 (its own cache line) the release word (below). The thread is the
+        pool's worker 0 and pins itself to the executor's first planned core (:attr:`ThreadPlan.cpus`).
+        It spins for ``active_spin_us`` after each step (consecutive MoE layers arrive within
         microseconds), yielding its core to any other runnable thread and stopping early when it
         finds itself preempted (:attr:`preempted`), then polls every 50 µs (every 1 ms after a second
         of silence). :meth:`close` stops it.
+
+        With ``release_timeout_s`` (the device waits with a stream memory operation,
+        :mod:`edgemoe.kernels.doorbell`): after the done word the server also stores 1 into the
+        release word's low 32 bits (the device resets it to 0 after its wait), and a watchdog thread
+        gives a request up when it stays unanswered for ``release_timeout_s`` seconds: it adds 1 to
+        word 1 and stores the release word itself, and answers every later request so at once (the
+        server stops serving). :meth:`close` gives up a request still pending the same way.
+
+        Raises:
+            ValueError: ``release_timeout_s`` not > 0, or a second call asking for the other protocol.
         """
+        release = release_timeout_s is not None
+        if release and not (release_timeout_s > 0 and math.isfinite(release_timeout_s)):
+            raise ValueError(f"release_timeout_s must be a finite number of seconds > 0, got {release_timeout_s}")
         if self._server:
+            if release != self.releases:
+                raise ValueError("this step is already served with the other doorbell protocol (release word "
+                                 f"{'on' if self.releases else 'off'})")
             return self.doorbell
         self._live()
-        self.doorbell = torch.zeros(16, dtype=torch.int64, pin_memory=bool(pin_memory))
-        self._server = self._ext.server_start(self.address, self.doorbell.data_ptr(),
-                                              self.doorbell[8:].data_ptr(), int(active_spin_us),
-                                              self.executor._core.caller_cpu)
+        self.doorbell = torch.zeros(24, dtype=torch.int64, pin_memory=bool(pin_memory))
+        self.releases = release
+        bell = self.doorbell.data_ptr()
+        self._server = self._ext.server_start(self.address, bell, bell + 8 * 8, int(active_spin_us),
+                                              self.executor._core.caller_cpu, bell + 16 * 8 if release else 0,
+                                              bell + 8 if release else 0,
+                                              max(1, round(release_timeout_s * 1000)) if release else 0)
         _SERVING.add(self)
         return self.doorbell
 

@@ -7,7 +7,9 @@ allocates scratch whose size follows the input shapes only).
   rewrite, CPU work layout) — the device twin of ``edgemoe.experts.hybrid.plan_step``.
 - :mod:`.cpu_work`: the packed layout of a step's CPU work shared with the native executor (torch only).
 - :mod:`.doorbell`: ring / wait, handing a decode step's CPU work to the native executor's server
-  thread through pinned memory and waiting for it.
+  thread through pinned memory and waiting for it (a polling kernel, or stream memory operations).
+- :mod:`.cuda_driver`: the CUDA driver's stream memory operations (``cuStreamWaitValue32`` /
+  ``cuStreamWriteValue32``) through ctypes (torch and ctypes only; no Triton).
 - :mod:`.gather`: the layer's fills, host expert pool → device cache slots, zero-copy over PCIe.
 - :mod:`.expert_gemv`: grouped SwiGLU expert GEMVs over cache slots for decode batches (float slots, and
   FP8 block / MXFP4 / NVFP4 slots dequantized in registers).

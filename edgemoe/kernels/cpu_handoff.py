@@ -7,7 +7,8 @@ Two kernels do the device side:
 - :func:`handoff`: when the layer has CPU work (``work[0] > 0``, route_control's CPU expert count), store
   the hidden states ``x`` and the packed work list straight into the registered step's pinned host
   buffers (the GPU writes host memory at its mapped address), fence them to system scope, then ring
-  (advance ``seq`` and store it into ``bell[0]``). Without CPU work it returns at once and rings nothing.
+  (advance ``seq`` and store it into ``bell[0]``). Without CPU work it returns at once and rings nothing
+  (for the ``stream-op`` wait it then stores the release word itself).
 - :func:`collect`: the layer's output ``y`` (GPU experts' sum, float32) cast to the model dtype; when
   the layer had CPU work, each program first polls the done word until it reaches ``seq`` (the same
   deadlock guard as :func:`edgemoe.kernels.doorbell.wait`) and adds the CPU partial, read from pinned
@@ -45,8 +46,8 @@ def _fence_sys(token):
 
 
 @triton.jit
-def _handoff_kernel(x_ptr, xh_ptr, n_x, pack_ptr, packh_ptr, n_pack, work_ptr, seq_ptr, bell_ptr,
-                    BLOCK: tl.constexpr, FENCE: tl.constexpr):
+def _handoff_kernel(x_ptr, xh_ptr, n_x, pack_ptr, packh_ptr, n_pack, work_ptr, seq_ptr, bell_ptr, release_ptr,
+                    BLOCK: tl.constexpr, FENCE: tl.constexpr, RELEASE: tl.constexpr):
     work = tl.load(work_ptr)
     if work > 0:
         offs = tl.arange(0, BLOCK)
@@ -64,6 +65,9 @@ def _handoff_kernel(x_ptr, xh_ptr, n_x, pack_ptr, packh_ptr, n_pack, work_ptr, s
         n = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, n)
         tl.store(bell_ptr, n, cache_modifier=".wt")
+    else:
+        if RELEASE:  # no CPU work: this step's stream wait is released here, not by the executor's server
+            tl.store(release_ptr, 1, cache_modifier=".wt")
 
 
 @triton.jit
@@ -103,7 +107,7 @@ def _check_words(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor) -> N
 
 
 def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host: torch.Tensor, work: torch.Tensor,
-            seq: torch.Tensor, bell: torch.Tensor) -> None:
+            seq: torch.Tensor, bell: torch.Tensor, release: torch.Tensor | None = None) -> None:
     """Hand a layer's CPU work to the executor when it has any (one program, enqueued on the stream).
 
     Args:
@@ -115,18 +119,23 @@ def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host
         work: ``[1]`` int32 on the device: the layer's CPU expert count (``RouteOutputs.meta[3:]``).
         seq: ``[1]`` int64 device sequence counter; bell: ``[16]`` int64 pinned doorbell
             (:mod:`edgemoe.kernels.doorbell`).
+        release: the doorbell's ``[1]`` int32 release word (``doorbell.release_word``) for the ``stream-op``
+            wait, or ``None``: without CPU work the kernel stores 1 into it (the server does after work).
 
     Raises:
         ValueError: wrong dtypes or sizes.
     """
     _check_words(seq, bell, work)
+    if release is not None and (release.dtype != torch.int32 or release.numel() != 1):
+        raise ValueError("release must be the doorbell's [1] int32 release word")
     if not x.is_contiguous() or x_host.numel() < x.numel() or pack_host.numel() < pack.numel():
         raise ValueError(f"x must be contiguous and fit the step's rows ({tuple(x.shape)} into "
                          f"{x_host.numel()} elements; work list {pack.numel()} into {pack_host.numel()} words)")
     if pack.dtype != torch.int64 or pack_host.dtype != torch.int64:
         raise ValueError("the packed work lists must be int64")
     _handoff_kernel[(1,)](x, x_host, x.numel(), pack, pack_host, pack.numel(), work, seq, bell,
-                          BLOCK=HANDOFF_BLOCK, FENCE=x.device.type == "cuda", num_warps=4)
+                          work if release is None else release, BLOCK=HANDOFF_BLOCK, FENCE=x.device.type == "cuda",
+                          RELEASE=release is not None, num_warps=4)
 
 
 def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: torch.Tensor, bell: torch.Tensor,

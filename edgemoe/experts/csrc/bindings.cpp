@@ -238,11 +238,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_calls", [](uintptr_t s) { return ptr<edgemoe_step>(s)->calls; });
   m.def(
       "server_start",
-      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us, int cpu) {
-        return reinterpret_cast<uintptr_t>(
-            new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request), ptr<int64_t>(done), active_spin_us, cpu));
+      [](uintptr_t step, uintptr_t request, uintptr_t done, int active_spin_us, int cpu, uintptr_t release,
+         uintptr_t gave_up, int64_t watchdog_ms) {
+        return reinterpret_cast<uintptr_t>(new StepServer(ptr<edgemoe_step>(step), ptr<int64_t>(request),
+                                                          ptr<int64_t>(done), active_spin_us, cpu,
+                                                          ptr<uint32_t>(release), ptr<int64_t>(gave_up), watchdog_ms));
       },
-      "Start a thread serving a registered step on a doorbell (request/done int64 words); returns its handle");
+      "Start a thread serving a registered step on a doorbell (request/done int64 words; release: 0, or the "
+      "uint32 word posted after done, with gave_up and a watchdog of watchdog_ms); returns its handle");
   m.def(
       "server_stop",
       [](uintptr_t s) {

@@ -650,20 +650,38 @@ extern "C" void edgemoe_run_step(void* p) {
 // ============================================================================ StepServer
 namespace edgemoe {
 
-StepServer::StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us, int cpu)
+StepServer::StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us, int cpu,
+                       uint32_t* release, int64_t* gave_up, int64_t watchdog_ms)
     : step_(step), request_(request), done_(done), active_spin_us_(std::max(0, active_spin_us)), cpu_(cpu),
+      release_(release), gave_up_(gave_up), watchdog_ms_(release && gave_up ? std::max<int64_t>(1, watchdog_ms) : 0),
       owner_pid_(static_cast<long>(getpid())) {
-  __atomic_store_n(done_, __atomic_load_n(request_, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);  // nothing pending
+  answered_ = __atomic_load_n(request_, __ATOMIC_ACQUIRE);
+  __atomic_store_n(done_, answered_, __ATOMIC_RELEASE);  // nothing pending
   thread_ = std::thread(&StepServer::loop, this);
+  if (watchdog_ms_) watchdog_ = std::thread(&StepServer::watch, this);
 }
 
 StepServer::~StepServer() {
   stop_.store(true, std::memory_order_release);
-  if (static_cast<long>(getpid()) != owner_pid_) {  // forked child: the thread is the parent's; leak the handle
+  if (static_cast<long>(getpid()) != owner_pid_) {  // forked child: the threads are the parent's; leak the handles
     new std::thread(std::move(thread_));
+    if (watchdog_.joinable()) new std::thread(std::move(watchdog_));
     return;
   }
+  if (watchdog_.joinable()) watchdog_.join();
   if (thread_.joinable()) thread_.join();
+  if (release_) {  // a request rung but not answered would hold the device's wait op forever
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);
+    if (req != answered_) give_up_locked(req);
+  }
+}
+
+void StepServer::give_up_locked(int64_t req) {
+  dead_ = true;
+  answered_ = req;
+  __atomic_store_n(gave_up_, __atomic_load_n(gave_up_, __ATOMIC_ACQUIRE) + 1, __ATOMIC_RELEASE);  // before release
+  __atomic_store_n(release_, 1u, __ATOMIC_RELEASE);
 }
 
 void StepServer::loop() {
@@ -683,11 +701,24 @@ void StepServer::loop() {
   while (!stop_.load(std::memory_order_acquire)) {
     const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);  // written by the device over PCIe
     if (req != last) {
+      if (release_) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (dead_) return;  // given up by the watchdog, which answers from now on
+      }
       edgemoe_run_step(step_);
       if (step_->status != kOk) failed_.fetch_add(1, std::memory_order_relaxed);
       last = req;
-      served_.fetch_add(1, std::memory_order_release);  // before done: a waiter that sees done sees it
-      __atomic_store_n(done_, req, __ATOMIC_RELEASE);
+      if (release_) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (dead_) return;  // the watchdog answered for us: this late result is not posted
+        served_.fetch_add(1, std::memory_order_release);
+        __atomic_store_n(done_, req, __ATOMIC_RELEASE);
+        answered_ = req;
+        __atomic_store_n(release_, 1u, __ATOMIC_RELEASE);  // out[] and done are complete before it
+      } else {
+        served_.fetch_add(1, std::memory_order_release);  // before done: a waiter that sees done sees it
+        __atomic_store_n(done_, req, __ATOMIC_RELEASE);
+      }
       t_last = Clock::now();
       active = SpinWait(active_spin_us_);
       counted = false;
@@ -699,6 +730,32 @@ void StepServer::loop() {
       counted = true;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(us_since(t_last) < 1000000 ? 50 : 1000));
+  }
+}
+
+void StepServer::watch() {
+  // Checks a few times per timeout while the server answers; once it is given up, every 50 us.
+  const auto tick = std::chrono::microseconds(std::clamp<int64_t>(watchdog_ms_ * 125, 50, 10000));
+  int64_t pending = __atomic_load_n(request_, __ATOMIC_ACQUIRE);
+  auto since = Clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);
+    bool dead;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (req == answered_) {
+        pending = req;
+      } else if (dead_) {
+        give_up_locked(req);
+      } else if (req != pending) {
+        pending = req;
+        since = Clock::now();
+      } else if (us_since(since) >= watchdog_ms_ * 1000) {
+        give_up_locked(req);
+      }
+      dead = dead_;
+    }
+    std::this_thread::sleep_for(dead ? std::chrono::microseconds(50) : tick);
   }
 }
 

@@ -270,9 +270,20 @@ namespace edgemoe {
 // stopping early when it finds itself preempted: SpinWait), then polls every 50 us, and every 1 ms
 // after a second of silence. The destructor stops and joins the thread (in a forked child, where the
 // thread does not exist, it leaks the handle instead, as ThreadPool does).
+//
+// Release word (the device waits with a stream memory operation, cuStreamWaitValue32, instead of a
+// polling kernel): with `release` non-null the server also stores 1 into the 32-bit *release after
+// *done; the device's wait op waits for *release >= 1 and a write op stores 0 after it. A wait op
+// cannot time out, so a watchdog thread stands in for the polling kernel's give-up: when a request
+// stays unanswered for `watchdog_ms`, it adds 1 to *gave_up, stores 1 into *release, and from then
+// on answers every later request the same way at once (the server is considered gone and stops
+// serving; a step finishing late posts nothing). The destructor answers a request still pending the
+// same way, so a device stream never hangs on a stopped server. Without `release` none of this runs.
+
 class StepServer {
  public:
-  StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us, int cpu);
+  StepServer(edgemoe_step* step, int64_t* request, int64_t* done, int active_spin_us, int cpu,
+             uint32_t* release = nullptr, int64_t* gave_up = nullptr, int64_t watchdog_ms = 0);
   ~StepServer();
   StepServer(const StepServer&) = delete;
   StepServer& operator=(const StepServer&) = delete;
@@ -286,11 +297,21 @@ class StepServer {
 
  private:
   void loop();
+  void watch();
+  // With mu_ held: count request `req` as given up and release the device's wait.
+  void give_up_locked(int64_t req);
   edgemoe_step* step_;
   int64_t* request_;
   int64_t* done_;
   int active_spin_us_;
   int cpu_;
+  uint32_t* release_;
+  int64_t* gave_up_;
+  int64_t watchdog_ms_;
+  std::mutex mu_;            // orders the server's and the watchdog's posts of *release
+  bool dead_ = false;        // under mu_: the watchdog gave the server up
+  int64_t answered_ = 0;     // under mu_: the last request answered (served or given up)
+  std::thread watchdog_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};
   std::atomic<int64_t> failed_{0};
