@@ -313,3 +313,52 @@ def test_cpu_handoff_and_collect_store_ring_wait_and_add_only_with_cpu_work():
         handoff(x, x_host[:10], pack, pack_host, work, seq, bell)
     with pytest.raises(ValueError, match="float32"):
         collect(y.bfloat16(), cpu_out, work, seq, bell, torch.float32)
+
+
+def test_cpu_branch_disarms_while_auto_fills_every_miss():
+    """While the auto policy's table fills every miss (a high measured reuse) and the cache's victim ranges
+    hold a step's misses, the step is enqueued without the CPU branch (no hand-off, nothing served), outputs
+    equal to the eager path; when the table splits again the branch is re-armed and used."""
+    from edgemoe.experts import native
+    from edgemoe.experts.policy import LayerObservation
+
+    try:
+        native.load_extension()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"native executor unavailable: {e}")
+    pool = _pool()
+    policy = make_policy("auto", Bandwidths(10.0, 25.0, "test"), num_layers=LAYERS, max_misses=4 * K,
+                         expert_bytes=pool.row_bytes)  # no fixed costs: the q* split until reuse is measured
+    eager, dev = (HybridExperts(pool, ExpertCache(20, pool.num_ids, pool.layout, pool.compute_dtype,
+                                                  torch.device("cpu"), num_experts=E),
+                                policy, TorchCpuExecutor(pool), E, torch.device("cpu")) for _ in range(2))
+    dev.cpu = native.NativeCpuExecutor(pool, threads=2, pin=False)  # 20 slots >= min(P = 16, E = 12)
+    dev.device_decode = dd = DeviceDecode(pool, dev.cache, policy, dev.cpu, E, K, max_tokens=4)
+    assert dd.cpu_branch and dd.armed and not policy.fills_every_miss()
+    g = torch.Generator().manual_seed(4)
+
+    def steps(first: int, n: int) -> None:
+        for step in range(first, first + n):
+            for c in (eager.cache, dev.cache):
+                c.clock.fill_(step)
+            for layer in range(LAYERS):
+                x = torch.randn(3, H, generator=g)
+                ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(3)])  # [3, k]
+                w = torch.softmax(torch.randn(3, K, generator=g), dim=-1)
+                a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
+                b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+    policy.observe_layers(LayerObservation(reuse_net=[10_000] * LAYERS, fills=[10] * LAYERS))
+    assert policy.fills_every_miss()
+    dd.push_policy()
+    assert not dd.armed
+    steps(1, 3)
+    assert dd.step.served == 0 and int(dd.seq[0]) == 0 and dev.stats()["decode"]["cpu"] == 0
+    policy.observe_layers(LayerObservation(reuse_net=[-10**7] * LAYERS, fills=[10] * LAYERS))
+    assert not policy.fills_every_miss()
+    dd.push_policy()
+    assert dd.armed
+    steps(4, 3)
+    assert dd.step.served > 0 and dev.stats()["decode"]["cpu"] > 0
+    assert dev.stats()["decode"] == eager.stats()["decode"]

@@ -126,9 +126,13 @@ class DecodeGraphs:
 
     def __init__(self, inputs: DecodeInputs, device: torch.device):
         self.inputs, self.device = inputs, device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch size, armed)
         self.failed: set[int] = set()  # batch sizes whose capture failed: they run eagerly
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def captured_sizes(self) -> set[int]:
+        """Batch sizes with a captured graph (with or without the CPU branch)."""
+        return {bs for bs, _ in self.graphs}
 
     def invalidate(self) -> None:
         """Drop every captured graph (and their memory pool); the next step of each size captures anew."""
@@ -137,7 +141,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     def run(self, model: torch.nn.Module, inputs: list[StepInput], state_slots: list[int | None], step: int,
-            record, use_graphs: bool) -> torch.Tensor:
+            record, use_graphs: bool, armed: bool = False) -> torch.Tensor:
         """One decode step of ``inputs``: ``[B, vocab]`` float32 logits.
 
         Args:
@@ -147,32 +151,35 @@ class DecodeGraphs:
             step: the model step (LRU clock).
             record: the routing recorder callback, or ``None`` (a recording step is never captured).
             use_graphs: replay / capture CUDA graphs (the decode path allows it).
+            armed: whether the step enqueues the CPU branch (``DeviceDecode.armed``): a step with and one
+                without it are different graphs, each captured at its first use.
         """
         B, d = len(inputs), self.inputs
         sizes = sorted(b for b in {*GRAPH_BATCH_SIZES, d.max_bs} if B <= b <= d.max_bs and b not in self.failed)
         use_graphs = use_graphs and record is None and bool(sizes)
         bs = sizes[0] if use_graphs else B
         batch = d.load(inputs, state_slots, bs, step, record)
-        if use_graphs and bs in self.graphs:
-            graph, logits = self.graphs[bs]
+        key = (bs, bool(armed))
+        if use_graphs and key in self.graphs:
+            graph, logits = self.graphs[key]
             graph.replay()
             return logits[:B].clone()
         logits = model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
         if use_graphs:
             try:
-                self._capture(model, bs, batch)
+                self._capture(model, key, batch)
             except Exception:
                 log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
                 self.failed.add(bs)
                 torch.cuda.synchronize(self.device)
         return logits[:B]
 
-    def _capture(self, model: torch.nn.Module, bs: int, batch: ForwardBatch) -> None:
-        """Capture the decode step for batch size ``bs`` over the static inputs (no kernel runs)."""
+    def _capture(self, model: torch.nn.Module, key: tuple[int, bool], batch: ForwardBatch) -> None:
+        """Capture the decode step ``key = (batch size, armed)`` over the static inputs (no kernel runs)."""
         graph = torch.cuda.CUDAGraph()
         batch.step_cache.clear()  # tensors derived during the eager step must be recomputed inside the graph
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(graph, pool=self.pool):
             logits = model(batch)
-        self.graphs[bs] = (graph, logits)
-        log.info("captured the decode step for batch size %d", bs)
+        self.graphs[key] = (graph, logits)
+        log.info("captured the decode step for batch size %d%s", key[0], " with the CPU branch" if key[1] else "")

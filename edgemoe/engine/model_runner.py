@@ -443,7 +443,8 @@ class ModelRunner:
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
-        logits = self.graphs.run(self.model, inputs, state_slots, self._step, self.record, graphs)
+        armed = self.experts.device_decode is not None and self.experts.device_decode.armed
+        logits = self.graphs.run(self.model, inputs, state_slots, self._step, self.record, graphs, armed=armed)
         self.experts.check_decode_step()
         return logits
 

@@ -44,6 +44,8 @@ route's output depends on its own slot only. A layout neither kernel reads
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from edgemoe.config import DOORBELL_WAITS
@@ -52,6 +54,8 @@ from edgemoe.experts.compute import kernel_reason, quant_slots
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
+
+log = logging.getLogger(__name__)
 
 AUTO_DOORBELL_WAIT = "kernel"
 """What ``auto`` resolves to: the polling kernel, the wait the decode benchmarks measured
@@ -116,8 +120,9 @@ class DeviceDecode:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
         join_stats: ``[L, 2]`` int64 on the device, per MoE layer: hand-offs to the native executor and
             those whose join found the CPU branch still running, since creation.
-        cpu_branch: whether the CPU branch is enqueued at all (``False`` when every expert is resident,
-            or when every step's misses fit the evictable slots and the policy fills them all).
+        cpu_branch: whether the CPU branch exists at all (``False`` when every expert is resident, or when
+            every step's misses fit the evictable slots and the policy fills them all).
+        armed: whether steps enqueue it now (:meth:`push_policy`); the decode graphs are keyed by it.
         fills: whether ``gather_fills`` is launched (``False`` when every expert is resident).
         wait_mode: ``kernel`` or ``stream-op``.
     """
@@ -160,14 +165,16 @@ class DeviceDecode:
         self.rule = policy
         self.policy = torch.zeros(3, dtype=torch.float64, device=dev)  # [3] (num, den, q_min) of a one-rule policy
         self.fill_table = policy.fill_table().to(dev) if policy.per_layer else None  # [L, M + 1] int32
-        self.push_policy()
         num, den, q_min = (0.0, 1.0, 0.0) if policy.per_layer else policy.fill_rule()
         evictable = min(cache.evictable([], layer) for layer in range(cache.num_layers))  # per victim range
         all_resident = int((cache.owner_of >= 0).sum()) >= pool.num_ids  # e.g. static with every layer placed
         fills_all = num >= den and q_min == 0 and not policy.online  # an online policy may switch
-        # a layer step misses at most min(P, E) experts: fill-all never needs the CPU when every victim range
-        # holds that many (a cache of every expert split per layer holds E per layer, fewer than a batch's P)
-        self.cpu_branch = not (all_resident or (fills_all and evictable >= min(P, num_experts)))
+        # a layer step misses at most min(P, E) experts: filling every miss never needs the CPU when every victim
+        # range holds that many (a cache of every expert split per layer holds E per layer, fewer than a batch's P)
+        holds_misses = evictable >= min(P, num_experts)
+        self.cpu_branch = not (all_resident or (fills_all and holds_misses))
+        self._disarmable = self.cpu_branch and holds_misses
+        self.armed = self.cpu_branch
         self.fills = not all_resident  # every expert resident: route_control never emits a fill
         self.cpu = cpu_executor
         self.step = None  # RegisteredStep of the native executor
@@ -188,6 +195,7 @@ class DeviceDecode:
                 self._release_word = doorbell.release_word(self.bell)
                 self._release_address = cuda_driver.host_device_pointer(self._release_word, dev)
         self._seen = (0, 0)  # waits given up and executor failures already reported by check()
+        self.push_policy()
         self.prefetch_out: RouteOutputs | None = None
         self.prefetch_counters: torch.Tensor | None = None  # [4] int64: (hits, misses, fills, -) of predictions
         self._fill_all = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64, device=dev)
@@ -216,11 +224,18 @@ class DeviceDecode:
 
     def push_policy(self) -> None:
         """Copy the policy's current rule (or per-layer table) into the device tensors the control reads
-        (between steps; a captured graph reads the same tensors)."""
+        (between steps; a captured graph reads the same tensors), and arm or disarm the CPU branch: while
+        an online policy's rule fills every miss and the victim ranges hold a step's misses, steps are
+        enqueued (and captured) without it, as under ``fill-all``."""
         if self.fill_table is not None:
             self.fill_table.copy_(self.rule.fill_table())
         else:
             self.policy.copy_(torch.tensor(self.rule.fill_rule(), dtype=torch.float64))
+        armed = self.cpu_branch and not (self._disarmable and self.rule.fills_every_miss())
+        if armed != self.armed:
+            log.info("CPU branch %s: the %s policy's rule %s", "armed" if armed else "disarmed", self.rule.name,
+                     "sends misses to the CPU" if armed else "fills every miss")
+        self.armed = armed
 
     @property
     def capturable(self) -> bool:
@@ -279,10 +294,10 @@ class DeviceDecode:
                             moe_layer=moe_layer, reuse=(c.ghost_slot, c.slot_ghost, c.reuse),
                             num_experts=self.num_experts, slots=c.victim_range(moe_layer))
         cpu_out = self.cpu_out[:T]
-        if self.cpu_branch and self.step is not None:  # hand-off first: the fills below hold every SM
+        if self.armed and self.step is not None:  # hand-off first: the fills below hold every SM
             self._handoff(x, self.step.x, o.cpu_pack, self.step.pack, o.meta[3:], self.seq, self.bell,
                           release=self._release_word)
-        elif self.cpu_branch:
+        elif self.armed:
             self._cpu_branch_sync(x, cpu_out)
         if self.fills:
             self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
@@ -293,14 +308,14 @@ class DeviceDecode:
         else:  # packed codes and scales of the same slot rows, dequantized in registers (plain SiLU experts)
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
-        if self.cpu_branch and self.step is not None:  # waits, and adds the partial, only after a hand-off
+        if self.armed and self.step is not None:  # waits, and adds the partial, only after a hand-off
             if self._release_address is not None:  # released at once by a hand-off without CPU work
                 self._wait_stream_op(self._release_address, torch.cuda.current_stream(self.device).cuda_stream)
             # the stream-op wait leaves collect nothing to wait for: no lateness to count
             stats = self.join_stats if self._release_address is None else None
             return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype, stats=stats,
                                  layer=moe_layer)
-        if self.cpu_branch:
+        if self.armed:
             y = y + cpu_out
         return y.to(x.dtype)
 

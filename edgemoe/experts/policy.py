@@ -78,6 +78,11 @@ class ExpertPolicy:
         """Misses to fill among ``m`` misses of MoE layer ``layer`` (the rest run on the CPU)."""
         raise NotImplementedError
 
+    def fills_every_miss(self) -> bool:
+        """Whether the current rule fills every miss of every layer (a step then needs no CPU branch when
+        the cache's victim ranges hold a step's misses)."""
+        return False
+
     def observe(self, seconds: float, batch_size: int) -> bool:
         """Record the wall time (s) of the decode step just run at ``batch_size``; returns whether the
         rule changed (the caller then pushes :meth:`fill_rule` to the device). Fixed rules ignore it."""
@@ -147,6 +152,9 @@ class FillAllPolicy(ExpertPolicy):
 
     def num_fills(self, m: int, layer: int = 0) -> int:
         return max(m, 0)
+
+    def fills_every_miss(self) -> bool:
+        return True
 
     def fill_rule(self) -> tuple[float, float, float]:
         return (1.0, 1.0, 0.0)
@@ -532,6 +540,9 @@ class AutoPolicy(ExpertPolicy):
 
     def fill_rule(self) -> tuple[float, float, float]:
         raise NotImplementedError("the auto policy is encoded per layer: use fill_table()")
+
+    def fills_every_miss(self) -> bool:
+        return all(q == m for row in self._table for m, q in enumerate(row))
 
     def fill_table(self) -> torch.Tensor:
         """``[L, M + 1]`` int32: ``q_l(m)`` for ``m = 0 .. M`` (the device encoding)."""

@@ -124,7 +124,7 @@ def test_graphs_match_transformers_over_partitions(checkpoint):
     logits, toks = greedy_decode(runner, LONG, 4, free=True)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits.cpu(), rtol=1e-4, atol=1e-4)
-    assert 1 in runner.graphs.graphs  # batch size 1 was captured and replayed
+    assert 1 in runner.graphs.captured_sizes()  # batch size 1 was captured and replayed
 
 
 def test_padded_graph_batch_matches_alone(checkpoint):
@@ -142,7 +142,7 @@ def test_padded_graph_batch_matches_alone(checkpoint):
         for i in range(3):
             logits[i].append(out[i])
             toks[i].append(int(out[i].argmax()))
-    assert 4 in runner.graphs.graphs
+    assert 4 in runner.graphs.captured_sizes()
     for i in range(3):
         assert toks[i] == alone[i][1]
         torch.testing.assert_close(torch.stack(logits[i]).cpu(), alone[i][0], rtol=1e-4, atol=1e-4)

@@ -55,7 +55,7 @@ def test_graph_replay_is_bit_identical_to_eager_device_path(small):
     assert eager.experts.decode_path == "device"
     a, ta = _decode(graphs, PROMPTS[:1])
     b, tb = _decode(eager, PROMPTS[:1])
-    assert 1 in graphs.graphs.graphs
+    assert 1 in graphs.graphs.captured_sizes()
     assert ta == tb and torch.equal(a, b)
     graphs.experts.cache.check_invariants()
 
@@ -103,7 +103,7 @@ def test_padded_batch_matches_single_sequences(small):
     runner = _runner(small, dtype="float32", expert_policy="qstar", expert_cache_slots=48,
                      bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0)
     together, tt = _decode(runner, PROMPTS, steps=6)  # 3 sequences: the batch-4 graph with one padding row
-    assert 4 in runner.graphs.graphs
+    assert 4 in runner.graphs.captured_sizes()
     for i, p in enumerate(PROMPTS):
         alone, ta = _decode(runner, [p], steps=6)
         assert ta[0] == tt[i]
@@ -136,7 +136,7 @@ def test_batches_beyond_16_sequences_match_the_eager_path(small, B):
     assert runner.experts.decode_path == "device + CUDA graphs", runner.experts.decode_path_reason
     dev, td = _decode(runner, prompts, steps=4)
     bs = 64 if B > 32 else 32
-    assert bs in runner.graphs.graphs and not runner.graphs.failed
+    assert bs in runner.graphs.captured_sizes() and not runner.graphs.failed
     st = runner.experts.stats()["decode"]
     assert st["fills"] > 0 and st["cpu"] > 0
     runner.experts.cache.check_invariants()
