@@ -129,7 +129,7 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
 
 def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> None:
     """Replace each router's choice by k distinct experts drawn uniformly per token and layer (weights:
-    the router's own softmax at those experts, renormalized). Random-weight models route almost the
+    the router's own top-k weights; the router's work stays in the step). Random-weight models route almost the
     same experts every step, which would flatter any cache; uniform routing is the no-locality case.
 
     The draws come from a pre-generated table of random scores read at a device-side counter, so a
@@ -140,20 +140,18 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
     rows = 1 << 14
     table = torch.rand(rows, E, generator=g, device=dev)  # [R, E] random scores
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
+    k = runner.model_config.top_k
     for blk in runner.model.moe_blocks():
-        router = blk.gate
 
-        def forward(x, router=router):
+        def route(x, own=blk.route):
             T = x.shape[0]
-            logits = torch.nn.functional.linear(x.to(router.weight.dtype), router.weight)  # [T, E]
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E] (a float32 router: GLM's)
+            _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
             idx = (counter + torch.arange(T, device=dev)) % rows  # [T]
             counter.add_(T)
-            ids = table.index_select(0, idx).topk(router.top_k, dim=-1).indices  # [T, k]
-            w = probs.gather(1, ids)
-            return ids, (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+            ids = table.index_select(0, idx).topk(k, dim=-1).indices  # [T, k]
+            return ids, w
 
-        router.forward = forward
+        blk.route = route
 
 
 def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, seed: int = 0) -> int:
@@ -162,7 +160,7 @@ def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, s
     step ``c_j``, ``c_j + 1``, ... of its own table at a device-side counter (a prefill, a step of at
     least ``reset_tokens`` tokens, restarts it at 0 and reads rows too, so every run replays the same
     steps; a CUDA graph replays with the counter).
-    Weights: the router's softmax at the chosen experts, renormalized. Returns the number of recorded
+    Weights: the router's own top-k weights (its work stays in the step). Returns the number of recorded
     steps (the tables wrap around).
 
     Raises:
@@ -184,21 +182,17 @@ def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, s
     table = torch.tensor([rows[j][:n] for j in range(L)], dtype=torch.int64, device=dev)  # [L, R, k]
     counters = torch.zeros(L, dtype=torch.int64, device=dev)
     for j, blk in enumerate(blocks):
-        router = blk.gate
 
-        def forward(x, router=router, j=j):
+        def route(x, own=blk.route, j=j):
             T = x.shape[0]
             if T >= reset_tokens:  # a prefill: every run replays the trace from its start
                 counters[j:j + 1].zero_()
-            logits = torch.nn.functional.linear(x.to(router.weight.dtype), router.weight)  # [T, E]
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+            _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
             idx = (counters[j] + torch.arange(T, device=dev)) % n  # [T]
             counters[j:j + 1].add_(T)
-            ids = table[j].index_select(0, idx)  # [T, k]
-            w = probs.gather(1, ids)
-            return ids, (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+            return table[j].index_select(0, idx), w  # [T, k]
 
-        router.forward = forward
+        blk.route = route
     return n
 
 
