@@ -60,11 +60,6 @@ class ExpertActivation:
         if self.kind not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.kind!r}: choose one of {', '.join(EXPERT_ACTIVATIONS)}")
 
-    @property
-    def plain(self) -> bool:
-        """SiLU SwiGLU without biases: what the native CPU kernels and the Triton expert kernels compute."""
-        return self.kind == "silu" and not self.bias
-
     def describe(self) -> str:
         """One phrase for logs and reasons, e.g. ``swiglu_oai (alpha 1.702, limit 7) with biases``."""
         what = self.kind if self.kind == "silu" else f"{self.kind} (alpha {self.alpha:g}, limit {self.limit:g})"

@@ -93,20 +93,22 @@ def test_device_path_equals_eager_path(policy, slots, experts, partition):
             assert all(o < 0 or o // E == layer for o in owners[lo:hi])
 
 
-@pytest.mark.parametrize("policy,slots", [("qstar", 6), ("cpu-all", 7), ("auto", 6)])
-def test_cpu_branch_through_the_doorbell(policy, slots):
+@pytest.mark.parametrize("policy,slots,experts", [("qstar", 6, "silu"), ("cpu-all", 7, "silu"), ("auto", 6, "silu"),
+                                                   ("qstar", 6, "gpt-oss"), ("cpu-all", 7, "gpt-oss")])
+def test_cpu_branch_through_the_doorbell(policy, slots, experts):
     """With the native executor the CPU branch goes through the doorbell: the ring kernel writes the request
     word, the executor's server thread runs the registered step, the wait kernel polls the done word (in the
     interpreter here, a real thread on the other side). Outputs equal the eager path's; a layer call rings
     only when it has CPU work (the skipped wait returns at once and its stale partial is not added), so the
-    server served exactly one request per call with CPU work."""
+    server served exactly one request per call with CPU work. gpt-oss's experts (clamped SwiGLU, biases) run
+    natively too."""
     from edgemoe.experts import native
 
     try:
         native.load_extension()
     except native.NativeUnavailable as e:  # no compiler: the torch executor serves instead
         pytest.skip(f"native executor unavailable: {e}")
-    pool = _pool()
+    pool = _pool(activation=GPT_OSS if experts == "gpt-oss" else SILU_SWIGLU)
     eager, dev = _pair(pool, slots, policy)
     dev.cpu = native.NativeCpuExecutor(pool, threads=2, pin=False)
     dev.device_decode = dd = DeviceDecode(pool, dev.cache, dev.policy, dev.cpu, E, K, max_tokens=4)
@@ -209,19 +211,26 @@ def test_next_layer_prefetch_device_equals_eager(partition):
 QUANT = {WeightFormat.FP8_BLOCK: (16, 16), WeightFormat.MXFP4: (128, 128), WeightFormat.NVFP4: (128, 128)}
 
 
-def _quant_pool(fmt: WeightFormat) -> HostExpertPool:
+def _quant_pool(fmt: WeightFormat, activation: ExpertActivation = SILU_SWIGLU,
+                compute: torch.dtype = torch.float32) -> HostExpertPool:
     """A quantized pool at H = I = 32 (FP8 blocks of 16: several scale blocks per matrix)."""
-    pool = HostExpertPool(LAYERS * E, ExpertLayout.build(fmt, 32, 32, block_size=QUANT[fmt]), torch.float32)
+    lay = ExpertLayout.build(fmt, 32, 32, has_bias=activation.bias, block_size=QUANT[fmt])
+    pool = HostExpertPool(LAYERS * E, lay, compute, activation)
     pool.fill_random(0, std=0.2)
     return pool
 
 
 @pytest.mark.parametrize("fmt", list(QUANT))
-@pytest.mark.parametrize("policy,slots", [("qstar", 6), ("fill-all", 30)])
-def test_quantized_device_path_equals_eager_path(fmt, policy, slots):
+@pytest.mark.parametrize("policy,slots,experts", [("qstar", 6, "silu"), ("fill-all", 30, "silu"),
+                                                   ("qstar", 6, "gpt-oss"), ("qstar", 6, "gpt-oss-bf16")])
+def test_quantized_device_path_equals_eager_path(fmt, policy, slots, experts):
     """Quantized rows on the device path: fills move packed rows, ``expert_gemv_quant`` dequantizes them in
-    the kernel; outputs equal the eager path's (rows dequantized in torch), tables and counters identical."""
-    pool = _quant_pool(fmt)
+    the kernel; outputs equal the eager path's (rows dequantized in torch), tables and counters identical; for
+    gpt-oss's experts (clamped SwiGLU with the slots' biases) too, computing in float32 and in bfloat16."""
+    bf16 = experts.endswith("bf16")
+    pool = _quant_pool(fmt, GPT_OSS if experts.startswith("gpt-oss") else SILU_SWIGLU,
+                       torch.bfloat16 if bf16 else torch.float32)
+    tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-5, atol=1e-5)
     eager, dev = _pair(pool, slots, policy)
     g = torch.Generator().manual_seed(3)
     for step in range(1, 3):
@@ -234,7 +243,7 @@ def test_quantized_device_path_equals_eager_path(fmt, policy, slots):
             w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
             a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
             b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b, a, **tol)
             for name in ("slot_of", "owner_of", "last_used"):
                 assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
     for slot, fid in enumerate(dev.cache.owner_of.tolist()):  # the fills copied the packed rows

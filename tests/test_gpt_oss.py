@@ -1,16 +1,16 @@
 """gpt_oss (gpt-oss-20b / gpt-oss-120b) against transformers, on CPU.
 
 Parity: prefill + decode logits and greedy tokens of tiny random-weight checkpoints match transformers'
-``GptOssForCausalLM`` (float32, and bfloat16 within bf16 noise) in every execution mode (all experts
-resident, each policy with a cache smaller than a layer, streamed prefill, CPU-only), with a sliding
-window (4) shorter than the prompt, tied and untied embeddings, nonzero expert and router biases and a
-SwiGLU clamp that bites. Also: attention with sinks and windows (prefill, chunked prefill after a prefix,
-eager decode, the Triton paged decode kernel, in the interpreter on CPU hosts) against transformers'
-``eager_attention_forward`` with its own masks; the experts against ``GptOssExperts``; the config
-normalization and its errors; the released geometries (config-only, dummy weights); broken
-checkpoints; the native CPU executor and the grouped Triton kernel refused for these experts;
-the engine (chunked prefill, batching, preemption, prefix cache, fault isolation); make-model's Harmony
-tokenizer and the released chat template.
+``GptOssForCausalLM`` (float32, and bfloat16 within bf16 noise) in every execution mode (all experts resident,
+each policy with a cache smaller than a layer, streamed prefill, CPU-only; the CPU misses on the torch-ops and
+on the native CPU executor; float and MXFP4 experts), with a sliding window (4) shorter than the prompt, tied
+and untied embeddings, nonzero expert and router biases and a SwiGLU clamp that bites. Also: attention with
+sinks and windows (prefill, chunked prefill after a prefix, eager decode, the Triton paged decode kernel, in
+the interpreter on CPU hosts) against transformers' ``eager_attention_forward`` with its own masks; the
+experts against ``GptOssExperts``; the config normalization and its errors; the released geometries
+(config-only, dummy weights); broken checkpoints; the native CPU executor and the Triton kernels (float and
+MXFP4 rows) chosen for these experts; the engine (chunked prefill, batching, preemption, prefix cache, fault
+isolation); make-model's Harmony tokenizer and the released chat template.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from edgemoe.core import ForwardBatch, Phase, SeqSlice
 from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
+from edgemoe.experts import native
+from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVSpec, PagedKVPool
 from edgemoe.layers.attention import paged_attention
 from edgemoe.models import load_config, model_class
@@ -56,7 +58,8 @@ BF16_GAP = 0.25
 VARIANTS = {"tiny": ("tiny", "float32"), "tied": ("tiny-tied", "float32"), "bf16": ("tiny", "bfloat16")}
 
 # (policy, slots, cpu executor): resident, each policy with a cache smaller than one layer's 16 experts,
-# two staging regions of E slots (streamed prefill), CPU-only with the executor chosen automatically
+# two staging regions of E slots (streamed prefill), CPU-only with the executor chosen automatically (native
+# where it builds); every policy that computes misses on the CPU once more with the native executor
 MODES = [
     ("fill-all", 10_000, "torch"),
     ("fill-all", 5, "torch"),
@@ -66,7 +69,17 @@ MODES = [
     ("cpu-all", 5, "torch"),
     ("static", 5, "torch"),
     ("qstar", 0, "auto"),
+    ("qstar", 5, "native"),
+    ("adaptive", 5, "native"),
+    ("cpu-all", 5, "native"),
+    ("static", 5, "native"),
 ]
+
+
+def _expected_executor(executor: str) -> str:
+    """The kind of CPU executor (``native`` or ``torch``) a runner built with ``cpu_executor=executor`` must have:
+    the native one where it builds (it computes gpt-oss's experts), else the torch fallback."""
+    return "torch" if executor == "torch" or not native.available() else "native"
 
 
 def _engine_config(**kw) -> EngineConfig:
@@ -452,7 +465,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots, 
     path, dtype, (ref_logits, ref_toks) = checkpoint
     runner = ModelRunner(path, _engine_config(dtype=dtype, expert_policy=policy, expert_cache_slots=slots,
                                               cpu_executor=executor), progress=False)
-    assert runner.experts.cpu_executor.name == "torch"  # the native kernels do not compute these experts
+    assert runner.experts.cpu_executor.name.split("-")[0] == _expected_executor(executor)
     if dtype == "float32":
         logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
         assert toks == ref_toks
@@ -466,6 +479,8 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots, 
         assert st["decode"]["fills"] == 0
     if policy == "qstar" and slots:
         assert st["decode"]["fills"] > 0 and st["decode"]["cpu"] > 0  # both branches exercised
+    if executor != "torch":
+        assert st["decode"]["cpu"] > 0  # the native executor computed misses
     if policy == "static":
         assert st["decode"]["fills"] == 0 and st["prefill"]["fills"] == 0
     if slots == 32:  # T·k = 48 >= 2E: the prefill streamed whole layers through two staging regions
@@ -484,7 +499,8 @@ def mxfp4(tmp_path_factory):
 
 
 MXFP4_MODES = [("fill-all", 10_000, "torch"), ("qstar", 5, "torch"), ("fill-all", 32, "torch"),
-               ("static", 5, "torch"), ("qstar", 0, "auto")]
+               ("static", 5, "torch"), ("qstar", 0, "auto"), ("qstar", 5, "native"), ("cpu-all", 5, "native"),
+               ("static", 5, "native")]
 
 
 @pytest.mark.parametrize("policy,slots,executor", MXFP4_MODES, ids=[f"{p}-{s}-{e}" for p, s, e in MXFP4_MODES])
@@ -502,6 +518,7 @@ def test_mxfp4_release_layout_matches_transformers(mxfp4, policy, slots, executo
                          progress=False)
     pool = runner.pool
     assert pool.format.value == "mxfp4" and pool.layout.has_bias and pool.compute_dtype == torch.float32
+    assert runner.experts.cpu_executor.name.split("-")[0] == _expected_executor(executor)
     logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
@@ -509,6 +526,39 @@ def test_mxfp4_release_layout_matches_transformers(mxfp4, policy, slots, executo
     assert st["misses"] == st["fills"] + st["cpu"]
     if policy == "qstar" and slots:
         assert st["fills"] > 0 and st["cpu"] > 0
+    if executor != "torch":
+        assert st["cpu"] > 0
+
+
+@pytest.fixture(scope="module")
+def mxfp4_bf16(tmp_path_factory):
+    """The MXFP4 release layout of a bfloat16 model: rows dequantized into bfloat16 (the released checkpoints'
+    compute dtype), and transformers' bf16 greedy reference on it."""
+    out = tmp_path_factory.mktemp("gptoss-mxfp4-bf16") / "m"
+    make_model(out, "gpt_oss", "tiny", seed=7, dtype="bfloat16", quant="mxfp4")
+    _randomize_biases(out)
+    return out, _reference(out, torch.bfloat16)
+
+
+MXFP4_BF16_MODES = [("fill-all", 10_000, "torch"), ("qstar", 5, "native"), ("cpu-all", 5, "native"),
+                    ("qstar", 0, "auto")]
+
+
+@pytest.mark.parametrize("policy,slots,executor", MXFP4_BF16_MODES,
+                         ids=[f"{p}-{s}-{e}" for p, s, e in MXFP4_BF16_MODES])
+def test_mxfp4_bf16_matches_transformers(mxfp4_bf16, policy, slots, executor):
+    """MXFP4 rows computing in bfloat16 (the native kernels round each dequantized weight to bf16, as the torch
+    path's ``.to(bfloat16)``) within bf16 noise of transformers, on the torch-ops and the native executor."""
+    path, (ref_logits, ref_toks) = mxfp4_bf16
+    runner = ModelRunner(path, _engine_config(dtype="bfloat16", expert_policy=policy, expert_cache_slots=slots,
+                                              cpu_executor=executor), progress=False)
+    assert runner.pool.format.value == "mxfp4" and runner.pool.compute_dtype == torch.bfloat16
+    assert runner.experts.cpu_executor.name.split("-")[0] == _expected_executor(executor)
+    _check_bf16(runner, ref_logits, ref_toks)
+    st = runner.experts.stats()["decode"]
+    assert st["misses"] == st["fills"] + st["cpu"]
+    if executor != "torch":
+        assert st["cpu"] > 0
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -530,19 +580,17 @@ def test_broken_mxfp4_checkpoint_names_the_tensor(mxfp4, tmp_path, edit, match):
         ModelRunner(d, _engine_config(), progress=False)
 
 
-def test_quantized_kernels_are_not_used_for_these_experts():
-    """The Triton kernels read float rows of gpt-oss's experts (clamped SwiGLU, slot biases); quantized rows of
-    them decode on the eager path (the quantized kernels compute plain SiLU SwiGLU)."""
+def test_the_kernels_read_quantized_rows_of_these_experts():
+    """The Triton kernels read float and quantized rows of gpt-oss's experts (clamped SwiGLU, slot biases): only
+    an FP8 block they do not tile is refused, whatever the experts."""
     from edgemoe.experts.compute import kernel_reason
     from edgemoe.quant.layout import ExpertLayout
     from edgemoe.quant.weights import WeightFormat
 
-    act = ExpertActivation("swiglu_oai", 1.702, 7.0, bias=True)
-    assert kernel_reason(ExpertLayout.build(WeightFormat.BF16, 64, 32, has_bias=True), act) is None
-    assert kernel_reason(ExpertLayout.build(WeightFormat.MXFP4, 64, 32, has_bias=True), act) == (
-        "the quantized expert kernels compute SiLU SwiGLU without biases, not swiglu_oai (alpha 1.702, limit 7) "
-        "with biases")
-    assert kernel_reason(ExpertLayout.build(WeightFormat.MXFP4, 64, 32)) is None
+    for fmt in (WeightFormat.BF16, WeightFormat.MXFP4, WeightFormat.NVFP4, WeightFormat.FP8_BLOCK):
+        assert kernel_reason(ExpertLayout.build(fmt, 64, 32, has_bias=True)) is None, fmt
+    assert "power of two" in kernel_reason(ExpertLayout.build(WeightFormat.FP8_BLOCK, 64, 32, has_bias=True,
+                                                              block_size=(128, 96)))
 
 
 def test_mxfp4_rows_dequantize_as_transformers(mxfp4):
@@ -606,30 +654,42 @@ def test_long_prompt_matches_transformers(tmp_path):
 # ------------------------------------------------------------------------------------------------ kernels refused
 
 
-def test_cpu_executor_falls_back_to_torch_with_one_log_line(tiny, caplog):
+def test_cpu_executor_is_native_for_these_experts(tiny, caplog):
+    if not native.available():
+        pytest.skip(f"native CPU extension unavailable: {native.build().error}")
     with caplog.at_level(logging.WARNING, logger="edgemoe.experts.cpu_executor"):
         runner = ModelRunner(tiny[0], _engine_config(cpu_executor="native"), progress=False)
-    assert runner.experts.cpu_executor.name == "torch"
-    lines = [r.getMessage() for r in caplog.records if r.name == "edgemoe.experts.cpu_executor"]
-    assert lines == ["native CPU expert executor computes SiLU SwiGLU experts without biases, not swiglu_oai "
-                     "(alpha 1.702, limit 1) with biases; using the torch-ops executor"]
+    assert runner.experts.cpu_executor.name.startswith("native-")
+    assert not [r for r in caplog.records if r.name == "edgemoe.experts.cpu_executor"]  # no fallback warning
 
 
-def test_grouped_kernel_is_not_used_for_these_experts(monkeypatch):
-    """``run_sorted_experts`` takes the torch loop for swiglu_oai / biased experts even where the grouped Triton
-    kernel would run."""
+def test_grouped_kernels_take_these_experts(monkeypatch):
+    """Where the grouped Triton kernels run, ``run_sorted_experts`` hands them swiglu_oai / biased experts, float
+    and MXFP4 slots, with the clamp's constants and the slots' bias sections."""
     from edgemoe.experts import compute
-    from edgemoe.experts.pool import HostExpertPool
+    from edgemoe.quant.layout import ExpertLayout
+    from edgemoe.quant.weights import WeightFormat
 
-    used = []
-    monkeypatch.setattr(compute, "kernel_module", lambda name, device: used.append(name) or object())
-    monkeypatch.setattr(compute, "run_experts_loop", lambda *a: used.append("loop"))
-    x, ids = torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int64)
-    for act in (ExpertActivation("swiglu_oai", bias=True), ExpertActivation("swiglu_oai")):
-        pool = HostExpertPool.dense(1, 8, 2, torch.float32, act)
+    calls = []
+
+    class Grouped:
+        def grouped_swiglu(self, *args, **kw):
+            calls.append(("float", kw))
+
+        def grouped_swiglu_quant(self, *args, **kw):
+            calls.append(("quant", kw))
+
+    monkeypatch.setattr(compute, "kernel_module", lambda name, device: Grouped())
+    x, ids = torch.zeros(2, 32), torch.zeros(2, 1, dtype=torch.int64)
+    act = ExpertActivation("swiglu_oai", 1.5, 3.0, bias=True)
+    for pool in (HostExpertPool.dense(1, 32, 32, torch.float32, act),
+                 HostExpertPool(1, ExpertLayout.build(WeightFormat.MXFP4, 32, 32, has_bias=True), torch.float32, act)):
         compute.run_sorted_experts(x, ids, torch.ones(2, 1), torch.zeros(1, dtype=torch.int64), pool.layout, pool.bank,
-                                   torch.zeros(2, 1, 8), act=act)
-    assert used == ["loop", "loop"]
+                                   torch.zeros(2, 1, 32), act=act)
+    assert [kind for kind, _ in calls] == ["float", "quant"]
+    for _, kw in calls:
+        assert kw["swiglu_oai"] == (1.5, 3.0)
+        assert kw["biases"][0].shape == (1, 64) and kw["biases"][1].shape == (1, 32)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -19,6 +19,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from edgemoe.config import ExpertActivation  # noqa: E402
 from edgemoe.experts.compute import run_experts_loop, swiglu_expert  # noqa: E402
 from edgemoe.kernels.grouped_gemm import GroupedConfig, align_routes, choose_config, grouped_swiglu  # noqa: E402
 
@@ -81,6 +82,52 @@ def test_grouped_swiglu_matches_references(dtype, T, k, E, H, I):
         torch.testing.assert_close(out.double(), ref, rtol=2**-5, atol=2**-6 * scale)
         torch.testing.assert_close(out.float(), loop.float(), rtol=2**-7, atol=2**-8 * scale)
         assert (out != loop).float().mean() <= 0.01
+
+
+GPT_OSS = ExpertActivation("swiglu_oai", alpha=1.702, limit=0.5, bias=True)  # a limit that bites here
+
+
+def _slot_biases(S: int, I: int, H: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 biases as a cache bank holds them: ``b13 [S, 2I]`` and ``b2 [S, H]`` views of one row per slot."""
+    rows = torch.randn(S, 2 * I + H + 5, generator=torch.Generator().manual_seed(seed)) * 0.5  # [S, row]
+    return rows[:, :2 * I], rows[:, 2 * I:2 * I + H]
+
+
+@pytest.mark.parametrize("dtype,T,k,E,H,I", [(torch.float32, 11, 2, 6, 40, 24), (torch.bfloat16, 9, 4, 6, 32, 24)])
+def test_grouped_swiglu_computes_gpt_oss_experts(dtype, T, k, E, H, I):
+    """gpt-oss's clamped SwiGLU with the slots' biases (strided section views) against ``swiglu_expert`` in
+    float64 and the torch loop (the same rounding points); both clamps bite."""
+    S = E + 3
+    x, ids, w, slots, w13, w2 = _case(T, k, E, H, I, S=S, dtype=dtype, seed=5 * T + k)
+    w13, w2 = w13 * 3, w2  # gate / up beyond ±limit
+    b13, b2 = _slot_biases(S, I, H, seed=T)
+    out = torch.full((T, k, H), 7.0, dtype=dtype, device=DEV)
+    grouped_swiglu(*_dev(x, ids, w, slots, w13, w2), out, swiglu_oai=(GPT_OSS.alpha, GPT_OSS.limit),
+                   biases=tuple(_dev(b13, b2)))
+    out = out.cpu()
+    ref = torch.zeros(T, k, H, dtype=torch.float64)
+    gates = []
+    for t in range(T):
+        for j in range(k):
+            s = int(slots[ids[t, j]])
+            if s >= 0:
+                xt = x[t:t + 1].to(dtype).double()
+                gates.append(xt @ w13[s, :I].double().T + b13[s, :I].double())
+                ref[t, j] = float(w[t, j]) * swiglu_expert(xt, w13[s].double(), w2[s].double(), GPT_OSS,
+                                                           b13[s].double(), b2[s].double())[0]
+    assert (torch.cat(gates) > GPT_OSS.limit).float().mean() > 0.1  # the clamp bites
+    missing = slots[ids] < 0
+    assert missing.any() and not out[missing].any()
+    loop = torch.full_like(out, 7.0)
+    run_experts_loop(x, ids, w, slots, w13, w2, loop, act=GPT_OSS, biases=(b13, b2))
+    scale = ref.abs().max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * scale)
+        torch.testing.assert_close(out, loop, rtol=1e-5, atol=1e-6 * scale)
+    else:
+        torch.testing.assert_close(out.double(), ref, rtol=2**-5, atol=2**-5 * scale)
+        torch.testing.assert_close(out.float(), loop.float(), rtol=2**-7, atol=2**-8 * scale)
+        assert (out != loop).float().mean() <= 0.02
 
 
 def test_zero_missing_false_leaves_rows_of_missing_experts():

@@ -16,10 +16,10 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-import torch.nn.functional as F  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from edgemoe.experts.compute import quant_slots  # noqa: E402
+from edgemoe.config import SILU_SWIGLU, ExpertActivation  # noqa: E402
+from edgemoe.experts.compute import expert_biases, quant_slots, swiglu_expert, swiglu_oai_args  # noqa: E402
 from edgemoe.kernels.expert_gemv import e2m1_to_f32, e8m0_to_f32, expert_gemv_quant  # noqa: E402
 from edgemoe.kernels.grouped_gemm import grouped_swiglu_quant  # noqa: E402
 from edgemoe.kernels.quant_slots import QuantSlots  # noqa: E402
@@ -36,29 +36,45 @@ CASES = [(WeightFormat.FP8_BLOCK, 80, 40, (32, 16)), (WeightFormat.FP8_BLOCK, 64
 IDS = [f"{f.value}-{h}x{i}" for f, h, i, _ in CASES]
 
 
-def _bank(fmt: WeightFormat, H: int, I: int, block, S: int, seed: int = 0) -> tuple[ExpertLayout, torch.Tensor]:
-    lay = ExpertLayout.build(fmt, H, I, block_size=block or (128, 128))
+# gpt-oss's experts: clamped SwiGLU with a limit that bites at these shapes (projections of std ~2), biases
+GPT_OSS = ExpertActivation("swiglu_oai", alpha=1.702, limit=0.5, bias=True)
+EXPERTS = {"silu": SILU_SWIGLU, "gpt-oss": GPT_OSS}
+
+
+def _bank(fmt: WeightFormat, H: int, I: int, block, S: int, seed: int = 0,
+          act: ExpertActivation = SILU_SWIGLU) -> tuple[ExpertLayout, torch.Tensor]:
+    lay = ExpertLayout.build(fmt, H, I, has_bias=act.bias, block_size=block or (128, 128))
     g = torch.Generator().manual_seed(seed)
     bank = lay.new_bank(S)
     for r in range(S):
+        b13, b2 = (torch.randn(2 * I, generator=g) * 0.5, torch.randn(H, generator=g) * 0.5) if act.bias \
+            else (None, None)
         pack_float_expert(lay, torch.randn(2 * I, H, generator=g) * 0.2, torch.randn(H, I, generator=g) * 0.2,
-                          out=bank[r])
+                          out=bank[r], b13=b13, b2=b2)
     return lay, bank
 
 
-def _reference(lay, bank, x, slot_of_route, w, dtype):
-    """Every route through the reference: rows dequantized (float32) and rounded to ``dtype``, then SwiGLU."""
+def _reference(lay, bank, x, slot_of_route, w, dtype, act: ExpertActivation = SILU_SWIGLU):
+    """Every route through the torch reference: rows dequantized (float32) and rounded to ``dtype``, then
+    ``swiglu_expert`` with the rows' biases."""
     w13, w2 = lay.dequant_rows(bank, range(bank.shape[0]))  # [S, 2I, H], [S, H, I] float32
     w13, w2 = w13.to(dtype), w2.to(dtype)
+    b13, b2 = lay.bias_rows(bank, range(bank.shape[0])) if lay.has_bias else (None, None)
     T, k = w.shape
     out = torch.zeros(T, k, x.shape[1], dtype=dtype)
     for p, s in enumerate(slot_of_route):
         if s < 0:
             continue
         t, j = divmod(p, k)
-        gate, up = F.linear(x[t:t + 1].to(dtype), w13[s]).chunk(2, dim=-1)
-        out[t, j] = (F.linear(F.silu(gate) * up, w2[s]) * w[t, j].to(dtype))[0]
+        y = swiglu_expert(x[t:t + 1].to(dtype), w13[s], w2[s], act, None if b13 is None else b13[s],
+                          None if b2 is None else b2[s])
+        out[t, j] = (y * w[t, j].to(dtype))[0]
     return out
+
+
+def _kernel_args(act: ExpertActivation, lay: ExpertLayout, bank: torch.Tensor) -> dict:
+    """The kernels' ``swiglu_oai`` / ``biases`` arguments for ``act`` over ``bank`` (on the device)."""
+    return dict(swiglu_oai=swiglu_oai_args(act), biases=expert_biases(lay, bank))
 
 
 def _close(got, want, dtype):
@@ -83,10 +99,12 @@ def test_fp4_and_e8m0_decoders_are_exact_for_every_code():
     torch.testing.assert_close(scales.cpu(), e8m0_to_float(codes.cpu()), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("experts", list(EXPERTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,H,I,block", CASES, ids=IDS)
-def test_expert_gemv_quant_matches_the_reference_dequantizer(fmt, H, I, block, dtype):
-    lay, bank = _bank(fmt, H, I, block, S=3)
+def test_expert_gemv_quant_matches_the_reference_dequantizer(fmt, H, I, block, dtype, experts):
+    act = EXPERTS[experts]
+    lay, bank = _bank(fmt, H, I, block, S=3, act=act)
     g = torch.Generator().manual_seed(1)
     T, k = 2, 2
     x = torch.randn(T, H, generator=g)
@@ -94,30 +112,34 @@ def test_expert_gemv_quant_matches_the_reference_dequantizer(fmt, H, I, block, d
     w = torch.rand(T, k, generator=g)
     out = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
     a = torch.empty(T * k, I, dtype=dtype, device=DEV)
+    dbank = bank.to(DEV)
     expert_gemv_quant(x.to(DEV), torch.tensor(slot_tk, dtype=torch.int32, device=DEV), w.to(DEV),
-                      quant_slots(lay, bank.to(DEV)), out, a)
-    _close(out, _reference(lay, bank, x, slot_tk, w, dtype), dtype)
+                      quant_slots(lay, dbank), out, a, **_kernel_args(act, lay, dbank))
+    _close(out, _reference(lay, bank, x, slot_tk, w, dtype, act), dtype)
     assert not out[0, 1].any()  # the CPU route's row is zeroed
 
 
+@pytest.mark.parametrize("experts", list(EXPERTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,H,I,block", CASES, ids=IDS)
-def test_grouped_swiglu_quant_matches_the_reference_dequantizer(fmt, H, I, block, dtype):
+def test_grouped_swiglu_quant_matches_the_reference_dequantizer(fmt, H, I, block, dtype, experts):
+    act = EXPERTS[experts]
     S, E, T, k = 4, 6, 9, 2
-    lay, bank = _bank(fmt, H, I, block, S)
+    lay, bank = _bank(fmt, H, I, block, S, act=act)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
     slots = [3, -1, 0, 2, -1, 1]  # experts 1 and 4 are not on the device
     w = torch.rand(T, k, generator=g)
-    qs = quant_slots(lay, bank.to(DEV))
+    dbank = bank.to(DEV)
+    qs, kw = quant_slots(lay, dbank), _kernel_args(act, lay, dbank)
     dev = [t.to(DEV) for t in (x, ids, w, torch.tensor(slots))]
     out = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
-    grouped_swiglu_quant(*dev, qs, out)
-    want = _reference(lay, bank, x, [slots[e] for e in ids.view(-1).tolist()], w, dtype)
+    grouped_swiglu_quant(*dev, qs, out, **kw)
+    want = _reference(lay, bank, x, [slots[e] for e in ids.view(-1).tolist()], w, dtype, act)
     _close(out, want, dtype)
     kept = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
-    grouped_swiglu_quant(*dev, qs, kept, zero_missing=False)  # rows of missing experts left as they were
+    grouped_swiglu_quant(*dev, qs, kept, zero_missing=False, **kw)  # rows of missing experts left as they were
     missing = torch.tensor([slots[e] < 0 for e in ids.view(-1).tolist()]).view(T, k)
     assert bool((kept.cpu()[missing] == 9.0).all()) and torch.equal(kept.cpu()[~missing], out.cpu()[~missing])
 

@@ -276,7 +276,7 @@ class ExpertRuntime:
         cache has slots; otherwise decode takes the eager path."""
         self.decode_path, self.doorbell_wait = DecodePath.EAGER, None
         reason = unavailable_reason(self.device)
-        if reason is None and (why := kernel_reason(self.pool.layout, self.pool.activation)) is not None:
+        if reason is None and (why := kernel_reason(self.pool.layout)) is not None:
             reason = (f"the device decode kernels do not read these expert rows ({why}): decode dequantizes them "
                       "in torch")
         if reason is None and self.cache.num_slots == 0:

@@ -7,8 +7,9 @@ Decode (the eager path's large batches), on-demand prefill waves and streamed pr
 rounds at the same points (references: transformers' ``Qwen3MoeExperts.forward`` and ``GptOssExperts``).
 The activation comes from the model's :class:`~edgemoe.config.ExpertActivation`; experts with biases
 (gpt-oss) keep them in their rows (float32 sections ``b13 [2I]``, gate's then up's, and ``b2 [H]``), read
-through :func:`expert_biases`. Only plain SiLU SwiGLU without biases runs on the Triton grouped kernels,
-anything else on torch ops.
+through :func:`expert_biases`. Every path computes both activations with or without biases: the Triton
+kernels (float and quantized slots, decode GEMVs and grouped GEMMs: constexpr flags, :func:`swiglu_oai_args`),
+the native CPU executor, and the torch ops here.
 
 Where a quantized row is dequantized: on CUDA the Triton kernels read the packed sections of the slot bank
 (:func:`quant_slots`) and dequantize each weight tile in registers; elsewhere (the torch reference path, and
@@ -36,16 +37,19 @@ DEQUANT_GROUP_BYTES = 256 << 20
 bytes of compute-dtype weights (bounds the temporary float bank)."""
 
 
-def kernel_reason(layout: ExpertLayout, act: ExpertActivation = SILU) -> str | None:
-    """``None`` when the Triton expert kernels read ``layout``'s rows and compute ``act`` (float rows of any
-    activation; FP8 block / MXFP4 / NVFP4 dequantized in the kernels, for plain SiLU SwiGLU experts without
-    biases), else why not (FP8 with a column block the kernels do not tile; quantized rows of gpt-oss's
-    experts)."""
-    if not layout.format.dense and not act.plain:
-        return f"the quantized expert kernels compute SiLU SwiGLU without biases, not {act.describe()}"
+def kernel_reason(layout: ExpertLayout) -> str | None:
+    """``None`` when the Triton expert kernels read ``layout``'s rows (float rows; FP8 block, MXFP4 and NVFP4 rows
+    dequantized in the kernels; for either activation, with or without biases), else why not (FP8 with a column
+    block the kernels do not tile)."""
     if layout.format is WeightFormat.FP8_BLOCK:
         return fp8_block_reason(layout.block_size)
     return None
+
+
+def swiglu_oai_args(act: ExpertActivation) -> tuple[float, float] | None:
+    """The Triton expert kernels' ``swiglu_oai`` argument for ``act``: ``(alpha, limit)`` of gpt-oss's clamped
+    SwiGLU, ``None`` for SiLU SwiGLU."""
+    return (act.alpha, act.limit) if act.kind == "swiglu_oai" else None
 
 
 def quant_slots(layout: ExpertLayout, bank: torch.Tensor) -> QuantSlots:
@@ -144,14 +148,15 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                        zero_missing: bool = True, act: ExpertActivation = SILU) -> None:
     """Compute every route of one MoE layer whose expert is on the device, routes grouped by expert.
 
-    Where the Triton kernels run (CUDA), for plain SiLU experts: one grouped kernel pair over the bank's
-    section views, no host synchronization: :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu` for float
-    slots, :func:`~edgemoe.kernels.grouped_gemm.grouped_swiglu_quant` for quantized ones (weight tiles
-    dequantized in registers before each ``tl.dot``). Elsewhere, and for another activation or with biases
-    (gpt-oss), float slots take :func:`run_experts_loop`, and quantized slots are dequantized in groups
-    (:func:`gather_expert_weights`, at most ``DEQUANT_GROUP_BYTES`` each) into a temporary float bank over
-    which the same float computation runs. Every path rounds where ``swiglu_expert`` does, and a route's row
-    never depends on which group or call computed it.
+    Where the Triton kernels run (CUDA): one grouped kernel pair over the bank's section views (biases from
+    the slots' bias sections), no host synchronization: :func:`edgemoe.kernels.grouped_gemm.grouped_swiglu`
+    for float slots, :func:`~edgemoe.kernels.grouped_gemm.grouped_swiglu_quant` for quantized ones (weight
+    tiles dequantized in registers before each ``tl.dot``). Elsewhere float slots take
+    :func:`run_experts_loop`, and quantized slots the kernels do not read (:func:`kernel_reason`), or any
+    quantized slots off CUDA, are dequantized in groups (:func:`gather_expert_weights`, at most
+    ``DEQUANT_GROUP_BYTES`` each) into a temporary float bank over which the same float computation runs.
+    Every path rounds where ``swiglu_expert`` does, and a route's row never depends on which group or call
+    computed it.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; cast to the compute dtype).
@@ -170,9 +175,9 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                    zero_missing, act, biases)
         return
     grouped = kernel_module("grouped_gemm", x.device)
-    if grouped is not None and kernel_reason(layout, act) is None:
+    if grouped is not None and kernel_reason(layout) is None:
         grouped.grouped_swiglu_quant(x, topk_ids, topk_weights, expert_slots, quant_slots(layout, bank), routed,
-                                     zero_missing=zero_missing)
+                                     zero_missing=zero_missing, swiglu_oai=swiglu_oai_args(act), biases=biases)
         return
     E, dtype = expert_slots.numel(), routed.dtype
     slots = expert_slots.tolist()
@@ -195,9 +200,10 @@ def run_sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
 
 def _run_float(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing, act, biases) -> None:
-    grouped = kernel_module("grouped_gemm", x.device) if act.plain and biases is None else None
+    grouped = kernel_module("grouped_gemm", x.device)
     if grouped is not None:
-        grouped.grouped_swiglu(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing=zero_missing)
+        grouped.grouped_swiglu(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing=zero_missing,
+                               swiglu_oai=swiglu_oai_args(act), biases=biases)
     else:
         run_experts_loop(x, topk_ids, topk_weights, expert_slots, w13, w2, routed, zero_missing, act, biases)
 

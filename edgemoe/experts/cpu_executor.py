@@ -6,7 +6,8 @@ Every executor implements :class:`CpuExecutor`: ``run(x [T, H], work, out [T, H]
 a host sync, which a captured decode step needs). Two implement it:
 
 - ``NativeCpuExecutor`` (``edgemoe.experts.native``): C++ kernels on a pinned thread pool,
-  bandwidth-bound GEMVs for decode batches; the default where it builds.
+  bandwidth-bound GEMVs for decode batches, for every expert the engine serves (SiLU SwiGLU, and
+  gpt-oss's clamped SwiGLU with biases); the default where it builds.
 - :class:`TorchCpuExecutor` (here): one GEMM pair per expert with torch ops on torch's intra-op
   threads; the fallback, and the reference the native one is tested against.
 
@@ -108,10 +109,10 @@ def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: st
         threads: native executor threads (``--cpu-threads``; ``None``: the most that never
             oversubscribe the cores, :func:`edgemoe.experts.native.plan_threads`). The torch executor
             runs on torch's intra-op threads, which the engine sets.
-        kind: ``"auto"`` or ``"native"`` (native where it builds and supports the pool's dtype and the
-            experts' activation, else torch with a one-line warning), or ``"torch"``. The native kernels
-            compute plain SiLU SwiGLU without biases; experts with another activation or biases
-            (gpt-oss) always get the torch executor.
+        kind: ``"auto"`` or ``"native"`` (native where it builds and has kernels for the pool's rows:
+            :func:`~edgemoe.experts.native.native_reason`; else torch with a one-line warning), or
+            ``"torch"``. The native kernels compute both activations (SiLU SwiGLU, gpt-oss's clamped SwiGLU)
+            with or without expert biases.
         alongside: busy threads outside the native pool that need a core while it computes (on CUDA
             :data:`edgemoe.experts.native.ALONGSIDE_CUDA`).
         native_kw: passed to :class:`~edgemoe.experts.native.NativeCpuExecutor` (``isa``, ``spin_us``, ...).
@@ -126,10 +127,6 @@ def make_cpu_executor(pool: HostExpertPool, threads: int | None = None, kind: st
     if kind not in CPU_EXECUTORS:
         raise ValueError(f"cpu executor {kind!r}: choose one of {CPU_EXECUTORS}")
     if kind == "torch":
-        return TorchCpuExecutor(pool)
-    if not pool.activation.plain:
-        log.warning("native CPU expert executor computes SiLU SwiGLU experts without biases, not %s; using the "
-                    "torch-ops executor", pool.activation.describe())
         return TorchCpuExecutor(pool)
     from edgemoe.experts.native import NativeCpuExecutor, NativeUnavailable
 

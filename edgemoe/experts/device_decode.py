@@ -35,7 +35,8 @@ the step cannot be captured.
 
 ``expert_gemv`` reads float rows (bf16 / f16 / float32) through the bank's ``w13`` / ``w2`` views; for FP8
 block, MXFP4 and NVFP4 rows ``expert_gemv_quant`` reads the packed codes and scales of the same slot rows and
-dequantizes them in registers (``edgemoe.experts.compute.quant_slots``). Either way a fill moves the packed
+dequantizes them in registers (``edgemoe.experts.compute.quant_slots``); both compute SiLU SwiGLU or gpt-oss's
+clamped SwiGLU with the slots' bias sections. Either way a fill moves the packed
 row, and ``fill-all`` is bit-identical to all-resident: the same kernel reads the same slot bytes, and a
 route's output depends on its own slot only. A layout neither kernel reads
 (:func:`~edgemoe.experts.compute.kernel_reason`) decodes on the eager path (``ExpertRuntime`` says why in its
@@ -50,7 +51,7 @@ import torch
 
 from edgemoe.config import DOORBELL_WAITS
 from edgemoe.experts.cache import ExpertCache
-from edgemoe.experts.compute import kernel_reason, quant_slots
+from edgemoe.experts.compute import kernel_reason, quant_slots, swiglu_oai_args
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
@@ -135,7 +136,7 @@ class DeviceDecode:
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
-        if (reason := kernel_reason(cache.layout, pool.activation)) is not None:
+        if (reason := kernel_reason(cache.layout)) is not None:
             raise ValueError(f"the device decode kernels do not read these {cache.layout.format.value} expert rows: "
                              f"{reason}")
         self._route_control, self._gather_fills = route_control, gather_fills
@@ -151,8 +152,7 @@ class DeviceDecode:
             raise ValueError(f"the expert cache counts {cache.num_experts} experts per layer, the model {num_experts} "
                              "(ExpertCache(num_experts=...))")
         self.num_experts = num_experts
-        act = pool.activation
-        self.swiglu_oai = (act.alpha, act.limit) if act.kind == "swiglu_oai" else None
+        self.swiglu_oai = swiglu_oai_args(pool.activation)
         self.biases = (cache.view("b13"), cache.view("b2")) if cache.layout.has_bias else None  # slots' sections
         dev = self.device = cache.device
         P = max_tokens * top_k
@@ -305,8 +305,9 @@ class DeviceDecode:
         if c.layout.format.dense:
             self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act,
                               self.swiglu_oai, self.biases)
-        else:  # packed codes and scales of the same slot rows, dequantized in registers (plain SiLU experts)
-            self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act)
+        else:  # packed codes and scales of the same slot rows, dequantized in registers
+            self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act,
+                                    self.swiglu_oai, self.biases)
         y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
         if self.armed and self.step is not None:  # waits, and adds the partial, only after a hand-off
             if self._release_address is not None:  # released at once by a hand-off without CPU work

@@ -28,13 +28,20 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   16, float32 per-tensor multiplier), computing in bfloat16 or float32. They read the codes and scales
   straight from the row and dequantize in registers (``csrc/kernel_impl.h``, ``kernels_avx512bf16.cpp``);
   nothing is dequantized to memory. A pool without a kernel (float16 rows, quantized rows computing in
-  float16, FP8 blocks that are not a power of two >= 16 columns, expert biases: :func:`native_reason`)
-  raises :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
+  float16, FP8 blocks that are not a power of two >= 16 columns: :func:`native_reason`) raises
+  :class:`NativeUnavailable` and the factory falls back to the torch executor, which dequantizes.
+- **Experts**: the activation of the pool's :class:`~edgemoe.config.ExpertActivation` (SiLU SwiGLU, or
+  gpt-oss's clamped SwiGLU ``(clamp(u, ±limit) + 1) · g' · sigmoid(alpha · g')``, ``g' = min(g, limit)``)
+  and, where the rows have bias sections (gpt-oss: float32 ``b13 [2I]``, ``b2 [H]``), each projection's
+  bias added after its product, in every format and at every ISA level: the activation and the bias adds
+  run in ``csrc/executor.cpp`` between the two GEMVs, the GEMV kernels are the same.
 - **Numerics**: float32 accumulation. For bf16 weights the kernels round where the torch path
   (``edgemoe.experts.compute.swiglu_expert`` in bf16) and the GPU kernels (``kernels/expert_gemv``)
   do: x, gate, up, SiLU(gate), the SiLU·up activation, the down projection y, the router weight and
   y·weight become bf16 values (round-to-nearest-even, as ``.to(torch.bfloat16)``) before the float32
-  sum over routes. What remains different is the order of float32 additions inside each dot
+  sum over routes; with biases, each bias (cast to bf16) and each projection-plus-bias sum too; for the
+  clamped SwiGLU, each op of ``gated_activation`` (the clamps, ``alpha · g'``, the sigmoid, ``g' · sigmoid``,
+  ``u + 1`` and the product). What remains different is the order of float32 additions inside each dot
   product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
   rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
   throughout. Quantized rows: each weight is dequantized exactly as
@@ -108,6 +115,8 @@ NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16:
 QUANTIZED_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.NVFP4)
 """Quantized row formats the native kernels dequantize in registers."""
 X_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+ACT_KINDS = {"silu": 0, "swiglu_oai": 1}
+"""``ExpertActivation.kind`` -> ``edgemoe::ActKind`` (``csrc/executor.h``)."""
 
 # Between two steps of a CPU-only decode the caller runs serial torch ops (norms, RoPE, attention:
 # ~0.5 ms a layer on the dev VM); workers still spinning take the next GEMV at once: 2000 µs against
@@ -536,11 +545,13 @@ def _raise_status(status: int, where: str) -> None:
 
 def expert_banks(ext, pool: HostExpertPool):
     """The ``ExpertBanks`` description of ``pool``'s byte bank (``csrc/executor.h``): its base address,
-    ``row_bytes``, geometry, format and every section's byte offset in a row (-1 where the format has none).
+    ``row_bytes``, geometry, format, every section's byte offset in a row (-1 where the format has none: the
+    bias sections ``b13`` / ``b2`` exist for experts with biases) and the experts' activation (kind, alpha,
+    limit).
 
     The pool must outlive every use of the description (the executor keeps a reference to it).
     """
-    lay = pool.layout
+    lay, act = pool.layout, pool.activation
     off = {s.name: s.offset for s in lay.sections}
     bn, bk = lay.block_size or (0, 0)
     return ext.ExpertBanks(base=pool.bank.data_ptr(), row_bytes=lay.row_bytes, num_ids=pool.num_ids,
@@ -549,22 +560,21 @@ def expert_banks(ext, pool: HostExpertPool):
                            w2_scale_off=off.get("w2_scale", -1), w13_scale2_off=off.get("w13_scale2", -1),
                            w2_scale2_off=off.get("w2_scale2", -1), b13_off=off.get("b13", -1),
                            b2_off=off.get("b2", -1), block_rows=bn, block_cols=bk,
-                           compute=int(pool.compute_dtype == torch.bfloat16))
+                           compute=int(pool.compute_dtype == torch.bfloat16), act=ACT_KINDS[act.kind],
+                           alpha=act.alpha, limit=act.limit)
 
 
 def native_reason(pool: HostExpertPool) -> str | None:
     """Why the native kernels cannot compute ``pool``'s experts whatever the CPU (``None``: they can).
 
     Kernels exist for bf16 and float32 rows, and for FP8 block, MXFP4 and NVFP4 rows computing in bfloat16 or
-    float32; FP8 scale blocks must be powers of two of at least 16 columns (128 x 128 in every release), and
-    the pool's experts must have no biases (gpt-oss's are not computed by any path yet).
+    float32, for either activation (SiLU SwiGLU, gpt-oss's clamped SwiGLU) with or without expert biases; FP8
+    scale blocks must be powers of two of at least 16 columns (128 x 128 in every release).
     """
     lay = pool.layout
     if lay.format not in (WeightFormat.BF16, WeightFormat.FP32, *QUANTIZED_FORMATS):
         return (f"no native kernel for {lay.format.value} expert rows (bf16, float32, fp8_block, mxfp4 and nvfp4 "
                 "rows have them)")
-    if lay.has_bias:
-        return f"no native kernel for {lay.format.value} expert rows with biases"
     if lay.format in QUANTIZED_FORMATS and pool.compute_dtype not in (torch.bfloat16, torch.float32):
         return (f"no native kernel for {lay.format.value} expert rows computing in {pool.compute_dtype} "
                 "(bfloat16 and float32 have them)")

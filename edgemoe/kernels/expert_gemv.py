@@ -20,10 +20,12 @@ projection, each bias addition, every step of the activation (``silu(g)`` and it
 gpt-oss ``u + 1``, ``alpha · g'``, the sigmoid and both products, as ``gated_activation`` rounds them),
 and the router-weight product are rounded to the weight dtype.
 
-:func:`expert_gemv_quant` is the same pair over quantized slots of plain SiLU experts without biases (FP8
-block, MXFP4, NVFP4: codes and scales read from the slot rows and dequantized in registers, each weight
-rounded to the compute dtype as the torch path rounds its dequantized rows); its E2M1 / E8M0 decoders serve
-``grouped_gemm`` too.
+:func:`expert_gemv_quant` is the same pair, either activation, with or without biases, over quantized slots
+(FP8 block, MXFP4, NVFP4: codes and scales read from the slot rows and dequantized in registers, each weight
+rounded to the compute dtype as the torch path rounds its dequantized rows); its E2M1 / E8M0 decoders, the
+activation (:func:`gated_act`) and the bias add serve ``grouped_gemm`` too. The activation and the biases
+are constexpr flags of the kernels (``OAI``, ``HAS_BIAS``): the SiLU SwiGLU kernels without biases compile
+as before.
 """
 
 from __future__ import annotations
@@ -39,6 +41,57 @@ from edgemoe.kernels.quant_slots import QuantSlots
 BLOCK_I, BLOCK_H = 8, 256  # gate/up: rows of g (and of u) per program, hidden columns per iteration
 BLOCK_O, BLOCK_K = 16, 256  # down: output rows per program, intermediate columns per iteration
 NUM_WARPS = 4
+
+
+@triton.jit
+def gated_act(g, u, alpha, limit, OAI: tl.constexpr, CDT: tl.constexpr):
+    """The experts' gated activation of float32 tensors ``g``, ``u`` holding compute-dtype values (projections,
+    biases added), returned in CDT: ``silu(g) · u``, or with ``OAI`` gpt-oss's clamped SwiGLU ``(clamp(u, ±limit)
+    + 1) · g' · sigmoid(alpha · g')``, ``g' = min(g, limit)``. Every op is rounded to CDT as the torch path's ops
+    in the compute dtype round it (``edgemoe.experts.compute.gated_activation``)."""
+    if OAI:
+        g = tl.minimum(g, limit).to(CDT).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(CDT).to(tl.float32)
+        z = (g * alpha).to(CDT).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-z))).to(CDT).to(tl.float32)
+        a = ((g * sig).to(CDT).to(tl.float32) * (u + 1.0).to(CDT).to(tl.float32)).to(CDT)
+    else:
+        a = ((g / (1.0 + tl.exp(-g))).to(CDT).to(tl.float32) * u).to(CDT)
+    return a
+
+
+@triton.jit
+def add_bias(v, b_ptrs, mask, HAS_BIAS: tl.constexpr, CDT: tl.constexpr):
+    """``v`` (float32 holding compute-dtype values) plus the float32 biases at ``b_ptrs`` broadcast against it,
+    rounded as the torch path's ``y + b.to(dtype)``: the bias and the sum to CDT. ``v`` as is without biases."""
+    if HAS_BIAS:
+        v = (v + tl.load(b_ptrs, mask=mask, other=0.0).to(CDT).to(tl.float32)).to(CDT).to(tl.float32)
+    return v
+
+
+def activation_args(swiglu_oai: tuple[float, float] | None) -> tuple[float, float, bool]:
+    """``(alpha, limit, OAI)`` launch arguments of :func:`gated_act` for ``swiglu_oai`` (``None``: SiLU)."""
+    alpha, limit = swiglu_oai if swiglu_oai is not None else (1.0, 0.0)
+    return float(alpha), float(limit), swiglu_oai is not None
+
+
+def bias_args(biases: tuple[torch.Tensor, torch.Tensor] | None, S: int, I: int, H: int,
+              placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    """``(b13, b2, stride_b13, stride_b2, HAS_BIAS)`` launch arguments for ``biases`` (``(b13 [S, 2I], b2 [S, H])``
+    float32 slot sections, unit column stride; ``None``: no biases, ``placeholder`` pointers the kernels never
+    read).
+
+    Raises:
+        ValueError: shapes, dtype or strides do not match.
+    """
+    if biases is None:
+        return placeholder, placeholder, 0, 0, False
+    b13, b2 = biases
+    if (tuple(b13.shape) != (S, 2 * I) or tuple(b2.shape) != (S, H) or b13.stride(1) != 1 or b2.stride(1) != 1
+            or b13.dtype != torch.float32 or b2.dtype != torch.float32):
+        raise ValueError(f"biases must be float32 [{S}, {2 * I}] and [{S}, {H}] slot sections with unit column "
+                         f"stride, got {b13.dtype} {tuple(b13.shape)} / {b2.dtype} {tuple(b2.shape)}")
+    return b13, b2, b13.stride(0), b2.stride(0), True
 
 
 @triton.jit
@@ -62,22 +115,10 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, b13_ptr, a_ptr, K, H, I, stride_x,
             m2 = rmask[:, None] & cmask[None, :]
             acc_g += tl.load(w_g + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xv[None, :]
             acc_u += tl.load(w_u + cols[None, :], mask=m2, other=0.0).to(tl.float32) * xv[None, :]
-        g = tl.sum(acc_g, axis=1).to(wdt).to(tl.float32)  # [BI]
-        u = tl.sum(acc_u, axis=1).to(wdt).to(tl.float32)
-        if HAS_BIAS:
-            b = b13_ptr + s.to(tl.int64) * stride_b + rows  # the slot's gate bias, then up's
-            g = (g + tl.load(b, mask=rmask, other=0.0).to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
-            u = (u + tl.load(b + I, mask=rmask, other=0.0).to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
-        if OAI:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            z = (g * alpha).to(wdt).to(tl.float32)
-            sig = (1.0 / (1.0 + tl.exp(-z))).to(wdt).to(tl.float32)
-            act = (g * sig).to(wdt).to(tl.float32)
-            u = (u + 1.0).to(wdt).to(tl.float32)
-        else:
-            act = (g / (1.0 + tl.exp(-g))).to(wdt).to(tl.float32)
-        tl.store(a_ptr + p.to(tl.int64) * I + rows, (act * u).to(wdt), mask=rmask)
+        b = b13_ptr + s.to(tl.int64) * stride_b + rows  # the slot's gate bias, then up's
+        g = add_bias(tl.sum(acc_g, axis=1).to(wdt).to(tl.float32), b, rmask, HAS_BIAS, wdt)  # [BI]
+        u = add_bias(tl.sum(acc_u, axis=1).to(wdt).to(tl.float32), b + I, rmask, HAS_BIAS, wdt)
+        tl.store(a_ptr + p.to(tl.int64) * I + rows, gated_act(g, u, alpha, limit, OAI, wdt), mask=rmask)
 
 
 @triton.jit
@@ -99,10 +140,8 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, H, I, stride_
             av = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)  # [BK]
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
             acc += w.to(tl.float32) * av[None, :]
-        y = tl.sum(acc, axis=1).to(wdt).to(tl.float32)  # [BO]
-        if HAS_BIAS:
-            b = tl.load(b2_ptr + s.to(tl.int64) * stride_b + rows, mask=rmask, other=0.0)
-            y = (y + b.to(wdt).to(tl.float32)).to(wdt).to(tl.float32)
+        y = add_bias(tl.sum(acc, axis=1).to(wdt).to(tl.float32), b2_ptr + s.to(tl.int64) * stride_b + rows, rmask,
+                     HAS_BIAS, wdt)  # [BO]
         r = tl.load(wt_ptr + p).to(wdt).to(tl.float32)
         y = (y * r).to(wdt).to(odt)
     else:
@@ -126,7 +165,8 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         a: ``[>= T·k, I]`` contiguous scratch in the weight dtype (the SwiGLU activations).
         swiglu_oai: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU, or ``None`` for SiLU SwiGLU.
         biases: ``(b13 [S, 2I], b2 [S, H])`` float32 bias sections of the slots (gate's bias then up's; each
-            slot's vector contiguous, slots ``stride(0)`` apart: the cache bank's section views), or ``None``.
+            slot's vector contiguous, slots ``stride(0)`` apart, one stride for both: the cache bank's section
+            views), or ``None``.
 
     Raises:
         ValueError: shape, dtype or contiguity mismatch.
@@ -153,22 +193,13 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         raise ValueError(f"out must be a contiguous [{T}, {k}, {H}] tensor, got {tuple(out.shape)}")
     if a.dtype != w13.dtype or a.dim() != 2 or a.shape[0] < P or a.shape[1] != I or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [>= {P}, {I}] {w13.dtype} scratch, got {a.dtype} {tuple(a.shape)}")
-    if biases is not None:
-        b13, b2 = biases
-        if tuple(b13.shape) != (S, 2 * I) or tuple(b2.shape) != (S, H) or b13.stride(1) != 1 or b2.stride(1) != 1 \
-                or b13.stride(0) != b2.stride(0):
-            raise ValueError(f"biases must be [{S}, {2 * I}] and [{S}, {H}] slot sections with unit column stride and "
-                             f"one slot stride, got {tuple(b13.shape)} / {tuple(b2.shape)}")
-        stride_b = b13.stride(0)
-    else:
-        b13 = b2 = w13  # unread placeholders
-        stride_b = 0
-    alpha, limit = swiglu_oai if swiglu_oai is not None else (1.0, 0.0)
-    has_bias = biases is not None
+    b13, b2, stride_b, stride_b2, has_bias = bias_args(biases, S, I, H, w13)
+    if stride_b != stride_b2:
+        raise ValueError(f"biases must share one slot stride, got {stride_b} and {stride_b2}")
+    alpha, limit, oai = activation_args(swiglu_oai)
     _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, b13, a, k, H, I, x.stride(0), w13.stride(0),
-                                                 stride_b, float(alpha), float(limit), OAI=swiglu_oai is not None,
-                                                 HAS_BIAS=has_bias, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H,
-                                                 num_warps=NUM_WARPS)
+                                                 stride_b, alpha, limit, OAI=oai, HAS_BIAS=has_bias, BLOCK_I=BLOCK_I,
+                                                 BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
     _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, b2, topk_weights, out, H, I, w2.stride(0), stride_b,
                                               HAS_BIAS=has_bias, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
                                               num_warps=NUM_WARPS)
@@ -263,8 +294,9 @@ def _row_tile_dot(acc, w_rows, s_rows, s2, rmask, v0, v1, c0, K, FMT: tl.constex
 
 
 @triton.jit
-def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, K, H, I, stride_x, stride_w, stride_s,
-                      stride_s2, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
+def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b13_ptr, a_ptr, K, H, I, stride_x, stride_w, stride_s,
+                      stride_s2, stride_b, ROW_W, ROW_S, BN_ROWS, alpha, limit, FMT: tl.constexpr,
+                      OAI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
                       GS: tl.constexpr, GB: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -294,16 +326,16 @@ def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, K, H, I, str
             v0, v1 = _vec_tile(x_row, c0, H, FMT, G, GS, GB, cdt)
             acc_g = _row_tile_dot(acc_g, w_g, s_g, g2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt)
             acc_u = _row_tile_dot(acc_u, w_u, s_u, u2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt)
-        g = tl.sum(tl.sum(acc_g, axis=2), axis=1).to(cdt).to(tl.float32)  # [R]
-        u = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(cdt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(cdt).to(tl.float32)
-        tl.store(a_ptr + p.to(tl.int64) * I + rows, (act * u).to(cdt), mask=rmask)
+        b = b13_ptr + s64 * stride_b + rows  # the slot's gate bias, then up's
+        g = add_bias(tl.sum(tl.sum(acc_g, axis=2), axis=1).to(cdt).to(tl.float32), b, rmask, HAS_BIAS, cdt)  # [R]
+        u = add_bias(tl.sum(tl.sum(acc_u, axis=2), axis=1).to(cdt).to(tl.float32), b + I, rmask, HAS_BIAS, cdt)
+        tl.store(a_ptr + p.to(tl.int64) * I + rows, gated_act(g, u, alpha, limit, OAI, cdt), mask=rmask)
 
 
 @triton.jit
-def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, wt_ptr, out_ptr, H, I, stride_w, stride_s, stride_s2,
-                   ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-                   GS: tl.constexpr, GB: tl.constexpr):
+def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_ptr, H, I, stride_w, stride_s, stride_s2,
+                   stride_b, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   G: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < H
@@ -326,7 +358,8 @@ def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, wt_ptr, out_ptr, H, I,
         for c0 in range(0, I, G * GS):
             v0, v1 = _vec_tile(a_row, c0, I, FMT, G, GS, GB, cdt)
             acc = _row_tile_dot(acc, w_rows, s_rows, d2, rmask, v0, v1, c0, I, FMT, G, GS, GB, cdt)
-        y = tl.sum(tl.sum(acc, axis=2), axis=1).to(cdt).to(tl.float32)  # [R]
+        y = add_bias(tl.sum(tl.sum(acc, axis=2), axis=1).to(cdt).to(tl.float32), b2_ptr + s64 * stride_b + rows,
+                     rmask, HAS_BIAS, cdt)  # [R]
         r = tl.load(wt_ptr + p).to(cdt).to(tl.float32)
         y = (y * r).to(cdt).to(odt)
     else:
@@ -349,19 +382,21 @@ def quant_launch_args(slots: QuantSlots, role: str) -> tuple:
 
 
 def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tensor, slots: QuantSlots,
-                      out: torch.Tensor, a: torch.Tensor) -> None:
+                      out: torch.Tensor, a: torch.Tensor, swiglu_oai: tuple[float, float] | None = None,
+                      biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """:func:`expert_gemv` over quantized slots, dequantizing the packed rows in registers.
 
     Every (token, k) route ``p`` with ``slot_tk[p] >= 0`` reads its slot's packed weights and scales
     (FP8 block, MXFP4 or NVFP4: :class:`~edgemoe.kernels.quant_slots.QuantSlots`) and computes the weighted
-    SwiGLU output; routes with ``slot < 0`` write zeros.
+    expert output (SiLU SwiGLU, or gpt-oss's clamped SwiGLU with the slots' biases); routes with ``slot < 0``
+    write zeros.
 
     Rounding points (those of the torch reference path, which dequantizes rows with
     ``ExpertLayout.dequant_rows`` then runs ``swiglu_expert`` in the compute dtype): each weight is the
     float32 product of its code and scale (NVFP4: ``code · (float(scale) · scale2)``) rounded to the compute
-    dtype ``a.dtype``; x is rounded to the compute dtype; float32 accumulation; each projection, ``silu(g)``,
-    the activation product and the router-weight product are rounded to the compute dtype. Only the
-    order of the float32 sums differs from the reference.
+    dtype ``a.dtype``; x is rounded to the compute dtype; float32 accumulation; each projection, each bias
+    and projection-plus-bias sum, every op of the activation (:func:`gated_act`) and the router-weight
+    product are rounded to the compute dtype. Only the order of the float32 sums differs from the reference.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; rows contiguous).
@@ -370,6 +405,9 @@ def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torc
         slots: the cache's section views (:meth:`QuantSlots.check` passes).
         out: ``[T, k, H]`` contiguous, any float dtype; route rows are overwritten.
         a: ``[>= T·k, I]`` contiguous scratch in the compute dtype (bf16, fp16 or float32).
+        swiglu_oai: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU, or ``None`` for SiLU SwiGLU.
+        biases: ``(b13 [S, 2I], b2 [S, H])`` float32 bias sections of the slots (each slot's vector contiguous,
+            slots ``stride(0)`` apart: the cache bank's section views), or ``None``.
 
     Raises:
         ValueError: shape, dtype or contiguity mismatch.
@@ -392,12 +430,14 @@ def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torc
     if (a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or a.dim() != 2 or a.shape[0] < P
             or a.shape[1] != I or not a.is_contiguous()):
         raise ValueError(f"a must be a contiguous [>= {P}, {I}] float scratch, got {a.dtype} {tuple(a.shape)}")
+    b13, b2, sb13, sb2, has_bias = bias_args(biases, slots.w13.shape[0], I, H, slots.w13_scale)
+    alpha, limit, oai = activation_args(swiglu_oai)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w13")
     (r1, e1), (r2, e2) = QUANT_TILES[fmt]
     _q_gate_up_kernel[(P, triton.cdiv(I, r1))](
-        x, slot_tk, w, sc, s2, a, k, H, I, x.stride(0), sw, ss, ss2, row_w, row_s, bn,
-        FMT=fmt, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)
+        x, slot_tk, w, sc, s2, b13, a, k, H, I, x.stride(0), sw, ss, ss2, sb13, row_w, row_s, bn, alpha, limit,
+        FMT=fmt, OAI=oai, HAS_BIAS=has_bias, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w2")
     _q_down_kernel[(P, triton.cdiv(H, r2))](
-        a, slot_tk, w, sc, s2, topk_weights, out, H, I, sw, ss, ss2, row_w, row_s, bn,
-        FMT=fmt, BLOCK_R=r2, G=max(1, e2 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)
+        a, slot_tk, w, sc, s2, b2, topk_weights, out, H, I, sw, ss, ss2, sb2, row_w, row_s, bn,
+        FMT=fmt, HAS_BIAS=has_bias, BLOCK_R=r2, G=max(1, e2 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)

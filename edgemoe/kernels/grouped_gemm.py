@@ -3,9 +3,11 @@
 Every ``(token, k)`` route ``p = t·k + j`` of one MoE layer whose expert ``e = topk_ids[t, j]`` sits in
 cache slot ``s = expert_slots[e] >= 0`` computes
 
-    [g; u] = w13[s] @ x[t]          (g: rows [0, I), u: rows [I, 2I) — the layout of ``swiglu_expert``)
-    routed[t, j] = topk_weights[t, j] · (w2[s] @ (silu(g) · u))
+    [g; u] = w13[s] @ x[t] (+ b13[s])   (g: rows [0, I), u: rows [I, 2I) — the layout of ``swiglu_expert``)
+    routed[t, j] = topk_weights[t, j] · (w2[s] @ act(g, u) (+ b2[s]))
 
+with ``act`` SiLU SwiGLU, ``silu(g) · u``, or gpt-oss's clamped SwiGLU (``ExpertActivation("swiglu_oai")``,
+:func:`~edgemoe.kernels.expert_gemv.gated_act`), and the slots' biases when the experts have them (gpt-oss),
 in two launches, replacing a Python loop of one matmul pair per expert:
 
 1. **Align by expert** (torch ops on the device, no host read): a stable sort of the flat expert ids
@@ -17,17 +19,19 @@ in two launches, replacing a Python loop of one matmul pair per expert:
    This is the align-by-expert scheme of the fused-MoE kernels of vLLM and SGLang
    (``moe_align_block_size``), written here with per-tile metadata instead of padded id lists.
 2. **Gate/up kernel**, one program per (M-tile, N-tile of ``I``): gathers the tile's token rows of
-   ``x``, accumulates the gate and the up tile over ``K = H`` (two float32 accumulators), and stores
-   ``silu(g) · u`` into the activation scratch ``a [P, I]`` at the routes' sorted positions.
-3. **Down kernel**, one program per (M-tile, N-tile of ``H``): ``a @ w2[s]^T``, times the route's weight,
-   scattered into the route's own row of ``routed [T, k, H]``.
+   ``x``, accumulates the gate and the up tile over ``K = H`` (two float32 accumulators), adds the biases,
+   and stores ``act(g, u)`` into the activation scratch ``a [P, I]`` at the routes' sorted positions.
+3. **Down kernel**, one program per (M-tile, N-tile of ``H``): ``a @ w2[s]^T`` plus the bias, times the
+   route's weight, scattered into the route's own row of ``routed [T, k, H]``.
 
-Numerics follow ``swiglu_expert`` in the weights' dtype (the torch path): x is rounded to the weight
-dtype; float32 accumulation; each projection, ``silu(g)``, the activation product and the router-weight
-product are rounded to the weight dtype. float32 weights use IEEE products (``input_precision="ieee"``,
-no TF32), as torch's matmul does by default. There is no split-K: each output row is reduced in one
-fixed order whatever other rows share its tile, so for a given :class:`GroupedConfig` a route's row does
-not depend on the batch composition (which other routes, experts or slots are in the call).
+The activation and the biases are constexpr flags (``OAI``, ``HAS_BIAS``): the SiLU kernels without biases
+compile as before. Numerics follow ``swiglu_expert`` in the weights' dtype (the torch path): x is rounded
+to the weight dtype; float32 accumulation; each projection, each bias and projection-plus-bias sum, every
+op of the activation and the router-weight product are rounded to the weight dtype. float32 weights use
+IEEE products (``input_precision="ieee"``, no TF32), as torch's matmul does by default. There is no
+split-K: each output row is reduced in one fixed order whatever other rows share its tile, so for a given
+:class:`GroupedConfig` a route's row does not depend on the batch composition (which other routes, experts
+or slots are in the call).
 
 :func:`grouped_swiglu_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4): each weight tile
 is loaded packed, dequantized in registers and rounded to the compute dtype, then fed to ``tl.dot`` (no
@@ -43,8 +47,12 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.expert_gemv import (
+    activation_args,
+    add_bias,
+    bias_args,
     e2m1_to_f32,
     e8m0_to_f32,
+    gated_act,
     quant_launch_args,
     slot_matrices_contiguous,
 )
@@ -94,8 +102,9 @@ def choose_config(routes: int, num_experts: int, hidden: int, inter: int, dtype:
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, stride_x, stride_s,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, b13_ptr, a_ptr, G, TOPK, H, I, stride_x, stride_s, stride_b,
+                    alpha, limit, OAI: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
     n_tiles = tl.cdiv(I, BN)
     tile = tl.program_id(0) // n_tiles  # consecutive programs share the tile's x rows and the expert
     first = tl.load(meta_ptr + tile)
@@ -120,16 +129,17 @@ def _gate_up_kernel(x_ptr, order_ptr, meta_ptr, w13_ptr, a_ptr, G, TOPK, H, I, s
             wmask = kmask[:, None] & cmask[None, :]
             acc_g = tl.dot(xt, tl.load(w_g + (k0 + kk)[:, None], mask=wmask, other=0.0), acc_g, input_precision="ieee")
             acc_u = tl.dot(xt, tl.load(w_u + (k0 + kk)[:, None], mask=wmask, other=0.0), acc_u, input_precision="ieee")
-        g = acc_g.to(wdt).to(tl.float32)
-        u = acc_u.to(wdt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(wdt).to(tl.float32)
-        tl.store(a_ptr + pos.to(tl.int64)[:, None] * I + cols[None, :], (act * u).to(wdt),
+        b = b13_ptr + slot.to(tl.int64) * stride_b + cols[None, :]  # [1, BN] the slot's gate bias, then up's
+        g = add_bias(acc_g.to(wdt).to(tl.float32), b, cmask[None, :], HAS_BIAS, wdt)  # [BM, BN]
+        u = add_bias(acc_u.to(wdt).to(tl.float32), b + I, cmask[None, :], HAS_BIAS, wdt)
+        tl.store(a_ptr + pos.to(tl.int64)[:, None] * I + cols[None, :], gated_act(g, u, alpha, limit, OAI, wdt),
                  mask=pmask[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, wt_ptr, out_ptr, G, H, I, stride_s,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZERO_MISSING: tl.constexpr):
+def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, G, H, I, stride_s, stride_b,
+                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 ZERO_MISSING: tl.constexpr):
     n_tiles = tl.cdiv(H, BN)
     tile = tl.program_id(0) // n_tiles
     first = tl.load(meta_ptr + tile)
@@ -156,8 +166,9 @@ def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, wt_ptr, out_ptr, G, H, I, s
                 wt = tl.load(w_rows + (k0 + kk)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(at, wt, acc, input_precision="ieee")
             r = tl.load(wt_ptr + route, mask=pmask, other=0.0).to(wdt).to(tl.float32)  # [BM]
-            y = (acc.to(wdt).to(tl.float32) * r[:, None]).to(wdt)
-            tl.store(out_ptrs, y.to(odt), mask=omask)
+            y = add_bias(acc.to(wdt).to(tl.float32), b2_ptr + slot.to(tl.int64) * stride_b + cols[None, :],
+                         cmask[None, :], HAS_BIAS, wdt)  # [BM, BN]
+            tl.store(out_ptrs, (y * r[:, None]).to(wdt).to(odt), mask=omask)
         else:
             if ZERO_MISSING:
                 tl.store(out_ptrs, tl.zeros([BM, BN], odt), mask=omask)
@@ -205,8 +216,10 @@ def align_routes(topk_ids: torch.Tensor, expert_slots: torch.Tensor, block_m: in
 
 def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_slots: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, routed: torch.Tensor, *, zero_missing: bool = True,
-                   config: GroupedConfig | None = None) -> None:
-    """Weighted SwiGLU output of every (token, k) route of one MoE layer, one kernel pair for all experts.
+                   config: GroupedConfig | None = None, swiglu_oai: tuple[float, float] | None = None,
+                   biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Weighted expert output (SwiGLU, or gpt-oss's clamped SwiGLU with biases) of every (token, k) route of one
+    MoE layer, one kernel pair for all experts.
 
     Args:
         x: ``[T, H]`` hidden states, rows contiguous (any float dtype; rounded to the weights' dtype).
@@ -218,17 +231,23 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         w13: ``[S, 2I, H]`` slots, gate rows then up rows; w2: ``[S, H, I]``; one dtype; one contiguous matrix
             per slot, slots ``stride(0)`` elements apart (the cache bank's section views, or contiguous banks).
         routed: ``[T, k, H]`` contiguous output in the weights' dtype: row ``(t, j)`` is overwritten with
-            ``topk_weights[t, j] · down(silu(gate(x_t)) · up(x_t))`` of expert ``topk_ids[t, j]``.
+            ``topk_weights[t, j] · (down(act(gate(x_t) + b_g, up(x_t) + b_u)) + b_2)`` of expert ``topk_ids[t, j]``
+            (biases only with ``biases``).
         zero_missing: rows of routes whose expert has slot -1 are written with zeros (``True``) or left
             as they are (``False``: a caller filling ``routed`` over several calls, e.g. fill waves).
         config: tiles; default :func:`choose_config` of ``(T·k, E, H, I)``.
+        swiglu_oai: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU, or ``None`` for SiLU SwiGLU
+            (:func:`~edgemoe.kernels.expert_gemv.gated_act`).
+        biases: ``(b13 [S, 2I], b2 [S, H])`` float32 biases indexed like the slots (unit column stride: the
+            cache bank's section views, or contiguous tensors), or ``None``.
 
     Raises:
         ValueError: shape, dtype, device or contiguity mismatch.
 
     No host synchronization and no data-dependent shapes: capturable in a CUDA graph for a fixed ``T``.
     Source: the align-by-expert grouped GEMM of vLLM's / SGLang's fused-MoE Triton kernels (own code);
-    the expert is Qwen3-MoE's SwiGLU (``swiglu_expert``, ``transformers``' ``Qwen3MoeExperts``).
+    the expert is Qwen3-MoE's SwiGLU or gpt-oss's (``swiglu_expert``, ``transformers``' ``Qwen3MoeExperts``,
+    ``GptOssExperts``).
     """
     T, H = x.shape
     S, two_i, H13 = w13.shape
@@ -251,13 +270,15 @@ def grouped_swiglu(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     cfg = config or choose_config(P, E, H, I, w13.dtype)
     order, meta = align_routes(topk_ids, expert_slots, cfg.block_m)  # [P], [3, G]
     G = meta.shape[1]
+    b13, b2, sb13, sb2, has_bias = bias_args(biases, S, I, H, w13)
+    alpha, limit, oai = activation_args(swiglu_oai)
     a = torch.empty((P, I), dtype=w13.dtype, device=x.device)  # SwiGLU activations, by sorted position
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(G * triton.cdiv(I, cfg.block_n1),)](
-        x, order, meta, w13, a, G, k, H, I, x.stride(0), w13.stride(0), BM=cfg.block_m, BN=cfg.block_n1,
-        BK=cfg.block_k1, **launch)
+        x, order, meta, w13, b13, a, G, k, H, I, x.stride(0), w13.stride(0), sb13, alpha, limit, OAI=oai,
+        HAS_BIAS=has_bias, BM=cfg.block_m, BN=cfg.block_n1, BK=cfg.block_k1, **launch)
     _down_kernel[(G * triton.cdiv(H, cfg.block_n2),)](
-        a, order, meta, w2, topk_weights.reshape(-1), routed, G, H, I, w2.stride(0),
+        a, order, meta, w2, b2, topk_weights.reshape(-1), routed, G, H, I, w2.stride(0), sb2, HAS_BIAS=has_bias,
         BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, ZERO_MISSING=zero_missing, **launch)
 
 
@@ -301,9 +322,10 @@ def _q_tile_dot(acc, x_rows, pmask, w_cols, s_cols, s2, cmask, k0, K, FMT: tl.co
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _q_gate_up_kernel(x_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, G, TOPK, H, I, stride_x, stride_w,
-                      stride_s, stride_s2, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr):
+def _q_gate_up_kernel(x_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, b13_ptr, a_ptr, G, TOPK, H, I, stride_x,
+                      stride_w, stride_s, stride_s2, stride_b, ROW_W, ROW_S, BN_ROWS, alpha, limit, FMT: tl.constexpr,
+                      OAI: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr):
     n_tiles = tl.cdiv(I, BN)
     tile = tl.program_id(0) // n_tiles
     first = tl.load(meta_ptr + tile)
@@ -337,17 +359,18 @@ def _q_gate_up_kernel(x_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, G
         for k0 in range(0, H, BK):
             acc_g = _q_tile_dot(acc_g, x_rows, pmask, w_g, s_g, g2, cmask, k0, H, FMT, BK, GS, GB, cdt)
             acc_u = _q_tile_dot(acc_u, x_rows, pmask, w_u, s_u, u2, cmask, k0, H, FMT, BK, GS, GB, cdt)
-        g = acc_g.to(cdt).to(tl.float32)
-        u = acc_u.to(cdt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(cdt).to(tl.float32)
-        tl.store(a_ptr + pos.to(tl.int64)[:, None] * I + cols[None, :], (act * u).to(cdt),
+        b = b13_ptr + s64 * stride_b + cols[None, :]  # [1, BN] the slot's gate bias, then up's
+        g = add_bias(acc_g.to(cdt).to(tl.float32), b, cmask[None, :], HAS_BIAS, cdt)  # [BM, BN]
+        u = add_bias(acc_u.to(cdt).to(tl.float32), b + I, cmask[None, :], HAS_BIAS, cdt)
+        tl.store(a_ptr + pos.to(tl.int64)[:, None] * I + cols[None, :], gated_act(g, u, alpha, limit, OAI, cdt),
                  mask=pmask[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["G"])  # G varies with T: one compile for every T
-def _q_down_kernel(a_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, wt_ptr, out_ptr, G, H, I, stride_w, stride_s,
-                   stride_s2, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr, ZERO_MISSING: tl.constexpr):
+def _q_down_kernel(a_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_ptr, G, H, I, stride_w,
+                   stride_s, stride_s2, stride_b, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
+                   ZERO_MISSING: tl.constexpr):
     n_tiles = tl.cdiv(H, BN)
     tile = tl.program_id(0) // n_tiles
     first = tl.load(meta_ptr + tile)
@@ -379,8 +402,9 @@ def _q_down_kernel(a_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, s2_ptr, wt_ptr, out
             for k0 in range(0, I, BK):
                 acc = _q_tile_dot(acc, a_rows, pmask, w_rows, s_rows, d2, cmask, k0, I, FMT, BK, GS, GB, cdt)
             r = tl.load(wt_ptr + route, mask=pmask, other=0.0).to(cdt).to(tl.float32)  # [BM]
-            y = (acc.to(cdt).to(tl.float32) * r[:, None]).to(cdt)
-            tl.store(out_ptrs, y.to(odt), mask=omask)
+            y = add_bias(acc.to(cdt).to(tl.float32), b2_ptr + s64 * stride_b + cols[None, :], cmask[None, :],
+                         HAS_BIAS, cdt)  # [BM, BN]
+            tl.store(out_ptrs, (y * r[:, None]).to(cdt).to(odt), mask=omask)
         else:
             if ZERO_MISSING:
                 tl.store(out_ptrs, tl.zeros([BM, BN], odt), mask=omask)
@@ -397,18 +421,21 @@ def quant_config(cfg: GroupedConfig, slots: QuantSlots) -> GroupedConfig:
 
 def grouped_swiglu_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_slots: torch.Tensor, slots: QuantSlots, routed: torch.Tensor, *,
-                         zero_missing: bool = True, config: GroupedConfig | None = None) -> None:
+                         zero_missing: bool = True, config: GroupedConfig | None = None,
+                         swiglu_oai: tuple[float, float] | None = None,
+                         biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """:func:`grouped_swiglu` over quantized slots (FP8 block, MXFP4, NVFP4), dequantizing each weight tile
     in registers right before its ``tl.dot``: no dequantized copy of an expert ever reaches memory.
 
     Rounding points as :func:`~edgemoe.kernels.expert_gemv.expert_gemv_quant`: each weight is the float32
     product of its code and scale rounded to the compute dtype ``routed.dtype``; then the float kernels'
-    rounding (x to the compute dtype, float32 accumulation, each projection, ``silu(g)``, the activation
-    product and the router-weight product rounded to the compute dtype). A route's row does not depend on
-    the batch composition for a given config (no split-K), as :func:`grouped_swiglu`.
+    rounding (x to the compute dtype, float32 accumulation, each projection, each bias and
+    projection-plus-bias sum, every op of the activation and the router-weight product rounded to the compute
+    dtype). A route's row does not depend on the batch composition for a given config (no split-K), as
+    :func:`grouped_swiglu`.
 
     Args:
-        x, topk_ids, topk_weights, expert_slots, zero_missing: as :func:`grouped_swiglu`.
+        x, topk_ids, topk_weights, expert_slots, zero_missing, swiglu_oai, biases: as :func:`grouped_swiglu`.
         slots: the cache's section views (:meth:`QuantSlots.check` passes).
         routed: ``[T, k, H]`` contiguous output in the compute dtype (bf16, fp16 or float32).
         config: tiles; default :func:`choose_config` of ``(T·k, E, H, I, routed.dtype)``, then
@@ -437,14 +464,17 @@ def grouped_swiglu_quant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     cfg = quant_config(config or choose_config(P, E, H, I, routed.dtype), slots)
     order, meta = align_routes(topk_ids, expert_slots, cfg.block_m)  # [P], [3, G]
     G = meta.shape[1]
+    b13, b2, sb13, sb2, has_bias = bias_args(biases, slots.w13.shape[0], I, H, slots.w13_scale)
+    alpha, limit, oai = activation_args(swiglu_oai)
     a = torch.empty((P, I), dtype=routed.dtype, device=x.device)  # SwiGLU activations, by sorted position
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w13")
     _q_gate_up_kernel[(G * triton.cdiv(I, cfg.block_n1),)](
-        x, order, meta, w, sc, s2, a, G, k, H, I, x.stride(0), sw, ss, ss2, row_w, row_s, bn,
-        FMT=fmt, BM=cfg.block_m, BN=cfg.block_n1, BK=cfg.block_k1, GS=gs, GB=gb, **launch)
+        x, order, meta, w, sc, s2, b13, a, G, k, H, I, x.stride(0), sw, ss, ss2, sb13, row_w, row_s, bn, alpha,
+        limit, FMT=fmt, OAI=oai, HAS_BIAS=has_bias, BM=cfg.block_m, BN=cfg.block_n1, BK=cfg.block_k1, GS=gs,
+        GB=gb, **launch)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w2")
     _q_down_kernel[(G * triton.cdiv(H, cfg.block_n2),)](
-        a, order, meta, w, sc, s2, topk_weights.reshape(-1), routed, G, H, I, sw, ss, ss2, row_w, row_s, bn,
-        FMT=fmt, BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, GS=gs, GB=gb, ZERO_MISSING=zero_missing,
-        **launch)
+        a, order, meta, w, sc, s2, b2, topk_weights.reshape(-1), routed, G, H, I, sw, ss, ss2, sb2, row_w, row_s,
+        bn, FMT=fmt, HAS_BIAS=has_bias, BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, GS=gs, GB=gb,
+        ZERO_MISSING=zero_missing, **launch)

@@ -1,13 +1,12 @@
 """gpt_oss on CUDA (skipped without a GPU): the tiny checkpoints of ``tests/test_gpt_oss.py`` against
 transformers in every execution mode, decode on the device path (route control, fills, the expert GEMVs
 computing the clamped SwiGLU with biases, the paged decode kernel with sinks and sliding windows) replayed
-from CUDA graphs where the step has no CPU branch, and eagerly; the Triton paged decode kernel with sinks
-and windows on the GPU against the torch path; bf16 offloaded ``fill-all`` bit-identical to all-resident; the
-released MXFP4 layout (rows kept MXFP4 in host memory and in the GPU cache, dequantized in torch on the
-eager decode path) against transformers.
-
-The CPU branch of gpt-oss's experts runs on the torch executor (the native kernels compute SiLU SwiGLU
-without biases), which reads its work list on the host: such steps run on the device path without a graph.
+from CUDA graphs wherever the step is capturable (no CPU branch, or a CPU branch on the native executor, which
+computes these experts), and eagerly (``--enforce-eager``, or a CPU branch on the torch executor, which reads
+its work list on the host); the Triton paged decode kernel with sinks and windows on the GPU against the torch
+path; bf16 offloaded ``fill-all`` bit-identical to all-resident; the released MXFP4 layout (rows kept MXFP4 in
+host memory and in the GPU cache, dequantized in registers by the quantized expert GEMV and grouped GEMM,
+float32 and bfloat16 compute) decoded on the device path with CUDA graphs against transformers.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from test_gpt_oss import (
 from edgemoe.config import EngineConfig
 from edgemoe.engine.expert_runtime import DecodePath
 from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.experts import native
 from edgemoe.synth import make_model
 
 from conftest import greedy_decode
@@ -52,25 +52,37 @@ def checkpoint(request, tmp_path_factory):
     return out, dtype, _reference(out, getattr(torch, dtype))
 
 
-CUDA_MODES = [(p, s, False) for p, s, _ in MODES] + [("fill-all", 10_000, True)]  # + resident without graphs
+CUDA_MODES = [(p, s, e, False) for p, s, e in MODES] + [("fill-all", 10_000, "torch", True)]  # + resident, eager
 
 
-@pytest.mark.parametrize("policy,slots,eager", CUDA_MODES,
-                         ids=[f"{p}-{s}{'-eager' if e else ''}" for p, s, e in CUDA_MODES])
-def test_logits_and_greedy_tokens_match_transformers_on_cuda(checkpoint, policy, slots, eager):
+def _check_decode_path(runner, eager: bool) -> bool:
+    """The device decode path is taken, captured in CUDA graphs unless ``eager`` or a CPU branch on the torch
+    executor (the native one computes gpt-oss's experts inside the graph); returns whether it is captured."""
+    rt = runner.experts
+    assert rt.decode_path in (DecodePath.DEVICE, DecodePath.DEVICE_GRAPHS), rt.decode_path_reason
+    dd = rt.device_decode
+    native_branch = dd.cpu_branch and rt.cpu_executor.registers_steps
+    if dd.cpu_branch and not native_branch:
+        assert rt.decode_path_reason == "the CPU branch needs the native executor to be captured"
+    captured = not eager and (not dd.cpu_branch or native_branch)
+    if captured:
+        assert rt.decode_path is DecodePath.DEVICE_GRAPHS and runner.graphs is not None, rt.decode_path_reason
+    return captured
+
+
+def _executor_kind(executor: str) -> str:
+    return "torch" if executor == "torch" or not native.available() else "native"
+
+
+@pytest.mark.parametrize("policy,slots,executor,eager", CUDA_MODES,
+                         ids=[f"{p}-{s}-{e}{'-eager' if g else ''}" for p, s, e, g in CUDA_MODES])
+def test_logits_and_greedy_tokens_match_transformers_on_cuda(checkpoint, policy, slots, executor, eager):
     path, dtype, (ref_logits, ref_toks) = checkpoint
     runner = ModelRunner(path, _config(dtype=dtype, expert_policy=policy, expert_cache_slots=slots,
-                                       enforce_eager=eager), progress=False)
+                                       cpu_executor=executor, enforce_eager=eager), progress=False)
     rt = runner.experts
-    captured = False
-    if slots:
-        assert rt.decode_path in (DecodePath.DEVICE, DecodePath.DEVICE_GRAPHS), rt.decode_path_reason
-        cpu_branch = rt.device_decode.cpu_branch
-        captured = not eager and not cpu_branch  # fill-all into enough slots: no CPU branch, the step is captured
-        if captured:
-            assert rt.decode_path is DecodePath.DEVICE_GRAPHS and runner.graphs is not None, rt.decode_path_reason
-        if cpu_branch:
-            assert rt.decode_path_reason == "the CPU branch needs the native executor to be captured"
+    assert rt.cpu_executor.name.split("-")[0] == _executor_kind(executor)
+    captured = _check_decode_path(runner, eager) if slots else False
     if dtype == "float32":
         logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
         assert toks == ref_toks
@@ -114,12 +126,49 @@ def mxfp4_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("policy,slots,executor", MXFP4_MODES, ids=[f"{p}-{s}-{e}" for p, s, e in MXFP4_MODES])
 def test_mxfp4_matches_transformers_on_cuda(mxfp4_checkpoint, policy, slots, executor):
+    """The MXFP4 rows decode on the device path (the quantized expert GEMV computing the clamped SwiGLU with the
+    slots' biases), replayed from CUDA graphs where capturable; prefill on the grouped quantized GEMM."""
     path, (ref_logits, ref_toks) = mxfp4_checkpoint
     runner = ModelRunner(path, _config(expert_policy=policy, expert_cache_slots=slots, cpu_executor=executor),
                          progress=False)
-    assert runner.pool.format.value == "mxfp4" and runner.experts.decode_path is DecodePath.EAGER
+    assert runner.pool.format.value == "mxfp4" and runner.experts.cache.layout.format.value == "mxfp4"
+    assert runner.experts.cpu_executor.name.split("-")[0] == _executor_kind(executor)
+    captured = _check_decode_path(runner, eager=False) if slots else False
     logits, toks = greedy_decode(runner, PROMPT, DECODE_STEPS)
     assert toks == ref_toks
     torch.testing.assert_close(logits, ref_logits, **TOL)
     st = runner.experts.stats()["decode"]
     assert st["misses"] == st["fills"] + st["cpu"]
+    if captured:
+        assert runner.graphs.graphs and not runner.graphs.failed  # decode replayed from graphs
+
+
+@pytest.fixture(scope="module")
+def mxfp4_bf16_checkpoint(tmp_path_factory):
+    """gpt-oss's release case: MXFP4 experts computing in bfloat16."""
+    out = tmp_path_factory.mktemp("gptoss-cuda-mxfp4-bf16") / "m"
+    make_model(out, "gpt_oss", "tiny", seed=7, dtype="bfloat16", quant="mxfp4")
+    _randomize_biases(out)
+    return out, _reference(out, torch.bfloat16)
+
+
+MXFP4_BF16_CUDA_MODES = [("fill-all", 10_000, "auto"), ("fill-all", 6, "auto"), ("qstar", 5, "auto"),
+                         ("cpu-all", 5, "auto"), ("qstar", 5, "torch")]
+
+
+@pytest.mark.parametrize("policy,slots,executor", MXFP4_BF16_CUDA_MODES,
+                         ids=[f"{p}-{s}-{e}" for p, s, e in MXFP4_BF16_CUDA_MODES])
+def test_mxfp4_bf16_decodes_on_the_device_path_with_cuda_graphs(mxfp4_bf16_checkpoint, policy, slots, executor):
+    path, (ref_logits, ref_toks) = mxfp4_bf16_checkpoint
+    runner = ModelRunner(path, _config(dtype="bfloat16", expert_policy=policy, expert_cache_slots=slots,
+                                       cpu_executor=executor), progress=False)
+    assert runner.pool.format.value == "mxfp4" and runner.pool.compute_dtype == torch.bfloat16
+    captured = _check_decode_path(runner, eager=False)
+    assert captured == ((executor != "torch" and native.available()) or not runner.experts.device_decode.cpu_branch)
+    _check_bf16(runner, ref_logits, ref_toks)
+    st = runner.experts.stats()["decode"]
+    assert st["misses"] == st["fills"] + st["cpu"]
+    if policy in ("qstar", "cpu-all"):
+        assert st["cpu"] > 0
+    if captured:
+        assert runner.graphs.graphs and not runner.graphs.failed

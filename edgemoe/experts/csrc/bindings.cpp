@@ -71,15 +71,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
                        int64_t w13_off, int64_t w2_off, int64_t w13_scale_off, int64_t w2_scale_off,
                        int64_t w13_scale2_off, int64_t w2_scale2_off, int64_t b13_off, int64_t b2_off,
-                       int32_t block_rows, int32_t block_cols, int32_t compute) {
+                       int32_t block_rows, int32_t block_cols, int32_t compute, int32_t act, float alpha,
+                       float limit) {
              return ExpertBanks{ptr<const uint8_t>(base), row_bytes, num_ids, hidden, inter,
                                 static_cast<WeightFormat>(fmt), w13_off, w2_off, w13_scale_off, w2_scale_off,
-                                w13_scale2_off, w2_scale2_off, b13_off, b2_off, block_rows, block_cols, compute};
+                                w13_scale2_off, w2_scale2_off, b13_off, b2_off, block_rows, block_cols, compute,
+                                act, alpha, limit};
            }),
            py::arg("base"), py::arg("row_bytes"), py::arg("num_ids"), py::arg("hidden"), py::arg("inter"),
            py::arg("fmt"), py::arg("w13_off"), py::arg("w2_off"), py::arg("w13_scale_off"), py::arg("w2_scale_off"),
            py::arg("w13_scale2_off"), py::arg("w2_scale2_off"), py::arg("b13_off"), py::arg("b2_off"),
-           py::arg("block_rows"), py::arg("block_cols"), py::arg("compute"),
+           py::arg("block_rows"), py::arg("block_cols"), py::arg("compute"), py::arg("act"), py::arg("alpha"),
+           py::arg("limit"),
            "The host expert pool's byte bank as the executor reads it (executor.h, ExpertBanks)")
       .def_readonly("row_bytes", &ExpertBanks::row_bytes)
       .def_readonly("num_ids", &ExpertBanks::num_ids)

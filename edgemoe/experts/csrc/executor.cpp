@@ -107,6 +107,36 @@ inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 inline float to_bf16_value(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// v as the compute dtype holds it: rounded to bf16 in a bf16 step, unchanged in a float32 one.
+inline float rnd(float v, bool bf16) { return bf16 ? to_bf16_value(v) : v; }
+
+// A projection's output plus its bias (b: nullptr without biases), rounded as the torch path's
+// `F.linear(x, w) + b.to(dtype)` in the compute dtype: the product, the bias and their sum.
+inline float biased(float v, const float* b, int64_t i, bool bf16) {
+  v = rnd(v, bf16);
+  return b ? rnd(v + rnd(b[i], bf16), bf16) : v;
+}
+
+// The gated activation of a gate / up pair (projections with their biases, as compute-dtype values),
+// every op rounded as edgemoe.experts.compute.gated_activation's torch ops round it in the compute dtype.
+inline float gated(const ExpertBanks& b, float g, float u, bool bf16) {
+  if (b.act == kSilu) return rnd(rnd(silu(g), bf16) * u, bf16);
+  g = std::min(g, b.limit);  // g, u hold compute-dtype values: min / clamp with a bf16 bound round the same
+  u = std::min(std::max(u, -b.limit), b.limit);
+  if (bf16) {
+    g = to_bf16_value(g);
+    u = to_bf16_value(u);
+  }
+  const float z = rnd(g * b.alpha, bf16);
+  const float sig = rnd(1.0f / (1.0f + std::exp(-z)), bf16);
+  return rnd(rnd(u + 1.0f, bf16) * rnd(g * sig, bf16), bf16);
+}
+
+// The float32 bias vector of section `off` in expert `fid`'s row (nullptr: the experts have none).
+inline const float* bias_of(const ExpertBanks& b, int64_t fid, int64_t off) {
+  return off < 0 ? nullptr : reinterpret_cast<const float*>(b.base + fid * b.row_bytes + off);
+}
+
 size_t elem_size(WeightFormat fmt) { return fmt == WeightFormat::F32 ? 4 : 2; }
 
 }  // namespace
@@ -271,11 +301,11 @@ struct Executor::Job {
   int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
   int64_t c2, n2;           // phase 2: output rows per chunk, chunks
   const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
-  const void* const* aptr;  // [R] SiLU·up row of each route (phase 2 input)
+  const void* const* aptr;  // [R] activation row of each route (phase 2 input)
   float* act_f32;           // [R, I] when act == F32
   uint16_t* act_bf16;       // [R, I] when act is BF16 or BF16_Q128
-  bool round_act;           // F32 activations of a bf16 computation are rounded to bf16 values
-  bool bf16_points;         // bf16 compute: round where the torch path's bf16 ops do (gate, up, SiLU, y, y·w)
+  bool bf16_points;         // bf16 compute: round where the torch path's bf16 ops do (projections, biases,
+                            // each op of the activation, y, y·w)
   alignas(64) std::atomic<int64_t> next1{0};
   alignas(64) std::atomic<int64_t> next2{0};
 };
@@ -327,6 +357,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   if (b.fmt == WeightFormat::FP8_E4M3_BLOCK &&
       (b.block_rows < 1 || b.block_cols < 16 || (b.block_cols & (b.block_cols - 1)) != 0))
     return kBadArgs;  // the kernels need power-of-two scale blocks of >= 16 columns (128 x 128 in releases)
+  if ((b.act != kSilu && b.act != kSwigluOai) || ((b.b13_off < 0) != (b.b2_off < 0))) return kBadArgs;
   if ((b.fmt == WeightFormat::MXFP4 && (b.hidden % 32 || b.inter % 32)) ||
       (b.fmt == WeightFormat::NVFP4 && (b.hidden % 16 || b.inter % 16)))
     return kBadArgs;
@@ -389,7 +420,6 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.aptr = aptr_.data();
   J.act_f32 = act_f32_.data();
   J.act_bf16 = act_bf16_.data();
-  J.round_act = bf16c && ks.act == ActFormat::F32;
   J.bf16_points = bf16c;
   const size_t need = static_cast<size_t>(nmax * std::max(2 * J.c1, J.c2));
   for (auto& v : scratch_)
@@ -410,39 +440,36 @@ void Executor::step_job(void* job, int tid) {
 }
 
 // Gate rows [i0, i0 + rows) and up rows [I + i0, ...) of one expert for all its tokens, then
-// a = silu(gate) * up into the step's activation rows.
+// a = act(gate + bias, up + bias) into the step's activation rows.
 void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
   const int64_t e = c / J.per_e1, i0 = (c % J.per_e1) * J.c1, rows = std::min(J.c1, J.I - i0);
   const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
   if (n == 0) return;
-  const int64_t H = J.H, I = J.I;
-  const WeightView wg = expert_matrix(J.b, J.s.fids[e], Proj::Gate), wu = expert_matrix(J.b, J.s.fids[e], Proj::Up);
+  const int64_t H = J.H, I = J.I, fid = J.s.fids[e];
+  const WeightView wg = expert_matrix(J.b, fid, Proj::Gate), wu = expert_matrix(J.b, fid, Proj::Up);
   float* g = scratch_[tid].data();
   float* u = g + n * rows;
   J.gemv(wg, i0, rows, H, J.xptr + r0, static_cast<int>(n), g, rows);
   J.gemv(wu, i0, rows, H, J.xptr + r0, static_cast<int>(n), u, rows);
-  if (J.bf16_points)  // the torch path's bf16 linear outputs gate and up, and SiLU of gate, as bf16 values
-    for (int64_t i = 0; i < n * rows; ++i) {
-      g[i] = to_bf16_value(silu(to_bf16_value(g[i])));
-      u[i] = to_bf16_value(u[i]);
-    }
+  const float* bg = bias_of(J.b, fid, J.b.b13_off);  // [2I]: gate's bias, then up's
+  const float* bu = bg ? bg + I : nullptr;
+  const bool bf = J.bf16_points;
   for (int64_t j = 0; j < n; ++j) {
     const float* gj = g + j * rows;
     const float* uj = u + j * rows;
-    const bool silu_done = J.bf16_points;
     if (J.act == ActFormat::BF16) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
-      for (int64_t r = 0; r < rows; ++r) dst[r] = f32_to_bf16((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
+      for (int64_t r = 0; r < rows; ++r)
+        dst[r] = f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
     } else if (J.act == ActFormat::BF16_Q128) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I;
       for (int64_t r = 0; r < rows; ++r)
-        dst[q128_pos(i0 + r, I)] = f32_to_bf16((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
+        dst[q128_pos(i0 + r, I)] =
+            f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
     } else {
       float* dst = J.act_f32 + (r0 + j) * I + i0;
-      if (J.round_act)
-        for (int64_t r = 0; r < rows; ++r) dst[r] = to_bf16_value((silu_done ? gj[r] : silu(gj[r])) * uj[r]);
-      else
-        for (int64_t r = 0; r < rows; ++r) dst[r] = silu(gj[r]) * uj[r];
+      for (int64_t r = 0; r < rows; ++r)
+        dst[r] = gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf);
     }
   }
 }
@@ -451,21 +478,26 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
 void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
   const int64_t o0 = c * J.c2, rows = std::min(J.c2, J.H - o0);
   const int64_t H = J.H, I = J.I;
+  const bool bf = J.bf16_points;
   float* y = scratch_[tid].data();
   for (int64_t e = 0; e < J.s.n_experts; ++e) {
     const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
     if (n == 0) continue;
     const WeightView w = expert_matrix(J.b, J.s.fids[e], Proj::Down);
     J.gemv(w, o0, rows, I, J.aptr + r0, static_cast<int>(n), y, rows);
+    const float* b2 = bias_of(J.b, J.s.fids[e], J.b.b2_off);  // [H]
     for (int64_t j = 0; j < n; ++j) {
       float* o = J.s.out + J.s.tok[r0 + j] * H + o0;
       const float* yj = y + j * rows;
-      if (J.bf16_points) {  // as the torch path: y and the router weight as bf16, their product rounded
+      if (bf) {  // as the torch path: y (+ bias) and the router weight as bf16, their product rounded
         const float wt = to_bf16_value(J.s.wt[r0 + j]);
-        for (int64_t r = 0; r < rows; ++r) o[r] += to_bf16_value(to_bf16_value(yj[r]) * wt);
+        for (int64_t r = 0; r < rows; ++r) o[r] += to_bf16_value(biased(yj[r], b2, o0 + r, true) * wt);
       } else {
         const float wt = J.s.wt[r0 + j];
-        for (int64_t r = 0; r < rows; ++r) o[r] += wt * yj[r];
+        if (b2)
+          for (int64_t r = 0; r < rows; ++r) o[r] += wt * (yj[r] + b2[o0 + r]);
+        else
+          for (int64_t r = 0; r < rows; ++r) o[r] += wt * yj[r];
       }
     }
   }

@@ -5,10 +5,10 @@
 // when the step has a single expert:
 //   phase 1  chunks = (expert, range of intermediate rows i); a chunk reads gate rows [i0, i1) and up
 //            rows [I + i0, I + i1) of w13 once, for all the expert's tokens, and writes
-//            a[route, i] = silu(gate) * up for that range;
+//            a[route, i] = act(gate + bias, up + bias) for that range (ExpertBanks: act, biases);
 //   barrier
 //   phase 2  chunks = ranges of output rows o (across every expert of the step); a chunk reads
-//            w2 rows [o0, o1) of each expert in step order and adds weight * y into out[token, o].
+//            w2 rows [o0, o1) of each expert in step order and adds weight * (y + bias) into out[token, o].
 // Chunks are handed out through an atomic counter (threads that finish early take more; robust to
 // a noisy neighbour). Each output element and each activation is computed by exactly one chunk with
 // a fixed operation order, so results do not depend on the thread count or on scheduling.
@@ -64,6 +64,14 @@ enum Status : int32_t {
 //                   Quantized rows computing in bf16 are dequantized, then rounded to bf16 (as the
 //                   torch path's .to(bfloat16) of the float32 dequantization), and the step rounds
 //                   where the bf16 path does; in float32 nothing is rounded.
+//   act             the experts' gated activation of gate g and up u (edgemoe.config.ExpertActivation):
+//                   kSilu: silu(g) * u; kSwigluOai (gpt-oss): (clamp(u, -limit, limit) + 1) * g' *
+//                   sigmoid(alpha * g') with g' = min(g, limit). alpha, limit: float32, read for kSwigluOai only.
+//
+// With biases (b13_off, b2_off >= 0, both or neither) each projection adds its bias after the product:
+// g = W_gate x + b13[i], u = W_up x + b13[I + i], y = W2 a + b2[o]. A bf16 step rounds where the torch
+// path's bf16 ops do (edgemoe.experts.compute.swiglu_expert): each projection, the bias (cast to bf16),
+// their sum, and each op of the activation.
 //
 // w13 is gate rows [0, I) then up rows [I, 2I) in every format (gpt-oss's interleaving is undone at
 // pack time). expert_matrix() turns a row into the WeightView of one projection, which is all a
@@ -79,7 +87,12 @@ struct ExpertBanks {
   int64_t b13_off, b2_off;
   int32_t block_rows, block_cols;
   int32_t compute;
+  int32_t act;  // an ActKind
+  float alpha, limit;
 };
+
+// The experts' gated activation (ExpertBanks::act); values are part of the Python ABI (native.py).
+enum ActKind : int32_t { kSilu = 0, kSwigluOai = 1 };
 
 // Whether a step over `b` computes in bf16 (x, activations and outputs rounded where the torch path's
 // bf16 ops round).
