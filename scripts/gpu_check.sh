@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats prefill prefill-profile grouped agent structured peers elastic policy (default: tests decode prefill)
+#        formats prefill prefill-profile grouped agent structured families peers elastic policy
+#        (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
@@ -105,6 +106,20 @@ for stage in "${stages[@]}"; do
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;
+  families)
+    # the newer families at full geometry (dummy weights): gpt-oss-120b with MXFP4 experts at 8 / 16 / 32 GB of
+    # expert cache, DeepSeek-V3 with FP8 experts and fewer layers (host RAM), uniform routing, $FAMILIES_THREADS
+    echo "== gpt-oss-120b (MXFP4) and DeepSeek-V3 (FP8, ${DEEPSEEK_LAYERS:-8} layers) decode, uniform routing"
+    mkdir -p "$OUT/families"
+    common="--routing uniform --tokens ${FAMILIES_TOKENS:-32} --warmup 8 --profile-seconds 0.5 \
+      --policies ${FAMILIES_POLICIES:-qstar} --cpu-threads ${FAMILIES_THREADS:-6} ${FAMILIES_ARGS:-}"
+    timeout ${GPT_OSS_TIMEOUT:-150} python3 benchmarks/decode.py --arch gpt_oss --preset gpt-oss-120b --quant mxfp4 \
+      --budgets ${GPT_OSS_BUDGETS:-8,16,32} $common --out "$OUT/families/gpt-oss-120b" 2>&1 \
+      | tee "$OUT/families/gpt-oss-120b.log" | grep -E '^\|' ;
+    timeout ${DEEPSEEK_TIMEOUT:-150} python3 benchmarks/decode.py --arch deepseek_v3 --preset deepseek-v3 --quant fp8 \
+      --layers ${DEEPSEEK_LAYERS:-8} --budgets ${DEEPSEEK_BUDGETS:-4,8,16} $common --out "$OUT/families/deepseek-v3" 2>&1 \
+      | tee "$OUT/families/deepseek-v3.log" | grep -E '^\|'
+    grep -ho '"kv_\(bytes_per_token\|layout\)": [^,]*' "$OUT"/families/*/decode.json ;;
   structured)
     echo "== structured output: per-token cost of the llguidance grammar on the decode path (CUDA)"
     timeout ${STRUCTURED_TIMEOUT:-240} python3 benchmarks/structured_output.py --device cuda \
@@ -126,7 +141,7 @@ for stage in "${stages[@]}"; do
       --tokens ${POLICY_TOKENS:-32} --warmup 8 --profile-seconds 0.5 --no-resident ${POLICY_ARGS:-}"
     deadline=$(( $(date +%s) + ${POLICY_SECONDS:-540} ))
     mkdir -p "$OUT/policy"
-    for regime in realistic no-locality degenerate; do
+    for regime in ${POLICY_REGIMES:-realistic no-locality degenerate}; do
       case "$regime" in
         realistic) [ -z "$traces" ] && { echo "   realistic: no routing traces (POLICY_TRACES), skipped"; continue; }
                    flags="--routing trace --trace $traces" ;;
