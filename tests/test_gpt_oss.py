@@ -117,12 +117,18 @@ def _load_reference(path, dtype=torch.float32):
         # dequantized into ``dtype`` at load, as on a CPU-only machine: with a CUDA device present and no
         # ``kernels`` package some releases otherwise keep the experts MXFP4 or dequantize them to bf16
         kw["quantization_config"] = Mxfp4Config(dequantize=True)
-    model = GptOssForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
-    cfg = model.config
+    # .to(dtype): releases before 5.24 dequantize MXFP4 experts into bf16 parameters whatever ``dtype`` says
+    # (exact values: e2m1 times a power of two is a bf16 number), so the experts would compute in bf16
+    model = GptOssForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(dtype).eval()
     for layer in model.model.layers:
-        layer.mlp.experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)
-        layer.mlp.experts.limit = getattr(cfg, "swiglu_limit", 7.0)
+        _clamp_constants(layer.mlp.experts, model.config)
     return model
+
+
+def _clamp_constants(experts, cfg) -> None:
+    """transformers' ``GptOssExperts`` with the config's clamped-SwiGLU constants (see ``_load_reference``)."""
+    experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)
+    experts.limit = getattr(cfg, "swiglu_limit", 7.0)
 
 
 def _reference(path, dtype=torch.float32, prompt=PROMPT, steps=DECODE_STEPS):
@@ -325,6 +331,7 @@ def test_expert_math_and_loader_layout_match_gpt_oss_experts(tmp_path, dtype):
                          progress=False)
     cfg = runner.model_config
     hf = GptOssMLP(cfg.hf_config()).to(dtype)
+    _clamp_constants(hf.experts, cfg.hf_config())
     sd = load_file(path / "model.safetensors")
     with torch.no_grad():
         for name, p in hf.named_parameters():
