@@ -228,7 +228,8 @@ def _crafted_pool(fmt: str, H: int, I: int, seed: int) -> HostExpertPool:
     """A bf16-computing pool whose codes and scales the kernels' special cases hit: FP8 rows cycling
     through every finite e4m3 code (subnormals, ±0, the largest), MXFP4 rows with E8M0 scale bytes
     spread over 0 .. 254 plus their extremes (0: 2^-127, 1, 254), small enough where the products
-    would overflow."""
+    would overflow; NVFP4 rows with zero scale bytes in about one group of ten (every row's first) and
+    subnormal ones."""
     pool = HostExpertPool(2, ExpertLayout.build(FORMATS[fmt], H, I), torch.bfloat16)
     pool.fill_random(seed=seed, std=0.05)
     lay, g = pool.layout, torch.Generator().manual_seed(seed)
@@ -238,6 +239,12 @@ def _crafted_pool(fmt: str, H: int, I: int, seed: int) -> HostExpertPool:
             finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
             idx = torch.randint(0, finite.numel(), codes.shape, generator=g)
             codes.view(torch.uint8).copy_(finite[idx])
+        elif fmt == "nvfp4":
+            scales = lay.view(pool.bank, f"{name}_scale").view(torch.uint8)  # [2, rows, K / 16] e4m3
+            zero = torch.rand(scales.shape, generator=g) < 0.1
+            zero[..., 0] = True
+            scales[zero] = 0  # eff 0: the line's tables from float32 products (an exponent add would not give 0)
+            scales[1, 1::3, 1] = 0x01  # the smallest subnormal e4m3, 2^-9: eff far below the others
         else:
             scales = lay.view(pool.bank, f"{name}_scale")  # [2, rows, K / 32] uint8
             s = torch.randint(100, 140, scales.shape, generator=g, dtype=torch.int32)
@@ -253,12 +260,13 @@ def _crafted_pool(fmt: str, H: int, I: int, seed: int) -> HostExpertPool:
     return pool
 
 
-@pytest.mark.parametrize("fmt,H,I", [("fp8", 352, 224), ("mxfp4", 352, 224), ("mxfp4", 256, 128)])
+@pytest.mark.parametrize("fmt,H,I", [("fp8", 352, 224), ("mxfp4", 352, 224), ("mxfp4", 256, 128), ("nvfp4", 352, 208)])
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
 def test_crafted_codes_and_scales_match_the_reference(isa, fmt, H, I):
-    """Every finite FP8 code (subnormal codes exact, not flushed) and MXFP4 scales across the E8M0 range
-    (the power-of-two post-scaling of whole blocks of 128, and the in-order chunks of the K % 128 tail)
-    give the reference's numbers at every ISA level; rows are whole 128-blocks plus a tail of 96."""
+    """Every finite FP8 code (subnormal codes exact, not flushed), MXFP4 scales across the E8M0 range
+    (the power-of-two post-scaling of whole blocks of 128, and the in-order chunks of the K % 128 tail) and
+    NVFP4 zero and subnormal group scales (lines whose tables cannot come from exponent adds) give the
+    reference's numbers at every ISA level; rows are whole 128-blocks plus a tail (96, NVFP4 80)."""
     _skip_unsupported(isa, fmt, torch.bfloat16)
     pool = _crafted_pool(fmt, H, I, seed=11)
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(5)) * (1e-30 if fmt == "mxfp4" else 1.0)

@@ -15,8 +15,9 @@
 //          e8m0 scale, a power of two, multiplies the block's partial sums (one FMA), which is exact up
 //          to float32 summation order;
 //   NVFP4  in element order, chunk by chunk: 32 word indices into a 32-entry bf16 table holding the
-//          chunk's two groups of 16: float32(e2m1 * float32(float(e4m3 scale) * global_scale)),
-//          rounded to bf16 (bf16 rounding per weight makes post-scaling inexact here);
+//          chunk's two groups of 16: bf16(float32(e2m1 * float32(float(e4m3 scale) * global_scale))),
+//          built per line from the groups' bf16(eff) and bf16(1.5 eff) by one `vpermw` and an exponent
+//          add per chunk (DecNVFP4; bf16 rounding per weight makes post-scaling inexact here);
 //   the last K % 128 elements of FP8 and MXFP4 rows take that per-chunk path too (DecFP8, DecMXFP4).
 // Products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16` rounds to nearest even as
 // .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat float32 subnormal inputs as zero:
@@ -126,9 +127,9 @@ inline __m512 e4m3_raw(__m128i b16) {
                                               _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
 }
 
-// A decoder D provides: Row, row(w, r), kLine (elements per 64 bytes of codes), line(row, k, n, eff)
-// (per-row state for elements [k, k + min(n, kLine)): NVFP4's group multipliers), chunk(row, k, eff)
-// (32 bf16 weights, elements [k, k + 32), `eff` the line state at k's group), tail(row, k, n, eff)
+// A decoder D provides: Row, row(w, r), kLine (elements per 64 bytes of codes), Line and line(row, k, n, L)
+// (per-row state for elements [k, k + min(n, kLine)): NVFP4's group tables), chunk(row, k, L, u)
+// (32 bf16 weights, elements [k, k + 32), chunk u of the line L), tail(row, k, n, L, u)
 // (the first n < 32 of them, the rest zero or finite), addr(row, k) (prefetch).
 struct DecFP8 {
   struct Row { const uint8_t* p; const float* s; int shift; };
@@ -153,13 +154,14 @@ struct DecFP8 {
     }
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo
   }
-  static void line(const Row&, int64_t, int64_t, float*) {}
-  static __m512i chunk(const Row& row, int64_t k, const float*) {
+  struct Line {};
+  static void line(const Row&, int64_t, int64_t, Line&) {}
+  static __m512i chunk(const Row& row, int64_t k, const Line&, int) {
     const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + k));
     const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + k + 16));
     return convert(e4m3_raw(b0), e4m3_raw(b1), row.s[k >> row.shift]);
   }
-  static __m512i tail(const Row& row, int64_t k, int n, const float*) {
+  static __m512i tail(const Row& row, int64_t k, int n, const Line&, int) {
     const __m256i b = _mm256_maskz_loadu_epi8(mask32(n), row.p + k);
     return convert(e4m3_raw(_mm256_castsi256_si128(b)), e4m3_raw(_mm256_extracti128_si256(b, 1)),
                    row.s[k >> row.shift]);
@@ -186,49 +188,95 @@ struct DecMXFP4 {
     const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(v, v);  // entries 16..31 repeat 0..15: bit 4 ignored
     return _mm512_permutexvar_epi16(fp4_indices(b16), lut);
   }
-  static void line(const Row&, int64_t, int64_t, float*) {}
-  static __m512i chunk(const Row& row, int64_t k, const float*) {
+  struct Line {};
+  static void line(const Row&, int64_t, int64_t, Line&) {}
+  static __m512i chunk(const Row& row, int64_t k, const Line&, int) {
     return decode(row, k, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1))));
   }
-  static __m512i tail(const Row& row, int64_t k, int n, const float*) {
+  static __m512i tail(const Row& row, int64_t k, int n, const Line&, int) {
     return decode(row, k, _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1)));
   }
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
 
+// NVFP4 weights w = bf16(float32(e2m1 * eff)), eff = float32(float(e4m3) * global_scale) per group of 16. Each
+// e2m1 magnitude is 0 or 2^e * m with m in {1, 1.5} and e in {-1 .. 2}, and scaling by a power of two commutes
+// with both roundings while the values stay normal, so a group's 16 weights are B1 = bf16(eff) or
+// B15 = bf16(float32(1.5 * eff)) with e added to the exponent field and the code's sign: per line (8 groups)
+// one conversion gives every B1 and B15, and each chunk's 32-entry table (two groups) is one `vpermw` of them
+// plus a constant add. Exact when every group's |eff| is in [2^-125, 2^125) (no weight leaves the normal
+// range): otherwise the line takes the per-chunk float32 products (the same bits wherever both apply).
 struct DecNVFP4 {
   struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  struct Line {
+    __m512i bb;   // words g: B1 of group g; 16 + g: B15 of group g (g < 8)
+    __m512 eff;   // lane g: eff of group g (lanes past the line's groups: 0)
+    bool fast;    // every group of the line in range: tables from bb
+  };
   static constexpr int kLine = 128;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
             static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
   }
-  // Groups k / 16 (elements 0..15 of the chunk: table entries 0..15) and k / 16 + 1 (entries 16..31).
-  static __m512i decode(__m128i b16, float eff0, float eff1) {
-    const __m512 e2m1 = _mm512_loadu_ps(kE2M1);
-    const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e2m1, _mm512_set1_ps(eff1)),
-                                                     _mm512_mul_ps(e2m1, _mm512_set1_ps(eff0)));
+  // Table entries 0..15 for group k / 16 (elements 0..15 of the chunk), 16..31 for group k / 16 + 1.
+  static __m512i indices(__m128i b16) {
     // (idx & 0x000f000f) | (0x00100010 in the upper 8 dwords): ternary-logic table (A & B) | C
     const __m512i half = _mm512_set_epi32(0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010,
                                           0x00100010, 0x00100010, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i idx = _mm512_ternarylogic_epi32(fp4_indices(b16), _mm512_set1_epi32(0x000f000f), half, 0xEA);
-    return _mm512_permutexvar_epi16(idx, lut);
+    return _mm512_ternarylogic_epi32(fp4_indices(b16), _mm512_set1_epi32(0x000f000f), half, 0xEA);
   }
-  // The multipliers float32(float(e4m3) * global_scale) of the line's (up to 8) groups, into eff[0..8):
-  // the scale bytes decoded as in kernel_impl.h's e4m3 (exact), then one rounding multiply. Only the
-  // groups below n elements are read.
-  static void line(const Row& row, int64_t k, int64_t n, float* eff) {
+  static __m512i table_mul(float eff0, float eff1) {  // the per-weight float32 products, rounded to bf16
+    const __m512 e2m1 = _mm512_loadu_ps(kE2M1);
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e2m1, _mm512_set1_ps(eff1)),
+                                        _mm512_mul_ps(e2m1, _mm512_set1_ps(eff0)));
+  }
+  // Chunk u of the line (groups 2u, 2u + 1) from B1 / B15: entry 16h + c is B15 (codes 3, 5, 7) or B1 of
+  // group 2u + h, plus (e << 7) for the code's exponent e and 0x8000 for its sign; codes 0 and 8 are +-0.
+  static __m512i table_bb(const __m512i bb, int u) {
+    alignas(64) static constexpr uint16_t kIdx[4][32] = {
+#define EDGEMOE_NV_IDX(g0, g1)                                                                                   \
+  {g0, g0, g0, g0 + 16, g0, g0 + 16, g0, g0 + 16, g0, g0, g0, g0 + 16, g0, g0 + 16, g0, g0 + 16,                 \
+   g1, g1, g1, g1 + 16, g1, g1 + 16, g1, g1 + 16, g1, g1, g1, g1 + 16, g1, g1 + 16, g1, g1 + 16}
+        EDGEMOE_NV_IDX(0, 1), EDGEMOE_NV_IDX(2, 3), EDGEMOE_NV_IDX(4, 5), EDGEMOE_NV_IDX(6, 7)};
+#undef EDGEMOE_NV_IDX
+    alignas(64) static constexpr uint16_t kOff[32] = {
+        0x0000, 0xff80, 0x0000, 0x0000, 0x0080, 0x0080, 0x0100, 0x0100,
+        0x8000, 0x7f80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100,
+        0x0000, 0xff80, 0x0000, 0x0000, 0x0080, 0x0080, 0x0100, 0x0100,
+        0x8000, 0x7f80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100};
+    const __m512i t = _mm512_maskz_permutexvar_epi16(0xfefefefeu, _mm512_load_si512(kIdx[u]), bb);
+    return _mm512_add_epi16(t, _mm512_load_si512(kOff));
+  }
+  // The multipliers float32(float(e4m3) * global_scale) of the line's (up to 8) groups: the scale bytes
+  // decoded as in kernel_impl.h's e4m3 (exact), then one rounding multiply. Only the groups below n
+  // elements are read.
+  static void line(const Row& row, int64_t k, int64_t n, Line& L) {
     const int groups = n >= 128 ? 8 : static_cast<int>(n >> 4);
-    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 4));
-    const __m512 v = _mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f));
-    _mm512_storeu_ps(eff, _mm512_mul_ps(v, _mm512_set1_ps(row.g)));
+    const __mmask16 gm = static_cast<__mmask16>((1u << groups) - 1u);
+    const __m128i b = _mm_maskz_loadu_epi8(gm, row.s + (k >> 4));
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
+    L.eff = v;
+    L.bb = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(1.5f)), v);
+    const __m512 a = _mm512_abs_ps(v);
+    const __mmask16 lo = _mm512_mask_cmp_ps_mask(gm, a, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ);
+    L.fast = _mm512_mask_cmp_ps_mask(lo, a, _mm512_set1_ps(0x1p125f), _CMP_LT_OQ) == gm;
   }
-  static __m512i chunk(const Row& row, int64_t k, const float* eff) {
-    return decode(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1))), eff[0], eff[1]);
+  static float eff_at(const Line& L, int g) {
+    alignas(64) float e[16];
+    _mm512_store_ps(e, L.eff);
+    return e[g];
   }
-  static __m512i tail(const Row& row, int64_t k, int n, const float* eff) {  // n = 16 (K % 16 == 0): one group
-    return decode(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1)),
-                  eff[0], 0.0f);
+  static __m512i lut(const Line& L, int u) {
+    if (__builtin_expect(L.fast, 1)) return table_bb(L.bb, u);
+    return table_mul(eff_at(L, 2 * u), eff_at(L, 2 * u + 1));
+  }
+  static __m512i chunk(const Row& row, int64_t k, const Line& L, int u) {
+    return _mm512_permutexvar_epi16(indices(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1)))),
+                                    lut(L, u));
+  }
+  static __m512i tail(const Row& row, int64_t k, int n, const Line& L, int u) {  // n = 16 (K % 16 == 0): one group
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1));
+    return _mm512_permutexvar_epi16(indices(b), lut(L, u));
   }
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
@@ -250,20 +298,20 @@ inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* cons
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
-  alignas(64) float eff[RB][16];  // per-line state of each row (D::line)
+  typename D::Line ls[RB];  // per-line state of each row (D::line)
   int64_t k = 0;
   for (; k + D::kLine <= K; k += D::kLine) {
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
         __builtin_prefetch(D::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
-      D::line(rows[r], k, D::kLine, eff[r]);
+      D::line(rows[r], k, D::kLine, ls[r]);
     }
 #pragma GCC unroll 4
     for (int u = 0; u < D::kLine; u += 32) {
       __m512i wv[RB];
 #pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k + u, eff[r] + (u >> 4));
+      for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k + u, ls[r], u >> 5);
 #pragma GCC unroll 8
       for (int j = 0; j < NT; ++j) {
         const __m512i av = _mm512_loadu_si512(a[j] + k + u);
@@ -273,11 +321,11 @@ inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* cons
     }
   }
   if (k < K)
-    for (int r = 0; r < RB; ++r) D::line(rows[r], k, K - k, eff[r]);  // the last partial line
+    for (int r = 0; r < RB; ++r) D::line(rows[r], k, K - k, ls[r]);  // the last partial line
   const int64_t k_line = k;
   for (; k + 32 <= K; k += 32) {
     __m512i wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k, eff[r] + ((k - k_line) >> 4));
+    for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k, ls[r], static_cast<int>((k - k_line) >> 5));
     for (int j = 0; j < NT; ++j) {
       const __m512i av = _mm512_loadu_si512(a[j] + k);
       for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
@@ -286,7 +334,7 @@ inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* cons
   if (k < K) {  // masked: activation lanes past K load as zero (and the weights there are finite)
     const int n = static_cast<int>(K - k);
     __m512i wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = D::tail(rows[r], k, n, eff[r] + ((k - k_line) >> 4));
+    for (int r = 0; r < RB; ++r) wv[r] = D::tail(rows[r], k, n, ls[r], static_cast<int>((k - k_line) >> 5));
     for (int j = 0; j < NT; ++j) {
       const __m512i av = _mm512_maskz_loadu_epi16(mask32(n), a[j] + k);
       for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
@@ -313,7 +361,7 @@ inline void micro_n_tile(int nt, const typename D::Row* rows, int64_t K, const u
 // the same chunks, in the same order, that micro_q feeds to `vdpbf16ps`.
 template <class D>
 inline void decode_rows_n(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
-  alignas(64) float eff[16];
+  typename D::Line ls;
   for (int i = 0; i < nr; ++i) {
     const typename D::Row row = D::row(w, row0 + i);
     uint16_t* dst = buf + i * ld;
@@ -321,15 +369,16 @@ inline void decode_rows_n(const WeightView& w, int64_t row0, int nr, int64_t K, 
     for (; k + D::kLine <= K; k += D::kLine) {
       __builtin_prefetch(D::addr(row, k) + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
                          EDGEMOE_PREFETCH_LOCALITY);
-      D::line(row, k, D::kLine, eff);
-      for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, eff + (u >> 4)));
+      D::line(row, k, D::kLine, ls);
+      for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, ls, u >> 5));
     }
-    if (k < K) D::line(row, k, K - k, eff);
+    if (k < K) D::line(row, k, K - k, ls);
     const int64_t k_line = k;
-    for (; k + 32 <= K; k += 32) _mm512_storeu_si512(dst + k, D::chunk(row, k, eff + ((k - k_line) >> 4)));
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(dst + k, D::chunk(row, k, ls, static_cast<int>((k - k_line) >> 5)));
     if (k < K) {
       const int n = static_cast<int>(K - k);
-      _mm512_mask_storeu_epi16(dst + k, mask32(n), D::tail(row, k, n, eff + ((k - k_line) >> 4)));
+      _mm512_mask_storeu_epi16(dst + k, mask32(n), D::tail(row, k, n, ls, static_cast<int>((k - k_line) >> 5)));
     }
   }
 }
@@ -532,12 +581,12 @@ inline void micro_q(const typename S::Row* rows, int64_t K, const uint16_t* cons
     }
   }
   if (k < K) {  // the last K % 128 elements, in order
-    alignas(64) float eff[RB][16];
-    for (int r = 0; r < RB; ++r) S::line(rows[r], k, K - k, eff[r]);
+    typename S::Line ls[RB];
+    for (int r = 0; r < RB; ++r) S::line(rows[r], k, K - k, ls[r]);
     const int64_t k_line = k;
     for (; k + 32 <= K; k += 32) {
       __m512i wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = S::chunk(rows[r], k, eff[r] + ((k - k_line) >> 4));
+      for (int r = 0; r < RB; ++r) wv[r] = S::chunk(rows[r], k, ls[r], static_cast<int>((k - k_line) >> 5));
       for (int j = 0; j < NT; ++j) {
         const __m512i av = _mm512_loadu_si512(a[j] + k);
         for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
@@ -546,7 +595,7 @@ inline void micro_q(const typename S::Row* rows, int64_t K, const uint16_t* cons
     if (k < K) {  // masked: activation lanes past K load as zero (and the weights there are finite)
       const int n = static_cast<int>(K - k);
       __m512i wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = S::tail(rows[r], k, n, eff[r] + ((k - k_line) >> 4));
+      for (int r = 0; r < RB; ++r) wv[r] = S::tail(rows[r], k, n, ls[r], static_cast<int>((k - k_line) >> 5));
       for (int j = 0; j < NT; ++j) {
         const __m512i av = _mm512_maskz_loadu_epi16(mask32(n), a[j] + k);
         for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
@@ -582,7 +631,7 @@ inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
 template <class S>
 inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
   static_assert(S::kScales == 0, "post-scaled formats have no bf16 row to buffer");
-  alignas(64) float eff[16];
+  typename S::Line ls;
   const int64_t full = K - K % 128;
   for (int i = 0; i < nr; ++i) {
     const typename S::Row row = S::row(w, row0 + i);
@@ -596,29 +645,32 @@ inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, ui
       S::step(row, k, wv, nullptr);
       for (int c = 0; c < S::kChunks; ++c) _mm512_storeu_si512(dst + k + 32 * c, wv[c]);
     }
-    if (k < K) S::line(row, k, K - k, eff);
+    if (k < K) S::line(row, k, K - k, ls);
     const int64_t k_line = k;
-    for (; k + 32 <= K; k += 32) _mm512_storeu_si512(dst + k, S::chunk(row, k, eff + ((k - k_line) >> 4)));
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(dst + k, S::chunk(row, k, ls, static_cast<int>((k - k_line) >> 5)));
     if (k < K) {
       const int n = static_cast<int>(K - k);
-      _mm512_mask_storeu_epi16(dst + k, mask32(n), S::tail(row, k, n, eff + ((k - k_line) >> 4)));
+      _mm512_mask_storeu_epi16(dst + k, mask32(n), S::tail(row, k, n, ls, static_cast<int>((k - k_line) >> 5)));
     }
   }
 }
 
 // GemvFn for quantized rows computing in bf16 (WeightView::bf16_weights; the executor never selects
-// this level for a float32 computation), BF16_Q128 activations. Tokens in tiles of up to 8, each row's
-// blocks decoded once per tile: 4 rows x 1..2 tokens, 2 rows x 3..4, 1 row x 5..8. A format with final
-// weights (FP8) and more than 4 tokens dequantizes each block of 4 rows once into a stack buffer instead
-// and runs the bf16 micro-kernel over it for every tile of 4 tokens (the same `vdpbf16ps` sequence per
-// (row, token), so results do not depend on the token count).
+// this level for a float32 computation), BF16_Q128 activations. Tokens in tiles of up to 4, each row's
+// blocks decoded once per tile: 4 rows x 1, 2 or 4 tokens, 2 rows x 3 (the MXFP4 decode is a few
+// instructions per line, so decoding again per tile of 4 costs less than the per-token activation loads
+// of wider single-row tiles; docs/benchmarks/cpu_executor.md). A format with
+// final weights (FP8) and more than one token dequantizes each block of 4 rows once into a stack buffer
+// instead and runs the bf16 micro-kernel over it for every tile of 4 tokens (the same `vdpbf16ps`
+// sequence per (row, token), so results do not depend on the token count).
 template <class S>
 void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                int64_t ldy) {
   const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
   if constexpr (S::kScales == 0) {
     constexpr int RB = 4, NT = 4;
-    if (n > NT && K <= kDecodeBufK) {
+    if (n > 1 && K <= kDecodeBufK) {
       alignas(64) uint16_t buf[RB * kDecodeBufK];
       const int64_t ld = (K + 31) / 32 * 32;
       const uint16_t* brow[RB];
@@ -638,18 +690,14 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
       return;
     }
   }
-  for (int j0 = 0; j0 < n; j0 += 8) {
-    const int nt = n - j0 < 8 ? n - j0 : 8;
+  for (int j0 = 0; j0 < n; j0 += 4) {
+    const int nt = n - j0 < 4 ? n - j0 : 4;
     float* yt = y + j0 * ldy;
     switch (nt) {
       case 1: rows_tile<S, 4, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
       case 2: rows_tile<S, 4, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
       case 3: rows_tile<S, 2, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 4: rows_tile<S, 2, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 5: rows_tile<S, 1, 5>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 6: rows_tile<S, 1, 6>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 7: rows_tile<S, 1, 7>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      default: rows_tile<S, 1, 8>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      default: rows_tile<S, 4, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
     }
   }
 }
