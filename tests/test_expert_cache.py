@@ -150,6 +150,34 @@ def test_hybrid_output_is_exact_for_every_policy(policy, T, phase, fmt):
         assert c.fills == 0
 
 
+def test_cpu_only_step_hands_the_executor_every_expert_in_id_order_with_its_routes_in_order():
+    """A step with every route on the CPU builds its work with one sort; the executor must get what one
+    mask per expert gives (ascending ids, each expert's (token, k) routes ascending), so the float32
+    sum over routes keeps its order and the output its bits."""
+    E, k, T = 8, 3, 6
+    pool, hy = _setup(slots=0, policy=CpuAllPolicy())
+    seen = []
+
+    class Recording(TorchCpuExecutor):
+        def run(self, x, work, out):
+            seen.append([(f, tok.tolist(), wt.tolist()) for f, tok, wt in work])
+            super().run(x, work, out)
+
+    hy.cpu = Recording(pool)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # experts shared across tokens
+    w = torch.rand(T, k, generator=g)
+    got = hy.forward(1, x, ids, w, Phase.DECODE, 1)
+    flat = ids + E
+    want = []
+    for f in sorted(set(flat.flatten().tolist())):
+        tok, kpos = (flat == f).nonzero(as_tuple=True)
+        want.append((f, tok.tolist(), w[tok, kpos].tolist()))
+    assert seen == [want]
+    torch.testing.assert_close(got, _dense(pool, 1, x, ids, w, E), rtol=1e-4, atol=1e-4)
+
+
 def test_decode_fills_follow_qstar_and_never_evict_hits():
     _, hy = _setup(slots=6, policy=QStarPolicy(Bandwidths(10.0, 20.0)))  # q*/m = 0.5
     x = torch.randn(1, H)

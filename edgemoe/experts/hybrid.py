@@ -201,6 +201,23 @@ class HybridExperts:
         self._prefetched[moe_layer + 1] = set(misses[:len(victims)])
 
     # ------------------------------------------------------------------ forward
+    def _run_cpu_only(self, x: torch.Tensor, flat: torch.Tensor, topk_weights: torch.Tensor, fids: list[int],
+                      counts: list[int]) -> torch.Tensor:
+        """Routed output of a step whose every route runs on the CPU executor: ``[T, H]`` in ``x.dtype``.
+
+        ``flat [T, k]`` flat expert ids, ``topk_weights [T, k]``; ``fids`` the distinct ids ascending and
+        ``counts`` their routes (``torch.unique``). The work is the general path's (every expert in ascending
+        id order, its routes in ascending (token, k) order), so the sum is the same; it is built with one
+        stable sort of the routes instead of one mask per expert.
+        """
+        k = flat.shape[1]
+        order = flat.reshape(-1).argsort(stable=True)  # [T·k] routes grouped by expert, ascending
+        toks = (order // k).split(counts)
+        wts = topk_weights.to("cpu").reshape(-1)[order].split(counts)
+        out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32)  # [T, H]
+        self.cpu.run(x.to("cpu"), list(zip(fids, toks, wts)), out)
+        return out.to(x.device, x.dtype)
+
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 phase: Phase, step: int) -> torch.Tensor:
         """Routed-expert output of one MoE layer.
@@ -223,9 +240,12 @@ class HybridExperts:
         T = x.shape[0]
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
         fids, counts = torch.unique(flat, return_counts=True)
-        plan = plan_step(self.cache, self.policy, dict(zip(fids.tolist(), counts.tolist())), phase, step)
+        fids, counts = fids.tolist(), counts.tolist()
+        plan = plan_step(self.cache, self.policy, dict(zip(fids, counts)), phase, step)
         if self._prefetched and phase is Phase.DECODE:  # prefetched ids this step routes (and hits)
             self.prefetch_counts["prefetch_hits"] += len(self._prefetched.pop(moe_layer, set()) & plan.hits.keys())
+        if not plan.hits and not plan.waves:  # every route on the CPU (CPU-only, cpu-all, an empty cache)
+            return self._run_cpu_only(x, flat, topk_weights, fids, counts)
         if plan.cpu:  # D2H before the device work is enqueued: a copy after it would wait for it
             x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are

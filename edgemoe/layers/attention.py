@@ -133,8 +133,10 @@ def paged_attention(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: Forward
             o = _window_sink_attention(qs, k_all, v_all, s, ps, scale, sinks, window)
             out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
             continue
-        pos = torch.arange(s.kv_len, device=q.device)
-        slots = s.page_table[pos // ps] * ps + pos % ps  # [kv_len]
+        key = ("kv_slots", s.seq_id, ps)
+        if (slots := batch.step_cache.get(key)) is None:  # the same for every layer of the step
+            pos = torch.arange(s.kv_len, device=q.device)
+            slots = batch.step_cache[key] = s.page_table[pos // ps] * ps + pos % ps  # [kv_len]
         k = k_all.index_select(0, slots).transpose(0, 1)  # [Hk, kv_len, D]
         v = v_all.index_select(0, slots).transpose(0, 1)
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [Hq, q_len, D]
