@@ -261,6 +261,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.compare:
         return compare(a.compare, Path(a.out))
+    if a.prefetch != "off" and a.routing != "model":
+        ap.error(f"--prefetch {a.prefetch} predicts with the model's own routers, which --routing {a.routing} "
+                 "replaces: use --routing model")
 
     model = model_dir(a)
     threads = [int(t) for t in a.cpu_threads.split(",") if t] or [None]

@@ -70,8 +70,10 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
     for _ in range(100):
         auto.observe_layers(late)
     assert auto.cpu_level == auto.balance_levels[1]  # bounded
-    auto.observe_layers(LayerObservation(handoffs=[2, 3], late=[2, 3]))  # 5 < balance_min_handoffs: no verdict
-    assert auto.cpu_level == auto.balance_levels[1] - 1
+    quiet = LayerObservation(handoffs=[2, 3], late=[2, 3])  # 5 < balance_min_handoffs: no verdict
+    assert not auto.fills_every_miss()
+    auto.observe_layers(quiet)
+    assert auto.cpu_level == auto.balance_levels[1] - 1  # one level back per quiet window
     early = LayerObservation(handoffs=[20, 20], late=[0, 1])
     for _ in range(60):
         auto.observe_layers(early)
@@ -85,6 +87,23 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
     for _ in range(40):
         auto.observe_layers(LayerObservation(handoffs=[0, 0], late=[0, 0]))
     assert auto.cpu_level == 0 and [auto.num_fills(m) for m in range(1, 17)] == base
+
+
+def test_drift_is_slow_while_the_table_fills_every_miss():
+    """While the table fills every miss the device path runs disarmed and sends nothing, so windows without
+    hand-offs say nothing about the CPU: the level drifts one step per ``balance_retry_windows`` windows,
+    not per window (which would flip the step's graph every window)."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
+    for _ in range(4):
+        auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[20, 20]))
+    auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
+    assert auto.fills_every_miss() and auto.cpu_level == 4
+    quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
+    for _ in range(auto.balance_retry_windows - 1):
+        auto.observe_layers(quiet)
+    assert auto.cpu_level == 4
+    auto.observe_layers(quiet)
+    assert auto.cpu_level == 3
 
 
 def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():
@@ -103,6 +122,9 @@ def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():
     assert auto.miss_rate == pytest.approx(20.3)  # exponentially weighted
     many = auto.t_save(auto.effective_costs())
     assert balance * 0.8 < many < one
+    for m in range(2, 33):  # near the balance value at every miss count, no jumps between neighbours
+        auto.miss_rate = float(m)
+        assert 0.85 * balance < auto.t_save(auto.effective_costs()) < 1.15 * balance, m
 
 
 def test_measured_reuse_makes_a_layer_fill_every_miss():

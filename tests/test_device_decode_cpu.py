@@ -283,12 +283,13 @@ def test_cpu_handoff_and_collect_store_ring_wait_and_add_only_with_cpu_work():
     without CPU work gets y cast, nothing rung, nothing waited for); a wait nobody answers gives up after
     max_polls and counts it in bell[1]."""
     from edgemoe.kernels.cpu_handoff import COLLECT_BLOCK, collect, handoff
+    from edgemoe.kernels.doorbell import BELL_WORDS
 
     T, Hd = 3, COLLECT_BLOCK + 5  # two collect programs, the second partly masked
     x = torch.randn(T, Hd, dtype=torch.bfloat16)
     x_host, pack_host = torch.zeros(4 * Hd, dtype=torch.float32), torch.zeros(40, dtype=torch.int64)
     pack = torch.arange(33, dtype=torch.int64) + 7
-    seq, bell = torch.zeros(1, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    seq, bell = torch.zeros(1, dtype=torch.int64), torch.zeros(BELL_WORDS, dtype=torch.int64)
     y = torch.randn(T, Hd)
     cpu_out = torch.randn(4 * Hd)
     no_work, work = torch.zeros(1, dtype=torch.int32), torch.full((1,), 2, dtype=torch.int32)
@@ -314,6 +315,8 @@ def test_cpu_handoff_and_collect_store_ring_wait_and_add_only_with_cpu_work():
     out = collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3, stats=stats, layer=2)  # nobody answers
     assert int(seq[0]) == 2 and int(bell[1]) == 1
     assert stats.tolist() == [[0, 0], [1, 0], [1, 1]]  # late
+    collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=3, count_give_up=False)  # a stream-op join
+    assert int(bell[1]) == 1  # its give-up is the watchdog's to count
     with pytest.raises(ValueError, match="layer 3"):
         collect(y, cpu_out, work, seq, bell, torch.float32, stats=stats, layer=3)
     with pytest.raises(ValueError, match="int32"):

@@ -318,7 +318,7 @@ class ExpertRuntime:
         """Feed a per-layer policy the cache's reuse counters since the last read (one small host read,
         between steps: the previous step's sampling already synchronized) and push a changed table."""
         dd = self.device_decode
-        joins = dd.join_stats.tolist() if dd is not None else None  # [L][hand-offs, late]
+        joins = dd.join_stats.tolist() if dd is not None and dd.counts_joins else None  # [L][hand-offs, late]
         now = (self.cache.reuse.tolist(), joins, self.hybrid.stats()["decode"]["misses"], self._decode_steps)
         seen, self._reuse_seen = self._reuse_seen, now
         if seen is None:

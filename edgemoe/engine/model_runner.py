@@ -197,7 +197,7 @@ class ModelRunner:
         self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state,
                         checkpoints=self.prefix.checkpoints)
         if self.engine_config.prefetch == "next-layer":
-            self.experts.hybrid.set_prefetch([blk.gate for blk in self.model.moe_blocks()])
+            self.experts.hybrid.set_prefetch([blk.route for blk in self.model.moe_blocks()])
         if self.experts.decode_path is DecodePath.EAGER:
             self.graphs = None
         elif self.graphs is None:

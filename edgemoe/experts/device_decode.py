@@ -238,6 +238,12 @@ class DeviceDecode:
         self.armed = armed
 
     @property
+    def counts_joins(self) -> bool:
+        """Whether :attr:`join_stats` is kept: hand-offs through the doorbell with the kernel wait (a
+        ``stream-op`` wait, or the synchronous torch-executor branch, has no lateness to count)."""
+        return self.step is not None and self._release_address is None
+
+    @property
     def capturable(self) -> bool:
         """Whether :meth:`forward` has no host synchronization (CUDA, and a native CPU branch if any)."""
         return self.cuda and (not self.cpu_branch or self.step is not None)
@@ -312,10 +318,12 @@ class DeviceDecode:
         if self.armed and self.step is not None:  # waits, and adds the partial, only after a hand-off
             if self._release_address is not None:  # released at once by a hand-off without CPU work
                 self._wait_stream_op(self._release_address, torch.cuda.current_stream(self.device).cuda_stream)
-            # the stream-op wait leaves collect nothing to wait for: no lateness to count
-            stats = self.join_stats if self._release_address is None else None
-            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype, stats=stats,
-                                 layer=moe_layer)
+            # the stream-op wait leaves collect nothing to wait for: no lateness to count, and a give-up
+            # already counted by the server's watchdog
+            kernel_wait = self._release_address is None
+            return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype,
+                                 stats=self.join_stats if kernel_wait else None, layer=moe_layer,
+                                 count_give_up=kernel_wait)
         if self.armed:
             y = y + cpu_out
         return y.to(x.dtype)

@@ -52,7 +52,7 @@ class ExpertPolicy:
     - ``admits``: the policy ever fills the cache at run time;
     - ``places_static``: whole MoE layers are placed in the cache at load and pinned there;
     - ``online``: the rule may change between steps (:meth:`observe` returns ``True`` then), so the
-      device path must keep its CPU branch even when the current rule fills every miss;
+      device path keeps a CPU branch it can arm again (it disarms it while :meth:`fills_every_miss`);
     - ``fills_free_slots``: a decode step fills at least ``min(m, free slots)`` misses whatever
       :meth:`num_fills` says (a fill into a free slot displaces nothing; the device reads it for a
       ``per_layer`` policy);
@@ -441,16 +441,20 @@ class AutoPolicy(ExpertPolicy):
     the current estimates.
 
     ``t_save`` is the marginal time of one more miss at the measured mean miss count ``m̄`` of a layer
-    step (``T*(k) − T*(k − 1)``, ``k = max(1, round(m̄))``, ``T*`` the best split's time): about a whole
-    expert's branch time when a layer misses once or less, the balance value above for many misses.
+    step (``k = max(1, round(m̄))``, ``T*`` the best split's time): ``T*(1) − T*(0)``, a whole expert's
+    branch time, when a layer misses about once; for ``k ≥ 2`` the secant ``(T*(k + w) − T*(k − w)) / 2w``,
+    ``w = ⌊k/2⌋`` (single differences of the integer splits jump between 0.1x and 2x the balance value),
+    which stays within 10 % of the balance value above for many misses.
 
     Balance on the device path, where branch times are not measured per step: the join of each hand-off
     records whether the CPU branch was still running when the GPU reached it (``late``). Over each
     window with at least :attr:`balance_min_handoffs` hand-offs, a late fraction above
     :attr:`balance_band`'s upper edge raises the CPU side's cost by one level (``2^(1/8)``, both its
     fixed and per-expert time), below the lower edge lowers it; the levels are bounded
-    (:attr:`balance_levels`); a window with too few hand-offs to judge moves it one level back toward 1x,
-    so a CPU side priced out by a passing slowdown is tried again. The split then settles where the CPU
+    (:attr:`balance_levels`); windows with too few hand-offs to judge move it one level back toward 1x
+    (one level per :attr:`balance_retry_windows` windows while the table fills every miss, which is
+    when the CPU branch is disarmed and sends nothing), so a CPU side priced out by a passing slowdown
+    is tried again without flipping the step's graph every window. The split then settles where the CPU
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
     than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
 
@@ -472,6 +476,7 @@ class AutoPolicy(ExpertPolicy):
     balance_band = (0.35, 0.65)  # late fraction of hand-offs inside which the CPU cost level stays
     balance_min_handoffs = 8  # hand-offs a window needs before its late fraction moves the level
     balance_levels = (-16, 24)  # CPU cost scale 2^(level/8): 0.25x .. 8x of the model's
+    balance_retry_windows = 8  # quiet windows per level of drift while the table fills every miss (disarmed)
     miss_rate_decay = 0.5  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
@@ -491,6 +496,7 @@ class AutoPolicy(ExpertPolicy):
         self._hull_costs: MissCosts | None = None
         self._hulls_by_level: dict[int, list[tuple[list[int], list[float]]]] = {}
         self.cpu_level = 0
+        self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
         self.miss_rate: float | None = None
         self._rebuild()
 
@@ -564,12 +570,15 @@ class AutoPolicy(ExpertPolicy):
         """Seconds one fewer miss saves a layer step (see the class docstring)."""
         if self.miss_rate is None:
             return c.fill_s * c.cpu_s / (c.fill_s + c.cpu_s)
-        k = max(1, min(self.M, round(self.miss_rate)))
+        k = max(1, min(self.M, math.floor(self.miss_rate + 0.5)))
 
         def best(m: int) -> float:
             return min(c.split_seconds(m, q, self.armed) for q in range(m + 1))
 
-        return max(best(k) - best(k - 1), 0.0)
+        if k == 1:
+            return max(best(1) - best(0), 0.0)
+        w = max(1, k // 2)  # a secant: the integer splits make single differences jump (0.1x-2x the balance)
+        return max((best(k + w) - best(k - w)) / (2 * w), 0.0)
 
     def _rebuild(self) -> bool:
         if not _close(self.costs, self._hull_costs, self.rebuild_tolerance):
@@ -603,13 +612,18 @@ class AutoPolicy(ExpertPolicy):
         if obs.handoffs is not None:
             lo, hi = self.balance_levels
             if (n := sum(obs.handoffs)) >= self.balance_min_handoffs:
+                self._quiet_windows = 0
                 frac = sum(obs.late) / n
                 if frac > self.balance_band[1]:
                     self.cpu_level = min(self.cpu_level + 1, hi)
                 elif frac < self.balance_band[0]:
                     self.cpu_level = max(self.cpu_level - 1, lo)
-            elif self.cpu_level:  # too few hand-offs to judge (e.g. the CPU side was priced out): drift back
-                self.cpu_level -= 1 if self.cpu_level > 0 else -1
+            else:  # too few hand-offs to judge: drift back toward 1x, slowly when the table itself sent none
+                self._quiet_windows += 1
+                every = self.balance_retry_windows if self.fills_every_miss() else 1
+                if self.cpu_level and self._quiet_windows >= every:
+                    self.cpu_level -= 1 if self.cpu_level > 0 else -1
+                    self._quiet_windows = 0
         p = self.prior
         if obs.fill_samples or obs.cpu_samples:
             for n, t, conc in obs.fill_samples:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.doorbell import MAX_POLLS
+from edgemoe.kernels.doorbell import BELL_WORDS, DONE, GAVE_UP, GAVE_UP_AT, MAX_POLLS
 
 HANDOFF_BLOCK = 1024
 COLLECT_BLOCK = 4096
@@ -72,8 +72,8 @@ def _handoff_kernel(x_ptr, xh_ptr, n_x, pack_ptr, packh_ptr, n_pack, work_ptr, s
 
 @triton.jit
 def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max_polls, stats_ptr, layer,
-                    BLOCK: tl.constexpr, DONE: tl.constexpr, GAVE_UP: tl.constexpr, FENCE: tl.constexpr,
-                    STATS: tl.constexpr):
+                    BLOCK: tl.constexpr, DONE: tl.constexpr, GAVE_UP: tl.constexpr, GAVE_UP_AT: tl.constexpr,
+                    FENCE: tl.constexpr, STATS: tl.constexpr, COUNT_GIVE_UP: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -91,8 +91,11 @@ def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max
         while (done < target) & (polls < max_polls):
             done = tl.load(bell_ptr + DONE, volatile=True)
             polls += 1
-        if (done < target) & (pid == 0):
-            tl.store(bell_ptr + GAVE_UP, gave_up + 1, cache_modifier=".wt")
+        if COUNT_GIVE_UP:
+            if done < target:  # any program that gives up counts it, once per request (GAVE_UP_AT)
+                if tl.load(bell_ptr + GAVE_UP_AT, volatile=True) != target:
+                    tl.store(bell_ptr + GAVE_UP, gave_up + 1, cache_modifier=".wt")
+                    tl.store(bell_ptr + GAVE_UP_AT, target, cache_modifier=".wt")
         if FENCE:
             work = _fence_sys(work)
         y += tl.load(cpu_ptr + offs, mask=m, volatile=True)
@@ -100,8 +103,8 @@ def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max
 
 
 def _check_words(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor) -> None:
-    if seq.dtype != torch.int64 or seq.numel() < 1 or bell.dtype != torch.int64 or bell.numel() < 9:
-        raise ValueError("seq must be [1] int64 and the doorbell [16] int64 (RegisteredStep.serve)")
+    if seq.dtype != torch.int64 or seq.numel() < 1 or bell.dtype != torch.int64 or bell.numel() < BELL_WORDS:
+        raise ValueError(f"seq must be [1] int64 and the doorbell [{BELL_WORDS}] int64 (RegisteredStep.serve)")
     if work.dtype != torch.int32 or work.numel() < 1:
         raise ValueError("work must be a [1] int32 tensor (the step's CPU expert count)")
 
@@ -117,7 +120,7 @@ def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host
         pack: ``[W]`` int64 packed CPU work list on the device (``RouteOutputs.cpu_pack``).
         pack_host: the registered step's ``[W]`` int64 pinned work list.
         work: ``[1]`` int32 on the device: the layer's CPU expert count (``RouteOutputs.meta[3:]``).
-        seq: ``[1]`` int64 device sequence counter; bell: ``[16]`` int64 pinned doorbell
+        seq: ``[1]`` int64 device sequence counter; bell: ``[24]`` int64 pinned doorbell
             (:mod:`edgemoe.kernels.doorbell`).
         release: the doorbell's ``[1]`` int32 release word (``doorbell.release_word``) for the ``stream-op``
             wait, or ``None``: without CPU work the kernel stores 1 into it (the server does after work).
@@ -140,19 +143,22 @@ def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host
 
 def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: torch.Tensor, bell: torch.Tensor,
             dtype: torch.dtype, max_polls: int = MAX_POLLS, stats: torch.Tensor | None = None,
-            layer: int = 0) -> torch.Tensor:
+            layer: int = 0, count_give_up: bool = True) -> torch.Tensor:
     """The layer's output: ``y`` plus, when the layer had CPU work, the executor's partial once it is done.
 
     Args:
         y: ``[T, H]`` float32 on the device (the GPU experts' weighted sum), contiguous.
         cpu_out: the registered step's float32 output rows (pinned host memory, at least ``T·H``).
         work, seq, bell: as in :func:`handoff`; the wait polls ``bell[8]`` until it reaches ``seq[0]``
-            (at most ``max_polls`` polls; a give-up is counted in ``bell[1]``, and the partial is then wrong).
+            (at most ``max_polls`` polls; a give-up is counted once in ``bell[1]``, whichever programs give
+            up, with the request in ``bell[2]``; the partial is then wrong).
         dtype: the output dtype.
         stats: ``[L, 2]`` int64 on the device, or ``None``: after a hand-off, ``stats[layer, 0]`` counts it
             and ``stats[layer, 1]`` counts it as late when the done word had not reached ``seq`` at the
             join's first look (the GPU waited for the CPU branch).
         layer: the MoE layer's row of ``stats``.
+        count_give_up: count a wait that gave up in ``bell[1]`` (``False`` after a ``stream-op`` wait: the
+            server's watchdog counted it when it released the wait).
 
     Returns:
         ``[T, H]`` in ``dtype``: ``y + cpu_out[:T]`` when ``work[0] > 0``, else ``y``.
@@ -172,7 +178,8 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
     n = y.numel()
     _collect_kernel[(triton.cdiv(n, COLLECT_BLOCK),)](y, out, cpu_out, n, work, seq, bell, int(max_polls),
                                                       seq if stats is None else stats, int(layer),
-                                                      BLOCK=COLLECT_BLOCK, DONE=8, GAVE_UP=1,
+                                                      BLOCK=COLLECT_BLOCK, DONE=DONE, GAVE_UP=GAVE_UP,
+                                                      GAVE_UP_AT=GAVE_UP_AT,
                                                       FENCE=y.device.type == "cuda", STATS=stats is not None,
-                                                      num_warps=4)
+                                                      COUNT_GIVE_UP=bool(count_give_up), num_warps=4)
     return out

@@ -50,6 +50,7 @@ MAX_POLLS = 1 << 24  # ~20-30 s of PCIe reads: far beyond any CPU step; only a d
 RELEASE_TIMEOUT_S = 20.0  # the stream-op mode's equivalent of MAX_POLLS (the server's watchdog)
 WAIT_MODES = ("kernel", "stream-op")
 REQUEST, GAVE_UP, DONE, RELEASE = 0, 1, 8, 16  # int64 words of the doorbell
+GAVE_UP_AT = 2  # the request a multi-program join last gave up on (its programs count the give-up once)
 BELL_WORDS = 24
 
 
