@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.doorbell import BELL_WORDS, DONE, GAVE_UP, GAVE_UP_AT, MAX_POLLS
+from edgemoe.kernels.doorbell import DONE, GAVE_UP, GAVE_UP_AT, MAX_POLLS, check_words
 
 HANDOFF_BLOCK = 1024
 COLLECT_BLOCK = 4096
@@ -102,13 +102,6 @@ def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _check_words(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor) -> None:
-    if seq.dtype != torch.int64 or seq.numel() < 1 or bell.dtype != torch.int64 or bell.numel() < BELL_WORDS:
-        raise ValueError(f"seq must be [1] int64 and the doorbell [{BELL_WORDS}] int64 (RegisteredStep.serve)")
-    if work.dtype != torch.int32 or work.numel() < 1:
-        raise ValueError("work must be a [1] int32 tensor (the step's CPU expert count)")
-
-
 def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host: torch.Tensor, work: torch.Tensor,
             seq: torch.Tensor, bell: torch.Tensor, release: torch.Tensor | None = None) -> None:
     """Hand a layer's CPU work to the executor when it has any (one program, enqueued on the stream).
@@ -128,7 +121,7 @@ def handoff(x: torch.Tensor, x_host: torch.Tensor, pack: torch.Tensor, pack_host
     Raises:
         ValueError: wrong dtypes or sizes.
     """
-    _check_words(seq, bell, work)
+    check_words(seq, bell, work)
     if release is not None and (release.dtype != torch.int32 or release.numel() != 1):
         raise ValueError("release must be the doorbell's [1] int32 release word")
     if not x.is_contiguous() or x_host.numel() < x.numel() or pack_host.numel() < pack.numel():
@@ -166,7 +159,7 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
     Raises:
         ValueError: wrong dtypes or sizes.
     """
-    _check_words(seq, bell, work)
+    check_words(seq, bell, work)
     if y.dtype != torch.float32 or cpu_out.dtype != torch.float32 or not y.is_contiguous() \
             or cpu_out.numel() < y.numel():
         raise ValueError("y and the CPU partial must be float32, y contiguous, the partial at least as large")

@@ -81,9 +81,17 @@ def _wait_kernel(seq_ptr, bell_ptr, DONE: tl.constexpr, GAVE_UP: tl.constexpr, m
         tl.store(bell_ptr + GAVE_UP, gave_up + 1, cache_modifier=".wt")
 
 
-def _check(seq: torch.Tensor, bell: torch.Tensor) -> None:
+def check_words(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor | None = None) -> None:
+    """Validate the doorbell's words: ``seq [1]`` int64, ``bell [BELL_WORDS]`` int64 and, when given, the
+    ``[1]`` int32 CPU expert count ``work``.
+
+    Raises:
+        ValueError: a wrong dtype or size.
+    """
     if seq.dtype != torch.int64 or seq.numel() < 1 or bell.dtype != torch.int64 or bell.numel() < BELL_WORDS:
         raise ValueError(f"seq must be [1] int64 and the doorbell [{BELL_WORDS}] int64 (RegisteredStep.serve)")
+    if work is not None and (work.dtype != torch.int32 or work.numel() < 1):
+        raise ValueError("work must be a [1] int32 tensor (the step's CPU expert count)")
 
 
 def release_word(bell: torch.Tensor) -> torch.Tensor:
@@ -105,9 +113,7 @@ def ring(seq: torch.Tensor, bell: torch.Tensor, work: torch.Tensor | None = None
     Raises:
         ValueError: wrong dtypes or sizes.
     """
-    _check(seq, bell)
-    if work is not None and (work.dtype != torch.int32 or work.numel() < 1):
-        raise ValueError("work must be a [1] int32 tensor (the step's CPU expert count)")
+    check_words(seq, bell, work)
     _ring_kernel[(1,)](seq, bell, seq if work is None else work, release_word(bell), WORK=work is not None,
                        RELEASE=bool(release), num_warps=1)
 
@@ -119,7 +125,7 @@ def wait(seq: torch.Tensor, bell: torch.Tensor, max_polls: int = MAX_POLLS) -> N
     an earlier wait gave up, it returns and increments ``bell[1]``. Raises ``ValueError`` on wrong
     dtypes or sizes.
     """
-    _check(seq, bell)
+    check_words(seq, bell)
     _wait_kernel[(1,)](seq, bell, DONE=DONE, GAVE_UP=GAVE_UP, max_polls=int(max_polls), num_warps=1)
 
 
