@@ -55,14 +55,28 @@ def test_fixed_costs_decide_few_misses():
 
 
 def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
-    """Hand-offs whose join waited for the CPU raise its modeled cost one level per window (more fills);
-    joins that never waited lower it; windows without enough hand-offs drift back to the model's costs."""
+    """Hand-offs whose join waited for the CPU raise its modeled cost (more fills), by moves that double
+    while their direction holds (1, 2, 4, 4 levels); joins that never waited lower it; a window inside the
+    band or a reversal starts again at one level; windows without enough hand-offs drift back to the
+    model's costs."""
     bw = Bandwidths(53.0, 98.7)
     auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     base = [auto.num_fills(m) for m in range(1, 17)]
     late = LayerObservation(handoffs=[20, 20], late=[19, 18])
-    for _ in range(8):
+    levels = []
+    for _ in range(4):
         auto.observe_layers(late)
+        levels.append(auto.cpu_level)
+    assert levels == [1, 3, 7, 11]  # 2x (8 levels) is passed in the fourth window
+    auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0]))
+    assert auto.cpu_level == 10  # a reversal: one level
+    auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[10, 10]))
+    assert auto.cpu_level == 10  # inside the band
+    auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0]))
+    auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0]))
+    assert auto.cpu_level == 7  # the band reset the step: 1, then 2
+    auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[10, 10]))
+    auto.observe_layers(late)
     assert auto.cpu_level == 8 and auto.cpu_scale == pytest.approx(2.0)
     more = [auto.num_fills(m) for m in range(1, 17)]
     assert all(a >= b for a, b in zip(more, base)) and sum(more) > sum(base)
@@ -94,16 +108,16 @@ def test_drift_is_slow_while_the_table_fills_every_miss():
     hand-offs say nothing about the CPU: the level drifts one step per ``balance_retry_windows`` windows,
     not per window (which would flip the step's graph every window)."""
     auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
-    for _ in range(4):
+    for _ in range(3):
         auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[20, 20]))
     auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
-    assert auto.fills_every_miss() and auto.cpu_level == 4
+    assert auto.fills_every_miss() and auto.cpu_level == 7
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 4
+    assert auto.cpu_level == 7
     auto.observe_layers(quiet)
-    assert auto.cpu_level == 3
+    assert auto.cpu_level == 6
 
 
 def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():

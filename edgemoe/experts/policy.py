@@ -449,8 +449,12 @@ class AutoPolicy(ExpertPolicy):
     Balance on the device path, where branch times are not measured per step: the join of each hand-off
     records whether the CPU branch was still running when the GPU reached it (``late``). Over each
     window with at least :attr:`balance_min_handoffs` hand-offs, a late fraction above
-    :attr:`balance_band`'s upper edge raises the CPU side's cost by one level (``2^(1/8)``, both its
-    fixed and per-expert time), below the lower edge lowers it; the levels are bounded
+    :attr:`balance_band`'s upper edge raises the CPU side's cost (levels of ``2^(1/8)``, both its
+    fixed and per-expert time), below the lower edge lowers it. A move in the same direction as the
+    window before's doubles in size, up to :attr:`balance_max_step` levels (1, 2, 4, 4, ...: a halved
+    bandwidth, 8 levels, is met in 4 windows instead of 8), and a reversal or a window inside the band
+    starts again at one level, as in sign-based step adaptation (Riedmiller & Braun's Rprop, 1993); the
+    levels are bounded
     (:attr:`balance_levels`); windows with too few hand-offs to judge move it one level back toward 1x
     (one level per :attr:`balance_retry_windows` windows while the table fills every miss, which is
     when the CPU branch is disarmed and sends nothing), so a CPU side priced out by a passing slowdown
@@ -476,6 +480,7 @@ class AutoPolicy(ExpertPolicy):
     balance_band = (0.35, 0.65)  # late fraction of hand-offs inside which the CPU cost level stays
     balance_min_handoffs = 8  # hand-offs a window needs before its late fraction moves the level
     balance_levels = (-16, 24)  # CPU cost scale 2^(level/8): 0.25x .. 8x of the model's
+    balance_max_step = 4  # levels one window's move may take (moves double while their direction holds)
     balance_retry_windows = 8  # quiet windows per level of drift while the table fills every miss (disarmed)
     miss_rate_decay = 0.5  # weight of the previous mean miss count per observation window
 
@@ -497,6 +502,7 @@ class AutoPolicy(ExpertPolicy):
         self._hulls_by_level: dict[int, list[tuple[list[int], list[float]]]] = {}
         self.cpu_level = 0
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
+        self._balance_move = 0  # the last window's move in levels (signed; 0: none)
         self.miss_rate: float | None = None
         self._rebuild()
 
@@ -614,12 +620,14 @@ class AutoPolicy(ExpertPolicy):
             if (n := sum(obs.handoffs)) >= self.balance_min_handoffs:
                 self._quiet_windows = 0
                 frac = sum(obs.late) / n
-                if frac > self.balance_band[1]:
-                    self.cpu_level = min(self.cpu_level + 1, hi)
-                elif frac < self.balance_band[0]:
-                    self.cpu_level = max(self.cpu_level - 1, lo)
+                sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
+                prev = self._balance_move
+                size = min(2 * abs(prev), self.balance_max_step) if sign and prev * sign > 0 else 1
+                self._balance_move = sign * size
+                self.cpu_level = min(max(self.cpu_level + self._balance_move, lo), hi)
             else:  # too few hand-offs to judge: drift back toward 1x, slowly when the table itself sent none
                 self._quiet_windows += 1
+                self._balance_move = 0
                 every = self.balance_retry_windows if self.fills_every_miss() else 1
                 if self.cpu_level and self._quiet_windows >= every:
                     self.cpu_level -= 1 if self.cpu_level > 0 else -1
