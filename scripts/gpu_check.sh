@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats prefill prefill-profile grouped agent structured families peers elastic policy
+#        formats prefill prefill-profile grouped agent structured families peers elastic policy contention
 #        (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -129,6 +129,11 @@ for stage in "${stages[@]}"; do
     echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
     timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \
       ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | tail -n 60 ;;
+  contention)
+    echo "== decode while a PCIe copy loop, then a DRAM copy process, runs mid-run (16 layers, uniform routing)"
+    timeout ${CONTENTION_TIMEOUT:-300} python3 benchmarks/contention.py --layers 16 --budget ${CONTENTION_BUDGET:-2} \
+      --cpu-threads ${CONTENTION_THREADS:-6} --out "$OUT/contention" ${CONTENTION_ARGS:-} 2>&1 \
+      | tee "$OUT/contention.log" | grep -v "^{" | tail -n 20 ;;
   policy)
     # expert-policy study: every miss policy in three routing regimes, budgets 2/6/16 GB, 6 and 16 CPU threads;
     # one decode-benchmark process per regime (both thread counts in it), realistic first, within POLICY_SECONDS
