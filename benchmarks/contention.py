@@ -134,7 +134,7 @@ def run_contended(runner: ModelRunner, slots: int, policy: str, hog: Hog | None,
     for i, p in enumerate(prompts):
         toks.append(int(runner.execute([StepInput(i, p, 0)], Phase.PREFILL)[0].argmax()))
     pos = len(prompts[0])
-    limit = runner.config.max_model_len - 8
+    limit = runner.max_model_len - 8
     step = 0
 
     def decode_step() -> None:
