@@ -111,7 +111,7 @@ class Hog:
         return float(out[1]) if len(out) == 2 and out[0] == "done" else float("nan")
 
 
-def settle_time(t: list[float], rate_bins: list[tuple[float, float]], start: float, end: float) -> float | None:
+def settle_time(rate_bins: list[tuple[float, float]], start: float, end: float) -> float | None:
     """Seconds from ``start`` until every later bin up to ``end`` is within 10 % of the phase's steady rate
     (the mean of its second half); ``None`` without bins."""
     bins = [(c, r) for c, r in rate_bins if start <= c < end]
@@ -181,7 +181,7 @@ def run_contended(runner: ModelRunner, slots: int, policy: str, hog: Hog | None,
         "policy": policy, "slots": slots, "batch": B, "steps": len(times), "hog_gbps": marks.get("hog_gbps"),
         "before": rate(0.0, on), "during_first_s": rate(on, min(on + 1.0, off)), "during_rest": rate(on + 1.0, off),
         "after_first_s": rate(off, min(off + 1.0, end)), "after_rest": rate(off + 1.0, end),
-        "settle_on_s": settle_time(times, bins, on, off), "settle_off_s": settle_time(times, bins, off, end),
+        "settle_on_s": settle_time(bins, on, off), "settle_off_s": settle_time(bins, off, end),
         "on_s": on, "off_s": off, "bins": bins,
         "levels": None if auto is None else [(round(t, 3), lv) for t, lv in zip(times, levels)],
     }
