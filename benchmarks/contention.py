@@ -14,7 +14,9 @@ process starts its load for ``--during-s`` seconds and stops, then ``--after-s``
   copy engine, the direction of the fills);
 - ``dram``: a CPU process copying a ``--dram-mb`` buffer in ``--dram-threads`` threads (torch's own
   parallel copy), pinned to the cores the engine leaves free (neither the executor's pinned cores nor
-  core 0, where the Python and driver threads run), so it takes memory bandwidth, not cores.
+  core 0, where the Python and driver threads run), so it takes memory bandwidth, not cores; when the
+  executor holds every core but core 0 there are none, and the load runs on the executor's cores (it
+  then takes cores as well: ``dram_shares_cores`` in the results).
 
 Recorded (``contention.json``, ``contention.md``): tokens/s before, in the load's first second, for the
 rest of the load, in the first second after it and for the rest; the hog's own bandwidth; tokens/s in
@@ -103,9 +105,12 @@ class Hog:
         self.proc.stdin.write(word + "\n")
         self.proc.stdin.flush()
 
-    def finish(self) -> float:
-        """Stop the load; its bandwidth (GB/s) while it ran."""
+    def stop(self) -> None:
+        """Tell the load to stop (returns at once: the decode loop goes on while the process winds down)."""
         self.send("stop")
+
+    def result(self) -> float:
+        """After :meth:`stop`: wait for the process; the load's bandwidth (GB/s) while it ran."""
         out = self.proc.stdout.readline().split()
         self.proc.wait(timeout=30)
         return float(out[1]) if len(out) == 2 and out[0] == "done" else float("nan")
@@ -159,12 +164,16 @@ def run_contended(runner: ModelRunner, slots: int, policy: str, hog: Hog | None,
                 hog.send("go")
         elif phase == 1 and now >= t_off:
             marks["off"], phase = now, 2
-            marks["hog_gbps"] = hog.finish() if hog is not None else None
+            if hog is not None:
+                hog.stop()
         decode_step()
         times.append(time.perf_counter() - t0)
         levels.append(auto.cpu_level if auto is not None else None)
     if phase == 1:
-        marks["off"], marks["hog_gbps"] = times[-1], hog.finish() if hog is not None else None
+        marks["off"] = times[-1]
+        if hog is not None:
+            hog.stop()
+    marks["hog_gbps"] = hog.result() if hog is not None and phase >= 1 else None
     for i in range(B):
         runner.free(i)
     on, off = marks.get("on", t_on), marks.get("off", t_off)
@@ -228,6 +237,9 @@ def main(argv=None) -> int:
     plan = getattr(ex, "plan", None)  # the native executor's pinning (the torch executor pins nothing)
     busy = set(plan.cpus if plan is not None else ()) | {0}
     free = [c for c in physical_core_cpus() if c not in busy]
+    shares_cores = not free  # the executor holds every core but core 0: the DRAM load then takes cores too
+    if shares_cores:
+        free = [c for c in physical_core_cpus() if c != 0]
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
@@ -241,7 +253,8 @@ def main(argv=None) -> int:
             "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(),
                         "torch": torch.__version__},
             "preset": a.preset, "budget_gb": a.budget, "slots": slots, "threads": ex.threads,
-            "executor_cpus": sorted(busy - {0}), "dram_cpus": free, "profile": prof, "routing": a.routing,
+            "executor_cpus": sorted(busy - {0}), "dram_cpus": free, "dram_shares_cores": shares_cores,
+            "profile": prof, "routing": a.routing,
             "decode_path": runner.experts.decode_path}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -272,3 +272,19 @@ def test_next_layer_prefetch_keeps_greedy_tokens(tiny_model_dir):
     pf = stats["next-layer"]["prefetch"]
     assert pf["prefetched"] > 0 and 0 <= pf["prefetch_hits"] <= pf["prefetched"]
     assert stats["off"]["prefetch"]["prefetched"] == 0
+
+
+def test_an_armed_branch_that_saves_less_than_it_costs_is_dropped():
+    costs = MissCosts(fill_s=170e-6, fill_conc_s=190e-6, cpu_s=90e-6, cpu_conc_s=100e-6, fill_fixed_s=15e-6,
+                      cpu_fixed_s=60e-6)
+    auto = AutoPolicy(costs, num_layers=4, max_misses=8, armed=False)
+    auto.observe_layers(LayerObservation(misses_per_layer_step=4.0))
+    assert not auto.fills_every_miss()  # four misses a layer: the CPU branch pays
+    assert not auto.price_armed_branch(8e-6)  # and still does when it costs 8 µs a layer step
+    assert not auto.fills_every_miss()
+    for _ in range(8):  # nearly every expert hits: the branch would save less than its launches
+        auto.observe_layers(LayerObservation(misses_per_layer_step=0.05))
+    assert auto.fills_every_miss()
+    assert auto.fill_table().tolist() == [list(range(9))] * 4
+    auto.price_armed_branch(0.0)  # free when idle: the cost model's own split again
+    assert not auto.fills_every_miss()

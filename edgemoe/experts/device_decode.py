@@ -58,6 +58,12 @@ from edgemoe.experts.pool import HostExpertPool
 
 log = logging.getLogger(__name__)
 
+ARMED_BRANCH_S = 8e-6
+"""Seconds an armed CPU branch costs a CUDA decode layer step without CPU work (its hand-off and join
+launches), told to the policy (:meth:`ExpertPolicy.price_armed_branch`). Estimated from runs on the H200
+host, Qwen3-30B-A3B geometry (48 MoE layers, 16 GB cache, nearly every expert hitting): policies that
+keep the branch armed ran 7-13 µs per layer step slower than ``fill-all``, which drops it."""
+
 AUTO_DOORBELL_WAIT = "kernel"
 """What ``auto`` resolves to: the polling kernel, the wait the decode benchmarks measured
 (``docs/benchmarks/decode.md``); ``stream-op`` is taken only when named (``benchmarks/doorbell_wait.py``
@@ -174,6 +180,8 @@ class DeviceDecode:
         holds_misses = evictable >= min(P, num_experts)
         self.cpu_branch = not (all_resident or (fills_all and holds_misses))
         self._disarmable = self.cpu_branch and holds_misses
+        if self._disarmable and dev.type == "cuda":
+            policy.price_armed_branch(ARMED_BRANCH_S)
         self.armed = self.cpu_branch
         self.fills = not all_resident  # every expert resident: route_control never emits a fill
         self.cpu = cpu_executor

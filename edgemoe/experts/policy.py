@@ -93,6 +93,12 @@ class ExpertPolicy:
         changed. Fixed rules ignore them."""
         return False
 
+    def price_armed_branch(self, seconds: float) -> bool:
+        """Told by a decode path that drops the CPU branch from steps whose rule fills every miss, and
+        for which keeping it armed costs ``seconds`` per MoE layer step even without CPU work (the
+        hand-off and join launches); returns whether the rule changed. Fixed rules ignore it."""
+        return False
+
     def q_ratio(self) -> float:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
@@ -462,6 +468,15 @@ class AutoPolicy(ExpertPolicy):
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
     than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
 
+    The armed CPU branch's own cost (:meth:`price_armed_branch`, ``a`` seconds per MoE layer step): a
+    decode path that drops the branch from steps whose table fills every miss charges every layer step
+    ``a`` while it is armed. After building the table the policy compares, summed over layers, the
+    expected objective of the table with that of filling every miss, each averaged over a layer step's
+    miss count ``m ~ Binomial(M, m̄ / M)``; when the table's expected gain is below ``L·a`` it fills
+    every miss instead (the step then runs without the branch, as ``fill-all`` does). Where nearly every
+    expert hits this is what keeps ``auto`` level with ``fill-all``: the CPU would save less than the
+    launches that keep it ready cost.
+
     Args:
         costs: the prior cost model (from the measured bandwidths and fixed costs).
         num_layers: ``L``, MoE layers.
@@ -504,6 +519,7 @@ class AutoPolicy(ExpertPolicy):
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
         self._balance_move = 0  # the last window's move in levels (signed; 0: none)
         self.miss_rate: float | None = None
+        self.armed_cost_s = 0.0
         self._rebuild()
 
     @classmethod
@@ -595,14 +611,33 @@ class AutoPolicy(ExpertPolicy):
             hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)]) for m in range(self.M + 1)]
             self._hulls_by_level[self.cpu_level] = hulls
         t_save = self.t_save(c)
-        table = []
-        for r in self.reuse:
-            v = max(r, 0.0) * t_save
-            table.append([hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls])
+        values = [max(r, 0.0) * t_save for r in self.reuse]
+        table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
+        if self._armed_branch_pays(c, table, values) is False:
+            table = [list(range(self.M + 1)) for _ in range(self.L)]
         changed = table != self._table
         if changed:
             self._table, self._tensor = table, None
         return changed
+
+    def _armed_branch_pays(self, c: MissCosts, table: list[list[int]], values: list[float]) -> bool | None:
+        """Whether ``table``'s expected gain over filling every miss exceeds the armed branch's cost
+        (``None``: not priced, or no miss rate measured yet; see the class docstring)."""
+        if self.armed_cost_s <= 0 or self.miss_rate is None:
+            return None
+        p = min(max(self.miss_rate / self.M, 0.0), 1.0)
+        pmf = [math.comb(self.M, m) * p ** m * (1 - p) ** (self.M - m) for m in range(self.M + 1)]
+        fill_all = [c.split_seconds(m, m, self.armed) for m in range(self.M + 1)]
+        gain = 0.0
+        for row, v in zip(table, values):
+            for m, (q, w) in enumerate(zip(row, pmf)):
+                if q < m:
+                    gain += w * ((fill_all[m] - v * m) - (c.split_seconds(m, q, self.armed) - v * q))
+        return gain > self.L * self.armed_cost_s
+
+    def price_armed_branch(self, seconds: float) -> bool:
+        self.armed_cost_s = max(float(seconds), 0.0)
+        return self._rebuild()
 
     def observe_layers(self, obs: LayerObservation) -> bool:
         """Update the reuse and cost estimates from ``obs`` and rebuild the table; returns whether it
