@@ -11,6 +11,8 @@ drops every graph (the expert cache was rebuilt: its tensors moved).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -141,7 +143,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     def run(self, model: torch.nn.Module, inputs: list[StepInput], state_slots: list[int | None], step: int,
-            record, use_graphs: bool, armed: bool = False) -> torch.Tensor:
+            record, use_graphs: bool, armed: bool = False,
+            disarmed: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
         """One decode step of ``inputs``: ``[B, vocab]`` float32 logits.
 
         Args:
@@ -153,6 +156,11 @@ class DecodeGraphs:
             use_graphs: replay / capture CUDA graphs (the decode path allows it).
             armed: whether the step enqueues the CPU branch (``DeviceDecode.armed``): a step with and one
                 without it are different graphs, each captured at its first use.
+            disarmed: for a policy that may drop the CPU branch between steps, a context in which the
+                model's step is enqueued without it (``DeviceDecode.disarmed``): when the armed step of a
+                batch size is captured, the step without the branch is captured with it (its kernels are
+                a subset of the armed step's, all compiled by then), so a later switch replays a graph
+                instead of running a step eagerly and capturing it in the middle of decoding.
         """
         B, d = len(inputs), self.inputs
         sizes = sorted(b for b in {*GRAPH_BATCH_SIZES, d.max_bs} if B <= b <= d.max_bs and b not in self.failed)
@@ -168,6 +176,9 @@ class DecodeGraphs:
         if use_graphs:
             try:
                 self._capture(model, key, batch)
+                if armed and disarmed is not None and (bs, False) not in self.graphs:
+                    with disarmed():
+                        self._capture(model, (bs, False), batch)
             except Exception:
                 log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
                 self.failed.add(bs)

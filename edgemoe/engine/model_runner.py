@@ -443,8 +443,11 @@ class ModelRunner:
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
-        armed = self.experts.device_decode is not None and self.experts.device_decode.armed
-        logits = self.graphs.run(self.model, inputs, state_slots, self._step, self.record, graphs, armed=armed)
+        dd = self.experts.device_decode
+        armed = dd is not None and dd.armed
+        disarmed = dd.disarmed if dd is not None and dd.can_disarm else None
+        logits = self.graphs.run(self.model, inputs, state_slots, self._step, self.record, graphs, armed=armed,
+                                 disarmed=disarmed)
         self.experts.check_decode_step()
         return logits
 

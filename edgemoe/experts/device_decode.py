@@ -46,6 +46,7 @@ route's output depends on its own slot only. A layout neither kernel reads
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -244,6 +245,22 @@ class DeviceDecode:
             log.info("CPU branch %s: the %s policy's rule %s", "armed" if armed else "disarmed", self.rule.name,
                      "sends misses to the CPU" if armed else "fills every miss")
         self.armed = armed
+
+    @property
+    def can_disarm(self) -> bool:
+        """Whether steps may run without the CPU branch at times: an online policy whose rule can come to
+        fill every miss, with victim ranges that hold a step's misses."""
+        return self._disarmable and self.rule.online
+
+    @contextmanager
+    def disarmed(self):
+        """Within: steps are enqueued without the CPU branch (to capture that variant of a decode step
+        ahead of its use); the previous state is restored on exit."""
+        was, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.armed = was
 
     @property
     def counts_joins(self) -> bool:

@@ -497,7 +497,7 @@ class AutoPolicy(ExpertPolicy):
     balance_levels = (-16, 24)  # CPU cost scale 2^(level/8): 0.25x .. 8x of the model's
     balance_max_step = 4  # levels one window's move may take (moves double while their direction holds)
     balance_retry_windows = 8  # quiet windows per level of drift while the table fills every miss (disarmed)
-    miss_rate_decay = 0.5  # weight of the previous mean miss count per observation window
+    miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior_weight: float = 4.0, fit_halflife: float = 256.0):
