@@ -288,3 +288,7 @@ def test_an_armed_branch_that_saves_less_than_it_costs_is_dropped():
     assert auto.fill_table().tolist() == [list(range(9))] * 4
     auto.price_armed_branch(0.0)  # free when idle: the cost model's own split again
     assert not auto.fills_every_miss()
+    fresh = AutoPolicy(costs, num_layers=4, max_misses=8, armed=False)
+    assert not fresh.fills_every_miss()
+    fresh.price_armed_branch(8e-6)  # a new cache: every miss fills until a miss rate is measured
+    assert fresh.fills_every_miss()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -144,7 +144,7 @@ class DecodeGraphs:
 
     def run(self, model: torch.nn.Module, inputs: list[StepInput], state_slots: list[int | None], step: int,
             record, use_graphs: bool, armed: bool = False,
-            disarmed: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
+            arming: Callable[[bool], AbstractContextManager] | None = None) -> torch.Tensor:
         """One decode step of ``inputs``: ``[B, vocab]`` float32 logits.
 
         Args:
@@ -156,11 +156,12 @@ class DecodeGraphs:
             use_graphs: replay / capture CUDA graphs (the decode path allows it).
             armed: whether the step enqueues the CPU branch (``DeviceDecode.armed``): a step with and one
                 without it are different graphs, each captured at its first use.
-            disarmed: for a policy that may drop the CPU branch between steps, a context in which the
-                model's step is enqueued without it (``DeviceDecode.disarmed``): when the armed step of a
-                batch size is captured, the step without the branch is captured with it (its kernels are
-                a subset of the armed step's, all compiled by then), so a later switch replays a graph
-                instead of running a step eagerly and capturing it in the middle of decoding.
+            arming: for a policy that may arm and drop the CPU branch between steps, a context in which
+                the model's step is enqueued with (``True``) or without it (``DeviceDecode.arming``): the
+                first step of a batch size then runs armed (compiling the branch's kernels; while the rule
+                fills every miss the branch has no work, and the output is the same) and both variants are
+                captured after it, so a later switch replays a graph instead of running a step eagerly and
+                capturing it in the middle of decoding.
         """
         B, d = len(inputs), self.inputs
         sizes = sorted(b for b in {*GRAPH_BATCH_SIZES, d.max_bs} if B <= b <= d.max_bs and b not in self.failed)
@@ -172,13 +173,17 @@ class DecodeGraphs:
             graph, logits = self.graphs[key]
             graph.replay()
             return logits[:B].clone()
-        logits = model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
+        both = use_graphs and arming is not None
+        with arming(True) if both else nullcontext():
+            logits = model(batch)  # eager (and the warm-up of a capture: Triton compiles here)
         if use_graphs:
             try:
-                self._capture(model, key, batch)
-                if armed and disarmed is not None and (bs, False) not in self.graphs:
-                    with disarmed():
-                        self._capture(model, (bs, False), batch)
+                if not both:
+                    self._capture(model, key, batch)
+                for state in (True, False) if both else ():
+                    if (bs, state) not in self.graphs:
+                        with arming(state):
+                            self._capture(model, (bs, state), batch)
             except Exception:
                 log.exception("capturing the decode step for batch size %d failed; it runs eagerly from now on", bs)
                 self.failed.add(bs)

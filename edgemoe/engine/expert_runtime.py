@@ -107,7 +107,8 @@ class ExpertRuntime:
         self.decode_path_reason: str | None = None
         self.doorbell_wait: str | None = None  # the device path's doorbell wait, as the summary names it
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
-        self._reuse_seen: tuple | None = None  # (reuse, join stats, decode misses, decode steps) at the last read
+        # (reuse, join stats, decode misses, decode steps, slots used) at the last read
+        self._reuse_seen: tuple | None = None
         self._decode_steps = 0
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
@@ -215,7 +216,8 @@ class ExpertRuntime:
         self.policy = make_policy(policy, self.bandwidths, num_layers=cfg.num_moe_layers,
                                   max_misses=min(cfg.num_experts, self.config.max_num_seqs * cfg.top_k),
                                   expert_bytes=pool.row_bytes)
-        self._reuse_seen = None
+        # the first read counts from this cache's creation: its counters start at zero
+        self._reuse_seen = ([[0, 0]] * self.cache.num_layers, None, 0, self._decode_steps, self.cache.slots_used)
         self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
                                     self.device)
         self._setup_device_decode()
@@ -316,20 +318,26 @@ class ExpertRuntime:
 
     def _observe_reuse(self) -> None:
         """Feed a per-layer policy the cache's reuse counters since the last read (one small host read,
-        between steps: the previous step's sampling already synchronized) and push a changed table."""
+        between steps: the previous step's sampling already synchronized) and push a changed table.
+
+        The miss count it reports per MoE layer step leaves out the misses that found a free slot (the
+        growth of the used slots over the window): those fill whatever the policy says, so a cold cache's
+        first misses do not stand for the misses the policy decides about."""
         dd = self.device_decode
         joins = dd.join_stats.tolist() if dd is not None and dd.counts_joins else None  # [L][hand-offs, late]
-        now = (self.cache.reuse.tolist(), joins, self.hybrid.stats()["decode"]["misses"], self._decode_steps)
+        now = (self.cache.reuse.tolist(), joins, self.hybrid.stats()["decode"]["misses"], self._decode_steps,
+               self.cache.slots_used)
         seen, self._reuse_seen = self._reuse_seen, now
-        if seen is None:
-            seen = ([[0, 0]] * len(now[0]), None if joins is None else [[0, 0]] * len(joins), now[2], now[3])
-        (reuse, joins, misses, steps), (reuse0, joins0, misses0, steps0) = now, seen
+        (reuse, joins, misses, steps, used), (reuse0, joins0, misses0, steps0, used0) = now, seen
+        if joins is not None and joins0 is None:
+            joins0 = [[0, 0]] * len(joins)
         layer_steps = (steps - steps0) * self.cache.num_layers
+        decided = max(misses - misses0 - (used - used0), 0)
         obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(reuse, reuse0)],
                                fills=[a[1] - b[1] for a, b in zip(reuse, reuse0)],
                                handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
                                late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
-                               misses_per_layer_step=(misses - misses0) / layer_steps if layer_steps > 0 else None)
+                               misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None)
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
 
@@ -347,7 +355,7 @@ class ExpertRuntime:
             RuntimeError: see ``DeviceDecode.check``.
         """
         dd = self.device_decode
-        if dd is not None and dd.step is not None:
+        if dd is not None and dd.step is not None and dd.armed:  # a step without the branch: sampling syncs
             if self._step_done is None:
                 self._step_done = torch.cuda.Event(blocking=True)
             self._step_done.record(torch.cuda.current_stream(self.device))

@@ -445,9 +445,9 @@ class ModelRunner:
         graphs = self.experts.decode_path is DecodePath.DEVICE_GRAPHS
         dd = self.experts.device_decode
         armed = dd is not None and dd.armed
-        disarmed = dd.disarmed if dd is not None and dd.can_disarm else None
+        arming = dd.arming if dd is not None and dd.can_disarm else None
         logits = self.graphs.run(self.model, inputs, state_slots, self._step, self.record, graphs, armed=armed,
-                                 disarmed=disarmed)
+                                 arming=arming)
         self.experts.check_decode_step()
         return logits
 

@@ -253,10 +253,10 @@ class DeviceDecode:
         return self._disarmable and self.rule.online
 
     @contextmanager
-    def disarmed(self):
-        """Within: steps are enqueued without the CPU branch (to capture that variant of a decode step
-        ahead of its use); the previous state is restored on exit."""
-        was, self.armed = self.armed, False
+    def arming(self, armed: bool):
+        """Within: steps are enqueued with (``armed``) or without the CPU branch, to capture both variants
+        of a decode step ahead of their use; the previous state is restored on exit."""
+        was, self.armed = self.armed, bool(armed)
         try:
             yield
         finally:

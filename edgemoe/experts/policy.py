@@ -412,7 +412,7 @@ class LayerObservation:
             the device path; ``late``: ``[L]`` int, those whose join found the CPU branch still running
             (the GPU had to wait for it). Their ratio says which branch finishes last.
         misses_per_layer_step: mean misses (deduplicated experts) of one MoE layer's decode step over the
-            window, or ``None``.
+            window that found no free slot (the ones a policy decides about), or ``None``.
     """
 
     reuse_net: list[int] | None = None
@@ -475,7 +475,10 @@ class AutoPolicy(ExpertPolicy):
     miss count ``m ~ Binomial(M, m̄ / M)``; when the table's expected gain is below ``L·a`` it fills
     every miss instead (the step then runs without the branch, as ``fill-all`` does). Where nearly every
     expert hits this is what keeps ``auto`` level with ``fill-all``: the CPU would save less than the
-    launches that keep it ready cost.
+    launches that keep it ready cost. Until the first miss rate is measured (a new cache: its misses
+    find free slots and fill anyway) it fills every miss; ``m̄`` counts only the misses that found no
+    free slot, so the choice is made on the misses of a full cache under fill-every-miss, not on those
+    that sending experts to the CPU would add (a CPU-served expert is not cached and misses again).
 
     Args:
         costs: the prior cost model (from the measured bandwidths and fixed costs).
@@ -622,9 +625,11 @@ class AutoPolicy(ExpertPolicy):
 
     def _armed_branch_pays(self, c: MissCosts, table: list[list[int]], values: list[float]) -> bool | None:
         """Whether ``table``'s expected gain over filling every miss exceeds the armed branch's cost
-        (``None``: not priced, or no miss rate measured yet; see the class docstring)."""
-        if self.armed_cost_s <= 0 or self.miss_rate is None:
+        (``None``: not priced; ``False`` before a miss rate is measured; see the class docstring)."""
+        if self.armed_cost_s <= 0:
             return None
+        if self.miss_rate is None:
+            return False
         p = min(max(self.miss_rate / self.M, 0.0), 1.0)
         pmf = [math.comb(self.M, m) * p ** m * (1 - p) ** (self.M - m) for m in range(self.M + 1)]
         fill_all = [c.split_seconds(m, m, self.armed) for m in range(self.M + 1)]

@@ -149,32 +149,37 @@ def test_batches_beyond_16_sequences_match_the_eager_path(small, B):
 
 
 def test_auto_toggles_the_cpu_branch_under_graphs_and_matches_resident(small):
-    """``auto`` drops the CPU branch from the captured step while its table fills every miss and arms it
-    again when the table splits: both graphs (armed and not) are captured at the first decode step and
-    replayed, and the tokens and logits stay those of the all-resident run."""
+    """``auto`` starts without the CPU branch (a new cache fills every miss until a miss rate is measured),
+    arms it when its table splits and drops it again when the table fills every miss: both graphs (armed
+    and not) are captured at the first decode step and replayed, and the tokens and logits stay those of
+    the all-resident run."""
     from edgemoe.experts.policy import LayerObservation
 
-    runner = _runner(small, dtype="float32", expert_policy="fill-all", expert_cache_slots=10**6)
+    kw = dict(dtype="float32", max_num_seqs=1)
+    runner = _runner(small, expert_policy="fill-all", expert_cache_slots=10**6, **kw)
     resident, rt = _decode(runner, PROMPTS[:1], steps=15)
     runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
     L, E, k = runner.model_config.num_moe_layers, runner.model_config.num_experts, runner.model_config.top_k
     runner.set_expert_cache(L * max(E // 2, k), "auto")
     dd, policy = runner.experts.device_decode, runner.experts.policy
-    assert dd.cpu_branch and dd._disarmable and runner.experts.decode_path == "device + CUDA graphs"
+    assert dd.can_disarm and runner.experts.decode_path == "device + CUDA graphs"
+    assert policy.fills_every_miss() and not dd.armed  # no miss rate measured yet
     toks = [int(runner.execute([StepInput(0, PROMPTS[0], 0)], Phase.PREFILL)[0].argmax())]
-    out = []
+    out, served = [], []
     for s in range(15):
-        if s in (5, 10):  # high measured reuse: fill every miss (disarmed); then none: split again (armed)
-            net = 10**6 if s == 5 else -10**7
+        if s in (5, 10):  # no reuse and k misses a layer step: split (armed); then a high reuse: fill every miss
+            net = -10**7 if s == 5 else 10**7
             policy.observe_layers(LayerObservation(reuse_net=[net] * L, fills=[10] * L, misses_per_layer_step=k))
             dd.push_policy()
-            assert dd.armed == (s == 10)
+            assert dd.armed == (s == 5)
         logits = runner.execute([StepInput(0, [toks[-1]], len(PROMPTS[0]) + s)], Phase.DECODE)
         out.append(logits.float().cpu())
         toks.append(int(logits[0].argmax()))
-        if s == 0:  # the armed step's capture captured the step without the branch as well
+        served.append(dd.step.served)
+        if s == 0:  # the first step captured the step with the branch and the one without it
             assert {(1, True), (1, False)} <= set(runner.graphs.graphs)
     runner.free(0)
+    assert served[4] == 0 and served[9] > served[4] and served[14] == served[9]  # CPU work only while armed
     assert toks == rt[0]
     torch.testing.assert_close(torch.stack(out), resident, rtol=1e-4, atol=1e-4)
     runner.experts.cache.check_invariants()
