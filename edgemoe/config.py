@@ -307,7 +307,7 @@ def hf_dtype(*cfgs: dict[str, Any]) -> str:
     return "bfloat16"
 
 
-EXPERT_POLICIES = ("qstar", "auto", "adaptive", "fill-all", "cpu-all", "static")
+EXPERT_POLICIES = ("auto", "qstar", "adaptive", "fill-all", "cpu-all", "static")
 EXPERT_EVICTIONS = ("layer-lru", "global-lru")
 EXPERT_PREFETCH = ("off", "next-layer")
 CPU_EXECUTORS = ("auto", "native", "torch")
@@ -350,10 +350,11 @@ class EngineConfig:
         None, "floor of expert-cache slots the KV cache may take memory from when it runs short (default: half "
         "the start-up slots)", type=int)
     expert_policy: str = option(
-        "qstar", "how decode-step expert misses are served: qstar (fill q* = m*B_P/B_H of m misses, the rest on "
-        "the CPU), auto (per-layer cost model: the bandwidths, the fixed cost of a copy and of a CPU call, and "
-        "the measured reuse of a fill), adaptive (q* corrected by measured step times), fill-all, cpu-all, "
-        "static (whole layers placed at load)", choices=EXPERT_POLICIES)
+        "auto", "how decode-step expert misses are served: auto (the default: per-layer cost model from the "
+        "bandwidths, the fixed cost of a copy and of a CPU call and the measured reuse of a fill, balanced by "
+        "which branch finishes last; drops the CPU branch where it would save less than it costs), qstar (fill "
+        "q* = m*B_P/B_H of m misses, the rest on the CPU), adaptive (q* corrected by measured step times), "
+        "fill-all, cpu-all, static (whole layers placed at load)", choices=EXPERT_POLICIES)
     expert_eviction: str = option(
         "layer-lru", "which cached expert a decode fill replaces: layer-lru (the least recently used of the "
         "layer's equal share of the slots, when every share holds a token's top-k, else global; fewest misses on "

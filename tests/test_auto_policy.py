@@ -84,14 +84,14 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
     for _ in range(100):
         auto.observe_layers(late)
     assert auto.cpu_level == auto.balance_levels[1]  # bounded
-    quiet = LayerObservation(handoffs=[2, 3], late=[2, 3])  # 5 < balance_min_handoffs: no verdict
-    assert not auto.fills_every_miss()
-    auto.observe_layers(quiet)
-    assert auto.cpu_level == auto.balance_levels[1] - 1  # one level back per quiet window
     early = LayerObservation(handoffs=[20, 20], late=[0, 1])
     for _ in range(60):
         auto.observe_layers(early)
     assert auto.cpu_level == auto.balance_levels[0]
+    quiet = LayerObservation(handoffs=[2, 3], late=[2, 3])  # 5 < balance_min_handoffs: no verdict
+    assert not auto.fills_every_miss()
+    auto.observe_layers(quiet)
+    assert auto.cpu_level == auto.balance_levels[0] + 1  # one level back per quiet window
     fewer = [auto.num_fills(m) for m in range(1, 17)]
     assert all(a <= b for a, b in zip(fewer, base)) and sum(fewer) < sum(base)
     balanced = LayerObservation(handoffs=[20, 20], late=[10, 10])
@@ -103,21 +103,38 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
     assert auto.cpu_level == 0 and [auto.num_fills(m) for m in range(1, 17)] == base
 
 
-def test_drift_is_slow_while_the_table_fills_every_miss():
-    """While the table fills every miss the device path runs disarmed and sends nothing, so windows without
-    hand-offs say nothing about the CPU: the level drifts one step per ``balance_retry_windows`` windows,
-    not per window (which would flip the step's graph every window)."""
+def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
+    """Windows in which every hand-off was late (another process on the executor's cores) move the CPU cost
+    ``balance_stall_step`` levels each. While the table then fills every miss (the device path runs
+    disarmed, sending nothing) quiet windows say nothing about the CPU: after ``balance_retry_windows`` of
+    them the level is halved (a probe, not a drift per window that would flip the step's graph every
+    window); a probe answered by a late window doubles the wait before the next, an answered-early one
+    resets it."""
     auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
+    stalled = LayerObservation(handoffs=[20, 20], late=[20, 20])
     for _ in range(3):
-        auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[20, 20]))
+        auto.observe_layers(stalled)
+    assert auto.cpu_level == 3 * auto.balance_stall_step
     auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
-    assert auto.fills_every_miss() and auto.cpu_level == 7
+    assert auto.fills_every_miss()
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 7
+    assert auto.cpu_level == 24
     auto.observe_layers(quiet)
-    assert auto.cpu_level == 6
+    assert auto.cpu_level == 12  # the probe
+    auto.observe_layers(stalled)  # answered late: priced out again, and the next probe waits twice as long
+    assert auto.cpu_level == 20
+    for _ in range(2 * auto.balance_retry_windows - 1):
+        auto.observe_layers(quiet)
+    assert auto.cpu_level == 20
+    auto.observe_layers(quiet)
+    assert auto.cpu_level == 10
+    auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[10, 10]))  # answered in the band: reset
+    assert auto.cpu_level == 10 and auto._retry_windows == auto.balance_retry_windows
+    for _ in range(auto.balance_retry_windows):
+        auto.observe_layers(quiet)
+    assert auto.cpu_level == 5
 
 
 def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():

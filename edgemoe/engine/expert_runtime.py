@@ -28,7 +28,14 @@ from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode, resolve_doorbell_wait
 from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
-from edgemoe.experts.policy import REUSE_READ_STEPS, Bandwidths, ExpertPolicy, LayerObservation, make_policy
+from edgemoe.experts.policy import (
+    REUSE_READ_SECONDS,
+    REUSE_READ_STEPS,
+    Bandwidths,
+    ExpertPolicy,
+    LayerObservation,
+    make_policy,
+)
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kernels import unavailable_reason
 from edgemoe.weights.bootstrap import FALLBACK_POLICY
@@ -109,6 +116,7 @@ class ExpertRuntime:
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         # (reuse, join stats, decode misses, decode steps, slots used) at the last read
         self._reuse_seen: tuple | None = None
+        self._reuse_read_s = 0.0  # perf_counter() of the last read
         self._decode_steps = 0
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
@@ -218,6 +226,7 @@ class ExpertRuntime:
                                   expert_bytes=pool.row_bytes)
         # the first read counts from this cache's creation: its counters start at zero
         self._reuse_seen = ([[0, 0]] * self.cache.num_layers, None, 0, self._decode_steps, self.cache.slots_used)
+        self._reuse_read_s = time.perf_counter()
         self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
                                     self.device)
         self._setup_device_decode()
@@ -302,14 +311,18 @@ class ExpertRuntime:
     def begin_step(self, step: int, phase: Phase, batch_size: int) -> None:
         """Before a step: set the LRU clock and feed an online policy the wall time of the previous
         decode step (from its start to this step's start, counted only between two decode steps of
-        one batch size; the engine samples, a sync, in between). A rule change goes to the device."""
+        one batch size; the engine samples, a sync, in between). A per-layer policy also gets the cache's
+        counters every ``REUSE_READ_STEPS`` decode steps, or after ``REUSE_READ_SECONDS`` when steps are
+        slow (:meth:`_observe_reuse`). A rule change goes to the device."""
         if self.cache.num_slots:
             self.cache.clock.fill_(step)
+        now = time.perf_counter()
         if phase is Phase.DECODE and self.policy.per_layer:
             self._decode_steps += 1
-            if self._decode_steps % REUSE_READ_STEPS == 0:
+            if (self._decode_steps - self._reuse_seen[3] >= REUSE_READ_STEPS
+                    or now - self._reuse_read_s >= REUSE_READ_SECONDS):
                 self._observe_reuse()
-        now = time.perf_counter()
+                self._reuse_read_s = now
         prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
         if prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
             return

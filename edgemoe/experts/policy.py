@@ -20,6 +20,10 @@ import torch
 REUSE_READ_STEPS = 8
 """Decode steps between the runtime's reads of the cache's reuse counters for a ``per_layer`` policy."""
 
+REUSE_READ_SECONDS = 0.5
+"""...or fewer steps, at least one, when this many seconds have passed since the last read: slow steps
+(a CPU branch stalled by another process on its cores) still give the policy a window every half second."""
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Measured bandwidths in GB/s (1e9 bytes/s) and where they came from.
@@ -459,12 +463,16 @@ class AutoPolicy(ExpertPolicy):
     fixed and per-expert time), below the lower edge lowers it. A move in the same direction as the
     window before's doubles in size, up to :attr:`balance_max_step` levels (1, 2, 4, 4, ...: a halved
     bandwidth, 8 levels, is met in 4 windows instead of 8), and a reversal or a window inside the band
-    starts again at one level, as in sign-based step adaptation (Riedmiller & Braun's Rprop, 1993); the
-    levels are bounded
-    (:attr:`balance_levels`); windows with too few hand-offs to judge move it one level back toward 1x
-    (one level per :attr:`balance_retry_windows` windows while the table fills every miss, which is
-    when the CPU branch is disarmed and sends nothing), so a CPU side priced out by a passing slowdown
-    is tried again without flipping the step's graph every window. The split then settles where the CPU
+    starts again at one level, as in sign-based step adaptation (Riedmiller & Braun's Rprop, 1993); a
+    window in which nearly every hand-off was late (:attr:`balance_stall`: the GPU always waited, the CPU
+    side is far slower than modeled, e.g. another process on the executor's cores) moves
+    :attr:`balance_stall_step` levels at once. The levels are bounded (:attr:`balance_levels`); windows
+    with too few hand-offs to judge move it one level back toward 1x. While the table fills every miss
+    (the CPU branch disarmed, sending nothing) the level is instead halved toward 1x after
+    :attr:`balance_retry_windows` quiet windows: a probe of the CPU side, so one priced out by a passing
+    slowdown comes back in a few probes, without flipping the step's graph every window. A probe that
+    is answered by a late window (the slowdown persists) doubles the quiet windows before the next one
+    (up to :attr:`balance_retry_max`); one that is not resets them. The split then settles where the CPU
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
     than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
 
@@ -497,9 +505,12 @@ class AutoPolicy(ExpertPolicy):
     rebuild_tolerance = 0.01  # cost estimates closer than this (relative) to the last ones keep the split hulls
     balance_band = (0.35, 0.65)  # late fraction of hand-offs inside which the CPU cost level stays
     balance_min_handoffs = 8  # hand-offs a window needs before its late fraction moves the level
-    balance_levels = (-16, 24)  # CPU cost scale 2^(level/8): 0.25x .. 8x of the model's
+    balance_levels = (-16, 40)  # CPU cost scale 2^(level/8): 0.25x .. 32x of the model's
     balance_max_step = 4  # levels one window's move may take (moves double while their direction holds)
-    balance_retry_windows = 8  # quiet windows per level of drift while the table fills every miss (disarmed)
+    balance_stall = 0.95  # late fraction above which a window moves balance_stall_step levels at once
+    balance_stall_step = 8  # levels of a stalled window's move (2x the CPU cost)
+    balance_retry_windows = 8  # quiet windows before a probe while the table fills every miss (disarmed)
+    balance_retry_max = 64  # most quiet windows between probes (after probes answered by late windows)
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
@@ -521,6 +532,8 @@ class AutoPolicy(ExpertPolicy):
         self.cpu_level = 0
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
         self._balance_move = 0  # the last window's move in levels (signed; 0: none)
+        self._retry_windows = self.balance_retry_windows  # quiet windows before the next probe
+        self._probing = False  # the level was halved by a probe and no window has judged it yet
         self.miss_rate: float | None = None
         self.armed_cost_s = 0.0
         self._rebuild()
@@ -662,15 +675,27 @@ class AutoPolicy(ExpertPolicy):
                 frac = sum(obs.late) / n
                 sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
                 prev = self._balance_move
-                size = min(2 * abs(prev), self.balance_max_step) if sign and prev * sign > 0 else 1
+                if frac >= self.balance_stall:
+                    size = self.balance_stall_step
+                else:
+                    size = min(2 * abs(prev), self.balance_max_step) if sign and prev * sign > 0 else 1
                 self._balance_move = sign * size
                 self.cpu_level = min(max(self.cpu_level + self._balance_move, lo), hi)
-            else:  # too few hand-offs to judge: drift back toward 1x, slowly when the table itself sent none
+                if self._probing:  # the first judged window after a probe: did the slowdown persist?
+                    late = sign > 0
+                    self._retry_windows = (min(2 * self._retry_windows, self.balance_retry_max) if late
+                                           else self.balance_retry_windows)
+                    self._probing = False
+            else:  # too few hand-offs to judge: back toward 1x, by probes when the table itself sent none
                 self._quiet_windows += 1
                 self._balance_move = 0
-                every = self.balance_retry_windows if self.fills_every_miss() else 1
-                if self.cpu_level and self._quiet_windows >= every:
-                    self.cpu_level -= 1 if self.cpu_level > 0 else -1
+                disarmed = self.fills_every_miss()
+                if self.cpu_level and self._quiet_windows >= (self._retry_windows if disarmed else 1):
+                    if disarmed and self.cpu_level > 0:
+                        self.cpu_level //= 2
+                        self._probing = True
+                    else:
+                        self.cpu_level -= 1 if self.cpu_level > 0 else -1
                     self._quiet_windows = 0
         p = self.prior
         if obs.fill_samples or obs.cpu_samples:
