@@ -9,6 +9,12 @@
   structure kept (``edgemoe.bench.replay.remap_workload``).
 
     python benchmarks/policy_sim.py --traces ../shared/fixtures/routing_traces/*.jsonl
+
+``--contention CPU_FACTOR``: instead, the no-locality regime (``--layers`` MoE layers) decoded for
+20 simulated seconds at the first budget, with the CPU side ``CPU_FACTOR`` times slower from 4 s to
+10 s (another process on the executor's cores, as the GPU host's contention benchmark found it):
+tokens/s before, in the first second of the slowdown and after it, and in the first second after
+and after that, per policy (the offline counterpart of ``benchmarks/contention.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,35 @@ def realistic(paths: list[str], tokens: int) -> R.Workload:
     return R.Workload([a for a in wl.accesses if a.step in keep], L, E, K, len(keep), 0, 1)
 
 
+def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0, total_s: float = 20.0) -> int:
+    """The ``--contention`` table (see the module docstring)."""
+    costs = S.COST_PRESETS[a.preset]
+    gb = float(a.budgets.split(",")[0])
+    slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
+    base = S.simulate_time(R.uniform_workload(a.layers, E, K, 64), "fill-all", slots, costs, token_base_s=1e-3)
+    tokens = int(total_s * 2 * base.tokens_per_s) + 64  # enough steps for every policy to pass total_s
+    wl = R.uniform_workload(a.layers, E, K, tokens)
+    load = S.Contention(start_s, end_s, cpu_factor=a.contention)
+    print(f"no-locality, {a.layers} layers, {gb:g} GB ({slots} slots), CPU x{a.contention:g} from {start_s:g} s "
+          f"to {end_s:g} s, machine {a.preset}")
+    print("| policy | before | load, 1st s | load, rest | after, 1st s | after, rest |")
+    print("|---|---|---|---|---|---|")
+    for pol in ("auto", "qstar", "fill-all", "cpu-all"):
+        res = S.simulate_time(wl, pol, slots, costs, "lru", token_base_s=1e-3, contention=load)
+        ends, t = [], 0.0
+        for x in res.step_seconds:
+            t += x
+            ends.append(t)
+
+        def rate(lo: float, hi: float, ends: list[float] = ends) -> float:
+            return sum(1 for e in ends if lo <= e < hi) / (hi - lo)
+
+        spans = [(0.5, start_s), (start_s, start_s + 1), (start_s + 1, end_s), (end_s, end_s + 1),
+                 (end_s + 1, total_s)]
+        print(f"| {pol} | " + " | ".join(f"{rate(lo, hi):.1f}" for lo, hi in spans) + " |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="*", default=[], help="routing traces of the realistic regime")
@@ -60,7 +95,12 @@ def main(argv=None) -> int:
                     help="a replay rule, or engine: layer-lru when every layer's share holds a token's top-k, else lru")
     ap.add_argument("--preset", default="h200", choices=sorted(S.COST_PRESETS))
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--contention", type=float, default=None, metavar="CPU_FACTOR",
+                    help="simulate a CPU slowdown by this factor from 4 s to 10 s instead (see above)")
+    ap.add_argument("--layers", type=int, default=16, help="--contention: MoE layers")
     a = ap.parse_args(argv)
+    if a.contention is not None:
+        return contention(a)
     regimes = {"no-locality": R.uniform_workload(L, E, K, a.tokens), "degenerate": degenerate(a.tokens)}
     if a.traces:
         regimes["realistic"] = realistic(a.traces, a.tokens)

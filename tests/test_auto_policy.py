@@ -104,37 +104,55 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
 
 
 def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
-    """Windows in which every hand-off was late (another process on the executor's cores) move the CPU cost
-    ``balance_stall_step`` levels each. While the table then fills every miss (the device path runs
+    """Windows in which every hand-off was late while the steps slowed down (another process on the executor's
+    cores) move the CPU cost ``balance_stall_step`` levels each; the same lateness at an unchanged step
+    time is an ordinary late window. While the table then fills every miss (the device path runs
     disarmed, sending nothing) quiet windows say nothing about the CPU: after ``balance_retry_windows`` of
     them the level is halved (a probe, not a drift per window that would flip the step's graph every
     window); a probe answered by a late window doubles the wait before the next, an answered-early one
     resets it."""
     auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
-    stalled = LayerObservation(handoffs=[20, 20], late=[20, 20])
+    all_late = LayerObservation(handoffs=[20, 20], late=[20, 20])
+
+    def window(step_s: float, obs: LayerObservation) -> None:
+        for _ in range(8):
+            auto.observe(step_s, 1)
+        auto.observe_layers(obs)
+
+    window(0.01, LayerObservation(handoffs=[20, 20], late=[10, 10]))  # in the band: the reference step time
+    window(0.01, all_late)
+    assert auto.cpu_level == 1  # all late, steps as fast as before: one level
+    window(0.01, LayerObservation(handoffs=[20, 20], late=[10, 10]))
+    assert auto.cpu_level == 1
     for _ in range(3):
-        auto.observe_layers(stalled)
-    assert auto.cpu_level == 3 * auto.balance_stall_step
+        window(0.1, all_late)  # ten times slower: a stall
+    assert auto.cpu_level == 1 + 3 * auto.balance_stall_step
+    stalled = all_late
     auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
     assert auto.fills_every_miss()
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 24
+    assert auto.cpu_level == 25 and not auto.wants_early_read
     auto.observe_layers(quiet)
-    assert auto.cpu_level == 12  # the probe
+    assert auto.cpu_level == 12 and auto.wants_early_read  # the probe, judged on the next step
+    auto.observe(0.1, 1)
     auto.observe_layers(stalled)  # answered late: priced out again, and the next probe waits twice as long
-    assert auto.cpu_level == 20
+    assert auto.cpu_level == 20 and not auto.wants_early_read
+    for _ in range(3):  # back to filling every miss
+        window(0.1, stalled)
+    assert auto.fills_every_miss() and auto.cpu_level == auto.balance_levels[1] == 40
+    assert auto._retry_windows == 2 * auto.balance_retry_windows
     for _ in range(2 * auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 20
+    assert auto.cpu_level == 40
     auto.observe_layers(quiet)
-    assert auto.cpu_level == 10
+    assert auto.cpu_level == 20
     auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[10, 10]))  # answered in the band: reset
-    assert auto.cpu_level == 10 and auto._retry_windows == auto.balance_retry_windows
+    assert auto.cpu_level == 20 and auto._retry_windows == auto.balance_retry_windows
     for _ in range(auto.balance_retry_windows):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 5
+    assert auto.cpu_level in (10, 19)  # halved by a probe if the table fills every miss, else one level
 
 
 def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():

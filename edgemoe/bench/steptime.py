@@ -20,7 +20,13 @@ timed. Miss policies (:data:`MISS_POLICIES`):
 
 A CPU branch is *armed* on every layer step of a policy that may send work to the CPU (all but
 ``fill-all``), as in the engine's device path: an armed layer step without CPU work pays
-``MissCosts.idle_handoff_s``.
+``MissCosts.idle_handoff_s``. ``auto`` runs as on the engine's CUDA device path: it is told that cost
+(``AutoPolicy.price_armed_branch``), its steps run without the branch while its table fills every
+miss, and every ``REUSE_READ_STEPS`` decode steps (or ``REUSE_READ_SECONDS`` of simulated time, or the next
+step when it asks, ``wants_early_read``) it gets
+the window's join lateness (a hand-off is *late* when its CPU branch outlasts the GPU's work between
+hand-off and join: the fills and the resident experts) and the misses per layer step that found no
+free slot.
 
 ``contention`` changes the machine mid-run (another process taking PCIe or DRAM bandwidth): between
 two simulated times the per-expert fill and CPU times are multiplied by the given factors; policies
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from edgemoe.bench.replay import Access, ResidentPolicy, Workload, make_policy
 from edgemoe.experts.policy import (
+    REUSE_READ_SECONDS,
     REUSE_READ_STEPS,
     AdaptivePolicy,
     AutoPolicy,
@@ -203,7 +210,11 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         if not isinstance(rule, ResidentPolicy):
             raise ValueError(f"eviction rule {eviction!r} has no step-time model (use a pure-Python rule)")
     pol = _miss_policy(policy, wl, costs, **(auto_kw or {}))
+    device_auto = isinstance(pol, AutoPolicy)
+    if device_auto:
+        pol.price_armed_branch(costs.idle_handoff_s)
     armed = policy != "fill-all"
+    win = _Window(wl.num_layers)
     sense = _Noise(noise, seed)
     res = TimeResult(policy, "-" if policy in ("cpu-all", "static") else eviction, slots, wl.decode_tokens, 0.0)
     L = wl.num_layers
@@ -222,10 +233,12 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
             continue
         if a.step != cur_step:
             if cur_step is not None:
-                clock = _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock)
-                if len(res.step_seconds) % REUSE_READ_STEPS == 0:
+                clock, read = _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock, win)
+                if read:
                     obs = LayerObservation(fill_samples=[], cpu_samples=[])
             cur_step, step_t, carry, prev = a.step, 0.0, 0.0, None
+            if device_auto:
+                armed = not pol.fills_every_miss()
         c = contention.apply(costs, clock + step_t) if contention is not None else costs
         if prefetch and rule is not None and rule.admits and a.predicted and prev is not None:
             n_pf, n_hit = _prefetch(rule, a, prev, i)
@@ -234,13 +247,19 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
             t_pf = (c.fill_fixed_s + n_pf * c.fill_s) if n_pf else 0.0
             carry = max(0.0, t_pf - prev_window)
         if rule is None:
-            h, m, f = 0, len(a.ids), 0
+            h, m, f, free = 0, len(a.ids), 0, 0
         else:
+            free = rule.free_slots(a.layer)
             h, m = rule.access(a, i, _fill_rule(pol, rule, a.layer))
             f = rule.fills
         cpu = m - f
         g, b = c.branches(f, cpu, armed)
         t = c.layer_seconds(h, f, cpu, armed) + carry
+        win.layer_steps += 1
+        win.decided += m - min(f, free)
+        if cpu and armed:
+            win.handoffs[a.layer] += 1
+            win.late[a.layer] += b > g + h * c.hit_s
         step_t += t
         prev_window = t - g
         if f and measure_branches:
@@ -253,7 +272,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         res.cpu += cpu
         prev = a
     if cur_step is not None:
-        _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock)
+        _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock, win)
     n = len(res.step_seconds)
     w = min(int(warmup), n)
     res.seconds = sum(res.step_seconds[w:])
@@ -272,20 +291,49 @@ def _fill_rule(pol: ExpertPolicy | None, rule: ResidentPolicy, layer: int):
     return lambda m: pol.num_fills(m, layer)
 
 
+@dataclass
+class _Window:
+    """What the engine's runtime counts between two reads (``ExpertRuntime._observe_reuse``)."""
+
+    num_layers: int
+    steps: int = 0
+    start_s: float = 0.0
+    layer_steps: int = 0
+    decided: int = 0  # misses that found no free slot
+    handoffs: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reset(0.0)
+
+    def reset(self, now: float) -> None:
+        self.steps, self.start_s, self.layer_steps, self.decided = 0, now, 0, 0
+        self.handoffs, self.late = [0] * self.num_layers, [0] * self.num_layers
+
+
 def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | None, obs: LayerObservation,
-              seen: tuple[list[int], list[int]], seconds: float, sense: _Noise, clock: float) -> float:
+              seen: tuple[list[int], list[int]], seconds: float, sense: _Noise, clock: float,
+              win: _Window) -> tuple[float, bool]:
+    """Close a decode step; returns the new clock and whether the policy read its window (then a new one starts)."""
     res.step_seconds.append(seconds)
-    if pol is not None:
-        pol.observe(sense(seconds), 1)
-        if len(res.step_seconds) % REUSE_READ_STEPS:
-            return clock + seconds
-        if rule is not None and rule.reuse_net is not None:
-            net, n = rule.reuse_net, rule.fills_by_layer
-            obs.reuse_net = [x - y for x, y in zip(net, seen[0])]
-            obs.fills = [x - y for x, y in zip(n, seen[1])]
-            seen[0][:], seen[1][:] = net, n
-        pol.observe_layers(obs)
-    return clock + seconds
+    clock += seconds
+    win.steps += 1
+    if pol is None:
+        return clock, False
+    pol.observe(sense(seconds), 1)
+    if win.steps < REUSE_READ_STEPS and clock - win.start_s < REUSE_READ_SECONDS and not pol.wants_early_read:
+        return clock, False
+    if rule is not None and rule.reuse_net is not None:
+        net, n = rule.reuse_net, rule.fills_by_layer
+        obs.reuse_net = [x - y for x, y in zip(net, seen[0])]
+        obs.fills = [x - y for x, y in zip(n, seen[1])]
+        seen[0][:], seen[1][:] = net, n
+    if isinstance(pol, AutoPolicy):
+        obs.handoffs, obs.late = win.handoffs, win.late
+        obs.misses_per_layer_step = win.decided / win.layer_steps if win.layer_steps else None
+    pol.observe_layers(obs)
+    win.reset(clock)
+    return clock, True
 
 
 def _prefetch(rule: ResidentPolicy, a: Access, prev: Access, i: int) -> tuple[int, int]:

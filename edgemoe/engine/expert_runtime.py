@@ -313,14 +313,16 @@ class ExpertRuntime:
         decode step (from its start to this step's start, counted only between two decode steps of
         one batch size; the engine samples, a sync, in between). A per-layer policy also gets the cache's
         counters every ``REUSE_READ_STEPS`` decode steps, or after ``REUSE_READ_SECONDS`` when steps are
-        slow (:meth:`_observe_reuse`). A rule change goes to the device."""
+        slow, or after one step when it asks (``ExpertPolicy.wants_early_read``; :meth:`_observe_reuse`).
+        A rule change goes to the device."""
         if self.cache.num_slots:
             self.cache.clock.fill_(step)
         now = time.perf_counter()
         if phase is Phase.DECODE and self.policy.per_layer:
             self._decode_steps += 1
-            if (self._decode_steps - self._reuse_seen[3] >= REUSE_READ_STEPS
-                    or now - self._reuse_read_s >= REUSE_READ_SECONDS):
+            since = self._decode_steps - self._reuse_seen[3]
+            if (since >= REUSE_READ_STEPS or now - self._reuse_read_s >= REUSE_READ_SECONDS
+                    or (since >= 1 and self.policy.wants_early_read)):
                 self._observe_reuse()
                 self._reuse_read_s = now
         prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None

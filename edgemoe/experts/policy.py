@@ -20,7 +20,7 @@ import torch
 REUSE_READ_STEPS = 8
 """Decode steps between the runtime's reads of the cache's reuse counters for a ``per_layer`` policy."""
 
-REUSE_READ_SECONDS = 0.5
+REUSE_READ_SECONDS = 0.25
 """...or fewer steps, at least one, when this many seconds have passed since the last read: slow steps
 (a CPU branch stalled by another process on its cores) still give the policy a window every half second."""
 
@@ -95,6 +95,12 @@ class ExpertPolicy:
     def observe_layers(self, obs: "LayerObservation") -> bool:
         """Record per-layer measurements (reuse of fills, branch times); returns whether the rule
         changed. Fixed rules ignore them."""
+        return False
+
+    @property
+    def wants_early_read(self) -> bool:
+        """Whether the runtime should pass the counters of the very next decode step (:meth:`observe_layers`)
+        instead of waiting for a full window (a probe whose answer one step gives)."""
         return False
 
     def price_armed_branch(self, seconds: float) -> bool:
@@ -464,15 +470,18 @@ class AutoPolicy(ExpertPolicy):
     window before's doubles in size, up to :attr:`balance_max_step` levels (1, 2, 4, 4, ...: a halved
     bandwidth, 8 levels, is met in 4 windows instead of 8), and a reversal or a window inside the band
     starts again at one level, as in sign-based step adaptation (Riedmiller & Braun's Rprop, 1993); a
-    window in which nearly every hand-off was late (:attr:`balance_stall`: the GPU always waited, the CPU
-    side is far slower than modeled, e.g. another process on the executor's cores) moves
-    :attr:`balance_stall_step` levels at once. The levels are bounded (:attr:`balance_levels`); windows
+    window in which nearly every hand-off was late (:attr:`balance_stall`: the GPU always waited) and
+    the decode steps took :attr:`balance_stall_slowdown` times as long as before (the mean step time of
+    the earlier windows, from :meth:`observe`) moves :attr:`balance_stall_step` levels at once: the CPU
+    side became far slower than it was, e.g. another process took the executor's cores. The levels are
+    bounded (:attr:`balance_levels`); windows
     with too few hand-offs to judge move it one level back toward 1x. While the table fills every miss
     (the CPU branch disarmed, sending nothing) the level is instead halved toward 1x after
     :attr:`balance_retry_windows` quiet windows: a probe of the CPU side, so one priced out by a passing
-    slowdown comes back in a few probes, without flipping the step's graph every window. A probe that
-    is answered by a late window (the slowdown persists) doubles the quiet windows before the next one
-    (up to :attr:`balance_retry_max`); one that is not resets them. The split then settles where the CPU
+    slowdown comes back in a few probes, without flipping the step's graph every window. A probe is
+    judged on the next decode step (:attr:`wants_early_read`), so one into a persisting slowdown costs
+    one slow step; one answered by a late window doubles the quiet windows before the next (up to
+    :attr:`balance_retry_max`), one that is not resets them. The split then settles where the CPU
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
     than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
 
@@ -509,8 +518,9 @@ class AutoPolicy(ExpertPolicy):
     balance_max_step = 4  # levels one window's move may take (moves double while their direction holds)
     balance_stall = 0.95  # late fraction above which a window moves balance_stall_step levels at once
     balance_stall_step = 8  # levels of a stalled window's move (2x the CPU cost)
-    balance_retry_windows = 8  # quiet windows before a probe while the table fills every miss (disarmed)
-    balance_retry_max = 64  # most quiet windows between probes (after probes answered by late windows)
+    balance_stall_slowdown = 2.0  # a stalled window's mean step time over the earlier windows' (at least)
+    balance_retry_windows = 4  # quiet windows before a probe while the table fills every miss (disarmed)
+    balance_retry_max = 8  # most quiet windows between probes (after probes answered by late windows)
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
@@ -534,6 +544,8 @@ class AutoPolicy(ExpertPolicy):
         self._balance_move = 0  # the last window's move in levels (signed; 0: none)
         self._retry_windows = self.balance_retry_windows  # quiet windows before the next probe
         self._probing = False  # the level was halved by a probe and no window has judged it yet
+        self._window_s, self._window_steps = 0.0, 0  # decode step times seen since the last observation
+        self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
         self.miss_rate: float | None = None
         self.armed_cost_s = 0.0
         self._rebuild()
@@ -653,6 +665,17 @@ class AutoPolicy(ExpertPolicy):
                     gain += w * ((fill_all[m] - v * m) - (c.split_seconds(m, q, self.armed) - v * q))
         return gain > self.L * self.armed_cost_s
 
+    @property
+    def wants_early_read(self) -> bool:
+        return self._probing
+
+    def observe(self, seconds: float, batch_size: int) -> bool:
+        """Record a decode step's wall time (for the balance controller's stall test); the table is
+        rebuilt by :meth:`observe_layers` only."""
+        self._window_s += float(seconds)
+        self._window_steps += 1
+        return False
+
     def price_armed_branch(self, seconds: float) -> bool:
         self.armed_cost_s = max(float(seconds), 0.0)
         return self._rebuild()
@@ -668,6 +691,12 @@ class AutoPolicy(ExpertPolicy):
         if obs.misses_per_layer_step is not None:
             prev, w, m = self.miss_rate, self.miss_rate_decay, obs.misses_per_layer_step
             self.miss_rate = m if prev is None else w * prev + (1 - w) * m
+        mean_s = self._window_s / self._window_steps if self._window_steps else None
+        ref = self._step_ref_s
+        slowed = mean_s is not None and ref is not None and mean_s >= self.balance_stall_slowdown * ref
+        if mean_s is not None:  # the reference follows the step time, but not into a stall
+            self._step_ref_s = mean_s if ref is None else ref if slowed else 0.5 * (ref + mean_s)
+            self._window_s, self._window_steps = 0.0, 0
         if obs.handoffs is not None:
             lo, hi = self.balance_levels
             if (n := sum(obs.handoffs)) >= self.balance_min_handoffs:
@@ -675,7 +704,7 @@ class AutoPolicy(ExpertPolicy):
                 frac = sum(obs.late) / n
                 sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
                 prev = self._balance_move
-                if frac >= self.balance_stall:
+                if frac >= self.balance_stall and slowed:  # every hand-off late and the steps slowed down
                     size = self.balance_stall_step
                 else:
                     size = min(2 * abs(prev), self.balance_max_step) if sign and prev * sign > 0 else 1
