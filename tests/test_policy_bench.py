@@ -54,3 +54,19 @@ def test_policy_sim_rows(tmp_path, load_benchmark):
     for r in rows:
         assert r["best_fixed"] in ("fill-all", "cpu-all", "static", "qstar") and r["auto_ratio"] > 0.5
     assert rows[1]["tokens_per_s"]["fill-all"] > rows[0]["tokens_per_s"]["fill-all"]  # locality pays
+
+
+def test_policy_sim_contention_auto_follows_a_stalled_cpu(load_benchmark, capsys):
+    """``policy_sim.py --contention``: with the CPU side 15x slower mid-run (another process on the
+    executor's cores), ``auto`` moves its misses to the fills within the slowdown (far above ``qstar``,
+    near ``fill-all``) and returns to its own rate after it."""
+    assert load_benchmark("policy_sim").main(["--contention", "15", "--layers", "8"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in ("auto", "qstar", "fill-all", "cpu-all"):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    before, _, during, _, after = range(5)
+    auto, qstar, fill = rows["auto"], rows["qstar"], rows["fill-all"]
+    assert auto[during] > 3 * qstar[during] and auto[during] > 0.85 * fill[during]
+    assert auto[after] > 0.95 * auto[before] and auto[before] > fill[before]
