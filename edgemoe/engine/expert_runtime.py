@@ -145,9 +145,7 @@ class ExpertRuntime:
         """
         if threads is not None and threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {threads}")
-        if self.hybrid is not None and self.hybrid.device_decode is not None:
-            self.hybrid.device_decode.close()  # its server thread is the old pool's worker 0
-            self.hybrid.device_decode = None
+        self._retire_hybrid()  # before the executor goes: the device path's server thread is its worker 0
         self.config = replace(self.config, cpu_threads=threads)
         self.cpu_executor = self._make_cpu_executor(**({"oversubscribe": True} if oversubscribe else {}))
         self.set_cache(self.cache.num_slots, self.policy.name)
@@ -184,6 +182,19 @@ class ExpertRuntime:
         return self.hybrid.device_decode
 
     # ------------------------------------------------------------------ (re)building
+    def _retire_hybrid(self) -> None:
+        """Retire the expert paths once: their counts (the device path's included) carry over into the
+        totals of :meth:`stats`, and the device path's doorbell server stops now, not when the last
+        reference goes."""
+        if self.hybrid is None:
+            return
+        for ph, counts in self.hybrid.stats().items():
+            for key, v in counts.items():
+                self._retired[ph][key] += v
+        if self.hybrid.device_decode is not None:
+            self.hybrid.device_decode.close()
+        self.hybrid = None
+
     def set_cache(self, slots: int, policy: str) -> None:
         """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
         between steps (no step in flight). The host pool is untouched; the new cache starts cold (a
@@ -199,13 +210,7 @@ class ExpertRuntime:
         if policy not in EXPERT_POLICIES:
             raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         slots = min(int(slots), self.pool.num_ids)
-        if self.hybrid is not None:  # retired once: its counts (device path included) carry over into the totals
-            for ph, counts in self.hybrid.stats().items():
-                for key, v in counts.items():
-                    self._retired[ph][key] += v
-            if self.hybrid.device_decode is not None:
-                self.hybrid.device_decode.close()  # its doorbell server stops now, not when the last reference goes
-            self.hybrid = None
+        self._retire_hybrid()
         if self.cache is not None:  # free the old bank before allocating the new one
             self.cache.release()
             self.cache = None

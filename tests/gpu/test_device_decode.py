@@ -183,3 +183,20 @@ def test_auto_toggles_the_cpu_branch_under_graphs_and_matches_resident(small):
     assert toks == rt[0]
     torch.testing.assert_close(torch.stack(out), resident, rtol=1e-4, atol=1e-4)
     runner.experts.cache.check_invariants()
+
+
+def test_decode_totals_survive_a_thread_count_change(small):
+    """The device path's hit/miss/fill/CPU counts carry over when the CPU executor is rebuilt with another
+    thread count (Prometheus counters never decrease)."""
+    runner = _runner(small, dtype="float32", expert_policy="qstar", expert_cache_slots=20)
+    runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
+    runner.set_expert_cache(20, "qstar")
+    assert runner.experts.device_decode is not None
+    _decode(runner, PROMPTS[:1], steps=6)
+    before = dict(runner.experts.stats()["decode"])
+    assert before["misses"] > 0 and before["cpu"] > 0
+    runner.set_cpu_threads(2)
+    after = runner.experts.stats()["decode"]
+    assert all(after[k] == before[k] for k in before), (before, after)
+    _decode(runner, PROMPTS[:1], steps=2)
+    assert runner.experts.stats()["decode"]["misses"] > before["misses"]
