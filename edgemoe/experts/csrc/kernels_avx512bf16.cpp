@@ -5,15 +5,16 @@
 // the GPU path compute with too. float32 weights have no kernel at this level: select_isa() then picks
 // the AVX-512F one.
 //
-// Quantized rows computing in bf16 (FP8 block, MXFP4, NVFP4), fed to `vdpbf16ps` with bf16 activations:
+// Quantized rows computing in bf16: FP8 block and NVFP4 fed to `vdpbf16ps` with bf16 activations, MXFP4
+// to float32 FMAs with the same bf16 values:
 //   FP8    whole blocks of 128 columns (two lines of codes) decoded in the BF16_Q128 order of the
 //          activation (kernels.h): word shifts place each e4m3 byte's sign and magnitude bits where a
 //          float32 wants them (no widening shuffle), one exact multiply by the block scale, and
 //          `vcvtne2ps2bf16` (nearest even): the bf16 values bf16(float32(code * scale)) of the torch path;
-//   MXFP4  whole blocks of 128 (one line of nibbles) in the BF16_Q128 order: the four nibbles of each
-//          16-bit word are shifted down and looked up in one fixed e2m1 -> bf16 table (`vpermw`); the
-//          e8m0 scale, a power of two, multiplies the block's partial sums (one FMA), which is exact up
-//          to float32 summation order;
+//   MXFP4  whole blocks of 128 (one line of nibbles) in float32 FMAs against F32_Q8 activations (bf16
+//          values held as float32): the eight nibbles of each dword are shifted down and looked up in one
+//          fixed e2m1 -> float32 table (`vpermps`); the e8m0 scale, a power of two, multiplies the block's
+//          partial sums (one FMA), which is exact up to float32 summation order;
 //   NVFP4  in element order, chunk by chunk: 32 word indices into a 32-entry bf16 table holding the
 //          chunk's two groups of 16: bf16(float32(e2m1 * float32(float(e4m3 scale) * global_scale))),
 //          built per line from the groups' bf16(eff) and bf16(1.5 eff) by one `vpermw` and an exponent
@@ -434,54 +435,27 @@ void gemv_n_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
 // A block of 128 elements at k (k % 128 == 0) is decoded without any shuffle into element order: the
 // activation is in the BF16_Q128 layout (kernels.h), where chunk c of the block (32 bf16 at offset 32c)
 // holds elements k + 4i + c, i < 32. A step decoder S (derived from the row decoder D above, whose
-// chunk/tail serve the last K % 128 elements, in order) provides
-//   kChunks, kScales: step(row, k, w, s) writes kChunks bf16 weight vectors (w[c] pairs with activation
-//   chunk c % 4) and kScales float32 multipliers; with kScales == 0 the weights are final (FP8) and are
-//   accumulated straight into the (row, token) accumulator, else chunks 4g .. 4g + 3 are accumulated
-//   into two fresh partials (chunks 0, 1 and 2, 3: half the `vdpbf16ps` dependency chain) whose sum is
-//   multiplied by s[g] and added (one FMA per block and token).
-// Post-scaling (MXFP4) is exact up to the float32 summation order: each `vdpbf16ps` product of a bf16
-// activation and an e2m1 value is exact in float32, and multiplying by a power of two is exact, so
-// scaling the partial sums instead of each weight changes only where the sums round.
+// chunk/tail serve the last K % 128 elements, in order) provides kChunks and step(row, k, w), which
+// writes kChunks final bf16 weight vectors (w[c] pairs with activation chunk c % 4), accumulated straight
+// into the (row, token) accumulator.
 
-// 16-bit words of e2m1 codes -> bf16 e2m1 values (vpermw reads index bits 0..4: entries 16..31 repeat).
-alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040,
-    0xc080, 0xc0c0, 0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
-    0xc000, 0xc040, 0xc080, 0xc0c0};
-
-// 64 bytes of nibbles (128 elements) -> the four Q128 chunks: word i of the line holds elements 4i .. 4i + 3
-// in its four nibbles, so chunk c is the line shifted right by 4c, looked up through `lut`.
-inline void fp4_chunks(const uint8_t* p, __m512i lut, __m512i* w) {
-  const __m512i b = _mm512_loadu_si512(p);
-  w[0] = _mm512_permutexvar_epi16(b, lut);
-  w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
-  w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), lut);
-  w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), lut);
+// MXFP4 scales of a block of 128 at k, for lanes holding elements 8l .. 8l + 7 (l < 16; scale group l / 4):
+// lane l = 2^(e8m0[k / 32 + l / 4] - 127): the four scale bytes broadcast, byte l / 4 moved to the low
+// byte of dword l (vpshufb), shifted to the exponent field. E8M0 0 (2^-127) gives scale 0, as the weights
+// e2m1 * 2^-127 are below bf16's normal range (the per-weight path flushes them to zero too); 255 (NaN)
+// gives an infinite scale and a non-finite result.
+inline __m512 mxfp4_scales(const DecMXFP4::Row& row, int64_t k) {
+  int32_t b4;
+  std::memcpy(&b4, row.s + (k >> 5), sizeof b4);
+  const __m512i ctrl = _mm512_set_epi32(
+      static_cast<int>(0x80808003u), static_cast<int>(0x80808003u), static_cast<int>(0x80808003u),
+      static_cast<int>(0x80808003u), static_cast<int>(0x80808002u), static_cast<int>(0x80808002u),
+      static_cast<int>(0x80808002u), static_cast<int>(0x80808002u), static_cast<int>(0x80808001u),
+      static_cast<int>(0x80808001u), static_cast<int>(0x80808001u), static_cast<int>(0x80808001u),
+      static_cast<int>(0x80808000u), static_cast<int>(0x80808000u), static_cast<int>(0x80808000u),
+      static_cast<int>(0x80808000u));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), ctrl), 23));
 }
-
-// MXFP4: the e2m1 values themselves; chunk lane pair 2l, 2l + 1 (float32 lane l of the partial) holds
-// elements 8l + c, 8l + 4 + c, all in scale group l / 4, so s[0] lane l = 2^(e8m0[k / 32 + l / 4] - 127):
-// the four scale bytes broadcast, byte l / 4 moved to the low byte of dword l (vpshufb), shifted to the
-// exponent field. E8M0 0 (2^-127) gives scale 0, as the weights e2m1 * 2^-127 are below bf16's normal
-// range and `vdpbf16ps` flushes them (the per-weight path gives zero too); 255 (NaN) gives an infinite
-// scale and a non-finite result.
-struct StepMXFP4 : DecMXFP4 {
-  static constexpr int kChunks = 4, kScales = 1, kLines = 1;
-  static void step(const Row& row, int64_t k, __m512i* w, __m512* s) {
-    fp4_chunks(row.p + (k >> 1), _mm512_load_si512(kE2M1Bf16), w);
-    int32_t b4;
-    std::memcpy(&b4, row.s + (k >> 5), sizeof b4);
-    const __m512i ctrl = _mm512_set_epi32(
-        static_cast<int>(0x80808003u), static_cast<int>(0x80808003u), static_cast<int>(0x80808003u),
-        static_cast<int>(0x80808003u), static_cast<int>(0x80808002u), static_cast<int>(0x80808002u),
-        static_cast<int>(0x80808002u), static_cast<int>(0x80808002u), static_cast<int>(0x80808001u),
-        static_cast<int>(0x80808001u), static_cast<int>(0x80808001u), static_cast<int>(0x80808001u),
-        static_cast<int>(0x80808000u), static_cast<int>(0x80808000u), static_cast<int>(0x80808000u),
-        static_cast<int>(0x80808000u));
-    s[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), ctrl), 23));
-  }
-};
 
 // FP8 block-128: two lines of codes (128 elements, one block column). As 16-bit words, word 2i of a line
 // holds elements 4i (low byte) and 4i + 1, word 2i + 1 elements 4i + 2 and 4i + 3; an arithmetic word
@@ -491,7 +465,7 @@ struct StepMXFP4 : DecMXFP4 {
 // by 8. Then the exact product with the block scale, rounded to bf16 nearest-even (DecFP8::convert):
 // chunk c = elements 4i + c of the first line (words 0..15) and of the second (16..31).
 struct StepFP8 : DecFP8 {
-  static constexpr int kChunks = 4, kScales = 0, kLines = 2;
+  static constexpr int kChunks = 4, kLines = 2;
   static void raw4(const uint8_t* p, __m512* e) {
     const __m512i d = _mm512_loadu_si512(p);
     const __m512i m = _mm512_set1_epi32(static_cast<int>(0x87f00000u));
@@ -501,7 +475,7 @@ struct StepFP8 : DecFP8 {
     e[2] = _mm512_castsi512_ps(_mm512_and_si512(lo, m));
     e[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, m));
   }
-  static void step(const Row& row, int64_t k, __m512i* w, __m512*) {  // one scale: scale_cols >= 128
+  static void step(const Row& row, int64_t k, __m512i* w) {  // one scale: scale_cols >= 128
     __m512 e0[4], e1[4];
     raw4(row.p + k, e0);
     raw4(row.p + k + 64, e1);
@@ -514,7 +488,7 @@ struct StepFP8 : DecFP8 {
 // FP8 with blocks narrower than 128 columns (16, 32 or 64; no release has them): a scale per lane,
 // (code * 2^120) * scale as in DecFP8::convert's general case.
 struct StepFP8Narrow : StepFP8 {
-  __attribute__((noinline)) static void step(const Row& row, int64_t k, __m512i* w, __m512*) {
+  __attribute__((noinline)) static void step(const Row& row, int64_t k, __m512i* w) {
     __m512 e0[4], e1[4];
     raw4(row.p + k, e0);
     raw4(row.p + k + 64, e1);
@@ -557,26 +531,13 @@ inline void micro_q(const typename S::Row* rows, int64_t K, const uint16_t* cons
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       __m512i w[S::kChunks];
-      __m512 s[S::kScales > 0 ? S::kScales : 1];
-      S::step(rows[r], k, w, s);
+      S::step(rows[r], k, w);
 #pragma GCC unroll 8
       for (int j = 0; j < NT; ++j) {
         const uint16_t* aj = a[j] + k;
-        if constexpr (S::kScales == 0) {
 #pragma GCC unroll 8
-          for (int c = 0; c < S::kChunks; ++c)
-            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[c], (__m512bh)_mm512_loadu_si512(aj + 32 * (c & 3)));
-        } else {
-#pragma GCC unroll 2
-          for (int g = 0; g < S::kScales; ++g) {  // two partials of two chunks: half the dependency chain
-            __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[4 * g], (__m512bh)_mm512_loadu_si512(aj));
-            __m512 p1 =
-                _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[4 * g + 2], (__m512bh)_mm512_loadu_si512(aj + 64));
-            p0 = _mm512_dpbf16_ps(p0, (__m512bh)w[4 * g + 1], (__m512bh)_mm512_loadu_si512(aj + 32));
-            p1 = _mm512_dpbf16_ps(p1, (__m512bh)w[4 * g + 3], (__m512bh)_mm512_loadu_si512(aj + 96));
-            acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s[g], acc[r][j]);
-          }
-        }
+        for (int c = 0; c < S::kChunks; ++c)
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[c], (__m512bh)_mm512_loadu_si512(aj + 32 * (c & 3)));
       }
     }
   }
@@ -625,12 +586,11 @@ inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
   }
 }
 
-// Dequantizes rows [row0, row0 + nr) (nr <= 4) of a format with final weights (S::kScales == 0) into bf16
+// Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16
 // rows of `buf` (K elements each, `ld` apart) in the activation's BF16_Q128 order: the chunks micro_q feeds
 // to `vdpbf16ps`, in the same order, so micro_dp over the buffer computes the same bits.
 template <class S>
 inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
-  static_assert(S::kScales == 0, "post-scaled formats have no bf16 row to buffer");
   typename S::Line ls;
   const int64_t full = K - K % 128;
   for (int i = 0; i < nr; ++i) {
@@ -642,7 +602,7 @@ inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, ui
         __builtin_prefetch(S::addr(row, k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
                            EDGEMOE_PREFETCH_LOCALITY);
       __m512i wv[S::kChunks];
-      S::step(row, k, wv, nullptr);
+      S::step(row, k, wv);
       for (int c = 0; c < S::kChunks; ++c) _mm512_storeu_si512(dst + k + 32 * c, wv[c]);
     }
     if (k < K) S::line(row, k, K - k, ls);
@@ -656,19 +616,17 @@ inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, ui
   }
 }
 
-// GemvFn for quantized rows computing in bf16 (WeightView::bf16_weights; the executor never selects
-// this level for a float32 computation), BF16_Q128 activations. Tokens in tiles of up to 4, each row's
-// blocks decoded once per tile: 4 rows x 1, 2 or 4 tokens, 2 rows x 3 (the MXFP4 decode is a few
-// instructions per line, so decoding again per tile of 4 costs less than the per-token activation loads
-// of wider single-row tiles; docs/benchmarks/cpu_executor.md). A format with
-// final weights (FP8) and more than one token dequantizes each block of 4 rows once into a stack buffer
-// instead and runs the bf16 micro-kernel over it for every tile of 4 tokens (the same `vdpbf16ps`
-// sequence per (row, token), so results do not depend on the token count).
+// GemvFn for FP8 rows computing in bf16 (WeightView::bf16_weights; the executor never selects this level
+// for a float32 computation), BF16_Q128 activations. One token: 4 rows, each row's blocks decoded in
+// registers. More than one token: each block of 4 rows is dequantized once into a stack buffer and the
+// bf16 micro-kernel runs over it for every tile of 4 tokens (the same `vdpbf16ps` sequence per (row,
+// token), so results do not depend on the token count); rows too long for the buffer take tiles of up
+// to 4 tokens decoding in registers (4 rows x 1, 2 or 4 tokens, 2 rows x 3).
 template <class S>
 void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                int64_t ldy) {
   const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
-  if constexpr (S::kScales == 0) {
+  {
     constexpr int RB = 4, NT = 4;
     if (n > 1 && K <= kDecodeBufK) {
       alignas(64) uint16_t buf[RB * kDecodeBufK];
@@ -702,16 +660,118 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
   }
 }
 
+// ---------------------------------------------------------------------------- MXFP4 in float32 FMAs
+// MXFP4 rows against F32_Q8 activations (kernels.h: float32 holding bf16 values, runs of 16 one nibble
+// apart): a 64-byte line of codes is 16 dwords of 8 nibbles (dword d: elements 8d .. 8d + 7), so run n of
+// the block is the line shifted right by 4n dword-wise, looked up in a float32 e2m1 table by `vpermps`
+// (it reads index bits 0..3), and multiplied into two float32 partials by `vfmadd231ps`, which issues
+// twice as often as `vdpbf16ps` does here (docs/benchmarks/cpu_executor.md); the block's partial sum is
+// multiplied by its E8M0 scales (lane d: group d / 4, mxfp4_scales) with one FMA per token. Each product
+// of an e2m1 value and a bf16 activation is exact in float32 and the scale a power of two, so this
+// computes the `vdpbf16ps` kernel's numbers up to float32 summation order (and without its flushing of
+// subnormal activations). The last K % 128 elements go through the row decoder in order (bf16 weights,
+// widened). Fixed operation order per (row, token), whatever the row and token counts.
+alignas(64) constexpr float kE2M1F32[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+template <int RB, int NT>
+inline void micro_mxfp4_fma(const DecMXFP4::Row* rows, int64_t K, const float* const* a, float* y, int64_t ldy,
+                            int64_t pf) {
+  __m512 acc[RB][NT];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512 lut = _mm512_load_ps(kE2M1F32);
+  const int64_t full = K - K % 128;
+  int64_t k = 0;
+  for (; k < full; k += 128) {
+    if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r)
+        __builtin_prefetch(DecMXFP4::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m512i b = _mm512_loadu_si512(rows[r].p + (k >> 1));
+      __m512 w[8];
+      w[0] = _mm512_permutexvar_ps(b, lut);
+#pragma GCC unroll 8
+      for (int n = 1; n < 8; ++n) w[n] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * n), lut);
+      const __m512 s = mxfp4_scales(rows[r], k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) {
+        const float* aj = a[j] + k;
+        __m512 p0 = _mm512_mul_ps(w[0], _mm512_loadu_ps(aj));
+        __m512 p1 = _mm512_mul_ps(w[1], _mm512_loadu_ps(aj + 16));
+#pragma GCC unroll 3
+        for (int n = 2; n < 8; n += 2) {
+          p0 = _mm512_fmadd_ps(w[n], _mm512_loadu_ps(aj + 16 * n), p0);
+          p1 = _mm512_fmadd_ps(w[n + 1], _mm512_loadu_ps(aj + 16 * n + 16), p1);
+        }
+        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s, acc[r][j]);
+      }
+    }
+  }
+  const DecMXFP4::Line none{};
+  for (; k < K; k += 32) {  // the last K % 128 elements, in order: 32 bf16 weights (scaled), widened
+    const int n = K - k < 32 ? static_cast<int>(K - k) : 32;
+    const __mmask16 m0 = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u);
+    const __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1u) : 0;
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m512i wv = n == 32 ? DecMXFP4::chunk(rows[r], k, none, 0) : DecMXFP4::tail(rows[r], k, n, none, 0);
+      const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(wv));
+      const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(wv, 1));
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m0, a[j] + k), acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, a[j] + k + 16), acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+template <int RB, int NT>
+inline void rows_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const float* const* a,
+                           float* y, int64_t ldy) {
+  DecMXFP4::Row rows[RB];
+  int64_t r = 0;
+  for (; r + RB <= nrows; r += RB) {
+    for (int i = 0; i < RB; ++i) rows[i] = DecMXFP4::row(w, row0 + r + i);
+    micro_mxfp4_fma<RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
+  }
+  for (; r < nrows; ++r) {
+    rows[0] = DecMXFP4::row(w, row0 + r);
+    micro_mxfp4_fma<1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
+  }
+}
+
+// GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: 2 rows x tiles of up to 4 tokens.
+void gemv_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+                    float* y, int64_t ldy) {
+  const float* const* a = reinterpret_cast<const float* const*>(act);
+  for (int j0 = 0; j0 < n; j0 += 4) {
+    const int nt = n - j0 < 4 ? n - j0 : 4;
+    float* yt = y + j0 * ldy;
+    switch (nt) {
+      case 1: rows_mxfp4_fma<2, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 2: rows_mxfp4_fma<2, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 3: rows_mxfp4_fma<2, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      default: rows_mxfp4_fma<2, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
+    }
+  }
+}
+
 void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                  int64_t ldy) {
   if (w.scale_cols >= 128)
     gemv_q_dp<StepFP8>(w, row0, nrows, K, act, n, y, ldy);
   else
     gemv_q_dp<StepFP8Narrow>(w, row0, nrows, K, act, n, y, ldy);
-}
-void gemv_mxfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
-                   float* y, int64_t ldy) {
-  gemv_q_dp<StepMXFP4>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_nvfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                    float* y, int64_t ldy) {
@@ -733,7 +793,7 @@ const IsaKernels& kernels_avx512bf16() {
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
     t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16_Q128, sum};
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_dp, ActFormat::BF16_Q128, sum};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_fma, ActFormat::F32_Q8, sum};
     t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_dp, ActFormat::BF16, sum};
     return t;
   }();
