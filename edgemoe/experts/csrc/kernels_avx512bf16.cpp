@@ -569,22 +569,52 @@ inline void micro_q(const typename S::Row* rows, int64_t K, const uint16_t* cons
     for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
+// A register kernel M for rows_tile / token_tiles provides Row, Act (the activation element type),
+// row(w, r) and run<RB, NT>(rows, K, act, y, ldy, pf): RB rows x NT tokens (pf: bytes of a row block).
 // Row blocks of RB rows for a tile of nt <= NT tokens (templates instantiated only up to NT), then the
 // nrows % RB row tail one row at a time.
-template <class S, int RB, int NT>
-inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const uint16_t* const* a,
+template <class M, int RB, int NT>
+inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
                       float* y, int64_t ldy) {
-  typename S::Row rows[RB];
+  typename M::Row rows[RB];
   int64_t r = 0;
   for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = S::row(w, row0 + r + i);
-    micro_q<S, RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
+    for (int i = 0; i < RB; ++i) rows[i] = M::row(w, row0 + r + i);
+    M::template run<RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
   }
   for (; r < nrows; ++r) {
-    rows[0] = S::row(w, row0 + r);
-    micro_q<S, 1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
+    rows[0] = M::row(w, row0 + r);
+    M::template run<1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
   }
 }
+
+// Tokens in tiles of up to 4; a tile of nt tokens takes row blocks of RB<nt> rows.
+template <class M, int RB1, int RB2, int RB3, int RB4>
+inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
+                        int n, float* y, int64_t ldy) {
+  for (int j0 = 0; j0 < n; j0 += 4) {
+    const int nt = n - j0 < 4 ? n - j0 : 4;
+    float* yt = y + j0 * ldy;
+    switch (nt) {
+      case 1: rows_tile<M, RB1, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 2: rows_tile<M, RB2, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 3: rows_tile<M, RB3, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      default: rows_tile<M, RB4, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
+    }
+  }
+}
+
+// micro_q over the step decoder S, as a register kernel.
+template <class S>
+struct QuantDp {
+  using Row = typename S::Row;
+  using Act = uint16_t;
+  static Row row(const WeightView& w, int64_t r) { return S::row(w, r); }
+  template <int RB, int NT>
+  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
+    micro_q<S, RB, NT>(rows, K, a, y, ldy, pf);
+  }
+};
 
 // Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16
 // rows of `buf` (K elements each, `ld` apart) in the activation's BF16_Q128 order: the chunks micro_q feeds
@@ -626,38 +656,27 @@ template <class S>
 void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                int64_t ldy) {
   const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
-  {
-    constexpr int RB = 4, NT = 4;
-    if (n > 1 && K <= kDecodeBufK) {
-      alignas(64) uint16_t buf[RB * kDecodeBufK];
-      const int64_t ld = (K + 31) / 32 * 32;
-      const uint16_t* brow[RB];
-      for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
-      for (int64_t r = 0; r < nrows; r += RB) {
-        const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
-        decode_rows<S>(w, row0 + r, nr, K, buf, ld);
-        for (int j0 = 0; j0 < n; j0 += NT) {
-          const int nt = n - j0 < NT ? n - j0 : NT;
-          if (nr == RB) {
-            micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
-          } else {
-            for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
-          }
+  constexpr int RB = 4, NT = 4;
+  if (n > 1 && K <= kDecodeBufK) {
+    alignas(64) uint16_t buf[RB * kDecodeBufK];
+    const int64_t ld = (K + 31) / 32 * 32;
+    const uint16_t* brow[RB];
+    for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
+    for (int64_t r = 0; r < nrows; r += RB) {
+      const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
+      decode_rows<S>(w, row0 + r, nr, K, buf, ld);
+      for (int j0 = 0; j0 < n; j0 += NT) {
+        const int nt = n - j0 < NT ? n - j0 : NT;
+        if (nr == RB) {
+          micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
+        } else {
+          for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
         }
       }
-      return;
     }
+    return;
   }
-  for (int j0 = 0; j0 < n; j0 += 4) {
-    const int nt = n - j0 < 4 ? n - j0 : 4;
-    float* yt = y + j0 * ldy;
-    switch (nt) {
-      case 1: rows_tile<S, 4, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 2: rows_tile<S, 4, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 3: rows_tile<S, 2, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      default: rows_tile<S, 4, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
-    }
-  }
+  token_tiles<QuantDp<S>, 4, 4, 2, 4>(w, row0, nrows, K, a, n, y, ldy);
 }
 
 // ---------------------------------------------------------------------------- MXFP4 in float32 FMAs
@@ -671,9 +690,6 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
 // computes the `vdpbf16ps` kernel's numbers up to float32 summation order (and without its flushing of
 // subnormal activations). The last K % 128 elements go through the row decoder in order (bf16 weights,
 // widened). Fixed operation order per (row, token), whatever the row and token counts.
-alignas(64) constexpr float kE2M1F32[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
 template <int RB, int NT>
 inline void micro_mxfp4_fma(const DecMXFP4::Row* rows, int64_t K, const float* const* a, float* y, int64_t ldy,
                             int64_t pf) {
@@ -682,7 +698,7 @@ inline void micro_mxfp4_fma(const DecMXFP4::Row* rows, int64_t K, const float* c
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512 lut = _mm512_load_ps(kE2M1F32);
+  const __m512 lut = _mm512_loadu_ps(kE2M1);
   const int64_t full = K - K % 128;
   int64_t k = 0;
   for (; k < full; k += 128) {
@@ -735,35 +751,20 @@ inline void micro_mxfp4_fma(const DecMXFP4::Row* rows, int64_t K, const float* c
     for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-template <int RB, int NT>
-inline void rows_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const float* const* a,
-                           float* y, int64_t ldy) {
-  DecMXFP4::Row rows[RB];
-  int64_t r = 0;
-  for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = DecMXFP4::row(w, row0 + r + i);
-    micro_mxfp4_fma<RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
+struct MxFp4Fma {  // micro_mxfp4_fma as a register kernel
+  using Row = DecMXFP4::Row;
+  using Act = float;
+  static Row row(const WeightView& w, int64_t r) { return DecMXFP4::row(w, r); }
+  template <int RB, int NT>
+  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
+    micro_mxfp4_fma<RB, NT>(rows, K, a, y, ldy, pf);
   }
-  for (; r < nrows; ++r) {
-    rows[0] = DecMXFP4::row(w, row0 + r);
-    micro_mxfp4_fma<1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
-  }
-}
+};
 
 // GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: 2 rows x tiles of up to 4 tokens.
 void gemv_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                     float* y, int64_t ldy) {
-  const float* const* a = reinterpret_cast<const float* const*>(act);
-  for (int j0 = 0; j0 < n; j0 += 4) {
-    const int nt = n - j0 < 4 ? n - j0 : 4;
-    float* yt = y + j0 * ldy;
-    switch (nt) {
-      case 1: rows_mxfp4_fma<2, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 2: rows_mxfp4_fma<2, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 3: rows_mxfp4_fma<2, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      default: rows_mxfp4_fma<2, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
-    }
-  }
+  token_tiles<MxFp4Fma, 2, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
 }
 
 void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
