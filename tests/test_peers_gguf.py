@@ -150,7 +150,8 @@ def test_table_ratios_and_bytes_bounds(tmp_path):
         meta = {"profile": prof, "machine": {"cpu_threads": pool}}
         (res / "edgemoe" / name / "decode.json").write_text(json.dumps({"meta": meta, "results": results}))
     a = type("Args", (), {"results": str(res), "ncmoe_levels": [14], "thread_list": [6], "cpu_thread_list": [16],
-                          "cpu_only": False, "tokens": 64, "reps": 3})()
+                          "cpu_only": False, "tokens": 64, "reps": 3,
+                          "policy_list": ["qstar", "cpu-all", "static"]})()
     geo = run.geometry(run.model_config(16, {}))
     assert geo["expert_bytes"] == ROW
     md = run.build_table(a, geo)

@@ -6,8 +6,8 @@ Protocol. One random bf16 checkpoint with Qwen3-30B-A3B's layer geometry and ``-
 neither sees routing locality. llama.cpp: ``llama-bench -p 0 -n 64 -r 3`` (tg64, random tokens) with
 ``-ngl 99 -ncmoe K`` (the experts of K layers stay on the CPU, the rest on the GPU). edgemoe:
 ``benchmarks/decode.py --routing model --decode-input random`` (64 timed tokens after 8 warm-up ones)
-with an expert cache of (N-K)·E slots, the same expert VRAM, under the policies ``qstar`` (the default),
-``cpu-all`` and ``static``. Threads are matched (``-t T`` / ``--cpu-threads T``). Also every expert
+with an expert cache of (N-K)·E slots, the same expert VRAM, under the policies ``auto`` (the default),
+``qstar``, ``cpu-all`` and ``static``. Threads are matched (``-t T`` / ``--cpu-threads T``). Also every expert
 resident (``-ncmoe 0`` / decode.py's all-resident run) and CPU-only (llama.cpp ``-ngl 0 -dev none`` /
 edgemoe ``--device cpu``, ``cpu-all``).
 
@@ -448,7 +448,7 @@ def build_table(a, geo: dict) -> str:
                        "slots": slots, "expert_vram_gb": slots * row / 1e9,
                        "llama": lr and lr["tokens_per_s"], "llama_cpu_gb_per_token": cpu_gb,
                        "llama_bound": 1e3 / (res_ms + cpu_gb / bh * 1e3) if res_ms and bh else None}
-            for pol in ("qstar", "cpu-all", "static"):
+            for pol in a.policy_list:
                 # with 0 slots every policy serves every miss on the CPU: only the cpu-all run is reported
                 r = edge_at(name, slots, pol) if slots or pol == "cpu-all" else None
                 row_out[pol] = r and r["tokens_per_s"]
@@ -481,23 +481,23 @@ def build_table(a, geo: dict) -> str:
                                                 "edgemoe": {k2: v["results"] for k2, v in edge.items()}}, indent=2))
     md = [f"Tokens/s, tg{a.tokens}, batch 1; in parentheses the bytes bound in tokens/s (inputs in peers.json). "
           f"{n} layers, {geo['checkpoint_bytes'] / 1e9:.1f} GB per format; {meta['date']}.", ""]
+    pols = a.policy_list
     if any(r["kind"] == "gpu" for r in rows):
-        md += [("| expert VRAM | threads | llama.cpp | edgemoe qstar | ratio | edgemoe cpu-all | ratio "
-                "| edgemoe static | ratio | qstar hit rate |"), "|---|---|---|---|---|---|---|---|---|---|"]
+        md += ["| expert VRAM | threads | llama.cpp | " + "".join(f"edgemoe {p} | ratio | " for p in pols)
+               + f"{pols[0]} hit rate |", "|---|---|---|" + "---|---|" * len(pols) + "---|"]
     for r in rows:
         if r["kind"] == "gpu":
             vram = (f"{r['expert_vram_gb']:.2f} GB (-ncmoe {r['ncmoe']})" if r["slots"]
                     else f"none: all on CPU (-ncmoe {r['ncmoe']})")
-            hit = "–" if r["qstar_hit_rate"] is None else f"{r['qstar_hit_rate']:.3f}"
-            md.append(f"| {vram} | {threads_cell(r)} | "
-                      f"{_fmt(r['llama'], r['llama_bound'])} | "
-                      f"{_fmt(r['qstar'], r['qstar_bound'])} | {_ratio(r['qstar'], r['llama'])} | "
-                      f"{_fmt(r['cpu-all'], r['cpu-all_bound'])} | {_ratio(r['cpu-all'], r['llama'])} | "
-                      f"{_fmt(r['static'], r['static_bound'])} | {_ratio(r['static'], r['llama'])} | {hit} |")
+            hit = r[pols[0] + "_hit_rate"]
+            md.append(f"| {vram} | {threads_cell(r)} | {_fmt(r['llama'], r['llama_bound'])} | "
+                      + "".join(f"{_fmt(r[p], r[p + '_bound'])} | {_ratio(r[p], r['llama'])} | " for p in pols)
+                      + ("–" if hit is None else f"{hit:.3f}") + " |")
         elif r["kind"] == "resident":
             md.append(f"| all resident ({r['expert_vram_gb']:.1f} GB, -ncmoe 0) | "
                       f"{threads_cell(r)} | "
-                      f"{_fmt(r['llama'])} | {_fmt(r['resident'])} | {_ratio(r['resident'], r['llama'])} | | | | | |")
+                      f"{_fmt(r['llama'])} | {_fmt(r['resident'])} | {_ratio(r['resident'], r['llama'])} | "
+                      + "| | " * (len(pols) - 1) + "|")
     cpu_rows = [r for r in rows if r["kind"] == "cpu-only"]
     if cpu_rows:
         md += ["", (f"CPU-only (llama.cpp -ngl 0 -dev none; edgemoe --device cpu, cpu-all), "
@@ -578,7 +578,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-only", action="store_true", help="only the CPU-only runs (a machine without a GPU)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--policies", default="qstar,cpu-all,static", help="edgemoe policies of the GPU runs")
+    ap.add_argument("--policies", default="auto,qstar,cpu-all,static",
+                    help="edgemoe policies of the GPU runs (the first one's hit rate is shown)")
     ap.add_argument("--tokenizer", default=str(PEERS / "carry" / "tokenizer"),
                     help="tokenizer folder for the checkpoint (a real Qwen3 tokenizer: llama.cpp's converter must "
                          "recognise it)")
@@ -601,6 +602,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--config-overrides: not JSON: {err}") from None
     a.ncmoe_levels = [int(c) for c in a.ncmoe.split(",") if c]
     a.thread_list = [int(t) for t in a.threads.split(",") if t]
+    a.policy_list = [p for p in a.policies.split(",") if p]
     a.cpu_thread_list = [int(t) for t in a.cpu_threads.split(",") if t]
     if bad := [] if a.cpu_only else [c for c in a.ncmoe_levels if not 0 < c <= a.layers]:
         raise SystemExit(f"--ncmoe: {bad} outside 1..{a.layers} (--layers)")
