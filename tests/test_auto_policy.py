@@ -29,7 +29,7 @@ ROW = 9_437_184  # bytes of a Qwen3-30B-A3B bf16 expert
 
 def test_without_fixed_costs_or_reuse_auto_is_the_qstar_balance():
     bw = Bandwidths(50.0, 150.0)
-    auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=64)
+    auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=64, reuse_prior=0.0)
     c = auto.costs
     for m in range(1, 65):
         q, qs = auto.num_fills(m, 1), QStarPolicy(bw).num_fills(m)
@@ -60,7 +60,7 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
     band or a reversal starts again at one level; windows without enough hand-offs drift back to the
     model's costs."""
     bw = Bandwidths(53.0, 98.7)
-    auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
+    auto = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16, reuse_prior=0.0)
     base = [auto.num_fills(m) for m in range(1, 17)]
     late = LayerObservation(handoffs=[20, 20], late=[19, 18])
     levels = []
@@ -177,7 +177,7 @@ def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():
 
 
 def test_measured_reuse_makes_a_layer_fill_every_miss():
-    auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0), ROW, num_layers=3, max_misses=16)
+    auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0), ROW, num_layers=3, max_misses=16, reuse_prior=0.0)
     before = auto.fill_table().clone()
     assert auto.observe_layers(LayerObservation(reuse_net=[0, 400, -50], fills=[100, 100, 100]))
     t = auto.fill_table()
@@ -186,6 +186,26 @@ def test_measured_reuse_makes_a_layer_fill_every_miss():
     assert torch.equal(t[0], before[0]) and torch.equal(t[2], before[2])  # no (or negative) reuse: the balance
     assert auto.num_fills(40, 1) == 40  # beyond the table: row M's ratio
     assert not auto.observe_layers(LayerObservation(reuse_net=[0, 0, 0], fills=[0, 0, 0]))  # nothing new
+
+
+def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
+    """Costs measured on the GPU host at 15 threads (a CPU expert cheaper than a fill): after prefill,
+    a window whose few fills were not requested again yet keeps filling every miss (a CPU-served expert
+    would not be cached); a window of many fills with no net reuse (no locality) splits."""
+    costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
+                      cpu_fixed_s=27e-6)
+    layers = 48
+    burst = LayerObservation(reuse_net=[6] * layers, fills=[9] * layers, misses_per_layer_step=4.6)
+    auto = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
+    auto.price_armed_branch(8e-6)
+    auto.observe_layers(burst)
+    assert auto.fills_every_miss()
+    prior0 = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False, reuse_prior=0.0)
+    prior0.price_armed_branch(8e-6)
+    prior0.observe_layers(burst)
+    assert not prior0.fills_every_miss()  # the self-confirming split the prior exists to avoid
+    auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
+    assert not auto.fills_every_miss()
 
 
 def test_fixed_costs_from_two_call_sizes():
@@ -312,7 +332,7 @@ def test_next_layer_prefetch_keeps_greedy_tokens(tiny_model_dir):
 def test_an_armed_branch_that_saves_less_than_it_costs_is_dropped():
     costs = MissCosts(fill_s=170e-6, fill_conc_s=190e-6, cpu_s=90e-6, cpu_conc_s=100e-6, fill_fixed_s=15e-6,
                       cpu_fixed_s=60e-6)
-    auto = AutoPolicy(costs, num_layers=4, max_misses=8, armed=False)
+    auto = AutoPolicy(costs, num_layers=4, max_misses=8, armed=False, reuse_prior=0.0)
     auto.observe_layers(LayerObservation(misses_per_layer_step=4.0))
     assert not auto.fills_every_miss()  # four misses a layer: the CPU branch pays
     assert not auto.price_armed_branch(8e-6)  # and still does when it costs 8 µs a layer step
@@ -323,7 +343,7 @@ def test_an_armed_branch_that_saves_less_than_it_costs_is_dropped():
     assert auto.fill_table().tolist() == [list(range(9))] * 4
     auto.price_armed_branch(0.0)  # free when idle: the cost model's own split again
     assert not auto.fills_every_miss()
-    fresh = AutoPolicy(costs, num_layers=4, max_misses=8, armed=False)
+    fresh = AutoPolicy(costs, num_layers=4, max_misses=8, armed=False, reuse_prior=0.0)
     assert not fresh.fills_every_miss()
     fresh.price_armed_branch(8e-6)  # a new cache: every miss fills until a miss rate is measured
     assert fresh.fills_every_miss()
