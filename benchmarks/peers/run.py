@@ -429,7 +429,8 @@ def build_table(a, geo: dict) -> str:
     def pool_threads(name: str) -> int | None:
         """The CPU executor's threads in that run: a request above the cores free of the threads that run
         beside the pool is capped (on CUDA one core stays for the Python and driver threads)."""
-        return (edge.get(name) or {}).get("meta", {}).get("machine", {}).get("cpu_threads")
+        t = (edge.get(name) or {}).get("meta", {}).get("machine", {}).get("cpu_threads")
+        return t[0] if isinstance(t, list) and len(t) == 1 else t  # decode.py lists one count per setting
 
     def threads_cell(r: dict) -> str:
         t, pool = r["threads"], r["edgemoe_pool_threads"]
