@@ -21,7 +21,7 @@ from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
-from edgemoe.experts.policy import Bandwidths, make_policy
+from edgemoe.experts.policy import AutoPolicy, Bandwidths, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
@@ -339,8 +339,9 @@ def test_cpu_branch_disarms_while_auto_fills_every_miss():
     except native.NativeUnavailable as e:
         pytest.skip(f"native executor unavailable: {e}")
     pool = _pool()
-    policy = make_policy("auto", Bandwidths(10.0, 25.0, "test"), num_layers=LAYERS, max_misses=4 * K,
-                         expert_bytes=pool.row_bytes)  # no fixed costs: the q* split until reuse is measured
+    # no fixed costs and a reuse prior of 0: the q* split until reuse is measured
+    policy = AutoPolicy.from_bandwidths(Bandwidths(10.0, 25.0, "test"), pool.row_bytes, LAYERS, 4 * K,
+                                        reuse_prior=0.0)
     eager, dev = (HybridExperts(pool, ExpertCache(20, pool.num_ids, pool.layout, pool.compute_dtype,
                                                   torch.device("cpu"), num_experts=E),
                                 policy, TorchCpuExecutor(pool), E, torch.device("cpu")) for _ in range(2))
