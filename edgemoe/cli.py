@@ -80,19 +80,27 @@ def config_from_args(args: argparse.Namespace, cls: type):
         raise CLIError(str(exc)) from None
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    """The :class:`~edgemoe.config.EngineConfig` of the parsed engine flags, its device checked.
+def engine_config_from_args(args: argparse.Namespace, model_dir: str | None = None):
+    """The :class:`~edgemoe.config.EngineConfig` of the parsed engine flags, its device checked, and, given
+    ``model_dir``, the checkpoint's tokenizer checked against ``--trust-remote-code`` (before any loading).
 
     Raises:
-        CLIError: an option value ``EngineConfig`` rejects, or a ``--device`` this machine lacks.
+        CLIError: an option value ``EngineConfig`` rejects, a ``--device`` this machine lacks, or a
+            tokenizer that is custom code without ``--trust-remote-code``.
     """
     from edgemoe.config import EngineConfig
+    from edgemoe.engine.tokenizer import RemoteCodeError, check_remote_code
 
     config = config_from_args(args, EngineConfig)
     try:
         config.resolved_device()
     except (RuntimeError, ValueError) as exc:  # torch.device() rejects a malformed name with RuntimeError
         raise CLIError(f"--device {config.device}: {exc}") from None
+    if model_dir is not None:
+        try:
+            check_remote_code(model_dir, config.trust_remote_code)
+        except RemoteCodeError as exc:
+            raise CLIError(str(exc)) from None
     return config
 
 
@@ -150,7 +158,7 @@ def _cmd_serve(args) -> int:
     from edgemoe.server.config import ServerConfig
 
     model = _model_dir(args.model)
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, model)
     server_config = config_from_args(args, ServerConfig)
     if server_config.api_key is None and os.environ.get("EDGEMOE_API_KEY"):
         server_config = replace(server_config, api_key=os.environ["EDGEMOE_API_KEY"])
@@ -197,7 +205,7 @@ def _cmd_generate(args) -> int:
     from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
 
     model = _model_dir(args.model)
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, model)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -274,7 +282,7 @@ def _cmd_profile(args) -> int:
     from edgemoe.experts.bandwidth import format_profile
 
     model = _model_dir(args.model)
-    result = run_profile(model, engine_config_from_args(args), args.out)
+    result = run_profile(model, engine_config_from_args(args, model), args.out)
     print(format_profile(result))
     return 0
 

@@ -390,6 +390,9 @@ class EngineConfig:
                                          "prompt prefix (on by default)", flag="--no-prefix-caching")
     load_format: str = option("auto", "auto (safetensors or FTW), dummy (random weights of config.json's "
                               "geometry, no weight files)", choices=LOAD_FORMATS)
+    trust_remote_code: bool = option(
+        False, "run the Python code a checkpoint ships for its tokenizer (auto_map in tokenizer_config.json, e.g. "
+        "Kimi-K2's tiktoken tokenizer); without it such a checkpoint is refused")
     seed: int = option(0, "seed of dummy weights")
     verify_weights: bool | None = option(None, "the FTW bank checksums while loading (on unless "
                                          "EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")

@@ -33,6 +33,7 @@ from edgemoe.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, DecodeInputs
 from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, NoGpuError, configure_torch_threads
 from edgemoe.engine.gpu_memory import GpuMemory, make_probe
 from edgemoe.engine.prefix_state import Plan, PrefixStateManager
+from edgemoe.engine.tokenizer import check_remote_code, load_tokenizer
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
@@ -60,7 +61,8 @@ class ModelRunner:
 
     Raises:
         FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
-            ``gpu_budget`` or ``expert_cache_gb`` for a device that is not a GPU.
+            ``gpu_budget`` or ``expert_cache_gb`` for a device that is not a GPU; ``RemoteCodeError`` (a
+            ``ValueError``): a tokenizer that is custom code without ``config.trust_remote_code``.
         CheckpointError: a checkpoint that does not match the config (file and tensor named).
     """
 
@@ -77,6 +79,7 @@ class ModelRunner:
                                  "is no GPU memory to budget; size an expert cache on this device with "
                                  "expert_cache_slots")
         cfg = self.model_config = load_config(self.model_dir)
+        check_remote_code(self.model_dir, config.trust_remote_code)  # before the weights: fail fast
         self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
         self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
         configure_torch_threads(config.cpu_threads)
@@ -166,9 +169,7 @@ class ModelRunner:
         return int(requested or min(limit, DEFAULT_MAX_MODEL_LEN))
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(self.model_dir))
+        return load_tokenizer(self.model_dir, self.engine_config.trust_remote_code)
 
     def _eos_ids(self) -> list[int]:
         eos = self.generation_config.get("eos_token_id")

@@ -1,0 +1,70 @@
+"""Loading a checkpoint's tokenizer, and the opt-in its custom code needs.
+
+Most checkpoints ship a ``tokenizer.json`` that ``transformers`` reads with its own classes. Some
+ship Python code instead, named by ``auto_map`` in ``tokenizer_config.json``: Kimi-K2's tiktoken
+tokenizer (``tokenization_kimi.TikTokenTokenizer`` beside ``tiktoken.model``) is one. Importing that
+code runs it, so it is done only when asked for (``EngineConfig.trust_remote_code``, the
+``--trust-remote-code`` flag; off by default, as in ``transformers`` and vLLM); without it such a
+checkpoint is refused before anything is loaded, with one line that says what to pass.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RemoteCodeError", "check_remote_code", "load_tokenizer", "remote_tokenizer_class"]
+
+
+class RemoteCodeError(ValueError):
+    """The checkpoint's tokenizer is custom code and ``trust_remote_code`` is off."""
+
+
+def remote_tokenizer_class(model_dir: str | Path) -> str | None:
+    """The custom tokenizer class ``tokenizer_config.json`` names in ``auto_map`` (e.g.
+    ``tokenization_kimi.TikTokenTokenizer``), or ``None`` when there is none (or no readable
+    ``tokenizer_config.json``: ``transformers`` reports that itself when it loads)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    auto_map = cfg.get("auto_map") if isinstance(cfg, dict) else None
+    if isinstance(auto_map, dict):
+        entry = auto_map.get("AutoTokenizer")
+    elif isinstance(auto_map, (list, tuple)):  # the older form: [slow class, fast class]
+        entry = auto_map
+    else:
+        return None
+    names = [entry] if isinstance(entry, str) else [e for e in entry or () if isinstance(e, str)]
+    return names[0] if names else None
+
+
+def check_remote_code(model_dir: str | Path, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint whose tokenizer is custom code unless ``trust_remote_code``.
+
+    Raises:
+        RemoteCodeError: ``auto_map`` in ``tokenizer_config.json`` names a tokenizer class and
+            ``trust_remote_code`` is off; the one-line message names the directory, the class and the
+            flag to pass.
+    """
+    if trust_remote_code:
+        return
+    cls = remote_tokenizer_class(model_dir)
+    if cls is not None:
+        raise RemoteCodeError(
+            f"{model_dir}: the tokenizer is custom Python code shipped with the checkpoint ({cls}, named by "
+            "auto_map in tokenizer_config.json); pass --trust-remote-code (trust_remote_code=True) to run it")
+
+
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's ``transformers`` tokenizer (its own code with ``trust_remote_code``).
+
+    Raises:
+        RemoteCodeError: see :func:`check_remote_code`.
+    """
+    check_remote_code(model_dir, trust_remote_code)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
