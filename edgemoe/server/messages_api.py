@@ -55,7 +55,7 @@ from edgemoe.server.common import (
     stream_failure,
 )
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
+from edgemoe.server.serving import CallIds, ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
 
 __all__ = ["CountTokensRequest", "MessageResponse", "MessagesRequest", "router", "to_chat_spec"]
 
@@ -350,9 +350,10 @@ def _tool_input(arguments: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def message_content(parsed: ParsedOutput) -> list[dict[str, Any]]:
-    """Content blocks of a whole response: thinking, text, then tool_use blocks (a call whose
-    arguments are not a JSON object is returned as text, so nothing is lost)."""
+def message_content(parsed: ParsedOutput, ids: CallIds | None = None) -> list[dict[str, Any]]:
+    """Content blocks of a whole response: thinking, text, then tool_use blocks (ids from ``ids``, else
+    random; a call whose arguments are not a JSON object is returned as text, so nothing is lost)."""
+    ids = ids if ids is not None else CallIds(None, "toolu")
     blocks: list[dict[str, Any]] = []
     if parsed.reasoning:
         blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
@@ -363,7 +364,8 @@ def message_content(parsed: ParsedOutput) -> list[dict[str, Any]]:
         if value is None:
             text += f"{call.name}({call.arguments})"
         else:
-            uses.append({"type": "tool_use", "id": new_tool_call_id("toolu"), "name": call.name, "input": value})
+            uses.append({"type": "tool_use", "id": ids.get(call.index, call.name, call.call_id), "name": call.name,
+                         "input": value})
     if text:
         blocks.append({"type": "text", "text": text})
     return blocks + uses
@@ -381,6 +383,7 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
     block: tuple | None = None  # ("thinking" | "text", None) or ("tool_use", call index)
     has_tool_use = False
     finished = False
+    ids = prepared.call_ids("toolu")
 
     def start(content_block: dict) -> str:
         nonlocal index
@@ -413,8 +416,8 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
                         yield start({"type": "text", "text": ""})
                     else:
                         has_tool_use = True
-                        yield start({"type": "tool_use", "id": new_tool_call_id("toolu"), "name": e.name or "",
-                                     "input": {}})
+                        yield start({"type": "tool_use", "id": ids.get(e.index, e.name or "", e.call_id),
+                                     "name": e.name or "", "input": {}})
                 if not e.text:
                     continue
                 if e.kind == "reasoning":
@@ -459,7 +462,7 @@ def router(serving: Serving) -> APIRouter:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
             raise request_failed(exc) from None
-        content = message_content(parsed)
+        content = message_content(parsed, prepared.call_ids("toolu"))
         reason, sequence = _stop(out, any(b["type"] == "tool_use" for b in content))
         resp = MessageResponse(
             id=prepared.request_id,

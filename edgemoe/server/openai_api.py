@@ -68,7 +68,7 @@ from edgemoe.server.protocol import (
     UsageInfo,
     new_id,
 )
-from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
+from edgemoe.server.serving import CallIds, ChatSpec, Prepared, Serving, with_reasoning_effort
 
 __all__ = ["SYSTEM_FINGERPRINT", "chat_messages", "router"]
 
@@ -188,8 +188,9 @@ def router(serving: Serving) -> APIRouter:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
             raise request_failed(exc) from None
+        ids = prepared.call_ids()
         calls = [
-            ToolCallOut(id=new_tool_call_id(), function={"name": c.name, "arguments": c.arguments})
+            ToolCallOut(id=ids.get(c.index, c.name, c.call_id), function={"name": c.name, "arguments": c.arguments})
             for c in parsed.tool_calls
         ]
         message = ChatMessage(content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=calls or None)
@@ -281,7 +282,7 @@ async def _gather(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[lis
     yield [finals[i] for i in range(len(gens))]
 
 
-def _tool_call_deltas(events: list[ParseEvent], ids: dict[int, str]) -> list[dict[str, Any]]:
+def _tool_call_deltas(events: list[ParseEvent], ids: CallIds) -> list[dict[str, Any]]:
     """OpenAI ``delta.tool_calls`` entries for the tool-call events of one step (merged per call;
     a call's first entry carries its id, type and name)."""
     out: list[dict[str, Any]] = []
@@ -289,8 +290,7 @@ def _tool_call_deltas(events: list[ParseEvent], ids: dict[int, str]) -> list[dic
         if e.kind != "tool_call":
             continue
         if e.index not in ids:
-            ids[e.index] = new_tool_call_id()
-            out.append({"index": e.index, "id": ids[e.index], "type": "function",
+            out.append({"index": e.index, "id": ids.get(e.index, e.name or "", e.call_id), "type": "function",
                         "function": {"name": e.name or "", "arguments": e.text}})
         elif out and out[-1]["index"] == e.index:
             out[-1]["function"]["arguments"] += e.text
@@ -312,7 +312,7 @@ async def _chat_stream(serving: Serving, prepared: Prepared, include_usage: bool
             include_usage,
         )
 
-    ids: dict[int, str] = {}
+    ids = prepared.call_ids()
     final = None
     try:
         yield chunk({"role": "assistant", "content": ""})

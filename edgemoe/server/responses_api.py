@@ -51,7 +51,7 @@ from edgemoe.server.common import (
     stream_failure,
 )
 from edgemoe.server.parsers import ParsedOutput
-from edgemoe.server.serving import ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
+from edgemoe.server.serving import CallIds, ChatSpec, Prepared, Serving, new_tool_call_id, with_reasoning_effort
 
 __all__ = ["ResponsesRequest", "function_tools", "router", "to_chat_spec"]
 
@@ -331,17 +331,18 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, namespaces
     return item
 
 
-def output_items(parsed: ParsedOutput, namespaces: dict[str, str]) -> list[dict[str, Any]]:
+def output_items(parsed: ParsedOutput, namespaces: dict[str, str], ids: CallIds | None = None) -> list[dict[str, Any]]:
     """Output items of a whole response: reasoning, message, function calls (with the ``namespace`` of
-    a function that came from one)."""
+    a function that came from one; their ``call_id`` from ``ids``, else random)."""
+    ids = ids if ids is not None else CallIds(None)
     items = []
     if parsed.reasoning:
         items.append(_reasoning_item(new_tool_call_id("rs"), parsed.reasoning))
     if parsed.content:
         items.append(_message_item(new_tool_call_id("msg"), parsed.content))
     for call in parsed.tool_calls:
-        items.append(_call_item(new_tool_call_id("fc"), new_tool_call_id("call"), call.name, call.arguments,
-                                namespaces))
+        items.append(_call_item(new_tool_call_id("fc"), ids.get(call.index, call.name, call.call_id), call.name,
+                                call.arguments, namespaces))
     return items
 
 
@@ -401,7 +402,9 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
         data = {"type": kind, "sequence_number": seq - 1, **fields}
         return sse_event(kind, json.dumps(data, ensure_ascii=False))
 
-    def open_item(kind: str, key: tuple, name: str | None) -> list[str]:
+    ids = prepared.call_ids()
+
+    def open_item(kind: str, key: tuple, name: str | None, written: str | None) -> list[str]:
         nonlocal cur
         idx = len(output)
         if kind == "reasoning":
@@ -415,7 +418,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
             part = {"type": "output_text", "text": "", "annotations": []}
         else:
             cur = {"kind": kind, "key": key, "id": new_tool_call_id("fc"), "text": "",
-                   "call_id": new_tool_call_id("call"), "name": name or ""}
+                   "call_id": ids.get(key[1], name or "", written), "name": name or ""}
             item, part = _call_item(cur["id"], cur["call_id"], cur["name"], "", shell.namespaces, "in_progress"), None
         output.append(item)
         events = [ev("response.output_item.added", output_index=idx, item=item)]
@@ -458,7 +461,7 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
                 if cur is None or cur["key"] != key:
                     for s in close_item():
                         yield s
-                    for s in open_item(e.kind, key, e.name):
+                    for s in open_item(e.kind, key, e.name, e.call_id):
                         yield s
                 if not e.text:
                     continue
@@ -505,6 +508,7 @@ def router(serving: Serving) -> APIRouter:
             out, parsed = await serving.run_whole(prepared, raw)
         except RequestFailedError as exc:
             raise request_failed(exc) from None
-        return JSONResponse(shell.response(_status(out), output_items(parsed, shell.namespaces), out))
+        return JSONResponse(shell.response(_status(out), output_items(parsed, shell.namespaces, prepared.call_ids()),
+                                           out))
 
     return api

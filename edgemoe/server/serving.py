@@ -48,7 +48,7 @@ from edgemoe.server.parsers.think import THINK_END, ThinkParser, prompt_ends_in_
 from edgemoe.server.protocol import sampling_kwargs
 from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
 
-__all__ = ["ChatSpec", "Prepared", "Serving", "new_tool_call_id", "with_reasoning_effort"]
+__all__ = ["CallIds", "ChatSpec", "Prepared", "Serving", "new_tool_call_id", "with_reasoning_effort"]
 
 log = logging.getLogger(__name__)
 
@@ -95,27 +95,15 @@ class Rendered:
         generation_prompt: the text the template wrote after the last message to open the answer
             (e.g. ``<|im_start|>assistant\n<think>\n``): where the output starts.
         tools: the tools offered to the model (``None`` with ``tool_choice: "none"`` or no tools).
+        past_call_ids: the ids of the conversation's tool calls and results as the template saw them.
+        past_calls: how many tool calls the conversation's assistant turns made.
     """
 
     prompt_ids: list[int]
     generation_prompt: str
     tools: list[dict[str, Any]] | None
-
-
-@dataclass
-class Prepared:
-    """A request ready to run: prompt, parameters, and what parses its output."""
-
-    request_id: str
-    prompt_ids: list[int]
-    generation_prompt: str
-    params: SamplingParams
-    tools: list[dict[str, Any]] | None
-    parsers: ParserConfig
-
-    def new_parser(self) -> OutputParser:
-        """A fresh output parser for this request."""
-        return self.parsers.build(self.generation_prompt, self.tools)
+    past_call_ids: frozenset[str] = frozenset()
+    past_calls: int = 0
 
 
 def new_tool_call_id(prefix: str = "call") -> str:
@@ -123,8 +111,83 @@ def new_tool_call_id(prefix: str = "call") -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+class CallIds:
+    """The API ids of one response's tool calls: one per call index, fixed when first asked for.
+
+    Random (``PREFIX_<24 hex>``) unless the tool-call format gives its own
+    (:meth:`~edgemoe.server.parsers.tagged.ToolParser.api_call_id`: Kimi-K2's ``functions.NAME:IDX``,
+    numbered on from the conversation's earlier calls and never one of their ids), so that a client
+    sending the conversation back gives the chat template ids in the form the model was trained on.
+
+    Args:
+        tool_parser: the tool-call parser class (``None``: random ids).
+        prefix: the random ids' prefix (``call``; ``toolu`` for Anthropic).
+        taken: ids the conversation already uses.
+        past_calls: how many tool calls the conversation made before this response.
+    """
+
+    def __init__(self, tool_parser: type | None, prefix: str = "call", taken: frozenset[str] = frozenset(),
+                 past_calls: int = 0):
+        self._cls, self._prefix, self._taken, self._past = tool_parser, prefix, set(taken), past_calls
+        self._ids: dict[int, str] = {}
+
+    def get(self, index: int, name: str, written: str | None = None) -> str:
+        """The id of call ``index`` (its function ``name``, the id the model ``written`` for it)."""
+        if index not in self._ids:
+            own = (self._cls.api_call_id(name, written, self._past + index, self._taken)
+                   if self._cls is not None else None)
+            self._ids[index] = own or new_tool_call_id(self._prefix)
+            self._taken.add(self._ids[index])
+        return self._ids[index]
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+@dataclass
+class Prepared:
+    """A request ready to run: prompt, parameters, and what parses its output (``past_call_ids`` /
+    ``past_calls``: see :class:`Rendered`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    generation_prompt: str
+    params: SamplingParams
+    tools: list[dict[str, Any]] | None
+    parsers: ParserConfig
+    past_call_ids: frozenset[str] = frozenset()
+    past_calls: int = 0
+
+    def new_parser(self) -> OutputParser:
+        """A fresh output parser for this request."""
+        return self.parsers.build(self.generation_prompt, self.tools)
+
+    def call_ids(self, prefix: str = "call") -> CallIds:
+        """A fresh :class:`CallIds` for this request's response."""
+        return CallIds(self.parsers.tool_parser, prefix, self.past_call_ids, self.past_calls)
+
+
 def _tool_name(tool: dict) -> str | None:
     return (tool.get("function") or {}).get("name")
+
+
+def _call_ids_of(messages: list[dict[str, Any]]) -> tuple[frozenset[str], int]:
+    """``(ids, count)``: the tool-call ids a conversation uses (its assistant turns' calls and its tool
+    results'), and how many tool calls its assistant turns made."""
+    ids: set[str] = set()
+    count = 0
+    for m in messages:
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            for tc in m["tool_calls"]:
+                count += 1
+                if isinstance(tc, dict) and isinstance(tc.get("id"), str):
+                    ids.add(tc["id"])
+        elif m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            ids.add(m["tool_call_id"])
+    return frozenset(ids), count
 
 
 REASONING_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
@@ -245,11 +308,14 @@ class Serving:
     # ------------------------------------------------------------------ preparing a request
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Adapt messages to the model family: past tool calls as the model's own markup where the
-        template cannot render them (DeepSeek-V3); for Harmony's template (gpt-oss) tool-call arguments as
-        objects (it writes them with ``tojson``) and the history reshaped by
-        :func:`~edgemoe.server.parsers.harmony.template_history`."""
+        """Adapt messages to the model family: past tool-call ids in the form the template expects
+        (Kimi-K2's ``functions.NAME:IDX``, see ``ToolParser.template_call_ids``); past tool calls as the
+        model's own markup where the template cannot render them (DeepSeek-V3); for Harmony's template
+        (gpt-oss) tool-call arguments as objects (it writes them with ``tojson``) and the history reshaped
+        by :func:`~edgemoe.server.parsers.harmony.template_history`."""
         cls = self.parsers.tool_parser
+        if cls is not None:
+            messages = cls.template_call_ids(messages)
         out = []
         for m in messages:
             calls = m.get("tool_calls") if m.get("role") == "assistant" else None
@@ -282,6 +348,7 @@ class Serving:
                                 "variables such as enable_thinking are allowed", param="chat_template_kwargs")
         tools = spec.tools if spec.tools and spec.tool_choice != "none" else None
         messages = self.template_messages(spec.messages)
+        past_ids, past_calls = _call_ids_of(messages)
         template = getattr(llm.tokenizer, "chat_template", None) or ""
         if tools and isinstance(template, str) and "tools" not in template:
             # The template ignores tools (DeepSeek-V3's): describe them in the system prompt.
@@ -301,7 +368,8 @@ class Serving:
             raise APIError(400, str(exc).replace("messages", field_, 1), param=field_) from None
         except jinja2.TemplateError as exc:  # e.g. the template's raise_exception on a bad role order
             raise APIError(400, f"{field_}: the chat template failed: {exc}", param=field_) from None
-        return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools)  # noqa: RUF071 (texts, not paths)
+        return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools,  # noqa: RUF071 (texts, not paths)
+                        past_ids, past_calls)
 
     async def render(self, spec: ChatSpec) -> Rendered:
         """:meth:`render_prompt` on a worker thread, so a long prompt does not stall other clients."""
@@ -390,7 +458,7 @@ class Serving:
             proc = await asyncio.to_thread(self._constrain, vocab, build(vocab), params.max_tokens, spec)
             params = replace(params, logits_processors=[proc])
         return Prepared(request_id, rendered.prompt_ids, rendered.generation_prompt, params, rendered.tools,
-                        self.parsers)
+                        self.parsers, rendered.past_call_ids, rendered.past_calls)
 
     @staticmethod
     def _constrain(vocab: GrammarVocab, grammar: Grammar, max_tokens: int, spec: ChatSpec) -> GrammarLogitsProcessor:

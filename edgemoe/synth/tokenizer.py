@@ -20,7 +20,22 @@ The built tokenizer has a family's special and added tokens and chat template
   them are left out), eos ``<|return|>``, ``<|endoftext|>``, ``<|call|>`` (the releases'
   ``generation_config.json``), and the chat template released with gpt-oss (``openai/gpt-oss-20b``
   ``chat_template.jinja``, the revision that ends tool calls with ``<|call|>`` and keeps a tool call's
-  analysis until a final answer; ``reasoning_effort`` low / medium / high), ``data/gpt_oss_chat_template.jinja``.
+  analysis until a final answer; ``reasoning_effort`` low / medium / high), ``data/gpt_oss_chat_template.jinja``;
+- ``kimi_k2``: Kimi-K2's special tokens (``[BOS]``, ``[EOS]``, ``<|im_end|>``, ``<|im_user|>``,
+  ``<|im_assistant|>``, ``<|start_header_id|>``, ``<|end_header_id|>``, ``[EOT]``, ``<|im_system|>``,
+  ``<|im_middle|>``, ``[UNK]``, ``[PAD]``) and its tool-call tokens, which the release does not mark special
+  (``<|tool_calls_section_begin|>``, ``<|tool_calls_section_end|>``, ``<|tool_call_begin|>``,
+  ``<|tool_call_argument_begin|>``, ``<|tool_call_end|>``), eos ``<|im_end|>`` (the release's
+  ``generation_config.json``) then ``[EOS]``, and the chat template released with Kimi-K2-Instruct-0905
+  (past tool calls rendered by their id, tool results as ``## Return of ID``; the file as vendored with
+  the release's tokenizer files in alibaba/rtp-llm's test data), ``data/kimi_k2_chat_template.jinja``.
+  The release's tokenizer itself is tiktoken code (``tokenization_kimi.py``, loaded with
+  ``--trust-remote-code``); this one is a plain fast tokenizer with the same markup, for test checkpoints
+  (``make_model(..., tokenizer=DIR)`` after :func:`build_tokenizer`);
+- ``kimi_k2_thinking``: the same tokens plus ``<think>`` / ``</think>`` (not special), and the chat
+  template released with Kimi-K2-Thinking (past turns' reasoning dropped, the current turn's kept as
+  ``<think>...</think>``; the file as llama.cpp keeps it, ``moonshotai-Kimi-K2-Thinking.jinja``),
+  ``data/kimi_k2_thinking_chat_template.jinja``.
 
 The templates and the BPE's training text (``data/corpus.txt``: plain English, chat, JSON tool calls
 and code) are package data.
@@ -106,6 +121,11 @@ class TokenizerSpec:
         return (_DATA / self.template_file).read_text(encoding="utf-8").strip()
 
 
+_KIMI_SPECIAL = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                 "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>", "[UNK]", "[PAD]")
+_KIMI_TOOLS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+
 TOKENIZERS: dict[str, TokenizerSpec] = {
     "qwen3": TokenizerSpec(
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -133,6 +153,23 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
         pad_token="<|endoftext|>",
         template_file="gpt_oss_chat_template.jinja",
         bos_token="<|startoftext|>",
+    ),
+    # Kimi-K2's order (ids 163584-163588, 163590, 163591, 163593-163599, 163601; [UNK], [PAD] 163838-9)
+    "kimi_k2": TokenizerSpec(
+        special_tokens=_KIMI_SPECIAL,
+        added_tokens=_KIMI_TOOLS,
+        eos_tokens=("<|im_end|>", "[EOS]"),
+        pad_token="[PAD]",
+        template_file="kimi_k2_chat_template.jinja",
+        bos_token="[BOS]",
+    ),
+    "kimi_k2_thinking": TokenizerSpec(
+        special_tokens=_KIMI_SPECIAL,
+        added_tokens=(*_KIMI_TOOLS, "<think>", "</think>"),
+        eos_tokens=("<|im_end|>", "[EOS]"),
+        pad_token="[PAD]",
+        template_file="kimi_k2_thinking_chat_template.jinja",
+        bos_token="[BOS]",
     ),
 }
 

@@ -7,18 +7,20 @@ reasoning      ``think`` (``<think>...</think>``; aliases ``qwen3``, ``deepseek_
                ``none``
 tool-call      ``qwen3`` (JSON in ``<tool_call>``; alias ``hermes``), ``qwen3_coder`` (XML
                functions/parameters), ``glm45`` (GLM-4.5/4.6/4.7 ``<arg_key>``/``<arg_value>`` pairs;
-               alias ``glm47``), ``deepseek_v3`` (DeepSeek tool-call tokens), ``harmony``, ``none``
+               alias ``glm47``), ``deepseek_v3`` (DeepSeek tool-call tokens), ``kimi_k2`` (Kimi-K2 tool-call
+               sections; alias ``kimi``), ``harmony``, ``none``
 ============== ===================================================================================
 
 :func:`detect_parsers` (``auto``) decides from the checkpoint: ``model_type == "gpt_oss"`` or the
 Harmony tokens ``<|channel|>`` + ``<|message|>`` in the vocabulary → ``harmony`` for both; else the
-tool format from ``<｜tool▁calls▁begin｜>`` in the vocabulary (``deepseek_v3``), ``<function=`` and
-``<parameter=`` in the chat template (``qwen3_coder``), ``<arg_key>`` in the chat template
-(``glm45``), ``<tool_call>`` in the vocabulary or template (``qwen3``); reasoning ``think`` when
-``<think>`` and ``</think>`` are tokens of the vocabulary.
+tool format from ``<|tool_calls_section_begin|>`` in the vocabulary or chat template (``kimi_k2``),
+``<｜tool▁calls▁begin｜>`` in the vocabulary (``deepseek_v3``), ``<function=`` and ``<parameter=`` in
+the chat template (``qwen3_coder``), ``<arg_key>`` in the chat template (``glm45``), ``<tool_call>`` in
+the vocabulary or template (``qwen3``); reasoning ``think`` when ``<think>`` and ``</think>`` are
+tokens of the vocabulary or both appear in the chat template (Kimi-K2-Thinking's writes them as text).
 
 Every parser is incremental (:class:`~edgemoe.server.parsers.base.OutputParser`); module per family:
-``think``, ``qwen3``, ``qwen3_coder``, ``glm45``, ``deepseek_v3``, ``harmony``.
+``think``, ``qwen3``, ``qwen3_coder``, ``glm45``, ``deepseek_v3``, ``kimi_k2``, ``harmony``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from edgemoe.server.parsers.base import (
 from edgemoe.server.parsers.deepseek_v3 import DeepSeekV3ToolParser
 from edgemoe.server.parsers.glm45 import Glm45ToolParser
 from edgemoe.server.parsers.harmony import HarmonyParser
+from edgemoe.server.parsers.kimi_k2 import KimiK2ToolParser
 from edgemoe.server.parsers.qwen3 import Qwen3ToolParser
 from edgemoe.server.parsers.qwen3_coder import Qwen3CoderToolParser
 from edgemoe.server.parsers.tagged import ToolParser
@@ -64,6 +67,8 @@ TOOL_PARSERS: dict[str, type[ToolParser] | None] = {
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "kimi": KimiK2ToolParser,
     "harmony": HarmonyParser,
     "none": None,
 }
@@ -87,7 +92,9 @@ def detect_parsers(model_type: str | None, tokenizer: Any) -> tuple[str, str, st
     template = template if isinstance(template, str) else " ".join(map(str, template))
     if model_type == "gpt_oss" or _vocab_has(tokenizer, "<|channel|>", "<|message|>"):
         return "harmony", "harmony", "Harmony format (gpt_oss model type or <|channel|>/<|message|> tokens)"
-    if _vocab_has(tokenizer, "<｜tool▁calls▁begin｜>"):
+    if _vocab_has(tokenizer, "<|tool_calls_section_begin|>") or "<|tool_calls_section_begin|>" in template:
+        tool, why = "kimi_k2", "<|tool_calls_section_begin|> token (Kimi-K2)"
+    elif _vocab_has(tokenizer, "<｜tool▁calls▁begin｜>"):
         tool, why = "deepseek_v3", "<｜tool▁calls▁begin｜> token"
     elif "<function=" in template and "<parameter=" in template:
         tool, why = "qwen3_coder", "<function=/<parameter= in the chat template"
@@ -99,6 +106,8 @@ def detect_parsers(model_type: str | None, tokenizer: Any) -> tuple[str, str, st
         tool, why = "none", "no known tool-call markup"
     if _vocab_has(tokenizer, "<think>", "</think>"):
         return tool, "think", why + "; <think>/</think> tokens"
+    if "<think>" in template and "</think>" in template:
+        return tool, "think", why + "; <think>/</think> in the chat template"
     return tool, "none", why + "; no reasoning tokens"
 
 

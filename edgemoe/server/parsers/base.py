@@ -39,12 +39,15 @@ class ParseEvent:
         text: the text piece; for ``tool_call`` a fragment of the call's JSON arguments.
         index: for ``tool_call``: the call's position in this response (0, 1, ...).
         name: for ``tool_call``: the function name, set on the call's first event only.
+        call_id: for ``tool_call``: the id the model wrote for the call (formats that have one, e.g.
+            Kimi-K2's ``functions.NAME:IDX``), on the call's first event only; ``None`` otherwise.
     """
 
     kind: Kind
     text: str = ""
     index: int | None = None
     name: str | None = None
+    call_id: str | None = None
 
 
 def text_event(kind: Kind, text: str) -> list[ParseEvent]:
@@ -105,11 +108,13 @@ class PassThrough(OutputParser):
 
 @dataclass
 class ToolCall:
-    """A complete (or, when output was cut, partial) tool call of a whole response."""
+    """A complete (or, when output was cut, partial) tool call of a whole response (``call_id``: the id
+    the model wrote, see :class:`ParseEvent`)."""
 
     index: int
     name: str
     arguments: str
+    call_id: str | None = None
 
 
 @dataclass
@@ -135,7 +140,7 @@ def collect(events: list[ParseEvent], saw_reasoning: bool = False) -> ParsedOutp
     calls: dict[int, ToolCall] = {}
     for e in events:
         if e.kind == "tool_call":
-            call = calls.setdefault(e.index, ToolCall(e.index, e.name or "", ""))
+            call = calls.setdefault(e.index, ToolCall(e.index, e.name or "", "", e.call_id))
             call.arguments += e.text
     has_reasoning = bool(reasoning) or saw_reasoning
     return ParsedOutput(

@@ -21,6 +21,7 @@ back when they render the history). Malformed output never disappears:
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from typing import Any, ClassVar
 
 import regex
@@ -77,6 +78,25 @@ class ToolParser(OutputParser):
         """The model's own text for past ``tool_calls`` (OpenAI shape), for families whose chat
         template cannot render them; ``None`` when the template does it."""
         return None
+
+    @classmethod
+    def api_call_id(cls, name: str, written: str | None, position: int, taken: Container[str]) -> str | None:
+        """The id the APIs give a call, for formats whose chat template renders past calls by their id and
+        whose model was trained on ids of its own form; ``None`` (the default): a random id.
+
+        Args:
+            name: the function name.
+            written: the id the model wrote (:attr:`ParseEvent.call_id`), if any.
+            position: the call's position in the conversation (calls of earlier turns first, 0-based).
+            taken: ids already used in the conversation (and in this response); the result is not one.
+        """
+        return None
+
+    @classmethod
+    def template_call_ids(cls, messages: list[dict]) -> list[dict]:
+        """The conversation with its past tool-call ids in the form the chat template expects, the tool
+        results' ``tool_call_id`` following (default: as sent)."""
+        return messages
 
     # -------------------------------------------------------------- answer text between calls
     # Subclasses keep ``_buf`` (unparsed text), ``_ws`` (held-back whitespace), ``_state`` and
@@ -146,6 +166,12 @@ class TaggedJsonToolParser(ToolParser):
         """The function name from the header's ``name`` group."""
         return raw.strip()
 
+    def decode_header(self, m) -> tuple[str, str | None]:
+        """``(function name, the id the model wrote or None)`` from a matched header (default: the name
+        from the ``name`` / ``name2`` group through :meth:`decode_name`, no id)."""
+        raw = m.groupdict().get("name") or m.groupdict().get("name2") or ""
+        return self.decode_name(raw), None
+
     # ------------------------------------------------------------------ the machine
 
     def feed(self, text: str) -> list[ParseEvent]:
@@ -172,8 +198,8 @@ class TaggedJsonToolParser(ToolParser):
                 out += text_event("content", self._ws + tag)
                 self._ws, self._buf, self._state = "", buf[len(tag):], self._CONTENT
                 return True
-            raw = m.groupdict().get("name") or m.groupdict().get("name2") or ""
-            out.append(ParseEvent("tool_call", "", self._index, self.decode_name(raw)))
+            name, call_id = self.decode_header(m)
+            out.append(ParseEvent("tool_call", "", self._index, name, call_id))
             self._ws, self._buf, self._state, self._args = "", buf[m.start("args"):], self._ARGS, JsonArgs()
             return True
         if s == self._ARGS:
