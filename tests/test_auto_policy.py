@@ -4,7 +4,9 @@ routing replay's, and the engine feeding the policy between steps with exact out
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -124,23 +126,24 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     assert auto.cpu_level == 1  # all late, steps as fast as before: one level
     window(0.01, LayerObservation(handoffs=[20, 20], late=[10, 10]))
     assert auto.cpu_level == 1
-    for _ in range(3):
-        window(0.1, all_late)  # ten times slower: a stall
-    assert auto.cpu_level == 1 + 3 * auto.balance_stall_step
+    window(0.1, all_late)  # ten times slower: a stall, priced by the slowdown at once (8 log2 10 levels)
+    assert auto.cpu_level == 1 + math.ceil(8 * math.log2(10)) == 28
+    window(0.03, all_late)  # still stalled, three times slower than before it: at least balance_stall_step
+    assert auto.cpu_level == min(28 + max(auto.balance_stall_step, math.ceil(8 * math.log2(3))), 40) == 40
+    auto.cpu_level = 28
     stalled = all_late
     auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
     assert auto.fills_every_miss()
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 25 and not auto.wants_early_read
+    assert auto.cpu_level == 28 and not auto.wants_early_read
     auto.observe_layers(quiet)
-    assert auto.cpu_level == 12 and auto.wants_early_read  # the probe, judged on the next step
+    assert auto.cpu_level == 14 and auto.wants_early_read  # the probe, judged on the next step
     auto.observe(0.1, 1)
     auto.observe_layers(stalled)  # answered late: priced out again, and the next probe waits twice as long
-    assert auto.cpu_level == 20 and not auto.wants_early_read
-    for _ in range(3):  # back to filling every miss
-        window(0.1, stalled)
+    assert auto.cpu_level == 40 and not auto.wants_early_read
+    window(0.1, stalled)
     assert auto.fills_every_miss() and auto.cpu_level == auto.balance_levels[1] == 40
     assert auto._retry_windows == 2 * auto.balance_retry_windows
     for _ in range(2 * auto.balance_retry_windows - 1):
@@ -153,6 +156,33 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     for _ in range(auto.balance_retry_windows):
         auto.observe_layers(quiet)
     assert auto.cpu_level in (10, 19)  # halved by a probe if the table fills every miss, else one level
+
+
+def test_a_cpu_probe_brings_a_priced_out_cpu_back_when_the_slowdown_ends():
+    """While a stall keeps the table filling every miss, the policy asks the runtime for a CPU-speed probe
+    each window (``wants_cpu_probe``) and lowers the level to its time over the level-0 model (a probe never
+    raises it): a probe still 10x slower gives the level of 10x, one at the model's time level 0 (the split)
+    in one window; none is asked at level 0 or while the table splits."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
+    assert auto.wants_cpu_probe == 0  # level 0
+    auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[40, 40], misses_per_layer_step=6.0))
+    base = [auto.num_fills(m) for m in range(1, 17)]
+    auto.cpu_level = auto.balance_levels[1]  # priced out by a stall
+    auto._rebuild()
+    assert auto.fills_every_miss()
+    n = auto.wants_cpu_probe
+    assert n == auto.cpu_probe_experts
+    c = auto.costs
+    model = c.cpu_fixed_s + n * c.cpu_s
+    quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
+    auto.observe_layers(replace(quiet, cpu_probe=(n, 100 * model)))  # a probe never raises the level
+    assert auto.cpu_level == auto.balance_levels[1]
+    auto.observe_layers(replace(quiet, cpu_probe=(n, 10 * model)))  # 10x slower: the level of 10x, at once
+    assert auto.cpu_level == math.ceil(8 * math.log2(10)) == 27
+    assert auto.fills_every_miss() and auto.wants_cpu_probe == n  # at 10x filling every miss still wins
+    auto.observe_layers(replace(quiet, cpu_probe=(n, 0.9 * model)))  # as fast as modeled: level 0 in one window
+    assert auto.cpu_level == 0 and [auto.num_fills(m) for m in range(1, 17)] == base
+    assert not auto.fills_every_miss() and auto.wants_cpu_probe == 0
 
 
 def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():
@@ -291,6 +321,39 @@ def test_engine_feeds_auto_between_steps_and_outputs_stay_exact(tiny_model_dir):
             st = rt.stats()["decode"]
             assert st["fills"] > 0 and st["misses"] == st["fills"] + st["cpu"]
     assert toks["auto"] == toks["fill-all"]
+
+
+def test_runtime_times_the_cpu_probe_the_policy_asks_for(tiny_model_dir):
+    """With the CPU priced out (the level at its bound, the table filling every miss) the runtime times a
+    CPU-speed probe at its next read (one executor call over ``cpu_probe_experts`` pool experts) and
+    hands it to the policy, which sets the level from it; at level 0 no probe is asked or run."""
+    from edgemoe import LLM, SamplingParams
+    from edgemoe.experts.policy import REUSE_READ_STEPS
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    pol, seen = rt.policy, []
+    observe = pol.observe_layers
+
+    def record(obs):
+        before = pol.cpu_level
+        changed = observe(obs)
+        seen.append((before, obs.cpu_probe, pol.cpu_level))
+        return changed
+
+    pol.observe_layers = record
+    pol.cpu_level = pol.balance_levels[1]
+    pol._rebuild()
+    assert pol.fills_every_miss() and pol.wants_cpu_probe == pol.cpu_probe_experts
+    llm.generate(["Tell me about the number 42 and why"],
+                 SamplingParams(max_tokens=2 * REUSE_READ_STEPS + 2, temperature=0.0, ignore_eos=True))
+    probes = [(before, p, after) for before, p, after in seen if p is not None]
+    assert probes and all(p[0] == pol.cpu_probe_experts and p[1] > 0 for _, p, _ in probes)
+    before, (n, t), after = probes[0]
+    model = pol.costs.cpu_fixed_s + n * pol.costs.cpu_s
+    assert before == pol.balance_levels[1] and after == min(before, max(0, math.ceil(8 * math.log2(t / model))))
+    assert all(p is None for before, p, _ in seen if before == 0)
 
 
 def test_per_layer_lru_partitions_and_matches_the_replay():

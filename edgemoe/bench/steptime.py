@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from edgemoe.bench.replay import Access, ResidentPolicy, Workload, make_policy
@@ -216,6 +217,10 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
     armed = policy != "fill-all"
     win = _Window(wl.num_layers)
     sense = _Noise(noise, seed)
+
+    def probe_costs(t: float) -> MissCosts:
+        return contention.apply(costs, t) if contention is not None else costs
+
     res = TimeResult(policy, "-" if policy in ("cpu-all", "static") else eviction, slots, wl.decode_tokens, 0.0)
     L = wl.num_layers
     clock = 0.0
@@ -233,7 +238,8 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
             continue
         if a.step != cur_step:
             if cur_step is not None:
-                clock, read = _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock, win)
+                clock, read = _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock, win,
+                                        probe_costs)
                 if read:
                     obs = LayerObservation(fill_samples=[], cpu_samples=[])
             cur_step, step_t, carry, prev = a.step, 0.0, 0.0, None
@@ -272,7 +278,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         res.cpu += cpu
         prev = a
     if cur_step is not None:
-        _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock, win)
+        _end_step(res, pol, rule, obs, seen, step_t + token_base_s, sense, clock, win, probe_costs)
     n = len(res.step_seconds)
     w = min(int(warmup), n)
     res.seconds = sum(res.step_seconds[w:])
@@ -313,8 +319,10 @@ class _Window:
 
 def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | None, obs: LayerObservation,
               seen: tuple[list[int], list[int]], seconds: float, sense: _Noise, clock: float,
-              win: _Window) -> tuple[float, bool]:
-    """Close a decode step; returns the new clock and whether the policy read its window (then a new one starts)."""
+              win: _Window, probe_costs: Callable[[float], MissCosts] | None = None) -> tuple[float, bool]:
+    """Close a decode step; returns the new clock and whether the policy read its window (then a new one starts).
+    ``probe_costs(clock)``: the costs at that time, for a CPU-speed probe the policy asks for (its time is
+    added to the clock)."""
     res.step_seconds.append(seconds)
     clock += seconds
     win.steps += 1
@@ -331,6 +339,11 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
     if isinstance(pol, AutoPolicy):
         obs.handoffs, obs.late = win.handoffs, win.late
         obs.misses_per_layer_step = win.decided / win.layer_steps if win.layer_steps else None
+    if (n := pol.wants_cpu_probe) and probe_costs is not None:  # the runtime's CPU-speed probe, between steps
+        c = probe_costs(clock)
+        t = c.cpu_fixed_s + n * c.cpu_s
+        obs.cpu_probe = (n, sense(t))
+        clock += t
     pol.observe_layers(obs)
     win.reset(clock)
     return clock, True

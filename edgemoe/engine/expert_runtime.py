@@ -118,6 +118,7 @@ class ExpertRuntime:
         self._reuse_seen: tuple | None = None
         self._reuse_read_s = 0.0  # perf_counter() of the last read
         self._decode_steps = 0
+        self._probe_next = 0  # first pool expert of the next CPU-speed probe (_cpu_probe)
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
         self._retired["prefetch"] = {"prefetched": 0, "prefetch_hits": 0}  # next-layer prefetch
@@ -357,9 +358,26 @@ class ExpertRuntime:
                                fills=[a[1] - b[1] for a, b in zip(reuse, reuse0)],
                                handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
                                late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
-                               misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None)
+                               misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None,
+                               cpu_probe=self._cpu_probe(self.policy.wants_cpu_probe))
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
+
+    def _cpu_probe(self, experts: int) -> tuple[int, float] | None:
+        """Time one call of the CPU executor over ``experts`` pool experts with one zero token each (a CPU-speed
+        probe the policy asked for, :attr:`ExpertPolicy.wants_cpu_probe`); ``(experts, seconds)``, or ``None``
+        when none was asked. Between steps, while no CPU branch runs (the policy asks only while its table
+        fills every miss); the experts rotate through the pool so the reads come from DRAM, not a warm cache."""
+        n = min(int(experts), self.pool.num_ids)
+        if n <= 0:
+            return None
+        start = self._probe_next % max(1, self.pool.num_ids - n + 1)
+        self._probe_next = start + 997 * n  # a stride coprime with typical pool sizes
+        tok, wt = torch.zeros(1, dtype=torch.int64), torch.ones(1)
+        x, out = torch.zeros(1, self.pool.hidden), torch.zeros(1, self.pool.hidden)
+        t0 = time.perf_counter()
+        self.cpu_executor.run(x, [(start + i, tok, wt) for i in range(n)], out)
+        return n, time.perf_counter() - t0
 
     def check_decode_step(self) -> None:
         """After a device-path decode step with a CPU branch: wait for it (the engine's sampling would

@@ -103,6 +103,12 @@ class ExpertPolicy:
         instead of waiting for a full window (a probe whose answer one step gives)."""
         return False
 
+    @property
+    def wants_cpu_probe(self) -> int:
+        """Experts (one token each) the runtime should time in one call of the CPU executor before the next
+        :meth:`observe_layers`, passed as ``LayerObservation.cpu_probe``; 0: none."""
+        return 0
+
     def price_armed_branch(self, seconds: float) -> bool:
         """Told by a decode path that drops the CPU branch from steps whose rule fills every miss, and
         for which keeping it armed costs ``seconds`` per MoE layer step even without CPU work (the
@@ -423,6 +429,8 @@ class LayerObservation:
             (the GPU had to wait for it). Their ratio says which branch finishes last.
         misses_per_layer_step: mean misses (deduplicated experts) of one MoE layer's decode step over the
             window that found no free slot (the ones a policy decides about), or ``None``.
+        cpu_probe: ``(experts, seconds)`` of one call of the CPU executor, one token per expert, timed by
+            the runtime between steps when the policy asked (:attr:`ExpertPolicy.wants_cpu_probe`), or ``None``.
     """
 
     reuse_net: list[int] | None = None
@@ -432,6 +440,7 @@ class LayerObservation:
     handoffs: list[int] | None = None
     late: list[int] | None = None
     misses_per_layer_step: float | None = None
+    cpu_probe: tuple[int, float] | None = None
 
 
 class AutoPolicy(ExpertPolicy):
@@ -477,13 +486,20 @@ class AutoPolicy(ExpertPolicy):
     starts again at one level, as in sign-based step adaptation (Riedmiller & Braun's Rprop, 1993); a
     window in which nearly every hand-off was late (:attr:`balance_stall`: the GPU always waited) and
     the decode steps took :attr:`balance_stall_slowdown` times as long as before (the mean step time of
-    the earlier windows, from :meth:`observe`) moves :attr:`balance_stall_step` levels at once: the CPU
-    side became far slower than it was, e.g. another process took the executor's cores. The levels are
+    the earlier windows, from :meth:`observe`) moves the level by the slowdown itself, ``8·log2(step time
+    / earlier step time)`` levels and at least :attr:`balance_stall_step`: the CPU side became far slower
+    than it was, e.g. another process took the executor's cores, and when it is the step's critical path
+    the step slowed by about as much as the CPU did, so one window prices it. The levels are
     bounded (:attr:`balance_levels`); windows
     with too few hand-offs to judge move it one level back toward 1x. While the table fills every miss
-    (the CPU branch disarmed, sending nothing) the level is instead halved toward 1x after
-    :attr:`balance_retry_windows` quiet windows: a probe of the CPU side, so one priced out by a passing
-    slowdown comes back in a few probes, without flipping the step's graph every window. A probe is
+    (the CPU branch disarmed, sending nothing) hand-offs say nothing about the CPU. Where the runtime
+    times a CPU-speed probe (:attr:`wants_cpu_probe`: :attr:`cpu_probe_experts` experts of one token in
+    one executor call between steps, about a millisecond at full speed, off the GPU's path), each window's
+    probe sets the level to ``8·log2(measured / modeled)`` of the level-0 model (never raising it): a
+    slowdown that ended is seen in the next window, one that persists keeps the level. Without probe
+    times the level is instead halved toward 1x after :attr:`balance_retry_windows` quiet windows: a probe
+    of the CPU side on the decode steps themselves, so one priced out by a passing slowdown comes back in
+    a few probes, without flipping the step's graph every window. Such a probe is
     judged on the next decode step (:attr:`wants_early_read`), so one into a persisting slowdown costs
     one slow step; one answered by a late window doubles the quiet windows before the next (up to
     :attr:`balance_retry_max`), one that is not resets them. The split then settles where the CPU
@@ -526,6 +542,7 @@ class AutoPolicy(ExpertPolicy):
     balance_stall_slowdown = 2.0  # a stalled window's mean step time over the earlier windows' (at least)
     balance_retry_windows = 4  # quiet windows before a probe while the table fills every miss (disarmed)
     balance_retry_max = 8  # most quiet windows between probes (after probes answered by late windows)
+    cpu_probe_experts = 8  # experts of one CPU-speed probe (one token each) while the CPU is priced out
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
@@ -675,6 +692,10 @@ class AutoPolicy(ExpertPolicy):
     def wants_early_read(self) -> bool:
         return self._probing
 
+    @property
+    def wants_cpu_probe(self) -> int:
+        return self.cpu_probe_experts if self.cpu_level > 0 and self.fills_every_miss() else 0
+
     def observe(self, seconds: float, batch_size: int) -> bool:
         """Record a decode step's wall time (for the balance controller's stall test); the table is
         rebuilt by :meth:`observe_layers` only."""
@@ -703,6 +724,13 @@ class AutoPolicy(ExpertPolicy):
         if mean_s is not None:  # the reference follows the step time, but not into a stall
             self._step_ref_s = mean_s if ref is None else ref if slowed else 0.5 * (ref + mean_s)
             self._window_s, self._window_steps = 0.0, 0
+        probed = obs.cpu_probe is not None and self.cpu_level > 0 and self.fills_every_miss()
+        if probed:  # the CPU's own speed, measured off the decode steps: lower the level to what it says
+            n, t = obs.cpu_probe
+            model = self.costs.cpu_fixed_s + n * self.costs.cpu_s  # the level-0 (unscaled) time of that call
+            if model > 0 and t > 0:
+                self.cpu_level = min(self.cpu_level, max(0, math.ceil(8 * math.log2(t / model))))
+            self._probing, self._quiet_windows, self._balance_move = False, 0, 0
         if obs.handoffs is not None:
             lo, hi = self.balance_levels
             if (n := sum(obs.handoffs)) >= self.balance_min_handoffs:
@@ -711,7 +739,7 @@ class AutoPolicy(ExpertPolicy):
                 sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
                 prev = self._balance_move
                 if frac >= self.balance_stall and slowed:  # every hand-off late and the steps slowed down
-                    size = self.balance_stall_step
+                    size = max(self.balance_stall_step, math.ceil(8 * math.log2(mean_s / ref)))
                 else:
                     size = min(2 * abs(prev), self.balance_max_step) if sign and prev * sign > 0 else 1
                 self._balance_move = sign * size
@@ -725,7 +753,9 @@ class AutoPolicy(ExpertPolicy):
                 self._quiet_windows += 1
                 self._balance_move = 0
                 disarmed = self.fills_every_miss()
-                if self.cpu_level and self._quiet_windows >= (self._retry_windows if disarmed else 1):
+                if probed:  # the probe judged this window
+                    self._quiet_windows = 0
+                elif self.cpu_level and self._quiet_windows >= (self._retry_windows if disarmed else 1):
                     if disarmed and self.cpu_level > 0:
                         self.cpu_level //= 2
                         self._probing = True
