@@ -494,9 +494,12 @@ class AutoPolicy(ExpertPolicy):
     with too few hand-offs to judge move it one level back toward 1x. While the table fills every miss
     (the CPU branch disarmed, sending nothing) hand-offs say nothing about the CPU. Where the runtime
     times a CPU-speed probe (:attr:`wants_cpu_probe`: :attr:`cpu_probe_experts` experts of one token in
-    one executor call between steps, about a millisecond at full speed, off the GPU's path), each window's
-    probe sets the level to ``8·log2(measured / modeled)`` of the level-0 model (never raising it): a
-    slowdown that ended is seen in the next window, one that persists keeps the level. Without probe
+    one executor call between steps, about a millisecond at full speed, off the GPU's path), a window's
+    probe within :attr:`cpu_probe_return` times the level-0 model's time sets the level to
+    ``8·log2(measured / modeled)`` (never raising it): a slowdown that ended is seen in the next window.
+    A slower probe keeps the level: under a process sharing the executor's cores a lone small call
+    understates how slow a step's CPU branch runs (on the GPU host a probe read 8x while the steps ran
+    over 15x slower, and following it re-armed the split into a stall every half second). Without probe
     times the level is instead halved toward 1x after :attr:`balance_retry_windows` quiet windows: a probe
     of the CPU side on the decode steps themselves, so one priced out by a passing slowdown comes back in
     a few probes, without flipping the step's graph every window. Such a probe is
@@ -543,6 +546,7 @@ class AutoPolicy(ExpertPolicy):
     balance_retry_windows = 4  # quiet windows before a probe while the table fills every miss (disarmed)
     balance_retry_max = 8  # most quiet windows between probes (after probes answered by late windows)
     cpu_probe_experts = 8  # experts of one CPU-speed probe (one token each) while the CPU is priced out
+    cpu_probe_return = 2.0  # probe time over the model's below which the level follows the probe
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
@@ -728,7 +732,7 @@ class AutoPolicy(ExpertPolicy):
         if probed:  # the CPU's own speed, measured off the decode steps: lower the level to what it says
             n, t = obs.cpu_probe
             model = self.costs.cpu_fixed_s + n * self.costs.cpu_s  # the level-0 (unscaled) time of that call
-            if model > 0 and t > 0:
+            if model > 0 and 0 < t <= self.cpu_probe_return * model:  # the slowdown is over (or nearly)
                 self.cpu_level = min(self.cpu_level, max(0, math.ceil(8 * math.log2(t / model))))
             self._probing, self._quiet_windows, self._balance_move = False, 0, 0
         if obs.handoffs is not None:
