@@ -166,9 +166,22 @@ class ModelRunner:
         return int(requested or min(limit, DEFAULT_MAX_MODEL_LEN))
 
     def _load_tokenizer(self):
+        """The checkpoint's tokenizer.
+
+        Raises:
+            ValueError: the directory has no usable tokenizer. Without tokenizer files, transformers
+                builds an empty one from ``config.json``'s model type, which turns every prompt into
+                nothing; it is refused here, naming the directory.
+        """
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        if len(tokenizer) < 2 or not tokenizer.encode("Hello, world.", add_special_tokens=False):
+            raise ValueError(
+                f"{self.model_dir}: no usable tokenizer ({len(tokenizer)} token(s), text encodes to nothing); "
+                "copy the model's tokenizer files (tokenizer.json, or tokenizer.model / vocab.json + merges.txt, "
+                "with tokenizer_config.json) into the directory")
+        return tokenizer
 
     def _eos_ids(self) -> list[int]:
         eos = self.generation_config.get("eos_token_id")
