@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats prefill prefill-profile grouped agent structured families peers elastic policy contention
+#        formats prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
 #        (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -103,6 +103,15 @@ for stage in "${stages[@]}"; do
       2>&1 | tee "$OUT/elastic-pytest.log" | tail -n 20
     timeout ${ELASTIC_TIMEOUT:-300} python3 benchmarks/elastic.py --out "$OUT" ${ELASTIC_ARGS:-} 2>&1 \
       | tee "$OUT/elastic.log" | tail -n 25 ;;
+  profile-decode)
+    # where the resident decode step's time goes (16-layer Qwen3-30B-A3B geometry, the model's own routing):
+    # CUDA graphs, then eager; $PROFILE_ARGS adds flags (e.g. --budget-gb 2.42 --policy qstar)
+    echo "== decode step profile: host time, kernel time, GPU gaps, kernels by time"
+    for mode in graphs eager; do
+      flag=""; [ "$mode" = eager ] && flag="--eager"
+      timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_decode.py --layers ${PROFILE_LAYERS:-16} $flag \
+        --out "$OUT/profile-decode-$mode" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile-decode-$mode.log" | tail -n 60
+    done ;;
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
     timeout 540 python3 benchmarks/agent_replay.py --out "$OUT" ${AGENT_ARGS:-} 2>&1 | tee "$OUT/agent.log" | tail -n 40 ;;

@@ -53,10 +53,10 @@ VARIANTS = {
                    "norm_topk_prob": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                    "rope_interleave": False, "attention_bias": True}, None),
 }
-# (policy, slots): resident; fill-all / qstar / cpu-all / static with fewer slots than one layer's 16 experts;
-# fill-all with 2E slots (streamed prefill); CPU-only
-MODES = [("fill-all", 10_000), ("fill-all", 5), ("fill-all", 32), ("qstar", 5), ("cpu-all", 5), ("static", 5),
-         ("qstar", 0)]
+# (policy, slots): resident; fill-all / qstar / auto (the default) / adaptive / cpu-all / static with fewer slots
+# than one layer's 16 experts; fill-all with 2E slots (streamed prefill); CPU-only
+MODES = [("fill-all", 10_000), ("fill-all", 5), ("fill-all", 32), ("qstar", 5), ("auto", 5), ("adaptive", 5),
+         ("cpu-all", 5), ("static", 5), ("qstar", 0)]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
 

@@ -56,6 +56,8 @@ MODES = [
     ("fill-all", 5, "torch"),
     ("fill-all", 32, "torch"),
     ("qstar", 5, "torch"),
+    ("auto", 5, "torch"),
+    ("adaptive", 5, "torch"),
     ("cpu-all", 5, "torch"),
     ("static", 5, "torch"),
     ("qstar", 0, "auto"),
@@ -206,6 +208,23 @@ def test_released_config_normalizes():
                                                                             "partial_rotary_factor": 0.25}})
     assert c5.num_experts == 128 and c5.num_mtp_layers == 2 and c5.partial_rotary_factor == 0.25
     assert c5.rope_parameters["rope_theta"] == 5e5
+
+
+def test_missing_fields_take_transformers_defaults():
+    """A config with only the required fields normalizes to what transformers' ``Glm4MoeConfig`` builds
+    (8 KV heads, not one per query head; one shared expert; one dense layer; half rotary)."""
+    from transformers import Glm4MoeConfig
+
+    raw = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=16, n_routed_experts=16,
+               num_experts_per_tok=8, moe_intermediate_size=64, intermediate_size=512)
+    c, ref = load_config({"model_type": "glm4_moe", **raw}), Glm4MoeConfig(**raw)
+    assert c.num_kv_heads == ref.num_key_value_heads == 8 and c.head_dim == 256 // 16
+    assert c.moe_layers == tuple(range(ref.first_k_dense_replace, 4)) and c.intermediate_size == ref.intermediate_size
+    assert c.shared_expert_intermediate_size == ref.n_shared_experts * ref.moe_intermediate_size
+    assert c.group_routing == GroupLimitedRoutingConfig(ref.n_group, ref.topk_group, ref.routed_scaling_factor)
+    assert (c.attention_bias, c.qk_norm, c.norm_topk_prob) == (ref.attention_bias, ref.use_qk_norm, ref.norm_topk_prob)
+    assert c.rope_parameters == ref.rope_parameters and c.num_mtp_layers == ref.num_nextn_predict_layers
+    assert (c.rms_norm_eps, c.max_position_embeddings) == (ref.rms_norm_eps, ref.max_position_embeddings)
 
 
 @pytest.mark.parametrize("edit,match", [

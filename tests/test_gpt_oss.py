@@ -65,6 +65,7 @@ MODES = [
     ("fill-all", 5, "torch"),
     ("fill-all", 32, "torch"),
     ("qstar", 5, "torch"),
+    ("auto", 5, "torch"),
     ("adaptive", 5, "torch"),
     ("cpu-all", 5, "torch"),
     ("static", 5, "torch"),

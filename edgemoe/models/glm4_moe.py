@@ -244,7 +244,7 @@ class Glm4MoeForCausalLM(MoECausalLM):
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(get("num_key_value_heads", default=heads)),
+            num_kv_heads=int(get("num_key_value_heads", default=8)),
             head_dim=int(get("head_dim", default=hidden // heads)),
             intermediate_size=int(need("intermediate_size") if first_dense else get("intermediate_size", default=0)),
             moe_intermediate_size=moe_intermediate,
