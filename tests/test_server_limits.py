@@ -150,6 +150,87 @@ def test_too_many_messages_is_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
 
 
+def test_too_many_items_are_refused_before_validation(server, monkeypatch):
+    """The item count is checked on the parsed JSON, before pydantic validates every item (seconds for
+    100k messages, during which the process's other threads wait on the GIL)."""
+    base, _ = server
+    from edgemoe.server import common
+
+    calls = []
+    real = common.valid_unicode
+    monkeypatch.setattr(common, "valid_unicode", lambda value: calls.append(1) or real(value))
+    many = [{"role": "user", "content": "hi"}] * 65  # > 64
+    for path, body in (("/v1/chat/completions", {"messages": many}), ("/v1/messages", {"messages": many}),
+                       ("/v1/messages/count_tokens", {"messages": many}), ("/v1/responses", {"input": many})):
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens": 2, **body}))
+        assert r.status_code == 400 and "at most 64" in r.text, r.text
+    assert not calls  # no request model was validated
+    r = _post(base, "/v1/chat/completions", json.dumps({"model": "tiny", "max_tokens": 2, "messages": many[:64]}))
+    assert r.status_code == 200 and calls
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "Hello there."}),
+    ("/v1/messages", {"messages": MESSAGES}),
+    ("/v1/messages/count_tokens", {"messages": MESSAGES}),
+    ("/v1/responses", {"input": "Hello there."}),
+])
+def test_bodies_are_parsed_off_the_event_loop(server, monkeypatch, path, body):
+    """Validating a body and tokenizing a completion prompt run on worker threads: /health answers while
+    they take their time (slowed down here to 0.8 s each by sleeping, which releases the GIL as
+    tokenizers' encode does)."""
+    base, llm = server
+    from edgemoe.server import common
+
+    real_valid, real_encode = common.valid_unicode, llm.tokenizer.encode
+
+    def slow(real):
+        def call(*args, **kwargs):
+            time.sleep(0.8)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(common, "valid_unicode", slow(real_valid))
+    monkeypatch.setattr(llm.tokenizer, "encode", slow(real_encode))
+    stop, latencies = threading.Event(), []
+    poller = threading.Thread(target=_health_latencies, args=(base, stop, latencies))
+    poller.start()
+    try:
+        time.sleep(0.1)
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens": 2, "max_output_tokens": 2, **body}))
+        assert r.status_code == 200, r.text
+    finally:
+        stop.set()
+        poller.join()
+    assert latencies and max(latencies) < 0.4, max(latencies)
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def test_stop_lists_are_bounded(server):
+    """Every stop string is looked for after every token on the engine thread (500k of them made a
+    request beside it 8x slower): more than MAX_STOPS is a 400 naming the field."""
+    from edgemoe.engine.sampling import MAX_STOPS
+
+    base, _ = server
+    c = _openai(base)
+    stops = [f"s{i}" for i in range(MAX_STOPS + 1)]
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stop=stops)
+    assert info.value.param == "stop" and f"at most {MAX_STOPS}" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"stop_token_ids": list(range(MAX_STOPS + 1))})
+    assert info.value.param == "stop_token_ids"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _anthropic(base).messages.create(model="tiny", messages=MESSAGES, max_tokens=2, stop_sequences=stops)
+    assert "stop_sequences: at most" in info.value.message
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stop=stops[:MAX_STOPS])
+    assert r.choices
+
+
 # ---------------------------------------------------------------- a failure mid-stream
 
 
