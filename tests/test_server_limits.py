@@ -124,7 +124,8 @@ def test_huge_top_k_and_max_tokens_are_400(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
-@pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "add_generation_prompt", "conversation", "documents"])
+@pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "add_generation_prompt", "conversation", "documents",
+                                 "namespace", "raise_exception"])  # the template's functions (a 500, or no checks)
 def test_reserved_chat_template_kwargs_are_400(server, key):
     base, _ = server
     with pytest.raises(openai.BadRequestError) as info:
@@ -134,6 +135,23 @@ def test_reserved_chat_template_kwargs_are_400(server, key):
     # A template variable is fine.
     r = _openai(base).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices
+
+
+def test_a_template_that_fails_on_a_requests_values_is_400(server, monkeypatch):
+    """Any exception the chat template raises on the request's values (here a TypeError: arithmetic on a
+    string given in chat_template_kwargs) is a 400 naming the template, not a 500."""
+    base, llm = server
+    template = llm.tokenizer.chat_template
+    monkeypatch.setattr(llm.tokenizer, "chat_template",
+                        template + "{%- if depth is defined %}{{ depth + 1 }}{% endif %}")
+    c = _openai(base)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"depth": "deep"}})
+    assert info.value.param == "messages" and "the chat template failed: TypeError" in info.value.message
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"depth": 1}})
     assert r.choices
 
 

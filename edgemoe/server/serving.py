@@ -150,13 +150,21 @@ def with_reasoning_effort(kwargs: dict[str, Any] | None, effort: str | None, par
     return {"reasoning_effort": REASONING_EFFORTS[effort], **(kwargs or {})}
 
 
+# The globals of the template's environment: Jinja's own and the two transformers adds. A template
+# variable of the same name hides the function (``namespace`` given as 1: the template's
+# ``namespace(...)`` fails; ``raise_exception``: the template's checks of the conversation do nothing).
+TEMPLATE_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace", "raise_exception",
+                              "strftime_now"})
+
+
 def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
     """Names ``chat_template_kwargs`` may not use: the arguments of the tokenizer's
-    ``apply_chat_template`` (``tokenize``, ``tools``, ``add_generation_prompt``, ...) and the names the
-    template itself receives them under (``messages``, ``conversations``)."""
+    ``apply_chat_template`` (``tokenize``, ``tools``, ``add_generation_prompt``, ...), the names the
+    template itself receives them under (``messages``, ``conversations``) and the functions of its
+    environment (:data:`TEMPLATE_GLOBALS`)."""
     sig = inspect.signature(type(tokenizer).apply_chat_template)
     named = {p.name for p in sig.parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return frozenset((named - {"self"}) | {"messages", "conversations"})
+    return frozenset((named - {"self"}) | {"messages", "conversations"} | TEMPLATE_GLOBALS)
 
 
 DEFAULT_OUTPUT_CAP = 8192  # tokens, for requests that set no output cap (see Serving.default_max_tokens)
@@ -301,6 +309,12 @@ class Serving:
             raise APIError(400, str(exc).replace("messages", field_, 1), param=field_) from None
         except jinja2.TemplateError as exc:  # e.g. the template's raise_exception on a bad role order
             raise APIError(400, f"{field_}: the chat template failed: {exc}", param=field_) from None
+        except (TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+            # The template is a program run on the request's values: such an error there (e.g. arithmetic on
+            # a string that chat_template_kwargs gave) is the request's; anything else stays a 500.
+            log.info("the chat template failed on a request", exc_info=True)
+            raise APIError(400, f"{field_}: the chat template failed: {type(exc).__name__}: {exc}",
+                           param=field_) from None
         return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools)  # noqa: RUF071 (texts, not paths)
 
     async def render(self, spec: ChatSpec) -> Rendered:
