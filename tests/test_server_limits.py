@@ -224,6 +224,36 @@ def test_bodies_are_parsed_off_the_event_loop(server, monkeypatch, path, body):
     assert latencies and max(latencies) < 0.4, max(latencies)
 
 
+def test_a_prompt_far_over_the_limit_is_refused_before_it_is_tokenized_whole(server, monkeypatch):
+    """A prompt text hundreds of times the context (megabytes of tool schemas took 10 s and 1 GB to
+    tokenize, only to be refused) is counted piece by piece and refused once the count passes the limit."""
+    base, llm = server
+    lengths = []
+    real = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text, **kw: lengths.append(len(text)) or real(text, **kw))
+    text = "word " * 190_000  # 950k characters; the limit is 1023 tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+    assert info.value.code == "context_length_exceeded" and "at most 1023 are accepted" in info.value.message
+    assert max(lengths) <= 2 * (1 << 16) and sum(lengths) < len(text) // 4, lengths
+    lengths.clear()
+    with pytest.raises(anthropic.BadRequestError) as ainfo:
+        _anthropic(base).messages.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+    n = int(ainfo.value.message.split("prompt is too long: ")[1].split(" ")[0])
+    assert f"prompt is too long: {n} tokens > 1023 maximum" in ainfo.value.message and n > 1023
+    lengths.clear()
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(base).completions.create(model="tiny", prompt=text, max_tokens=2)
+    assert info.value.code == "context_length_exceeded" and max(lengths) <= 2 * (1 << 16)
+    # Counting tokens is not limited by the context: the whole text is counted.
+    n = _anthropic(base).messages.count_tokens(model="tiny", messages=[{"role": "user", "content": text}]).input_tokens
+    assert n > 100_000
+    # Under the limit, the count changes nothing: the prompt is tokenized whole, as before.
+    lengths.clear()
+    r = _openai(base).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert r.choices and len(lengths) == 1
+
+
 # ---------------------------------------------------------------- stop strings
 
 

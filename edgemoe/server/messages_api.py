@@ -479,7 +479,7 @@ def router(serving: Serving) -> APIRouter:
     async def count_tokens(body: CountTokensRequest = Depends(count_body)):
         serving.check_model(body.model)
         serving.ready()
-        rendered = await serving.render(to_chat_spec(body))
+        rendered = await serving.render(to_chat_spec(body), bounded=False)  # a count has no context limit
         return {"input_tokens": len(rendered.prompt_ids)}
 
     return api

@@ -219,7 +219,7 @@ def router(serving: Serving) -> APIRouter:
         items: list[tuple[str, list[int]]] = []
         for p in prompts:
             if isinstance(p, str):
-                items.append((p, await asyncio.to_thread(engine.tokenizer.encode, p)))  # off the loop
+                items.append((p, await asyncio.to_thread(serving.encode_prompt, p, "prompt", True)))  # off the loop
             else:
                 items.append((engine.tokenizer.decode(p) if body.echo else "", list(p)))
             serving.admit(items[-1][1], params, "prompt")
