@@ -281,7 +281,7 @@ def require(cfg: dict[str, Any], key: str, *alts: str, where: str = "config.json
 _POSITIVE_INT_FIELDS = (
     "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads", "head_dim",
     "moe_intermediate_size", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group", "topk_group", "sliding_window",
+    "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group", "topk_group",
     "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
     "linear_num_key_heads", "linear_num_value_heads",
 )
