@@ -111,12 +111,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, EngineConfig, "engine options")
 
 
+def _hub_snapshot_hint(p: Path) -> str:
+    """Where the model directory is when ``p`` is a Hugging Face hub cache entry (``models--ORG--NAME``,
+    whose files are in ``snapshots/<hash>/``) or the hub cache itself; ``""`` otherwise."""
+    snapshots = p / "snapshots"
+    if snapshots.is_dir():
+        found = sorted(s for s in snapshots.iterdir() if (s / "config.json").is_file())
+        ref = p / "refs" / "main"
+        main = snapshots / ref.read_text().strip() if ref.is_file() else None
+        if main is not None and main in found:
+            found = [main]
+        if found:
+            return f"; it is a Hugging Face cache entry: pass its snapshot directory, {str(found[0])!r}"
+        return "; it is a Hugging Face cache entry without a downloaded snapshot (snapshots/<hash>/config.json)"
+    if any(c.is_dir() and c.name.startswith("models--") for c in p.iterdir()):
+        return ("; it is a Hugging Face hub cache: pass one model's snapshot directory, "
+                "models--ORG--NAME/snapshots/<hash>/")
+    return ""
+
+
 def _model_dir(path: str) -> str:
     p = Path(path)
+    if p.is_file():
+        parent = p.parent if (p.parent / "config.json").is_file() else None
+        hint = f"; pass the model directory holding it, {str(parent)!r}" if parent is not None else ""
+        raise CLIError(f"{path!r} is a file, not a model directory{hint}")
     if not p.is_dir():
         raise CLIError(f"model directory {path!r} does not exist")
     if not (p / "config.json").is_file():
-        raise CLIError(f"{path!r} is not a model directory (no config.json)")
+        raise CLIError(f"{path!r} is not a model directory (no config.json){_hub_snapshot_hint(p)}")
     return str(p)
 
 

@@ -275,6 +275,76 @@ def require(cfg: dict[str, Any], key: str, *alts: str, where: str = "config.json
     raise ValueError(f"{where}: missing required field {key!r}")
 
 
+# The type of each config.json field the families read, checked before any family converts one (a string
+# where a size belongs would otherwise fail deep inside as "invalid literal for int()", naming neither
+# the file nor the field). ``None`` is always allowed: families treat it as absent.
+_POSITIVE_INT_FIELDS = (
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads", "head_dim",
+    "moe_intermediate_size", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group", "topk_group",
+    "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads",
+)
+_COUNT_FIELDS = (  # integers >= 0
+    "intermediate_size", "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts",
+    "first_k_dense_replace", "decoder_sparse_step", "moe_layer_freq", "shared_expert_intermediate_size",
+    "num_nextn_predict_layers", "num_mtp_layers",
+)
+_POSITIVE_NUMBER_FIELDS = ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")
+_BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "attention_bias", "attn_output_gate", "rope_interleave")
+_OBJECT_FIELDS = ("rope_scaling", "rope_parameters", "text_config")
+_ROPE_NUMBER_FIELDS = ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "attention_factor", "mscale", "mscale_all_dim", "low_freq_factor", "high_freq_factor",
+                       "partial_rotary_factor")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_config_fields(raw: dict[str, Any], where: str = "config.json", prefix: str = "") -> None:
+    """Check the types of the fields of an HF config that the model families read (sizes, counts,
+    numbers, switches, sub-objects, token ids, name lists), and of its ``text_config``.
+
+    Raises:
+        ValueError: one line naming ``where`` and the field, e.g. ``config.json: num_hidden_layers must
+            be a positive integer, got 'two'``.
+    """
+    def bad(key: str, what: str) -> ValueError:
+        return ValueError(f"{where}: {prefix}{key} must be {what}, got {raw[key]!r}")
+
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if key in _POSITIVE_INT_FIELDS and not (_is_int(value) and value > 0):
+            raise bad(key, "a positive integer")
+        if key in _COUNT_FIELDS and not (_is_int(value) and value >= 0):
+            raise bad(key, "an integer >= 0")
+        if key in _POSITIVE_NUMBER_FIELDS and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                    and value > 0):
+            raise bad(key, "a positive number")
+        if key in _BOOL_FIELDS and not isinstance(value, bool):
+            raise bad(key, "true or false")
+        if key in _OBJECT_FIELDS and not isinstance(value, dict):
+            raise bad(key, "an object")
+        if key in ("rope_scaling", "rope_parameters"):
+            for k, v in value.items():
+                if k in _ROPE_NUMBER_FIELDS and v is not None and (not isinstance(v, (int, float))
+                                                                   or isinstance(v, bool)):
+                    raise ValueError(f"{where}: {prefix}{key}.{k} must be a number, got {v!r}")
+        if key == "eos_token_id" and not (_is_int(value) or (isinstance(value, list) and all(map(_is_int, value)))):
+            raise bad(key, "a token id or a list of them")
+        if key in ("bos_token_id", "pad_token_id") and not _is_int(value):
+            raise bad(key, "a token id")
+        if key in ("architectures", "layer_types") and not (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise bad(key, "a list of names")
+        if key == "mlp_only_layers" and not (isinstance(value, list) and all(map(_is_int, value))):
+            raise bad(key, "a list of layer indices")
+    if isinstance(raw.get("text_config"), dict) and not prefix:
+        check_config_fields(raw["text_config"], where, "text_config.")
+
+
 def rope_from_hf(cfg: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """RoPE parameters in the transformers-5 form (``rope_parameters`` with ``rope_type`` and
     ``rope_theta``) from either spelling (transformers 4: ``rope_theta`` + ``rope_scaling`` with

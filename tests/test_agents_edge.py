@@ -134,3 +134,21 @@ def test_responses_namespace_tools_are_flattened_and_unservable_tools_rejected(s
         {**namespace, "tools": [{"type": "custom", "name": "x"}]}]})
     assert rr.status_code == 400
     assert rr.json()["error"]["message"].startswith("tools[0].tools[0]: tools of type 'custom'")
+
+
+def test_a_long_prompt_that_fits_is_counted_then_tokenized_whole(server):
+    """A text over 8 characters per token of the limit (here runs of indentation, 128 characters a token
+    in Qwen3's vocabulary) is counted in pieces first; when it fits, its tokens are those of the whole
+    text, and the request is served."""
+    from edgemoe.server.config import ServerConfig
+    from edgemoe.server.serving import COUNT_FIRST_CHARS_PER_TOKEN, Serving
+
+    llm = server.llm
+    text = "".join(f"def f{i}():\n" + " " * 250 + "return 1\n" for i in range(300))
+    assert len(text) > COUNT_FIRST_CHARS_PER_TOKEN * llm.prompt_limit
+    serving = Serving(llm, ServerConfig())
+    whole = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert serving.encode_prompt(text, "messages") == whole and len(whole) < llm.prompt_limit
+    r = server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                max_tokens=2)
+    assert r.usage.prompt_tokens > len(whole)

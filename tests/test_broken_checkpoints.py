@@ -202,6 +202,54 @@ def test_config_json_that_is_not_json(tiny_model_dir, tmp_path):
     _one_line(e, d / "config.json")
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("num_hidden_layers", "two", "num_hidden_layers must be a positive integer, got 'two'"),
+    ("hidden_size", -4, "hidden_size must be a positive integer, got -4"),
+    ("vocab_size", 1.5, "vocab_size must be a positive integer, got 1.5"),
+    ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
+    ("num_experts", [1], "num_experts must be an integer >= 0, got [1]"),
+    ("rope_theta", "x", "rope_theta must be a positive number, got 'x'"),
+    ("rope_scaling", "yarn", "rope_scaling must be an object, got 'yarn'"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+    ("eos_token_id", "</s>", "eos_token_id must be a token id or a list of them, got '</s>'"),
+    ("architectures", "Qwen3MoeForCausalLM", "architectures must be a list of names"),
+])
+def test_config_json_field_of_the_wrong_type(tiny_model_dir, tmp_path, field, value, expected):
+    """A field of the wrong type is named with the file (it failed deep inside, e.g. "invalid literal for
+    int() with base 10: 'two'", or loaded a wrong model: "false" is true)."""
+    d = _copy(tiny_model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError) as e:
+        load_config(d)
+    assert _one_line(e, d / "config.json").endswith(expected) or expected in str(e.value)
+
+
+def test_config_json_values_inconsistent_or_unusable(tiny_model_dir, tmp_path, monkeypatch):
+    """A RoPE number that is a string and more experts per token than experts (both loaded: the first
+    failed deep in the rotary embedding without naming the file, the second served and failed every
+    request), and any conversion a family's ``config_from_hf`` fails on: one line naming the file."""
+    d = _copy(tiny_model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    for edit, expected in (({"rope_parameters": {"rope_type": "yarn", "factor": "big"}},
+                            "rope_parameters.factor must be a number, got 'big'"),
+                           ({"num_experts_per_tok": 100}, "num_experts_per_tok (100) must be in [1, 16]")):
+        (d / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(ValueError) as e:
+            load_config(d)
+        assert expected in _one_line(e, d / "config.json")
+    (d / "config.json").write_text(json.dumps(cfg))
+    cls = model_class(cfg["architectures"][0])
+
+    def failing(raw, where):
+        return int([])
+
+    monkeypatch.setattr(cls, "config_from_hf", staticmethod(failing))
+    with pytest.raises(ValueError, match="a field has a value this model family cannot use") as e:
+        load_config(d)
+    _one_line(e, d / "config.json")
+
+
 # ------------------------------------------------------------------------------- FTW directories
 
 

@@ -103,16 +103,23 @@ def test_device_cuda_without_cuda_is_one_line(tiny_model_dir, capsys, monkeypatc
     assert len(err) == 1 and err[0].startswith("edgemoe: error: --device cuda:") and "CUDA is not available" in err[0]
 
 
-def test_serve_exits_when_the_model_fails_to_load(tiny_model_dir, tmp_path):
-    """A checkpoint that fails to load stops the server at once with one error line, instead of a
-    server answering 503 forever."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.mark.parametrize("broken_by, named", [("truncated weights", "model.safetensors"),
+                                              ("no tokenizer files", "no usable tokenizer")])
+def test_serve_exits_when_the_model_fails_to_load(tiny_model_dir, tmp_path, broken_by, named):
+    """A checkpoint that fails to load (truncated weights; no tokenizer files, where transformers would
+    build an empty tokenizer from config.json and every prompt would be empty) stops the server at once
+    with one error line, instead of a server answering 503, or serving nothing, forever."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in tiny_model_dir.iterdir():
-        if f.suffix != ".safetensors":
+        if f.suffix != ".safetensors" and not (broken_by == "no tokenizer files" and f.name in TOKENIZER_FILES):
             (broken / f.name).write_bytes(f.read_bytes())
     weights = (tiny_model_dir / "model.safetensors").read_bytes()
-    (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # truncated
+    cut = len(weights) // 2 if broken_by == "truncated weights" else len(weights)
+    (broken / "model.safetensors").write_bytes(weights[:cut])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "edgemoe", "serve", str(broken), "--device", "cpu", "--port",
                         str(_free_port()), "--log-level", "warning"], capture_output=True, text=True, timeout=300,
@@ -120,7 +127,39 @@ def test_serve_exits_when_the_model_fails_to_load(tiny_model_dir, tmp_path):
     assert r.returncode == 1, r.stderr
     ours = [ln for ln in r.stderr.splitlines() if ln.startswith("edgemoe:")]
     assert len(ours) == 1 and ours[0].startswith("edgemoe: error: model failed to load:"), r.stderr
-    assert "model.safetensors" in ours[0] and "Traceback" not in r.stderr
+    assert named in ours[0] and "Traceback" not in r.stderr
+
+
+def test_model_paths_that_are_not_model_directories(tiny_model_dir, tmp_path, capsys):
+    """A weights file, a Hugging Face cache entry and the hub cache itself: one line pointing at the
+    directory to pass instead."""
+    weights = tiny_model_dir / "model.safetensors"
+    entry = tmp_path / "hub" / "models--org--tiny"
+    snapshot = entry / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (entry / "snapshots" / "ffff0000").mkdir()  # an older snapshot without files
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("0123abcd")
+    (snapshot / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    for path, expected in ((weights, f"is a file, not a model directory; pass the model directory holding it, "
+                                     f"{str(tiny_model_dir)!r}"),
+                           (entry, f"it is a Hugging Face cache entry: pass its snapshot directory, {str(snapshot)!r}"),
+                           (entry.parent, "it is a Hugging Face hub cache: pass one model's snapshot directory"),
+                           (tmp_path / "nowhere", "does not exist")):
+        for command in ("serve", "generate"):
+            assert main([command, str(path), "--prompt", "hi"] if command == "generate" else [command, str(path)]) == 2
+            err = _stderr_lines(capsys)
+            assert len(err) == 1 and err[0].startswith("edgemoe: error: ") and expected in err[0], err
+
+
+def test_a_directory_without_a_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.name not in TOKENIZER_FILES:
+            (bare / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"bare: no usable tokenizer .*tokenizer\.json"):
+        LLM(str(bare), progress=False, **CPU)
 
 
 # ---------------------------------------------------------------- bandwidths

@@ -124,7 +124,8 @@ def test_huge_top_k_and_max_tokens_are_400(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
-@pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "add_generation_prompt", "conversation", "documents"])
+@pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "add_generation_prompt", "conversation", "documents",
+                                 "namespace", "raise_exception"])  # the template's functions (a 500, or no checks)
 def test_reserved_chat_template_kwargs_are_400(server, key):
     base, _ = server
     with pytest.raises(openai.BadRequestError) as info:
@@ -134,6 +135,23 @@ def test_reserved_chat_template_kwargs_are_400(server, key):
     # A template variable is fine.
     r = _openai(base).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices
+
+
+def test_a_template_that_fails_on_a_requests_values_is_400(server, monkeypatch):
+    """Any exception the chat template raises on the request's values (here a TypeError: arithmetic on a
+    string given in chat_template_kwargs) is a 400 naming the template, not a 500."""
+    base, llm = server
+    template = llm.tokenizer.chat_template
+    monkeypatch.setattr(llm.tokenizer, "chat_template",
+                        template + "{%- if depth is defined %}{{ depth + 1 }}{% endif %}")
+    c = _openai(base)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"depth": "deep"}})
+    assert info.value.param == "messages" and "the chat template failed: TypeError" in info.value.message
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"depth": 1}})
     assert r.choices
 
 
@@ -148,6 +166,117 @@ def test_too_many_messages_is_400(server):
     assert "at most 64" in info.value.message
     r = _post(base, "/v1/responses", json.dumps({"model": "tiny", "input": many}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_too_many_items_are_refused_before_validation(server, monkeypatch):
+    """The item count is checked on the parsed JSON, before pydantic validates every item (seconds for
+    100k messages, during which the process's other threads wait on the GIL)."""
+    base, _ = server
+    from edgemoe.server import common
+
+    calls = []
+    real = common.valid_unicode
+    monkeypatch.setattr(common, "valid_unicode", lambda value: calls.append(1) or real(value))
+    many = [{"role": "user", "content": "hi"}] * 65  # > 64
+    for path, body in (("/v1/chat/completions", {"messages": many}), ("/v1/messages", {"messages": many}),
+                       ("/v1/messages/count_tokens", {"messages": many}), ("/v1/responses", {"input": many})):
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens": 2, **body}))
+        assert r.status_code == 400 and "at most 64" in r.text, r.text
+    assert not calls  # no request model was validated
+    r = _post(base, "/v1/chat/completions", json.dumps({"model": "tiny", "max_tokens": 2, "messages": many[:64]}))
+    assert r.status_code == 200 and calls
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "Hello there."}),
+    ("/v1/messages", {"messages": MESSAGES}),
+    ("/v1/messages/count_tokens", {"messages": MESSAGES}),
+    ("/v1/responses", {"input": "Hello there."}),
+])
+def test_bodies_are_parsed_off_the_event_loop(server, monkeypatch, path, body):
+    """Validating a body and tokenizing a completion prompt run on worker threads: /health answers while
+    they take their time (slowed down here to 0.8 s each by sleeping, which releases the GIL as
+    tokenizers' encode does)."""
+    base, llm = server
+    from edgemoe.server import common
+
+    real_valid, real_encode = common.valid_unicode, llm.tokenizer.encode
+
+    def slow(real):
+        def call(*args, **kwargs):
+            time.sleep(0.8)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(common, "valid_unicode", slow(real_valid))
+    monkeypatch.setattr(llm.tokenizer, "encode", slow(real_encode))
+    stop, latencies = threading.Event(), []
+    poller = threading.Thread(target=_health_latencies, args=(base, stop, latencies))
+    poller.start()
+    try:
+        time.sleep(0.1)
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens": 2, "max_output_tokens": 2, **body}))
+        assert r.status_code == 200, r.text
+    finally:
+        stop.set()
+        poller.join()
+    assert latencies and max(latencies) < 0.4, max(latencies)
+
+
+def test_a_prompt_far_over_the_limit_is_refused_before_it_is_tokenized_whole(server, monkeypatch):
+    """A prompt text hundreds of times the context (megabytes of tool schemas took 10 s and 1 GB to
+    tokenize, only to be refused) is counted piece by piece and refused once the count passes the limit."""
+    base, llm = server
+    lengths = []
+    real = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text, **kw: lengths.append(len(text)) or real(text, **kw))
+    text = "word " * 190_000  # 950k characters; the limit is 1023 tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+    assert info.value.code == "context_length_exceeded" and "at most 1023 are accepted" in info.value.message
+    assert max(lengths) <= 2 * (1 << 16) and sum(lengths) < len(text) // 4, lengths
+    lengths.clear()
+    with pytest.raises(anthropic.BadRequestError) as ainfo:
+        _anthropic(base).messages.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+    n = int(ainfo.value.message.split("prompt is too long: ")[1].split(" ")[0])
+    assert f"prompt is too long: {n} tokens > 1023 maximum" in ainfo.value.message and n > 1023
+    lengths.clear()
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(base).completions.create(model="tiny", prompt=text, max_tokens=2)
+    assert info.value.code == "context_length_exceeded" and max(lengths) <= 2 * (1 << 16)
+    # Counting tokens is not limited by the context: the whole text is counted.
+    n = _anthropic(base).messages.count_tokens(model="tiny", messages=[{"role": "user", "content": text}]).input_tokens
+    assert n > 100_000
+    # Under the limit, the count changes nothing: the prompt is tokenized whole, as before.
+    lengths.clear()
+    r = _openai(base).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert r.choices and len(lengths) == 1
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def test_stop_lists_are_bounded(server):
+    """Every stop string is looked for after every token on the engine thread (500k of them made a
+    request beside it 8x slower): more than MAX_STOPS is a 400 naming the field."""
+    from edgemoe.engine.sampling import MAX_STOPS
+
+    base, _ = server
+    c = _openai(base)
+    stops = [f"s{i}" for i in range(MAX_STOPS + 1)]
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stop=stops)
+    assert info.value.param == "stop" and f"at most {MAX_STOPS}" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"stop_token_ids": list(range(MAX_STOPS + 1))})
+    assert info.value.param == "stop_token_ids"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _anthropic(base).messages.create(model="tiny", messages=MESSAGES, max_tokens=2, stop_sequences=stops)
+    assert "stop_sequences: at most" in info.value.message
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stop=stops[:MAX_STOPS])
+    assert r.choices
 
 
 # ---------------------------------------------------------------- a failure mid-stream

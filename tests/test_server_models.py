@@ -16,6 +16,8 @@ import pytest
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.async_engine import AsyncLLM
+from edgemoe.server.config import ServerConfig
+from edgemoe.server.serving import DEFAULT_OUTPUT_CAP, Serving
 
 from conftest import ScriptedOutputs, running_server
 
@@ -110,6 +112,9 @@ def test_default_output_cap(served, tiny_model_dir):
     llm = AsyncLLM(str(tiny_model_dir), EngineConfig(device="cpu", max_model_len=512), progress=False)
     try:
         assert llm.wait_ready(120)
+        # Neither the flag nor generation_config.json (the tiny checkpoint's has no max_new_tokens): 8192.
+        assert "max_new_tokens" not in llm.generation_config
+        assert Serving(llm, ServerConfig()).default_max_tokens == DEFAULT_OUTPUT_CAP == 8192
         with running_server(llm, "tiny", default_max_tokens=4) as base2:
             r = _clients(base2)[0].chat.completions.create(model="tiny", messages=MESSAGES,
                                                            extra_body={"ignore_eos": True})

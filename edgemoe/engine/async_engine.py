@@ -221,6 +221,11 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- requests
 
+    @property
+    def prompt_limit(self) -> int:
+        """The most prompt tokens accepted now (see :attr:`LLMEngine.prompt_limit`; any thread)."""
+        return self._require_engine().prompt_limit
+
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Validate now, on the caller's thread (see :meth:`LLMEngine.check_prompt`)."""
         return self._require_engine().check_prompt(prompt_token_ids, params)

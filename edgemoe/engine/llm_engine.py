@@ -94,6 +94,12 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return int(self.runner.kv_capacity_tokens)
 
+    @property
+    def prompt_limit(self) -> int:
+        """The most prompt tokens :meth:`check_prompt` accepts now: ``max_model_len - 1`` or what the KV
+        cache can hold, whichever is less."""
+        return min(self.max_model_len - 1, int(self.runner.kv_limit_tokens))
+
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Validate a prompt against the context and KV limits; return params with ``max_tokens`` clamped.
 
@@ -111,7 +117,7 @@ class LLMEngine:
         if not all(0 <= int(t) < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         kv_limit = int(self.runner.kv_limit_tokens)
-        limit = min(self.max_model_len - 1, kv_limit)
+        limit = min(self.max_model_len - 1, kv_limit)  # prompt_limit, from the one reading of kv_limit
         if n > limit:
             which = (
                 f"this model's maximum context length is {self.max_model_len} tokens and at least one "

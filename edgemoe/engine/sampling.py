@@ -18,6 +18,10 @@ import torch
 __all__ = ["SamplingParams", "SamplingParamsError", "apply_top_k_top_p", "make_generator", "sample"]
 
 _GREEDY_EPS = 1e-5
+# Most stop strings (and, apart, stop token ids) per request: each is checked after every generated token
+# on the engine thread, so an unbounded list (a million strings fit in a request body) would slow every
+# request in the batch.
+MAX_STOPS = 256
 
 
 class SamplingParamsError(ValueError):
@@ -90,11 +94,16 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise SamplingParamsError("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
+        if len(stop) > MAX_STOPS:
+            raise SamplingParamsError("stop", f"at most {MAX_STOPS} stop strings are accepted, got {len(stop)}")
         self.stop = list(stop)
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
             raise SamplingParamsError("stop_token_ids",
                                       f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if len(ids) > MAX_STOPS:
+            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOPS} stop token ids are accepted, "
+                                                        f"got {len(ids)}")
         self.stop_token_ids = list(ids)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -63,8 +63,17 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> An
 
     Raises:
         RemoteCodeError: see :func:`check_remote_code`.
+        ValueError: the directory has no usable tokenizer. Without tokenizer files, transformers builds an
+            empty one from ``config.json``'s model type, which turns every prompt into nothing; it is
+            refused here, naming the directory.
     """
     check_remote_code(model_dir, trust_remote_code)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if len(tokenizer) < 2 or not tokenizer.encode("Hello, world.", add_special_tokens=False):
+        raise ValueError(
+            f"{model_dir}: no usable tokenizer ({len(tokenizer)} token(s), text encodes to nothing); "
+            "copy the model's tokenizer files (tokenizer.json, or tokenizer.model / vocab.json + merges.txt, "
+            "with tokenizer_config.json) into the directory")
+    return tokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edgemoe.config import ModelConfig, read_hf_config
+from edgemoe.config import ModelConfig, check_config_fields, read_hf_config
 from edgemoe.models.base import MoECausalLM
 from edgemoe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from edgemoe.models.glm4_moe import Glm4MoeForCausalLM
@@ -51,14 +51,26 @@ def load_config(source: dict[str, Any] | str | Path) -> ModelConfig:
 
     Raises:
         FileNotFoundError: no ``config.json`` at the path.
-        ValueError: not valid JSON, an architecture edgemoe does not serve, or a missing or
-            inconsistent field; the message names the file.
+        ValueError: not valid JSON, an architecture edgemoe does not serve, or a missing,
+            mistyped or inconsistent field; the message names the file (and the field).
     """
     raw, where = read_hf_config(source)
+    check_config_fields(raw, where)
     archs = raw.get("architectures") or []
     arch = archs[0] if archs and isinstance(archs, list) else ""
     cls = MODEL_REGISTRY.get(arch) or _BY_MODEL_TYPE.get(str(raw.get("model_type", "")))
     if cls is None:
         raise ValueError(f"{where}: unsupported architecture {arch or '?'} "
                          f"(model_type {raw.get('model_type') or '?'}); edgemoe serves: {_served()}")
-    return cls.config_from_hf(raw, where)
+    try:
+        cfg = cls.config_from_hf(raw, where)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as exc:
+        if str(exc).startswith(where):
+            raise
+        # A value the field checks do not cover (a family's own field): at least the file is named.
+        raise ValueError(f"{where}: a field has a value this model family cannot use ({type(exc).__name__}: "
+                         f"{exc})") from exc
+    if cfg.moe_layers and not 0 < cfg.top_k <= cfg.num_experts:
+        raise ValueError(f"{where}: num_experts_per_tok ({cfg.top_k}) must be in [1, {cfg.num_experts}], "
+                         "the number of routed experts")
+    return cfg

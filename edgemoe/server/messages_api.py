@@ -35,7 +35,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -49,6 +49,7 @@ from edgemoe.server.common import (
     TopK,
     content_text,
     event_stream,
+    json_body,
     part_text,
     request_failed,
     sse_event,
@@ -450,9 +451,12 @@ async def _stream(serving: Serving, prepared: Prepared, model: str) -> AsyncIter
 def router(serving: Serving) -> APIRouter:
     """The Anthropic routes over ``serving``."""
     api = APIRouter()
+    # Bodies are parsed and validated off the event loop (json_body).
+    messages_body = json_body(MessagesRequest, serving.config.max_messages)
+    count_body = json_body(CountTokensRequest, serving.config.max_messages)
 
     @api.post("/v1/messages")
-    async def messages(body: MessagesRequest, raw: Request):
+    async def messages(raw: Request, body: MessagesRequest = Depends(messages_body)):
         serving.check_model(body.model)
         serving.ready()
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("msg"))
@@ -475,10 +479,10 @@ def router(serving: Serving) -> APIRouter:
         return JSONResponse(resp.model_dump())
 
     @api.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
+    async def count_tokens(body: CountTokensRequest = Depends(count_body)):
         serving.check_model(body.model)
         serving.ready()
-        rendered = await serving.render(to_chat_spec(body))
+        rendered = await serving.render(to_chat_spec(body), bounded=False)  # a count has no context limit
         return {"input_tokens": len(rendered.prompt_ids)}
 
     return api

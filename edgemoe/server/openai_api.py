@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -41,6 +41,7 @@ from edgemoe.server.common import (
     content_text,
     event_stream,
     is_anthropic,
+    json_body,
     openai_finish_reason,
     request_failed,
     sse_data,
@@ -126,6 +127,9 @@ def _error_event(exc: Exception) -> str:
 def router(serving: Serving) -> APIRouter:
     """The OpenAI routes over ``serving``."""
     api = APIRouter()
+    # Bodies are parsed and validated off the event loop (json_body).
+    chat_body = json_body(ChatCompletionRequest, serving.config.max_messages)
+    completion_body = json_body(CompletionRequest, serving.config.max_messages, items_field=None)
 
     def sampling_params(body: CompletionRequest, max_tokens: int | None) -> SamplingParams:
         if body.n != 1:
@@ -164,7 +168,7 @@ def router(serving: Serving) -> APIRouter:
         return anthropic_card(name) if is_anthropic(raw.scope) else card(name)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request, body: ChatCompletionRequest = Depends(chat_body)):
         serving.check_model(body.model)
         serving.ready()
         if body.n != 1:
@@ -206,7 +210,7 @@ def router(serving: Serving) -> APIRouter:
         return JSONResponse(resp.model_dump(exclude_none=False))
 
     @api.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def completions(raw: Request, body: CompletionRequest = Depends(completion_body)):
         serving.check_model(body.model)
         engine = serving.ready()
         params = sampling_params(body, body.max_tokens)
@@ -216,7 +220,7 @@ def router(serving: Serving) -> APIRouter:
         items: list[tuple[str, list[int]]] = []
         for p in prompts:
             if isinstance(p, str):
-                items.append((p, engine.tokenizer.encode(p)))
+                items.append((p, await asyncio.to_thread(serving.encode_prompt, p, "prompt", True)))  # off the loop
             else:
                 items.append((engine.tokenizer.decode(p) if body.echo else "", list(p)))
             serving.admit(items[-1][1], params, "prompt")

@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -46,6 +46,7 @@ from edgemoe.server.common import (
     TopK,
     content_text,
     event_stream,
+    json_body,
     request_failed,
     sse_event,
     stream_failure,
@@ -495,9 +496,11 @@ async def _stream(serving: Serving, prepared: Prepared, shell: _Shell) -> AsyncI
 def router(serving: Serving) -> APIRouter:
     """The Responses route over ``serving``."""
     api = APIRouter()
+    # The body is parsed and validated off the event loop (json_body).
+    responses_body = json_body(ResponsesRequest, serving.config.max_messages, items_field="input")
 
     @api.post("/v1/responses")
-    async def responses(body: ResponsesRequest, raw: Request):
+    async def responses(raw: Request, body: ResponsesRequest = Depends(responses_body)):
         serving.check_model(body.model)
         serving.ready()
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("resp"))

@@ -19,6 +19,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ import jinja2
 from fastapi import Request
 
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
-from edgemoe.engine.llm import arguments_as_objects, render_chat, render_chat_text
+from edgemoe.engine.llm import arguments_as_objects, render_chat_text
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
 from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
 from edgemoe.server.common import APIError, ContextLengthError
@@ -213,16 +214,31 @@ def with_reasoning_effort(kwargs: dict[str, Any] | None, effort: str | None, par
     return {"reasoning_effort": REASONING_EFFORTS[effort], **(kwargs or {})}
 
 
+# The globals of the template's environment: Jinja's own and the two transformers adds. A template
+# variable of the same name hides the function (``namespace`` given as 1: the template's
+# ``namespace(...)`` fails; ``raise_exception``: the template's checks of the conversation do nothing).
+TEMPLATE_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace", "raise_exception",
+                              "strftime_now"})
+
+
 def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
     """Names ``chat_template_kwargs`` may not use: the arguments of the tokenizer's
-    ``apply_chat_template`` (``tokenize``, ``tools``, ``add_generation_prompt``, ...) and the names the
-    template itself receives them under (``messages``, ``conversations``)."""
+    ``apply_chat_template`` (``tokenize``, ``tools``, ``add_generation_prompt``, ...), the names the
+    template itself receives them under (``messages``, ``conversations``) and the functions of its
+    environment (:data:`TEMPLATE_GLOBALS`)."""
     sig = inspect.signature(type(tokenizer).apply_chat_template)
     named = {p.name for p in sig.parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return frozenset((named - {"self"}) | {"messages", "conversations"})
+    return frozenset((named - {"self"}) | {"messages", "conversations"} | TEMPLATE_GLOBALS)
 
 
 DEFAULT_OUTPUT_CAP = 8192  # tokens, for requests that set no output cap (see Serving.default_max_tokens)
+
+# Prompt texts longer than this many characters per token of the limit are counted piece by piece before
+# they are tokenized whole (Serving.encode_prompt): natural text and code run 3-5 characters per token.
+COUNT_FIRST_CHARS_PER_TOKEN = 8
+COUNT_PIECE_CHARS = 1 << 16
+COUNT_SLACK_TOKENS = 8  # per piece: what a cut may add to the count (pieces end at a line break)
+_LINE_START = re.compile(r"\n(?=\S)")
 
 
 class Serving:
@@ -305,6 +321,37 @@ class Serving:
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
+    def encode_prompt(self, text: str, param: str, add_special_tokens: bool = False, bounded: bool = True,
+                      ) -> list[int]:
+        """``text`` tokenized (CPU-bound: call it off the event loop); ``add_special_tokens`` as the
+        tokenizer takes it (a chat template writes them itself).
+
+        A text far longer than the largest prompt accepted could take seconds and gigabytes to tokenize
+        only to be refused (8 MiB of tool schemas: 2.5M tokens, 10 s); such a text (over
+        ``COUNT_FIRST_CHARS_PER_TOKEN`` characters per token of the limit) is first counted in pieces cut
+        at line starts, and refused as soon as the count, less the slack a cut may add, passes the limit
+        (unless not ``bounded``: counting tokens is not limited by the context).
+
+        Raises:
+            ContextLengthError: the count passed the limit (its ``prompt_tokens``: the count so far).
+        """
+        tokenizer = self.ready().tokenizer
+        limit = self.llm.prompt_limit
+        if bounded and len(text) > COUNT_FIRST_CHARS_PER_TOKEN * limit:
+            count = start = pieces = 0
+            while start < len(text):
+                cut = _LINE_START.search(text, start + COUNT_PIECE_CHARS, start + 2 * COUNT_PIECE_CHARS)
+                end = cut.end() if cut else start + COUNT_PIECE_CHARS
+                count += len(tokenizer.encode(text[start:end], add_special_tokens=False))
+                start, pieces = end, pieces + 1
+                if count - COUNT_SLACK_TOKENS * pieces > limit:
+                    raise ContextLengthError(
+                        f"The prompt has more than {count - COUNT_SLACK_TOKENS * pieces} tokens (counted in its "
+                        f"first {start} of {len(text)} characters) but at most {limit} are accepted. Shorten "
+                        "the prompt (or raise --max-model-len / --kv-cache-tokens).",
+                        param, count - COUNT_SLACK_TOKENS * pieces, limit)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     # ------------------------------------------------------------------ preparing a request
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -328,13 +375,13 @@ class Serving:
             out = template_history(arguments_as_objects(out) or out)
         return out
 
-    def render_prompt(self, spec: ChatSpec) -> Rendered:
+    def render_prompt(self, spec: ChatSpec, bounded: bool = True) -> Rendered:
         """Render the chat template (no tools with ``tool_choice: "none"``) and tokenize (CPU-bound:
-        call it off the event loop, see :meth:`render`).
+        call it off the event loop, see :meth:`render`); ``bounded``: see :meth:`encode_prompt`.
 
         Raises:
             APIError: 400 for too many messages, a reserved ``chat_template_kwargs`` key, or a
-                conversation the template rejects.
+                conversation the template rejects; ContextLengthError for a text far over the limit.
         """
         llm = self.ready()
         field_ = spec.messages_field
@@ -361,19 +408,29 @@ class Serving:
             else:
                 messages = [{"role": "system", "content": text}, *messages]
         try:
-            text, ids = render_chat(llm.tokenizer, messages, tools=tools, chat_template_kwargs=kwargs)
+            text = render_chat_text(llm.tokenizer, messages, tools=tools, chat_template_kwargs=kwargs)
+            ids = self.encode_prompt(text, field_, bounded=bounded)  # a hopeless prompt stops here, before
+            # the second rendering
             history = render_chat_text(llm.tokenizer, messages, tools=tools, chat_template_kwargs=kwargs,
                                        add_generation_prompt=False)
+        except APIError:
+            raise
         except ValueError as exc:
             raise APIError(400, str(exc).replace("messages", field_, 1), param=field_) from None
         except jinja2.TemplateError as exc:  # e.g. the template's raise_exception on a bad role order
             raise APIError(400, f"{field_}: the chat template failed: {exc}", param=field_) from None
+        except (TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+            # The template is a program run on the request's values: such an error there (e.g. arithmetic on
+            # a string that chat_template_kwargs gave) is the request's; anything else stays a 500.
+            log.info("the chat template failed on a request", exc_info=True)
+            raise APIError(400, f"{field_}: the chat template failed: {type(exc).__name__}: {exc}",
+                           param=field_) from None
         return Rendered(ids, text[len(os.path.commonprefix([text, history])):], tools,  # noqa: RUF071 (texts, not paths)
                         past_ids, past_calls)
 
-    async def render(self, spec: ChatSpec) -> Rendered:
+    async def render(self, spec: ChatSpec, bounded: bool = True) -> Rendered:
         """:meth:`render_prompt` on a worker thread, so a long prompt does not stall other clients."""
-        return await asyncio.to_thread(self.render_prompt, spec)
+        return await asyncio.to_thread(self.render_prompt, spec, bounded)
 
     async def grammar_vocab(self) -> GrammarVocab:
         """The tokenizer as the grammar engine sees it (built once, on a worker thread: seconds)."""
