@@ -36,7 +36,6 @@ from edgemoe.layers.attention import write_and_attend
 from edgemoe.layers.moe import MoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
-from edgemoe.layers.router import pad_routes
 from edgemoe.models.base import FusedExpertLayout, MoECausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -129,10 +128,9 @@ class GptOssAttention(nn.Module):
 
 
 class GptOssTopKRouter(nn.Module):
-    """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``:
-    the top-k of the biased logits ``x·Wᵀ + b``, weighted by the softmax over those k logits, in their
-    dtype (``GptOssTopKRouter``); rows where ``valid`` is False as :func:`~edgemoe.layers.router.pad_routes`
-    says. ``weight [E, H]``, ``bias [E]``."""
+    """``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``: the top-k of the biased
+    logits ``x·Wᵀ + b``, weighted by the softmax over those k logits, in their dtype
+    (``GptOssTopKRouter``). ``weight [E, H]``, ``bias [E]``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -140,10 +138,10 @@ class GptOssTopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(cfg.num_experts), requires_grad=False)
         self.top_k = cfg.top_k
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight, self.bias)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
-        return pad_routes(ids, torch.softmax(top, dim=1, dtype=top.dtype), valid)
+        return ids, torch.softmax(top, dim=1, dtype=top.dtype)
 
 
 class GptOssMLP(MoeBlock):
@@ -153,8 +151,8 @@ class GptOssMLP(MoeBlock):
         super().__init__(moe_layer)
         self.router = GptOssTopKRouter(cfg)
 
-    def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.router(x, valid)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router(x)
 
 
 class DecoderLayer(nn.Module):
