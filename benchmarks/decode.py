@@ -55,6 +55,7 @@ from edgemoe.config import DOORBELL_WAITS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
+from edgemoe.layers.router import pad_routes
 from edgemoe.synth import QUANT_LAYOUTS
 
 PREFILL_CHUNK = 8192
@@ -143,13 +144,13 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
     k = runner.model_config.top_k
     for blk in runner.model.moe_blocks():
 
-        def route(x, own=blk.route):
+        def route(x, valid=None, own=blk.route):
             T = x.shape[0]
             _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
             idx = (counter + torch.arange(T, device=dev)) % rows  # [T]
             counter.add_(T)
             ids = table.index_select(0, idx).topk(k, dim=-1).indices  # [T, k]
-            return ids, w
+            return pad_routes(ids, w, valid)
 
         blk.route = route
 
@@ -183,14 +184,14 @@ def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, s
     counters = torch.zeros(L, dtype=torch.int64, device=dev)
     for j, blk in enumerate(blocks):
 
-        def route(x, own=blk.route, j=j):
+        def route(x, valid=None, own=blk.route, j=j):
             T = x.shape[0]
             if T >= reset_tokens:  # a prefill: every run replays the trace from its start
                 counters[j:j + 1].zero_()
             _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
             idx = (counters[j] + torch.arange(T, device=dev)) % n  # [T]
             counters[j:j + 1].add_(T)
-            return table[j].index_select(0, idx), w  # [T, k]
+            return pad_routes(table[j].index_select(0, idx), w, valid)  # [T, k]
 
         blk.route = route
     return n

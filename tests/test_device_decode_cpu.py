@@ -184,7 +184,7 @@ def test_next_layer_prefetch_device_equals_eager(partition):
     routers = [torch.nn.Linear(H, E, bias=False) for _ in range(LAYERS)]
 
     def router(lin):
-        return lambda x: (lin(x).topk(K, dim=-1).indices, None)
+        return lambda x, valid=None: (lin(x).topk(K, dim=-1).indices, None)
 
     for hx in (eager, dev):
         hx.set_prefetch([router(r) for r in routers])

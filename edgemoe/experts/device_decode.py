@@ -15,7 +15,9 @@ Per MoE layer, with no host synchronization, so the whole decode step can be cap
 3. meanwhile on the GPU: ``gather_fills`` (one launch copying every fill's packed row from the pinned
    host pool's byte bank into its slot, zero-copy) and ``expert_gemv`` (hits and fills over the cache
    bank's ``w13`` / ``w2`` section views, every (token, k) route in its own row of ``routed [T, k, H]``);
-4. join: ``y = Σ_k routed`` (fixed order, float32), then :func:`~edgemoe.kernels.cpu_handoff.collect`:
+4. join: ``y = Σ_k routed`` (float32, in the order of ``routed.sum(dim=1, dtype=torch.float32)`` on CUDA;
+   summed by the last of each token's routes in ``expert_gemv``'s down launch, and rounded there to the
+   model dtype when no CPU partial follows), then :func:`~edgemoe.kernels.cpu_handoff.collect`:
    after a hand-off it waits for the executor's answer and adds its float32 partial (read from pinned
    host memory), and casts to the model dtype. The wait is collect's own polling of the done word
    (``wait_mode="kernel"``, holding an SM meanwhile), or, before collect,
@@ -139,7 +141,7 @@ class DeviceDecode:
                  num_experts: int, top_k: int, max_tokens: int, wait_mode: str = "kernel"):
         from edgemoe.kernels import cuda_driver, doorbell
         from edgemoe.kernels.cpu_handoff import collect, handoff
-        from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant
+        from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant, route_sum_counters
         from edgemoe.kernels.gather import gather_fills
         from edgemoe.kernels.route_control import RouteOutputs, route_control
 
@@ -168,6 +170,7 @@ class DeviceDecode:
         dt = cache.compute_dtype
         self.act = torch.zeros(P, I, dtype=dt, device=dev)  # [P, I] SiLU(gate)·up scratch
         self.routed = torch.zeros(max_tokens, top_k, H, dtype=dt, device=dev)  # [T, k, H]
+        self.route_sums = route_sum_counters(max_tokens, H, dev)  # arrival counters of the in-kernel Σ_k
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
         self.rule = policy
         self.policy = torch.zeros(3, dtype=torch.float64, device=dev)  # [3] (num, den, q_min) of a one-rule policy
@@ -333,13 +336,15 @@ class DeviceDecode:
         if self.fills:
             self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
         routed = self.routed[:T]
+        # y = Σ_k routed in float32, summed in the down launch: rounded there to x.dtype unless a CPU partial
+        # is still to be added (in float32)
+        y = torch.empty(T, x.shape[1], dtype=torch.float32 if self.armed else x.dtype, device=x.device)  # [T, H]
         if c.layout.format.dense:
             self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act,
-                              self.swiglu_oai, self.biases)
+                              self.swiglu_oai, self.biases, y=y, counters=self.route_sums)
         else:  # packed codes and scales of the same slot rows, dequantized in registers
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act,
-                                    self.swiglu_oai, self.biases)
-        y = routed.sum(dim=1, dtype=torch.float32)  # [T, H]
+                                    self.swiglu_oai, self.biases, y=y, counters=self.route_sums)
         if self.armed and self.step is not None:  # waits, and adds the partial, only after a hand-off
             if self._release_address is not None:  # released at once by a hand-off without CPU work
                 self._wait_stream_op(self._release_address, torch.cuda.current_stream(self.device).cuda_stream)
@@ -350,8 +355,8 @@ class DeviceDecode:
                                  stats=self.join_stats if kernel_wait else None, layer=moe_layer,
                                  count_give_up=kernel_wait)
         if self.armed:
-            y = y + cpu_out
-        return y.to(x.dtype)
+            return (y + cpu_out).to(x.dtype)
+        return y
 
     def _cpu_branch_sync(self, x: torch.Tensor, cpu_out: torch.Tensor) -> None:
         """The CPU branch without a registered native step (the torch executor): read the work list

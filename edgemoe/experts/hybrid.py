@@ -158,8 +158,8 @@ class HybridExperts:
 
     # ------------------------------------------------------------------ next-layer prefetch
     def set_prefetch(self, routers: list | None) -> None:
-        """Turn next-layer prefetch on with every MoE layer's router (``forward(x [T, H]) -> (ids [T, k],
-        weights)``, in MoE-layer order), or off with ``None``."""
+        """Turn next-layer prefetch on with every MoE layer's router (``MoeBlock.route``: ``(x [T, H], valid
+        [T] bool | None) -> (ids [T, k], weights)``, in MoE-layer order), or off with ``None``."""
         self.routers = routers
         if self.device_decode is not None:
             self.device_decode.set_prefetch(routers is not None)
@@ -179,9 +179,7 @@ class HybridExperts:
         if (self.routers is None or batch.phase is not Phase.DECODE or moe_layer + 1 >= len(self.routers)
                 or self.cache.num_slots == 0 or not self.policy.admits):
             return
-        pred, _ = self.routers[moe_layer + 1](x)  # [T, k]
-        if batch.decode is not None:
-            pred = torch.where(batch.decode.valid[:, None], pred, pred[:1])
+        pred, _ = self.routers[moe_layer + 1](x, batch.decode.valid if batch.decode is not None else None)  # [T, k]
         if self.device_decode is not None:
             self.device_decode.prefetch(moe_layer + 1, pred)
             return

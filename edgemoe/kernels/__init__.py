@@ -17,6 +17,8 @@ allocates scratch whose size follows the input shapes only).
   (routes aligned by expert on the device; quantized weight tiles dequantized before each dot).
 - :mod:`.quant_slots`: ``QuantSlots``, a quantized slot bank as those kernels read it (torch only).
 - :mod:`.decode_attention`: paged decode attention, split-KV (flash-decoding) with a merge pass.
+- :mod:`.norm_rope`: fused RMSNorm and RoPE for the decode step.
+- :mod:`.router_topk`: the softmax router's top-k (softmax, top-k, renormalization, padding rows) in one launch.
 - :mod:`.gated_delta`: the gated delta rule of ``qwen3_5_moe``'s linear attention (prefill and decode).
 
 Importing a submodule imports triton; this package imports none of them eagerly; :func:`kernel_module` is how

@@ -9,7 +9,8 @@ with ``act`` SiLU SwiGLU, ``silu(g) · u``, or gpt-oss's clamped SwiGLU, ``(clam
 g' · sigmoid(alpha · g')`` with ``g' = min(g, limit)`` (``ExpertActivation("swiglu_oai")``), the
 slot's bias sections when the experts have them (gpt-oss), and routes with ``s < 0`` (CPU set) writing
 zeros. Two launches: gate/up + activation into a caller
-scratch ``a [P, I]``, then down projection + router weight. At decode a route reads its whole expert
+scratch ``a [P, I]``, then down projection + router weight, and optionally (``y``) the sum over each
+token's k routes, ``y[t] = Σ_j out[t, j]`` (see :func:`_sum_routes`). At decode a route reads its whole expert
 once (``3·I·H`` weights) for one token, so both launches are bandwidth-bound GEMVs: the grids split
 every route's output rows into blocks (``(P, I / BLOCK_I)`` and ``(P, H / BLOCK_O)``) so that even
 ``P = 8`` routes fill an H200's 132 SMs with several programs each.
@@ -36,11 +37,15 @@ import triton.language as tl
 
 from edgemoe.kernels.quant_slots import QuantSlots
 
-# Tiles (sm_90 compile: 64 and 72 registers, no spills, 4 warps): gate/up reads 2 x [8, 256] weights per
-# iteration, down [16, 256]; at P = 8, I = 768, H = 2048 that is 768 and 1024 programs.
-BLOCK_I, BLOCK_H = 8, 256  # gate/up: rows of g (and of u) per program, hidden columns per iteration
+# Tiles, from benchmarks/expert_gemv_sweep.py on an H200 at batch 1 (Qwen3-30B-A3B shape, 8 layers' banks
+# in one CUDA graph): gate/up reads 2 x [4, 256] weights per iteration with 4 warps (15.8 us, 3.2 TB/s;
+# [8, 256] took 18.9 us), down [16, 256] with 2 warps (9.7 us, 2.6 TB/s; 4 warps took 16.0 us). The
+# columns per iteration fix each row's float32 summation order, so these tiles give the same bits as
+# every other row count and warp count at 256 columns.
+BLOCK_I, BLOCK_H = 4, 256  # gate/up: rows of g (and of u) per program, hidden columns per iteration
 BLOCK_O, BLOCK_K = 16, 256  # down: output rows per program, intermediate columns per iteration
-NUM_WARPS = 4
+GATE_UP_WARPS, DOWN_WARPS = 4, 2
+QUANT_WARPS = 4  # the packed-format GEMVs (not in the sweep)
 
 
 @triton.jit
@@ -122,8 +127,47 @@ def _gate_up_kernel(x_ptr, slot_ptr, w13_ptr, b13_ptr, a_ptr, K, H, I, stride_x,
 
 
 @triton.jit
-def _down_kernel(a_ptr, slot_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, H, I, stride_s, stride_b,
-                 HAS_BIAS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sum_routes(out_ptr, y_ptr, cnt_ptr, p, rows, rmask, H, stride_y, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """The route sum of the down kernels, after this program stored its rows ``rows`` of route ``p``:
+    the last of the ``TOPK`` programs of token ``t = p // TOPK`` (and these rows) to finish computes
+    ``y[t, rows] = Σ_j out[t, j, rows]`` in float32, rounded once to ``y``'s dtype.
+
+    The order is that of ``out.sum(dim=1, dtype=torch.float32)`` on CUDA (PyTorch's reduction kernel
+    over a strided dim: four accumulators, route ``j`` into accumulator ``j % 4`` in order from 0, then
+    ``((a0 + a1) + a2) + a3``), whichever program is last, so the result is deterministic. Arrival is
+    counted in ``cnt_ptr[t · programs(1) + block]`` (int32, zero before the launch, reset to zero by the
+    last arriver): each program's stores are released by a barrier and an acq_rel atomic, and the
+    last arriver reads the other routes' rows past L1 (``.cg``).
+    """
+    tl.debug_barrier()  # every thread's stores of this program, before the release below
+    t = p // TOPK
+    cnt = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOPK - 1:
+        tl.store(cnt, 0)
+        base = out_ptr + t.to(tl.int64) * TOPK * H + rows
+        a0 = tl.zeros([BLOCK], tl.float32)
+        a1 = tl.zeros([BLOCK], tl.float32)
+        a2 = tl.zeros([BLOCK], tl.float32)
+        a3 = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(TOPK):
+            r = tl.load(base + j * H, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if j % 4 == 0:
+                a0 = a0 + r
+            elif j % 4 == 1:
+                a1 = a1 + r
+            elif j % 4 == 2:
+                a2 = a2 + r
+            else:
+                a3 = a3 + r
+        y = ((a0 + a1) + a2) + a3
+        tl.store(y_ptr + t.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _down_kernel(a_ptr, slot_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, y_ptr, cnt_ptr, H, I, stride_s, stride_b, stride_y,
+                 HAS_BIAS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
+                 TOPK: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     rmask = rows < H
@@ -147,11 +191,41 @@ def _down_kernel(a_ptr, slot_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, H, I, stride_
     else:
         y = tl.zeros([BLOCK_O], odt)
     tl.store(out_ptr + p.to(tl.int64) * H + rows, y, mask=rmask)
+    if SUM:
+        _sum_routes(out_ptr, y_ptr, cnt_ptr, p, rows, rmask, H, stride_y, TOPK, BLOCK_O)
+
+
+def route_sum_args(y: torch.Tensor | None, counters: torch.Tensor | None, T: int, k: int, H: int,
+                   placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, bool, int]:
+    """``(y, counters, stride_y, SUM, TOPK)`` launch arguments of the down kernels' route sum (``y None``: off,
+    ``placeholder`` pointers the kernels never read).
+
+    Raises:
+        ValueError: ``y`` is not ``[T, H]`` with contiguous rows, or ``counters`` is missing, not int32
+            contiguous, or smaller than :func:`route_sum_counters` makes it.
+    """
+    if y is None:
+        return placeholder, placeholder, 0, False, 1
+    if tuple(y.shape) != (T, H) or y.stride(1) != 1:
+        raise ValueError(f"y must be a [{T}, {H}] tensor with contiguous rows, got {tuple(y.shape)}")
+    if counters is None or counters.dtype != torch.int32 or not counters.is_contiguous() or \
+            counters.numel() < T * triton.cdiv(H, MIN_DOWN_ROWS):
+        raise ValueError(f"the route sum needs counters: a zeroed contiguous int32 tensor of at least "
+                         f"{T * triton.cdiv(H, MIN_DOWN_ROWS)} entries (route_sum_counters)")
+    return y, counters, y.stride(0), True, k
+
+
+def route_sum_counters(max_tokens: int, hidden: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 arrival counters the route sum of :func:`expert_gemv` / :func:`expert_gemv_quant`
+    needs for up to ``max_tokens`` tokens of ``hidden`` (one per token and block of output rows; every
+    launch leaves them zero again, so one buffer serves every layer and every graph replay)."""
+    return torch.zeros(max_tokens * triton.cdiv(hidden, MIN_DOWN_ROWS), dtype=torch.int32, device=device)
 
 
 def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, out: torch.Tensor, a: torch.Tensor, swiglu_oai: tuple[float, float] | None = None,
-                biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                biases: tuple[torch.Tensor, torch.Tensor] | None = None, y: torch.Tensor | None = None,
+                counters: torch.Tensor | None = None) -> None:
     """Weighted expert outputs (SwiGLU, or gpt-oss's clamped SwiGLU with biases) of every (token, k) route
     whose expert sits in a cache slot.
 
@@ -167,6 +241,10 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
         biases: ``(b13 [S, 2I], b2 [S, H])`` float32 bias sections of the slots (gate's bias then up's; each
             slot's vector contiguous, slots ``stride(0)`` apart, one stride for both: the cache bank's section
             views), or ``None``.
+        y: optional ``[T, H]`` (rows contiguous, any float dtype): also ``y[t] = Σ_j out[t, j]`` summed in
+            float32 and rounded once to ``y.dtype``, bit for bit ``out.sum(dim=1, dtype=torch.float32)``
+            then ``.to(y.dtype)`` on CUDA (the order: :func:`_sum_routes`), in the down launch.
+        counters: with ``y``, the arrival counters (:func:`route_sum_counters`), zero before and after.
 
     Raises:
         ValueError: shape, dtype or contiguity mismatch.
@@ -197,12 +275,13 @@ def expert_gemv(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tens
     if stride_b != stride_b2:
         raise ValueError(f"biases must share one slot stride, got {stride_b} and {stride_b2}")
     alpha, limit, oai = activation_args(swiglu_oai)
+    y, counters, stride_y, summed, topk = route_sum_args(y, counters, T, k, H, out)
     _gate_up_kernel[(P, triton.cdiv(I, BLOCK_I))](x, slot_tk, w13, b13, a, k, H, I, x.stride(0), w13.stride(0),
                                                  stride_b, alpha, limit, OAI=oai, HAS_BIAS=has_bias, BLOCK_I=BLOCK_I,
-                                                 BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
-    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, b2, topk_weights, out, H, I, w2.stride(0), stride_b,
-                                              HAS_BIAS=has_bias, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
-                                              num_warps=NUM_WARPS)
+                                                 BLOCK_H=BLOCK_H, num_warps=GATE_UP_WARPS)
+    _down_kernel[(P, triton.cdiv(H, BLOCK_O))](a, slot_tk, w2, b2, topk_weights, out, y, counters, H, I, w2.stride(0),
+                                              stride_b, stride_y, HAS_BIAS=has_bias, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
+                                              SUM=summed, TOPK=topk, num_warps=DOWN_WARPS)
 
 
 def slot_matrices_contiguous(bank: torch.Tensor) -> bool:
@@ -221,6 +300,7 @@ FORMAT_CODES = {"fp8_block": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
 # launch and of the down launch. Each iteration covers 256 (FP8) or 512 (FP4) elements of a row, so every
 # thread loads 16 or 32 bytes of weights per row block and iteration.
 QUANT_TILES = {FP8: ((8, 256), (16, 256)), MXFP4: ((8, 512), (16, 256)), NVFP4: ((8, 512), (16, 256))}
+MIN_DOWN_ROWS = min(BLOCK_O, *(down[0] for _, down in QUANT_TILES.values()))  # sizes the route-sum counters
 
 
 @triton.jit
@@ -333,9 +413,10 @@ def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b13_ptr, a_ptr, K, 
 
 
 @triton.jit
-def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_ptr, H, I, stride_w, stride_s, stride_s2,
-                   stride_b, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   G: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr):
+def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_ptr, y_ptr, cnt_ptr, H, I, stride_w,
+                   stride_s, stride_s2, stride_b, stride_y, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
+                   SUM: tl.constexpr, TOPK: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < H
@@ -365,6 +446,8 @@ def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_pt
     else:
         y = tl.zeros([BLOCK_R], odt)
     tl.store(out_ptr + p.to(tl.int64) * H + rows, y, mask=rmask)
+    if SUM:
+        _sum_routes(out_ptr, y_ptr, cnt_ptr, p, rows, rmask, H, stride_y, TOPK, BLOCK_R)
 
 
 def quant_launch_args(slots: QuantSlots, role: str) -> tuple:
@@ -383,7 +466,8 @@ def quant_launch_args(slots: QuantSlots, role: str) -> tuple:
 
 def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torch.Tensor, slots: QuantSlots,
                       out: torch.Tensor, a: torch.Tensor, swiglu_oai: tuple[float, float] | None = None,
-                      biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                      biases: tuple[torch.Tensor, torch.Tensor] | None = None, y: torch.Tensor | None = None,
+                      counters: torch.Tensor | None = None) -> None:
     """:func:`expert_gemv` over quantized slots, dequantizing the packed rows in registers.
 
     Every (token, k) route ``p`` with ``slot_tk[p] >= 0`` reads its slot's packed weights and scales
@@ -408,6 +492,7 @@ def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torc
         swiglu_oai: ``(alpha, limit)`` of gpt-oss's clamped SwiGLU, or ``None`` for SiLU SwiGLU.
         biases: ``(b13 [S, 2I], b2 [S, H])`` float32 bias sections of the slots (each slot's vector contiguous,
             slots ``stride(0)`` apart: the cache bank's section views), or ``None``.
+        y, counters: the route sum, as in :func:`expert_gemv`.
 
     Raises:
         ValueError: shape, dtype or contiguity mismatch.
@@ -432,12 +517,14 @@ def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torc
         raise ValueError(f"a must be a contiguous [>= {P}, {I}] float scratch, got {a.dtype} {tuple(a.shape)}")
     b13, b2, sb13, sb2, has_bias = bias_args(biases, slots.w13.shape[0], I, H, slots.w13_scale)
     alpha, limit, oai = activation_args(swiglu_oai)
+    y, counters, stride_y, summed, topk = route_sum_args(y, counters, T, k, H, out)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w13")
     (r1, e1), (r2, e2) = QUANT_TILES[fmt]
     _q_gate_up_kernel[(P, triton.cdiv(I, r1))](
         x, slot_tk, w, sc, s2, b13, a, k, H, I, x.stride(0), sw, ss, ss2, sb13, row_w, row_s, bn, alpha, limit,
-        FMT=fmt, OAI=oai, HAS_BIAS=has_bias, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)
+        FMT=fmt, OAI=oai, HAS_BIAS=has_bias, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, num_warps=QUANT_WARPS)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w2")
     _q_down_kernel[(P, triton.cdiv(H, r2))](
-        a, slot_tk, w, sc, s2, b2, topk_weights, out, H, I, sw, ss, ss2, sb2, row_w, row_s, bn,
-        FMT=fmt, HAS_BIAS=has_bias, BLOCK_R=r2, G=max(1, e2 // gs), GS=gs, GB=gb, num_warps=NUM_WARPS)
+        a, slot_tk, w, sc, s2, b2, topk_weights, out, y, counters, H, I, sw, ss, ss2, sb2, stride_y, row_w, row_s, bn,
+        FMT=fmt, HAS_BIAS=has_bias, BLOCK_R=r2, G=max(1, e2 // gs), GS=gs, GB=gb, SUM=summed, TOPK=topk,
+        num_warps=QUANT_WARPS)

@@ -18,6 +18,8 @@ Two variants gpt-oss uses (reference: transformers' ``GptOssAttention`` and its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
-from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm, fused_kernels
 from edgemoe.layers.rotary import RotaryEmbedding
 
 SINK_PAD = 8  # extra head dims carrying the sink logit (a multiple of 8: SDPA's fused kernels need it)
@@ -171,6 +173,13 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     """
     kv.k[layer].index_copy_(0, batch.kv_slots, k.to(kv.k.dtype))
     kv.v[layer].index_copy_(0, batch.kv_slots, v.to(kv.v.dtype))
+    return attend(q, kv, layer, batch, scale, sinks, window)
+
+
+def attend(q: torch.Tensor, kv: PagedKVPool, layer: int, batch: ForwardBatch, scale: float,
+           sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Attend ``q [T, Hq, D]`` over the paged KV whose new tokens' keys/values are already written:
+    :func:`write_and_attend` after its write. Returns ``[T, Hq, D]`` in ``q.dtype``."""
     if batch.decode is None:
         return paged_attention(q, kv, layer, batch, scale, sinks, window)
     from edgemoe.kernels.decode_attention import paged_decode_attention
@@ -181,11 +190,70 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
     return o
 
 
-class Qwen3Attention(nn.Module):
+def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """Make the weights (and biases) of ``linears`` row blocks of one matrix, in order.
+
+    Each module keeps its parameters under their names and shapes, rebound as views of the fused
+    storage (values copied in), so loading a checkpoint into them fills the fused matrix and the
+    separate storages are freed; ``F.linear(x, weight, bias).split(sizes, -1)`` then equals the
+    modules' outputs up to the GEMM's choice of kernel. Moving the module (``.to``) afterwards
+    would break the sharing: this is done once the parameters are on their device.
+
+    Args:
+        linears: ``nn.Linear`` modules over the same input (same ``in_features``, dtype and device),
+            all with a bias or all without.
+
+    Returns:
+        ``(weight [sum out, in], bias [sum out] or None, sizes)``, ``sizes`` the modules' ``out_features``.
+    """
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+        raise ValueError("fuse_linears: the modules differ in input features, dtype or device")
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise ValueError("fuse_linears: some modules have a bias and some do not")
+    sizes = tuple(w.shape[0] for w in weights)
+    with torch.no_grad():
+        weight = torch.cat([w.data for w in weights])
+        bias = None if biases[0] is None else torch.cat([b.data for b in biases])
+    start = 0
+    for m, n in zip(linears, sizes):
+        m.weight.data = weight[start:start + n]
+        if bias is not None:
+            m.bias.data = bias[start:start + n]
+        start += n
+    return weight, bias, sizes
+
+
+class FusedQKV:
+    """Mixin of an attention module with ``q_proj``, ``k_proj``, ``v_proj`` (``nn.Linear`` over the same
+    input): :meth:`fuse_qkv` concatenates them into one ``[Nq + Nk + Nv, H]`` matrix
+    (:func:`fuse_linears`; checkpoint names and memory unchanged) and :meth:`project_qkv` then runs one
+    GEMM instead of three (a decode step's q/k/v GEMVs are launch-bound: three become one).
+    ``MoECausalLM.materialize`` fuses every such module of a model on CUDA in a 16-bit dtype.
+    """
+
+    qkv_weight: torch.Tensor | None = None  # [Nq + Nk + Nv, H] once fused
+    qkv_bias: torch.Tensor | None = None
+    qkv_sizes: tuple[int, ...] = ()
+
+    def fuse_qkv(self) -> None:
+        self.qkv_weight, self.qkv_bias, self.qkv_sizes = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, H] -> (q [T, Nq], k [T, Nk], v [T, Nv])``; once fused, column views of one ``[T, N]``
+        output (last dim contiguous)."""
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+
+
+class Qwen3Attention(FusedQKV, nn.Module):
     """Qwen3 attention: q/k/v/o projections, per-head RMSNorm on q and k, RoPE, paged KV.
 
     ``forward(x [T, H], batch) -> [T, H]``. Weight names match the HF checkpoint
-    (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
+    (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``); q/k/v may run as one GEMM
+    (:class:`FusedQKV`).
     """
 
     def __init__(self, cfg: ModelConfig, attn_index: int, rotary: RotaryEmbedding):
@@ -202,13 +270,35 @@ class Qwen3Attention(nn.Module):
         self.rotary = rotary  # shared, not a registered submodule's weights
         self.kv: PagedKVPool | None = None  # bound by the model runner
 
+    def _fused_decode_kernels(self, x: torch.Tensor, batch: ForwardBatch):
+        """``edgemoe.kernels.norm_rope`` when this decode step can run q/k norm, RoPE and the KV write
+        as one launch over the fused q/k/v output (CUDA, 16-bit, q/k/v fused, half-split RoPE, norm
+        weights and KV planes in ``x``'s dtype), else ``None``."""
+        if batch.decode is None or self.qkv_weight is None or self.rotary.interleaved:
+            return None
+        fused = fused_kernels(x)
+        if fused is None or self.q_norm.eps != self.k_norm.eps or self.kv.k.dtype != x.dtype:
+            return None
+        if self.q_norm.weight.dtype != x.dtype or self.k_norm.weight.dtype != x.dtype:
+            return None
+        return fused
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))  # [T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        scale = self.head_dim ** -0.5
+        if (fused := self._fused_decode_kernels(x, batch)) is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hk) * D]
+            cos, sin = self.rotary.step_tables(batch.positions, x.dtype, batch.step_cache)  # [T, R]
+            q = fused.qk_norm_rope_kv_write(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                                            batch.kv_slots, self.kv.k[self.attn_index], self.kv.v[self.attn_index])
+            o = attend(q, self.kv, self.attn_index, batch, scale)  # [T, Hq, D]
+            return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        q, k, v = self.project_qkv(x)  # [T, Hq * D], [T, Hk * D] x 2
+        q = self.q_norm(q.view(T, self.num_heads, self.head_dim))  # [T, Hq, D]
+        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))  # [T, Hk, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         q, k = self.rotary(q, k, batch.positions, batch.step_cache)
-        o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, self.head_dim ** -0.5)  # [T, Hq, D]
+        o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -232,13 +322,13 @@ class GatedAttention(Qwen3Attention):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hq, D = x.shape[0], self.num_heads, self.head_dim
-        q = self.q_proj(x)  # [T, Hq * D * (2 if gated else 1)]
+        q, k, v = self.project_qkv(x)  # [T, Hq * D * (2 if gated else 1)], [T, Hk * D] x 2
         gate = None
         if self.gated:
             q, gate = q.view(T, Hq, 2 * D).chunk(2, dim=-1)  # [T, Hq, D] each
         q = self.q_norm(q.reshape(T, Hq, D))  # [T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D))  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
+        k = self.k_norm(k.view(T, self.num_kv_heads, D))  # [T, Hk, D]
+        v = v.view(T, self.num_kv_heads, D)  # [T, Hk, D]
         q, k = self.rotary(q, k, batch.positions, batch.step_cache)
         o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, D ** -0.5).reshape(T, Hq * D)  # [T, Hq * D]
         if gate is not None:

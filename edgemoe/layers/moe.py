@@ -16,25 +16,48 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
+from edgemoe.kernels import kernel_module
 from edgemoe.layers.mlp import DenseMLP
-from edgemoe.layers.router import GroupLimitedSigmoidRouter
+from edgemoe.layers.router import GroupLimitedSigmoidRouter, pad_routes
+
+
+def _fused_topk(logits: torch.Tensor, top_k: int):
+    """``edgemoe.kernels.router_topk`` for CUDA logits in a 16-bit dtype that it covers, else ``None``.
+
+    float32 keeps the torch ops, the reference precision (as ``edgemoe.layers.norm.fused_kernels``).
+    """
+    if not logits.is_cuda or logits.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    module = kernel_module("router_topk", logits.device)
+    if module is None or logits.shape[-1] > module.MAX_EXPERTS or top_k > module.MAX_TOP_K:
+        return None
+    return module
 
 
 class TopKRouter(nn.Module):
-    """``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``; weight ``[E, H]``."""
+    """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``;
+    weight ``[E, H]`` (``Qwen3MoeTopKRouter``).
+
+    ``softmax(x·Wᵀ)`` in float32, top-k, renormalized over the k when ``norm_topk_prob``, cast to the
+    logits' dtype; rows where ``valid`` is False get row 0's ids and weight 0 (:func:`pad_routes`). On
+    CUDA in a 16-bit dtype all of it is one kernel (:func:`edgemoe.kernels.router_topk.topk_softmax`,
+    rounding as these torch ops round on CUDA); elsewhere the torch ops below run.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)  # [T, E]
+        if (fused := _fused_topk(logits, self.top_k)) is not None:
+            return fused.topk_softmax(logits, self.top_k, self.norm_topk_prob, valid)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(logits.dtype)
+        return pad_routes(ids, weights.to(logits.dtype), valid)
 
 
 class MoeBlock(nn.Module):
@@ -43,7 +66,8 @@ class MoeBlock(nn.Module):
     The experts' weights are not parameters of this module: they live in the host pool and the
     device expert cache, reached through ``self.experts`` (a ``HybridExperts`` bound by the runner).
     A subclass owns the router (under the checkpoint's name for it) and implements :meth:`route`; its
-    ids and weights are what every expert path computes with.
+    ids and weights are what every expert path computes with (and what next-layer prefetch predicts
+    with: the runner hands every block's :meth:`route` to the experts).
     """
 
     def __init__(self, moe_layer: int):
@@ -51,16 +75,14 @@ class MoeBlock(nn.Module):
         self.moe_layer = moe_layer
         self.experts = None  # HybridExperts, bound by the model runner
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k])``."""
+    def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H], valid [T] bool | None -> (topk_ids [T, k] int64, topk_weights [T, k])``; rows where
+        ``valid`` is False (the padding rows of a captured batch) route like row 0 with weight 0
+        (:func:`~edgemoe.layers.router.pad_routes`)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        ids, weights = self.route(x)
-        if batch.decode is not None:  # padding rows of a captured batch: route like row 0, weight 0
-            valid = batch.decode.valid[:, None]  # [T, 1]
-            ids = torch.where(valid, ids, ids[:1])
-            weights = weights * valid.to(weights.dtype)
+        ids, weights = self.route(x, batch.decode.valid if batch.decode is not None else None)
         if batch.record is not None:
             batch.record(batch, self.moe_layer, ids, weights)
         out = self.experts.forward(self.moe_layer, x, ids, weights, batch.phase, batch.step)
@@ -75,8 +97,8 @@ class SparseMoeBlock(MoeBlock):
         super().__init__(moe_layer)
         self.gate = TopKRouter(cfg) if cfg.group_routing is None else GroupLimitedSigmoidRouter(cfg)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate(x)
+    def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x, valid)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

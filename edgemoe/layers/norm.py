@@ -44,6 +44,15 @@ class RMSNorm(nn.Module):
             return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: ``r = x + delta`` (``[T, D]``), returns ``(r, self(r))``; one
+        launch on CUDA in a 16-bit dtype (same rounding points as the two ops)."""
+        fused = fused_kernels(x)
+        if fused is None or x.dim() != 2 or self.weight.dtype != x.dtype or delta.dtype != x.dtype:
+            r = x + delta
+            return r, self(r)
+        return fused.add_rms_norm(x, delta, self.weight, self.eps, float32_scale=self.float32_scale)
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     """``y = (x / sqrt(mean(x^2) + eps)) * (1 + weight)``: RMSNorm with a zero-centered weight.

@@ -73,16 +73,22 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, R], R = D unless partial
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
+    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype,
+                    step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`tables`, computed once per step and dtype when ``step_cache`` (``ForwardBatch.step_cache``)
+        is given and shared by the layers."""
+        key = ("rope", id(self), dtype)
+        if step_cache is not None and key in step_cache:
+            return step_cache[key]
+        cos_sin = self.tables(positions, dtype)
+        if step_cache is not None:
+            step_cache[key] = cos_sin
+        return cos_sin
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, step_cache: dict | None = None):
         """Rotate ``q``/``k``; ``step_cache`` (``ForwardBatch.step_cache``) shares the cos/sin tables
         among the layers of one step."""
-        key = ("rope", id(self), q.dtype)
-        if step_cache is not None and key in step_cache:
-            cos, sin = step_cache[key]
-        else:
-            cos, sin = self.tables(positions, q.dtype)  # [T, R]
-            if step_cache is not None:
-                step_cache[key] = (cos, sin)
+        cos, sin = self.step_tables(positions, q.dtype, step_cache)  # [T, R]
         if self.interleaved:
             half = cos.shape[-1] // 2  # cos/sin are cat(freqs, freqs): the first half holds each pair's angle
             cos, sin = cos[:, None, :half], sin[:, None, :half]  # [T, 1, R/2]

@@ -15,11 +15,26 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 
-__all__ = ["GroupLimitedSigmoidRouter"]
+__all__ = ["GroupLimitedSigmoidRouter", "pad_routes"]
+
+
+def pad_routes(ids: torch.Tensor, weights: torch.Tensor,
+               valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of a captured batch's padding rows: where ``valid [T]`` (bool) is False, row 0's ids
+    and weight 0. ``ids [T, k]``, ``weights [T, k]`` are returned as they are when ``valid`` is None.
+
+    The router protocol: every router's ``forward(x, valid=None)`` (and ``MoeBlock.route``) returns
+    routes padded this way, so a router may fold it into its own kernel.
+    """
+    if valid is None:
+        return ids, weights
+    keep = valid[:, None]  # [T, 1]
+    return torch.where(keep, ids, ids[:1]), weights * keep.to(weights.dtype)
 
 
 class GroupLimitedSigmoidRouter(nn.Module):
-    """``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] float32)``.
+    """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] float32)``
+    (rows where ``valid`` is False: see :func:`pad_routes`).
 
     Parameters (float32 whatever the model dtype, as the reference keeps them:
     ``_keep_in_fp32_modules_strict``): ``weight [E, H]`` and ``e_score_correction_bias [E]``.
@@ -45,7 +60,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
         self.n_group, self.topk_group = routing.n_group, routing.topk_group
         self.scaling = float(routing.routed_scaling_factor)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         T, E, G = x.shape[0], self.weight.shape[0], self.n_group
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()  # [T, E]
@@ -58,4 +73,4 @@ class GroupLimitedSigmoidRouter(nn.Module):
         weights = scores.gather(1, ids)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return pad_routes(ids, weights * self.scaling, valid)

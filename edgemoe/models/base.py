@@ -43,6 +43,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
+from edgemoe.layers.attention import FusedQKV
 from edgemoe.layers.moe import MoeBlock
 
 if TYPE_CHECKING:
@@ -178,12 +179,31 @@ class MoECausalLM(nn.Module):
 
     def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the parameters (uninitialized) on ``device`` in ``dtype``, those matching
-        ``float32_parameters`` in float32; the loaders then copy the checkpoint's values in."""
+        ``float32_parameters`` in float32; the loaders then copy the checkpoint's values in.
+
+        On CUDA in a 16-bit dtype the attention layers' q/k/v projections are then fused
+        (:meth:`fuse_projections`): their parameters become views of one matrix, so the loaders fill it
+        under the checkpoint's names. float32 keeps them apart, the reference precision (as the fused
+        norm kernels: ``edgemoe.layers.norm.fused_kernels``); so does the CPU, where oneDNN blocks a
+        GEMM by its output width, so one fused GEMM can differ from the three in the last bits
+        (float32 with several threads, bfloat16 prefill), and decode GEMVs are bound by bytes, not
+        launches.
+        """
         self.to(dtype)
         for name, p in self.named_parameters():
             if name.endswith(self.float32_parameters):
                 p.data = p.data.float()
         self.to_empty(device=device)
+        if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            self.fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Fuse the q/k/v projections of every attention layer that has them
+        (:class:`~edgemoe.layers.attention.FusedQKV`) into one GEMM each; values are kept (again after a
+        second ``materialize``, which gives the parameters new storage)."""
+        for m in self.modules():
+            if isinstance(m, FusedQKV):
+                m.fuse_qkv()
 
     def moe_blocks(self) -> list[MoeBlock]:
         """The routed-expert block of every MoE layer, in layer order."""

@@ -26,7 +26,7 @@ from torch import nn
 from edgemoe.config import GroupLimitedRoutingConfig, ModelConfig, hf_dtype, require, rope_from_hf, token_ids
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
-from edgemoe.layers.attention import write_and_attend
+from edgemoe.layers.attention import FusedQKV, write_and_attend
 from edgemoe.layers.mlp import DenseMLP
 from edgemoe.layers.moe import SharedExpertsMoeBlock
 from edgemoe.layers.norm import RMSNorm
@@ -67,13 +67,14 @@ _GLM_4_5 = {
 }
 
 
-class Glm4MoeAttention(nn.Module):
+class Glm4MoeAttention(FusedQKV, nn.Module):
     """GLM-4.5 attention over the paged KV cache (``Glm4MoeAttention``).
 
     ``forward(x [T, H], batch) -> [T, H]``: q/k/v projections (bias when ``cfg.attention_bias``),
     per-head RMSNorm of q and k when ``cfg.qk_norm``, RoPE on the first ``partial_rotary_factor *
     head_dim`` dims, attention, ``o_proj`` (no bias). Weight names match the checkpoint (``q_proj``,
-    ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
+    ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``); q/k/v may run as one GEMM
+    (:class:`~edgemoe.layers.attention.FusedQKV`).
     """
 
     def __init__(self, cfg: ModelConfig, attn_index: int, rotary: RotaryEmbedding):
@@ -94,9 +95,10 @@ class Glm4MoeAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.num_heads, D)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
+        q, k, v = self.project_qkv(x)
+        q = q.view(T, self.num_heads, D)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, D)  # [T, Hk, D]
+        v = v.view(T, self.num_kv_heads, D)  # [T, Hk, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, batch.positions, batch.step_cache)

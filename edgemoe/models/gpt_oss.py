@@ -32,10 +32,11 @@ from torch import nn
 from edgemoe.config import ExpertActivation, ModelConfig, hf_dtype, require, rope_from_hf, token_ids
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
-from edgemoe.layers.attention import write_and_attend
+from edgemoe.layers.attention import FusedQKV, write_and_attend
 from edgemoe.layers.moe import MoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.layers.router import pad_routes
 from edgemoe.models.base import FusedExpertLayout, MoECausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -94,13 +95,13 @@ _TINY = {
 }
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(FusedQKV, nn.Module):
     """gpt-oss attention over the paged KV cache (``GptOssAttention``).
 
     ``forward(x [T, H], batch) -> [T, H]``: biased q/k/v projections, RoPE, attention with per-head sinks
     (``sinks [Hq]``) and, on a sliding layer, a window of ``cfg.sliding_window`` positions, then the
     biased ``o_proj``. Weight names match the checkpoint (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
-    ``sinks``).
+    ``sinks``); q/k/v may run as one GEMM (:class:`~edgemoe.layers.attention.FusedQKV`).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
@@ -119,18 +120,20 @@ class GptOssAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.num_heads, D)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)  # [T, Hk, D]
+        q, k, v = self.project_qkv(x)
+        q = q.view(T, self.num_heads, D)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, D)  # [T, Hk, D]
+        v = v.view(T, self.num_kv_heads, D)  # [T, Hk, D]
         q, k = self.rotary(q, k, batch.positions, batch.step_cache)
         o = write_and_attend(q, k, v, self.kv, self.attn_index, batch, D ** -0.5, self.sinks, self.window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
 class GptOssTopKRouter(nn.Module):
-    """``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``: the top-k of the biased
-    logits ``x·Wᵀ + b``, weighted by the softmax over those k logits, in their dtype
-    (``GptOssTopKRouter``). ``weight [E, H]``, ``bias [E]``."""
+    """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``:
+    the top-k of the biased logits ``x·Wᵀ + b``, weighted by the softmax over those k logits, in their
+    dtype (``GptOssTopKRouter``); rows where ``valid`` is False as :func:`~edgemoe.layers.router.pad_routes`
+    says. ``weight [E, H]``, ``bias [E]``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -138,10 +141,10 @@ class GptOssTopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(cfg.num_experts), requires_grad=False)
         self.top_k = cfg.top_k
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight, self.bias)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
-        return ids, torch.softmax(top, dim=1, dtype=top.dtype)
+        return pad_routes(ids, torch.softmax(top, dim=1, dtype=top.dtype), valid)
 
 
 class GptOssMLP(MoeBlock):
@@ -151,8 +154,8 @@ class GptOssMLP(MoeBlock):
         super().__init__(moe_layer)
         self.router = GptOssTopKRouter(cfg)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.router(x)
+    def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router(x, valid)
 
 
 class DecoderLayer(nn.Module):

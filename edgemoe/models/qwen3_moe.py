@@ -37,8 +37,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), batch))
         return x + (self.mlp(h, batch) if self.is_moe else self.mlp(h))
 
 

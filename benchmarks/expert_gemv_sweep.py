@@ -1,0 +1,201 @@
+"""Tile sweep of the decode expert GEMVs (``edgemoe.kernels.expert_gemv``) at batch 1: bandwidth per config.
+
+At Qwen3-30B-A3B geometry (H=2048, I=768, top-8, bf16) a decode step's ``_gate_up_kernel`` reads 50.3 MB
+and ``_down_kernel`` 25.2 MB per MoE layer; profiled in the CUDA-graph step they take 18.0 and 15.4 us
+(~2.3 TB/s of the H200's ~4.8). This script times each kernel over a set of tiles (rows per program,
+columns per iteration, warps, pipeline stages) the way the decode step runs them: ``--layers`` launches
+captured in one CUDA graph, each reading the 8 experts of its own layer's bank (distinct weights every
+launch, so nothing is served from L2), replayed ``--iters`` times. It reports us per launch, GB/s of
+weight bytes, the share of a device-to-device copy's bandwidth, and how far each config's output is from
+the current tiles' (other tiles change the float32 summation order: bits may differ, values agree to
+rounding). The current tiles come first; ``route sum`` rows time the down launch with the in-kernel
+``Σ_k`` on and off.
+
+    python benchmarks/expert_gemv_sweep.py                  # ~30-60 s on an H200, most of it compiling
+    python benchmarks/expert_gemv_sweep.py --tokens 1,4 --out results/
+
+Needs CUDA. Results go to stdout and, with ``--out`` (or ``$OUT``), ``expert_gemv_sweep.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H, I, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B MoE layer
+
+# (rows per program, columns per iteration, warps, stages or None for Triton's default); the first is current
+GATE_UP = [(4, 256, 4, None), (8, 256, 4, None), (16, 256, 4, None), (8, 128, 4, None), (8, 512, 4, None),
+           (4, 512, 4, None), (16, 512, 8, None), (8, 256, 8, None), (8, 256, 2, None), (32, 256, 8, None),
+           (16, 128, 4, None), (8, 256, 4, 2), (8, 256, 4, 4)]
+DOWN = [(16, 256, 2, None), (16, 256, 4, None), (8, 256, 4, None), (32, 256, 4, None), (16, 128, 4, None),
+        (16, 512, 4, None), (8, 512, 4, None), (32, 256, 8, None), (64, 256, 8, None), (4, 256, 2, None),
+        (32, 128, 4, None), (16, 256, 4, 2), (16, 256, 4, 4)]
+QUICK = 5  # --quick: the first configs of each list only
+
+
+def graph_seconds(launch, layers: int, iters: int) -> float:
+    """Seconds per launch: ``launch(layer)`` for every layer captured in one CUDA graph, replayed ``iters`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(layers):  # compile and warm up outside the capture
+            launch(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            launch(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters / layers
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def sweep(T: int, a: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor, copy_bps: float) -> list[dict]:
+    import triton
+
+    from edgemoe.kernels.expert_gemv import _down_kernel, _gate_up_kernel, route_sum_counters
+
+    dev, L, P = w13.device, a.layers, T * K
+    g = torch.Generator().manual_seed(0)
+    slots = [torch.stack([torch.randperm(E, generator=g)[:K] + layer * E for _ in range(T)]).to(torch.int32)
+             .flatten().to(dev) for layer in range(L)]
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    wts = torch.rand(T, K, generator=g).to(dev)
+    acts = [torch.empty(P, I, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    outs = [torch.empty(T, K, H, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    counters = route_sum_counters(T, H, dev)
+    rows = []
+
+    def gate_up(bi, bh, nw, ns):
+        def launch(layer):
+            extra = {} if ns is None else {"num_stages": ns}
+            _gate_up_kernel[(P, triton.cdiv(I, bi))](x, slots[layer], w13, w13, acts[layer], K, H, I, x.stride(0),
+                                                     w13.stride(0), 0, 1.0, 0.0, OAI=False, HAS_BIAS=False, BLOCK_I=bi,
+                                                     BLOCK_H=bh, num_warps=nw, **extra)
+        return launch
+
+    def down(bo, bk, nw, ns, summed=False):
+        def launch(layer):
+            extra = {} if ns is None else {"num_stages": ns}
+            _down_kernel[(P, triton.cdiv(H, bo))](acts[layer], slots[layer], w2, w2, wts, outs[layer], y, counters, H,
+                                                  I, w2.stride(0), 0, y.stride(0), HAS_BIAS=False, BLOCK_O=bo,
+                                                  BLOCK_K=bk, SUM=summed, TOPK=K if summed else 1, num_warps=nw,
+                                                  **extra)
+        return launch
+
+    def run(kind, cfg, launch, nbytes, result):
+        try:
+            s = graph_seconds(launch, L, a.iters)
+        except Exception as exc:  # a tile that does not compile (registers, shared memory) is reported, not fatal
+            rows.append({"tokens": T, "kernel": kind, "config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            return None
+        out = result().float()
+        rows.append({"tokens": T, "kernel": kind, "config": cfg, "us": s * 1e6, "gbps": nbytes / s / 1e9,
+                     "pct_of_copy": 100 * nbytes / s / copy_bps, "out": out})
+        return out
+
+    gu_bytes, dn_bytes = P * 2 * I * H * 2, P * H * I * 2
+    gate_cfgs, down_cfgs = (GATE_UP[:QUICK], DOWN[:QUICK]) if a.quick else (GATE_UP, DOWN)
+    for cfg in gate_cfgs:
+        run("gate_up", cfg, gate_up(*cfg), gu_bytes, lambda: acts[0].clone())
+    gate_up(*GATE_UP[0])(0)  # the current tiles' activations feed every down config
+    for layer in range(1, L):
+        gate_up(*GATE_UP[0])(layer)
+    for cfg in down_cfgs:
+        run("down", cfg, down(*cfg), dn_bytes, lambda: outs[0].clone())
+    run("down + route sum", DOWN[0], down(*DOWN[0], summed=True), dn_bytes, lambda: outs[0].clone())
+    for kind in ("gate_up", "down"):  # distance of every config's output from the current tiles'
+        mine = [r for r in rows if r["kernel"] == kind and "out" in r]
+        if mine:
+            ref = mine[0]["out"]
+            for r in mine:
+                r["bitwise_current"] = bool(torch.equal(r["out"], ref))
+                r["max_abs_diff"] = float((r["out"] - ref).abs().max())
+    for r in rows:
+        r.pop("out", None)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1", help="comma-separated batch sizes (default 1)")
+    ap.add_argument("--layers", type=int, default=8, help="launches per graph, each over its own 128 experts")
+    ap.add_argument("--iters", type=int, default=50, help="graph replays timed")
+    ap.add_argument("--quick", action="store_true", help=f"the first {QUICK} configs of each kernel only")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for expert_gemv_sweep.json")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("expert_gemv_sweep needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    S = a.layers * E
+    w13 = (torch.randn(S, 2 * I, H, device=dev, generator=g) * 0.02).to(torch.bfloat16)  # [S, 2I, H]
+    w2 = (torch.randn(S, H, I, device=dev, generator=g) * 0.02).to(torch.bfloat16)  # [S, H, I]
+    copy_bps = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name(dev)}: device copy {copy_bps / 1e9:.0f} GB/s; {a.layers} layers x {E} experts "
+          f"bf16 ({(w13.numel() + w2.numel()) * 2 / 1e9:.1f} GB), H={H} I={I} top-{K}")
+    rows = []
+    for T in (int(t) for t in a.tokens.split(",")):
+        rows += sweep(T, a, w13, w2, copy_bps)
+    print(f"{'T':>3} {'kernel':<17} {'rows,cols,warps,stages':<24} {'us':>7} {'GB/s':>7} {'%copy':>6} {'bits':>5} "
+          f"{'max diff':>9}")
+    for r in rows:
+        cfg = ",".join("-" if c is None else str(c) for c in r["config"])
+        if "error" in r:
+            print(f"{r['tokens']:>3} {r['kernel']:<17} {cfg:<24} {r['error']}")
+            continue
+        bits = {True: "same", False: "diff", None: ""}[r.get("bitwise_current")]
+        diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else ""
+        print(f"{r['tokens']:>3} {r['kernel']:<17} {cfg:<24} {r['us']:7.2f} {r['gbps']:7.0f} {r['pct_of_copy']:5.0f}% "
+              f"{bits:>5} {diff:>9}")
+    for kind in ("gate_up", "down"):
+        for T in sorted({r["tokens"] for r in rows}):
+            ok = [r for r in rows if r["kernel"] == kind and r["tokens"] == T and "us" in r]
+            if ok:
+                best = min(ok, key=lambda r: r["us"])
+                print(f"best {kind} at T={T}: {best['config']} {best['us']:.2f} us ({best['gbps']:.0f} GB/s), "
+                      f"current {ok[0]['us']:.2f} us")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        path = Path(a.out) / "expert_gemv_sweep.json"
+        path.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "device": torch.cuda.get_device_name(dev),
+                                    "copy_gbps": copy_bps / 1e9, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
