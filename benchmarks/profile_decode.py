@@ -39,12 +39,13 @@ from edgemoe.engine.model_runner import ModelRunner, StepInput
 
 def kernel_events(prof: torch.profiler.profile) -> list:
     """The profile's device-side kernel events (``DeviceType.CUDA``; memcpy/memset included)."""
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "decode_step"]
 
 
 def step_windows(prof: torch.profiler.profile, label: str) -> list[tuple[float, float]]:
     """(start, end) in µs of each ``record_function(label)`` range on the host."""
-    return sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == label)
+    return sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.name == label and e.device_type == torch.autograd.DeviceType.CPU)  # not its GPU-side twin
 
 
 def main(argv=None) -> int:
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel launched by the host)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also run N steps under cProfile and print the host functions by own time")
     ap.add_argument("--top", type=int, default=30, help="kernels in the table")
     ap.add_argument("--out", default="", help="folder for profile_decode.json and trace.json")
     a = ap.parse_args(argv)
@@ -106,6 +109,36 @@ def main(argv=None) -> int:
     print(f"{'eager' if a.eager else 'CUDA graphs'}, {runner.experts.decode_path}: {tps:.1f} tokens/s, "
           f"{ms:.3f} ms/step", flush=True)
 
+    replay_ms = None
+    dd = runner.experts.device_decode
+    key = (1, bool(dd is not None and dd.armed))  # the graph the timed steps replayed
+    if runner.graphs is not None and key in runner.graphs.graphs and not a.eager:
+        # the step's GPU time alone: the captured graph replayed back to back, no host work between replays
+        graph, _ = runner.graphs.graphs[key]
+        sync()
+        r0 = time.perf_counter()
+        for _ in range(a.tokens):
+            graph.replay()
+        sync()
+        replay_ms = 1e3 * (time.perf_counter() - r0) / a.tokens
+        print(f"graph replay alone: {replay_ms:.3f} ms/step; host work per step {ms - replay_ms:.3f} ms", flush=True)
+    host_top = ""
+    if a.host_profile:
+        import cProfile
+        import io
+        import pstats
+
+        hp = cProfile.Profile()
+        hp.enable()
+        for i in range(a.host_profile):
+            step(i % n_feed)
+        sync()
+        hp.disable()
+        buf = io.StringIO()
+        pstats.Stats(hp, stream=buf).sort_stats("tottime").print_stats(25)
+        host_top = buf.getvalue()
+        print(f"host functions over {a.host_profile} steps (cProfile, own time):\n{host_top}", flush=True)
+
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for i in range(a.warmup + a.tokens, n_feed):
@@ -146,7 +179,8 @@ def main(argv=None) -> int:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "eager": a.eager,
             "decode_path": runner.experts.decode_path, "slots": slots, "policy": policy,
-            "tokens_per_s": tps, "ms_per_step": ms, "per_step_mean": mean, "steps": per_step, "kernels": rows,
+            "tokens_per_s": tps, "ms_per_step": ms, "graph_replay_ms": replay_ms, "host_profile": host_top,
+            "per_step_mean": mean, "steps": per_step, "kernels": rows,
             "cpu_ops": cpu_table}, indent=2))
     return 0
 

@@ -163,6 +163,15 @@ def test_route_control_tight_pinned_and_single_token_caches(S, pinned, T, k, gro
         assert c.fills == 0
 
 
+@pytest.mark.parametrize("name", ["fill-all", "qstar"])
+def test_route_control_resident_model_all_hits_after_warm_up(name):
+    """Every expert fits (S = L·E): the first steps fill, then every step is all hits (the passes that
+    order misses and lay out CPU work are skipped); the outputs still equal ``plan_step``'s."""
+    policy = FillAllPolicy() if name == "fill-all" else QStarPolicy(Bandwidths(10.0, 15.0))
+    c = _run_route_control(policy, S=24, L=3, E=8, T=2, k=4, steps=8, seed=5)
+    assert c.hits > 0 and c.misses > 0
+
+
 @pytest.mark.parametrize("S,E,groups,free,clocks", [(150, 200, 4, 0.2, 6), (150, 200, 2, 0.05, 40),
                                                      (5000, 2000, 64, 0.001, 5000), (5000, 2000, 8, 0.001, 5000)])
 def test_route_control_victim_search_on_random_tables(S, E, groups, free, clocks):

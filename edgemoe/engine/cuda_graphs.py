@@ -22,6 +22,10 @@ from edgemoe.kvcache.state import RecurrentStatePool
 
 log = logging.getLogger(__name__)
 
+
+def _round8(n: int) -> int:
+    return -(-n // 8) * 8
+
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes with a captured CUDA graph (smaller ones pad up)
 SCRATCH_SEQ = -1  # owner id of the padding rows' scratch KV page and recurrent-state slot
 
@@ -51,33 +55,44 @@ class DecodeInputs:
         self.kv, self.device, self.max_bs = kv, device, max_bs
         self.max_pages = -(-max_model_len // kv.page_size)
         self.scratch_page = kv.pages_of(SCRATCH_SEQ)[0]
-        i64, i32 = torch.int64, torch.int32
-        self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=i64, device=device)
-        self.kv_slots = torch.zeros(max_bs, dtype=i64, device=device)
-        self.logits_index = torch.arange(max_bs, dtype=i64, device=device)
-        self.block_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, device=device)
-        self.context_lens = torch.ones(max_bs, dtype=i32, device=device)
-        self.valid = torch.zeros(max_bs, dtype=torch.bool, device=device)
-        self.state_slots = None if state is None else torch.zeros(max_bs, dtype=i64, device=device)
+        # Host staging and device inputs share one byte layout, so a step moves its inputs in one transfer:
+        # int64 rows (token ids, positions, KV slots, state slots) x max_bs | context lengths int32 |
+        # valid flags | block tables int32 [max_bs, max_pages] last (a step copies up to its bs-th row).
+        n64, n_lens, n_valid = 4 * max_bs * 8, _round8(4 * max_bs), _round8(max_bs)
+        self._tables_at, self._row_bytes = n64 + n_lens + n_valid, 4 * self.max_pages
+        total = self._tables_at + max_bs * self._row_bytes
+        pin = device.type == "cuda"
+        self._h = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
+        self._d = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._copied = torch.cuda.Event() if pin else None  # the last transfer out of the staging buffer
+
+        def views(buf: torch.Tensor):
+            rows = buf[:n64].view(torch.int64).view(4, max_bs)
+            lens = buf[n64:n64 + 4 * max_bs].view(torch.int32)
+            valid = buf[n64 + n_lens:n64 + n_lens + max_bs].view(torch.bool)
+            tables = buf[self._tables_at:].view(torch.int32).view(max_bs, self.max_pages)
+            return rows, lens, valid, tables
+
+        self._h_i64, self._h_lens, self._h_valid, self._h_tables = views(self._h)
+        rows, self.context_lens, self.valid, self.block_tables = views(self._d)
+        self.input_ids, self.positions, self.kv_slots = rows[0], rows[1], rows[2]
+        self.state_slots = None if state is None else rows[3]
+        self.context_lens.fill_(1)
+        self.logits_index = torch.arange(max_bs, dtype=torch.int64, device=device)
         self.scratch_state = None if state is None else state.slot(SCRATCH_SEQ)
         if kv.spec.is_latent:
             self.attn_scratch = make_decode_scratch(max_bs, num_heads, kv.spec.value_dim, max_model_len, device,
                                                     partition_size=LATENT_PARTITION)
         else:
             self.attn_scratch = make_decode_scratch(max_bs, num_heads, head_dim, max_model_len, device)
-        # host staging: one pinned buffer per input, copied in with one transfer each
-        pin = device.type == "cuda"
-        self._h_i64 = torch.zeros(4, max_bs, dtype=i64, pin_memory=pin)
-        self._h_tables = torch.zeros(max_bs, self.max_pages, dtype=i32, pin_memory=pin)
-        self._h_lens = torch.zeros(max_bs, dtype=i32, pin_memory=pin)
-        self._h_valid = torch.zeros(max_bs, dtype=torch.bool, pin_memory=pin)
 
     def load(self, inputs: list[StepInput], state_slots: list[int | None], bs: int, step: int,
              record) -> ForwardBatch:
         """Write ``inputs`` (one token each; their KV pages and state slots already allocated) into rows
         ``[0, bs)`` and return the step's batch over the static tensors."""
         kv, ps = self.kv, self.kv.page_size
+        if self._copied is not None:  # the previous step's transfer has read the staging buffer
+            self._copied.synchronize()
         h = self._h_i64
         h[:, :bs] = 0
         h[2, :bs] = self.scratch_page * ps
@@ -98,16 +113,10 @@ class DecodeInputs:
             self._h_lens[row] = pos + 1
             self._h_valid[row] = True
             seqs.append(SeqSlice(inp.seq_id, row, 1, pos + 1, None, state_slots[row]))
-        self.input_ids[:bs].copy_(h[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(h[1, :bs], non_blocking=True)
-        self.kv_slots[:bs].copy_(h[2, :bs], non_blocking=True)
-        self.block_tables[:bs].copy_(self._h_tables[:bs], non_blocking=True)
-        self.context_lens[:bs].copy_(self._h_lens[:bs], non_blocking=True)
-        self.valid[:bs].copy_(self._h_valid[:bs], non_blocking=True)
-        if self.state_slots is not None:
-            self.state_slots[:bs].copy_(h[3, :bs], non_blocking=True)
-        if self.device.type == "cuda":  # the staging buffers are rewritten by the next step
-            torch.cuda.current_stream(self.device).synchronize()
+        end = self._tables_at + bs * self._row_bytes
+        self._d[:end].copy_(self._h[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
         return ForwardBatch(
             phase=Phase.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             kv_slots=self.kv_slots[:bs], seqs=seqs, logits_index=self.logits_index[:bs], step=step,

@@ -208,8 +208,9 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
             q = tl.maximum(q, tl.minimum(m, n_free))
     q = tl.minimum(q, n_evict)
 
-    # 4. fill order: most-routed misses first, ties to the smaller flat id
-    for i0 in range(0, P, BLOCK_P):
+    # 4. fill order: most-routed misses first, ties to the smaller flat id (nothing to order without
+    #    misses: the all-hit step of a resident model skips the pass)
+    for i0 in range(0, tl.where(m > 0, P, 0), BLOCK_P):
         r = i0 + lane
         valid = r < P
         fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset
@@ -298,9 +299,11 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     tl.atomic_add(counters_ptr + 2, n_fill.to(tl.int64))
     tl.atomic_add(counters_ptr + 3, n_cpu.to(tl.int64))
 
-    # CPU work: experts ascending by flat id, routes grouped by expert in row-major (token) order
+    # CPU work: experts ascending by flat id, routes grouped by expert in row-major (token) order (no
+    #    passes when every miss fills: the offsets are all zero)
     n_cpu_routes = tl.zeros([], tl.int64)
-    for i0 in range(0, P, BLOCK_P):
+    cpu_p = tl.where(n_cpu > 0, P, 0)
+    for i0 in range(0, cpu_p, BLOCK_P):
         r = i0 + lane
         valid = r < P
         fid = tl.load(topk_ids_ptr + r, mask=valid, other=0) + layer_offset
@@ -327,7 +330,7 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     for i0 in range(0, P, BLOCK_P):
         r = i0 + lane
         off = tl.zeros([BLOCK_P], tl.int64)  # offsets[e], e = r
-        for j0 in range(0, P, BLOCK_P):
+        for j0 in range(0, cpu_p, BLOCK_P):
             c = j0 + lane
             is_cpu = (tl.load(flags_ptr + c, mask=c < P, other=0) & 4) != 0
             eo = tl.load(eo_ptr + c, mask=c < P, other=0)
