@@ -105,13 +105,17 @@ def test_router_module_takes_the_kernel_and_pads():
     router = TopKRouter(Cfg()).to(CUDA, torch.bfloat16)
     with torch.no_grad():
         router.weight.normal_(0, 0.05)
-    x = torch.randn(8, 256, device=CUDA).to(torch.bfloat16)
-    valid = torch.arange(8, device=CUDA) < 3
+    x = torch.randn(64, 256, device=CUDA).to(torch.bfloat16)
+    valid = torch.arange(64, device=CUDA) < 24
     logits = torch.nn.functional.linear(x, router.weight)
+    top9 = logits.float().sort(dim=-1, descending=True).values[:, :9]
+    clean = (top9[:, 1:] != top9[:, :-1]).all(dim=-1)  # bfloat16 logits tie often: a tie's order is free
     for v in (None, valid):
         ids, w = router(x, v)
         ref_ids, ref_w = torch_route(logits, 8, True, v)
-        assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
+        rows = clean if v is None else torch.where(v, clean, clean[0])  # padding rows route like row 0
+        assert rows.sum() > 8
+        assert torch.equal(ids[rows], ref_ids[rows]) and torch.equal(w[rows], ref_w[rows])
 
 
 def test_topk_softmax_in_a_cuda_graph_and_its_time():
