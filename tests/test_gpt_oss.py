@@ -604,10 +604,12 @@ def test_the_kernels_read_quantized_rows_of_these_experts():
 def test_mxfp4_rows_dequantize_as_transformers(mxfp4):
     """Every expert row of the pool, dequantized, equals transformers' dequantized ``GptOssExperts`` weights
     (gate/up de-interleaved, transposed to edgemoe's ``[2I, H]`` / ``[H, I]``) and biases, bit for bit."""
-    from transformers import GptOssForCausalLM
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
     path = mxfp4[0]
-    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # dequantized at load (releases from 5.25 otherwise fetch MXFP4 kernels from the Hub when Triton and the
+    # ``kernels`` package are installed, even on a CPU-only machine)
+    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True))
     pool = ModelRunner(path, _engine_config(expert_cache_slots=0), progress=False).pool
     E = 16
     w13, w2 = pool.layout.dequant_rows(pool.bank, range(pool.num_ids))
