@@ -23,20 +23,9 @@ import pytest
 
 pytest.importorskip("triton")
 
+from router_reference import torch_route
+
 from edgemoe.kernels.router_topk import topk_softmax
-
-
-def torch_route(logits, k, renorm, valid=None):
-    """``TopKRouter``'s torch ops (then ``pad_routes``)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    w, ids = torch.topk(probs, k, dim=-1)
-    if renorm:
-        w = w / w.sum(dim=-1, keepdim=True)
-    w = w.to(logits.dtype)
-    if valid is not None:
-        keep = valid[:, None]
-        ids, w = torch.where(keep, ids, ids[:1]), w * keep.to(w.dtype)
-    return ids, w
 
 
 def cuda_order_route(logits, k, renorm):

@@ -9,12 +9,10 @@ Measured numbers are printed (run with ``-s``) and, when ``$OUT`` is set, append
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from perf import capture, replay_us, report
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
@@ -31,11 +29,12 @@ PROMPT = list(range(5, 45))
 
 
 def _report(name: str, **values) -> None:
-    print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "fused_qkv_gpu.jsonl"), "a") as f:
-            f.write(json.dumps({"test": name, **values}) + "\n")
+    report("fused_qkv_gpu.jsonl", name, **values)
+
+
+def _graph_us(fn, iters: int = 500) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph."""
+    return replay_us(capture(fn)[0][0], iters)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
@@ -73,50 +72,8 @@ def test_qwen3_30b_qkv_gemv_fused_vs_separate():
         torch.testing.assert_close(one.float(), sep.float(), rtol=0.02, atol=0.02)
 
     x = torch.randn(1, H, device=CUDA, generator=g).to(torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            F.linear(x, fused)
-            [F.linear(x, w) for w in ws]
-    torch.cuda.current_stream().wait_stream(stream)
-    g1, g3 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g1):
-        F.linear(x, fused)
-    with torch.cuda.graph(g3):
-        [F.linear(x, w) for w in ws]
-
-    def seconds(graph, iters=500):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-
-    _report("qkv_gemv_graph_us", fused_us=seconds(g1) * 1e6, separate_us=seconds(g3) * 1e6)
-
-
-def _graph_us(fn, iters=500) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    _report("qkv_gemv_graph_us", fused_us=_graph_us(lambda: F.linear(x, fused)),
+            separate_us=_graph_us(lambda: [F.linear(x, w) for w in ws]))
 
 
 @pytest.mark.parametrize("T", [1, 16])

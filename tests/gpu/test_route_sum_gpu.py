@@ -10,15 +10,14 @@ Measured numbers are printed (run with ``-s``) and, when ``$OUT`` is set, append
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 pytest.importorskip("triton")
+
+from perf import capture, replay_us, report  # noqa: E402
 
 from edgemoe.experts.compute import quant_slots  # noqa: E402
 from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant, route_sum_counters  # noqa: E402
@@ -31,11 +30,7 @@ S, H, I = 128, 2048, 768  # one Qwen3-30B-A3B MoE layer's experts
 
 
 def _report(name: str, **values) -> None:
-    print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "route_sum_gpu.jsonl"), "a") as f:
-            f.write(json.dumps({"test": name, **values}) + "\n")
+    report("route_sum_gpu.jsonl", name, **values)
 
 
 @pytest.fixture(scope="module")
@@ -109,20 +104,7 @@ def test_route_sum_in_a_cuda_graph_and_its_time(banks):
         expert_gemv(x, slot, w, w13, w2, out, a)
         return out.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fused()
-            separate()
-    torch.cuda.current_stream().wait_stream(stream)
-    gf, gs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gf):
-        for _ in range(16):  # a step's 16 MoE layers, one counter buffer
-            fused()
-    with torch.cuda.graph(gs):
-        for _ in range(16):
-            ref = separate()
+    (gf, gs), (_, ref) = capture(fused, separate, repeat=16)  # a step's 16 MoE layers, one counter buffer
     for _ in range(50):
         slot.copy_(_routes(T, k, g)[0])
         gf.replay()
@@ -130,14 +112,5 @@ def test_route_sum_in_a_cuda_graph_and_its_time(banks):
         torch.cuda.synchronize()
         assert torch.equal(y, ref) and not counters.any()
 
-    def seconds(graph, iters=100):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters / 16
-
-    _report("route_sum_graph_us_per_layer", fused_us=seconds(gf) * 1e6, gemv_then_sum_us=seconds(gs) * 1e6)
+    _report("route_sum_graph_us_per_layer", fused_us=replay_us(gf, 100, per=16),
+            gemv_then_sum_us=replay_us(gs, 100, per=16))

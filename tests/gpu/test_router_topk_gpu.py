@@ -10,9 +10,6 @@ Measured numbers are printed (run with ``-s``) and, when ``$OUT`` is set, append
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -20,29 +17,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels.router_topk import topk_softmax  # noqa: E402
+from perf import capture, replay_us, report  # noqa: E402
+from router_reference import torch_route  # noqa: E402
 
-CUDA = torch.device("cuda")
+from edgemoe.kernels.router_topk import topk_softmax  # noqa: E402
 
 
 def _report(name: str, **values) -> None:
-    print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "router_topk_gpu.jsonl"), "a") as f:
-            f.write(json.dumps({"test": name, **values}) + "\n")
+    report("router_topk_gpu.jsonl", name, **values)
 
 
-def torch_route(logits, k, renorm, valid=None):
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    w, ids = torch.topk(probs, k, dim=-1)
-    if renorm:
-        w = w / w.sum(dim=-1, keepdim=True)
-    w = w.to(logits.dtype)
-    if valid is not None:
-        keep = valid[:, None]
-        ids, w = torch.where(keep, ids, ids[:1]), w * keep.to(w.dtype)
-    return ids, w
+CUDA = torch.device("cuda")
 
 
 def distinct_logits(T, E, dtype, g):
@@ -122,32 +107,11 @@ def test_topk_softmax_in_a_cuda_graph_and_its_time():
     g = torch.Generator().manual_seed(2)
     logits = distinct_logits(1, 128, torch.bfloat16, g)
     valid = torch.ones(1, dtype=torch.bool, device=CUDA)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            topk_softmax(logits, 8, True, valid)
-            torch_route(logits, 8, True, valid)
-    torch.cuda.current_stream().wait_stream(stream)
-    fused, ref = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(fused):
-        out = topk_softmax(logits, 8, True, valid)
-    with torch.cuda.graph(ref):
-        ref_out = torch_route(logits, 8, True, valid)
+    (fused, ref), (out, ref_out) = capture(lambda: topk_softmax(logits, 8, True, valid),
+                                           lambda: torch_route(logits, 8, True, valid))
     logits.copy_(distinct_logits(1, 128, torch.bfloat16, g))
     fused.replay()
     ref.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], ref_out[0]) and torch.equal(out[1], ref_out[1])
-
-    def seconds(graph, iters=200):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-
-    _report("topk_softmax_graph_us", fused_us=seconds(fused) * 1e6, torch_ops_us=seconds(ref) * 1e6)
+    _report("topk_softmax_graph_us", fused_us=replay_us(fused), torch_ops_us=replay_us(ref))
