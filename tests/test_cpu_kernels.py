@@ -217,6 +217,28 @@ def test_large_per_expert_batches_take_the_torch_path(monkeypatch):
     assert _rel_err(out, reference(pool, x, work)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("max_tokens", [1 << 30, 2])
+def test_run_grouped_equals_run_over_the_split_work(max_tokens):
+    """Routes grouped by expert in flat arrays give ``run``'s bits over the split work list; with experts
+    above ``max_tokens_per_expert`` (2) it goes through ``run`` (the torch path for those); bad counts raise."""
+    pool = _pool("tails-16", torch.float32)
+    ex = native.NativeCpuExecutor(pool, 2, max_tokens_per_expert=max_tokens, min_parallel_bytes=0)
+    T = 6
+    x = _x(T, pool.hidden, seed=7)
+    work = sorted(_work(T, pool.num_ids, seed=8, k=3))
+    fids = [f for f, _, _ in work]
+    counts = [t.numel() for _, t, _ in work]
+    tok, wt = torch.cat([t for _, t, _ in work]), torch.cat([w for _, _, w in work])
+    want, got = torch.zeros(T, pool.hidden), torch.zeros(T, pool.hidden)
+    ex.run(x, work, want)
+    ex.run_grouped(x, fids, counts, tok, wt, got)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError):
+        ex.run_grouped(x, fids, counts[:-1], tok, wt, got)
+    with pytest.raises(ValueError):
+        ex.run_grouped(x, fids, counts, tok, wt[:-1], got)
+
+
 # ------------------------------------------------------------------------------------------ ISA dispatch
 def test_select_isa_with_fake_feature_sets():
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}

@@ -11,7 +11,7 @@ from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.compute import swiglu_expert
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
-from edgemoe.experts.hybrid import HybridExperts
+from edgemoe.experts.hybrid import HybridExperts, plan_step
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
@@ -68,6 +68,21 @@ def test_zero_slot_cache_has_no_victims():
     c = _cache(0)
     assert c.choose_victims(4, exclude=[]) == []
     assert c.lookup([1, 2]) == ({}, [1, 2])
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+@pytest.mark.parametrize("policy", [CpuAllPolicy(), FillAllPolicy(), QStarPolicy(Bandwidths(10.0, 15.0))])
+def test_zero_slot_cache_plans_every_expert_on_the_cpu_most_routed_first(phase, policy):
+    """The empty cache's shortcut: what the general rule gives with nothing resident and nothing to fill
+    (most-routed first, ties in the step's order), counters included, tables untouched."""
+    c = _cache(0)
+    tables = [t.clone() for t in (c.slot_of, c.ghost_slot, c.reuse)]
+    tpe = {7: 1, 3: 2, 11: 1, 5: 4, 2: 2}
+    plan = plan_step(c, policy, tpe, phase, step=3)
+    assert plan.hits == {} and plan.waves == [] and plan.cpu == [5, 3, 2, 7, 11]
+    n = c.counters[phase.value]
+    assert (n.hits, n.misses, n.fills, n.cpu) == (0, 5, 0, 5)
+    assert all(torch.equal(a, b) for a, b in zip(tables, (c.slot_of, c.ghost_slot, c.reuse)))
 
 
 # ---------------------------------------------------------------- q* policy

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps({"threads": a.threads, "tokens": n, "tokens_per_s": n / step_s,
                                            "ms_per_token": 1e3 * step_s / n, "parts": rows,
-                                           "executor": runner.cpu_executor.name, "torch_ops": table}, indent=2))
+                                           "executor": runner.experts.cpu_executor.name, "torch_ops": table}, indent=2))
     return 0
 
 

@@ -46,6 +46,12 @@ class CpuExecutor(Protocol):
     def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:
         """Accumulate ``Σ weight · expert(x[token])`` of ``work`` into ``out [T, H]`` float32 (CPU)."""
 
+    def run_grouped(self, x: torch.Tensor, fids: list[int], counts: list[int], tok: torch.Tensor, wt: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """:meth:`run` over routes already grouped by expert: expert ``fids[e]`` takes the next
+        ``counts[e]`` entries of ``tok [P]`` int64 (token rows) and ``wt [P]`` (weights), in order (what
+        ``run(x, list(zip(fids, tok.split(counts), wt.split(counts))), out)`` computes, without the split)."""
+
     def with_pool(self, pool: HostExpertPool) -> CpuExecutor:
         """The same executor (same threads) over another pool, e.g. a bandwidth-rotation pool."""
 
@@ -95,6 +101,11 @@ class TorchCpuExecutor:
             out: ``[T, H]`` float32 CPU accumulator (added to, not overwritten).
         """
         run_experts_torch(self.pool, x, work, out)
+
+    def run_grouped(self, x: torch.Tensor, fids: list[int], counts: list[int], tok: torch.Tensor, wt: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """:meth:`CpuExecutor.run_grouped`: split into :meth:`run`'s work list."""
+        self.run(x, list(zip(fids, tok.split(counts), wt.split(counts))), out)
 
     def make_step(self, *args, **kwargs) -> RegisteredStep:
         raise NotImplementedError("the torch-ops CPU executor has no registered steps (registers_steps is False)")

@@ -69,6 +69,12 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
         step: the LRU clock (model step).
     """
     counters = cache.counters[phase.value]
+    if cache.num_slots == 0:  # nothing resident, nothing to fill (CPU-only, cpu-all's empty cache): the
+        # general path below reduces to this without touching the tables (no slot, so no ghost either)
+        cpu = sorted(tokens_per_expert, key=lambda f: -tokens_per_expert[f])  # most-routed first
+        counters.misses += len(cpu)
+        counters.cpu += len(cpu)
+        return StepPlan({}, [], cpu)
     hits, misses = cache.lookup(list(tokens_per_expert))
     counters.hits += len(hits)
     counters.misses += len(misses)
@@ -210,10 +216,9 @@ class HybridExperts:
         """
         k = flat.shape[1]
         order = flat.reshape(-1).argsort(stable=True)  # [T·k] routes grouped by expert, ascending
-        toks = (order // k).split(counts)
-        wts = topk_weights.to("cpu").reshape(-1)[order].split(counts)
+        wts = topk_weights.to("cpu").reshape(-1)[order].float()
         out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32)  # [T, H]
-        self.cpu.run(x.to("cpu"), list(zip(fids, toks, wts)), out)
+        self.cpu.run_grouped(x.to("cpu"), fids, counts, order // k, wts, out)
         return out.to(x.device, x.dtype)
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

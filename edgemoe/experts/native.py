@@ -75,6 +75,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -677,12 +678,7 @@ class NativeCpuExecutor:
         """
         if not work:
             return
-        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
-            raise TypeError(f"out must be a contiguous float32 CPU tensor, got {out.dtype} on {out.device}")
-        if x.device.type != "cpu":
-            raise TypeError(f"x must be on the CPU, got {x.device}")
-        if x.dim() != 2 or x.shape[1] != self.pool.hidden or tuple(out.shape) != tuple(x.shape):
-            raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must both be [T, {self.pool.hidden}]")
+        self._check_io(x, out)
         fids, offsets, toks, wts, heavy = [], [0], [], [], []
         for item in work:
             fid, tok, wt = item
@@ -700,6 +696,30 @@ class NativeCpuExecutor:
             self._run_native(x, fids, offsets, toks, wts, out)
         if heavy:  # GEMM-sized experts: the torch-ops path (oneDNN) is faster there
             run_experts_torch(self.pool, x, heavy, out)
+
+    def run_grouped(self, x: torch.Tensor, fids: list[int], counts: list[int], tok: torch.Tensor, wt: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """:meth:`run` over routes already grouped by expert (``CpuExecutor.run_grouped``): one native call
+        over ``tok`` / ``wt`` as they are when no expert has more than ``max_tokens_per_expert`` routes,
+        else :meth:`run` over the split work. Raises as :meth:`run`."""
+        if len(counts) != len(fids) or sum(counts) != tok.numel() or wt.numel() != tok.numel():
+            raise ValueError(f"{len(fids)} experts with {len(counts)} route counts summing to {sum(counts)}, "
+                             f"for {tok.numel()} token indices and {wt.numel()} weights")
+        if not fids:
+            return
+        if max(counts) > self.max_tokens_per_expert:  # GEMM-sized experts among them: run() splits them off
+            self.run(x, list(zip(fids, tok.split(counts), wt.split(counts))), out)
+            return
+        self._check_io(x, out)
+        self._run_native(x, [int(f) for f in fids], [0, *itertools.accumulate(counts)], [tok], [wt], out)
+
+    def _check_io(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+            raise TypeError(f"out must be a contiguous float32 CPU tensor, got {out.dtype} on {out.device}")
+        if x.device.type != "cpu":
+            raise TypeError(f"x must be on the CPU, got {x.device}")
+        if x.dim() != 2 or x.shape[1] != self.pool.hidden or tuple(out.shape) != tuple(x.shape):
+            raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must both be [T, {self.pool.hidden}]")
 
     def _run_native(self, x, fids, offsets, toks, wts, out) -> None:
         if x.dtype not in X_FORMATS:
