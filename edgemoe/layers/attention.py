@@ -253,7 +253,8 @@ class Qwen3Attention(FusedQKV, nn.Module):
 
     ``forward(x [T, H], batch) -> [T, H]``. Weight names match the HF checkpoint
     (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``); q/k/v may run as one GEMM
-    (:class:`FusedQKV`).
+    (:class:`FusedQKV`), and then a CUDA decode step in 16-bit runs the q/k norms, RoPE and the KV write
+    as one kernel over its output (``edgemoe.kernels.norm_rope.qk_norm_rope_kv_write``).
     """
 
     def __init__(self, cfg: ModelConfig, attn_index: int, rotary: RotaryEmbedding):
