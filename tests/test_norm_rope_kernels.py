@@ -129,3 +129,14 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, float32_scale):
     _close(h, norm(x + delta))
     r2, h2 = norm.add_forward(x, delta)  # off CUDA: the two torch ops
     assert torch.equal(r2, x + delta) and torch.equal(h2, norm(x + delta))
+
+
+def test_qk_norm_rope_kv_write_refuses_strided_kv_planes_and_a_wrong_width():
+    T, Hq, Hk, D = 1, 2, 1, 16
+    qkv = torch.zeros(T, (Hq + 2 * Hk) * D)
+    w, cs, slots = torch.ones(D), torch.ones(T, D), torch.zeros(T, dtype=torch.int64)
+    planes = torch.zeros(2, 4, Hk, D)
+    with pytest.raises(ValueError, match="contiguous"):
+        qk_norm_rope_kv_write(qkv, w, w, 1e-6, cs, cs, slots, planes[:, 0], planes[:, 1])
+    with pytest.raises(ValueError, match="qkv must be"):
+        qk_norm_rope_kv_write(qkv[:, :-1], w, w, 1e-6, cs, cs, slots, planes[0], planes[1])

@@ -78,6 +78,7 @@ class DecodeInputs:
         self.input_ids, self.positions, self.kv_slots = rows[0], rows[1], rows[2]
         self.state_slots = None if state is None else rows[3]
         self.context_lens.fill_(1)
+        self._h_lens.fill_(1)  # rows past a step's bs keep length 1, as the device copy starts
         self.logits_index = torch.arange(max_bs, dtype=torch.int64, device=device)
         self.scratch_state = None if state is None else state.slot(SCRATCH_SEQ)
         if kv.spec.is_latent:

@@ -185,10 +185,20 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: t
 
     Returns:
         ``[T, Hq, D]`` the rotated queries in ``qkv.dtype``.
+
+    Raises:
+        ValueError: KV planes that are not contiguous ``[slots, Hk, D]`` of one shape, or a ``qkv`` whose
+            width is not ``(Hq + 2 Hk) · D`` or whose last dim is strided.
     """
     T = qkv.shape[0]
     Hk, D = k_cache.shape[1], k_cache.shape[2]
     Hq = qkv.shape[1] // D - 2 * Hk
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must be contiguous [slots, Hk, D] planes of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if qkv.stride(-1) != 1 or Hq < 1 or qkv.shape[1] != (Hq + 2 * Hk) * D:
+        raise ValueError(f"qkv must be [T, (Hq + 2 * {Hk}) * {D}] with its last dim contiguous, got "
+                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
     q = torch.empty((T, Hq, D), dtype=qkv.dtype, device=qkv.device)
     if T:
         _qk_norm_rope_kv_kernel[(T, Hq + 2 * Hk)](qkv, q_weight, k_weight, cos, sin, kv_slots, q, k_cache, v_cache,
@@ -231,6 +241,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
         ``(r [T, D], normed [T, D])`` both in ``x.dtype``; ``r`` rounded once as ``x + delta`` rounds.
     """
     T, D = x.shape
+    x, delta = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, delta))
     r = torch.empty_like(x)
     out = torch.empty_like(x)
     if T:

@@ -282,6 +282,8 @@ class Qwen3Attention(FusedQKV, nn.Module):
             return None
         if self.q_norm.weight.dtype != x.dtype or self.k_norm.weight.dtype != x.dtype:
             return None
+        if self.q_norm.float32_scale or self.k_norm.float32_scale:  # the kernel rounds before the weight
+            return None
         return fused
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
