@@ -132,7 +132,10 @@ def _group_minima(last_used_ptr, pinned_ptr, S, lo, hi, thr, BLOCK_R: tl.constex
     return gmin, gsec, tl.sum(n_ok), tl.sum(n_free)
 
 
-@triton.jit
+# The slot-table size and range change when the expert cache is resized, and the layer ordinals differ per
+# layer: integer arguments Triton would otherwise specialize on (== 1, divisible by 16), which would compile
+# new variants on the decode path after a resize (seconds, where elastic memory must react within one).
+@triton.jit(do_not_specialize=["layer_offset", "S", "moe_layer", "slot_lo", "slot_hi"])
 def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
                           slot_of_ptr, owner_of_ptr, last_used_ptr, pinned_ptr, clock_ptr, policy_ptr,
                           counters_ptr, S,

@@ -31,7 +31,8 @@ def test_prefill_attention_is_fused_and_exact(prefix, chunk):
     kv.k[0].index_copy_(0, slots, keys)
     kv.v[0].index_copy_(0, slots, vals)
     q = torch.randn(chunk, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
-    batch = SimpleNamespace(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=chunk, kv_len=total, page_table=table)])
+    batch = SimpleNamespace(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=chunk, kv_len=total, page_table=table)],
+                            step_cache={})
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # raises if only math would do
         out = paged_attention(q, kv, 0, batch, D ** -0.5)
     rep = Hq // Hk
