@@ -798,10 +798,12 @@ struct MxFp4Fma {  // micro_mxfp4_fma as a register kernel
   }
 };
 
-// GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: 2 rows x tiles of up to 4 tokens.
+// GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: tiles of up to 4 tokens, 4 rows for a
+// tile of one token (more independent decode chains for the out-of-order core; the float32 operations
+// of a (row, token) are the same whatever the row count), 2 rows otherwise.
 void gemv_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                     float* y, int64_t ldy) {
-  token_tiles<MxFp4Fma, 2, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
+  token_tiles<MxFp4Fma, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
 }
 
 void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
