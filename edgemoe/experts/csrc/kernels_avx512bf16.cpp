@@ -211,10 +211,13 @@ struct DecMXFP4 {
 // elements (two 64-byte lines of codes, 16 groups: the 16 float32 lanes of one vector) one conversion gives
 // every B1 and B15, and each chunk's 32-entry table (two groups) is one `vpermw` of them plus a constant add.
 // Exact when every group's |eff| is in [2^-125, 2^125) (no weight leaves the normal range): otherwise the
-// step takes the per-chunk float32 products (the same bits wherever both apply). The "Line" below is the
-// state of one such step (kLine elements).
+// step takes the per-chunk float32 products (the same bits wherever both apply). With |global_scale| in
+// [2^-115, 2^100] every scale byte with nonzero magnitude bits (as decoded here, 0x7f included) gives an
+// |eff| in [2^-124, 2^109), so the test is one byte test of the step's scale bytes; other global scales
+// compare the float32 values. The "Line" below is the state of one such step (kLine elements).
 struct DecNVFP4 {
-  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  // gsafe: |global_scale| in [2^-115, 2^100], so every nonzero scale byte gives |eff| in [2^-124, 2^109).
+  struct Row { const uint8_t* p; const uint8_t* s; float g; bool gsafe; };
   struct Line {
     __m512i bb;   // words g: B1 of group g; 16 + g: B15 of group g (g < 16)
     __m512 eff;   // lane g: eff of group g (lanes past the step's groups: 0)
@@ -223,7 +226,8 @@ struct DecNVFP4 {
   static constexpr int kLine = 256;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale,
+            __builtin_fabsf(w.global_scale) >= 0x1p-115f && __builtin_fabsf(w.global_scale) <= 0x1p100f};
   }
   // Table entries 0..15 for group k / 16 (elements 0..15 of the chunk), 16..31 for group k / 16 + 1.
   static __m512i indices(__m128i b16) {
@@ -265,9 +269,13 @@ struct DecNVFP4 {
     const __m512 v = _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
     L.eff = v;
     L.bb = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(1.5f)), v);
-    const __m512 a = _mm512_abs_ps(v);
-    const __mmask16 lo = _mm512_mask_cmp_ps_mask(gm, a, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ);
-    L.fast = _mm512_mask_cmp_ps_mask(lo, a, _mm512_set1_ps(0x1p125f), _CMP_LT_OQ) == gm;
+    if (__builtin_expect(row.gsafe, 1)) {  // in range unless a scale byte's magnitude bits are 0
+      L.fast = _mm_mask_testn_epi8_mask(gm, b, _mm_set1_epi8(0x7f)) == 0;
+    } else {
+      const __m512 a = _mm512_abs_ps(v);
+      const __mmask16 lo = _mm512_mask_cmp_ps_mask(gm, a, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ);
+      L.fast = _mm512_mask_cmp_ps_mask(lo, a, _mm512_set1_ps(0x1p125f), _CMP_LT_OQ) == gm;
+    }
   }
   static float eff_at(const Line& L, int g) {
     alignas(64) float e[16];
