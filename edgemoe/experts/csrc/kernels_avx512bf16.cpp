@@ -17,8 +17,9 @@
 //          partial sums (one FMA), which is exact up to float32 summation order;
 //   NVFP4  in element order, chunk by chunk: 32 word indices into a 32-entry bf16 table holding the
 //          chunk's two groups of 16: bf16(float32(e2m1 * float32(float(e4m3 scale) * global_scale))),
-//          built per line from the groups' bf16(eff) and bf16(1.5 eff) by one `vpermw` and an exponent
-//          add per chunk (DecNVFP4; bf16 rounding per weight makes post-scaling inexact here);
+//          built per step of 256 elements (two lines of codes, 16 groups) from the groups' bf16(eff) and
+//          bf16(1.5 eff) by one `vpermw` and an exponent add per chunk (DecNVFP4; bf16 rounding per weight
+//          makes post-scaling inexact here);
 //   the last K % 128 elements of FP8 and MXFP4 rows take that per-chunk path too (DecFP8, DecMXFP4).
 // Products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16` rounds to nearest even as
 // .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat float32 subnormal inputs as zero:
@@ -128,10 +129,11 @@ inline __m512 e4m3_raw(__m128i b16) {
                                               _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
 }
 
-// A decoder D provides: Row, row(w, r), kLine (elements per 64 bytes of codes), Line and line(row, k, n, L)
-// (per-row state for elements [k, k + min(n, kLine)): NVFP4's group tables), chunk(row, k, L, u)
-// (32 bf16 weights, elements [k, k + 32), chunk u of the line L), tail(row, k, n, L, u)
-// (the first n < 32 of them, the rest zero or finite), addr(row, k) (prefetch).
+// A decoder D provides: Row, row(w, r), kLine (elements per step: those of 64 bytes of codes; NVFP4: of 128
+// bytes, 256), Line and line(row, k, n, L) (per-row state for elements [k, k + min(n, kLine)): NVFP4's group
+// tables), chunk(row, k, L, u) (32 bf16 weights, elements [k, k + 32), chunk u of the step L),
+// tail(row, k, n, L, u) (the first n < 32 of them, the rest zero or finite), addr(row, k) (prefetch); the
+// NVFP4 decoder also fast(L) and chunk_fast(row, k, L, u), chunk() without the range test, when fast(L).
 struct DecFP8 {
   struct Row { const uint8_t* p; const float* s; int shift; };
   static constexpr int kLine = 64;
@@ -171,10 +173,12 @@ struct DecFP8 {
 };
 
 // 16 bytes of nibbles -> 32 word indices in element order (low word of dword j: byte j, whose low
-// nibble is element 2j; high word: byte j >> 4 = element 2j + 1).
+// nibble is element 2j; high word: byte j >> 4 = element 2j + 1). Bits 0..3 of each word are the code
+// (bits 4..15 of the low word hold copies of code bits: `vpermw` reads bits 0..4, so users mask bit 4
+// or use a table whose halves repeat). The zero-extended byte b times 4097 (one `vpmaddwd`: the
+// dword's high word is zero) is b | b << 12, the shift and the or in one instruction.
 inline __m512i fp4_indices(__m128i b16) {
-  const __m512i d = _mm512_cvtepu8_epi32(b16);
-  return _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+  return _mm512_madd_epi16(_mm512_cvtepu8_epi32(b16), _mm512_set1_epi32(4097));
 }
 
 struct DecMXFP4 {
@@ -203,21 +207,27 @@ struct DecMXFP4 {
 // NVFP4 weights w = bf16(float32(e2m1 * eff)), eff = float32(float(e4m3) * global_scale) per group of 16. Each
 // e2m1 magnitude is 0 or 2^e * m with m in {1, 1.5} and e in {-1 .. 2}, and scaling by a power of two commutes
 // with both roundings while the values stay normal, so a group's 16 weights are B1 = bf16(eff) or
-// B15 = bf16(float32(1.5 * eff)) with e added to the exponent field and the code's sign: per line (8 groups)
-// one conversion gives every B1 and B15, and each chunk's 32-entry table (two groups) is one `vpermw` of them
-// plus a constant add. Exact when every group's |eff| is in [2^-125, 2^125) (no weight leaves the normal
-// range): otherwise the line takes the per-chunk float32 products (the same bits wherever both apply).
+// B15 = bf16(float32(1.5 * eff)) with e added to the exponent field and the code's sign: per step of 256
+// elements (two 64-byte lines of codes, 16 groups: the 16 float32 lanes of one vector) one conversion gives
+// every B1 and B15, and each chunk's 32-entry table (two groups) is one `vpermw` of them plus a constant add.
+// Exact when every group's |eff| is in [2^-125, 2^125) (no weight leaves the normal range): otherwise the
+// step takes the per-chunk float32 products (the same bits wherever both apply). With |global_scale| in
+// [2^-115, 2^100] every scale byte with nonzero magnitude bits (as decoded here, 0x7f included) gives an
+// |eff| in [2^-124, 2^109), so the test is one byte test of the step's scale bytes; other global scales
+// compare the float32 values. The "Line" below is the state of one such step (kLine elements).
 struct DecNVFP4 {
-  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  // gsafe: |global_scale| in [2^-115, 2^100], so every nonzero scale byte gives |eff| in [2^-124, 2^109).
+  struct Row { const uint8_t* p; const uint8_t* s; float g; bool gsafe; };
   struct Line {
-    __m512i bb;   // words g: B1 of group g; 16 + g: B15 of group g (g < 8)
-    __m512 eff;   // lane g: eff of group g (lanes past the line's groups: 0)
-    bool fast;    // every group of the line in range: tables from bb
+    __m512i bb;   // words g: B1 of group g; 16 + g: B15 of group g (g < 16)
+    __m512 eff;   // lane g: eff of group g (lanes past the step's groups: 0)
+    bool fast;    // every group of the step in range: tables from bb
   };
-  static constexpr int kLine = 128;
+  static constexpr int kLine = 256;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale,
+            __builtin_fabsf(w.global_scale) >= 0x1p-115f && __builtin_fabsf(w.global_scale) <= 0x1p100f};
   }
   // Table entries 0..15 for group k / 16 (elements 0..15 of the chunk), 16..31 for group k / 16 + 1.
   static __m512i indices(__m128i b16) {
@@ -231,14 +241,15 @@ struct DecNVFP4 {
     return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e2m1, _mm512_set1_ps(eff1)),
                                         _mm512_mul_ps(e2m1, _mm512_set1_ps(eff0)));
   }
-  // Chunk u of the line (groups 2u, 2u + 1) from B1 / B15: entry 16h + c is B15 (codes 3, 5, 7) or B1 of
+  // Chunk u (< 8) of the step (groups 2u, 2u + 1) from B1 / B15: entry 16h + c is B15 (codes 3, 5, 7) or B1 of
   // group 2u + h, plus (e << 7) for the code's exponent e and 0x8000 for its sign; codes 0 and 8 are +-0.
   static __m512i table_bb(const __m512i bb, int u) {
-    alignas(64) static constexpr uint16_t kIdx[4][32] = {
+    alignas(64) static constexpr uint16_t kIdx[8][32] = {
 #define EDGEMOE_NV_IDX(g0, g1)                                                                                   \
   {g0, g0, g0, g0 + 16, g0, g0 + 16, g0, g0 + 16, g0, g0, g0, g0 + 16, g0, g0 + 16, g0, g0 + 16,                 \
    g1, g1, g1, g1 + 16, g1, g1 + 16, g1, g1 + 16, g1, g1, g1, g1 + 16, g1, g1 + 16, g1, g1 + 16}
-        EDGEMOE_NV_IDX(0, 1), EDGEMOE_NV_IDX(2, 3), EDGEMOE_NV_IDX(4, 5), EDGEMOE_NV_IDX(6, 7)};
+        EDGEMOE_NV_IDX(0, 1),   EDGEMOE_NV_IDX(2, 3),   EDGEMOE_NV_IDX(4, 5),   EDGEMOE_NV_IDX(6, 7),
+        EDGEMOE_NV_IDX(8, 9),   EDGEMOE_NV_IDX(10, 11), EDGEMOE_NV_IDX(12, 13), EDGEMOE_NV_IDX(14, 15)};
 #undef EDGEMOE_NV_IDX
     alignas(64) static constexpr uint16_t kOff[32] = {
         0x0000, 0xff80, 0x0000, 0x0000, 0x0080, 0x0080, 0x0100, 0x0100,
@@ -248,19 +259,23 @@ struct DecNVFP4 {
     const __m512i t = _mm512_maskz_permutexvar_epi16(0xfefefefeu, _mm512_load_si512(kIdx[u]), bb);
     return _mm512_add_epi16(t, _mm512_load_si512(kOff));
   }
-  // The multipliers float32(float(e4m3) * global_scale) of the line's (up to 8) groups: the scale bytes
+  // The multipliers float32(float(e4m3) * global_scale) of the step's (up to 16) groups: the scale bytes
   // decoded as in kernel_impl.h's e4m3 (exact), then one rounding multiply. Only the groups below n
   // elements are read.
   static void line(const Row& row, int64_t k, int64_t n, Line& L) {
-    const int groups = n >= 128 ? 8 : static_cast<int>(n >> 4);
+    const int groups = n >= 256 ? 16 : static_cast<int>(n >> 4);
     const __mmask16 gm = static_cast<__mmask16>((1u << groups) - 1u);
     const __m128i b = _mm_maskz_loadu_epi8(gm, row.s + (k >> 4));
     const __m512 v = _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
     L.eff = v;
     L.bb = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(1.5f)), v);
-    const __m512 a = _mm512_abs_ps(v);
-    const __mmask16 lo = _mm512_mask_cmp_ps_mask(gm, a, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ);
-    L.fast = _mm512_mask_cmp_ps_mask(lo, a, _mm512_set1_ps(0x1p125f), _CMP_LT_OQ) == gm;
+    if (__builtin_expect(row.gsafe, 1)) {  // in range unless a scale byte's magnitude bits are 0
+      L.fast = _mm_mask_testn_epi8_mask(gm, b, _mm_set1_epi8(0x7f)) == 0;
+    } else {
+      const __m512 a = _mm512_abs_ps(v);
+      const __mmask16 lo = _mm512_mask_cmp_ps_mask(gm, a, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ);
+      L.fast = _mm512_mask_cmp_ps_mask(lo, a, _mm512_set1_ps(0x1p125f), _CMP_LT_OQ) == gm;
+    }
   }
   static float eff_at(const Line& L, int g) {
     alignas(64) float e[16];
@@ -275,6 +290,11 @@ struct DecNVFP4 {
     return _mm512_permutexvar_epi16(indices(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1)))),
                                     lut(L, u));
   }
+  static bool fast(const Line& L) { return L.fast; }
+  static __m512i chunk_fast(const Row& row, int64_t k, const Line& L, int u) {  // fast(L)
+    return _mm512_permutexvar_epi16(indices(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1)))),
+                                    table_bb(L.bb, u));
+  }
   static __m512i tail(const Row& row, int64_t k, int n, const Line& L, int u) {  // n = 16 (K % 16 == 0): one group
     const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1));
     return _mm512_permutexvar_epi16(indices(b), lut(L, u));
@@ -288,9 +308,11 @@ constexpr int64_t kDecodeBufK = 8192;
 
 // NVFP4 keeps this path (its Q128 step, StepNVFP4, measured no faster at one token and half as fast at
 // eight): each chunk of 32 is dequantized to its final bf16 weights through per-group tables.
-// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens; K walked one 64-byte line of codes per step
-// (D::kLine elements, 32 per `vdpbf16ps`), the same line EDGEMOE_PREFETCH_BLOCKS row blocks ahead
-// prefetched into L2, then whole chunks of 32 and one masked chunk. Fixed operation order per (r, j).
+// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens; K walked D::kLine elements per step (NVFP4: two
+// 64-byte lines of codes, 32 elements per `vdpbf16ps`), the same lines EDGEMOE_PREFETCH_BLOCKS row blocks
+// ahead prefetched into L2, then whole chunks of 32 and one masked chunk. The range check (D::fast) is
+// taken once per step for the whole row block, so the chunk loop has no branch and keeps its constant
+// tables in registers. Fixed operation order per (r, j).
 template <class D, int RB, int NT>
 inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
                     int64_t pf) {
@@ -302,22 +324,38 @@ inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* cons
   typename D::Line ls[RB];  // per-line state of each row (D::line)
   int64_t k = 0;
   for (; k + D::kLine <= K; k += D::kLine) {
+    bool fast = true;
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-        __builtin_prefetch(D::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
-      D::line(rows[r], k, D::kLine, ls[r]);
-    }
 #pragma GCC unroll 4
-    for (int u = 0; u < D::kLine; u += 32) {
-      __m512i wv[RB];
-#pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k + u, ls[r], u >> 5);
+        for (int l = 0; l < D::kLine / 128; ++l)
+          __builtin_prefetch(D::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+                             EDGEMOE_PREFETCH_LOCALITY);
+      D::line(rows[r], k, D::kLine, ls[r]);
+      fast &= D::fast(ls[r]);
+    }
+    if (__builtin_expect(fast, 1)) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NT; ++j) {
-        const __m512i av = _mm512_loadu_si512(a[j] + k + u);
+      for (int u = 0; u < D::kLine; u += 32) {
+        __m512i wv[RB];
 #pragma GCC unroll 16
-        for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+        for (int r = 0; r < RB; ++r) wv[r] = D::chunk_fast(rows[r], k + u, ls[r], u >> 5);
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; ++j) {
+          const __m512i av = _mm512_loadu_si512(a[j] + k + u);
+#pragma GCC unroll 16
+          for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+        }
+      }
+    } else {
+      for (int u = 0; u < D::kLine; u += 32) {
+        __m512i wv[RB];
+        for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k + u, ls[r], u >> 5);
+        for (int j = 0; j < NT; ++j) {
+          const __m512i av = _mm512_loadu_si512(a[j] + k + u);
+          for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
+        }
       }
     }
   }
@@ -368,10 +406,17 @@ inline void decode_rows_n(const WeightView& w, int64_t row0, int nr, int64_t K, 
     uint16_t* dst = buf + i * ld;
     int64_t k = 0;
     for (; k + D::kLine <= K; k += D::kLine) {
-      __builtin_prefetch(D::addr(row, k) + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
-                         EDGEMOE_PREFETCH_LOCALITY);
+      for (int l = 0; l < D::kLine / 128; ++l)
+        __builtin_prefetch(D::addr(row, k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
+                           EDGEMOE_PREFETCH_LOCALITY);
       D::line(row, k, D::kLine, ls);
-      for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, ls, u >> 5));
+      if (__builtin_expect(D::fast(ls), 1)) {
+#pragma GCC unroll 8
+        for (int u = 0; u < D::kLine; u += 32)
+          _mm512_storeu_si512(dst + k + u, D::chunk_fast(row, k + u, ls, u >> 5));
+      } else {
+        for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, ls, u >> 5));
+      }
     }
     if (k < K) D::line(row, k, K - k, ls);
     const int64_t k_line = k;
@@ -761,10 +806,12 @@ struct MxFp4Fma {  // micro_mxfp4_fma as a register kernel
   }
 };
 
-// GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: 2 rows x tiles of up to 4 tokens.
+// GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: tiles of up to 4 tokens, 4 rows for a
+// tile of one token (more independent decode chains for the out-of-order core; the float32 operations
+// of a (row, token) are the same whatever the row count), 2 rows otherwise.
 void gemv_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                     float* y, int64_t ldy) {
-  token_tiles<MxFp4Fma, 2, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
+  token_tiles<MxFp4Fma, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
 }
 
 void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
