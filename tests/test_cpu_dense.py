@@ -6,22 +6,33 @@
 - inside ``NativeLinears`` a bf16 ``F.linear`` with few rows runs natively (bias included), anything
   else (float32, many rows) is torch's own result; torch's intra-op threads are set inside and restored;
 - a CPU-only engine with the native executor decodes a bf16 model to the torch executor's logits
-  within bf16 tolerance, and its forward runs the dense GEMVs natively.
+  within bf16 tolerance, and its forward runs the dense GEMVs, norms and decode attention natively;
+- ``DenseKernels``: RMSNorm equals the torch module's bits but for norm statistics a float32 ulp apart
+  (at most one bf16 ulp, in few elements); decode attention (q/k norm, RoPE, the K/V write, attention
+  over paged KV) against the torch ops it replaces: the written values bitwise, keys within a bf16 ulp,
+  the output within bf16 tolerance, for several sequences (one with no cached token), GQA and partial
+  rotary.
 
 Skipped as a whole when the extension cannot be built here.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from edgemoe.config import EngineConfig
-from edgemoe.core import Phase
+from edgemoe.core import Phase, SeqSlice
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.kvcache.pool import KVSpec, PagedKVPool
+from edgemoe.layers.attention import write_and_attend
+from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 from edgemoe.synth import make_model
@@ -154,6 +165,14 @@ def test_cpu_engine_runs_dense_gemvs_natively_and_matches_torch(small_bf16, monk
         return linear(self, x, weight, out)
 
     monkeypatch.setattr(native.NativeCpuExecutor, "linear", counting)
+    attn_calls = []
+    attention = native.DenseKernels.decode_attention
+
+    def counting_attention(self, q, *args, **kw):
+        attn_calls.append(q.shape[0])
+        return attention(self, q, *args, **kw)
+
+    monkeypatch.setattr(native.DenseKernels, "decode_attention", counting_attention)
     prompt = list(range(5, 30))
     a = _decode(nat, prompt, 6)
     cfgm = nat.model_config
@@ -163,7 +182,88 @@ def test_cpu_engine_runs_dense_gemvs_natively_and_matches_torch(small_bf16, monk
     assert (cfgm.num_experts, cfgm.hidden_size) in shapes  # the router
     # the 25-row prefill's projections stayed with torch (a GEMM); its LM head row (1) did not
     assert max(rows for _, rows in calls) == 1
+    assert len(attn_calls) == 6 * cfgm.num_layers and set(attn_calls) == {1}  # every decode step's attention
+    assert ref.experts.cpu_executor.dense is None
     b = _decode(ref, prompt, 6)
     # same greedy path for the first steps, logits within bf16 tolerance of the torch ops
     assert a[0].argmax() == b[0].argmax()
     torch.testing.assert_close(a[0], b[0], rtol=0.05, atol=0.05 * float(b[0].abs().max()))
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 ulps (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("float32_scale", [False, True])
+@pytest.mark.parametrize("rows,n", [(1, 2048), (7, 128), (64, 96), (3, 37)])
+def test_dense_rms_norm_matches_the_torch_module(float32_scale, rows, n):
+    dense = native.DenseKernels()
+    g = torch.Generator().manual_seed(rows * n)
+    norm = RMSNorm(n, 1e-6, float32_scale=float32_scale)
+    norm.weight.data = (torch.randn(n, generator=g) * 0.5 + 1).bfloat16()
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    want = norm(x)
+    got = dense.rms_norm(x, norm.weight, norm.eps, float32_scale)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert int(_ulps(got, want).max()) <= 1 and float((got != want).float().mean()) < 0.02
+    assert torch.equal(dense.rms_norm(x[:, None, :], norm.weight, norm.eps, float32_scale)[:, 0], got)  # [..., D]
+    assert dense.takes_norm(x, norm.weight) and not dense.takes_norm(x.float(), norm.weight)
+    assert not dense.takes_norm(torch.zeros(65, n, dtype=torch.bfloat16), norm.weight)  # a prefill: torch's threads
+    with pytest.raises(ValueError, match="bf16 CPU tensors"):
+        dense.rms_norm(x.float(), norm.weight, norm.eps)
+
+
+def _rotary(head_dim: int, partial: float) -> RotaryEmbedding:
+    cfg = SimpleNamespace(head_dim=head_dim, partial_rotary_factor=partial, rope_parameters={"rope_theta": 10000.0})
+    return RotaryEmbedding(cfg)
+
+
+@pytest.mark.parametrize("hq,hk,d,partial", [(8, 2, 64, 1.0), (4, 4, 32, 0.5), (6, 1, 48, 1.0)])
+def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial):
+    dense = native.DenseKernels()
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    ps, lens = 4, [9, 1, 22]  # the second sequence's only token is the new one
+    T = len(lens)
+    kv_ref = PagedKVPool(KVSpec.heads(1, hk, d), 16, ps, torch.bfloat16, torch.device("cpu"))
+    for i, n in enumerate(lens):
+        kv_ref.allocate(i, n)
+    kv_ref.k.copy_(torch.randn(kv_ref.k.shape, generator=g).bfloat16())
+    kv_ref.v.copy_(torch.randn(kv_ref.v.shape, generator=g).bfloat16())
+    kv_nat = PagedKVPool(KVSpec.heads(1, hk, d), 16, ps, torch.bfloat16, torch.device("cpu"))
+    kv_nat.k.copy_(kv_ref.k)
+    kv_nat.v.copy_(kv_ref.v)
+    tables = [kv_ref.page_table(i) for i in range(T)]
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = torch.stack([tables[i][pos[i] // ps] * ps + pos[i] % ps for i in range(T)])
+    seqs = [SeqSlice(seq_id=i, q_start=i, q_len=1, kv_len=n, page_table=tables[i]) for i, n in enumerate(lens)]
+
+    def batch():
+        return SimpleNamespace(seqs=seqs, kv_slots=slots, positions=pos, decode=None, step_cache={})
+
+    qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2).bfloat16()
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)  # strided views, as a fused projection gives
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    q_norm.weight.data = (torch.randn(d, generator=g) * 0.3 + 1).bfloat16()
+    k_norm.weight.data = (torch.randn(d, generator=g) * 0.3 + 1).bfloat16()
+    rot, scale = _rotary(d, partial), d ** -0.5
+    b = batch()
+    qr, kr = rot(q_norm(q.reshape(T, hq, d)), k_norm(k.reshape(T, hk, d)), pos, b.step_cache)
+    want = write_and_attend(qr, kr, v.reshape(T, hk, d), kv_ref, 0, b, scale)
+    b = batch()
+    cos, sin = rot.step_tables(pos, torch.bfloat16, b.step_cache)
+    assert dense.takes_decode_attention(q, kv_nat.k[0], b)
+    got = dense.decode_attention(q, k, v, q_norm=q_norm.weight, k_norm=k_norm.weight, eps=1e-6, float32_scale=False,
+                                 cos=cos, sin=sin, k_cache=kv_nat.k[0], v_cache=kv_nat.v[0], batch=b, page_size=ps,
+                                 scale=scale)
+    assert got.shape == (T, hq, d) and got.dtype == torch.bfloat16
+    assert torch.equal(kv_nat.v, kv_ref.v)
+    assert int(_ulps(kv_nat.k, kv_ref.k).max()) <= 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    prefill = SimpleNamespace(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=3, kv_len=9, page_table=tables[0])],
+                              decode=None, step_cache={})
+    assert not dense.takes_decode_attention(q[:3], kv_nat.k[0], prefill)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        dense.decode_attention(q[:3], k[:3], v[:3], q_norm=None, k_norm=None, eps=1e-6, float32_scale=False,
+                               cos=None, sin=None, k_cache=kv_nat.k[0], v_cache=kv_nat.v[0], batch=prefill,
+                               page_size=ps, scale=scale)

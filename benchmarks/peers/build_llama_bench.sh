@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build llama-bench from the stripped llama.cpp tree (benchmarks/peers/fetch_llama_cpp.sh).
 #
-# Usage: bash benchmarks/peers/build_llama_bench.sh cpu|cuda|cuda-native [--configure-only]
+# Usage: bash benchmarks/peers/build_llama_bench.sh cpu|cpu-xeon|cuda|cuda-native [--configure-only]
 #   cpu          CPU backend for this machine (GGML_NATIVE=ON)                 -> .peers/bin/llama-bench-cpu
+#   cpu-xeon     CPU backend only, for a Sapphire-Rapids-class Xeon (the flags of cuda below), built
+#                anywhere: the GPU host's CPU-only comparison without the CUDA build -> .peers/bin/llama-bench-cpu-xeon
 #   cuda         CUDA backend for sm_90 (H100/H200) + a CPU backend for a Sapphire-Rapids-class Xeon
 #                (AVX-512 F/BW/DQ/VL/VBMI/VNNI/BF16, AVX-VNNI, AMX), built anywhere nvcc is  -> .peers/bin/llama-bench-cuda
 #   cuda-native  CUDA backend for sm_90 + the CPU backend for this machine's CPU (on the GPU host itself)
@@ -16,7 +18,7 @@
 # Env: JOBS (default: all cores), CUBLAS_ROOT (a folder holding lib/libcublas.so.13 and include/cublas_v2.h;
 # default: the first nvidia/cu13 found on python3's sys.path or under .peers/cuda, else the CUDA toolkit's).
 set -euo pipefail
-KIND=${1:?usage: build_llama_bench.sh cpu|cuda|cuda-native [--configure-only]}
+KIND=${1:?usage: build_llama_bench.sh cpu|cpu-xeon|cuda|cuda-native [--configure-only]}
 CONFIGURE_ONLY=0
 [ "${2:-}" = --configure-only ] && CONFIGURE_ONLY=1
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -54,15 +56,16 @@ find_cublas() {
 }
 
 case "$KIND" in
-cpu)
-  B="$P/build-cpu"
-  cmake -S "$SRC" -B "$B" "${COMMON[@]}" -DGGML_NATIVE=ON
+cpu|cpu-xeon)
+  B="$P/build-$KIND"
+  if [ "$KIND" = cpu ]; then CPUFLAGS=(-DGGML_NATIVE=ON); NEEDS=; else CPUFLAGS=("${XEON[@]}"); NEEDS=$XEON_NEEDS; fi
+  cmake -S "$SRC" -B "$B" "${COMMON[@]}" "${CPUFLAGS[@]}"
   [ "$CONFIGURE_ONLY" = 1 ] && exit 0
   cmake --build "$B" --target llama-bench -j "$JOBS"
   mkdir -p "$P/bin"
-  OUTBIN="$P/bin/llama-bench-cpu"
+  OUTBIN="$P/bin/llama-bench-$KIND"
   strip -o "$OUTBIN" "$B/bin/llama-bench"
-  : > "$OUTBIN.needs" ;;
+  echo "$NEEDS" > "$OUTBIN.needs" ;;
 cuda|cuda-native)
   B="$P/build-$KIND"
   CB=$(find_cublas)
@@ -95,7 +98,7 @@ cuda|cuda-native)
   OUTBIN="$P/bin/llama-bench-cuda"
   strip -o "$OUTBIN" "$B/bin/llama-bench"
   echo "$NEEDS" > "$OUTBIN.needs" ;;
-*) echo "unknown kind $KIND (cpu|cuda|cuda-native)" >&2; exit 2 ;;
+*) echo "unknown kind $KIND (cpu|cpu-xeon|cuda|cuda-native)" >&2; exit 2 ;;
 esac
 echo "built $OUTBIN: $(du -h "$OUTBIN" | cut -f1)"
 ldd "$OUTBIN" || true

@@ -10,6 +10,9 @@ projection onto the vocabulary and its float32 cast), ``residual`` (the rest of 
 token and effective GB/s are printed beside its time; a torch.profiler table of the heaviest ops follows.
 
     python benchmarks/peers/profile_cpu.py --model .peers/ckpt4/hf --threads 2 --tokens 32
+
+Without ``--model``: Qwen3-30B-A3B's geometry ``--layers`` deep with dummy weights (no checkpoint to write:
+the same bytes per token as the comparison's checkpoint of that depth).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -54,7 +58,8 @@ class PartTimer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="checkpoint directory (default: a config-only Qwen3-30B-A3B, dummy weights)")
+    ap.add_argument("--layers", type=int, default=16, help="without --model: num_hidden_layers")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
@@ -63,9 +68,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON file for the breakdown")
     a = ap.parse_args(argv)
 
-    cfg = EngineConfig(device="cpu", load_format="auto", expert_cache_slots=0, expert_policy="cpu-all",
+    model_dir, load_format = a.model, "auto"
+    if model_dir is None:
+        from edgemoe.synth import write_config_only
+
+        model_dir = str(write_config_only(tempfile.mkdtemp(prefix="edgemoe-profile-"), "qwen3_moe", "qwen3-30b-a3b",
+                                          overrides={"num_hidden_layers": a.layers}))
+        load_format = "dummy"
+    cfg = EngineConfig(device="cpu", load_format=load_format, expert_cache_slots=0, expert_policy="cpu-all",
                        cpu_threads=a.threads, bandwidth_pcie_gbps=1.0, bandwidth_cpu_gbps=1.0, max_model_len=4096)
-    runner = ModelRunner(a.model, cfg)
+    runner = ModelRunner(model_dir, cfg)
     mc = runner.model_config
     model = runner.model
     timer = PartTimer()

@@ -192,11 +192,16 @@ class ModelRunner:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
+    def _cpu_dense(self):
+        """The CPU executor's native decode norms and attention (``CpuExecutor.dense``) on a CPU
+        device, else ``None``."""
+        return self.experts.cpu_executor.dense if self.device.type == "cpu" else None
+
     def _bind(self) -> None:
         """Attach the pools, the expert executor and the checkpoint store to the model's layers, and
         set up the decode graphs for the current decode path (after any of them was rebuilt)."""
         self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state,
-                        checkpoints=self.prefix.checkpoints)
+                        checkpoints=self.prefix.checkpoints, dense=self._cpu_dense())
         if self.engine_config.prefetch == "next-layer":
             self.experts.hybrid.set_prefetch([blk.route for blk in self.model.moe_blocks()])
         if self.experts.decode_path is DecodePath.EAGER:
@@ -269,7 +274,8 @@ class ModelRunner:
         Raises:
             ValueError: negative ``slots`` or ``interval``.
         """
-        self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state, checkpoints=None)
+        self.model.bind(kv=self.kv, experts=self.experts.hybrid, state=self.state, checkpoints=None,
+                        dense=self._cpu_dense())
         try:
             self.prefix.set_checkpoints(slots, interval, anchors)
         finally:

@@ -1,7 +1,7 @@
 """The CPU expert executor: computes routed experts in place from the host pool.
 
 Every executor implements :class:`CpuExecutor`: ``run(x [T, H], work, out [T, H] float32)``,
-``with_pool``, ``name``, ``threads``, ``dense_linears`` and the capability ``registers_steps``
+``with_pool``, ``name``, ``threads``, ``dense_linears``, ``dense`` and the capability ``registers_steps``
 (whether :meth:`CpuExecutor.make_step` gives a step a device kernel can hand to the executor without
 a host sync, which a captured decode step needs). Two implement it:
 
@@ -27,7 +27,7 @@ from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
 
 if TYPE_CHECKING:
-    from edgemoe.experts.native import RegisteredStep
+    from edgemoe.experts.native import DenseKernels, RegisteredStep
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,11 @@ class CpuExecutor(Protocol):
         (decode GEMVs: the LM head, attention projections) run on this executor's kernels and threads,
         where it has them."""
 
+    @property
+    def dense(self) -> DenseKernels | None:
+        """Native single-call versions of a CPU decode step's norms and attention
+        (``edgemoe.experts.native.DenseKernels``), or ``None``: the model keeps its torch operations."""
+
     def make_step(self, max_tokens: int, max_experts: int, max_routes: int | None = None,
                   x_dtype: torch.dtype = torch.float32, zero_out: bool = True,
                   pin_memory: bool = False) -> RegisteredStep:
@@ -77,6 +82,7 @@ class TorchCpuExecutor:
     name = "torch"
     registers_steps = False
     threads_note = None
+    dense = None  # the model's own torch operations
 
     def __init__(self, pool: HostExpertPool):
         self.pool = pool

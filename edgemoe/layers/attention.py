@@ -270,6 +270,19 @@ class Qwen3Attention(FusedQKV, nn.Module):
         self.attn_index = attn_index
         self.rotary = rotary  # shared, not a registered submodule's weights
         self.kv: PagedKVPool | None = None  # bound by the model runner
+        self.cpu_dense = None  # native CPU decode kernels (edgemoe.experts.native.DenseKernels), bound by the runner
+
+    def _cpu_dense_decode(self, x: torch.Tensor, batch: ForwardBatch):
+        """The native CPU decode kernels when they take this step (a CPU decode step in bf16 with one token
+        per sequence, half-split RoPE, plain RMSNorm q/k norms of one eps and scaling), else ``None``."""
+        dense = self.cpu_dense
+        if dense is None or self.rotary.interleaved or type(self.q_norm) is not RMSNorm:
+            return None
+        if self.q_norm.eps != self.k_norm.eps or self.q_norm.float32_scale != self.k_norm.float32_scale:
+            return None
+        if not dense.takes_decode_attention(x, self.kv.k[self.attn_index], batch):
+            return None
+        return dense
 
     def _fused_decode_kernels(self, x: torch.Tensor, batch: ForwardBatch):
         """``edgemoe.kernels.norm_rope`` when this decode step can run q/k norm, RoPE and the KV write
@@ -295,6 +308,14 @@ class Qwen3Attention(FusedQKV, nn.Module):
             q = fused.qk_norm_rope_kv_write(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
                                             batch.kv_slots, self.kv.k[self.attn_index], self.kv.v[self.attn_index])
             o = attend(q, self.kv, self.attn_index, batch, scale)  # [T, Hq, D]
+            return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        if (dense := self._cpu_dense_decode(x, batch)) is not None:
+            q, k, v = self.project_qkv(x)  # [T, Hq * D], [T, Hk * D] x 2
+            cos, sin = self.rotary.step_tables(batch.positions, x.dtype, batch.step_cache)  # [T, R]
+            o = dense.decode_attention(q, k, v, q_norm=self.q_norm.weight, k_norm=self.k_norm.weight,
+                                       eps=self.q_norm.eps, float32_scale=self.q_norm.float32_scale, cos=cos, sin=sin,
+                                       k_cache=self.kv.k[self.attn_index], v_cache=self.kv.v[self.attn_index],
+                                       batch=batch, page_size=self.kv.page_size, scale=scale)  # [T, Hq, D]
             return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
         q, k, v = self.project_qkv(x)  # [T, Hq * D], [T, Hk * D] x 2
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))  # [T, Hq, D]

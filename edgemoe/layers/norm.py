@@ -33,10 +33,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.float32_scale = float32_scale
+        self.cpu_dense = None  # native CPU decode kernels (edgemoe.experts.native.DenseKernels), bound by the runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (fused := fused_kernels(x)) is not None:  # one launch, same rounding points
             return fused.rms_norm(x, self.weight, self.eps, float32_scale=self.float32_scale)
+        if self.cpu_dense is not None and self.cpu_dense.takes_norm(x, self.weight):  # one call, a CPU decode step
+            return self.cpu_dense.rms_norm(x, self.weight, self.eps, self.float32_scale)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

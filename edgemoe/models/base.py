@@ -43,10 +43,12 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
-from edgemoe.layers.attention import FusedQKV
+from edgemoe.layers.attention import FusedQKV, Qwen3Attention
 from edgemoe.layers.moe import MoeBlock
+from edgemoe.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
+    from edgemoe.experts.native import DenseKernels
     from edgemoe.kvcache.pool import PagedKVPool
     from edgemoe.kvcache.state import RecurrentStatePool, StateSpec
     from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
@@ -234,7 +236,7 @@ class MoECausalLM(nn.Module):
         return ExpertTensor(self.config.moe_ordinal(layer), expert, role, param)
 
     def bind(self, *, kv: PagedKVPool, experts: Any, state: RecurrentStatePool | None = None,
-             checkpoints: StateCheckpointStore | None = None) -> None:
+             checkpoints: StateCheckpointStore | None = None, dense: DenseKernels | None = None) -> None:
         """Attach the runner's per-model resources to the layers that use them (call again after any
         of them is rebuilt, e.g. an expert-cache resize).
 
@@ -244,7 +246,13 @@ class MoECausalLM(nn.Module):
                 MoE block.
             state: the recurrent-state pool (state layers; ``None`` without them).
             checkpoints: the recurrent-state checkpoint store, or ``None`` when off.
+            dense: native single-call norms and decode attention for a CPU decode step
+                (``edgemoe.experts.native.DenseKernels``: every RMSNorm and Qwen3-style attention
+                layer), or ``None``: torch operations.
         """
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Qwen3Attention)):
+                m.cpu_dense = dense
         for attn in self.attention_layers():
             attn.kv = kv
         for layer in self.state_layers():

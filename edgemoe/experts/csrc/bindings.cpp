@@ -13,6 +13,7 @@
 #include <sys/prctl.h>
 #endif
 
+#include "dense.h"
 #include "executor.h"
 #include "kernels.h"
 
@@ -66,6 +67,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("amx_bf16") = uint32_t(kFeatAmxBf16), py::arg("f16c") = uint32_t(kFeatF16C),
                     py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16));
   });
+
+  m.def(
+      "rms_norm_bf16",
+      [](uintptr_t x, int64_t rows, int64_t n, int64_t ldx, uintptr_t w, float eps, bool f32_scale, uintptr_t y,
+         int64_t ldy) {
+        py::gil_scoped_release nogil;
+        rms_norm_bf16(ptr<const uint16_t>(x), rows, n, ldx, ptr<const uint16_t>(w), eps, f32_scale, ptr<uint16_t>(y),
+                      ldy);
+      },
+      "RMSNorm over rows of bf16 (dense.h)");
+  m.def(
+      "decode_attention_bf16",
+      [](uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_ld, int64_t k_ld, int64_t v_ld, int64_t tokens, int64_t hq,
+         int64_t hk, int64_t d, uintptr_t q_norm, uintptr_t k_norm, float eps, bool f32_scale, uintptr_t cos,
+         uintptr_t sin, int64_t cos_ld, int64_t rotary_dim, uintptr_t kv_slots, uintptr_t k_cache, uintptr_t v_cache,
+         uintptr_t page_tables, int64_t page_table_ld, uintptr_t kv_lens, int64_t page_size, float scale,
+         uintptr_t out) {
+        DecodeAttentionArgs a{ptr<const uint16_t>(q), ptr<const uint16_t>(k), ptr<const uint16_t>(v), q_ld, k_ld, v_ld,
+                              tokens, hq, hk, d, ptr<const uint16_t>(q_norm), ptr<const uint16_t>(k_norm), eps,
+                              f32_scale, ptr<const uint16_t>(cos), ptr<const uint16_t>(sin), cos_ld, rotary_dim,
+                              ptr<const int64_t>(kv_slots), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache),
+                              ptr<const int64_t>(page_tables), page_table_ld, ptr<const int64_t>(kv_lens), page_size,
+                              scale, ptr<uint16_t>(out)};
+        py::gil_scoped_release nogil;
+        return decode_attention_bf16(a);
+      },
+      "q/k norm, RoPE, K/V write and attention of a decode step in bf16 (dense.h)");
 
   py::class_<ExpertBanks>(m, "ExpertBanks")
       .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,

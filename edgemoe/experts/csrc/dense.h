@@ -1,0 +1,46 @@
+// Dense bf16 operations of a CPU decode step (dense.cpp). Tensors are raw pointers; the Python side
+// (edgemoe/experts/native.py, DenseKernels) checks dtypes, shapes and contiguity.
+#pragma once
+
+#include <cstdint>
+
+namespace edgemoe {
+
+// y[r, :] = RMSNorm(x[r, :]) for r < rows, n elements each; x rows ldx elements apart, y rows ldy apart;
+// w [n] bf16; f32_scale: multiply by the weight in float32 before rounding (else round, then multiply).
+void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t ldx, const uint16_t* w, float eps,
+                   bool f32_scale, uint16_t* y, int64_t ldy);
+
+// One attention layer's decode work for `tokens` sequences of one new token each, after the q/k/v
+// projections: q/k per-head RMSNorm (q_norm / k_norm, or nullptr: none), rotate-half RoPE on the first
+// rotary_dim dims of each head (cos / sin nullptr: none), the new key and value written into cache slot
+// kv_slots[t], then attention of the Hq query heads (GQA: Hq / Hk per KV head) over the sequence's
+// kv_lens[t] cached tokens (including the new one), position j at slot page_tables[t][j / page_size] *
+// page_size + j % page_size. Caches [slots, Hk, D]; out [tokens, Hq, D]. Returns 0, or 1 for bad sizes.
+struct DecodeAttentionArgs {
+  const uint16_t* q;  // [tokens, Hq * D], rows q_ld elements apart
+  const uint16_t* k;  // [tokens, Hk * D]
+  const uint16_t* v;  // [tokens, Hk * D]
+  int64_t q_ld, k_ld, v_ld;
+  int64_t tokens, num_heads, num_kv_heads, head_dim;
+  const uint16_t* q_norm;  // [D] or nullptr
+  const uint16_t* k_norm;  // [D] or nullptr
+  float eps;
+  bool float32_scale;
+  const uint16_t* cos;  // [tokens, >= rotary_dim], rows cos_ld apart, or nullptr
+  const uint16_t* sin;
+  int64_t cos_ld, rotary_dim;
+  const int64_t* kv_slots;     // [tokens]
+  uint16_t* k_cache;           // [slots, Hk, D]
+  uint16_t* v_cache;
+  const int64_t* page_tables;  // [tokens, page_table_ld]
+  int64_t page_table_ld;
+  const int64_t* kv_lens;  // [tokens]
+  int64_t page_size;
+  float scale;
+  uint16_t* out;  // [tokens, Hq, D]
+};
+
+int32_t decode_attention_bf16(const DecodeAttentionArgs& a);
+
+}  // namespace edgemoe
