@@ -260,6 +260,17 @@ def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial):
     assert torch.equal(kv_nat.v, kv_ref.v)
     assert int(_ulps(kv_nat.k, kv_ref.k).max()) <= 1
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    for bad, match in ((dict(kv_slots=slots[:2]), "KV slots for"), (dict(kv_slots=slots + 10_000), "for a cache of"),
+                       (dict(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=1, kv_len=9, page_table=tables[0][:1]),
+                                   *seqs[1:]]), "pages for")):
+        b = batch()
+        for name, value in bad.items():
+            setattr(b, name, value)
+        with pytest.raises(ValueError, match=match):
+            dense.decode_attention(q, k, v, q_norm=None, k_norm=None, eps=1e-6, float32_scale=False, cos=None,
+                                   sin=None, k_cache=kv_nat.k[0], v_cache=kv_nat.v[0], batch=b, page_size=ps,
+                                   scale=scale)
+    assert not dense.takes_decode_attention(q[:0], kv_nat.k[0], SimpleNamespace(seqs=[], decode=None))
     prefill = SimpleNamespace(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=3, kv_len=9, page_table=tables[0])],
                               decode=None, step_cache={})
     assert not dense.takes_decode_attention(q[:3], kv_nat.k[0], prefill)

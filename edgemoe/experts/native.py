@@ -925,12 +925,18 @@ class DenseKernels:
         if not self._is_bf16_cpu(q, k_cache) or batch.decode is not None:
             return False
         seqs = batch.seqs
-        if len(seqs) != q.shape[0] or any(s.q_len != 1 or s.q_start != i for i, s in enumerate(seqs)):
+        if not seqs or len(seqs) != q.shape[0] or any(s.q_len != 1 or s.q_start != i for i, s in enumerate(seqs)):
             return False
         return 2 * sum(s.kv_len for s in seqs) * k_cache[0].numel() * 2 <= self.max_kv_bytes
 
-    def _pages(self, batch, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, P]`` int64 page tables and ``[T]`` int64 KV lengths of a decode step (once per step)."""
+    def _pages(self, batch, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """A decode step's ``[T, P]`` int64 page tables, ``[T]`` int64 KV lengths, ``[T]`` int64 KV slots and
+        the slots the cache must have (every page and new slot below it), once per step.
+
+        Raises:
+            ValueError: a page table shorter than its sequence's KV length needs, or ``kv_slots`` not one
+                per sequence.
+        """
         key = ("dense_pages", page_size)
         if (got := batch.step_cache.get(key)) is None:
             seqs = batch.seqs
@@ -938,8 +944,16 @@ class DenseKernels:
             tables = torch.zeros(len(seqs), width, dtype=torch.int64)
             for i, s in enumerate(seqs):
                 n = -(-s.kv_len // page_size)
+                if s.page_table.numel() < n:
+                    raise ValueError(f"decode_attention: sequence {s.seq_id} has {s.page_table.numel()} pages for "
+                                     f"{s.kv_len} tokens of {page_size}")
                 tables[i, :n] = s.page_table[:n]
-            got = batch.step_cache[key] = (tables, torch.tensor([s.kv_len for s in seqs], dtype=torch.int64))
+            slots = batch.kv_slots.to(torch.int64).contiguous()
+            if slots.numel() != len(seqs):
+                raise ValueError(f"decode_attention: {slots.numel()} KV slots for {len(seqs)} sequences")
+            need = max(int(tables.max()) * page_size + page_size, int(slots.max()) + 1)
+            got = batch.step_cache[key] = (tables, torch.tensor([s.kv_len for s in seqs], dtype=torch.int64), slots,
+                                           need)
         return got
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_norm: torch.Tensor | None,
@@ -966,11 +980,14 @@ class DenseKernels:
         Raises:
             ValueError: shapes or dtypes that do not fit, or a step :meth:`takes_decode_attention` refuses.
         """
+        if q.dim() != 2 or k_cache.dim() != 3:
+            raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [T, Hq*D], caches {tuple(k_cache.shape)} "
+                             "[slots, Hk, D]")
         T, Hk, D = q.shape[0], k_cache.shape[1], k_cache.shape[2]
         Hq = q.shape[1] // D
         if not self.takes_decode_attention(q, k_cache, batch) or not self._is_bf16_cpu(k, v, v_cache):
             raise ValueError("decode_attention: bf16 CPU tensors and a decode step of one token per sequence")
-        if (q.dim() != 2 or q.shape[1] != Hq * D or tuple(k.shape) != (T, Hk * D) or tuple(v.shape) != (T, Hk * D)
+        if (q.shape[1] != Hq * D or tuple(k.shape) != (T, Hk * D) or tuple(v.shape) != (T, Hk * D)
                 or any(t.stride(1) != 1 for t in (q, k, v)) or not k_cache.is_contiguous()
                 or not v_cache.is_contiguous() or v_cache.shape != k_cache.shape):
             raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and "
@@ -984,8 +1001,10 @@ class DenseKernels:
             if (cos.dtype != torch.bfloat16 or sin is None or sin.shape != cos.shape or sin.stride() != cos.stride()
                     or cos.shape[0] != T or cos.stride(1) != 1 or R % 2 or R > D):
                 raise ValueError(f"decode_attention: cos/sin must be [{T}, R <= {D}] bf16 with even R")
-        slots = batch.kv_slots.to(torch.int64).contiguous()
-        tables, lens = self._pages(batch, page_size)
+        tables, lens, slots, need = self._pages(batch, page_size)
+        if need > k_cache.shape[0]:
+            raise ValueError(f"decode_attention: pages or KV slots up to {need} for a cache of "
+                             f"{k_cache.shape[0]} slots")
         out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
         st = self._ext.decode_attention_bf16(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), T, Hq, Hk, D,

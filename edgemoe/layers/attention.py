@@ -276,9 +276,12 @@ class Qwen3Attention(FusedQKV, nn.Module):
         """The native CPU decode kernels when they take this step (a CPU decode step in bf16 with one token
         per sequence, half-split RoPE, plain RMSNorm q/k norms of one eps and scaling), else ``None``."""
         dense = self.cpu_dense
-        if dense is None or self.rotary.interleaved or type(self.q_norm) is not RMSNorm:
+        qn, kn = self.q_norm, self.k_norm
+        if dense is None or self.rotary.interleaved or type(qn) is not RMSNorm or type(kn) is not RMSNorm:
             return None
-        if self.q_norm.eps != self.k_norm.eps or self.q_norm.float32_scale != self.k_norm.float32_scale:
+        if qn.eps != kn.eps or qn.float32_scale != kn.float32_scale:
+            return None
+        if any(w.dtype != torch.bfloat16 or w.numel() != self.head_dim for w in (qn.weight, kn.weight)):
             return None
         if not dense.takes_decode_attention(x, self.kv.k[self.attn_index], batch):
             return None

@@ -22,6 +22,9 @@
 
 #include "dense.h"
 
+// 64-byte vector types cross inline helpers in the AVX2 and baseline clones (no ABI boundary: all inlined)
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define EDGEMOE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -207,8 +210,9 @@ EDGEMOE_INLINE float exp_shifted(float* p, int64_t n, float m) {
     float t = (x - m) * kLog2e;
     const bool tiny = t < -126.0f;
     t = tiny ? -126.0f : t;
-    const float r = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
-    const float f = t - r;
+    float r = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+    const float f = t - r;                         // a NaN score stays NaN through f
+    r = r == r ? r : 0.0f;                         // (and the exponent is built from a number)
     const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * (c6 + f * c7))))));
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(r) + 127) << 23;
     float scale;
