@@ -11,7 +11,7 @@ from edgemoe.core import Phase
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.compute import swiglu_expert
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
-from edgemoe.experts.hybrid import HybridExperts, plan_step
+from edgemoe.experts.hybrid import SMALL_GROUPING_ROUTES, HybridExperts, group_routes, plan_step
 from edgemoe.experts.policy import Bandwidths, CpuAllPolicy, FillAllPolicy, QStarPolicy, StaticPolicy, make_policy
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
@@ -298,3 +298,15 @@ def test_adaptive_engine_runs_match_resident_tokens(tiny_model_dir):
     st = runner.experts.stats()["decode"]
     assert st["fills"] > 0 and st["cpu"] > 0
     assert runner.expert_stats()["policy"] == "adaptive"
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 8, 128), (4, 8, 16), (3, 2, 4), (32, 8, 64), (40, 8, 64), (7, 1, 3)])
+def test_group_routes_equals_unique_and_a_stable_argsort(T, k, E):
+    """Python grouping of a decode step's few routes (up to ``SMALL_GROUPING_ROUTES``: 32 x 8) and the torch
+    ops of larger steps (40 x 8) give the same ids, counts and route order."""
+    assert 32 * 8 <= SMALL_GROUPING_ROUTES < 40 * 8
+    flat = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(T * k + E))
+    fids, counts, order = group_routes(flat)
+    want_ids, want_counts = torch.unique(flat, return_counts=True)
+    assert fids == want_ids.tolist() and counts == want_counts.tolist()
+    assert order.dtype == torch.int64 and torch.equal(order, flat.reshape(-1).argsort(stable=True))

@@ -32,6 +32,33 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.experts.prefill import PrefillStreamer
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
+SMALL_GROUPING_ROUTES = 256  # routes grouped by expert in Python below this (a decode step): no tensor ops
+
+
+def group_routes(flat: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+    """The routes of a step grouped by expert: the distinct ids ascending, each one's route count, and the
+    routes' stable order ``[P]`` int64 (routes of one id in ascending (token, k) order), as
+    ``torch.unique(flat, return_counts=True)`` and ``flat.reshape(-1).argsort(stable=True)`` give them.
+    A decode step's few routes are grouped in Python (three torch operations cost more than the work).
+
+    Args:
+        flat: ``[T, k]`` int64 flat expert ids on the CPU.
+    """
+    P = flat.numel()
+    if P > SMALL_GROUPING_ROUTES:
+        fids, counts = torch.unique(flat, return_counts=True)
+        return fids.tolist(), counts.tolist(), flat.reshape(-1).argsort(stable=True)
+    ids = flat.reshape(-1).tolist()
+    order = sorted(range(P), key=ids.__getitem__)  # sorted() is stable
+    fids: list[int] = []
+    counts: list[int] = []
+    for i in order:
+        if fids and fids[-1] == ids[i]:
+            counts[-1] += 1
+        else:
+            fids.append(ids[i])
+            counts.append(1)
+    return fids, counts, torch.tensor(order, dtype=torch.int64)
 
 
 @dataclass
@@ -205,17 +232,15 @@ class HybridExperts:
         self._prefetched[moe_layer + 1] = set(misses[:len(victims)])
 
     # ------------------------------------------------------------------ forward
-    def _run_cpu_only(self, x: torch.Tensor, flat: torch.Tensor, topk_weights: torch.Tensor, fids: list[int],
-                      counts: list[int]) -> torch.Tensor:
+    def _run_cpu_only(self, x: torch.Tensor, k: int, topk_weights: torch.Tensor, fids: list[int],
+                      counts: list[int], order: torch.Tensor) -> torch.Tensor:
         """Routed output of a step whose every route runs on the CPU executor: ``[T, H]`` in ``x.dtype``.
 
-        ``flat [T, k]`` flat expert ids, ``topk_weights [T, k]``; ``fids`` the distinct ids ascending and
-        ``counts`` their routes (``torch.unique``). The work is the general path's (every expert in ascending
-        id order, its routes in ascending (token, k) order), so the sum is the same; it is built with one
-        stable sort of the routes instead of one mask per expert.
+        ``k`` routes per token, ``topk_weights [T, k]``; ``fids`` the distinct ids ascending, ``counts`` their
+        routes and ``order`` the routes grouped by id (:func:`group_routes`). The work is the general path's
+        (every expert in ascending id order, its routes in ascending (token, k) order), so the sum is the
+        same; it is built from that one stable order of the routes instead of one mask per expert.
         """
-        k = flat.shape[1]
-        order = flat.reshape(-1).argsort(stable=True)  # [T·k] routes grouped by expert, ascending
         wts = topk_weights.to("cpu").reshape(-1)[order].float()
         out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32)  # [T, H]
         self.cpu.run_grouped(x.to("cpu"), fids, counts, order // k, wts, out)
@@ -242,13 +267,12 @@ class HybridExperts:
             return self.device_decode.forward(moe_layer, x, topk_ids, topk_weights)
         T = x.shape[0]
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
-        fids, counts = torch.unique(flat, return_counts=True)
-        fids, counts = fids.tolist(), counts.tolist()
+        fids, counts, order = group_routes(flat)
         plan = plan_step(self.cache, self.policy, dict(zip(fids, counts)), phase, step)
         if self._prefetched and phase is Phase.DECODE:  # prefetched ids this step routes (and hits)
             self.prefetch_counts["prefetch_hits"] += len(self._prefetched.pop(moe_layer, set()) & plan.hits.keys())
         if not plan.hits and not plan.waves:  # every route on the CPU (CPU-only, cpu-all, an empty cache)
-            return self._run_cpu_only(x, flat, topk_weights, fids, counts)
+            return self._run_cpu_only(x, flat.shape[1], topk_weights, fids, counts, order)
         if plan.cpu:  # D2H before the device work is enqueued: a copy after it would wait for it
             x_cpu, w_cpu = x.to("cpu"), topk_weights.to("cpu")
         # each (token, k) route's weighted output lands in its own row of ``routed`` and the k rows are
