@@ -32,7 +32,7 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.experts.prefill import PrefillStreamer
 
 PAIR_PATH_MAX_ROUTES = 64  # decode batches with at most this many (token, k) routes use the batched path
-SMALL_GROUPING_ROUTES = 256  # routes grouped by expert in Python below this (a decode step): no tensor ops
+SMALL_GROUPING_ROUTES = 256  # routes grouped by expert in Python up to this many (a decode step): no tensor ops
 
 
 def group_routes(flat: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:

@@ -1,6 +1,6 @@
 // Dense operations of a CPU decode step in bf16, each one call instead of the dozen torch operations
 // it replaces (on a CPU-only machine a decode step is a few hundred small operations per token, and
-// their dispatch, not their arithmetic, took half the step): RMSNorm over rows, and an attention
+// their dispatch, not their arithmetic, took a third of the step): RMSNorm over rows, and an attention
 // layer's decode work after its q/k/v projections — per-head q/k RMSNorm, rotary embedding, the K/V
 // write into the paged cache, and attention over the sequence's cached keys and values.
 //
