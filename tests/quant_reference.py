@@ -118,3 +118,15 @@ def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[torch.Tensor, 
             toks.append(int(out.argmax()))
             ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
     return torch.stack(logits), toks
+
+
+def rounds_weights(fmt: str, isa: str) -> bool:
+    """Whether a native CPU kernel computing in bfloat16 multiplies the dequantized weights rounded to bf16
+    (the torch path's weights). The AVX-512-BF16 NVFP4 kernel multiplies the exact e2m1 values and scales each
+    group's partial sums by its float32 multiplier instead: the format's exact weights, unrounded.
+
+    Args:
+        fmt: the format as the tests name it (``"nvfp4"``, ``"mxfp4-bf16"``, ...: a prefix is enough).
+        isa: the kernel's ISA level (``NativeCpuExecutor.isa``).
+    """
+    return not (fmt.startswith("nvfp4") and isa == "avx512bf16")

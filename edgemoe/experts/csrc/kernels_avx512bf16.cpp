@@ -25,6 +25,7 @@
 // .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat float32 subnormal inputs as zero:
 // weights below 2^-126 in magnitude (which no release has) count as zero here.
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "kernels.h"
@@ -814,6 +815,161 @@ void gemv_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K,
   token_tiles<MxFp4Fma, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
 }
 
+// ---------------------------------------------------------------------------- FP4 rows, post-scaled
+// MXFP4 and NVFP4 rows against BF16_Q128 activations. A 64-byte line of codes (a block of 128 elements) read as
+// 32 words holds elements 4i .. 4i + 3 in word i, one nibble each; the word shifted right by 4c has element
+// 4i + c in bits 0..3, and one `vpermw` into a fixed table of the e2m1 values as bf16 (exact; entries 16..31
+// repeat 0..15, so index bit 4 is ignored) turns the line into 32 exact, unscaled weights in the
+// activation's run c. Four `vdpbf16ps` (two chains, then one add) give 16 float32 partial sums in which lane i
+// holds elements 8i .. 8i + 7 of the block (each product exact in float32). Every lane lies in one scale group
+// (NVFP4: 16 elements, lanes 2g and 2g + 1; MXFP4: 32, lanes 4g .. 4g + 3), so one FMA per block and token
+// multiplies the partials by their groups' scales (a `vpermps` of the step's scale vector, decoded once per
+// 256 elements) into the accumulator. No per-group table is built and no weight is rounded: MXFP4 scales are
+// powers of two, so its result is the bf16-weight dot product exactly up to float32 summation order; NVFP4
+// computes sum(e2m1 * x) * float32(float(e4m3) * global_scale), i.e. with the format's exact weights, which
+// the torch and GPU paths round to bf16 first (the two agree within the bf16 tolerance, not bit for bit).
+// The last K % 128 elements (K % 16 == 0 for NVFP4, % 32 for MXFP4) are taken in element order, 16 at a time,
+// in float32 FMAs. Like every `vdpbf16ps` kernel here, subnormal bf16 activations count as zero. Fixed
+// operation order per (row, token), whatever the row and token counts.
+alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+
+// 16 e2m1 codes from 8 bytes (low nibble first) as float32, in element order.
+inline __m512 fp4_16_f32(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));  // dword 2i, 2i + 1: byte i
+  const __m512i sh = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(d, sh), _mm512_loadu_ps(kE2M1));  // index bits 0..3
+}
+
+// A scale format S for micro_fp4 provides Row, row(w, r), step(row, k, n) (the float32 scales of the groups
+// of elements [k, k + min(n, 256)) as one vector, lane = group - k / G, lanes past n zero), lanes(u) (the
+// `vpermps` index spreading the step's scales over the partial lanes of its block u of 128) and G (elements
+// per scale).
+struct ScaleNV {
+  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  static constexpr int G = 16;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+  }
+  // float32(float(e4m3) * global_scale): the byte decoded exactly (times 2^-120, restored), one rounding multiply
+  static __m512 step(const Row& row, int64_t k, int64_t n) {
+    const int groups = n >= 256 ? 16 : static_cast<int>(n >> 4);
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 4));
+    return _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
+  }
+  static __m512i lanes(int u) { return _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * u), lane_ids()), 1); }
+  static __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+};
+struct ScaleMX {
+  struct Row { const uint8_t* p; const uint8_t* s; };
+  static constexpr int G = 32;
+  static Row row(const WeightView& w, int64_t r) {
+    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes};
+  }
+  // 2^(e - 127) as float32 bits e << 23; e = 0 is the subnormal 2^-127 (e = 255, NaN in the format, reads inf)
+  static __m512 step(const Row& row, int64_t k, int64_t n) {
+    const int groups = n >= 256 ? 8 : static_cast<int>(n >> 5);
+    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 5));
+    const __m512i e = _mm512_cvtepu8_epi32(b);
+    const __mmask16 zero = _mm512_mask_testn_epi32_mask(static_cast<__mmask16>((1u << groups) - 1u), e, e);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
+  }
+  static __m512i lanes(int u) { return _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * u), lane_ids()), 2); }
+  static __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+};
+
+// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens: steps of 256 elements (two 64-byte lines of codes per
+// row, prefetched EDGEMOE_PREFETCH_BLOCKS row blocks ahead into L2), each row's scales decoded once per step,
+// then its one or two whole blocks of 128; then the last K % 128 elements in order.
+template <class S, int RB, int NT>
+inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
+                      int64_t pf) {
+  __m512 acc[RB][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i lut = _mm512_load_si512(kE2M1Bf16);
+  const int64_t blocks_end = K - K % 128;
+  int64_t k = 0;
+  for (; k < blocks_end; k += 256) {
+    const int nb = blocks_end - k >= 256 ? 2 : 1;
+    __m512 sv[RB];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
+        const char* c = reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_BLOCKS * pf;
+        __builtin_prefetch(c, 0, EDGEMOE_PREFETCH_LOCALITY);
+        __builtin_prefetch(c + 64, 0, EDGEMOE_PREFETCH_LOCALITY);
+      }
+      sv[r] = S::step(rows[r], k, blocks_end - k);
+    }
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; ++u) {
+      if (u >= nb) break;
+      const int64_t kb = k + 128 * u;
+      const __m512i li = S::lanes(u);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const __m512i words = _mm512_loadu_si512(rows[r].p + (kb >> 1));
+        const __m512i w0 = _mm512_permutexvar_epi16(words, lut);
+        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
+        const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), lut);
+        const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), lut);
+        const __m512 s = _mm512_permutexvar_ps(li, sv[r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; ++j) {
+          const uint16_t* aj = a[j] + kb;
+          __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(aj));
+          __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w1, (__m512bh)_mm512_loadu_si512(aj + 32));
+          p0 = _mm512_dpbf16_ps(p0, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(aj + 64));
+          p1 = _mm512_dpbf16_ps(p1, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(aj + 96));
+          acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (k = blocks_end; k < K; k += 16) {  // e2m1 * x exact in float32, then times the group's scale
+    for (int r = 0; r < RB; ++r) {
+      const __m512 w = fp4_16_f32(rows[r].p + (k >> 1));
+      float sc;
+      _mm_store_ss(&sc, _mm512_castps512_ps128(S::step(rows[r], k - k % S::G, S::G)));
+      const __m512 s = _mm512_set1_ps(sc);
+      for (int j = 0; j < NT; ++j) {
+        const __m512 x = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[j] + k)));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(w, x), s, acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+template <class S>
+struct Fp4Dp {  // micro_fp4 as a register kernel
+  using Row = typename S::Row;
+  using Act = uint16_t;
+  static Row row(const WeightView& w, int64_t r) { return S::row(w, r); }
+  template <int RB, int NT>
+  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
+    micro_fp4<S, RB, NT>(rows, K, a, y, ldy, pf);
+  }
+};
+// GemvFn for MXFP4 (S = ScaleMX) and NVFP4 (ScaleNV) rows computing in bf16, BF16_Q128 activations: tiles of
+// up to 4 tokens, 4 rows for a tile of one token, 2 otherwise (the register file).
+template <class S>
+void gemv_fp4(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
+              float* y, int64_t ldy) {
+  token_tiles<Fp4Dp<S>, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const uint16_t* const*>(act), n, y, ldy);
+}
+
 void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
                  int64_t ldy) {
   if (w.scale_cols >= 128)
@@ -841,8 +997,13 @@ const IsaKernels& kernels_avx512bf16() {
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
     t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16_Q128, sum};
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_fma, ActFormat::F32_Q8, sum};
-    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_dp, ActFormat::BF16, sum};
+    if (std::getenv("EDGEMOE_FP4_LEGACY")) {  // TEMPORARY: A/B of the previous FP4 kernels
+      t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_fma, ActFormat::F32_Q8, sum};
+      t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_dp, ActFormat::BF16, sum};
+    } else {
+      t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::BF16_Q128, sum};
+      t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::BF16_Q128, sum};
+    }
     return t;
   }();
   return k;
