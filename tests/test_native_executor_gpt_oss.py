@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quant_reference import rounds_weights
 
 from edgemoe.config import ExpertActivation
 from edgemoe.experts import native
@@ -23,7 +24,6 @@ from edgemoe.experts.cpu_executor import TorchCpuExecutor, make_cpu_executor
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
-from quant_reference import rounds_weights
 
 try:
     native.load_extension()
