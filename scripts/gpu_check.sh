@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
+#        formats formats-prefill prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
 #        (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -88,6 +88,12 @@ for stage in "${stages[@]}"; do
     done
     [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
       | tee "$OUT/formats.log" ;;
+  formats-prefill)
+    echo "== prefill per quantized expert format: an 8192-token chunk against (packed expert bytes / B_P)"
+    for q in ${FORMATS_PREFILL_QUANTS:-fp8 mxfp4 nvfp4-modelopt}; do
+      timeout ${FORMATS_PREFILL_TIMEOUT:-150} python3 benchmarks/prefill.py --quant "$q" --budgets 8 --modes overlap \
+        --out "$OUT/prefill-$q" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill-$q.log" | grep -E '^(B_P|\| [0-9])'
+    done ;;
   prefill)
     echo "== prefill benchmark (double-buffered layer streaming vs serialized)"
     timeout 400 python3 benchmarks/prefill.py --out "$OUT" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" | tail -n 30 ;;
