@@ -2,7 +2,7 @@
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
 #        formats formats-prefill prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
-#        (default: tests decode prefill)
+#        laptop   (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
@@ -10,7 +10,9 @@
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
 # llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
 # (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520),
-# elastic flags in $ELASTIC_ARGS.
+# elastic flags in $ELASTIC_ARGS, laptop-case flags (benchmarks/laptop.py) in $LAPTOP_ARGS.
+# laptop (Qwen3.6-35B-A3B geometry, NVFP4 experts, an 8 GB budget for all the GPU memory, 6 CPU threads, served
+# over HTTP): carry .whl (scripts/fetch_gpu_wheels.sh fills it: the host lacks the server's packages).
 # policy (the expert-policy study, docs/benchmarks/policy.md): $POLICY_* variables, see the stage.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
 set -uo pipefail
@@ -144,6 +146,10 @@ for stage in "${stages[@]}"; do
     echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
     timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \
       ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | tail -n 60 ;;
+  laptop)
+    echo "== laptop case: Qwen3.6-35B-A3B geometry, NVFP4 experts, 8 GB GPU budget (everything), 6 CPU threads, served"
+    timeout ${LAPTOP_TIMEOUT:-480} python3 benchmarks/laptop.py --out "$OUT/laptop" ${LAPTOP_ARGS:-} 2>&1 \
+      | tee "$OUT/laptop.log" | tail -n 75 ;;
   contention)
     echo "== decode while a PCIe copy loop, then a DRAM copy process, runs mid-run (16 layers, uniform routing)"
     timeout ${CONTENTION_TIMEOUT:-300} python3 benchmarks/contention.py --layers 16 --budget ${CONTENTION_BUDGET:-2} \
