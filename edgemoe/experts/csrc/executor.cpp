@@ -466,11 +466,6 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
       for (int64_t r = 0; r < rows; ++r)
         dst[q128_pos(i0 + r, I)] =
             f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
-    } else if (J.act == ActFormat::F32_Q8) {  // bf16 values, as the bf16 layouts round them
-      float* dst = J.act_f32 + (r0 + j) * I;
-      for (int64_t r = 0; r < rows; ++r)
-        dst[q8_pos(i0 + r, I)] =
-            to_bf16_value(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
     } else {
       float* dst = J.act_f32 + (r0 + j) * I + i0;
       for (int64_t r = 0; r < rows; ++r)
@@ -524,20 +519,6 @@ const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const vo
       }
     }
     return x_bf16_.data();
-  }
-  if (ks.act == ActFormat::F32_Q8) {  // permuted copy of the bf16 values, from bf16 or rounded from float32
-    x_f32_.resize(T * H);
-    for (int64_t t = 0; t < T; ++t) {
-      float* dst = x_f32_.data() + t * H;
-      if (x_fmt == 1) {
-        const uint16_t* xr = static_cast<const uint16_t*>(x) + t * ldx;
-        for (int64_t i = 0; i < H; ++i) dst[q8_pos(i, H)] = bf16_to_f32(xr[i]);
-      } else {
-        const float* xr = static_cast<const float*>(x) + t * ldx;
-        for (int64_t i = 0; i < H; ++i) dst[q8_pos(i, H)] = to_bf16_value(xr[i]);
-      }
-    }
-    return x_f32_.data();
   }
   if (ks.act == ActFormat::BF16) {
     if (x_fmt == 1) {

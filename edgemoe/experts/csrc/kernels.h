@@ -42,22 +42,13 @@ constexpr bool is_quantized(WeightFormat f) {
 // kernels decode a 64-byte line of FP4 codes (four nibbles of a 16-bit word are elements 4i .. 4i + 3,
 // one word shift apart) or two lines of FP8 codes, so the weights need no cross-lane shuffle into
 // element order; the activation is permuted once per step instead.
-// F32_Q8 is float32 holding bf16 values (the same rounding), every whole block of 128 elements stored
-// octet-interleaved (q8_pos): run n (16 elements) holds elements n, n + 8, ..., the lanes in which a
-// 64-byte line of FP4 codes decodes as 16 dwords of 8 nibbles, one dword shift apart (the float32-FMA
-// MXFP4 kernel of the AVX-512-BF16 level).
-enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2, F32_Q8 = 3 };
+enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2 };
 
 // Position of element k of a K-element activation row in the BF16_Q128 layout: in the block of 128
 // elements holding k, run k % 4 (32 elements) at offset (k % 128) / 4; the last K % 128 elements stay
 // in order.
 constexpr int64_t q128_pos(int64_t k, int64_t K) {
   return k >= K - K % 128 ? k : (k & ~int64_t{127}) + (k & 3) * 32 + ((k & 127) >> 2);
-}
-// Position of element k in the F32_Q8 layout: in its block of 128, run k % 8 (16 elements) at offset
-// (k % 128) / 8; the last K % 128 elements stay in order.
-constexpr int64_t q8_pos(int64_t k, int64_t K) {
-  return k >= K - K % 128 ? k : (k & ~int64_t{127}) + (k & 7) * 16 + ((k & 127) >> 3);
 }
 constexpr bool is_bf16_act(ActFormat a) { return a == ActFormat::BF16 || a == ActFormat::BF16_Q128; }
 

@@ -5,27 +5,18 @@
 // the GPU path compute with too. float32 weights have no kernel at this level: select_isa() then picks
 // the AVX-512F one.
 //
-// Quantized rows computing in bf16: FP8 block and NVFP4 fed to `vdpbf16ps` with bf16 activations, MXFP4
-// to float32 FMAs with the same bf16 values:
-//   FP8    whole blocks of 128 columns (two lines of codes) decoded in the BF16_Q128 order of the
-//          activation (kernels.h): word shifts place each e4m3 byte's sign and magnitude bits where a
+// Quantized rows computing in bf16, fed to `vdpbf16ps` with bf16 activations in the BF16_Q128 order
+// (kernels.h), whole blocks of 128 columns at a time:
+//   FP8    two lines of codes per block: word shifts place each e4m3 byte's sign and magnitude bits where a
 //          float32 wants them (no widening shuffle), one exact multiply by the block scale, and
 //          `vcvtne2ps2bf16` (nearest even): the bf16 values bf16(float32(code * scale)) of the torch path;
-//   MXFP4  whole blocks of 128 (one line of nibbles) in float32 FMAs against F32_Q8 activations (bf16
-//          values held as float32): the eight nibbles of each dword are shifted down and looked up in one
-//          fixed e2m1 -> float32 table (`vpermps`); the e8m0 scale, a power of two, multiplies the block's
-//          partial sums (one FMA), which is exact up to float32 summation order;
-//   NVFP4  in element order, chunk by chunk: 32 word indices into a 32-entry bf16 table holding the
-//          chunk's two groups of 16: bf16(float32(e2m1 * float32(float(e4m3 scale) * global_scale))),
-//          built per step of 256 elements (two lines of codes, 16 groups) from the groups' bf16(eff) and
-//          bf16(1.5 eff) by one `vpermw` and an exponent add per chunk (DecNVFP4; bf16 rounding per weight
-//          makes post-scaling inexact here);
-//   the last K % 128 elements of FP8 and MXFP4 rows take that per-chunk path too (DecFP8, DecMXFP4).
-// Products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16` rounds to nearest even as
+//          the last K % 128 elements in order through the chunk decoder (DecFP8);
+//   MXFP4, NVFP4  one line of codes per block, looked up unscaled in a fixed e2m1 -> bf16 table, the block's
+//          partial sums multiplied by their groups' scales (post-scaled: see "FP4 rows, post-scaled" below).
+// FP8 products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16` rounds to nearest even as
 // .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat float32 subnormal inputs as zero:
-// weights below 2^-126 in magnitude (which no release has) count as zero here.
+// FP8 weights below 2^-126 in magnitude (which no release has) count as zero here.
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "kernels.h"
@@ -173,309 +164,9 @@ struct DecFP8 {
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
 };
 
-// 16 bytes of nibbles -> 32 word indices in element order (low word of dword j: byte j, whose low
-// nibble is element 2j; high word: byte j >> 4 = element 2j + 1). Bits 0..3 of each word are the code
-// (bits 4..15 of the low word hold copies of code bits: `vpermw` reads bits 0..4, so users mask bit 4
-// or use a table whose halves repeat). The zero-extended byte b times 4097 (one `vpmaddwd`: the
-// dword's high word is zero) is b | b << 12, the shift and the or in one instruction.
-inline __m512i fp4_indices(__m128i b16) {
-  return _mm512_madd_epi16(_mm512_cvtepu8_epi32(b16), _mm512_set1_epi32(4097));
-}
-
-struct DecMXFP4 {
-  struct Row { const uint8_t* p; const uint8_t* s; const float* tab; };
-  static constexpr int kLine = 128;
-  static Row row(const WeightView& w, int64_t r) {
-    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, scale_tables().e8m0};
-  }
-  static __m512i decode(const Row& row, int64_t k, __m128i b16) {
-    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(row.tab[row.s[k >> 5]]));  // exact
-    const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(v, v);  // entries 16..31 repeat 0..15: bit 4 ignored
-    return _mm512_permutexvar_epi16(fp4_indices(b16), lut);
-  }
-  struct Line {};
-  static void line(const Row&, int64_t, int64_t, Line&) {}
-  static __m512i chunk(const Row& row, int64_t k, const Line&, int) {
-    return decode(row, k, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1))));
-  }
-  static __m512i tail(const Row& row, int64_t k, int n, const Line&, int) {
-    return decode(row, k, _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1)));
-  }
-  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
-};
-
-// NVFP4 weights w = bf16(float32(e2m1 * eff)), eff = float32(float(e4m3) * global_scale) per group of 16. Each
-// e2m1 magnitude is 0 or 2^e * m with m in {1, 1.5} and e in {-1 .. 2}, and scaling by a power of two commutes
-// with both roundings while the values stay normal, so a group's 16 weights are B1 = bf16(eff) or
-// B15 = bf16(float32(1.5 * eff)) with e added to the exponent field and the code's sign: per step of 256
-// elements (two 64-byte lines of codes, 16 groups: the 16 float32 lanes of one vector) one conversion gives
-// every B1 and B15, and each chunk's 32-entry table (two groups) is one `vpermw` of them plus a constant add.
-// Exact when every group's |eff| is in [2^-125, 2^125) (no weight leaves the normal range): otherwise the
-// step takes the per-chunk float32 products (the same bits wherever both apply). With |global_scale| in
-// [2^-115, 2^100] every scale byte with nonzero magnitude bits (as decoded here, 0x7f included) gives an
-// |eff| in [2^-124, 2^109), so the test is one byte test of the step's scale bytes; other global scales
-// compare the float32 values. The "Line" below is the state of one such step (kLine elements).
-struct DecNVFP4 {
-  // gsafe: |global_scale| in [2^-115, 2^100], so every nonzero scale byte gives |eff| in [2^-124, 2^109).
-  struct Row { const uint8_t* p; const uint8_t* s; float g; bool gsafe; };
-  struct Line {
-    __m512i bb;   // words g: B1 of group g; 16 + g: B15 of group g (g < 16)
-    __m512 eff;   // lane g: eff of group g (lanes past the step's groups: 0)
-    bool fast;    // every group of the step in range: tables from bb
-  };
-  static constexpr int kLine = 256;
-  static Row row(const WeightView& w, int64_t r) {
-    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale,
-            __builtin_fabsf(w.global_scale) >= 0x1p-115f && __builtin_fabsf(w.global_scale) <= 0x1p100f};
-  }
-  // Table entries 0..15 for group k / 16 (elements 0..15 of the chunk), 16..31 for group k / 16 + 1.
-  static __m512i indices(__m128i b16) {
-    // (idx & 0x000f000f) | (0x00100010 in the upper 8 dwords): ternary-logic table (A & B) | C
-    const __m512i half = _mm512_set_epi32(0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010,
-                                          0x00100010, 0x00100010, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_ternarylogic_epi32(fp4_indices(b16), _mm512_set1_epi32(0x000f000f), half, 0xEA);
-  }
-  static __m512i table_mul(float eff0, float eff1) {  // the per-weight float32 products, rounded to bf16
-    const __m512 e2m1 = _mm512_loadu_ps(kE2M1);
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(e2m1, _mm512_set1_ps(eff1)),
-                                        _mm512_mul_ps(e2m1, _mm512_set1_ps(eff0)));
-  }
-  // Chunk u (< 8) of the step (groups 2u, 2u + 1) from B1 / B15: entry 16h + c is B15 (codes 3, 5, 7) or B1 of
-  // group 2u + h, plus (e << 7) for the code's exponent e and 0x8000 for its sign; codes 0 and 8 are +-0.
-  static __m512i table_bb(const __m512i bb, int u) {
-    alignas(64) static constexpr uint16_t kIdx[8][32] = {
-#define EDGEMOE_NV_IDX(g0, g1)                                                                                   \
-  {g0, g0, g0, g0 + 16, g0, g0 + 16, g0, g0 + 16, g0, g0, g0, g0 + 16, g0, g0 + 16, g0, g0 + 16,                 \
-   g1, g1, g1, g1 + 16, g1, g1 + 16, g1, g1 + 16, g1, g1, g1, g1 + 16, g1, g1 + 16, g1, g1 + 16}
-        EDGEMOE_NV_IDX(0, 1),   EDGEMOE_NV_IDX(2, 3),   EDGEMOE_NV_IDX(4, 5),   EDGEMOE_NV_IDX(6, 7),
-        EDGEMOE_NV_IDX(8, 9),   EDGEMOE_NV_IDX(10, 11), EDGEMOE_NV_IDX(12, 13), EDGEMOE_NV_IDX(14, 15)};
-#undef EDGEMOE_NV_IDX
-    alignas(64) static constexpr uint16_t kOff[32] = {
-        0x0000, 0xff80, 0x0000, 0x0000, 0x0080, 0x0080, 0x0100, 0x0100,
-        0x8000, 0x7f80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100,
-        0x0000, 0xff80, 0x0000, 0x0000, 0x0080, 0x0080, 0x0100, 0x0100,
-        0x8000, 0x7f80, 0x8000, 0x8000, 0x8080, 0x8080, 0x8100, 0x8100};
-    const __m512i t = _mm512_maskz_permutexvar_epi16(0xfefefefeu, _mm512_load_si512(kIdx[u]), bb);
-    return _mm512_add_epi16(t, _mm512_load_si512(kOff));
-  }
-  // The multipliers float32(float(e4m3) * global_scale) of the step's (up to 16) groups: the scale bytes
-  // decoded as in kernel_impl.h's e4m3 (exact), then one rounding multiply. Only the groups below n
-  // elements are read.
-  static void line(const Row& row, int64_t k, int64_t n, Line& L) {
-    const int groups = n >= 256 ? 16 : static_cast<int>(n >> 4);
-    const __mmask16 gm = static_cast<__mmask16>((1u << groups) - 1u);
-    const __m128i b = _mm_maskz_loadu_epi8(gm, row.s + (k >> 4));
-    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
-    L.eff = v;
-    L.bb = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(1.5f)), v);
-    if (__builtin_expect(row.gsafe, 1)) {  // in range unless a scale byte's magnitude bits are 0
-      L.fast = _mm_mask_testn_epi8_mask(gm, b, _mm_set1_epi8(0x7f)) == 0;
-    } else {
-      const __m512 a = _mm512_abs_ps(v);
-      const __mmask16 lo = _mm512_mask_cmp_ps_mask(gm, a, _mm512_set1_ps(0x1p-125f), _CMP_GE_OQ);
-      L.fast = _mm512_mask_cmp_ps_mask(lo, a, _mm512_set1_ps(0x1p125f), _CMP_LT_OQ) == gm;
-    }
-  }
-  static float eff_at(const Line& L, int g) {
-    alignas(64) float e[16];
-    _mm512_store_ps(e, L.eff);
-    return e[g];
-  }
-  static __m512i lut(const Line& L, int u) {
-    if (__builtin_expect(L.fast, 1)) return table_bb(L.bb, u);
-    return table_mul(eff_at(L, 2 * u), eff_at(L, 2 * u + 1));
-  }
-  static __m512i chunk(const Row& row, int64_t k, const Line& L, int u) {
-    return _mm512_permutexvar_epi16(indices(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1)))),
-                                    lut(L, u));
-  }
-  static bool fast(const Line& L) { return L.fast; }
-  static __m512i chunk_fast(const Row& row, int64_t k, const Line& L, int u) {  // fast(L)
-    return _mm512_permutexvar_epi16(indices(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + (k >> 1)))),
-                                    table_bb(L.bb, u));
-  }
-  static __m512i tail(const Row& row, int64_t k, int n, const Line& L, int u) {  // n = 16 (K % 16 == 0): one group
-    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1u), row.p + (k >> 1));
-    return _mm512_permutexvar_epi16(indices(b), lut(L, u));
-  }
-  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
-};
-
 // ---------------------------------------------------------------------------- rows in element order
 // Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
 constexpr int64_t kDecodeBufK = 8192;
-
-// NVFP4 keeps this path (its Q128 step, StepNVFP4, measured no faster at one token and half as fast at
-// eight): each chunk of 32 is dequantized to its final bf16 weights through per-group tables.
-// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens; K walked D::kLine elements per step (NVFP4: two
-// 64-byte lines of codes, 32 elements per `vdpbf16ps`), the same lines EDGEMOE_PREFETCH_BLOCKS row blocks
-// ahead prefetched into L2, then whole chunks of 32 and one masked chunk. The range check (D::fast) is
-// taken once per step for the whole row block, so the chunk loop has no branch and keeps its constant
-// tables in registers. Fixed operation order per (r, j).
-template <class D, int RB, int NT>
-inline void micro_n(const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
-                    int64_t pf) {
-  __m512 acc[RB][NT];
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
-  typename D::Line ls[RB];  // per-line state of each row (D::line)
-  int64_t k = 0;
-  for (; k + D::kLine <= K; k += D::kLine) {
-    bool fast = true;
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-#pragma GCC unroll 4
-        for (int l = 0; l < D::kLine / 128; ++l)
-          __builtin_prefetch(D::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
-                             EDGEMOE_PREFETCH_LOCALITY);
-      D::line(rows[r], k, D::kLine, ls[r]);
-      fast &= D::fast(ls[r]);
-    }
-    if (__builtin_expect(fast, 1)) {
-#pragma GCC unroll 8
-      for (int u = 0; u < D::kLine; u += 32) {
-        __m512i wv[RB];
-#pragma GCC unroll 16
-        for (int r = 0; r < RB; ++r) wv[r] = D::chunk_fast(rows[r], k + u, ls[r], u >> 5);
-#pragma GCC unroll 8
-        for (int j = 0; j < NT; ++j) {
-          const __m512i av = _mm512_loadu_si512(a[j] + k + u);
-#pragma GCC unroll 16
-          for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
-        }
-      }
-    } else {
-      for (int u = 0; u < D::kLine; u += 32) {
-        __m512i wv[RB];
-        for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k + u, ls[r], u >> 5);
-        for (int j = 0; j < NT; ++j) {
-          const __m512i av = _mm512_loadu_si512(a[j] + k + u);
-          for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
-        }
-      }
-    }
-  }
-  if (k < K)
-    for (int r = 0; r < RB; ++r) D::line(rows[r], k, K - k, ls[r]);  // the last partial line
-  const int64_t k_line = k;
-  for (; k + 32 <= K; k += 32) {
-    __m512i wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = D::chunk(rows[r], k, ls[r], static_cast<int>((k - k_line) >> 5));
-    for (int j = 0; j < NT; ++j) {
-      const __m512i av = _mm512_loadu_si512(a[j] + k);
-      for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
-    }
-  }
-  if (k < K) {  // masked: activation lanes past K load as zero (and the weights there are finite)
-    const int n = static_cast<int>(K - k);
-    __m512i wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = D::tail(rows[r], k, n, ls[r], static_cast<int>((k - k_line) >> 5));
-    for (int j = 0; j < NT; ++j) {
-      const __m512i av = _mm512_maskz_loadu_epi16(mask32(n), a[j] + k);
-      for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-template <class D, int RB>
-inline void micro_n_tile(int nt, const typename D::Row* rows, int64_t K, const uint16_t* const* a, float* y,
-                         int64_t ldy, int64_t pf) {
-  switch (nt) {
-    case 4: return micro_n<D, RB, 4>(rows, K, a, y, ldy, pf);
-    case 3: return micro_n<D, RB, 3>(rows, K, a, y, ldy, pf);
-    case 2: return micro_n<D, RB, 2>(rows, K, a, y, ldy, pf);
-    default: return micro_n<D, RB, 1>(rows, K, a, y, ldy, pf);
-  }
-}
-
-// Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16 rows of `buf` (K elements each, `ld` apart):
-// the same chunks, in the same order, that micro_q feeds to `vdpbf16ps`.
-template <class D>
-inline void decode_rows_n(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
-  typename D::Line ls;
-  for (int i = 0; i < nr; ++i) {
-    const typename D::Row row = D::row(w, row0 + i);
-    uint16_t* dst = buf + i * ld;
-    int64_t k = 0;
-    for (; k + D::kLine <= K; k += D::kLine) {
-      for (int l = 0; l < D::kLine / 128; ++l)
-        __builtin_prefetch(D::addr(row, k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
-                           EDGEMOE_PREFETCH_LOCALITY);
-      D::line(row, k, D::kLine, ls);
-      if (__builtin_expect(D::fast(ls), 1)) {
-#pragma GCC unroll 8
-        for (int u = 0; u < D::kLine; u += 32)
-          _mm512_storeu_si512(dst + k + u, D::chunk_fast(row, k + u, ls, u >> 5));
-      } else {
-        for (int u = 0; u < D::kLine; u += 32) _mm512_storeu_si512(dst + k + u, D::chunk(row, k + u, ls, u >> 5));
-      }
-    }
-    if (k < K) D::line(row, k, K - k, ls);
-    const int64_t k_line = k;
-    for (; k + 32 <= K; k += 32)
-      _mm512_storeu_si512(dst + k, D::chunk(row, k, ls, static_cast<int>((k - k_line) >> 5)));
-    if (k < K) {
-      const int n = static_cast<int>(K - k);
-      _mm512_mask_storeu_epi16(dst + k, mask32(n), D::tail(row, k, n, ls, static_cast<int>((k - k_line) >> 5)));
-    }
-  }
-}
-
-
-// GemvFn of the natural-order path (NVFP4: ActFormat::BF16 activations); blocking as kernel_impl.h's gemv. With more
-// tokens than one tile, a row block is dequantized once into a stack buffer and every tile runs the
-// bf16 micro-kernel over it (the same `vdpbf16ps` sequence per (row, token) as the fused micro_q, so
-// results do not depend on the token count).
-template <class D>
-void gemv_n_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
-               int64_t ldy) {
-  constexpr int RB = 4, NT = 4;
-  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
-  if (n > NT && K <= kDecodeBufK) {
-    alignas(64) uint16_t buf[RB * kDecodeBufK];
-    const int64_t ld = (K + 31) / 32 * 32;
-    const uint16_t* brow[RB];
-    for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
-    for (int64_t r = 0; r < nrows; r += RB) {
-      const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
-      decode_rows_n<D>(w, row0 + r, nr, K, buf, ld);
-      for (int j0 = 0; j0 < n; j0 += NT) {
-        const int nt = n - j0 < NT ? n - j0 : NT;
-        if (nr == RB) {
-          micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
-        } else {
-          for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
-        }
-      }
-    }
-    return;
-  }
-  typename D::Row rows[RB];
-  int64_t r = 0;
-  for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = D::row(w, row0 + r + i);
-    for (int j0 = 0; j0 < n; j0 += NT) {
-      const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_n_tile<D, RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
-    }
-  }
-  for (; r < nrows; ++r) {
-    rows[0] = D::row(w, row0 + r);
-    for (int j0 = 0; j0 < n; j0 += NT) {
-      const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_n_tile<D, 1>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, w.row_stride_bytes);
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------- whole 128-element blocks
 // A block of 128 elements at k (k % 128 == 0) is decoded without any shuffle into element order: the
@@ -484,24 +175,6 @@ void gemv_n_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
 // chunk/tail serve the last K % 128 elements, in order) provides kChunks and step(row, k, w), which
 // writes kChunks final bf16 weight vectors (w[c] pairs with activation chunk c % 4), accumulated straight
 // into the (row, token) accumulator.
-
-// MXFP4 scales of a block of 128 at k, for lanes holding elements 8l .. 8l + 7 (l < 16; scale group l / 4):
-// lane l = 2^(e8m0[k / 32 + l / 4] - 127): the four scale bytes broadcast, byte l / 4 moved to the low
-// byte of dword l (vpshufb), shifted to the exponent field. E8M0 0 (2^-127) gives scale 0, as the weights
-// e2m1 * 2^-127 are below bf16's normal range (the per-weight path flushes them to zero too); 255 (NaN)
-// gives an infinite scale and a non-finite result.
-inline __m512 mxfp4_scales(const DecMXFP4::Row& row, int64_t k) {
-  int32_t b4;
-  std::memcpy(&b4, row.s + (k >> 5), sizeof b4);
-  const __m512i ctrl = _mm512_set_epi32(
-      static_cast<int>(0x80808003u), static_cast<int>(0x80808003u), static_cast<int>(0x80808003u),
-      static_cast<int>(0x80808003u), static_cast<int>(0x80808002u), static_cast<int>(0x80808002u),
-      static_cast<int>(0x80808002u), static_cast<int>(0x80808002u), static_cast<int>(0x80808001u),
-      static_cast<int>(0x80808001u), static_cast<int>(0x80808001u), static_cast<int>(0x80808001u),
-      static_cast<int>(0x80808000u), static_cast<int>(0x80808000u), static_cast<int>(0x80808000u),
-      static_cast<int>(0x80808000u));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), ctrl), 23));
-}
 
 // FP8 block-128: two lines of codes (128 elements, one block column). As 16-bit words, word 2i of a line
 // holds elements 4i (low byte) and 4i + 1, word 2i + 1 elements 4i + 2 and 4i + 3; an arithmetic word
@@ -725,96 +398,6 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
   token_tiles<QuantDp<S>, 4, 4, 2, 4>(w, row0, nrows, K, a, n, y, ldy);
 }
 
-// ---------------------------------------------------------------------------- MXFP4 in float32 FMAs
-// MXFP4 rows against F32_Q8 activations (kernels.h: float32 holding bf16 values, runs of 16 one nibble
-// apart): a 64-byte line of codes is 16 dwords of 8 nibbles (dword d: elements 8d .. 8d + 7), so run n of
-// the block is the line shifted right by 4n dword-wise, looked up in a float32 e2m1 table by `vpermps`
-// (it reads index bits 0..3), and multiplied into two float32 partials by `vfmadd231ps`, which issues
-// twice as often as `vdpbf16ps` does here (docs/benchmarks/cpu_executor.md); the block's partial sum is
-// multiplied by its E8M0 scales (lane d: group d / 4, mxfp4_scales) with one FMA per token. Each product
-// of an e2m1 value and a bf16 activation is exact in float32 and the scale a power of two, so this
-// computes the `vdpbf16ps` kernel's numbers up to float32 summation order (and without its flushing of
-// subnormal activations). The last K % 128 elements go through the row decoder in order (bf16 weights,
-// widened). Fixed operation order per (row, token), whatever the row and token counts.
-template <int RB, int NT>
-inline void micro_mxfp4_fma(const DecMXFP4::Row* rows, int64_t K, const float* const* a, float* y, int64_t ldy,
-                            int64_t pf) {
-  __m512 acc[RB][NT];
-#pragma GCC unroll 4
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512 lut = _mm512_loadu_ps(kE2M1);
-  const int64_t full = K - K % 128;
-  int64_t k = 0;
-  for (; k < full; k += 128) {
-    if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-#pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r)
-        __builtin_prefetch(DecMXFP4::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
-#pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) {
-      const __m512i b = _mm512_loadu_si512(rows[r].p + (k >> 1));
-      __m512 w[8];
-      w[0] = _mm512_permutexvar_ps(b, lut);
-#pragma GCC unroll 8
-      for (int n = 1; n < 8; ++n) w[n] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * n), lut);
-      const __m512 s = mxfp4_scales(rows[r], k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NT; ++j) {
-        const float* aj = a[j] + k;
-        __m512 p0 = _mm512_mul_ps(w[0], _mm512_loadu_ps(aj));
-        __m512 p1 = _mm512_mul_ps(w[1], _mm512_loadu_ps(aj + 16));
-#pragma GCC unroll 3
-        for (int n = 2; n < 8; n += 2) {
-          p0 = _mm512_fmadd_ps(w[n], _mm512_loadu_ps(aj + 16 * n), p0);
-          p1 = _mm512_fmadd_ps(w[n + 1], _mm512_loadu_ps(aj + 16 * n + 16), p1);
-        }
-        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s, acc[r][j]);
-      }
-    }
-  }
-  const DecMXFP4::Line none{};
-  for (; k < K; k += 32) {  // the last K % 128 elements, in order: 32 bf16 weights (scaled), widened
-    const int n = K - k < 32 ? static_cast<int>(K - k) : 32;
-    const __mmask16 m0 = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u);
-    const __mmask16 m1 = n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1u) : 0;
-#pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) {
-      const __m512i wv = n == 32 ? DecMXFP4::chunk(rows[r], k, none, 0) : DecMXFP4::tail(rows[r], k, n, none, 0);
-      const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(wv));
-      const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(wv, 1));
-#pragma GCC unroll 4
-      for (int j = 0; j < NT; ++j) {
-        acc[r][j] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m0, a[j] + k), acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m1, a[j] + k + 16), acc[r][j]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
-}
-
-struct MxFp4Fma {  // micro_mxfp4_fma as a register kernel
-  using Row = DecMXFP4::Row;
-  using Act = float;
-  static Row row(const WeightView& w, int64_t r) { return DecMXFP4::row(w, r); }
-  template <int RB, int NT>
-  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
-    micro_mxfp4_fma<RB, NT>(rows, K, a, y, ldy, pf);
-  }
-};
-
-// GemvFn for MXFP4 rows computing in bf16, F32_Q8 activations: tiles of up to 4 tokens, 4 rows for a
-// tile of one token (more independent decode chains for the out-of-order core; the float32 operations
-// of a (row, token) are the same whatever the row count), 2 rows otherwise.
-void gemv_mxfp4_fma(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
-                    float* y, int64_t ldy) {
-  token_tiles<MxFp4Fma, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const float* const*>(act), n, y, ldy);
-}
-
 // ---------------------------------------------------------------------------- FP4 rows, post-scaled
 // MXFP4 and NVFP4 rows against BF16_Q128 activations. A 64-byte line of codes (a block of 128 elements) read as
 // 32 words holds elements 4i .. 4i + 3 in word i, one nibble each; the word shifted right by 4c has element
@@ -977,11 +560,6 @@ void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, co
   else
     gemv_q_dp<StepFP8Narrow>(w, row0, nrows, K, act, n, y, ldy);
 }
-void gemv_nvfp4_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
-                   float* y, int64_t ldy) {
-  gemv_n_dp<DecNVFP4>(w, row0, nrows, K, act, n, y, ldy);
-}
-
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
 
 }  // namespace
@@ -997,13 +575,8 @@ const IsaKernels& kernels_avx512bf16() {
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
     t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16_Q128, sum};
-    if (std::getenv("EDGEMOE_FP4_LEGACY")) {  // TEMPORARY: A/B of the previous FP4 kernels
-      t.by_format[int(WeightFormat::MXFP4)] = {&gemv_mxfp4_fma, ActFormat::F32_Q8, sum};
-      t.by_format[int(WeightFormat::NVFP4)] = {&gemv_nvfp4_dp, ActFormat::BF16, sum};
-    } else {
-      t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::BF16_Q128, sum};
-      t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::BF16_Q128, sum};
-    }
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::BF16_Q128, sum};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::BF16_Q128, sum};
     return t;
   }();
   return k;
