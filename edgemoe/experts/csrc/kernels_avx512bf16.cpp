@@ -164,10 +164,6 @@ struct DecFP8 {
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
 };
 
-// ---------------------------------------------------------------------------- rows in element order
-// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
-constexpr int64_t kDecodeBufK = 8192;
-
 // ---------------------------------------------------------------------------- whole 128-element blocks
 // A block of 128 elements at k (k % 128 == 0) is decoded without any shuffle into element order: the
 // activation is in the BF16_Q128 layout (kernels.h), where chunk c of the block (32 bf16 at offset 32c)
@@ -364,6 +360,9 @@ inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, ui
     }
   }
 }
+
+// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
+constexpr int64_t kDecodeBufK = 8192;
 
 // GemvFn for FP8 rows computing in bf16 (WeightView::bf16_weights; the executor never selects this level
 // for a float32 computation), BF16_Q128 activations. One token: 4 rows, each row's blocks decoded in
