@@ -48,10 +48,13 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows` does (float32 products: FP8 ``code * scale``,
   MXFP4 ``e2m1 * 2^(e - 127)``, NVFP4 ``e2m1 * float32(float(e4m3) * multiplier)``); computing in bf16
   it is then rounded to bf16 (nearest even, as the torch path's ``.to(bfloat16)`` of the dequantized
-  rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. The AVX-512-BF16
-  instructions treat float32 subnormals as zero (weights below 2^-126, which no release has), and the
-  vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results do not depend
-  on the thread count.
+  rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. One exception: the
+  AVX-512-BF16 MXFP4 and NVFP4 kernels multiply the unscaled e2m1 values and scale each group's partial
+  sums (the same numbers for MXFP4; NVFP4's exact weights, unrounded, which agree with the bf16-rounded
+  ones within bf16 tolerance: ``docs/quantization.md``). The AVX-512-BF16 instructions treat float32
+  subnormals as zero (FP8 and bf16 weights below 2^-126, which no release has; bf16 activations below
+  2^-126), and the vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results
+  do not depend on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
   one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
   the Python thread and the CUDA driver), never more. The caller is thread 0, the others are

@@ -96,7 +96,10 @@ int select_isa(uint32_t features, int cap, WeightFormat fmt);
 // rounded to float32 first, then multiplied by the e2m1 value, as the reference does);
 // edgemoe/quant/dequant.py (ExpertLayout.dequant_rows) is the reference. When bf16_weights is set (a
 // quantized pool computing in bf16, as the torch path does after dequantizing to float32 and casting
-// with .to(bfloat16)) each dequantized float32 element is then rounded to bf16, nearest-even.
+// with .to(bfloat16)) each dequantized float32 element is then rounded to bf16, nearest-even; except in
+// the AVX-512-BF16 MXFP4 and NVFP4 kernels, which multiply the unscaled e2m1 values and scale each group's
+// partial sums instead (the same numbers for MXFP4, whose scales are powers of two; for NVFP4 the format's
+// exact weights, unrounded: kernels_avx512bf16.cpp, "FP4 rows, post-scaled").
 struct WeightView {
   const void* data;
   int64_t row_stride_bytes;

@@ -121,11 +121,10 @@ inline __m512 e4m3_raw(__m128i b16) {
                                               _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
 }
 
-// A decoder D provides: Row, row(w, r), kLine (elements per step: those of 64 bytes of codes; NVFP4: of 128
-// bytes, 256), Line and line(row, k, n, L) (per-row state for elements [k, k + min(n, kLine)): NVFP4's group
-// tables), chunk(row, k, L, u) (32 bf16 weights, elements [k, k + 32), chunk u of the step L),
-// tail(row, k, n, L, u) (the first n < 32 of them, the rest zero or finite), addr(row, k) (prefetch); the
-// NVFP4 decoder also fast(L) and chunk_fast(row, k, L, u), chunk() without the range test, when fast(L).
+// The FP8 row decoder (the last K % 128 elements of a row, in order) provides: Row, row(w, r), kLine (elements
+// of 64 bytes of codes), Line and line(row, k, n, L) (per-line state: none for FP8), chunk(row, k, L, u) (32
+// bf16 weights, elements [k, k + 32)), tail(row, k, n, L, u) (the first n < 32 of them, the rest zero or
+// finite) and addr(row, k) (prefetch).
 struct DecFP8 {
   struct Row { const uint8_t* p; const float* s; int shift; };
   static constexpr int kLine = 64;
@@ -411,7 +410,8 @@ void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, cons
 // computes sum(e2m1 * x) * float32(float(e4m3) * global_scale), i.e. with the format's exact weights, which
 // the torch and GPU paths round to bf16 first (the two agree within the bf16 tolerance, not bit for bit).
 // The last K % 128 elements (K % 16 == 0 for NVFP4, % 32 for MXFP4) are taken in element order, 16 at a time,
-// in float32 FMAs. Like every `vdpbf16ps` kernel here, subnormal bf16 activations count as zero. Fixed
+// in float32 FMAs. In the whole blocks, as in every `vdpbf16ps` kernel here, subnormal bf16 activations count
+// as zero (the tail's float32 FMAs keep them); no scaled weight is formed, so no weight is flushed. Fixed
 // operation order per (row, token), whatever the row and token counts.
 alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
     0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
@@ -454,13 +454,15 @@ struct ScaleMX {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
             static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes};
   }
-  // 2^(e - 127) as float32 bits e << 23; e = 0 is the subnormal 2^-127 (e = 255, NaN in the format, reads inf)
+  // 2^(e - 127) as float32 bits e << 23; e = 0 is the subnormal 2^-127, e = 255 NaN (e8m0_to_f32)
   static __m512 step(const Row& row, int64_t k, int64_t n) {
     const int groups = n >= 256 ? 8 : static_cast<int>(n >> 5);
-    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 5));
-    const __m512i e = _mm512_cvtepu8_epi32(b);
-    const __mmask16 zero = _mm512_mask_testn_epi32_mask(static_cast<__mmask16>((1u << groups) - 1u), e, e);
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
+    const __mmask16 gm = static_cast<__mmask16>((1u << groups) - 1u);
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, row.s + (k >> 5)));
+    const __mmask16 zero = _mm512_mask_testn_epi32_mask(gm, e, e);
+    const __mmask16 nan = _mm512_mask_cmpeq_epi32_mask(gm, e, _mm512_set1_epi32(255));
+    const __m512i v = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7fc00000)));
   }
   static __m512i lanes(int u) { return _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * u), lane_ids()), 2); }
   static __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
