@@ -372,6 +372,8 @@ def serve_child(a: argparse.Namespace) -> int:
             "embed_bytes": embed_bytes,
             "prefill_streams": r.experts.hybrid.prefill.can_stream(a.prompt_tokens * cfgm.top_k),
             "decode_path": r.experts.decode_path.value, "cpu_executor": r.experts.cpu_executor.name,
+            "graphs": None if r.graphs is None else {"captured": sorted(r.graphs.captured_sizes()),
+                                                     "failed": sorted(r.graphs.failed)},
             "cpu_threads": r.experts.cpu_executor.threads,
             "bandwidths": {"b_p_gbps": bw.pcie, "b_h_gbps": bw.cpu, "source": bw.source,
                            "fill_fixed_s": bw.fill_fixed_s, "cpu_fixed_s": bw.cpu_fixed_s},
@@ -540,6 +542,21 @@ def counters_delta(before: dict, after: dict, steps: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- the run
 
+def check_run(st: dict, slots: int, cuda: bool) -> None:
+    """Raises ``RuntimeError`` when the served engine left the measured configuration: an out-of-memory step
+    under the cap (the engine shrinks its expert cache and retries), an expert cache of another size, or, on
+    CUDA, batch size 1 decoding eagerly after a failed CUDA-graph capture."""
+    oom = st["memory"].get("resizes", {}).get("out-of-memory", 0)
+    if oom:
+        raise RuntimeError(f"{oom} out-of-memory step(s) under the GPU budget: the expert cache was shrunk; the "
+                           "budget does not fit this configuration (see laptop-server.log)")
+    if st["slots"] != slots:
+        raise RuntimeError(f"the expert cache has {st['slots']} slots, not the {slots} it was sized to")
+    g = st.get("graphs")
+    if cuda and g is not None and 1 in g["failed"]:
+        raise RuntimeError("capturing the batch-1 decode graph failed under the GPU budget: decode runs eagerly")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -580,9 +597,12 @@ def bound(t_res_s: float | None, misses: float, fills: float, cpu: float, row: i
     if prof is not None:
         iso, conc = prof["isolated"], prof["concurrent"]
         bp_i, bh_i, bp_c, bh_c = iso["b_p_gbps"], iso["b_h_gbps"], conc["b_p_gbps"], conc["b_h_gbps"]
-    else:  # no start-up profile (bandwidths given): the engine's pair as both
-        bp_i = bp_c = used["b_p_gbps"]
-        bh_i = bh_c = used["b_h_gbps"]
+    else:  # no start-up profile (given, or read from a saved one): the engine's pair as both; a saved concurrent
+        bp_i = bp_c = used["b_p_gbps"]  # pair's B_H is the policy's B_P,c + B_H,c (bandwidths_from_profile): undone
+        bh = used["b_h_gbps"]
+        if "concurrent pair" in str(used.get("source", "")):
+            bh -= bp_i
+        bh_i = bh_c = bh
     out.update(b_p_isolated=bp_i, b_h_isolated=bh_i, b_p_concurrent=bp_c, b_h_concurrent=bh_c)
     if not (bp_c and bh_c):
         return out
@@ -702,8 +722,14 @@ def run(a: argparse.Namespace, argv) -> int:
             say(f"device {st_load['device']}: no GPU budget; expert cache {slots} slots")
             client.call("POST", "/admin/memory", {"expert_slots": slots})
         result["plan"] = plan
+        # one untimed request at the final size and under the cap: the regime the measured requests run in
+        # (a cache below two MoE layers prefills without streaming, which calibration did not exercise)
+        settle = timing(client.stream(_prompt(5, a.prompt_tokens, vocab), max_tokens), a.decode_warmup)
+        result["phases"]["settle"] = settle
+        say(f"untimed request at the final size: TTFT {settle['ttft_s']:.3f} s")
         client.call("POST", "/bench/reset-peak")
         st_sized = client.call("GET", "/bench/stats")
+        check_run(st_sized, plan["slots"], cuda)
         say(f"expert cache {st_sized['slots']} slots ({100 * st_sized['slots'] / total_experts:.1f}% of experts), "
             f"policy {st_sized['policy']}; the prefill of {a.prompt_tokens} tokens "
             f"{'streams whole layers' if st_sized['prefill_streams'] else 'does NOT stream (cache below two layers)'}")
@@ -714,6 +740,7 @@ def run(a: argparse.Namespace, argv) -> int:
             after = client.call("GET", "/admin/expert-cache")
             res["experts"] = counters_delta(before, after, res["tokens"] - 1)
             result["phases"][name] = res
+            check_run(client.call("GET", "/bench/stats"), plan["slots"], cuda)
             hr = res["experts"]["hit_rate"]
             say(f"{name}: TTFT {res['ttft_s']:.3f} s (cached prompt tokens {res['cached_tokens']}), decode "
                 f"{res.get('decode_tokens_per_s', float('nan')):.2f} tokens/s over {res.get('decode_tokens_timed')} "
@@ -855,6 +882,11 @@ def markdown(meta: dict, s: dict, bounds: dict, plan: dict, meas: dict) -> str:
         f"checkpoints, max_model_len {meta['max_model_len']}; policy {s['policy']}, CPU executor {s['cpu_executor']} "
         f"x {s['cpu_threads']} threads; decode path {s['decode_path']}",
         "",
+    ]
+    if not s["prefill_streams"]:
+        lines += [f"**The expert cache holds fewer than two MoE layers: the {meta['prompt_tokens']}-token prefill does "
+                  "not stream whole layers (double buffering); its TTFT is the on-demand path's.**", ""]
+    lines += [
         "| what | value |",
         "|---|---|",
         f"| host expert pool | {_f(s['host_pool_bytes'], '.2f', 1 / GB)} GB, "
