@@ -5,7 +5,7 @@ For each thread count, on this machine:
 - **read**: a plain multithreaded read (the native extension's sum-reduce kernel, on the native
   executor's own pinned threads) over the whole rotation pool, several GB: the ceiling;
 - **B_H native / torch**: expert-weight bytes per second each executor consumes computing rotating
-  Qwen3-30B-A3B experts (H=2048, I=768) through its ``run`` call, for batch 1 and
+  experts of ``--shape`` (default Qwen3-30B-A3B's, H=2048, I=768) through its ``run`` call, for batch 1 and
   batch 8 (every token of the batch routed to every expert computed: the most arithmetic per byte a
   batch of 8 can ask for; real batch-8 decode puts 1-2 tokens on most experts) and for 1 or more
   experts per call (a decode step's CPU set of one MoE layer is one call).
@@ -45,7 +45,6 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 
-QWEN3_30B_A3B = (2048, 768)  # hidden, moe_intermediate_size
 FORMATS = {"bf16": WeightFormat.BF16, "fp32": WeightFormat.FP32, "fp8": WeightFormat.FP8_BLOCK,
            "mxfp4": WeightFormat.MXFP4, "nvfp4": WeightFormat.NVFP4}
 
@@ -102,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--format", default="bf16",
                     help=f"expert row formats, comma-separated ({', '.join(FORMATS)}; default bf16); quantized rows "
                          "compute in bf16")
+    ap.add_argument("--shape", default="2048,768",
+                    help="expert shape hidden,moe_intermediate (default Qwen3-30B-A3B's 2048,768; gpt-oss: 2880,2880; "
+                         "Qwen3.6-35B-A3B: 2048,512)")
     ap.add_argument("--isa", default=None, help=f"cap the native ISA ({', '.join(native.ISA_LEVELS)})")
     ap.add_argument("--executors", default="native,torch", help="which executors (default native,torch)")
     ap.add_argument("--out", default=None, help="JSON output file, or a folder for cpu_executor.json")
@@ -115,7 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         sys.exit(f"cpu_executor benchmark: unknown --format {unknown}; choose from {list(FORMATS)}")
-    H, I = QWEN3_30B_A3B
+    try:
+        H, I = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        sys.exit(f"cpu_executor benchmark: --shape takes hidden,moe_intermediate, got {args.shape!r}")
 
     t0 = time.perf_counter()
     try:
