@@ -428,9 +428,16 @@ inline __m512 fp4_16_f32(const uint8_t* p) {
 }
 
 // A scale format S for micro_fp4 provides Row, row(w, r), step(row, k, n) (the float32 scales of the groups
-// of elements [k, k + min(n, 256)) as one vector, lane = group - k / G, lanes past n zero), lanes(u) (the
-// `vpermps` index spreading the step's scales over the partial lanes of its block u of 128) and G (elements
-// per scale).
+// of elements [k, k + min(n, 256)) as one vector, lane = group - k / G, lanes past n zero) and G (elements per
+// scale: 16 or 32).
+// The `vpermps` index spreading a step's scales over the partial lanes of its block u (0 or 1) of 128: lane i
+// holds elements 8i .. 8i + 7 of the block, so its group within the step is (128u + 8i) / G.
+template <int G>
+inline __m512i scale_lanes(int u) {
+  const __m512i i = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * u), i), G == 16 ? 1 : 2);
+}
+
 struct ScaleNV {
   struct Row { const uint8_t* p; const uint8_t* s; float g; };
   static constexpr int G = 16;
@@ -444,8 +451,6 @@ struct ScaleNV {
     const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 4));
     return _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
   }
-  static __m512i lanes(int u) { return _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * u), lane_ids()), 1); }
-  static __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 };
 struct ScaleMX {
   struct Row { const uint8_t* p; const uint8_t* s; };
@@ -464,8 +469,6 @@ struct ScaleMX {
     const __m512i v = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000));
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7fc00000)));
   }
-  static __m512i lanes(int u) { return _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * u), lane_ids()), 2); }
-  static __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 };
 
 // y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens: steps of 256 elements (two 64-byte lines of codes per
@@ -498,7 +501,7 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* co
     for (int u = 0; u < 2; ++u) {
       if (u >= nb) break;
       const int64_t kb = k + 128 * u;
-      const __m512i li = S::lanes(u);
+      const __m512i li = scale_lanes<S::G>(u);
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
         const __m512i words = _mm512_loadu_si512(rows[r].p + (kb >> 1));
