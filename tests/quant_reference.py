@@ -122,11 +122,12 @@ def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[torch.Tensor, 
 
 def rounds_weights(fmt: str, isa: str) -> bool:
     """Whether a native CPU kernel computing in bfloat16 multiplies the dequantized weights rounded to bf16
-    (the torch path's weights). The AVX-512-BF16 NVFP4 kernel multiplies the exact e2m1 values and scales each
-    group's partial sums by its float32 multiplier instead: the format's exact weights, unrounded.
+    (the torch path's weights). The AVX-512-BF16 FP8 and NVFP4 kernels multiply the exact codes and scale each
+    block's or group's partial sums by its float32 scale instead: the format's exact weights, unrounded (MXFP4
+    too, whose power-of-two scales make the two the same).
 
     Args:
-        fmt: the format as the tests name it (``"nvfp4"``, ``"mxfp4-bf16"``, ...: a prefix is enough).
+        fmt: the format as the tests name it (``"nvfp4"``, ``"fp8"``, ``"mxfp4-bf16"``, ...: a prefix is enough).
         isa: the kernel's ISA level (``NativeCpuExecutor.isa``).
     """
-    return not (fmt.startswith("nvfp4") and isa == "avx512bf16")
+    return not (fmt.startswith(("nvfp4", "fp8")) and isa == "avx512bf16")

@@ -216,8 +216,8 @@ def test_isa_for_quantized_formats_in_float32_stops_at_avx512():
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt):
-    """Eight tokens on one expert (the kernels dequantize a row block once for all token tiles) give each
-    token the bits it gets alone or in a tile of three (the fused path)."""
+    """Eight tokens on one expert (two tiles of four) give each token the bits it gets alone or in a tile of
+    three."""
     pool = _pool(fmt, "qwen3-30b-a3b", torch.bfloat16)
     x = torch.randn(8, pool.hidden, generator=torch.Generator().manual_seed(3))
     wt = torch.rand(8, generator=torch.Generator().manual_seed(4))
@@ -285,10 +285,61 @@ def test_crafted_codes_and_scales_match_the_reference(isa, fmt, H, I):
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{fmt} {isa}: relative error {_rel_err(out, ref):.2e}"
 
 
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_fp8_zero_exponent_codes_are_exact(isa):
+    """FP8 codes with a zero exponent field (±0 and the subnormals m * 2^-9), which the AVX-512-BF16 kernel looks
+    up instead of shifting into place: a pool of nothing but those codes in most lines, and lines that hold a
+    single one among normal codes, gives the reference's numbers (a kernel that flushed them to zero, or read
+    them as normals, would be off by the whole output in the first case)."""
+    _skip_unsupported(isa, "fp8", torch.bfloat16)
+    H, I = 352, 224  # two whole blocks of 128 and a tail of 96
+    pool = HostExpertPool(2, ExpertLayout.build(WeightFormat.FP8_BLOCK, H, I), torch.bfloat16)
+    pool.fill_random(seed=3, std=0.05)
+    g = torch.Generator().manual_seed(3)
+    for name in ("w13", "w2"):
+        codes = pool.layout.view(pool.bank, name).view(torch.uint8)  # [2, rows, K] e4m3
+        zero_exp = torch.tensor([s | m for s in (0, 0x80) for m in range(8)], dtype=torch.uint8)
+        codes[0] = zero_exp[torch.randint(0, 16, codes[0].shape, generator=g)]  # expert 0: only such codes
+        rows, K = codes.shape[1:]
+        one = torch.randint(0, K, (rows,), generator=g)  # expert 1: one per row, in a random line
+        codes[1, torch.arange(rows), one] = zero_exp[torch.randint(1, 8, (rows,), generator=g)]
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(5))
+    for fid in (0, 1):
+        work = [(fid, torch.tensor([0, 1, 3]), torch.tensor([0.5, 1.0, 0.25]))]
+        ref = reference(pool, x, work, rounds_weights("fp8", isa))
+        assert ref.abs().max() > 0
+        out = torch.zeros(4, H)
+        _executor(pool, isa, 1).run(x, work, out)
+        assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} expert {fid}: relative error {_rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("block", [(128, 64), (64, 32), (32, 16)])
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_fp8_blocks_narrower_than_128(isa, block):
+    """FP8 blocks of 16, 32 or 64 columns (the kernels accept power-of-two blocks from 16 up; no release has
+    them): a scale per group of lanes in the whole blocks of 128, per chunk of 16 in the tail."""
+    _skip_unsupported(isa, "fp8", torch.bfloat16)
+    H, I = 352, 224
+    pool = HostExpertPool(3, ExpertLayout.build(WeightFormat.FP8_BLOCK, H, I, block_size=block), torch.bfloat16)
+    pool.fill_random(seed=9, std=0.05)
+    scales = [pool.layout.view(pool.bank, f"{n}_scale") for n in ("w13", "w2")]
+    g = torch.Generator().manual_seed(9)
+    for sc in scales:  # scales 1/16 .. 16 times their filled values, so each group's scale shows
+        sc.mul_(torch.exp2(torch.randint(-4, 5, sc.shape, generator=g).float()))
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(6))
+    work = [(0, torch.tensor([0, 2, 4]), torch.tensor([0.5, 1.0, 0.25])),
+            (2, torch.tensor([1, 2, 3, 4]), torch.tensor([1.0, 0.5, 0.75, 0.3]))]
+    ref = reference(pool, x, work, rounds_weights("fp8", isa))
+    out = torch.zeros(5, H)
+    _executor(pool, isa, 2).run(x, work, out)
+    assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} {block}: relative error {_rel_err(out, ref):.2e}"
+    assert _differing(out, ref) < MAX_DIFFERING
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_token_tiles_and_remainders(fmt):
-    """Token counts that hit every tile shape of the kernels (1-2 tokens x 4 rows, 3-4 x 2, 5-8 x 1, the
-    FP8 buffered path above 4, several tiles of 8 with a remainder) and row counts with a row tail: each
+    """Token counts that hit every tile shape of the kernels (one token x 4 rows, 2-4 x 2, 5-8 x 1 at the
+    lower ISA levels, several tiles with a remainder) and row counts with a row tail: each
     token gets the bits it gets alone, and the reference's numbers."""
     pool = _pool(fmt, "odd", torch.bfloat16)
     isa = native.supported_isas(FORMATS[fmt])[-1]

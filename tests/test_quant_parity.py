@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_reference import QUANTS, float_copy, quantized_checkpoint, reference_greedy, reference_model
+from quant_reference import QUANTS, float_copy, quantized_checkpoint, reference_greedy, reference_model, rounds_weights
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
@@ -112,10 +112,10 @@ def test_native_executor_matches_torch_executor(quantized, dtype, monkeypatch):
         n = greedy_decode(nat, PROMPT, STEPS, free=True)
         t = greedy_decode(_runner(path, policy, slots, dtype, cpu_executor="torch"), PROMPT, STEPS, free=True)
         assert n[1] == t[1], (policy, slots)
-        if quant.startswith("nvfp4") and dtype == "bfloat16" and nat.experts.cpu_executor.name == "native-avx512bf16":
-            # this kernel multiplies the format's exact weights (e2m1 times the float32 group scale), the torch
-            # executor their bf16 roundings: both are bf16 computations of the same model, and the native one is
-            # no farther from the float32 computation than the torch one
+        if dtype == "bfloat16" and not rounds_weights(quant, nat.experts.cpu_executor.isa):
+            # this kernel multiplies the format's exact weights (the codes times the float32 block or group
+            # scale), the torch executor their bf16 roundings: both are bf16 computations of the same model, and
+            # the native one is no farther from the float32 computation than the torch one
             f = greedy_decode(_runner(path, policy, slots, "float32", cpu_executor="torch"), PROMPT, STEPS, free=True)
             err_n, err_t = (n[0].float() - f[0]).abs(), (t[0].float() - f[0]).abs()
             assert float(err_n.mean()) <= 1.1 * float(err_t.mean()), (policy, slots)

@@ -49,10 +49,10 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   MXFP4 ``e2m1 * 2^(e - 127)``, NVFP4 ``e2m1 * float32(float(e4m3) * multiplier)``); computing in bf16
   it is then rounded to bf16 (nearest even, as the torch path's ``.to(bfloat16)`` of the dequantized
   rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. One exception: the
-  AVX-512-BF16 MXFP4 and NVFP4 kernels multiply the unscaled e2m1 values and scale each group's partial
-  sums (the same numbers for MXFP4; NVFP4's exact weights, unrounded, which agree with the bf16-rounded
-  ones within bf16 tolerance: ``docs/quantization.md``). The AVX-512-BF16 instructions treat float32
-  subnormals as zero (FP8 and bf16 weights below 2^-126, which no release has; bf16 activations below
+  AVX-512-BF16 FP8, MXFP4 and NVFP4 kernels multiply the unscaled codes and scale each block's or group's
+  partial sums (the same numbers for MXFP4; FP8's and NVFP4's exact weights, unrounded, which agree with the
+  bf16-rounded ones within bf16 tolerance: ``docs/quantization.md``). The AVX-512-BF16 instructions treat
+  float32 subnormals as zero (bf16 weights below 2^-126, which no release has; bf16 activations below
   2^-126), and the vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results
   do not depend on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:

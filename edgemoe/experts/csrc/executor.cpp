@@ -303,7 +303,7 @@ struct Executor::Job {
   const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
   const void* const* aptr;  // [R] activation row of each route (phase 2 input)
   float* act_f32;           // [R, I] when act == F32
-  uint16_t* act_bf16;       // [R, I] when act is BF16 or BF16_Q128
+  uint16_t* act_bf16;       // [R, I] when act is a bf16 layout
   bool bf16_points;         // bf16 compute: round where the torch path's bf16 ops do (projections, biases,
                             // each op of the activation, y, y·w)
   alignas(64) std::atomic<int64_t> next1{0};
@@ -461,10 +461,10 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
       for (int64_t r = 0; r < rows; ++r)
         dst[r] = f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
-    } else if (J.act == ActFormat::BF16_Q128) {
+    } else if (is_bf16_act(J.act)) {  // a blocked layout
       uint16_t* dst = J.act_bf16 + (r0 + j) * I;
       for (int64_t r = 0; r < rows; ++r)
-        dst[q128_pos(i0 + r, I)] =
+        dst[bf16_act_pos(J.act, i0 + r, I)] =
             f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
     } else {
       float* dst = J.act_f32 + (r0 + j) * I + i0;
@@ -506,16 +506,16 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
 const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T,
                                 int64_t H, int64_t ldx, int64_t* ld_out) {
   *ld_out = H;
-  if (ks.act == ActFormat::BF16_Q128) {  // permuted copy, from bf16 or rounded from float32
+  if (ks.act == ActFormat::BF16_Q128 || ks.act == ActFormat::BF16_P64) {  // permuted copy, from bf16 or rounded
     x_bf16_.resize(T * H);
     for (int64_t t = 0; t < T; ++t) {
       uint16_t* dst = x_bf16_.data() + t * H;
       if (x_fmt == 1) {
         const uint16_t* xr = static_cast<const uint16_t*>(x) + t * ldx;
-        for (int64_t i = 0; i < H; ++i) dst[q128_pos(i, H)] = xr[i];
+        for (int64_t i = 0; i < H; ++i) dst[bf16_act_pos(ks.act, i, H)] = xr[i];
       } else {
         const float* xr = static_cast<const float*>(x) + t * ldx;
-        for (int64_t i = 0; i < H; ++i) dst[q128_pos(i, H)] = f32_to_bf16(xr[i]);
+        for (int64_t i = 0; i < H; ++i) dst[bf16_act_pos(ks.act, i, H)] = f32_to_bf16(xr[i]);
       }
     }
     return x_bf16_.data();

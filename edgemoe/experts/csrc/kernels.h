@@ -36,13 +36,16 @@ constexpr bool is_quantized(WeightFormat f) {
 }
 
 // Format of the activation operand a kernel consumes (x for phase 1, a for phase 2).
-// F32 kernels dequantize weights to float32 lanes and FMA; the AVX-512-BF16 kernel feeds
-// `vdpbf16ps`, which needs both operands in bf16. BF16_Q128 is bf16 with every whole block of 128
-// elements of a row stored quad-interleaved (q128_pos): the order in which the AVX-512-BF16 quantized
-// kernels decode a 64-byte line of FP4 codes (four nibbles of a 16-bit word are elements 4i .. 4i + 3,
-// one word shift apart) or two lines of FP8 codes, so the weights need no cross-lane shuffle into
-// element order; the activation is permuted once per step instead.
-enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2 };
+// F32 kernels dequantize weights to float32 lanes and FMA; the AVX-512-BF16 kernels feed `vdpbf16ps`,
+// which needs both operands in bf16. The two blocked bf16 layouts store every whole block of 128 elements
+// of a row permuted (the last K % 128 elements stay in order), in the order in which the AVX-512-BF16
+// quantized kernels decode their codes, so the weights need no cross-lane shuffle into element order; the
+// activation is permuted once per step instead:
+//   BF16_Q128  quad-interleaved (q128_pos): a 64-byte line of FP4 codes holds elements 4i .. 4i + 3 in
+//              16-bit word i, one nibble each, one word shift apart;
+//   BF16_P64   each half-block of 64 elements with its even elements first, then its odd ones (p64_pos): a
+//              64-byte line of FP8 codes holds elements 2i and 2i + 1 in word i, one byte each.
+enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2, BF16_P64 = 3 };
 
 // Position of element k of a K-element activation row in the BF16_Q128 layout: in the block of 128
 // elements holding k, run k % 4 (32 elements) at offset (k % 128) / 4; the last K % 128 elements stay
@@ -50,7 +53,18 @@ enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2 };
 constexpr int64_t q128_pos(int64_t k, int64_t K) {
   return k >= K - K % 128 ? k : (k & ~int64_t{127}) + (k & 3) * 32 + ((k & 127) >> 2);
 }
-constexpr bool is_bf16_act(ActFormat a) { return a == ActFormat::BF16 || a == ActFormat::BF16_Q128; }
+// Position of element k in the BF16_P64 layout: in the half-block of 64 holding k, run k % 2 (32 elements)
+// at offset (k % 64) / 2; the last K % 128 elements stay in order.
+constexpr int64_t p64_pos(int64_t k, int64_t K) {
+  return k >= K - K % 128 ? k : (k & ~int64_t{63}) + (k & 1) * 32 + ((k & 63) >> 1);
+}
+// Position of element k of a K-element activation row stored in bf16 layout `a` (BF16, BF16_Q128, BF16_P64).
+constexpr int64_t bf16_act_pos(ActFormat a, int64_t k, int64_t K) {
+  return a == ActFormat::BF16_Q128 ? q128_pos(k, K) : a == ActFormat::BF16_P64 ? p64_pos(k, K) : k;
+}
+constexpr bool is_bf16_act(ActFormat a) {
+  return a == ActFormat::BF16 || a == ActFormat::BF16_Q128 || a == ActFormat::BF16_P64;
+}
 
 // Instruction-set levels, ordered: a level implies every lower one is usable on the same CPU.
 enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
@@ -97,9 +111,9 @@ int select_isa(uint32_t features, int cap, WeightFormat fmt);
 // edgemoe/quant/dequant.py (ExpertLayout.dequant_rows) is the reference. When bf16_weights is set (a
 // quantized pool computing in bf16, as the torch path does after dequantizing to float32 and casting
 // with .to(bfloat16)) each dequantized float32 element is then rounded to bf16, nearest-even; except in
-// the AVX-512-BF16 MXFP4 and NVFP4 kernels, which multiply the unscaled e2m1 values and scale each group's
-// partial sums instead (the same numbers for MXFP4, whose scales are powers of two; for NVFP4 the format's
-// exact weights, unrounded: kernels_avx512bf16.cpp, "FP4 rows, post-scaled").
+// the AVX-512-BF16 kernels, which multiply the unscaled codes and scale each block's or group's partial sums
+// instead (the same numbers for MXFP4, whose scales are powers of two; for FP8 and NVFP4 the format's exact
+// weights, unrounded: kernels_avx512bf16.cpp, "FP8 rows, post-scaled" and "FP4 rows, post-scaled").
 struct WeightView {
   const void* data;
   int64_t row_stride_bytes;

@@ -5,17 +5,14 @@
 // the GPU path compute with too. float32 weights have no kernel at this level: select_isa() then picks
 // the AVX-512F one.
 //
-// Quantized rows computing in bf16, fed to `vdpbf16ps` with bf16 activations in the BF16_Q128 order
-// (kernels.h), whole blocks of 128 columns at a time:
-//   FP8    two lines of codes per block: word shifts place each e4m3 byte's sign and magnitude bits where a
-//          float32 wants them (no widening shuffle), one exact multiply by the block scale, and
-//          `vcvtne2ps2bf16` (nearest even): the bf16 values bf16(float32(code * scale)) of the torch path;
-//          the last K % 128 elements in order through the chunk decoder (DecFP8);
-//   MXFP4, NVFP4  one line of codes per block, looked up unscaled in a fixed e2m1 -> bf16 table, the block's
-//          partial sums multiplied by their groups' scales (post-scaled: see "FP4 rows, post-scaled" below).
-// FP8 products are float32-rounded exactly as the reference, and `vcvtne2ps2bf16` rounds to nearest even as
-// .to(bfloat16) does. Like `vdpbf16ps` itself, these instructions treat float32 subnormal inputs as zero:
-// FP8 weights below 2^-126 in magnitude (which no release has) count as zero here.
+// Quantized rows computing in bf16, fed to `vdpbf16ps` with bf16 activations in a blocked order (kernels.h),
+// whole blocks of 128 columns at a time, each block's partial sums multiplied by its scales (post-scaled):
+//   FP8    two lines of codes per block, BF16_P64 activations: word shifts and one `vpternlogd` turn the codes
+//          into exact bf16 values times 2^-56 (see "FP8 rows, post-scaled" below);
+//   MXFP4, NVFP4  one line of codes per block, BF16_Q128 activations, looked up unscaled in a fixed e2m1 ->
+//          bf16 table (see "FP4 rows, post-scaled" below).
+// No weight is rounded: the result is that of the format's exact weights up to float32 summation order. Like
+// every `vdpbf16ps` kernel here, subnormal bf16 activations count as zero in the whole blocks.
 #include <cstdint>
 #include <cstring>
 
@@ -113,174 +110,10 @@ void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, c
 }
 
 // ---------------------------------------------------------------------------- quantized rows
-inline __mmask32 mask32(int n) { return static_cast<__mmask32>((1ull << n) - 1ull); }  // 0 < n < 32
-
 // e4m3 bytes -> float32 (see kernel_impl.h, e4m3_to_f32) scaled by 2^-120: the caller's multiply restores it.
 inline __m512 e4m3_raw(__m128i b16) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(b16), 20),
                                               _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
-}
-
-// The FP8 row decoder (the last K % 128 elements of a row, in order) provides: Row, row(w, r), kLine (elements
-// of 64 bytes of codes), Line and line(row, k, n, L) (per-line state: none for FP8), chunk(row, k, L, u) (32
-// bf16 weights, elements [k, k + 32)), tail(row, k, n, L, u) (the first n < 32 of them, the rest zero or
-// finite) and addr(row, k) (prefetch).
-struct DecFP8 {
-  struct Row { const uint8_t* p; const float* s; int shift; };
-  static constexpr int kLine = 64;
-  static Row row(const WeightView& w, int64_t r) {
-    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            reinterpret_cast<const float*>(static_cast<const char*>(w.scales) +
-                                           (r / w.scale_rows) * w.scale_row_stride_bytes),
-            __builtin_ctz(static_cast<unsigned>(w.scale_cols))};
-  }
-  static __m512i convert(__m512 lo, __m512 hi, float sc) {
-    // code * 2^-120 * (sc * 2^120) is the product code * sc, rounded once, while sc * 2^120 is exact;
-    // a scale >= 2^8 (far above any release's) takes the two multiplies instead.
-    if (__builtin_expect(sc < 0x1p8f && sc > -0x1p8f, 1)) {
-      const __m512 m = _mm512_set1_ps(sc * 0x1p120f);
-      lo = _mm512_mul_ps(lo, m);
-      hi = _mm512_mul_ps(hi, m);
-    } else {
-      const __m512 e = _mm512_set1_ps(0x1p120f), m = _mm512_set1_ps(sc);
-      lo = _mm512_mul_ps(_mm512_mul_ps(lo, e), m);
-      hi = _mm512_mul_ps(_mm512_mul_ps(hi, e), m);
-    }
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo
-  }
-  struct Line {};
-  static void line(const Row&, int64_t, int64_t, Line&) {}
-  static __m512i chunk(const Row& row, int64_t k, const Line&, int) {
-    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + k));
-    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.p + k + 16));
-    return convert(e4m3_raw(b0), e4m3_raw(b1), row.s[k >> row.shift]);
-  }
-  static __m512i tail(const Row& row, int64_t k, int n, const Line&, int) {
-    const __m256i b = _mm256_maskz_loadu_epi8(mask32(n), row.p + k);
-    return convert(e4m3_raw(_mm256_castsi256_si128(b)), e4m3_raw(_mm256_extracti128_si256(b, 1)),
-                   row.s[k >> row.shift]);
-  }
-  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
-};
-
-// ---------------------------------------------------------------------------- whole 128-element blocks
-// A block of 128 elements at k (k % 128 == 0) is decoded without any shuffle into element order: the
-// activation is in the BF16_Q128 layout (kernels.h), where chunk c of the block (32 bf16 at offset 32c)
-// holds elements k + 4i + c, i < 32. A step decoder S (derived from the row decoder D above, whose
-// chunk/tail serve the last K % 128 elements, in order) provides kChunks and step(row, k, w), which
-// writes kChunks final bf16 weight vectors (w[c] pairs with activation chunk c % 4), accumulated straight
-// into the (row, token) accumulator.
-
-// FP8 block-128: two lines of codes (128 elements, one block column). As 16-bit words, word 2i of a line
-// holds elements 4i (low byte) and 4i + 1, word 2i + 1 elements 4i + 2 and 4i + 3; an arithmetic word
-// shift right by 4 puts the high byte's sign on bit 15 and its 7 magnitude bits on bits 4..10, i.e. the
-// dword's high word at float32 bits 20..26 with the sign on bit 31 (e4m3_to_f32's placement): element
-// 4i + 3 directly, 4i + 1 after a dword shift left by 16; the low bytes likewise after a word shift left
-// by 8. Then the exact product with the block scale, rounded to bf16 nearest-even (DecFP8::convert):
-// chunk c = elements 4i + c of the first line (words 0..15) and of the second (16..31).
-struct StepFP8 : DecFP8 {
-  static constexpr int kChunks = 4, kLines = 2;
-  static void raw4(const uint8_t* p, __m512* e) {
-    const __m512i d = _mm512_loadu_si512(p);
-    const __m512i m = _mm512_set1_epi32(static_cast<int>(0x87f00000u));
-    const __m512i hi = _mm512_srai_epi16(d, 4), lo = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
-    e[0] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(lo, 16), m));
-    e[1] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(hi, 16), m));
-    e[2] = _mm512_castsi512_ps(_mm512_and_si512(lo, m));
-    e[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, m));
-  }
-  static void step(const Row& row, int64_t k, __m512i* w) {  // one scale: scale_cols >= 128
-    __m512 e0[4], e1[4];
-    raw4(row.p + k, e0);
-    raw4(row.p + k + 64, e1);
-    const float sc = row.s[k >> row.shift];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) w[c] = convert(e0[c], e1[c], sc);
-  }
-};
-
-// FP8 with blocks narrower than 128 columns (16, 32 or 64; no release has them): a scale per lane,
-// (code * 2^120) * scale as in DecFP8::convert's general case.
-struct StepFP8Narrow : StepFP8 {
-  __attribute__((noinline)) static void step(const Row& row, int64_t k, __m512i* w) {
-    __m512 e0[4], e1[4];
-    raw4(row.p + k, e0);
-    raw4(row.p + k + 64, e1);
-    const __m512 e = _mm512_set1_ps(0x1p120f);
-    for (int c = 0; c < 4; ++c) {
-      alignas(64) float s0[16], s1[16];
-      for (int i = 0; i < 16; ++i) {
-        s0[i] = row.s[(k + 4 * i + c) >> row.shift];
-        s1[i] = row.s[(k + 64 + 4 * i + c) >> row.shift];
-      }
-      w[c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_mul_ps(e1[c], e), _mm512_load_ps(s1)),
-                                          _mm512_mul_ps(_mm512_mul_ps(e0[c], e), _mm512_load_ps(s0)));
-    }
-  }
-};
-
-// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens, activations in the BF16_Q128 layout: whole blocks
-// of 128 through S::step (each row's block decoded once for all NT tokens; its lines EDGEMOE_PREFETCH_BLOCKS
-// row blocks ahead prefetched into L2), then the last K % 128 elements in order through the row decoder:
-// chunks of 32 and one masked chunk. Fixed operation order per (r, j), whatever RB and NT.
-template <class S, int RB, int NT>
-inline void micro_q(const typename S::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
-                    int64_t pf) {
-  __m512 acc[RB][NT];
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t full = K - K % 128;
-  int64_t k = 0;
-  for (; k < full; k += 128) {
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-#pragma GCC unroll 2
-        for (int l = 0; l < S::kLines; ++l)
-          __builtin_prefetch(S::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
-                             EDGEMOE_PREFETCH_LOCALITY);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      __m512i w[S::kChunks];
-      S::step(rows[r], k, w);
-#pragma GCC unroll 8
-      for (int j = 0; j < NT; ++j) {
-        const uint16_t* aj = a[j] + k;
-#pragma GCC unroll 8
-        for (int c = 0; c < S::kChunks; ++c)
-          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[c], (__m512bh)_mm512_loadu_si512(aj + 32 * (c & 3)));
-      }
-    }
-  }
-  if (k < K) {  // the last K % 128 elements, in order
-    typename S::Line ls[RB];
-    for (int r = 0; r < RB; ++r) S::line(rows[r], k, K - k, ls[r]);
-    const int64_t k_line = k;
-    for (; k + 32 <= K; k += 32) {
-      __m512i wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = S::chunk(rows[r], k, ls[r], static_cast<int>((k - k_line) >> 5));
-      for (int j = 0; j < NT; ++j) {
-        const __m512i av = _mm512_loadu_si512(a[j] + k);
-        for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
-      }
-    }
-    if (k < K) {  // masked: activation lanes past K load as zero (and the weights there are finite)
-      const int n = static_cast<int>(K - k);
-      __m512i wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = S::tail(rows[r], k, n, ls[r], static_cast<int>((k - k_line) >> 5));
-      for (int j = 0; j < NT; ++j) {
-        const __m512i av = _mm512_maskz_loadu_epi16(mask32(n), a[j] + k);
-        for (int r = 0; r < RB; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)av);
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
 // A register kernel M for rows_tile / token_tiles provides Row, Act (the activation element type),
@@ -318,82 +151,149 @@ inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_
   }
 }
 
-// micro_q over the step decoder S, as a register kernel.
-template <class S>
-struct QuantDp {
-  using Row = typename S::Row;
-  using Act = uint16_t;
-  static Row row(const WeightView& w, int64_t r) { return S::row(w, r); }
-  template <int RB, int NT>
-  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
-    micro_q<S, RB, NT>(rows, K, a, y, ldy, pf);
-  }
-};
+// ---------------------------------------------------------------------------- FP8 rows, post-scaled
+// FP8 block rows against BF16_P64 activations. An e4m3 byte in the high byte of a 16-bit word, shifted right
+// arithmetically by 4, has its sign on bits 11..15 and its exponent and mantissa on bits 4..10; masked with
+// 0x87f0 and with 64 added to the exponent field (bit 13, clear after the mask: one `vpternlogd`), the word is
+// the bf16 of the code's value times 2^-56, exactly, for every code with a nonzero exponent field (bf16
+// exponent field e + 64 = (e - 7) + 127 - 56). A 64-byte line of codes read as 32 words holds element 2i in
+// the low byte of word i and element 2i + 1 in the high byte: the words give the odd elements, the words
+// shifted left by 8 the even ones, and BF16_P64 (kernels.h) stores each half of a block of 128 with its even
+// elements first, then its odd ones, so neither vector is shuffled. Codes with a zero exponent field (zero and
+// the subnormals, which the shift would make bf16 subnormals that `vdpbf16ps` reads as zero) lie below 2^-6 of
+// their block's scale: rare in a quantized weight (about one line in 140 of a Gaussian 128 x 128 block holds
+// one); a line holding any looks their exact values up (m * 2^-65 for mantissa m, bf16 normals) before use.
+// With weights times 2^-56 every product with an activation above 2^-61 stays clear of float32's subnormal
+// range, which `vdpbf16ps` flushes. Per block of 128 and token: four `vdpbf16ps` (one chain per half, each
+// product exact), then the block scale times the partial sums (one FMA; with blocks narrower than 128 columns,
+// which no release has, one FMA per half with the scales of its lanes' groups); the row's sum is multiplied
+// back by 2^56 at the end, which is exact, so the result is that of the format's exact weights (unrounded:
+// the torch and GPU paths round code * scale to bf16 first; the two agree within the bf16 tolerance). The
+// last K % 128 elements are taken in element order, 16 at a time, in float32 FMAs. NaN codes (0x7f, 0xff:
+// no weight) read as 480. Fixed operation order per (row, token), whatever the row and token counts.
+alignas(64) constexpr uint16_t kE4M3ZeroExpBf16[32] = {  // code with exponent field 0, mantissa m: m * 2^-65
+    0x0000, 0x1f00, 0x1f80, 0x1fc0, 0x2000, 0x2020, 0x2040, 0x2060};
 
-// Dequantizes rows [row0, row0 + nr) (nr <= 4) into bf16
-// rows of `buf` (K elements each, `ld` apart) in the activation's BF16_Q128 order: the chunks micro_q feeds
-// to `vdpbf16ps`, in the same order, so micro_dp over the buffer computes the same bits.
-template <class S>
-inline void decode_rows(const WeightView& w, int64_t row0, int nr, int64_t K, uint16_t* buf, int64_t ld) {
-  typename S::Line ls;
-  const int64_t full = K - K % 128;
-  for (int i = 0; i < nr; ++i) {
-    const typename S::Row row = S::row(w, row0 + i);
-    uint16_t* dst = buf + i * ld;
-    int64_t k = 0;
-    for (; k < full; k += 128) {
-      for (int l = 0; l < S::kLines; ++l)
-        __builtin_prefetch(S::addr(row, k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * 4 * w.row_stride_bytes, 0,
-                           EDGEMOE_PREFETCH_LOCALITY);
-      __m512i wv[S::kChunks];
-      S::step(row, k, wv);
-      for (int c = 0; c < S::kChunks; ++c) _mm512_storeu_si512(dst + k + 32 * c, wv[c]);
-    }
-    if (k < K) S::line(row, k, K - k, ls);
-    const int64_t k_line = k;
-    for (; k + 32 <= K; k += 32)
-      _mm512_storeu_si512(dst + k, S::chunk(row, k, ls, static_cast<int>((k - k_line) >> 5)));
-    if (k < K) {
-      const int n = static_cast<int>(K - k);
-      _mm512_mask_storeu_epi16(dst + k, mask32(n), S::tail(row, k, n, ls, static_cast<int>((k - k_line) >> 5)));
-    }
+// Words holding an e4m3 code in the high byte, shifted right arithmetically by 4 (`raw`) -> bf16 of the
+// code * 2^-56 for codes with a nonzero exponent field (the rest: fp8_fix).
+inline __m512i fp8_words(__m512i raw) {
+  return _mm512_ternarylogic_epi32(raw, _mm512_set1_epi16(static_cast<int16_t>(0x87f0)), _mm512_set1_epi16(0x2000),
+                                   0xea);  // (raw & 0x87f0) | 0x2000
+}
+
+// fp8_words(raw) with the words of zero-exponent codes replaced by their exact values (sign kept).
+__attribute__((noinline)) __m512i fp8_fix(__m512i raw, __m512i w) {
+  const __mmask32 zero_exp = _mm512_testn_epi16_mask(raw, _mm512_set1_epi16(0x0780));
+  const __m512i v = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), _mm512_load_si512(kE4M3ZeroExpBf16));
+  return _mm512_mask_mov_epi16(w, zero_exp,  // v | (raw & 0x8000)
+                               _mm512_ternarylogic_epi32(v, raw, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xf8));
+}
+
+// 64 codes at p (elements k .. k + 63 of a whole block) -> w[0]: the even elements, w[1]: the odd ones, as
+// bf16 of the code * 2^-56 (the BF16_P64 order of a half-block).
+inline void fp8_line(const uint8_t* p, __m512i* w) {
+  const __m512i d = _mm512_loadu_si512(p);
+  const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4), odd = _mm512_srai_epi16(d, 4);
+  w[0] = fp8_words(even);
+  w[1] = fp8_words(odd);
+  if (__builtin_expect(_mm512_testn_epi8_mask(d, _mm512_set1_epi8(0x78)) != 0, 0)) {
+    w[0] = fp8_fix(even, w[0]);
+    w[1] = fp8_fix(odd, w[1]);
   }
 }
 
-// Largest K whose decoded row block (4 rows of bf16) goes through a stack buffer (64 KiB: L1 / L2).
-constexpr int64_t kDecodeBufK = 8192;
+struct Fp8Row { const uint8_t* p; const float* s; int shift; };
 
-// GemvFn for FP8 rows computing in bf16 (WeightView::bf16_weights; the executor never selects this level
-// for a float32 computation), BF16_Q128 activations. One token: 4 rows, each row's blocks decoded in
-// registers. More than one token: each block of 4 rows is dequantized once into a stack buffer and the
-// bf16 micro-kernel runs over it for every tile of 4 tokens (the same `vdpbf16ps` sequence per (row,
-// token), so results do not depend on the token count); rows too long for the buffer take tiles of up
-// to 4 tokens decoding in registers (4 rows x 1, 2 or 4 tokens, 2 rows x 3).
-template <class S>
-void gemv_q_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
-               int64_t ldy) {
-  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
-  constexpr int RB = 4, NT = 4;
-  if (n > 1 && K <= kDecodeBufK) {
-    alignas(64) uint16_t buf[RB * kDecodeBufK];
-    const int64_t ld = (K + 31) / 32 * 32;
-    const uint16_t* brow[RB];
-    for (int i = 0; i < RB; ++i) brow[i] = buf + i * ld;
-    for (int64_t r = 0; r < nrows; r += RB) {
-      const int nr = nrows - r < RB ? static_cast<int>(nrows - r) : RB;
-      decode_rows<S>(w, row0 + r, nr, K, buf, ld);
-      for (int j0 = 0; j0 < n; j0 += NT) {
-        const int nt = n - j0 < NT ? n - j0 : NT;
-        if (nr == RB) {
-          micro_dp_tile<RB>(nt, brow, K, a + j0, y + j0 * ldy + r, ldy, 0);
-        } else {
-          for (int i = 0; i < nr; ++i) micro_dp_tile<1>(nt, brow + i, K, a + j0, y + j0 * ldy + r + i, ldy, 0);
-        }
+inline Fp8Row fp8_row(const WeightView& w, int64_t r) {
+  return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
+          reinterpret_cast<const float*>(static_cast<const char*>(w.scales) + (r / w.scale_rows) * w.scale_row_stride_bytes),
+          __builtin_ctz(static_cast<unsigned>(w.scale_cols))};
+}
+
+// y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens: whole blocks of 128 (two lines of codes per row,
+// prefetched EDGEMOE_PREFETCH_BLOCKS row blocks ahead into L2), then the last K % 128 elements in order.
+// Wide: one scale per block of 128 (scale_cols >= 128).
+template <bool Wide, int RB, int NT>
+inline void micro_fp8(const Fp8Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy, int64_t pf) {
+  __m512 acc[RB][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i lane4 = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  const int64_t blocks_end = K - K % 128;
+  for (int64_t k = 0; k < blocks_end; k += 128) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
+        const char* c = reinterpret_cast<const char*>(rows[r].p + k) + EDGEMOE_PREFETCH_BLOCKS * pf;
+        __builtin_prefetch(c, 0, EDGEMOE_PREFETCH_LOCALITY);
+        __builtin_prefetch(c + 64, 0, EDGEMOE_PREFETCH_LOCALITY);
       }
     }
-    return;
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      __m512i w[4];
+      fp8_line(rows[r].p + k, w);
+      fp8_line(rows[r].p + k + 64, w + 2);
+      __m512 s0, s1;
+      if constexpr (Wide) {
+        s0 = s1 = _mm512_set1_ps(rows[r].s[k >> rows[r].shift]);
+      } else {  // lane i of half h holds elements k + 64h + 4i .. + 3, inside one group of >= 16 columns
+        const __m128i sh = _mm_cvtsi32_si128(rows[r].shift);
+        const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k)), lane4);
+        s0 = _mm512_i32gather_ps(_mm512_srl_epi32(k0, sh), rows[r].s, 4);
+        s1 = _mm512_i32gather_ps(_mm512_srl_epi32(_mm512_add_epi32(k0, _mm512_set1_epi32(64)), sh), rows[r].s, 4);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) {
+        const uint16_t* aj = a[j] + k;
+        __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[0], (__m512bh)_mm512_loadu_si512(aj));
+        __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[2], (__m512bh)_mm512_loadu_si512(aj + 64));
+        p0 = _mm512_dpbf16_ps(p0, (__m512bh)w[1], (__m512bh)_mm512_loadu_si512(aj + 32));
+        p1 = _mm512_dpbf16_ps(p1, (__m512bh)w[3], (__m512bh)_mm512_loadu_si512(aj + 96));
+        if constexpr (Wide)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s0, acc[r][j]);
+        else
+          acc[r][j] = _mm512_fmadd_ps(p1, s1, _mm512_fmadd_ps(p0, s0, acc[r][j]));
+      }
+    }
   }
-  token_tiles<QuantDp<S>, 4, 4, 2, 4>(w, row0, nrows, K, a, n, y, ldy);
+  for (int64_t k = blocks_end; k < K; k += 16) {  // code * 2^-56 * x exact in float32, then times the scale
+    const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 w = _mm512_mul_ps(e4m3_raw(_mm_maskz_loadu_epi8(m, rows[r].p + k)), _mm512_set1_ps(0x1p64f));
+      const __m512 s = _mm512_set1_ps(rows[r].s[k >> rows[r].shift]);
+      for (int j = 0; j < NT; ++j) {
+        const __m512 x = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, a[j] + k));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(w, x), s, acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]) * 0x1p56f;
+}
+template <bool Wide>
+struct Fp8Dp {  // micro_fp8 as a register kernel
+  using Row = Fp8Row;
+  using Act = uint16_t;
+  static Row row(const WeightView& w, int64_t r) { return fp8_row(w, r); }
+  template <int RB, int NT>
+  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
+    micro_fp8<Wide, RB, NT>(rows, K, a, y, ldy, pf);
+  }
+};
+// GemvFn for FP8 block rows computing in bf16, BF16_P64 activations: tiles of up to 4 tokens, 4 rows for a
+// tile of one token, 2 otherwise.
+void gemv_fp8(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+              int64_t ldy) {
+  const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
+  if (w.scale_cols >= 128)
+    token_tiles<Fp8Dp<true>, 4, 2, 2, 2>(w, row0, nrows, K, a, n, y, ldy);
+  else
+    token_tiles<Fp8Dp<false>, 4, 2, 2, 2>(w, row0, nrows, K, a, n, y, ldy);
 }
 
 // ---------------------------------------------------------------------------- FP4 rows, post-scaled
@@ -557,13 +457,6 @@ void gemv_fp4(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const
   token_tiles<Fp4Dp<S>, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const uint16_t* const*>(act), n, y, ldy);
 }
 
-void gemv_fp8_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
-                 int64_t ldy) {
-  if (w.scale_cols >= 128)
-    gemv_q_dp<StepFP8>(w, row0, nrows, K, act, n, y, ldy);
-  else
-    gemv_q_dp<StepFP8Narrow>(w, row0, nrows, K, act, n, y, ldy);
-}
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
 
 }  // namespace
@@ -578,7 +471,7 @@ const IsaKernels& kernels_avx512bf16() {
     IsaKernels t{};
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
-    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_dp, ActFormat::BF16_Q128, sum};
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8, ActFormat::BF16_P64, sum};
     t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::BF16_Q128, sum};
     t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::BF16_Q128, sum};
     return t;
