@@ -120,14 +120,15 @@ def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[torch.Tensor, 
     return torch.stack(logits), toks
 
 
-def rounds_weights(fmt: str, isa: str) -> bool:
-    """Whether a native CPU kernel computing in bfloat16 multiplies the dequantized weights rounded to bf16
-    (the torch path's weights). The AVX-512-BF16 FP8 and NVFP4 kernels multiply the exact codes and scale each
-    block's or group's partial sums by its float32 scale instead: the format's exact weights, unrounded (MXFP4
-    too, whose power-of-two scales make the two the same).
+def native_weights_are_torch_weights(fmt: str) -> bool:
+    """Whether the native CPU kernels multiply the same weights as the torch path when computing in bfloat16.
+    Every native kernel multiplies the exact codes and scales each block's or group's partial sums by its
+    float32 scale (the format's exact weights, unrounded); the torch path rounds each dequantized weight to
+    bf16. The two are the same numbers for MXFP4 only (e2m1 values times powers of two are bf16 numbers);
+    FP8 and NVFP4 agree within the bf16 tolerance. The float64 references of the native kernels take the
+    unrounded weights (``round_weights=False``) for every format.
 
     Args:
         fmt: the format as the tests name it (``"nvfp4"``, ``"fp8"``, ``"mxfp4-bf16"``, ...: a prefix is enough).
-        isa: the kernel's ISA level (``NativeCpuExecutor.isa``).
     """
-    return not (fmt.startswith(("nvfp4", "fp8")) and isa == "avx512bf16")
+    return fmt.startswith("mxfp4")

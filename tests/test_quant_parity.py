@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_reference import QUANTS, float_copy, quantized_checkpoint, reference_greedy, reference_model, rounds_weights
+from quant_reference import (
+    QUANTS,
+    float_copy,
+    native_weights_are_torch_weights,
+    quantized_checkpoint,
+    reference_greedy,
+    reference_model,
+)
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
@@ -112,7 +119,7 @@ def test_native_executor_matches_torch_executor(quantized, dtype, monkeypatch):
         n = greedy_decode(nat, PROMPT, STEPS, free=True)
         t = greedy_decode(_runner(path, policy, slots, dtype, cpu_executor="torch"), PROMPT, STEPS, free=True)
         assert n[1] == t[1], (policy, slots)
-        if dtype == "bfloat16" and not rounds_weights(quant, nat.experts.cpu_executor.isa):
+        if dtype == "bfloat16" and not native_weights_are_torch_weights(quant):
             # this kernel multiplies the format's exact weights (the codes times the float32 block or group
             # scale), the torch executor their bf16 roundings: both are bf16 computations of the same model, and
             # the native one is no farther from the float32 computation than the torch one

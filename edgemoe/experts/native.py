@@ -44,16 +44,15 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   ``u + 1`` and the product). What remains different is the order of float32 additions inside each dot
   product (this SIMD order vs oneDNN's or Triton's), a one-ulp bf16 flip where it crosses a
   rounding boundary (0.3-0.5% of outputs at H=2048). float32 weights compute in float32
-  throughout. Quantized rows: each weight is dequantized exactly as
-  :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows` does (float32 products: FP8 ``code * scale``,
-  MXFP4 ``e2m1 * 2^(e - 127)``, NVFP4 ``e2m1 * float32(float(e4m3) * multiplier)``); computing in bf16
-  it is then rounded to bf16 (nearest even, as the torch path's ``.to(bfloat16)`` of the dequantized
-  rows) and the step rounds at the bf16 points above; in float32 nothing is rounded. One exception: the
-  AVX-512-BF16 FP8, MXFP4 and NVFP4 kernels multiply the unscaled codes and scale each block's or group's
-  partial sums (the same numbers for MXFP4; FP8's and NVFP4's exact weights, unrounded, which agree with the
-  bf16-rounded ones within bf16 tolerance: ``docs/quantization.md``). The AVX-512-BF16 instructions treat
-  float32 subnormals as zero (bf16 weights below 2^-126, which no release has; bf16 activations below
-  2^-126), and the vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results
+  throughout. Quantized rows are post-scaled at every ISA level: the kernels multiply the codes' exact
+  values (unscaled) by the activation, sum per group of elements sharing a scale, and multiply each group's
+  partial sum by its float32 scale (FP8 ``scale``, MXFP4 ``2^(e - 127)``, NVFP4
+  ``float32(float(e4m3) * multiplier)``): the format's exact weights, unrounded, in bf16 and float32 compute
+  alike, where the torch path dequantizes each weight as :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`
+  does and, in bf16, rounds it to bf16 (the same numbers for MXFP4, whose scales are powers of two; FP8 and
+  NVFP4 agree within bf16 tolerance: ``docs/quantization.md``); the step rounds at the bf16 points above.
+  The AVX-512-BF16 instructions treat float32 subnormals as zero (bf16 weights below 2^-126, which no
+  release has; bf16 activations below 2^-126), and the vector kernels decode the e4m3 NaN codes (which no quantizer writes) as ±480. Results
   do not depend on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
   one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for

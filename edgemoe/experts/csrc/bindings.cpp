@@ -124,7 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             py::arg("scales") = reinterpret_cast<uintptr_t>(w.scales),
                             py::arg("scale_row_stride_bytes") = w.scale_row_stride_bytes,
                             py::arg("scale_rows") = w.scale_rows, py::arg("scale_cols") = w.scale_cols,
-                            py::arg("global_scale") = w.global_scale, py::arg("bf16_weights") = w.bf16_weights);
+                            py::arg("global_scale") = w.global_scale);
           },
           py::arg("fid"), py::arg("proj"),
           "The WeightView of projection proj (0 gate, 1 up, 2 down) of expert fid, as a dict of addresses");

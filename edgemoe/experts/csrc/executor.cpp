@@ -157,8 +157,7 @@ WeightView expert_matrix(const ExpertBanks& b, int64_t fid, Proj p) {
     case WeightFormat::MXFP4:
     case WeightFormat::NVFP4: data_stride = K / 2; break;
   }
-  WeightView w{row + (down ? b.w2_off : b.w13_off) + first * data_stride, data_stride, nullptr, 0, 0, 0, 1.0f,
-               is_quantized(b.fmt) && b.compute == 1 ? 1 : 0};
+  WeightView w{row + (down ? b.w2_off : b.w13_off) + first * data_stride, data_stride, nullptr, 0, 0, 0, 1.0f};
   const int64_t scale_off = down ? b.w2_scale_off : b.w13_scale_off;
   if (scale_off < 0) return w;
   const uint8_t* scales = row + scale_off;

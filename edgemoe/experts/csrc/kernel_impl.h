@@ -13,9 +13,9 @@
 // Vector traits `V` (one per ISA) provide:
 //   reg, W (float lanes), kMasked (has masked loads), zero(), one(), fmadd(a, b, c) = a*b + c, hsum(reg),
 //   load_f32(p), load_f32_tail(p, n), load_bf16(p), load_bf16_tail(p, n)   (tails zero lanes >= n);
-//   for the quantized formats (W > 1): set1(f), mul(a, b), round_bf16(reg) (each lane to the nearest
-//   bf16 value, ties to even), fp4(p) (W e2m1 values from W/2 packed bytes, low nibble first) and
-//   e4m3(p) (W e4m3 values from W bytes), exact, and with kMasked fp4_tail(p, n), e4m3_tail(p, n).
+//   set1(f), mul(a, b); for the quantized formats (W > 1) fp4(p) (W e2m1 values from W/2 packed bytes, low
+//   nibble first) and e4m3(p) (W e4m3 values from W bytes), exact, and with kMasked fp4_tail(p, n),
+//   e4m3_tail(p, n).
 //
 // Structure of one GEMV call (rows [row0, row0 + nrows) of one expert bank, n tokens):
 //   for each block of RB rows                 RB weight rows streamed side by side from DRAM
@@ -29,24 +29,23 @@
 // At T <= 8 the work is bound by the weight bytes read; arithmetic is far below the core's peak, so
 // the kernel's job is to keep enough independent loads in flight and to read every weight byte once.
 //
-// A weight format is a traits struct (FmtF32, FmtBF16, and the quantized FmtFP8, FmtMXFP4, FmtNVFP4 below):
-//   struct Row { ... };                          per-row state: data pointer, and e.g. the row's
-//                                                block-scale pointer (from WeightView::scales)
+// A float weight format is a traits struct (FmtF32, FmtBF16 below):
+//   struct Row { ... };                          per-row state: the row's data pointer
 //   static Row row(const WeightView&, int64_t r);
-//   static constexpr int kElemsPerLine;          elements per 64 bytes of packed weights
-//   static reg load(const Row&, int64_t k);      W dequantized float32 lanes, elements [k, k + W)
+//   static constexpr int kElemsPerLine;          elements per 64 bytes of weights
+//   static reg load(const Row&, int64_t k);      W float32 lanes, elements [k, k + W)
 //   static reg load_tail(const Row&, int64_t k, int n);   (only when V::kMasked)
-//   static float at(const Row&, int64_t k);      one dequantized element (scalar tails)
+//   static float at(const Row&, int64_t k);      one element (scalar tails)
 //   static const char* addr(const Row&, int64_t k);       byte address of element k (prefetch)
-// registered as `gemv<V, Fmt, RB, NT>` (float formats) or `gemv_q<V, Fmt, RB, NT>` (quantized formats:
-// float32 or bf16-rounded weights, WeightView::bf16_weights) in the ISA's table under its WeightFormat.
-// The WeightView a kernel gets (executor.h, expert_matrix) already points at the projection's codes and
-// scales in the expert's row: FP8 multiplies the converted lanes by the float32 scale of row
-// r / scale_rows, column k / scale_cols (128 x 128); MXFP4 decodes nibbles through the 16-entry e2m1
-// table and scales by 2^(e8m0 - 127) per 32 columns; NVFP4 scales by float32(float(e4m3) * global_scale)
-// per 16 columns. The driver, tiling, threading and the executor are the same for every format.
-// (AVX-512-BF16 has its own quantized kernels, which produce bf16 weights for `vdpbf16ps`:
-// kernels_avx512bf16.cpp.)
+// registered as `gemv<V, Fmt, RB, NT>` in the ISA's table under its WeightFormat. The quantized formats are
+// post-scaled (RawFP8, RawFP4 and micro_ps below, registered as `gemv_fp8_ps` / `gemv_fp4_ps`): the codes'
+// exact values times the activation, summed per group of elements sharing a scale, then one multiply by the
+// group's scale. The WeightView a kernel gets (executor.h, expert_matrix) already points at the projection's
+// codes and scales in the expert's row: FP8 scales by the float32 scale of row r / scale_rows, column
+// k / scale_cols (128 x 128); MXFP4 by 2^(e8m0 - 127) per 32 columns; NVFP4 by
+// float32(float(e4m3) * global_scale) per 16 columns. The tiling, threading and the executor are the same
+// for every format. (AVX-512-BF16 has its own quantized kernels, post-scaled too, which feed bf16 codes to
+// `vdpbf16ps`: kernels_avx512bf16.cpp.)
 
 #ifndef EDGEMOE_PREFETCH_BLOCKS
 #define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
@@ -127,14 +126,6 @@ inline float e8m0_to_f32(uint8_t b) {
   return b == 0 ? bits_to_f32(0x00400000u) : bits_to_f32(static_cast<uint32_t>(b) << 23);
 }
 
-inline float round_to_bf16(float f) {  // nearest bf16 value, ties to even (as c10::BFloat16); NaN kept
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return f;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bits_to_f32(u & 0xffff0000u);
-}
-
 inline float fp4_at(const uint8_t* p, int64_t k) { return kE2M1[(p[k >> 1] >> ((k & 1) * 4)) & 0xf]; }
 
 // Scale byte -> float32 tables (e4m3_to_f32, e8m0_to_f32), filled on first use; a Row keeps the pointer.
@@ -152,17 +143,24 @@ inline const ScaleTables& scale_tables() {
   return t;
 }
 
-template <class V, bool R>
-inline typename V::reg maybe_round(typename V::reg v) {
-  if constexpr (R) return V::round_bf16(v);
-  return v;
-}
+// Quantized rows, post-scaled: a decoder D gives W lanes of a row's codes as their exact values, unscaled
+// (raw: the e4m3 or e2m1 value itself, a float32 number), and the float32 scale of a group of elements:
+//   struct Row { ... };  static Row row(const WeightView&, int64_t r);
+//   static constexpr int kElemsPerLine;                  elements per 64 bytes of codes
+//   static reg raw(const Row&, int64_t k);               elements [k, k + W), exact
+//   static reg raw_tail(const Row&, int64_t k, int n);   the first n of them, the rest zero (V::kMasked only)
+//   static float raw_at(const Row&, int64_t k);          one element
+//   static float scale(const Row&, int64_t k);           the scale of the group holding element k
+//   static const char* addr(const Row&, int64_t k);      byte address of element k (prefetch)
+// micro_ps multiplies the raw values by the activation into a partial sum per group of G elements, then
+// the partial sum by the group's scale: sum_g scale_g * sum_{k in g} code_k * x_k, the format's exact
+// weights (code * scale) up to where float32 rounds, with one multiply per group instead of one per weight
+// and no weight rounded to bf16 (the torch and GPU paths round code * scale to bf16 first when computing in
+// bf16: the two agree within the bf16 tolerance).
 
-// FP8 e4m3 with float32 block scales: W = e4m3 * scale[r / scale_rows][k / scale_cols]. scale_cols is
-// a power of two >= 16 (128 in every release; native.py refuses others), so a vector of W <= 16
-// elements at a multiple of W never straddles two scale blocks. R: round W to bf16 (bf16 compute).
-template <class V, bool R>
-struct FmtFP8 {
+// FP8 e4m3 with float32 block scales scale[r / scale_rows][k / scale_cols] (scale_cols a power of two >= 16).
+template <class V>
+struct RawFP8 {
   using reg = typename V::reg;
   struct Row { const uint8_t* p; const float* s; int shift; };
   static constexpr int kElemsPerLine = 64;
@@ -172,73 +170,44 @@ struct FmtFP8 {
                                            (r / w.scale_rows) * w.scale_row_stride_bytes),
             __builtin_ctz(static_cast<unsigned>(w.scale_cols))};
   }
-  static reg load(const Row& row, int64_t k) {
-    if constexpr (V::W == 1) {
-      return at(row, k);
-    } else {
-      return maybe_round<V, R>(V::mul(V::e4m3(row.p + k), V::set1(row.s[k >> row.shift])));
-    }
+  static reg raw(const Row& row, int64_t k) {
+    if constexpr (V::W == 1)
+      return raw_at(row, k);
+    else
+      return V::e4m3(row.p + k);
   }
-  static reg load_tail(const Row& row, int64_t k, int n) {
-    return maybe_round<V, R>(V::mul(V::e4m3_tail(row.p + k, n), V::set1(row.s[k >> row.shift])));
-  }
-  static float at(const Row& row, int64_t k) {
-    const float v = e4m3_to_f32(row.p[k]) * row.s[k >> row.shift];
-    return R ? round_to_bf16(v) : v;
-  }
+  static reg raw_tail(const Row& row, int64_t k, int n) { return V::e4m3_tail(row.p + k, n); }
+  static float raw_at(const Row& row, int64_t k) { return e4m3_to_f32(row.p[k]); }
+  static float scale(const Row& row, int64_t k) { return row.s[k >> row.shift]; }
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + k); }
 };
 
-// MXFP4: W = e2m1 * 2^(e8m0[r][k / 32] - 127); exact in float32 and in bf16 (an e2m1 value times a
-// power of two), so R changes nothing.
-template <class V, bool R>
-struct FmtMXFP4 {
-  using reg = typename V::reg;
-  struct Row { const uint8_t* p; const uint8_t* s; const float* tab; };
-  static constexpr int kElemsPerLine = 128;
-  static Row row(const WeightView& w, int64_t r) {
-    return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, scale_tables().e8m0};
-  }
-  static reg load(const Row& row, int64_t k) {
-    if constexpr (V::W == 1) {
-      return at(row, k);
-    } else {
-      return V::mul(V::fp4(row.p + (k >> 1)), V::set1(row.tab[row.s[k >> 5]]));
-    }
-  }
-  static reg load_tail(const Row& row, int64_t k, int n) {
-    return V::mul(V::fp4_tail(row.p + (k >> 1), n), V::set1(row.tab[row.s[k >> 5]]));
-  }
-  static float at(const Row& row, int64_t k) { return fp4_at(row.p, k) * row.tab[row.s[k >> 5]]; }
-  static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
-};
-
-// NVFP4: W = e2m1 * (float(e4m3[r][k / 16]) * global_scale), the bracket rounded to float32 first.
-template <class V, bool R>
-struct FmtNVFP4 {
+// FP4 (e2m1 nibbles, element k in the low nibble of byte k / 2 when k is even): MXFP4 (NV false) scales
+// 2^(e8m0[r][k / 32] - 127), NVFP4 (NV true) float32(float(e4m3[r][k / 16]) * global_scale), the bracket
+// rounded to float32 first as the reference does.
+template <class V, bool NV>
+struct RawFP4 {
   using reg = typename V::reg;
   struct Row { const uint8_t* p; const uint8_t* s; float g; const float* tab; };
   static constexpr int kElemsPerLine = 128;
   static Row row(const WeightView& w, int64_t r) {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
             static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale,
-            scale_tables().e4m3};
+            NV ? scale_tables().e4m3 : scale_tables().e8m0};
   }
-  static float eff(const Row& row, int64_t k) { return row.tab[row.s[k >> 4]] * row.g; }
-  static reg load(const Row& row, int64_t k) {
-    if constexpr (V::W == 1) {
-      return at(row, k);
-    } else {
-      return maybe_round<V, R>(V::mul(V::fp4(row.p + (k >> 1)), V::set1(eff(row, k))));
-    }
+  static reg raw(const Row& row, int64_t k) {
+    if constexpr (V::W == 1)
+      return raw_at(row, k);
+    else
+      return V::fp4(row.p + (k >> 1));
   }
-  static reg load_tail(const Row& row, int64_t k, int n) {
-    return maybe_round<V, R>(V::mul(V::fp4_tail(row.p + (k >> 1), n), V::set1(eff(row, k))));
-  }
-  static float at(const Row& row, int64_t k) {
-    const float v = fp4_at(row.p, k) * eff(row, k);
-    return R ? round_to_bf16(v) : v;
+  static reg raw_tail(const Row& row, int64_t k, int n) { return V::fp4_tail(row.p + (k >> 1), n); }
+  static float raw_at(const Row& row, int64_t k) { return fp4_at(row.p, k); }
+  static float scale(const Row& row, int64_t k) {
+    if constexpr (NV)
+      return row.tab[row.s[k >> 4]] * row.g;
+    else
+      return row.tab[row.s[k >> 5]];
   }
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
@@ -355,15 +324,187 @@ void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const voi
   }
 }
 
-// GemvFn of a quantized format: the float32 or the bf16-rounded dequantization (WeightView::bf16_weights),
-// decided once per call.
-template <class V, template <class, bool> class F, int RB, int NT>
-void gemv_q(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
-            int64_t ldy) {
-  if (w.bf16_weights)
-    gemv<V, F<V, true>, RB, NT>(w, row0, nrows, K, act, n, y, ldy);
-  else
-    gemv<V, F<V, false>, RB, NT>(w, row0, nrows, K, act, n, y, ldy);
+// ---------------------------------------------------------------------------- register-kernel drivers
+// A register kernel M for rows_tile / token_tiles provides Row, Act (the activation element type),
+// row(w, r) and run<RB, NT>(rows, K, act, y, ldy, pf): RB rows x NT tokens (pf: bytes of a row block).
+// Row blocks of RB rows for a tile of nt <= NT tokens (templates instantiated only up to NT), then the
+// nrows % RB row tail one row at a time.
+template <class M, int RB, int NT>
+inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
+                      float* y, int64_t ldy) {
+  typename M::Row rows[RB];
+  int64_t r = 0;
+  for (; r + RB <= nrows; r += RB) {
+    for (int i = 0; i < RB; ++i) rows[i] = M::row(w, row0 + r + i);
+    M::template run<RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
+  }
+  for (; r < nrows; ++r) {
+    rows[0] = M::row(w, row0 + r);
+    M::template run<1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
+  }
+}
+
+// Tokens in tiles of up to 4; a tile of nt tokens takes row blocks of RB<nt> rows.
+template <class M, int RB1, int RB2, int RB3, int RB4>
+inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
+                        int n, float* y, int64_t ldy) {
+  for (int j0 = 0; j0 < n; j0 += 4) {
+    const int nt = n - j0 < 4 ? n - j0 : 4;
+    float* yt = y + j0 * ldy;
+    switch (nt) {
+      case 1: rows_tile<M, RB1, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 2: rows_tile<M, RB2, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      case 3: rows_tile<M, RB3, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
+      default: rows_tile<M, RB4, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- post-scaled quantized rows
+// y[j * ldy + r] = sum over groups g of scale_g * sum_{k in g} raw_k * a[j][k], RB rows x NT tokens, float32
+// activations. Steps of whole lines and whole groups of G elements (G a multiple of W, one scale each; each
+// step's lines of codes EDGEMOE_PREFETCH_BLOCKS row blocks ahead prefetched into L2), then the last K % G
+// elements, which lie in one group: whole vectors, then a masked vector (V::kMasked) or scalar products
+// (their group's scaled sum added after the vector part). Every (r, j) sees the same operations whatever
+// RB and NT are, so results do not depend on the tiling (nor on the thread count).
+template <class V, class D, int G, int RB, int NT>
+inline void micro_ps(const typename D::Row* rows, int64_t K, const float* const* a, float* y, int64_t ldy,
+                     int64_t pf) {
+  using reg = typename V::reg;
+  constexpr int W = V::W;
+  static_assert(G % W == 0, "a group is whole vectors");
+  constexpr int L = D::kElemsPerLine > G ? D::kElemsPerLine : G;  // elements per step
+  constexpr int kLines = L / D::kElemsPerLine;
+  reg acc[RB][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[r][j] = V::zero();
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+        for (int l = 0; l < kLines; ++l)
+          __builtin_prefetch(D::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+                             EDGEMOE_PREFETCH_LOCALITY);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < L; g += G) {
+      reg p[RB][NT];
+#pragma GCC unroll 16
+      for (int u = 0; u < G; u += W) {
+        reg wv[RB];
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + g + u);
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; ++j) {
+          const reg av = V::load_f32(a[j] + k + g + u);
+#pragma GCC unroll 8
+          for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const reg s = V::set1(D::scale(rows[r], k + g));
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; ++j) acc[r][j] = V::fmadd(p[r][j], s, acc[r][j]);
+      }
+    }
+  }
+  for (; k + G <= K; k += G) {  // whole groups of a step cut short by K
+    reg p[RB][NT];
+    for (int u = 0; u < G; u += W) {
+      reg wv[RB];
+      for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + u);
+      for (int j = 0; j < NT; ++j) {
+        const reg av = V::load_f32(a[j] + k + u);
+        for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const reg s = V::set1(D::scale(rows[r], k));
+      for (int j = 0; j < NT; ++j) acc[r][j] = V::fmadd(p[r][j], s, acc[r][j]);
+    }
+  }
+  float tail[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NT; ++j) tail[r][j] = 0.0f;
+  if (k < K) {  // the last K % G elements: one group
+    const int64_t k0 = k;
+    reg p[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < NT; ++j) p[r][j] = V::zero();
+    for (; k + W <= K; k += W) {
+      reg wv[RB];
+      for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k);
+      for (int j = 0; j < NT; ++j) {
+        const reg av = V::load_f32(a[j] + k);
+        for (int r = 0; r < RB; ++r) p[r][j] = V::fmadd(wv[r], av, p[r][j]);
+      }
+    }
+    float ps[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < NT; ++j) ps[r][j] = 0.0f;
+    if (k < K) {
+      if constexpr (V::kMasked) {
+        const int n = static_cast<int>(K - k);
+        for (int r = 0; r < RB; ++r) {
+          const reg wv = D::raw_tail(rows[r], k, n);
+          for (int j = 0; j < NT; ++j) p[r][j] = V::fmadd(wv, V::load_f32_tail(a[j] + k, n), p[r][j]);
+        }
+      } else {
+        for (; k < K; ++k)
+          for (int r = 0; r < RB; ++r) {
+            const float wk = D::raw_at(rows[r], k);
+            for (int j = 0; j < NT; ++j) ps[r][j] += wk * a[j][k];
+          }
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const float sc = D::scale(rows[r], k0);
+      for (int j = 0; j < NT; ++j) {
+        acc[r][j] = V::fmadd(p[r][j], V::set1(sc), acc[r][j]);
+        tail[r][j] = ps[r][j] * sc;
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) y[j * ldy + r] = V::hsum(acc[r][j]) + tail[r][j];
+}
+template <class V, class D, int G>
+struct PostScaled {  // micro_ps as a register kernel
+  using Row = typename D::Row;
+  using Act = float;
+  static Row row(const WeightView& w, int64_t r) { return D::row(w, r); }
+  template <int RB, int NT>
+  static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
+    micro_ps<V, D, G, RB, NT>(rows, K, a, y, ldy, pf);
+  }
+};
+
+// GemvFns of the quantized formats over float32 activations, post-scaled; RBn: rows per block for a tile of
+// n tokens (the register file: an accumulator and a partial sum per (row, token)).
+template <class V, int RB1, int RB2, int RB3, int RB4>
+void gemv_fp8_ps(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+                 int64_t ldy) {
+  const float* const* a = reinterpret_cast<const float* const*>(act);
+  using D = RawFP8<V>;
+  switch (w.scale_cols) {  // a group never straddles two scale blocks
+    case 16: return token_tiles<PostScaled<V, D, 16>, RB1, RB2, RB3, RB4>(w, row0, nrows, K, a, n, y, ldy);
+    case 32: return token_tiles<PostScaled<V, D, 32>, RB1, RB2, RB3, RB4>(w, row0, nrows, K, a, n, y, ldy);
+    case 64: return token_tiles<PostScaled<V, D, 64>, RB1, RB2, RB3, RB4>(w, row0, nrows, K, a, n, y, ldy);
+    default: return token_tiles<PostScaled<V, D, 128>, RB1, RB2, RB3, RB4>(w, row0, nrows, K, a, n, y, ldy);
+  }
+}
+template <class V, bool NV, int RB1, int RB2, int RB3, int RB4>
+void gemv_fp4_ps(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
+                 int64_t ldy) {
+  const float* const* a = reinterpret_cast<const float* const*>(act);
+  token_tiles<PostScaled<V, RawFP4<V, NV>, NV ? 16 : 32>, RB1, RB2, RB3, RB4>(w, row0, nrows, K, a, n, y, ldy);
 }
 
 // ---------------------------------------------------------------------------- read test (SumFn)

@@ -105,15 +105,14 @@ int select_isa(uint32_t features, int cap, WeightFormat fmt);
 //   MXFP4:           e2m1(nibble) * 2^(e8m0[r][k / scale_cols] - 127)         (scale_rows 1, scale_cols 32)
 //   NVFP4:           e2m1(nibble) * (float(e4m3[r][k / scale_cols]) * global_scale)  (scale_rows 1, cols 16)
 // where scale row s starts at scales + s * scale_row_stride_bytes, and FP4 element k of a row is the
-// low nibble of byte k / 2 when k is even, the high nibble when odd. Kernels dequantize in registers
-// and must reproduce these values exactly (float32 products: for NVFP4 float(e4m3) * global_scale is
-// rounded to float32 first, then multiplied by the e2m1 value, as the reference does);
-// edgemoe/quant/dequant.py (ExpertLayout.dequant_rows) is the reference. When bf16_weights is set (a
-// quantized pool computing in bf16, as the torch path does after dequantizing to float32 and casting
-// with .to(bfloat16)) each dequantized float32 element is then rounded to bf16, nearest-even; except in
-// the AVX-512-BF16 kernels, which multiply the unscaled codes and scale each block's or group's partial sums
-// instead (the same numbers for MXFP4, whose scales are powers of two; for FP8 and NVFP4 the format's exact
-// weights, unrounded: kernels_avx512bf16.cpp, "FP8 rows, post-scaled" and "FP4 rows, post-scaled").
+// low nibble of byte k / 2 when k is even, the high nibble when odd; edgemoe/quant/dequant.py
+// (ExpertLayout.dequant_rows) is the reference. Kernels read the codes in registers and multiply their exact
+// values (unscaled) by the activation, summing per group of elements that share a scale, then multiply each
+// group's partial sum by its float32 scale (for NVFP4 float(e4m3) * global_scale, rounded to float32 first,
+// as the reference does): the format's exact weights up to where float32 rounds, whatever the compute dtype.
+// The torch path instead dequantizes each weight to float32 and, computing in bf16, rounds it to bf16: MXFP4
+// gives the same numbers either way (an e2m1 value times a power of two is a bf16 number), FP8 and NVFP4
+// agree within the bf16 tolerance (kernel_impl.h, "post-scaled quantized rows"; kernels_avx512bf16.cpp).
 struct WeightView {
   const void* data;
   int64_t row_stride_bytes;
@@ -122,7 +121,6 @@ struct WeightView {
   int32_t scale_rows;              // matrix rows sharing one scale row (FP8: block rows; FP4: 1)
   int32_t scale_cols;              // matrix columns per scale (FP8: block columns; MXFP4: 32; NVFP4: 16)
   float global_scale;              // NVFP4: the matrix's per-tensor multiplier; 1 otherwise
-  int32_t bf16_weights;            // quantized formats: round each dequantized element to bf16 (0: float32)
 };
 
 // Row-block GEMV, the one kernel signature every (ISA, format) pair implements:

@@ -40,12 +40,6 @@ struct Vec256 {
   // ---- quantized formats
   static reg set1(float f) { return _mm256_set1_ps(f); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-  static reg round_bf16(reg v) {  // u + 0x7fff + ((u >> 16) & 1), low half cleared: nearest even
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
   // 4 bytes -> 8 codes in element order: the 32 bits broadcast, dword lane i shifted right by 4i; vpermps
   // uses 3 index bits, so the table gives the magnitude and bit 3 of the code is moved to the sign.
   static reg fp4(const uint8_t* p) {
@@ -73,7 +67,8 @@ namespace {
 
 // Non-template entry points defined inside the target region, so the templates are instantiated
 // for this ISA; the table below is built outside it (it must run on any CPU).
-// 16 ymm registers: 4 rows x 2 tokens = 8 accumulators + 4 weight vectors + 1 activation.
+// 16 ymm registers: 4 rows x 2 tokens = 8 accumulators + 4 weight vectors + 1 activation; the quantized
+// (post-scaled) kernels also hold a partial sum per (row, token): 4 rows x 1 token, 2 x 2, 1 x 3-4.
 void gemv_f32_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                    float* y, int64_t ldy) {
   gemv<Vec256, FmtF32<Vec256>, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
@@ -84,15 +79,15 @@ void gemv_bf16_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K,
 }
 void gemv_fp8_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                    float* y, int64_t ldy) {
-  gemv_q<Vec256, FmtFP8, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp8_ps<Vec256, 4, 2, 1, 1>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_mxfp4_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                      float* y, int64_t ldy) {
-  gemv_q<Vec256, FmtMXFP4, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp4_ps<Vec256, false, 4, 2, 1, 1>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_nvfp4_avx2(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                      float* y, int64_t ldy) {
-  gemv_q<Vec256, FmtNVFP4, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp4_ps<Vec256, true, 4, 2, 1, 1>(w, row0, nrows, K, act, n, y, ldy);
 }
 double sum_f32_avx2(const float* p, int64_t n) { return sum_f32<Vec256>(p, n); }
 

@@ -40,12 +40,6 @@ struct Vec512 {
   // ---- quantized formats
   static reg set1(float f) { return _mm512_set1_ps(f); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg round_bf16(reg v) {  // u + 0x7fff + ((u >> 16) & 1), low half cleared: nearest even
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
   // 8 bytes -> 16 codes in element order: dword lane i takes the 32-bit half holding code i and shifts
   // it right by 4 * (i % 8); the low nibble indexes the e2m1 table (vpermps uses 4 index bits: the
   // sign is the table's upper half).
@@ -91,15 +85,15 @@ void gemv_bf16_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
 }
 void gemv_fp8_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                      float* y, int64_t ldy) {
-  gemv_q<Vec512, FmtFP8, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp8_ps<Vec512, 4, 4, 2, 2>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_mxfp4_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                        float* y, int64_t ldy) {
-  gemv_q<Vec512, FmtMXFP4, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp4_ps<Vec512, false, 4, 4, 2, 2>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_nvfp4_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                        float* y, int64_t ldy) {
-  gemv_q<Vec512, FmtNVFP4, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp4_ps<Vec512, true, 4, 4, 2, 2>(w, row0, nrows, K, act, n, y, ldy);
 }
 double sum_f32_avx512(const float* p, int64_t n) { return sum_f32<Vec512>(p, n); }
 

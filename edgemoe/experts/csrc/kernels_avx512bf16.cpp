@@ -116,41 +116,6 @@ inline __m512 e4m3_raw(__m128i b16) {
                                               _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
 }
 
-// A register kernel M for rows_tile / token_tiles provides Row, Act (the activation element type),
-// row(w, r) and run<RB, NT>(rows, K, act, y, ldy, pf): RB rows x NT tokens (pf: bytes of a row block).
-// Row blocks of RB rows for a tile of nt <= NT tokens (templates instantiated only up to NT), then the
-// nrows % RB row tail one row at a time.
-template <class M, int RB, int NT>
-inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
-                      float* y, int64_t ldy) {
-  typename M::Row rows[RB];
-  int64_t r = 0;
-  for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = M::row(w, row0 + r + i);
-    M::template run<RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
-  }
-  for (; r < nrows; ++r) {
-    rows[0] = M::row(w, row0 + r);
-    M::template run<1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
-  }
-}
-
-// Tokens in tiles of up to 4; a tile of nt tokens takes row blocks of RB<nt> rows.
-template <class M, int RB1, int RB2, int RB3, int RB4>
-inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
-                        int n, float* y, int64_t ldy) {
-  for (int j0 = 0; j0 < n; j0 += 4) {
-    const int nt = n - j0 < 4 ? n - j0 : 4;
-    float* yt = y + j0 * ldy;
-    switch (nt) {
-      case 1: rows_tile<M, RB1, 1>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 2: rows_tile<M, RB2, 2>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      case 3: rows_tile<M, RB3, 3>(w, row0, nrows, K, a + j0, yt, ldy); break;
-      default: rows_tile<M, RB4, 4>(w, row0, nrows, K, a + j0, yt, ldy); break;
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------- FP8 rows, post-scaled
 // FP8 block rows against BF16_P64 activations. An e4m3 byte in the high byte of a 16-bit word, shifted right
 // arithmetically by 4, has its sign on bits 11..15 and its exponent and mantissa on bits 4..10; masked with

@@ -26,6 +26,8 @@ struct VecScalar {
     return f;
   }
   static reg load_bf16_tail(const uint16_t* p, int) { return load_bf16(p); }
+  static reg set1(float f) { return f; }
+  static reg mul(reg a, reg b) { return a * b; }
 };
 
 }  // namespace
@@ -40,10 +42,12 @@ const IsaKernels& kernels_scalar() {
                                            &sum_f32<VecScalar>};
     t.by_format[int(WeightFormat::BF16)] = {&gemv<VecScalar, FmtBF16<VecScalar>, 4, 2>, ActFormat::F32,
                                             &sum_f32<VecScalar>};
-    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_q<VecScalar, FmtFP8, 4, 2>, ActFormat::F32,
+    t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8_ps<VecScalar, 4, 2, 2, 1>, ActFormat::F32,
                                                       &sum_f32<VecScalar>};
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_q<VecScalar, FmtMXFP4, 4, 2>, ActFormat::F32, &sum_f32<VecScalar>};
-    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_q<VecScalar, FmtNVFP4, 4, 2>, ActFormat::F32, &sum_f32<VecScalar>};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4_ps<VecScalar, false, 4, 2, 2, 1>, ActFormat::F32,
+                                             &sum_f32<VecScalar>};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4_ps<VecScalar, true, 4, 2, 2, 1>, ActFormat::F32,
+                                             &sum_f32<VecScalar>};
     return t;
   }();
   return k;
