@@ -14,11 +14,19 @@
 set -euo pipefail
 VERSION=${1:-0.3.36}
 TOKENIZER=${2:-}
+if [ -n "$TOKENIZER" ]; then  # absolute: the script changes directory before it copies the files
+  TOKENIZER=$(cd "$TOKENIZER" && pwd)
+fi
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 P="$ROOT/.peers"
 mkdir -p "$P/dl" "$P/carry"
 SDIST="$P/dl/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
+  # the sdist's metadata is prepared without build isolation, with its build backend from this environment
+  python3 -c "import scikit_build_core" 2>/dev/null || {
+    echo "fetch_llama_cpp.sh: needs scikit-build-core to read the sdist's metadata: pip install scikit-build-core" >&2
+    exit 1
+  }
   python3 -m pip download --no-binary :all: --no-deps --no-build-isolation -d "$P/dl" "llama-cpp-python==$VERSION"
 fi
 TMP=$(mktemp -d)
