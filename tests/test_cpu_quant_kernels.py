@@ -2,9 +2,10 @@
 
 - every ISA level this CPU supports (forced through the ``isa`` cap) × every format × compute dtype
   (float32, bfloat16) matches a float64 reference of the dequantized rows
-  (:meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`, the torch path's weights) with the
-  documented rounding points, for odd shapes (FP8 with H and I not multiples of 16 or 128, FP4 formats
-  with I not a multiple of 128), the Qwen3-30B-A3B expert, several tokens and experts, 1 and 2 threads;
+  (:meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`, unrounded: the kernels multiply the format's
+  exact weights) with the documented rounding points, for odd shapes (FP8 with H and I not multiples of 16
+  or 128, and not even of 8: the scalar and masked tails of the vector kernels; FP4 formats with I not a
+  multiple of 128), the Qwen3-30B-A3B expert, several tokens and experts, 1 and 2 threads;
 - results do not depend on the thread count; the native executor agrees with the torch executor;
 - the registered step (the device decode path's CPU branch) runs quantized rows;
 - which pools have no native kernel (float16 compute, FP8 blocks the kernels cannot tile).
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU ext
 
 FORMATS = {"fp8": WeightFormat.FP8_BLOCK, "mxfp4": WeightFormat.MXFP4, "nvfp4": WeightFormat.NVFP4}
 SHAPES = {  # format: {name: (H, I, experts)}
-    "fp8": {"odd": (200, 72, 6), "partial-blocks": (304, 176, 5), "qwen3-30b-a3b": (2048, 768, 3)},
+    "fp8": {"odd": (200, 72, 6), "partial-blocks": (304, 176, 5), "ragged": (203, 77, 4),
+            "qwen3-30b-a3b": (2048, 768, 3)},
     "mxfp4": {"odd": (96, 160, 6), "qwen3-30b-a3b": (2048, 768, 3)},
     "nvfp4": {"odd": (80, 48, 6), "partial-128": (144, 208, 5), "qwen3-30b-a3b": (2048, 768, 3)},
 }
