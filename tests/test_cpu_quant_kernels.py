@@ -216,14 +216,16 @@ def test_isa_for_quantized_formats_in_float32_stops_at_avx512():
         assert native.select_isa([], None, fmt) == "scalar"
 
 
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt):
+def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt, isa):
     """Eight tokens on one expert (two tiles of four) give each token the bits it gets alone or in a tile of
     three."""
     pool = _pool(fmt, "qwen3-30b-a3b", torch.bfloat16)
     x = torch.randn(8, pool.hidden, generator=torch.Generator().manual_seed(3))
     wt = torch.rand(8, generator=torch.Generator().manual_seed(4))
-    ex = _executor(pool, native.supported_isas(FORMATS[fmt])[-1], 2)
+    _skip_unsupported(isa, fmt, torch.bfloat16)
+    ex = _executor(pool, isa, 2)
     full = torch.zeros(8, pool.hidden)
     ex.run(x, [(1, torch.arange(8), wt)], full)
     for toks in (torch.tensor([5]), torch.tensor([0, 2, 7])):
@@ -315,13 +317,15 @@ def test_fp8_zero_exponent_codes_are_exact(isa):
         assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} expert {fid}: relative error {_rel_err(out, ref):.2e}"
 
 
-@pytest.mark.parametrize("block", [(128, 64), (64, 32), (32, 16)])
+@pytest.mark.parametrize("HI", [(352, 224), (357, 229), (45, 21), (143, 137)])
+@pytest.mark.parametrize("block", [(128, 64), (64, 32), (32, 16), (128, 256)])
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
-def test_fp8_blocks_narrower_than_128(isa, block):
-    """FP8 blocks of 16, 32 or 64 columns (the kernels accept power-of-two blocks from 16 up; no release has
-    them): a scale per group of lanes in the whole blocks of 128, per chunk of 16 in the tail."""
+def test_fp8_blocks_other_than_128(isa, block, HI):
+    """FP8 blocks of 16, 32, 64 or 256 columns (the kernels accept power-of-two blocks from 16 up; no release has
+    them): a scale per group of lanes in the whole blocks of 128, per chunk of 16 in the tail; rows shorter than
+    a block, and tails that are not whole vectors."""
     _skip_unsupported(isa, "fp8", torch.bfloat16)
-    H, I = 352, 224
+    H, I = HI
     pool = HostExpertPool(3, ExpertLayout.build(WeightFormat.FP8_BLOCK, H, I, block_size=block), torch.bfloat16)
     pool.fill_random(seed=9, std=0.05)
     scales = [pool.layout.view(pool.bank, f"{n}_scale") for n in ("w13", "w2")]
@@ -338,13 +342,37 @@ def test_fp8_blocks_narrower_than_128(isa, block):
     assert _differing(out, ref) < MAX_DIFFERING
 
 
+@pytest.mark.parametrize("col", [130, 131, 300, 301])
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_fp8_isolated_zero_exponent_codes(isa, col):
+    """Each gate/up row holds one zero-exponent FP8 code (a subnormal, either sign), all in column ``col``, and
+    x is one-hot there: gate and up are then exactly those codes times their scales, so a code read as zero or
+    as a normal number shows at once. Columns in a whole block of 128 (even and odd element) and in the tail."""
+    _skip_unsupported(isa, "fp8", torch.bfloat16)
+    H, I = 357, 64
+    pool = HostExpertPool(1, ExpertLayout.build(WeightFormat.FP8_BLOCK, H, I), torch.bfloat16)
+    pool.fill_random(seed=3, std=0.05)
+    codes = pool.layout.view(pool.bank, "w13").view(torch.uint8)  # [1, 2I, H]
+    sub = torch.tensor([s | m for s in (0, 0x80) for m in range(1, 8)], dtype=torch.uint8)
+    codes[0, :, col] = sub[torch.randint(0, 14, (codes.shape[1],), generator=torch.Generator().manual_seed(3))]
+    x = torch.zeros(2, H)
+    x[:, col] = torch.tensor([300.0, -200.0])
+    work = [(0, torch.tensor([0, 1]), torch.tensor([1.0, 0.5]))]
+    ref = reference(pool, x, work, round_weights=False)
+    assert ref.abs().max() > 0
+    out = torch.zeros(2, H)
+    _executor(pool, isa, 1).run(x, work, out)
+    assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} column {col}: relative error {_rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_token_tiles_and_remainders(fmt):
+def test_token_tiles_and_remainders(fmt, isa):
     """Token counts that hit every tile shape of the kernels (one token x 4 rows, 2-4 x 2, 5-8 x 1 at the
     lower ISA levels, several tiles with a remainder) and row counts with a row tail: each
     token gets the bits it gets alone, and the reference's numbers."""
+    _skip_unsupported(isa, fmt, torch.bfloat16)
     pool = _pool(fmt, "odd", torch.bfloat16)
-    isa = native.supported_isas(FORMATS[fmt])[-1]
     ex = _executor(pool, isa, 2)
     x = torch.randn(19, pool.hidden, generator=torch.Generator().manual_seed(19))
     wt = torch.rand(19, generator=torch.Generator().manual_seed(20)) + 0.1
