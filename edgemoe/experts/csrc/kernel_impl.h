@@ -212,26 +212,6 @@ struct RawFP4 {
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
 
-// MXFP4 for the float driver `gemv` (pre-scaled): each vector of e2m1 values times its group's power of two,
-// W = e2m1 * 2^(e8m0 - 127), exact, then FMAs with the activations. The same numbers as post-scaling (only the
-// float32 summation differs); measured faster with 16 lanes at 2 or more tokens per expert, where the
-// post-scaled kernel's extra FMA per group and token outweighs the multiply per vector it saves
-// (docs/benchmarks/cpu_executor.md).
-template <class V>
-struct FmtMXFP4Scaled {
-  using reg = typename V::reg;
-  using D = RawFP4<V, false>;
-  using Row = typename D::Row;
-  static constexpr int kElemsPerLine = 128;
-  static Row row(const WeightView& w, int64_t r) { return D::row(w, r); }
-  static reg load(const Row& row, int64_t k) { return V::mul(D::raw(row, k), V::set1(D::scale(row, k))); }
-  static reg load_tail(const Row& row, int64_t k, int n) {
-    return V::mul(D::raw_tail(row, k, n), V::set1(D::scale(row, k)));
-  }
-  static float at(const Row& row, int64_t k) { return D::raw_at(row, k) * D::scale(row, k); }
-  static const char* addr(const Row& row, int64_t k) { return D::addr(row, k); }
-};
-
 // ---------------------------------------------------------------------------- micro-kernel
 // y[j * ldy + r] = <row r, a[j]> for r < RB, j < NT. `pf` is the prefetch distance in bytes (the
 // same position one row block ahead); every (r, j) sees the same sequence of operations whatever RB

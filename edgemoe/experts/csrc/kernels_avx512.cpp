@@ -89,7 +89,7 @@ void gemv_fp8_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K
 }
 void gemv_mxfp4_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                        float* y, int64_t ldy) {
-  gemv<Vec512, FmtMXFP4Scaled<Vec512>, 4, 4>(w, row0, nrows, K, act, n, y, ldy);
+  gemv_fp4_ps<Vec512, false, 4, 4, 2, 2>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_nvfp4_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                        float* y, int64_t ldy) {
