@@ -52,8 +52,9 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   does and, in bf16, rounds it to bf16 (the same numbers for MXFP4, whose scales are powers of two; FP8 and
   NVFP4 agree within bf16 tolerance: ``docs/quantization.md``); the step rounds at the bf16 points above.
   The AVX-512-BF16 instructions treat float32 subnormals as zero (bf16 weights below 2^-126, which no
-  release has; bf16 activations below 2^-126), and the vector kernels decode the e4m3 NaN codes (which no
-  quantizer writes) as ±480. Results do not depend on the thread count.
+  release has; bf16 activations below 2^-126), and the e4m3 NaN codes (which no quantizer writes) read as
+  ±480 in the vector parts of the kernels, NaN in scalar code (``docs/quantization.md`` lists these edge
+  cases). Results do not depend on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
   one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
   the Python thread and the CUDA driver), never more. The caller is thread 0, the others are

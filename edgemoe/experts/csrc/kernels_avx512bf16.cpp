@@ -132,8 +132,10 @@ inline __m512 e4m3_raw(__m128i b16) {
 // range, which `vdpbf16ps` flushes. Per block of 128 and token: four `vdpbf16ps` (one chain per half, each
 // product exact), then the block scale times the partial sums (one FMA; with blocks narrower than 128 columns,
 // which no release has, one FMA per half with the scales of its lanes' groups); the row's sum is multiplied
-// back by 2^56 at the end, which is exact, so the result is that of the format's exact weights (unrounded:
-// the torch and GPU paths round code * scale to bf16 first; the two agree within the bf16 tolerance). The
+// back by 2^56 at the end, which is exact for sums above float32's subnormal range at that scale (a block
+// contributing less than about 2^-70 counts as zero), so the result is that of the format's exact weights
+// (unrounded: the torch and GPU paths round code * scale to bf16 first; the two agree within the bf16
+// tolerance). The
 // last K % 128 elements are taken in element order, 16 at a time, in float32 FMAs. NaN codes (0x7f, 0xff:
 // no weight) read as 480. Fixed operation order per (row, token), whatever the row and token counts.
 alignas(64) constexpr uint16_t kE4M3ZeroExpBf16[32] = {  // code with exponent field 0, mantissa m: m * 2^-65
