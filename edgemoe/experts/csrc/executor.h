@@ -61,9 +61,9 @@ enum Status : int32_t {
 //   b2_off          f32 [H] down's bias, else -1
 //   block_rows/cols 0                  bn, bk                            0                      0
 //   compute         the pool's compute dtype: 0 float32, 1 bfloat16 (BF16 rows always 1, F32 rows 0).
-//                   Quantized rows computing in bf16 are dequantized, then rounded to bf16 (as the
-//                   torch path's .to(bfloat16) of the float32 dequantization), and the step rounds
-//                   where the bf16 path does; in float32 nothing is rounded.
+//                   Quantized rows are post-scaled (the codes' exact values; kernels.h, WeightView),
+//                   in either dtype; computing in bf16 the step rounds where the bf16 path does (x,
+//                   gate, up, the activation, y, ...); in float32 nothing is rounded.
 //   act             the experts' gated activation of gate g and up u (edgemoe.config.ExpertActivation):
 //                   kSilu: silu(g) * u; kSwigluOai (gpt-oss): (clamp(u, -limit, limit) + 1) * g' *
 //                   sigmoid(alpha * g') with g' = min(g, limit). alpha, limit: float32, read for kSwigluOai only.
