@@ -366,6 +366,39 @@ def test_fp8_isolated_zero_exponent_codes(isa, col):
 
 
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_flush_to_zero_on_the_calling_thread_changes_nothing(isa):
+    """``torch.set_flush_denormal(True)`` sets flush-to-zero and denormals-are-zero on the calling thread, which
+    runs part of every step (all of it with one thread): the executor turns both off while it runs (FP8
+    subnormal codes pass through float32 subnormals), so an FP8 pool of zero-exponent codes gives the same
+    bits with the flag as without, with one thread and with two."""
+    _skip_unsupported(isa, "fp8", torch.bfloat16)
+    H, I = 352, 224
+    pool = HostExpertPool(1, ExpertLayout.build(WeightFormat.FP8_BLOCK, H, I), torch.bfloat16)
+    pool.fill_random(seed=3, std=0.05)
+    g = torch.Generator().manual_seed(4)
+    zero_exp = torch.tensor([s | m for s in (0, 0x80) for m in range(8)], dtype=torch.uint8)
+    for name in ("w13", "w2"):
+        codes = pool.layout.view(pool.bank, name).view(torch.uint8)
+        codes.copy_(zero_exp[torch.randint(0, 16, codes.shape, generator=g)])
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(5))
+    work = [(0, torch.tensor([0, 1, 2]), torch.tensor([0.5, 1.0, 0.25]))]
+    outs = []
+    for threads in (1, 2):
+        ex = _executor(pool, isa, threads)
+        for flush in (False, True):
+            out = torch.zeros(3, H)
+            if flush and not torch.set_flush_denormal(True):
+                pytest.skip("no flush-to-zero control on this CPU")
+            try:
+                ex.run(x, work, out)
+            finally:
+                torch.set_flush_denormal(False)
+            outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert _rel_err(outs[0], reference(pool, x, work, round_weights=False)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_token_tiles_and_remainders(fmt, isa):
     """Token counts that hit every tile shape of the kernels (one token x 4 rows, 2-4 x 2, 5-8 x 1 at the

@@ -16,10 +16,39 @@
 #include <sched.h>
 #include <sys/prctl.h>
 #endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 namespace edgemoe {
 
 namespace {
+
+// The kernels' numbers assume IEEE subnormals (FP8 subnormal codes pass through float32 subnormals before
+// an exact rescale; float32 FMAs keep subnormal products): a thread with flush-to-zero or
+// denormals-are-zero set (torch.set_flush_denormal(True) sets both, on its own thread only; a library built
+// with -ffast-math may set them when it loads; threads inherit them from their creator) would compute other
+// numbers, and only on that thread. Every entry that runs kernels holds one of these: both off (MXCSR bits 15
+// and 6) while it runs, the thread's setting restored after.
+class IeeeSubnormals {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  IeeeSubnormals() : saved_(_mm_getcsr()) {
+    if (saved_ & kFlush) _mm_setcsr(saved_ & ~kFlush);
+  }
+  ~IeeeSubnormals() {
+    if (saved_ & kFlush) _mm_setcsr(saved_);
+  }
+  IeeeSubnormals(const IeeeSubnormals&) = delete;
+  IeeeSubnormals& operator=(const IeeeSubnormals&) = delete;
+
+ private:
+  static constexpr unsigned kFlush = 0x8040u;  // FTZ | DAZ
+  unsigned saved_;
+#else
+  IeeeSubnormals() {}  // elsewhere the default floating-point environment is assumed
+#endif
+};
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -228,6 +257,7 @@ void ThreadPool::worker(int tid, int cpu) {
 #else
   (void)cpu;
 #endif
+  const IeeeSubnormals ieee;  // a worker runs only jobs: for its whole life
   started_.fetch_add(1, std::memory_order_release);
   uint64_t seen = 0;
   for (;;) {
@@ -260,6 +290,7 @@ uint64_t ThreadPool::wait_for_job(uint64_t seen) {
 bool ThreadPool::usable() const { return static_cast<long>(getpid()) == owner_pid_; }
 
 void ThreadPool::run(void (*fn)(void*, int), void* ctx) {
+  const IeeeSubnormals ieee;
   if (n_ == 1) {
     fn(ctx, 0);
     return;
@@ -396,6 +427,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
     nmax = std::max(nmax, n);
     active += n > 0;
   }
+  const IeeeSubnormals ieee;  // the serial path runs on the caller alone
   const int p = pool_.size();
   const int64_t bytes = active * b.row_bytes;
   Job J;
@@ -590,6 +622,7 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
   if (!ks.gemv) return kNoKernel;
 
   std::lock_guard<std::mutex> lock(run_mutex_);
+  const IeeeSubnormals ieee;
   int64_t lda;
   const void* xa = prepare_x(ks, fmt == WeightFormat::BF16, x, x_fmt, M, K, ldx, &lda);
   const size_t asize = is_bf16_act(ks.act) ? 2 : 4;
