@@ -54,7 +54,8 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   The AVX-512-BF16 instructions treat float32 subnormals as zero (bf16 weights below 2^-126, which no
   release has; bf16 activations below 2^-126), and the e4m3 NaN codes (which no quantizer writes) read as
   ±480 in the vector parts of the kernels, NaN in scalar code (``docs/quantization.md`` lists these edge
-  cases). Results do not depend on the thread count.
+  cases). Kernels run with flush-to-zero and denormals-are-zero off (the caller's setting restored after),
+  so ``torch.set_flush_denormal(True)`` changes no result. Results do not depend on the thread count.
 - **Threads**: :func:`plan_threads` decides the count and the pinning, the one place that does:
   one per physical core, minus the cores that the threads beside the pool need (on CUDA one, for
   the Python thread and the CUDA driver), never more. The caller is thread 0, the others are
