@@ -367,6 +367,34 @@ inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_
 // elements, which lie in one group: whole vectors, then a masked vector (V::kMasked) or scalar products
 // (their group's scaled sum added after the vector part). Every (r, j) sees the same operations whatever
 // RB and NT are, so results do not depend on the tiling (nor on the thread count).
+// One whole group of G elements at k for RB rows x NT tokens: the raw values times the activations summed into a
+// partial per (row, token), then acc += partial * the group's scale.
+template <class V, class D, int G, int RB, int NT>
+__attribute__((always_inline)) inline void ps_group(const typename D::Row* rows, int64_t k, const float* const* a,
+                                                    typename V::reg (&acc)[RB][NT]) {
+  using reg = typename V::reg;
+  constexpr int W = V::W;
+  reg p[RB][NT];
+#pragma GCC unroll 16
+  for (int u = 0; u < G; u += W) {
+    reg wv[RB];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + u);
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) {
+      const reg av = V::load_f32(a[j] + k + u);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const reg s = V::set1(D::scale(rows[r], k));
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[r][j] = V::fmadd(p[r][j], s, acc[r][j]);
+  }
+}
+
 template <class V, class D, int G, int RB, int NT>
 inline void micro_ps(const typename D::Row* rows, int64_t K, const float* const* a, float* y, int64_t ldy,
                      int64_t pf) {
@@ -391,43 +419,9 @@ inline void micro_ps(const typename D::Row* rows, int64_t K, const float* const*
                              EDGEMOE_PREFETCH_LOCALITY);
     }
 #pragma GCC unroll 8
-    for (int g = 0; g < L; g += G) {
-      reg p[RB][NT];
-#pragma GCC unroll 16
-      for (int u = 0; u < G; u += W) {
-        reg wv[RB];
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + g + u);
-#pragma GCC unroll 4
-        for (int j = 0; j < NT; ++j) {
-          const reg av = V::load_f32(a[j] + k + g + u);
-#pragma GCC unroll 8
-          for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const reg s = V::set1(D::scale(rows[r], k + g));
-#pragma GCC unroll 4
-        for (int j = 0; j < NT; ++j) acc[r][j] = V::fmadd(p[r][j], s, acc[r][j]);
-      }
-    }
+    for (int g = 0; g < L; g += G) ps_group<V, D, G, RB, NT>(rows, k + g, a, acc);
   }
-  for (; k + G <= K; k += G) {  // whole groups of a step cut short by K
-    reg p[RB][NT];
-    for (int u = 0; u < G; u += W) {
-      reg wv[RB];
-      for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + u);
-      for (int j = 0; j < NT; ++j) {
-        const reg av = V::load_f32(a[j] + k + u);
-        for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      const reg s = V::set1(D::scale(rows[r], k));
-      for (int j = 0; j < NT; ++j) acc[r][j] = V::fmadd(p[r][j], s, acc[r][j]);
-    }
-  }
+  for (; k + G <= K; k += G) ps_group<V, D, G, RB, NT>(rows, k, a, acc);  // whole groups of a step cut short
   float tail[RB][NT];
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < NT; ++j) tail[r][j] = 0.0f;
