@@ -34,6 +34,10 @@ stages=("$@")
   free -g | head -2
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+# the native CPU kernels compile once, here, outside any stage's timeout (a stage killed mid-build wasted its time)
+python3 -c 'from edgemoe.experts import native; r = native.build()
+print("native CPU kernels:", r.error or "%.1f s, cached %s, %s" % (r.seconds, r.cached, r.builder))' 2>&1 \
+  | tee -a "$OUT/machine.txt"
 
 for stage in "${stages[@]}"; do
   case "$stage" in

@@ -15,6 +15,8 @@ Skipped as a whole, with the reason, when the extension cannot be built here.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -471,7 +473,9 @@ def test_step_bench_computes_the_rotated_experts():
 
 def test_build_without_ninja(monkeypatch):
     """The direct-compiler build (hosts without ninja, e.g. the offline GPU host) gives a working module."""
-    mod = native._build_direct(native.build_dir() / "direct")
+    bdir = native.build_dir() / "direct"
+    with native.build_lock(bdir):
+        mod = native._build_direct(bdir)
     monkeypatch.setattr(native, "load_extension", lambda: mod)
     pool = _pool("tails-16", torch.bfloat16)
     x, work, ref = _ref("tails-16", torch.bfloat16, 3)
@@ -479,6 +483,25 @@ def test_build_without_ninja(monkeypatch):
     out = torch.zeros(3, pool.hidden)
     ex.run(x, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_build_lock_removes_a_stopped_builds_lock_file(tmp_path):
+    """torch's ``cpp_extension.load`` waits forever while ``<build dir>/lock`` exists; a build killed mid-way
+    leaves it. The edgemoe build lock removes it (it cannot belong to a live build: those hold the lock)."""
+    (tmp_path / "lock").write_text("")
+    with native.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert (tmp_path / "build.lock").exists()
+
+
+def test_a_stopped_build_does_not_hang_the_next_load(tmp_path):
+    """The real loader in a fresh process, with the lock file a killed build leaves in the build directory:
+    it loads (before the build lock, ``cpp_extension.load`` polled that file forever)."""
+    code = ("from edgemoe.experts import native; d = native.build_dir(); d.mkdir(parents=True, exist_ok=True); "
+            "(d / 'lock').write_text(''); r = native.build(); print(r.error, r.builder)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("None "), r.stdout + r.stderr
 
 
 def _child_step(ex, x, work, conn):

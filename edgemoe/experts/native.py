@@ -5,8 +5,8 @@ The torch-ops executor reaches about a third of the host's DRAM read bandwidth o
 weights read. This executor computes a step's CPU set with kernels that read every weight row once
 for all of the expert's tokens, split across all cores by output rows (``csrc/executor.h``).
 
-- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 19
-  CPU-seconds: 10 s on 2 idle cores) into ``~/.cache/edgemoe/torch_ext/<name>-<hash>/``
+- **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 38
+  CPU-seconds: 20 s on 2 idle cores, 12 s at best: the pybind11 bindings alone) into ``~/.cache/edgemoe/torch_ext/<name>-<hash>/``
   (``EDGEMOE_CACHE`` moves the root), announced on the ``edgemoe.startup`` logger with an estimate.
   The hash covers everything the build commands depend on (:func:`build_key`): the sources and
   their location, the flags, the compiler and its version, the torch installation's path and
@@ -110,7 +110,8 @@ SOURCES = ("bindings.cpp", "executor.cpp", "cpu_features.cpp", "kernels_scalar.c
 HEADERS = ("kernels.h", "kernel_impl.h", "executor.h", "dense.h")
 EXTRA_CFLAGS = ("-O3",)
 EXT_NAME = "edgemoe_cpu_ext"
-BUILD_CPU_SECONDS = 19  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 18.5 s user+sys)
+BUILD_CPU_SECONDS = 38  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 38.2 s user+sys)
+BUILD_LONGEST_SECONDS = 12  # its longest source (bindings.cpp, pybind11): the wall time on many cores
 
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ Isa value
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float kernels (edgemoe::WeightFormat)
@@ -213,9 +214,9 @@ def build_dir() -> Path:
 
 def build_estimate() -> str:
     """How long a first build takes here: ``BUILD_CPU_SECONDS`` spread over the usable cores (one
-    compiler process per source), e.g. ``"about 10 s on 2 cores"``."""
+    compiler process per source), at least the longest source's time, e.g. ``"about 20 s on 2 cores"``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    seconds = math.ceil(BUILD_CPU_SECONDS / max(1, min(cores, len(SOURCES))))
+    seconds = math.ceil(max(BUILD_CPU_SECONDS / max(1, min(cores, len(SOURCES))), BUILD_LONGEST_SECONDS))
     return f"about {seconds} s on {cores} core{'s' if cores > 1 else ''}, more when they are busy"
 
 
@@ -231,14 +232,35 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def build_lock(bdir: Path):
+    """Serialize the processes that build or load the extension in ``bdir`` (created if missing).
+
+    An exclusive ``flock`` on ``bdir/build.lock``, which the kernel drops when its holder dies however it
+    dies. Held, it also removes a ``bdir/lock`` left behind: ``torch.utils.cpp_extension.load`` marks a
+    build with that file and waits, forever and silently, while it exists, so a build killed by a timeout
+    or Ctrl-C would otherwise hang every later start (every edgemoe build takes this lock first, so the
+    file cannot belong to a live build).
+    """
+    import fcntl
+
+    bdir.mkdir(parents=True, exist_ok=True)
+    with open(bdir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = bdir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def _build_direct(bdir: Path):
     """Build without ninja (``cpp_extension.load`` requires it): the compiler called directly, one
     process per source in parallel, same flags, output cached in ``bdir``; returns the module.
 
     The sources use no torch headers (only pybind11, shipped inside torch), so nothing links
-    against libtorch. A file lock serializes concurrent builders; the ``.so`` appears atomically.
+    against libtorch. The caller holds :func:`build_lock`; the ``.so`` appears atomically.
     """
-    import fcntl
     import importlib.util
     import subprocess
     import sysconfig
@@ -246,31 +268,28 @@ def _build_direct(bdir: Path):
 
     include_paths = _cpp_extension().include_paths
 
-    bdir.mkdir(parents=True, exist_ok=True)
     so = bdir / f"{EXT_NAME}.so"
-    with open(bdir / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not so.exists():
-            cxx = os.environ.get("CXX", "c++")
-            flags = [*EXTRA_CFLAGS, "-std=c++17", "-fPIC", f"-DTORCH_EXTENSION_NAME={EXT_NAME}",
-                     *(f"-isystem{p}" for p in include_paths()), f"-isystem{sysconfig.get_paths()['include']}"]
+    if not so.exists():
+        cxx = os.environ.get("CXX", "c++")
+        flags = [*EXTRA_CFLAGS, "-std=c++17", "-fPIC", f"-DTORCH_EXTENSION_NAME={EXT_NAME}",
+                 *(f"-isystem{p}" for p in include_paths()), f"-isystem{sysconfig.get_paths()['include']}"]
 
-            def compile_one(src: str) -> Path:
-                obj = bdir / (Path(src).stem + ".o")
-                cmd = [cxx, *flags, "-c", str(CSRC / src), "-o", str(obj)]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise RuntimeError(f"{cxx} failed on {src}: {r.stderr.strip()}")
-                return obj
-
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                objs = list(pool.map(compile_one, SOURCES))
-            tmp = bdir / f"{EXT_NAME}.so.tmp{os.getpid()}"
-            r = subprocess.run([cxx, "-shared", *map(str, objs), "-o", str(tmp), "-lpthread"], capture_output=True,
-                               text=True)
+        def compile_one(src: str) -> Path:
+            obj = bdir / (Path(src).stem + ".o")
+            cmd = [cxx, *flags, "-c", str(CSRC / src), "-o", str(obj)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"{cxx} failed to link: {r.stderr.strip()}")
-            os.replace(tmp, so)
+                raise RuntimeError(f"{cxx} failed on {src}: {r.stderr.strip()}")
+            return obj
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            objs = list(pool.map(compile_one, SOURCES))
+        tmp = bdir / f"{EXT_NAME}.so.tmp{os.getpid()}"
+        r = subprocess.run([cxx, "-shared", *map(str, objs), "-o", str(tmp), "-lpthread"], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to link: {r.stderr.strip()}")
+        os.replace(tmp, so)
     spec = importlib.util.spec_from_file_location(EXT_NAME, so)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -308,8 +327,7 @@ def build() -> BuildResult:
     try:
         bdir = build_dir() if ninja else build_dir() / "direct"  # reads the sources: they may be missing
         cached = any(bdir.glob(f"{EXT_NAME}*.so"))
-        bdir.mkdir(parents=True, exist_ok=True)
-        with contextlib.nullcontext() if cached else startup_step(
+        with build_lock(bdir), contextlib.nullcontext() if cached else startup_step(
                 f"compiling the native CPU expert kernels, once, into {bdir}", build_estimate()):
             if ninja:
                 ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES],

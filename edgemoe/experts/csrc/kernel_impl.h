@@ -367,25 +367,37 @@ inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_
 // elements, which lie in one group: whole vectors, then a masked vector (V::kMasked) or scalar products
 // (their group's scaled sum added after the vector part). Every (r, j) sees the same operations whatever
 // RB and NT are, so results do not depend on the tiling (nor on the thread count).
+// One vector of a group: the raw values at k + u times the activations, into the partial sums p (started at u 0).
+template <class V, class D, int RB, int NT>
+__attribute__((always_inline)) inline void ps_vector(const typename D::Row* rows, int64_t k, int u,
+                                                     const float* const* a, typename V::reg (&p)[RB][NT]) {
+  using reg = typename V::reg;
+  reg wv[RB];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + u);
+#pragma GCC unroll 4
+  for (int j = 0; j < NT; ++j) {
+    const reg av = V::load_f32(a[j] + k + u);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
+  }
+}
 // One whole group of G elements at k for RB rows x NT tokens: the raw values times the activations summed into a
-// partial per (row, token), then acc += partial * the group's scale.
+// partial per (row, token), then acc += partial * the group's scale. Scalar code (W 1) unrolls 4 vectors, not 16:
+// a whole NVFP4 step unrolled (8 groups x 16 elements x RB x NT products in one block) costs GCC 12's RTL combiner
+// 40 s and 1.5 GB to compile.
 template <class V, class D, int G, int RB, int NT>
 __attribute__((always_inline)) inline void ps_group(const typename D::Row* rows, int64_t k, const float* const* a,
                                                     typename V::reg (&acc)[RB][NT]) {
   using reg = typename V::reg;
   constexpr int W = V::W;
   reg p[RB][NT];
-#pragma GCC unroll 16
-  for (int u = 0; u < G; u += W) {
-    reg wv[RB];
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) wv[r] = D::raw(rows[r], k + u);
+  if constexpr (W == 1) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NT; ++j) {
-      const reg av = V::load_f32(a[j] + k + u);
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) p[r][j] = u == 0 ? V::mul(wv[r], av) : V::fmadd(wv[r], av, p[r][j]);
-    }
+    for (int u = 0; u < G; u += W) ps_vector<V, D, RB, NT>(rows, k, u, a, p);
+  } else {
+#pragma GCC unroll 16
+    for (int u = 0; u < G; u += W) ps_vector<V, D, RB, NT>(rows, k, u, a, p);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
