@@ -8,7 +8,7 @@
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
 # finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
-# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS (formats in $FORMATS_QUANTS)
 # (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520),
 # elastic flags in $ELASTIC_ARGS, laptop-case flags (benchmarks/laptop.py) in $LAPTOP_ARGS.
 # laptop (Qwen3.6-35B-A3B geometry, NVFP4 experts, an 8 GB budget for all the GPU memory, 6 CPU threads, served
@@ -83,7 +83,7 @@ for stage in "${stages[@]}"; do
     echo "== decode per expert format at equal expert VRAM (Qwen3-30B-A3B geometry, dummy weights, uniform routing)"
     deadline=$((SECONDS + ${FORMATS_TIMEOUT:-520}))  # the whole stage, comparison included
     runs=()
-    for q in bf16 fp8 mxfp4 nvfp4-modelopt; do
+    for q in ${FORMATS_QUANTS:-bf16 fp8 mxfp4 nvfp4-modelopt}; do
       left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
       [ $left -lt 30 ] && { echo "formats: no time left for $q"; continue; }
       flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")

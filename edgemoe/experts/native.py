@@ -6,7 +6,8 @@ weights read. This executor computes a step's CPU set with kernels that read eve
 for all of the expert's tokens, split across all cores by output rows (``csrc/executor.h``).
 
 - **Build**: ``torch.utils.cpp_extension.load`` compiles ``csrc/*.cpp`` on first use (about 38
-  CPU-seconds: 20 s on 2 idle cores, 12 s at best: the pybind11 bindings alone) into ``~/.cache/edgemoe/torch_ext/<name>-<hash>/``
+  CPU-seconds: 20 s on 2 idle cores, 12 s at best: the pybind11 bindings alone) into
+  ``~/.cache/edgemoe/torch_ext/<name>-<hash>/``
   (``EDGEMOE_CACHE`` moves the root), announced on the ``edgemoe.startup`` logger with an estimate.
   The hash covers everything the build commands depend on (:func:`build_key`): the sources and
   their location, the flags, the compiler and its version, the torch installation's path and
