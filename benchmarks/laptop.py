@@ -714,7 +714,9 @@ def run(a: argparse.Namespace, argv) -> int:
                 f"peak without the expert cache {others / GB:.3f} GB + margin {a.margin_gb:.2f} GB + expert cache "
                 f"{slots} slots x {row / 1e6:.3f} MB = {slots * row / GB:.3f} GB")
             if slots == 0:
-                raise RuntimeError(f"nothing of the {a.gpu_gb:g} GB budget is left for an expert cache")
+                raise RuntimeError(f"nothing of the {a.gpu_gb:g} GB budget is left for an expert cache: serving "
+                                   f"besides it peaked at {others / GB:.2f} GB of torch memory (a smaller "
+                                   f"--prefill-chunk-tokens than {a.prefill_chunk_tokens} lowers its peak)")
             if slots < 2 * E:
                 say(f"warning: {slots} slots hold less than two MoE layers ({2 * E}): prefill cannot stream")
             client.call("POST", f"/bench/cap?gpu_bytes={budget - non_torch:.0f}")
