@@ -187,6 +187,26 @@ def test_residents_outside_the_regions_are_hits_and_not_copied():
     hy.cache.check_invariants()
 
 
+def test_staged_experts_no_token_routed_are_evicted_first():
+    """A streamed layer copies every expert, but only the routed ones were used: the others get the oldest
+    recency, so the next fill evicts them before any expert a token used (a decode after a short prompt
+    keeps the prompt's experts)."""
+    pool = _pool()
+    hy = _hybrid(pool, N)  # cold, room for every expert: no regions, every staged expert stays resident
+    layers = _routing(10, 1)  # layer 0 never routes expert 7
+    _step(hy, layers, Phase.PREFILL, 3)
+    cache = hy.cache
+    routed = {layer * E + int(e) for layer, (_, ids, _) in enumerate(layers) for e in ids.unique()}
+    owners, recency = cache.owner_of.tolist(), cache.last_used.tolist()
+    assert 7 in owners  # layer 0's unrouted expert was staged and stays resident
+    for slot, f in enumerate(owners):
+        if f >= 0:
+            assert recency[slot] == (3 if f in routed else prefill_mod.UNROUTED_STAGED_STEP), (slot, f)
+    unrouted = [s for s, f in enumerate(owners) if f >= 0 and f not in routed]
+    assert sorted(cache.choose_victims(len(unrouted), exclude=[])) == sorted(unrouted)
+    cache.check_invariants()
+
+
 def test_short_chunks_take_the_wave_path():
     pool = _pool()
     hy = _hybrid(pool, 2 * E + 4)

@@ -19,7 +19,11 @@ prefill step streams whole layers through the expert cache and is bound by the h
 - **Residency.** Staged experts are admitted into the residency tables as they are staged
   (``last_used`` = the step), and evicted when their region slot is reused two layers later; after
   the step the regions hold the last two layers' experts as ordinary residents, so decode hits them.
-  Regions are chosen anew at every streamed step.
+  Once a layer's routing is known, its staged experts that no token routed get the oldest recency
+  (``last_used`` = :data:`UNROUTED_STAGED_STEP`): a whole layer is copied, but only the routed experts
+  were used, so a later fill evicts the others before any expert a token used (a short prompt streamed
+  into a cold cache otherwise fills it with experts nobody asked for, and decode's first fills evict
+  the useful ones among them as readily). Regions are chosen anew at every streamed step.
 - **Compute.** :func:`run_sorted_experts`: on CUDA one grouped kernel pair for all the layer's routes
   (``edgemoe.kernels.grouped_gemm``: routes sorted by expert on the device, no host read); elsewhere
   (CPU) the routes are sorted by expert and each expert multiplies its contiguous block (a Python
@@ -48,6 +52,7 @@ from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
 
 STREAM_MIN_ROUTES_PER_EXPERT = 2  # a prefill step streams when T·k >= this x E
+UNROUTED_STAGED_STEP = 0  # recency of a staged expert no token of the step routed: older than any use
 
 PREFILL_MODES = ("overlap", "serial", "off")
 """``overlap``: copies on the copy stream, one layer ahead (the default). ``serial``: each layer's
@@ -256,6 +261,7 @@ class PrefillStreamer:
         counters.hits += len(hit_slots)
         counters.misses += len(routed_e) - len(hit_slots)
         cache.touch(hit_slots, cur.step)
+        cache.touch([staged.slots[e] for e in range(E) if not (seen[e] or staged.resident[e])], UNROUTED_STAGED_STEP)
         base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
         run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
                            cur.routed, act=self.pool.activation)
