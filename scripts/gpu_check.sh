@@ -8,8 +8,9 @@
 # then the llama-bench and decode.py runs; results go to $OUT (peers.md, peers.json, peers-results.tar.gz) as runs
 # finish. Two calls of one warm machine complete it (docs/benchmarks/peers.md).
 # Extra decode-benchmark flags go in $DECODE_ARGS, prefill flags in $PREFILL_ARGS, agent flags in $AGENT_ARGS,
-# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS (formats in $FORMATS_QUANTS)
-# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, within $FORMATS_TIMEOUT seconds, default 520),
+# llama.cpp-comparison flags (benchmarks/peers/run.py) in $PEERS_ARGS, per-format decode flags in $FORMATS_ARGS
+# (formats: bf16 / FP8 / MXFP4 / NVFP4 experts at equal expert VRAM, those in $FORMATS_QUANTS, within $FORMATS_TIMEOUT
+# seconds, default 520),
 # elastic flags in $ELASTIC_ARGS, laptop-case flags (benchmarks/laptop.py) in $LAPTOP_ARGS.
 # laptop (Qwen3.6-35B-A3B geometry, NVFP4 experts, an 8 GB budget for all the GPU memory, 6 CPU threads, served
 # over HTTP): carry .whl (scripts/fetch_gpu_wheels.sh fills it: the host lacks the server's packages).
