@@ -6,6 +6,7 @@ are ``tests/gpu/test_quant_kernels_gpu.py``."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,13 @@ import triton.language as tl  # noqa: E402
 from edgemoe.config import SILU_SWIGLU, ExpertActivation  # noqa: E402
 from edgemoe.experts.compute import expert_biases, quant_slots, swiglu_expert, swiglu_oai_args  # noqa: E402
 from edgemoe.kernels.expert_gemv import e2m1_to_f32, e8m0_to_f32, expert_gemv_quant  # noqa: E402
-from edgemoe.kernels.grouped_gemm import grouped_swiglu_quant  # noqa: E402
+from edgemoe.kernels.grouped_gemm import (  # noqa: E402
+    DEQUANT_MIN_ROUTES,
+    choose_quant_config,
+    dequantize_slots,
+    grouped_swiglu,
+    grouped_swiglu_quant,
+)
 from edgemoe.kernels.quant_slots import QuantSlots  # noqa: E402
 from edgemoe.quant.dequant import E2M1_VALUES, e8m0_to_float  # noqa: E402
 from edgemoe.quant.layout import ExpertLayout  # noqa: E402
@@ -142,6 +149,68 @@ def test_grouped_swiglu_quant_matches_the_reference_dequantizer(fmt, H, I, block
     grouped_swiglu_quant(*dev, qs, kept, zero_missing=False, **kw)  # rows of missing experts left as they were
     missing = torch.tensor([slots[e] < 0 for e in ids.view(-1).tolist()]).view(T, k)
     assert bool((kept.cpu()[missing] == 9.0).all()) and torch.equal(kept.cpu()[~missing], out.cpu()[~missing])
+
+
+FP4_CASES = [c for c in CASES if c[0] is not WeightFormat.FP8_BLOCK]
+FP4_IDS = [i for c, i in zip(CASES, IDS, strict=True) if c[0] is not WeightFormat.FP8_BLOCK]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,H,I,block", FP4_CASES, ids=FP4_IDS)
+def test_dequantize_slots_equals_the_reference_dequantizer_bit_for_bit(fmt, H, I, block, dtype):
+    lay, bank = _bank(fmt, H, I, block, S=3, seed=4)
+    qs = quant_slots(lay, bank.to(DEV))
+    ids = torch.tensor([2, -1, 0, 1], device=DEV)
+    w13 = torch.full((4, 2 * I, H), 7.0, dtype=dtype, device=DEV)
+    w2 = torch.full((4, H, I), 7.0, dtype=dtype, device=DEV)
+    dequantize_slots(qs, ids, w13, w2)
+    r13, r2 = lay.dequant_rows(bank, [2, 0, 1])
+    assert torch.equal(w13.cpu()[[0, 2, 3]], r13.to(dtype)) and torch.equal(w2.cpu()[[0, 2, 3]], r2.to(dtype))
+    assert bool((w13[1] == 7.0).all()) and bool((w2[1] == 7.0).all())  # slot -1: left as it was
+    with pytest.raises(ValueError, match="w2 must be"):
+        dequantize_slots(qs, ids, w13, w2[:, :, :8])
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 6])
+@pytest.mark.parametrize("experts", list(EXPERTS))
+@pytest.mark.parametrize("fmt,H,I,block", FP4_CASES, ids=FP4_IDS)
+def test_grouped_swiglu_quant_in_dequantized_chunks_equals_the_float_pair_bit_for_bit(fmt, H, I, block, experts,
+                                                                                       chunk):
+    """The dequantize-then-float-pair path, in chunks of 1, 4 (the last one partial) or all 6 experts, writes
+    exactly what the float kernel pair writes over the reference-dequantized bank with the same tiles."""
+    act, dtype = EXPERTS[experts], torch.bfloat16
+    S, E, T, k = 4, 6, 9, 2
+    lay, bank = _bank(fmt, H, I, block, S, act=act)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(T, H, generator=g).to(DEV), torch.rand(T, k, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)  # [T, k]
+    slots = torch.tensor([3, -1, 0, 2, -1, 1], device=DEV)
+    dbank = bank.to(DEV)
+    qs, kw = quant_slots(lay, dbank), _kernel_args(act, lay, dbank)
+    cfg = replace(choose_quant_config(T * k, E, qs, dtype), dequant_experts=chunk)
+    r13, r2 = (t.to(dtype).to(DEV) for t in lay.dequant_rows(bank, range(S)))
+    for zero_missing in (True, False):
+        out = torch.full((T, k, H), 9.0, dtype=dtype, device=DEV)
+        want = out.clone()
+        grouped_swiglu_quant(x, ids, w, slots, qs, out, zero_missing=zero_missing, config=cfg, **kw)
+        grouped_swiglu(x, ids, w, slots, r13, r2, want, zero_missing=zero_missing, config=cfg, **kw)
+        assert torch.equal(out, want)
+
+
+def test_choose_quant_config_dequantizes_fp4_from_sixteen_routes_per_expert():
+    fp4 = quant_slots(*(lambda lay, b: (lay, b.to(DEV)))(*_bank(WeightFormat.NVFP4, 64, 32, None, S=1)))
+    fp8 = quant_slots(*(lambda lay, b: (lay, b.to(DEV)))(*_bank(WeightFormat.FP8_BLOCK, 64, 64, (128, 128), S=1)))
+    assert choose_quant_config(DEQUANT_MIN_ROUTES * 8 - 1, 8, fp4, torch.bfloat16).dequant_experts == 0
+    few = choose_quant_config(DEQUANT_MIN_ROUTES * 8, 8, fp4, torch.bfloat16)  # 4·P·I = 2.7 experts of 3·H·I
+    assert few.dequant_experts == 2 and few.block_k1 >= 32
+    assert choose_quant_config(1 << 12, 8, fp4, torch.bfloat16).dequant_experts == 8  # at most every expert
+    assert choose_quant_config(32, 2, fp4, torch.bfloat16).dequant_experts == 1  # at least one
+    assert choose_quant_config(1 << 16, 8, fp8, torch.bfloat16).dequant_experts == 0  # FP8 stays fused
+    with pytest.raises(ValueError, match="FP4 slots only"):
+        grouped_swiglu_quant(torch.zeros(1, 64, device=DEV), torch.zeros(1, 2, dtype=torch.long, device=DEV),
+                             torch.ones(1, 2, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV), fp8,
+                             torch.zeros(1, 2, 64, device=DEV),
+                             config=replace(choose_quant_config(2, 1, fp8, torch.float32), dequant_experts=1))
 
 
 def test_quant_kernels_reject_bad_slots_and_buffers():

@@ -110,9 +110,14 @@ def test_expert_gemv_quant_matches_reference_and_reads_packed_bytes(bank, T):
             bf16_equivalent_TBps=int((slot_tk >= 0).sum()) * 6 * H * I / sec / 1e12)
 
 
-@pytest.mark.parametrize("T", [64, 1024])
+@pytest.mark.parametrize("T", [64, 1024, 8192])
 def test_grouped_swiglu_quant_matches_reference_and_captures(bank, T):
-    from edgemoe.kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_quant
+    """The chosen path (FP4 from 16 routes per expert: dequantized chunks then the bf16 pair; else tiles
+    dequantized in registers) against the bf16 pair over the reference-dequantized bank, graph replay against
+    eager, and the time of both paths against the bf16 pair."""
+    from dataclasses import replace
+
+    from edgemoe.kernels.grouped_gemm import choose_quant_config, grouped_swiglu, grouped_swiglu_quant
 
     layout, b = bank
     S = b.shape[0]
@@ -125,10 +130,13 @@ def test_grouped_swiglu_quant_matches_reference_and_captures(bank, T):
     w = torch.rand(T, TOPK, device=CUDA)
     qs = quant_slots(layout, b)
     out = torch.empty(T, TOPK, H, dtype=torch.bfloat16, device=CUDA)
+    cfg = choose_quant_config(T * TOPK, E, qs, torch.bfloat16)
     grouped_swiglu_quant(x, ids, w, slots, qs, out)
     w13, w2 = _dequantized(layout, b)
     ref = torch.empty_like(out)
-    grouped_swiglu(x, ids, w, slots, w13, w2, ref)  # the float kernel over the dequantized bank
+    grouped_swiglu(x, ids, w, slots, w13, w2, ref, config=cfg)  # the float kernel over the dequantized bank
+    if cfg.dequant_experts:
+        assert torch.equal(out, ref)  # the same bf16 pair over the same bf16 weights
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
     some = _route_reference(x[:4], slots.index_select(0, ids[:4].reshape(-1)), w[:4], w13, w2)
     torch.testing.assert_close(out[:4].float(), some.float(), rtol=2**-5, atol=2**-5 * some.abs().max().item())
@@ -141,8 +149,10 @@ def test_grouped_swiglu_quant_matches_reference_and_captures(bank, T):
     assert torch.equal(again, out)  # replay = eager, bit for bit
     sec_q = _seconds(lambda: grouped_swiglu_quant(x, ids, w, slots, qs, again))  # both eager, same overheads
     sec_f = _seconds(lambda: grouped_swiglu(x, ids, w, slots, w13, w2, ref))
-    _report("grouped_swiglu_quant", format=layout.format.value, T=T, quant_ms=sec_q * 1e3, bf16_ms=sec_f * 1e3,
-            ratio=sec_q / sec_f)
+    fused = replace(cfg, dequant_experts=0)
+    sec_r = _seconds(lambda: grouped_swiglu_quant(x, ids, w, slots, qs, again, config=fused))
+    _report("grouped_swiglu_quant", format=layout.format.value, T=T, dequant_experts=cfg.dequant_experts,
+            quant_ms=sec_q * 1e3, bf16_ms=sec_f * 1e3, ratio=sec_q / sec_f, in_register_ms=sec_r * 1e3)
 
 
 def test_quantized_moe_decode_step_captured_in_one_cuda_graph(bank):
