@@ -110,6 +110,14 @@ SOURCES = ("bindings.cpp", "executor.cpp", "cpu_features.cpp", "kernels_scalar.c
            "kernels_avx512.cpp", "kernels_avx512bf16.cpp", "dense.cpp")
 HEADERS = ("kernels.h", "kernel_impl.h", "executor.h", "dense.h")
 EXTRA_CFLAGS = ("-O3",)
+
+
+def cflags() -> list[str]:
+    """The compiler flags of the build: ``EXTRA_CFLAGS`` and then ``EDGEMOE_NATIVE_CFLAGS`` (whitespace-separated,
+    e.g. ``-DEDGEMOE_PREFETCH_BLOCKS=4`` to try another of ``csrc/kernel_impl.h``'s tuning constants on a
+    machine; they are part of :func:`build_key`, so each set builds into its own directory)."""
+    return [*EXTRA_CFLAGS, *os.environ.get("EDGEMOE_NATIVE_CFLAGS", "").split()]
+
 EXT_NAME = "edgemoe_cpu_ext"
 BUILD_CPU_SECONDS = 38  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 38.2 s user+sys)
 BUILD_LONGEST_SECONDS = 12  # its longest source (bindings.cpp, pybind11): the wall time on many cores
@@ -198,7 +206,7 @@ def build_key() -> dict[str, str]:
     return {
         "sources": h.hexdigest(),
         "source_dir": str(CSRC),
-        "flags": " ".join(EXTRA_CFLAGS),
+        "flags": " ".join(cflags()),
         "compiler": f"{os.path.realpath(cxx_path)} {version.strip()}",
         "torch": f"{torch.__version__} {Path(torch.__file__).resolve().parent}",
         "python": f"{sys.version} {sys.implementation.cache_tag} {sysconfig.get_paths()['include']}",
@@ -272,7 +280,7 @@ def _build_direct(bdir: Path):
     so = bdir / f"{EXT_NAME}.so"
     if not so.exists():
         cxx = os.environ.get("CXX", "c++")
-        flags = [*EXTRA_CFLAGS, "-std=c++17", "-fPIC", f"-DTORCH_EXTENSION_NAME={EXT_NAME}",
+        flags = [*cflags(), "-std=c++17", "-fPIC", f"-DTORCH_EXTENSION_NAME={EXT_NAME}",
                  *(f"-isystem{p}" for p in include_paths()), f"-isystem{sysconfig.get_paths()['include']}"]
 
         def compile_one(src: str) -> Path:
@@ -332,7 +340,7 @@ def build() -> BuildResult:
                 f"compiling the native CPU expert kernels, once, into {bdir}", build_estimate()):
             if ninja:
                 ext = cpp.load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES],
-                               extra_cflags=list(EXTRA_CFLAGS), build_directory=str(bdir))
+                               extra_cflags=cflags(), build_directory=str(bdir))
             else:  # e.g. a GPU host without network: no `pip install ninja` there
                 ext = _build_direct(bdir)
     except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain

@@ -33,9 +33,12 @@ split-K: each output row is reduced in one fixed order whatever other rows share
 :class:`GroupedConfig` a route's row does not depend on the batch composition (which other routes, experts
 or slots are in the call).
 
-:func:`grouped_swiglu_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4): each weight tile
-is loaded packed, dequantized in registers and rounded to the compute dtype, then fed to ``tl.dot`` (no
-dequantized copy of an expert in memory; ``docs/quantization.md`` says why).
+:func:`grouped_swiglu_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4), two ways, chosen by
+shapes only (:func:`choose_quant_config`): each weight tile loaded packed, dequantized in registers and rounded to
+the compute dtype, then fed to ``tl.dot`` (FP8 always; FP4 below 16 routes per expert); or, for FP4 from 16 routes
+per expert (prefill chunks), a few experts at a time dequantized into a compute-dtype scratch
+(:func:`dequantize_slots`, the same rounded numbers) and the float pair run over them. ``docs/quantization.md``
+gives the measurements behind the choice.
 """
 
 from __future__ import annotations
