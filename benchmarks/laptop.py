@@ -28,16 +28,17 @@ child process of this script, dummy weights) and measures it from this process o
   reported beside it. The laptop prediction keeps ``M``, ``r`` and our ``B_H`` (concurrent and
   isolated: a slower link contends less for DRAM) with ``B_P = --laptop-pcie-gbps`` (11.8: PCIe x8), and
   ``t_resident`` at least the time to read the bytes a decode step reads from GPU memory (non-expert
-  weights but the embedding, KV and recurrent state, the experts computed on the GPU) at
+  weights on the GPU but the embedding, KV and recurrent state, the experts computed on the GPU) at
   ``--laptop-vram-gbps`` (256: an RTX 4060 Laptop GPU's GDDR6).
 
 The GPU budget ``--gpu-gb`` (8; GB = 1e9 bytes: an "8 GB" laptop GPU has 8 GiB, part of it taken by the
-display) covers everything the process holds on the GPU: non-expert weights, KV cache, recurrent state
-and its checkpoints, CUDA graphs and workspaces, activations, the CUDA context, and the expert cache,
-which gets what is left. The engine's own ``gpu_budget`` covers only the expert and KV caches, so the
-expert cache is sized by calibration: the server starts with an expert cache of two MoE layers (what a
-streamed prefill needs) and no cap, serves one untimed 8192-token request (Triton compiles its kernels,
-decode captures its CUDA graph: its TTFT is reported as the process's first request); then
+display) covers everything the process holds on the GPU: non-expert weights (the token embedding only with
+``--token-embedding device``), KV cache, recurrent state and its checkpoints, CUDA graphs and workspaces,
+activations, the CUDA context, and the expert cache, which gets what is left. The engine's own ``gpu_budget``
+covers only the expert and KV caches, so the expert cache is sized by calibration: the server starts with an
+expert cache of two MoE layers (what a streamed prefill needs) and no cap, serves one untimed 8192-token request
+(Triton compiles its kernels, decode captures its CUDA graph: its TTFT is reported as the process's first
+request); then
 
     expert slots = (budget - memory outside torch - (torch's peak reserved - calibration cache) - margin) / r
 
@@ -59,7 +60,11 @@ so every token streams as one character (the dummy model has 248k token ids, its
 decode to nothing and would stream no event). Other engine options are a one-user laptop's: one sequence
 (``--max-num-seqs 1``), ``--max-model-len`` 16384, 4 recurrent-state checkpoints (the engine default 32
 would hold 2 GB of this GPU), prefill in chunks of 2048 tokens (an 8192-token chunk's activations
-leave no room for an expert cache in 8 GB), the engine's default expert policy.
+leave no room for an expert cache in 8 GB), the engine's default expert policy, and on CUDA the token embedding
+in page-locked host memory (``--token-embedding auto``: the engine's ``token_embedding host`` for a model whose LM
+head is not tied to the embedding, as Qwen3.6-35B-A3B's: the 1.02 GB of GPU memory its 248320 x 2048 bf16 table
+would hold go to the expert cache, and each step gathers its rows over PCIe; ``device`` keeps the table in GPU
+memory, the engine's default).
 
 Writes ``laptop.json`` and ``laptop.md`` (date, machine, command, tables) under ``--out``, and the server's
 log to ``laptop-server.log``. Expected 2-4 minutes on the GPU host (``scripts/gpu_check.sh laptop`` allows 8).
@@ -126,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="prompt tokens per prefill step (2048: on the GPU host the engine's default, 8192, peaked at "
                     "7.39 GB of torch memory besides the expert cache, leaving no expert cache in 8 GB; 2048 "
                     "peaked at 6.19 GB)")
+    ap.add_argument("--token-embedding", default="auto", choices=["auto", "device", "host"],
+                    help="where the token-embedding table lives (the engine's token_embedding); auto: host on CUDA for "
+                    "a model whose LM head is not tied to the embedding (the laptop case), else device")
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed per request")
     ap.add_argument("--decode-warmup", type=int, default=8, help="decode tokens before the timed ones")
@@ -273,12 +281,16 @@ def serve_child(a: argparse.Namespace) -> int:
     import edgemoe.experts.bandwidth as bandwidth
     from edgemoe.config import EngineConfig
     from edgemoe.engine.async_engine import AsyncLLM
+    from edgemoe.models import load_config
     from edgemoe.server.app import build_app
     from edgemoe.server.config import ServerConfig
     from edgemoe.server.transport import uvicorn_config
 
+    tied = load_config(a.model).tie_word_embeddings
+    embedding = token_embedding(a.token_embedding, EngineConfig(device=a.device).resolved_device().type, tied)
     cfg = EngineConfig.from_kwargs(
         device=a.device, dtype=a.dtype, load_format="dummy", expert_cache_slots=a.calibration_slots,
+        token_embedding=embedding,
         expert_policy=a.policy, cpu_threads=a.cpu_threads, cpu_executor=a.cpu_executor,
         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, state_checkpoints=a.state_checkpoints,
         prefill_chunk_tokens=a.prefill_chunk_tokens,
@@ -353,9 +365,6 @@ def serve_child(a: argparse.Namespace) -> int:
     def snapshot(engine) -> dict:
         r = engine.runner
         cfgm = r.model_config
-        params = list(r.model.parameters()) + list(r.model.buffers())
-        embed_bytes = sum(p.numel() * p.element_size() for name, p in r.model.named_parameters()
-                          if name.endswith("embed_tokens.weight"))  # one row of it is read per token
         bw = r.experts.bandwidths
         ck = r.prefix.checkpoints
         return {
@@ -371,8 +380,7 @@ def serve_child(a: argparse.Namespace) -> int:
             "state_bytes": 0 if r.state is None else r.state.nbytes,
             "state_bytes_per_seq": 0 if r.state is None else r.state.nbytes // r.state.num_slots,
             "checkpoint_bytes": 0 if ck is None else ck.nbytes,
-            "weights_bytes": sum(p.numel() * p.element_size() for p in params if p.device.type == dev.type),
-            "embed_bytes": embed_bytes,
+            **weight_figures(r.model), "token_embedding": r.engine_config.token_embedding,
             "prefill_streams": r.experts.hybrid.prefill.can_stream(a.prompt_tokens * cfgm.top_k),
             "decode_path": r.experts.decode_path.value, "cpu_executor": r.experts.cpu_executor.name,
             "graphs": None if r.graphs is None else {"captured": sorted(r.graphs.captured_sizes()),
@@ -545,6 +553,25 @@ def counters_delta(before: dict, after: dict, steps: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- the run
 
+def token_embedding(choice: str, device_type: str, tied: bool) -> str:
+    """``--token-embedding`` resolved into the engine's ``token_embedding``: ``auto`` is ``host`` on CUDA for a model
+    whose LM head is not tied to the embedding (the engine refuses ``host`` otherwise), else ``device``."""
+    if choice != "auto":
+        return choice
+    return "host" if device_type == "cuda" and not tied else "device"
+
+
+def weight_figures(model) -> dict:
+    """The served model's own weights (the routed experts aside), in bytes: ``weights_bytes`` on the GPU (what
+    the budget holds besides the caches), ``embed_bytes`` the token embedding's part of them (one row of it is
+    read per token, so the bytes bound leaves it out; 0 when the table is in host memory) and
+    ``host_embedding_bytes`` the table in host memory (0 when it is on the GPU)."""
+    on_device, on_host = model.weight_bytes()
+    table = model.decoder.embed_tokens.weight
+    return {"weights_bytes": on_device, "embed_bytes": 0 if on_host else table.numel() * table.element_size(),
+            "host_embedding_bytes": on_host}
+
+
 def check_run(st: dict, slots: int, cuda: bool) -> None:
     """Raises ``RuntimeError`` when the served engine left the measured configuration: an out-of-memory step
     under the cap (the engine shrinks its expert cache and retries), an expert cache of another size, or, on
@@ -651,7 +678,7 @@ def run(a: argparse.Namespace, argv) -> int:
                   "--cpu-threads", str(a.cpu_threads), "--cpu-executor", a.cpu_executor,
                   "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
                   "--state-checkpoints", str(a.state_checkpoints), "--routing", a.routing,
-                  "--prompt-tokens", str(a.prompt_tokens)]
+                  "--prompt-tokens", str(a.prompt_tokens), "--token-embedding", a.token_embedding]
     for flag, v in (("--policy", a.policy), ("--prefill-chunk-tokens", a.prefill_chunk_tokens),
                     ("--bandwidth-pcie-gbps", a.bandwidth_pcie_gbps),
                     ("--bandwidth-cpu-gbps", a.bandwidth_cpu_gbps)):
@@ -834,7 +861,7 @@ def report(a: argparse.Namespace, argv, result: dict, mcfg) -> None:
         "top_k": mcfg.top_k, "routing": a.routing, "prompt_tokens": a.prompt_tokens,
         "decode_tokens": a.decode_tokens, "decode_warmup": a.decode_warmup, "max_num_seqs": a.max_num_seqs,
         "max_model_len": a.max_model_len, "state_checkpoints": a.state_checkpoints,
-        "prefill_chunk_tokens": a.prefill_chunk_tokens,
+        "prefill_chunk_tokens": a.prefill_chunk_tokens, "token_embedding": meas["token_embedding"],
         "gpu_gb": a.gpu_gb, "margin_gb": a.margin_gb, "cpu_threads_asked": a.cpu_threads,
         "laptop_pcie_gbps": a.laptop_pcie_gbps, "laptop_vram_gbps": a.laptop_vram_gbps,
         "paper_tokens_per_s": PAPER_TOKENS_PER_S,
@@ -846,7 +873,8 @@ def report(a: argparse.Namespace, argv, result: dict, mcfg) -> None:
         "expert_cache_share": sized["slots"] / meas["experts_total"], "policy": sized["policy"],
         "prefill_streams": sized["prefill_streams"], "decode_path": sized["decode_path"],
         "cpu_executor": sized["cpu_executor"], "cpu_threads": sized["cpu_threads"],
-        "weights_bytes": meas["weights_bytes"], "kv_bytes": meas["kv_bytes"], "state_bytes": meas["state_bytes"],
+        "weights_bytes": meas["weights_bytes"], "host_embedding_bytes": meas["host_embedding_bytes"],
+        "kv_bytes": meas["kv_bytes"], "state_bytes": meas["state_bytes"],
         "checkpoint_bytes": meas["checkpoint_bytes"],
         "ttft_first_request_s": ph["first_request"]["ttft_s"],
         "ttft_8k_cold_s": r1["ttft_s"], "ttft_8k_second_s": r2["ttft_s"],
@@ -873,6 +901,8 @@ def _f(v, fmt: str = ".2f", scale: float = 1.0, none: str = "-") -> str:
 def markdown(meta: dict, s: dict, bounds: dict, plan: dict, meas: dict) -> str:
     m = meta["machine"]
     g = s["gpu"]
+    embedding = (f"the token embedding in host memory: {_f(s['host_embedding_bytes'], '.3f', 1 / GB)} GB" if
+                 s["host_embedding_bytes"] else "the token embedding included")
     lines = [
         f"# Laptop case: {meta['preset']} geometry, {s['pool_format']} experts, {meta['gpu_gb']:g} GB GPU budget, "
         f"{s['cpu_threads']} CPU threads",
@@ -885,7 +915,8 @@ def markdown(meta: dict, s: dict, bounds: dict, plan: dict, meas: dict) -> str:
         f"- {meta['moe_layers']} MoE layers x {meta['experts_per_layer']} experts, top-{meta['top_k']}, routing "
         f"{meta['routing']}; batch 1 (max {meta['max_num_seqs']} sequence), {meta['state_checkpoints']} state "
         f"checkpoints, max_model_len {meta['max_model_len']}; policy {s['policy']}, CPU executor {s['cpu_executor']} "
-        f"x {s['cpu_threads']} threads; decode path {s['decode_path']}",
+        f"x {s['cpu_threads']} threads; decode path {s['decode_path']}; token embedding on the "
+        f"{meta['token_embedding']}",
         "",
     ]
     if not s["prefill_streams"]:
@@ -901,7 +932,7 @@ def markdown(meta: dict, s: dict, bounds: dict, plan: dict, meas: dict) -> str:
         f"({_f(s['expert_cache_share'], '.1f', 100)}% of the experts); the prefill of {meta['prompt_tokens']} tokens "
         f"{'streams whole layers' if s['prefill_streams'] else 'does not stream (cache < two layers)'} |",
         f"| on the {'GPU' if g is not None else 'device'} besides | non-expert weights "
-        f"{_f(s['weights_bytes'], '.3f', 1 / GB)} GB, KV cache "
+        f"{_f(s['weights_bytes'], '.3f', 1 / GB)} GB ({embedding}), KV cache "
         f"{_f(s['kv_bytes'], '.3f', 1 / GB)} GB, recurrent state {_f(s['state_bytes'], '.3f', 1 / GB)} GB, "
         f"state checkpoints {_f(s['checkpoint_bytes'], '.3f', 1 / GB)} GB |",
     ]
@@ -950,7 +981,7 @@ def markdown(meta: dict, s: dict, bounds: dict, plan: dict, meas: dict) -> str:
         "experts cached (measured). Laptop: B_P = "
         f"{meta['laptop_pcie_gbps']:g} GB/s, our B_H (concurrent / isolated), M and r; its t_resident at least "
         f"the bytes a decode step reads from GPU memory at {meta['laptop_vram_gbps']:g} GB/s (non-expert weights "
-        "but the embedding, KV, recurrent state, the experts computed on the GPU).",
+        "on the GPU but the embedding, KV, recurrent state, the experts computed on the GPU).",
         "",
         "| request | M | F | C | r (MB) | t_resident (ms) | bound as run (ms) | q* bound (ms) | measured (ms) "
         "| bound/measured | laptop t_resident (ms) | laptop miss term (ms), B_H conc. / iso. "

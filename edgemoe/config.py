@@ -383,6 +383,7 @@ EXPERT_PREFETCH = ("off", "next-layer")
 CPU_EXECUTORS = ("auto", "native", "torch")
 DOORBELL_WAITS = ("auto", "kernel", "stream-op")
 LOAD_FORMATS = ("auto", "dummy")
+TOKEN_EMBEDDINGS = ("device", "host")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
 
@@ -460,6 +461,11 @@ class EngineConfig:
                                          "prompt prefix (on by default)", flag="--no-prefix-caching")
     load_format: str = option("auto", "auto (safetensors or FTW), dummy (random weights of config.json's "
                               "geometry, no weight files)", choices=LOAD_FORMATS)
+    token_embedding: str = option(
+        "device", "where the token-embedding table lives: device (the default) or host (page-locked host memory: "
+        "each step's rows are gathered onto the GPU by one kernel reading the table over PCIe, which frees its "
+        "V x H bytes of GPU memory for the expert cache; CUDA only, and only for models whose LM head is not "
+        "tied to the embedding)", choices=TOKEN_EMBEDDINGS)
     trust_remote_code: bool = option(
         False, "run the Python code a checkpoint ships for its tokenizer (auto_map in tokenizer_config.json, e.g. "
         "Kimi-K2's tiktoken tokenizer); without it such a checkpoint is refused")
@@ -477,7 +483,8 @@ class EngineConfig:
     def __post_init__(self):
         for name, choices in (("expert_policy", EXPERT_POLICIES), ("expert_eviction", EXPERT_EVICTIONS),
                               ("prefetch", EXPERT_PREFETCH), ("cpu_executor", CPU_EXECUTORS),
-                              ("doorbell_wait", DOORBELL_WAITS), ("load_format", LOAD_FORMATS)):
+                              ("doorbell_wait", DOORBELL_WAITS), ("load_format", LOAD_FORMATS),
+                              ("token_embedding", TOKEN_EMBEDDINGS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("expert_cache_slots", "min_expert_cache_slots", "state_checkpoints",

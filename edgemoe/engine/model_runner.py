@@ -35,8 +35,10 @@ from edgemoe.engine.gpu_memory import GpuMemory, make_probe
 from edgemoe.engine.prefix_state import Plan, PrefixStateManager
 from edgemoe.engine.tokenizer import check_remote_code, load_tokenizer
 from edgemoe.experts.pool import HostExpertPool
+from edgemoe.kernels import unavailable_reason
 from edgemoe.kvcache.pool import KVCacheFullError, PagedKVPool
 from edgemoe.kvcache.state import RecurrentStatePool, StateSlotsFullError, StateSnapshot
+from edgemoe.layers.embedding import HostEmbedding
 from edgemoe.models import load_config, model_class
 from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
@@ -61,9 +63,12 @@ class ModelRunner:
 
     Raises:
         FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
-            ``gpu_budget`` or ``expert_cache_gb`` for a device that is not a GPU; ``RemoteCodeError`` (a
-            ``ValueError``): a tokenizer that is custom code without ``config.trust_remote_code``.
+            ``gpu_budget``, ``expert_cache_gb`` or ``token_embedding="host"`` for a device that is not a GPU;
+            ``RemoteCodeError`` (a ``ValueError``): a tokenizer that is custom code without
+            ``config.trust_remote_code``; ``token_embedding="host"`` for a model whose LM head is tied to the
+            embedding, or without Triton.
         CheckpointError: a checkpoint that does not match the config (file and tensor named).
+        RuntimeError: ``token_embedding="host"`` and pinning the table was refused.
     """
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, progress: bool = True):
@@ -89,6 +94,8 @@ class ModelRunner:
         with torch.device("meta"):
             self.model = model_cls(cfg)
         self.model.eval()
+        if config.token_embedding == "host":  # before the weights: fail fast
+            self._keep_embedding_on_host()
         # the tokenizer (and the rest of the transformers import behind it) loads while the weights are read
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="edgemoe-tokenizer")
         tokenizer_future = tokenizer_loader.submit(self._load_tokenizer)
@@ -98,8 +105,10 @@ class ModelRunner:
         self.weights_format = ("dummy weights" if config.load_format == "dummy" else
                                "FTW" if is_ftw(self.model_dir) else "HF safetensors")
         self.pool: HostExpertPool
-        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; routed experts "
-                          f"into host memory, the rest onto {self.device})"):
+        placed = ("routed experts and the token embedding into host memory" if config.token_embedding == "host"
+                  else "routed experts into host memory")
+        with startup_step(f"loading {cfg.architecture} from {self.model_dir} ({self.weights_format}; {placed}, "
+                          f"the rest onto {self.device})"):
             if config.load_format == "dummy":
                 layout = dummy_layout(self.model, self.model_dir, cfg, self.dtype)
                 self.pool = init_dummy(self.model, layout, cfg, self.dtype, self.device, config.seed,
@@ -111,12 +120,21 @@ class ModelRunner:
                 self.pool = load_checkpoint(self.model, self.model_dir, cfg, self.dtype, self.device,
                                             progress=progress)
             self.tokenizer = tokenizer_future.result()
+        if self.device.type == "cuda":  # blocks cached by loading (dummy weights' temporaries) go back before
+            torch.cuda.empty_cache()  # the expert cache is sized from the free device memory
         self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
         pinning = startup_step(f"pinning the {size(self.pool.nbytes)} host expert pool (cudaHostRegister)")
         with pinning if self.device.type == "cuda" else contextlib.nullcontext():  # after filling, not before
             self.pin_outcome = pin_or_fallback(self.pool, self.device)
         self.pinned = self.pin_outcome.pinned
+        embed = self.model.decoder.embed_tokens
+        if isinstance(embed, HostEmbedding):  # after filling, as the pool
+            with startup_step(f"pinning the {size(embed.nbytes)} token embedding (cudaHostRegister)"):
+                if not embed.pin():
+                    raise RuntimeError(f"token_embedding host: pinning the {size(embed.nbytes)} token embedding was "
+                                       "refused (cudaHostRegister; check `ulimit -l` and free RAM), so the GPU cannot "
+                                       "read it; serve with token_embedding device")
 
         kv_tokens = int(config.kv_cache_tokens or self.max_model_len)
         ps = config.page_size
@@ -149,6 +167,22 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
+    def _keep_embedding_on_host(self) -> None:
+        """``token_embedding="host"``: swap the model's token embedding for a ``HostEmbedding`` (before the
+        weights are loaded).
+
+        Raises:
+            ValueError: tied embeddings (``MoECausalLM.keep_embedding_on_host``), or no Triton kernels.
+            NoGpuError: a device that is not a GPU (every weight is in host memory already).
+        """
+        self.model.keep_embedding_on_host()
+        if self.device.type != "cuda":
+            raise NoGpuError(f"token_embedding host: the device is {self.device}, not a GPU, so every weight is in "
+                             "host memory already and there is no GPU memory to free; use token_embedding device")
+        reason = unavailable_reason(self.device)
+        if reason is not None:
+            raise ValueError(f"token_embedding host: the rows are gathered by a Triton kernel, and {reason}")
+
     def _max_model_len(self, requested: int | None) -> int:
         """``requested`` (``--max-model-len``), else the model's context length capped at
         ``DEFAULT_MAX_MODEL_LEN``.
@@ -480,6 +514,18 @@ class ModelRunner:
         with the memory budget under ``memory`` (:meth:`GpuMemory.stats`, without its history)."""
         return {**self.experts.stats(), "memory": self.memory.stats(history=False)}
 
+    def _weights_line(self) -> str:
+        """The start-up summary's line of the model's own weights (the routed experts aside) and where the
+        token embedding is, in GB (1e9 bytes)."""
+        on_device, _ = self.model.weight_bytes()
+        embed = self.model.decoder.embed_tokens
+        table = embed.weight.numel() * embed.weight.element_size()
+        where = (f"host ({'pinned' if embed.pinned else 'pageable'}, {table / 1e9:.2f} GB; each step's rows "
+                 "gathered over PCIe)" if isinstance(embed, HostEmbedding) else
+                 f"{self.device} ({table / 1e9:.2f} GB of those)")
+        return (f"  weights      {on_device / 1e9:.2f} GB on {self.device} besides the routed experts; token "
+                f"embedding: {where}")
+
     def summary(self) -> str:
         """Start-up summary: device, cache slots, B_P, B_H, q*/m, decode path, GPU budget, KV cache."""
         cfg = self.model_config
@@ -493,6 +539,7 @@ class ModelRunner:
             f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
             + (f" ({ex.threads_note})" if ex.threads_note else ""),
+            self._weights_line(),
             *self.experts.summary_lines(self.pinned),
             self.memory.summary_line(),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "

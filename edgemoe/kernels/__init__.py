@@ -11,6 +11,8 @@ allocates scratch whose size follows the input shapes only).
 - :mod:`.cuda_driver`: the CUDA driver's stream memory operations (``cuStreamWaitValue32`` /
   ``cuStreamWriteValue32``) through ctypes (torch and ctypes only; no Triton).
 - :mod:`.gather`: the layer's fills, host expert pool → device cache slots, zero-copy over PCIe.
+- :mod:`.embedding`: a step's token-embedding rows from a page-locked host table (``--token-embedding host``),
+  zero-copy over PCIe.
 - :mod:`.expert_gemv`: grouped SwiGLU expert GEMVs over cache slots for decode batches (float slots, and
   FP8 block / MXFP4 / NVFP4 slots dequantized in registers).
 - :mod:`.grouped_gemm`: grouped SwiGLU expert GEMMs over cache slots for prefill and large batches

@@ -44,6 +44,7 @@ from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
 from edgemoe.layers.attention import FusedQKV, Qwen3Attention
+from edgemoe.layers.embedding import HostEmbedding
 from edgemoe.layers.moe import MoeBlock
 from edgemoe.layers.norm import RMSNorm
 
@@ -190,14 +191,60 @@ class MoECausalLM(nn.Module):
         GEMM by its output width, so one fused GEMM can differ from the three in the last bits
         (float32 with several threads, bfloat16 prefill), and decode GEMVs are bound by bytes, not
         launches.
+
+        A :class:`~edgemoe.layers.embedding.HostEmbedding` (:meth:`keep_embedding_on_host`) gets its table
+        in (pageable) host memory instead, whatever ``device`` is; the runner pins it after filling.
         """
         self.to(dtype)
         for name, p in self.named_parameters():
             if name.endswith(self.float32_parameters):
                 p.data = p.data.float()
+        dec = self.decoder
+        host = dec.embed_tokens if isinstance(dec.embed_tokens, HostEmbedding) else None
+        if host is not None:  # kept out of the move: its table is allocated in host memory, never on `device`
+            host.unpin()  # a second materialize replaces a table the runner registered
+            dec.embed_tokens = None
         self.to_empty(device=device)
+        if host is not None:
+            dec.embed_tokens = host.to_empty(device="cpu")
         if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             self.fuse_projections()
+
+    def keep_embedding_on_host(self) -> None:
+        """Swap the token embedding (``embed_tokens``) for a :class:`~edgemoe.layers.embedding.HostEmbedding`
+        of the same ``[V, H]`` and parameter name, before the weights are loaded: :meth:`materialize` then
+        allocates its table in host memory, the loaders fill it as before, and each step gathers its
+        ``T`` rows onto the compute device (``--token-embedding host``).
+
+        Raises:
+            ValueError: the model ties its LM head to the embedding (``tie_word_embeddings``: the LM
+                head reads the whole table on the compute device every step).
+            RuntimeError: the model is already materialized (its table would be lost).
+        """
+        if self.lm_head is None:
+            raise ValueError(f"token_embedding host: {self.config.architecture} ties its LM head to the token "
+                             "embedding (tie_word_embeddings), and the LM head reads the whole table on the GPU "
+                             "every step, so it cannot stay in host memory; serve it with token_embedding device")
+        dec = self.decoder
+        if not dec.embed_tokens.weight.is_meta:
+            raise RuntimeError("keep_embedding_on_host: call it before the weights are loaded (materialize)")
+        with torch.device("meta"):
+            dec.embed_tokens = HostEmbedding(*dec.embed_tokens.weight.shape)
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """Bytes of the model's own parameters and buffers (routed experts live in the host pool, not
+        here), as ``(on the compute device, in host memory)``: the host part is a
+        :class:`~edgemoe.layers.embedding.HostEmbedding`'s table (:meth:`keep_embedding_on_host`), the
+        device part what the GPU holds besides its caches."""
+        host = {id(p) for m in self.modules() if isinstance(m, HostEmbedding) for p in m.parameters()}
+        on_device = on_host = 0
+        for t in (*self.parameters(), *self.buffers()):
+            nbytes = t.numel() * t.element_size()
+            if id(t) in host:
+                on_host += nbytes
+            else:
+                on_device += nbytes
+        return on_device, on_host
 
     def fuse_projections(self) -> None:
         """Fuse the q/k/v projections of every attention layer that has them
