@@ -21,8 +21,20 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
+#ifndef EDGEMOE_FP4_MULTISHIFT
+// 1: the FP4 kernels select each word's nibble with `vpmultishiftqb` (AVX512-VBMI, a shuffle-port instruction on
+// Intel cores) instead of a word shift (the vector ALU port `vdpbf16ps` also needs). A measurement build only
+// (EDGEMOE_NATIVE_CFLAGS=-DEDGEMOE_FP4_MULTISHIFT=1): the level is then unsafe on a CPU with AVX512-BF16 and no
+// VBMI (Cooper Lake). On the development VM's Zen 4 it is 10 % slower.
+#define EDGEMOE_FP4_MULTISHIFT 0
+#endif
+
 #pragma GCC push_options
+#if EDGEMOE_FP4_MULTISHIFT
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma")
+#else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+#endif
 
 #include "kernel_impl.h"
 
@@ -307,16 +319,22 @@ inline __m512i scale_lanes(int u) {
 }
 
 struct ScaleNV {
-  struct Row { const uint8_t* p; const uint8_t* s; float g; };
+  // g120: global_scale * 2^120 when that is a finite float32 (global_scale < 2^8, every release), else 0
+  struct Row { const uint8_t* p; const uint8_t* s; float g; float g120; };
   static constexpr int G = 16;
   static Row row(const WeightView& w, int64_t r) {
+    const float g120 = w.global_scale * 0x1p120f;
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
-            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale};
+            static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes, w.global_scale,
+            __builtin_isfinite(g120) ? g120 : 0.0f};
   }
-  // float32(float(e4m3) * global_scale): the byte decoded exactly (times 2^-120, restored), one rounding multiply
+  // float32(float(e4m3) * global_scale): the byte decoded exactly times 2^-120, then one rounding multiply by
+  // global_scale * 2^120 (both factors exact powers-of-two shifts of the real ones, so the product rounds as
+  // float(e4m3) * global_scale does); where that constant overflows, 2^120 restored first
   static __m512 step(const Row& row, int64_t k, int64_t n) {
     const int groups = n >= 256 ? 16 : static_cast<int>(n >> 4);
     const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 4));
+    if (__builtin_expect(row.g120 != 0.0f, 1)) return _mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(row.g120));
     return _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
   }
 };
@@ -327,8 +345,18 @@ struct ScaleMX {
     return {static_cast<const uint8_t*>(w.data) + r * w.row_stride_bytes,
             static_cast<const uint8_t*>(w.scales) + r * w.scale_row_stride_bytes};
   }
-  // 2^(e - 127) as float32 bits e << 23; e = 0 is the subnormal 2^-127, e = 255 NaN (e8m0_to_f32)
+  // 2^(e - 127) as float32 bits e << 23; e = 0 is the subnormal 2^-127, e = 255 NaN (e8m0_to_f32). A whole step's
+  // 8 bytes are tested for those two codes in a general-purpose register (a zero byte of b or of ~b), so the
+  // usual step costs two vector instructions; a step holding either takes the masked path.
   static __m512 step(const Row& row, int64_t k, int64_t n) {
+    if (__builtin_expect(n >= 256, 1)) {
+      uint64_t b;
+      std::memcpy(&b, row.s + (k >> 5), 8);
+      constexpr uint64_t lo = 0x0101010101010101ull, hi = 0x8080808080808080ull;
+      if (__builtin_expect(((((b - lo) & ~b) | ((~b - lo) & b)) & hi) == 0, 1))
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(b))), 23));
+    }
     const int groups = n >= 256 ? 8 : static_cast<int>(n >> 5);
     const __mmask16 gm = static_cast<__mmask16>((1u << groups) - 1u);
     const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, row.s + (k >> 5)));
@@ -374,9 +402,15 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* co
       for (int r = 0; r < RB; ++r) {
         const __m512i words = _mm512_loadu_si512(rows[r].p + (kb >> 1));
         const __m512i w0 = _mm512_permutexvar_epi16(words, lut);
+#if EDGEMOE_FP4_MULTISHIFT  // the low byte of word i <- bits 16i + 4c .. of its qword (the rest is never read)
+        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0034002400140004ll), words), lut);
+        const __m512i w2 = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0038002800180008ll), words), lut);
+        const __m512i w3 = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x003c002c001c000cll), words), lut);
+#else
         const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
         const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), lut);
         const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), lut);
+#endif
         const __m512 s = _mm512_permutexvar_ps(li, sv[r]);
 #pragma GCC unroll 4
         for (int j = 0; j < NT; ++j) {
