@@ -49,11 +49,25 @@ def degenerate(tokens: int, seed: int = 0, change: float = 0.03) -> R.Workload:
     return R.build_workload(recs, TraceInfo([{"num_moe_layers": L, "num_experts": E, "top_k": K}]))
 
 
-def realistic(paths: list[str], tokens: int) -> R.Workload:
-    """The traces mapped onto the geometry, their first ``tokens`` decode steps."""
+def realistic(paths: list[str], tokens: int, prompt: int = 0) -> R.Workload:
+    """The traces mapped onto the geometry, their first ``tokens`` decode steps; with ``prompt > 0`` the first
+    ``prompt`` steps are one prefill step instead (as ``benchmarks/decode.py --routing trace`` replays them: the
+    prompt reads the traces' first rows, decode the rows after them)."""
     wl = R.remap_workload(R.load_workload(paths), L, E, K)
-    keep = set(sorted({a.step for a in wl.accesses})[:tokens])
-    return R.Workload([a for a in wl.accesses if a.step in keep], L, E, K, len(keep), 0, 1)
+    order = sorted({a.step for a in wl.accesses})
+    pre, keep = set(order[:prompt]), set(order[prompt:prompt + tokens])
+    accesses = []
+    if pre:
+        for layer in range(L):
+            cnt: dict[int, int] = {}
+            for a in wl.accesses:
+                if a.step in pre and a.layer == layer:
+                    for f, n in zip(a.ids, a.counts):
+                        cnt[f] = cnt.get(f, 0) + n
+            ids = sorted(cnt)
+            accesses.append(R.Access("prefill", order[0], layer, ids, [cnt[f] for f in ids], {"p": dict(cnt)}))
+    accesses += [a for a in wl.accesses if a.step in keep]
+    return R.Workload(accesses, L, E, K, len(keep), prompt, 1)
 
 
 def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0, total_s: float = 20.0) -> int:
@@ -90,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", nargs="*", default=[], help="routing traces of the realistic regime")
     ap.add_argument("--tokens", type=int, default=300, help="decode steps per regime")
     ap.add_argument("--warmup", type=int, default=8, help="decode steps not timed")
+    ap.add_argument("--prompt", type=int, default=0,
+                    help="realistic regime: the traces' first PROMPT steps as one prefill step before decode")
     ap.add_argument("--budgets", default="2,6,16", help="expert-cache budgets in GB")
     ap.add_argument("--eviction", default="engine",
                     help="a replay rule, or engine: layer-lru when every layer's share holds a token's top-k, else lru")
@@ -103,7 +119,7 @@ def main(argv=None) -> int:
         return contention(a)
     regimes = {"no-locality": R.uniform_workload(L, E, K, a.tokens), "degenerate": degenerate(a.tokens)}
     if a.traces:
-        regimes["realistic"] = realistic(a.traces, a.tokens)
+        regimes["realistic"] = realistic(a.traces, a.tokens, a.prompt)
     costs = S.COST_PRESETS[a.preset]
     rows = []
     print(f"| regime | budget (GB) | {' | '.join(S.MISS_POLICIES)} | best fixed | auto / best fixed |")
