@@ -21,20 +21,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#ifndef EDGEMOE_FP4_MULTISHIFT
-// 1: the FP4 kernels select each word's nibble with `vpmultishiftqb` (AVX512-VBMI, a shuffle-port instruction on
-// Intel cores) instead of a word shift (the vector ALU port `vdpbf16ps` also needs). A measurement build only
-// (EDGEMOE_NATIVE_CFLAGS=-DEDGEMOE_FP4_MULTISHIFT=1): the level is then unsafe on a CPU with AVX512-BF16 and no
-// VBMI (Cooper Lake). On the development VM's Zen 4 it is 10 % slower.
-#define EDGEMOE_FP4_MULTISHIFT 0
-#endif
-
 #pragma GCC push_options
-#if EDGEMOE_FP4_MULTISHIFT
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma")
-#else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
-#endif
 
 #include "kernel_impl.h"
 
@@ -402,15 +390,9 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* co
       for (int r = 0; r < RB; ++r) {
         const __m512i words = _mm512_loadu_si512(rows[r].p + (kb >> 1));
         const __m512i w0 = _mm512_permutexvar_epi16(words, lut);
-#if EDGEMOE_FP4_MULTISHIFT  // the low byte of word i <- bits 16i + 4c .. of its qword (the rest is never read)
-        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0034002400140004ll), words), lut);
-        const __m512i w2 = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0038002800180008ll), words), lut);
-        const __m512i w3 = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x003c002c001c000cll), words), lut);
-#else
         const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
         const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), lut);
         const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), lut);
-#endif
         const __m512 s = _mm512_permutexvar_ps(li, sv[r]);
 #pragma GCC unroll 4
         for (int j = 0; j < NT; ++j) {
