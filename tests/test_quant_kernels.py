@@ -23,6 +23,7 @@ from edgemoe.config import SILU_SWIGLU, ExpertActivation  # noqa: E402
 from edgemoe.experts.compute import expert_biases, quant_slots, swiglu_expert, swiglu_oai_args  # noqa: E402
 from edgemoe.kernels.expert_gemv import e2m1_to_f32, e8m0_to_f32, expert_gemv_quant  # noqa: E402
 from edgemoe.kernels.grouped_gemm import (  # noqa: E402
+    DEQUANT_MAX_CHUNKS,
     DEQUANT_MIN_ROUTES,
     choose_quant_config,
     dequantize_slots,
@@ -206,6 +207,11 @@ def test_choose_quant_config_dequantizes_fp4_from_sixteen_routes_per_expert():
     assert choose_quant_config(1 << 12, 8, fp4, torch.bfloat16).dequant_experts == 8  # at most every expert
     assert choose_quant_config(32, 2, fp4, torch.bfloat16).dequant_experts == 1  # at least one
     assert choose_quant_config(1 << 16, 8, fp8, torch.bfloat16).dequant_experts == 0  # FP8 stays fused
+    # a wide layer (H 1536, I 32) of 64 experts: 4·P·I / (3·H·I) = P / 1152 experts a chunk, at most 8 chunks
+    wide = quant_slots(*(lambda lay, b: (lay, b.to(DEV)))(*_bank(WeightFormat.MXFP4, 1536, 32, None, S=1)))
+    assert choose_quant_config(64 * DEQUANT_MIN_ROUTES, 64, wide, torch.bfloat16).dequant_experts == 0  # 64 chunks
+    assert choose_quant_config(1152 * 8 - 1, 64, wide, torch.bfloat16).dequant_experts == 0  # 7 a chunk: 10 chunks
+    assert choose_quant_config(1152 * 8, 64, wide, torch.bfloat16).dequant_experts == 64 // DEQUANT_MAX_CHUNKS
     with pytest.raises(ValueError, match="FP4 slots only"):
         grouped_swiglu_quant(torch.zeros(1, 64, device=DEV), torch.zeros(1, 2, dtype=torch.long, device=DEV),
                              torch.ones(1, 2, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV), fp8,

@@ -35,8 +35,8 @@ or slots are in the call).
 
 :func:`grouped_swiglu_quant` is the same pair over quantized slots (FP8 block, MXFP4, NVFP4), two ways, chosen by
 shapes only (:func:`choose_quant_config`): each weight tile loaded packed, dequantized in registers and rounded to
-the compute dtype, then fed to ``tl.dot`` (FP8 always; FP4 below 16 routes per expert); or, for FP4 from 16 routes
-per expert (prefill chunks), a few experts at a time dequantized into a compute-dtype scratch
+the compute dtype, then fed to ``tl.dot`` (FP8 always; FP4 below 16 routes per expert or where the scratch would take
+more than 8 chunks); or, for FP4 prefill chunks, a few experts at a time dequantized into a compute-dtype scratch
 (:func:`dequantize_slots`, the same rounded numbers) and the float pair run over them. ``docs/quantization.md``
 gives the measurements behind the choice.
 """
@@ -439,6 +439,9 @@ DEQUANT_MIN_ROUTES = 16
 DEQUANT_SCRATCH_ACTIVATIONS = 4
 """The float scratch of that path holds at most this many times the activation scratch ``a [P, I]`` (at least
 one expert)."""
+DEQUANT_MAX_CHUNKS = 8
+"""Most chunks of experts that path may take; more keep the in-register kernels (each chunk launches the float
+pair over the layer's whole tile grid)."""
 
 
 @triton.jit
@@ -514,19 +517,23 @@ def choose_quant_config(routes: int, num_experts: int, slots: QuantSlots, dtype:
     """The tile config of :func:`grouped_swiglu_quant` for ``routes`` (``T·k``) over ``num_experts`` experts
     computed in ``dtype``: :func:`choose_config`, then :func:`quant_config`; for FP4 slots with at least
     :data:`DEQUANT_MIN_ROUTES` routes per expert, ``dequant_experts`` experts per dequantized chunk, as many as
-    :data:`DEQUANT_SCRATCH_ACTIVATIONS` activation scratches hold (``4·P·I`` elements for ``3·H·I`` per expert).
+    :data:`DEQUANT_SCRATCH_ACTIVATIONS` activation scratches hold (``4·P·I`` elements for ``3·H·I`` per expert),
+    unless that makes more than :data:`DEQUANT_MAX_CHUNKS` chunks.
 
-    Why (H200, 8192-token chunk of Qwen3-30B-A3B, NVFP4): in-register FP4 dequantization inside ``tl.dot``'s
-    tiles ran at 25 TFLOP/s (22.6 ms per layer) against 355 for the bf16 pair (1.74 ms); dequantizing a layer
-    moves ~1.2 GB of bf16 through HBM (~0.6 ms) and then runs at the bf16 pair's rate. Shapes only, never the
-    routing, decide: every call of one layer's step computes a route's row the same way.
+    Why (Qwen3-30B-A3B layer, 128 experts, top-8; ``tests/gpu/test_quant_kernels_gpu.py`` on an H100, ms per
+    layer, in-register / dequantized / bf16 pair): 8192 tokens, 4 chunks of 42 experts: MXFP4 10.6 / 2.2 / 1.2,
+    NVFP4 11.6 / 3.0 / 1.2; 1024 tokens, 26 chunks of 5: MXFP4 2.1 / 8.0 / 0.7, NVFP4 2.3 / 13.0 / 0.9 (each chunk
+    costs ~0.3-0.5 ms). Shapes only, never the routing, decide: every call of one layer's step computes a route's
+    row the same way.
     """
     H, I = slots.hidden, slots.intermediate
     cfg = quant_config(choose_config(routes, num_experts, H, I, dtype), slots)
     if slots.format == "fp8_block" or routes < DEQUANT_MIN_ROUTES * num_experts:
         return cfg
-    chunk = DEQUANT_SCRATCH_ACTIVATIONS * routes * I // (3 * H * I)
-    return replace(cfg, dequant_experts=max(1, min(num_experts, chunk)))
+    chunk = max(1, min(num_experts, DEQUANT_SCRATCH_ACTIVATIONS * routes * I // (3 * H * I)))
+    if -(-num_experts // chunk) > DEQUANT_MAX_CHUNKS:
+        return cfg
+    return replace(cfg, dequant_experts=chunk)
 
 
 def _grouped_dequantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
