@@ -50,6 +50,57 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = Fa
     return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
 
 
+class HostRegistration:
+    """Bookkeeping of one host memory range page-locked with ``cudaHostRegister``.
+
+    Holds the base address it registered, so that :meth:`unregister` undoes exactly that registration, once,
+    and :meth:`register` while registered does nothing. The owner (:class:`HostExpertPool`,
+    :class:`~edgemoe.layers.embedding.HostEmbedding`) decides when to register (after filling), checks that
+    CUDA is available first, and reports a refusal.
+
+    Attributes:
+        address: the registered base address (``tensor.data_ptr()``), or ``None`` when nothing is registered.
+    """
+
+    def __init__(self) -> None:
+        self.address: int | None = None
+
+    @property
+    def registered(self) -> bool:
+        return self.address is not None
+
+    def register(self, ptr: int, nbytes: int):
+        """Page-lock ``nbytes`` bytes of host memory from address ``ptr`` (``cudaHostRegister``, default flags:
+        under unified addressing the range is also mapped, readable by the GPU at the same address).
+
+        Args:
+            ptr: base address of the range (a host tensor's ``data_ptr()``).
+            nbytes: length of the range in bytes.
+
+        Returns:
+            CUDA's status as ``torch.cuda.cudart()`` returns it: ``int(status) == 0`` when the range is now
+            registered (``0`` when it already was, left as it is); otherwise nothing is recorded and the
+            memory stays pageable (``RLIMIT_MEMLOCK``, not enough RAM, ...).
+
+        Raises:
+            Whatever ``torch.cuda.cudart()`` raises without a CUDA runtime (callers check
+            ``torch.cuda.is_available()`` first). A refusal by CUDA is returned, not raised.
+        """
+        if self.address is not None:
+            return 0
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) == 0:
+            self.address = ptr
+        return err
+
+    def unregister(self) -> None:
+        """Unregister the range (``cudaHostUnregister``; its status is not checked) before its memory is freed
+        or replaced; nothing when not registered."""
+        if self.address is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+        self.address = None
+
+
 def default_compute_dtype(layout: ExpertLayout) -> torch.dtype:
     """The dtype experts of ``layout`` compute in unless told otherwise: a float layout's own dtype, bfloat16
     for quantized layouts (their rows are dequantized into it, as ``transformers`` does)."""
@@ -95,7 +146,7 @@ class HostExpertPool:
         self.hidden, self.intermediate = layout.hidden, layout.intermediate
         self.bank = host_empty((num_ids, layout.row_bytes), torch.uint8)  # [N, row_bytes]
         self.pinned = False
-        self._registered: int | None = None
+        self._registration = HostRegistration()
 
     @classmethod
     def dense(cls, num_ids: int, hidden: int, intermediate: int, dtype: torch.dtype,
@@ -133,19 +184,16 @@ class HostExpertPool:
         if self.bank.numel() == 0:
             self.pinned = True
             return True
-        err = torch.cuda.cudart().cudaHostRegister(self.bank.data_ptr(), self.nbytes, 0)
+        err = self._registration.register(self.bank.data_ptr(), self.nbytes)
         if int(err) != 0:
             log.warning("cudaHostRegister refused %.2f GB (error %s): expert pool stays pageable; "
                         "host->GPU expert copies will be slow", self.nbytes / 1e9, err)
             return False
-        self._registered = self.bank.data_ptr()
         self.pinned = True
         return True
 
     def unpin(self) -> None:
-        if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
-        self._registered = None
+        self._registration.unregister()
         self.pinned = False
 
     def __del__(self):

@@ -14,6 +14,8 @@ import logging
 import torch
 from torch import nn
 
+from edgemoe.experts.pool import HostRegistration
+
 log = logging.getLogger(__name__)
 
 __all__ = ["HostEmbedding"]
@@ -44,11 +46,11 @@ class HostEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self._registered: int | None = None  # the registered base address
+        self._registration = HostRegistration()
 
     @property
     def pinned(self) -> bool:
-        return self._registered is not None
+        return self._registration.registered
 
     @property
     def nbytes(self) -> int:
@@ -67,19 +69,15 @@ class HostEmbedding(nn.Module):
             return True
         if not torch.cuda.is_available() or self.weight.device.type != "cpu":
             return False
-        ptr = self.weight.data_ptr()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        err = self._registration.register(self.weight.data_ptr(), self.nbytes)
         if int(err) != 0:
             log.warning("cudaHostRegister refused the %.2f GB token embedding (error %s)", self.nbytes / 1e9, err)
             return False
-        self._registered = ptr
         return True
 
     def unpin(self) -> None:
         """Unregister the table (before its memory is freed or replaced); nothing when not pinned."""
-        if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
-        self._registered = None
+        self._registration.unregister()
 
     def __del__(self):
         try:
