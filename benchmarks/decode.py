@@ -55,6 +55,7 @@ from edgemoe.config import DOORBELL_WAITS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
+from edgemoe.experts.policy import AutoPolicy
 from edgemoe.layers.router import pad_routes
 from edgemoe.synth import QUANT_LAYOUTS
 
@@ -66,8 +67,21 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def policy_state(pol) -> dict:
+    """The policy's decision state for a step log: its fill ratio at the table's largest miss count and, for
+    ``auto``, whether the table fills every miss, the CPU cost level, the mean miss count per layer step and
+    the mean estimated net reuse of a fill over the layers."""
+    st = {"q_ratio": round(pol.q_ratio(), 4)}
+    if isinstance(pol, AutoPolicy):
+        reuse = pol.reuse
+        st |= {"fills_every_miss": pol.fills_every_miss(), "cpu_level": pol.cpu_level,
+               "miss_rate": None if pol.miss_rate is None else round(pol.miss_rate, 3),
+               "reuse_mean": round(sum(reuse) / len(reuse), 3), "reuse_min": round(min(reuse), 3)}
+    return st
+
+
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
-            feed: list[int] | None, skip_prefill: bool = False, batch: int = 1) -> dict:
+            feed: list[int] | None, skip_prefill: bool = False, batch: int = 1, step_log: bool = False) -> dict:
     """Prefill ``prompt`` for each of ``batch`` sequences, then decode them together ``warmup + tokens``
     steps; time the last ``tokens`` steps (each decodes one token of every sequence).
 
@@ -75,6 +89,10 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     ``feed[(s * batch + i) % len(feed)]``); ``None`` feeds back the greedy token. A random-weight
     model's greedy output repeats one token, which would route every step to the same experts;
     feeding random tokens gives near-uniform routing instead (the pessimistic case).
+
+    ``step_log``: also return ``steps``, one record per decode step (warm-up included): its wall time in ms
+    (the step's sampling synchronizes), its decode hits, misses, fills and CPU experts, and the policy's
+    state after it (:func:`policy_state`).
     """
     runner.set_expert_cache(slots, policy)
     dev = runner.device
@@ -93,12 +111,20 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     prefill_s = time.perf_counter() - t0
     pos = len(prompt)
     step = 0
+    steps: list[dict] = []
 
     def decode_step() -> None:
         nonlocal pos, step
         ids = [toks[i] if feed is None else feed[(step * batch + i) % len(feed)] for i in range(batch)]
+        if step_log:
+            c0, s0 = dict(runner.experts.stats()["decode"]), time.perf_counter()
         logits = runner.execute([StepInput(i, [t], pos) for i, t in enumerate(ids)], Phase.DECODE)
         toks[:] = logits.argmax(dim=-1).tolist()
+        if step_log:
+            ms = 1e3 * (time.perf_counter() - s0)
+            c1 = runner.experts.stats()["decode"]
+            steps.append({"step": step, "ms": round(ms, 3), **{k: c1[k] - c0[k] for k in c1},
+                          **policy_state(runner.experts.policy)})
         pos, step = pos + 1, step + 1
 
     for _ in range(warmup):
@@ -125,6 +151,7 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
         "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
         "q_ratio_policy": runner.experts.policy.q_ratio(),
         "q_over_m_observed": d["fills"] / d["misses"] if d["misses"] else None,
+        **({"steps": steps} if step_log else {}),
     }
 
 
@@ -259,6 +286,9 @@ def main(argv=None) -> int:
                          "pages are allocated without a prefill (decode time does not depend on their values)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
+    ap.add_argument("--step-log", action="store_true",
+                    help="record every decode step (time, hits, misses, fills, CPU experts, the policy's state) "
+                         "in decode.json (the timed steps then include the counter reads)")
     a = ap.parse_args(argv)
     if a.compare:
         return compare(a.compare, Path(a.out))
@@ -379,7 +409,8 @@ def main(argv=None) -> int:
                                    "CPU kernel (torch executor)")
                     continue
                 for b in batches:
-                    r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b)
+                    r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
+                                step_log=a.step_log)
                     # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
                     # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
                     both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0

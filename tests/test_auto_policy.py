@@ -246,6 +246,35 @@ def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
     assert not auto.fills_every_miss()
 
 
+def test_misses_falling_fast_keep_filling_every_miss():
+    """A cache taking in a new working set: windows whose fills show little reuse yet (it comes in later
+    windows) but whose misses fall window over window fill every miss; once the misses level off the
+    cost model's split applies again; level misses without reuse (no locality) split at once."""
+    costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
+                      cpu_fixed_s=27e-6)
+    layers = 48
+
+    def window(misses: float) -> LayerObservation:
+        return LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=misses)
+
+    auto = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    auto.observe_layers(window(5.8))
+    assert not auto.fills_every_miss()  # the first window cannot tell a burst from no locality
+    for m in (3.4, 1.9, 1.0):  # the burst after a prefill: each window misses about half as often
+        auto.observe_layers(window(m))
+        assert auto.misses_falling and auto.fills_every_miss()
+    auto.observe_layers(window(0.9))  # level again, and still no reuse measured: the split is back
+    assert not auto.misses_falling and not auto.fills_every_miss()
+    flat = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    for m in (5.8, 5.6, 6.0, 5.7):
+        flat.observe_layers(window(m))
+        assert not flat.misses_falling and not flat.fills_every_miss()
+    few = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    few.observe_layers(window(0.4))
+    few.observe_layers(window(0.1))  # below falling_min_misses the fall says nothing
+    assert not few.misses_falling
+
+
 def test_fixed_costs_from_two_call_sizes():
     # t(n) = 20 us + n * 100 us for a copy, 150 us + n * 80 us for a CPU call
     row = 1_000_000

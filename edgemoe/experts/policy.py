@@ -509,17 +509,23 @@ class AutoPolicy(ExpertPolicy):
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
     than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
 
-    The armed CPU branch's own cost (:meth:`price_armed_branch`, ``a`` seconds per MoE layer step): a
-    decode path that drops the branch from steps whose table fills every miss charges every layer step
-    ``a`` while it is armed. After building the table the policy compares, summed over layers, the
-    expected objective of the table with that of filling every miss, each averaged over a layer step's
-    miss count ``m ~ Binomial(M, m̄ / M)``; when the table's expected gain is below ``L·a`` it fills
-    every miss instead (the step then runs without the branch, as ``fill-all`` does). Where nearly every
-    expert hits this is what keeps ``auto`` level with ``fill-all``: the CPU would save less than the
-    launches that keep it ready cost. Until the first miss rate is measured (a new cache: its misses
-    find free slots and fill anyway) it fills every miss; ``m̄`` counts only the misses that found no
-    free slot, so the choice is made on the misses of a full cache under fill-every-miss, not on those
-    that sending experts to the CPU would add (a CPU-served expert is not cached and misses again).
+    The armed CPU branch's own cost (:meth:`price_armed_branch`, ``a`` seconds per MoE layer step): a decode path
+    that drops the branch from steps whose table fills every miss charges every layer step ``a`` while it is armed.
+    After building the table the policy compares, summed over layers, the expected objective of the table with that
+    of filling every miss, each averaged over a layer step's miss count ``m ~ Binomial(M, m̄ / M)``; when the
+    table's expected gain is below ``L·a`` it fills every miss instead (the step then runs without the branch, as
+    ``fill-all`` does). Where nearly every expert hits this is what keeps ``auto`` level with ``fill-all``: the CPU
+    would save less than the launches that keep it ready cost. Until the first miss rate is measured (a new cache:
+    its misses find free slots and fill anyway) it fills every miss; ``m̄`` counts only the misses that found no
+    free slot, so the choice is made on the misses of a full cache under fill-every-miss, not on those that sending
+    experts to the CPU would add (a CPU-served expert is not cached and misses again).
+
+    It also fills every miss while the misses fall fast (a window's mean misses per layer step below
+    :attr:`falling_ratio` of the window before's, from at least :attr:`falling_min_misses`): the cache is taking in
+    a new working set (after a prefill, or when the conversation moves on) and its fills are what makes the misses
+    fall, while the reuse counters lag them (a fill's hits come in the windows after it); on the GPU host a split in
+    those windows (realistic routing, 16 GB) left out experts that were requested again and ran at 0.80-0.95x
+    ``fill-all``. Without locality the misses stay level and the split comes at the first window, as before.
 
     Args:
         costs: the prior cost model (from the measured bandwidths and fixed costs).
@@ -548,6 +554,8 @@ class AutoPolicy(ExpertPolicy):
     cpu_probe_experts = 8  # experts of one CPU-speed probe (one token each) while the CPU is priced out
     cpu_probe_return = 2.0  # probe time over the model's below which the level follows the probe
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
+    falling_ratio = 0.7  # a window's miss count below this share of the window before's: the working set is settling
+    falling_min_misses = 0.5  # ... counted only from a window before with at least this many misses per layer step
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
@@ -574,6 +582,8 @@ class AutoPolicy(ExpertPolicy):
         self._window_s, self._window_steps = 0.0, 0  # decode step times seen since the last observation
         self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
         self.miss_rate: float | None = None
+        self._window_misses: float | None = None  # the last window's mean misses per layer step (unsmoothed)
+        self.misses_falling = False  # the last window missed far less than the one before (see the class docstring)
         self.armed_cost_s = 0.0
         self._rebuild()
 
@@ -668,7 +678,7 @@ class AutoPolicy(ExpertPolicy):
         t_save = self.t_save(c)
         values = [max(r, 0.0) * t_save for r in self.reuse]
         table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
-        if self._armed_branch_pays(c, table, values) is False:
+        if self.misses_falling or self._armed_branch_pays(c, table, values) is False:
             table = [list(range(self.M + 1)) for _ in range(self.L)]
         changed = table != self._table
         if changed:
@@ -722,6 +732,9 @@ class AutoPolicy(ExpertPolicy):
         if obs.misses_per_layer_step is not None:
             prev, w, m = self.miss_rate, self.miss_rate_decay, obs.misses_per_layer_step
             self.miss_rate = m if prev is None else w * prev + (1 - w) * m
+            before, self._window_misses = self._window_misses, m
+            self.misses_falling = (before is not None and before >= self.falling_min_misses
+                                   and m < self.falling_ratio * before)
         mean_s = self._window_s / self._window_steps if self._window_steps else None
         ref = self._step_ref_s
         slowed = mean_s is not None and ref is not None and mean_s >= self.balance_stall_slowdown * ref

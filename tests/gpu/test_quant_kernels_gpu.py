@@ -110,7 +110,7 @@ def test_expert_gemv_quant_matches_reference_and_reads_packed_bytes(bank, T):
             bf16_equivalent_TBps=int((slot_tk >= 0).sum()) * 6 * H * I / sec / 1e12)
 
 
-@pytest.mark.parametrize("T", [64, 1024, 8192])
+@pytest.mark.parametrize("T", [64, 1024, 2048, 4096, 8192])
 def test_grouped_swiglu_quant_matches_reference_and_captures(bank, T):
     """The chosen path (FP4 from 16 routes per expert: dequantized chunks then the bf16 pair; else tiles
     dequantized in registers) against the bf16 pair over the reference-dequantized bank, graph replay against
