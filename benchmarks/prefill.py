@@ -168,7 +168,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".", help="folder for prefill.json and prefill.md")
     ap.add_argument("--profile", action="store_true", help="instead of the timings, profile one prompt at the "
                     "first budget (torch.profiler) and write the top operators to prefill-profile.txt")
+    ap.add_argument("--dequant-scratch", type=int,
+                    help="FP4 experts: the dequantizing path's scratch in activation scratches (the kernels' "
+                         "DEQUANT_SCRATCH_ACTIVATIONS, which sets the experts per chunk; default: the kernels' own)")
     a = ap.parse_args(argv)
+    if a.dequant_scratch is not None:
+        import edgemoe.kernels.grouped_gemm as gg
+
+        if a.dequant_scratch < 1:
+            ap.error("--dequant-scratch must be >= 1")
+        gg.DEQUANT_SCRATCH_ACTIVATIONS = a.dequant_scratch
 
     model = model_dir(a)
     total = a.chunk * a.chunks
