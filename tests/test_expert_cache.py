@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edgemoe.core import Phase
-from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cache import ExpertCache, _set_where
 from edgemoe.experts.compute import swiglu_expert
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.hybrid import SMALL_GROUPING_ROUTES, HybridExperts, group_routes, plan_step
@@ -40,6 +40,26 @@ def test_residency_and_owner_tables_stay_inverse_under_random_traffic():
             c.admit(fid, slot, step)
         c.check_invariants()
         assert c.slots_used <= 7
+
+
+@pytest.mark.parametrize("value", [-1, 7])
+def test_masked_table_update_without_boolean_indexing(value):
+    """``_set_where`` equals ``table[index[mask]] = value``, including masked-off entries (-1, clamped to index 0)
+    beside a masked-on entry at index 0, and leaves every other entry alone."""
+    g = torch.Generator().manual_seed(value + 2)
+    for _ in range(50):
+        table = torch.randint(-1, 20, (12,), generator=g)
+        index = torch.randperm(12, generator=g)[:6]
+        mask = torch.rand(6, generator=g) < 0.5
+        index = torch.where(mask | (torch.rand(6, generator=g) < 0.5), index, -1)
+        mask &= index >= 0
+        if 0 in index[mask].tolist() or bool(torch.rand(1, generator=g) < 0.5):
+            index[~mask] = -1  # masked-off entries at -1 land on index 0 too
+        vals = torch.full((6,), value) if value == -1 else torch.randint(0, 30, (6,), generator=g)
+        want = table.clone()
+        want[index[mask]] = vals[mask]
+        _set_where(table, index, mask, vals if value != -1 else -1)
+        assert torch.equal(table, want)
 
 
 def test_lru_evicts_least_recently_used_and_free_slots_first():

@@ -207,6 +207,47 @@ def test_staged_experts_no_token_routed_are_evicted_first():
     cache.check_invariants()
 
 
+def test_streamed_layers_read_nothing_back_to_the_host(monkeypatch):
+    """Between a streamed step's first and last MoE layer the streamer reads nothing to the host (on CUDA each read
+    would drain the compute queue): the tables' host copy is read at the step's start, the counts at its end, and
+    the counters come out as the per-layer reads gave them. (The experts' compute is left out: on CUDA it is the
+    grouped kernels, which read nothing back; the CPU loop this test runs reads its routing by design.)"""
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E)  # two regions: every layer stages, evicting the layer two before
+    layers = _routing(10, 5)
+    reads: list[str] = []
+    computing = [False]
+    orig = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "nonzero")}
+
+    def counting(name):
+        def read(t, *args, **kw):
+            if not computing[0]:
+                reads.append(name)
+            return orig[name](t, *args, **kw)
+        return read
+
+    def compute(*args, **kw):
+        computing[0] = True
+        try:
+            return run_sorted_experts(*args, **kw)
+        finally:
+            computing[0] = False
+
+    monkeypatch.setattr(prefill_mod, "run_sorted_experts", compute)
+    hy.forward(0, *layers[0], Phase.PREFILL, 4)  # the step's start (regions, the tables' host copy)
+    for name in orig:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    for layer in range(1, L - 1):
+        hy.forward(layer, *layers[layer], Phase.PREFILL, 4)
+    assert reads == []
+    hy.forward(L - 1, *layers[L - 1], Phase.PREFILL, 4)  # the step's end: its counts, once
+    assert reads == ["tolist"]
+    monkeypatch.undo()
+    c = hy.cache.counters["prefill"]
+    assert (c.hits, c.misses, c.fills) == (0, _distinct(layers), N)
+    hy.cache.check_invariants()
+
+
 def test_short_chunks_take_the_wave_path():
     pool = _pool()
     hy = _hybrid(pool, 2 * E + 4)
@@ -225,9 +266,12 @@ def test_unfinished_streamed_step_is_closed_by_the_next_call():
     x, ids, w = _routing(10, 3)[0]
     hy.forward(0, x, ids, w, Phase.PREFILL, 1)  # the step stops after its first MoE layer
     hy.cache.check_invariants()
+    c = hy.cache.counters["prefill"]
+    assert c.misses == 0  # counted at the step's end ...
     # a decode step follows: not claimed by the streamer, its result is exact
     xd, idd = torch.randn(1, H), torch.tensor([[1, 2]])
     got = hy.forward(1, xd, idd, torch.ones(1, 2), Phase.DECODE, 2)
+    assert c.misses == len(ids.unique())  # ... which the next call makes: the first layer's routed experts
     torch.testing.assert_close(got.double(), _dense(pool, 1, xd, idd, torch.ones(1, 2)), rtol=1e-5, atol=1e-5)
     layers = _routing(10, 4)  # and a new streamed prefill step runs from layer 0
     for layer, out in enumerate(_step(hy, layers, Phase.PREFILL, 3)):

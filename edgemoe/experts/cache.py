@@ -55,6 +55,30 @@ class CacheCounters:
         return {"hits": self.hits, "misses": self.misses, "fills": self.fills, "cpu": self.cpu}
 
 
+def device_int64(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor ``[n]`` on ``device``; on CUDA through pinned memory and an asynchronous copy,
+    so building it does not wait for the work queued on the stream (``torch.tensor(..., device=cuda)`` synchronizes
+    the stream after its copy). The pinned staging block is kept by torch's host allocator until the copy is done."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _set_where(table: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value: torch.Tensor | int) -> None:
+    """``table[index[mask]] = value[mask]`` (``value`` a tensor like ``index``, or one int) without reading ``mask``
+    to the host: the masked-off entries become no-ops of two ``scatter_reduce_`` passes (``amin`` to -1, then
+    ``amax`` to the value), so no boolean indexing (a host synchronization on CUDA) is needed. Requires every
+    value and every entry of ``table`` it writes to be ``>= -1``, and the masked-on indices to be distinct.
+
+    ``table``: ``[N]`` int64; ``index``, ``mask``: ``[n]`` (int64 with -1 where masked off, bool)."""
+    at = index.clamp(min=0)
+    big = torch.iinfo(torch.int64).max
+    table.scatter_reduce_(0, at, torch.where(mask, -1, big), reduce="amin")
+    if not (isinstance(value, int) and value == -1):
+        table.scatter_reduce_(0, at, torch.where(mask, value, -2), reduce="amax")
+
+
 @dataclass
 class ExpertCache:
     """Residency bookkeeping plus the slot bank.
@@ -136,7 +160,7 @@ class ExpertCache:
         return self.bank.numel()
 
     def _index(self, idx: list[int]) -> torch.Tensor:
-        return torch.tensor(idx, dtype=torch.int64, device=self.slot_of.device)
+        return device_int64(idx, self.slot_of.device)
 
     def lookup(self, ids: list[int]) -> tuple[dict[int, int], list[int]]:
         """Split flat ids into hits (``{id: slot}``) and misses (ids, in input order)."""
@@ -208,18 +232,21 @@ class ExpertCache:
         self.slot_of[flat_id] = slot
         self.last_used[slot] = step
 
-    def admit_many(self, flat_ids: list[int], slots: list[int], step: int) -> None:
-        """:meth:`admit` for many pairs at once (distinct ids, distinct slots): one vectorized update.
+    def admit_many(self, flat_ids: list[int], slots: list[int], step: int, check: bool = True) -> None:
+        """:meth:`admit` for many pairs at once (distinct ids, distinct slots): one vectorized update, with no
+        host read when ``check`` is false (the caller knows none of ``flat_ids`` is resident: a streamed
+        prefill step keeps a host copy of the tables).
 
         Raises:
-            RuntimeError: one of ``flat_ids`` is already resident.
+            RuntimeError: ``check`` and one of ``flat_ids`` is already resident.
         """
         if not flat_ids:
             return
         ids, idx = self._index(flat_ids), self._index(slots)
-        prev = self.slot_of[ids]
-        if bool((prev >= 0).any()):
-            raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
+        if check:
+            prev = self.slot_of[ids]
+            if bool((prev >= 0).any()):
+                raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
         olds = self.owner_of[idx].clone()
         self.evict(slots)
         self._displace(ids, idx, olds)
@@ -234,25 +261,22 @@ class ExpertCache:
         idx = self._index(slots)
         self._forget_ghosts(idx)
         owners = self.owner_of[idx]
-        self.slot_of[owners[owners >= 0]] = -1
+        _set_where(self.slot_of, owners, owners >= 0, -1)
         self.owner_of[idx] = -1
         self.last_used[idx] = -1
 
     def _forget_ghosts(self, idx: torch.Tensor) -> None:
         """The ghosts of slots ``idx`` are forgotten (their owners leave or are replaced)."""
         g = self.slot_ghost[idx]
-        live = g >= 0
-        g, at = g[live], idx[live]
-        mine = self.ghost_slot[g] == at  # a ghost that was filled since is someone else's
-        self.ghost_slot[g[mine]] = -1
+        mine = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == idx)  # a ghost that was filled since is someone else's
+        _set_where(self.ghost_slot, g, mine, -1)
         self.slot_ghost[idx] = -1
 
     def _displace(self, ids: torch.Tensor, idx: torch.Tensor, olds: torch.Tensor) -> None:
         """Ghost tables for fills of ``ids`` into slots ``idx`` whose previous owners were ``olds`` (-1: free)."""
         self._forget_ghosts(idx)
         self.ghost_slot[ids] = -1
-        had = olds >= 0
-        self.ghost_slot[olds[had]] = idx[had]
+        _set_where(self.ghost_slot, olds, olds >= 0, idx)
         self.slot_ghost[idx] = olds
 
     def count_reuse(self, layer: int, hits: int, misses: list[int], fills: int) -> None:

@@ -29,8 +29,11 @@ prefill step streams whole layers through the expert cache and is bound by the h
   (CPU) the routes are sorted by expert and each expert multiplies its contiguous block (a Python
   loop). Each ``(token, k)`` route lands in its own row of ``routed [T, k, H]`` and the ``k`` rows are
   summed in a fixed order, exactly as :class:`~edgemoe.experts.hybrid.HybridExperts` does (through the
-  same function), so streamed prefill is bit-identical to all-resident execution. The layer's routed
-  experts come to the host once (hit/miss counters, LRU recency).
+  same function), so streamed prefill is bit-identical to all-resident execution.
+- **No host reads between layers.** The step reads the residency tables to the host once, at its start, and
+  keeps that copy current as it stages; a layer's hit/miss counts and recency updates are computed on the device
+  from its routing, and the counts come back once, at the step's end. A host read per layer would drain the
+  compute queue and leave the GPU idle while the host issues the next layer's kernels.
 
 A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
 (then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
@@ -46,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edgemoe.core import Phase
-from edgemoe.experts.cache import ExpertCache
+from edgemoe.experts.cache import ExpertCache, device_int64
 from edgemoe.experts.compute import run_sorted_experts
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
@@ -94,6 +97,9 @@ class _StreamedStep:
     regions: tuple[list[int], list[int]]
     spare: list[int]  # free slots outside the regions, used first; what is staged there stays resident
     routed: torch.Tensor  # [T, k, H], reused by every layer of the step
+    slot_of: list[int]  # host copy of the cache's slot_of, kept current by the step's admissions
+    owner_of: list[int]  # host copy of the cache's owner_of, likewise
+    hit_miss: torch.Tensor  # [2] int64 on the device: routed experts that were resident / were staged, so far
     next_layer: int = 0
     staged: dict[int, _StagedLayer] = field(default_factory=dict)
     compute_done: torch.cuda.Event | None = None  # recorded after the previous layer's expert compute
@@ -161,7 +167,7 @@ class PrefillStreamer:
         if cur is not None:
             if self._cuda:
                 torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-            self._cur = None
+            self._finish()
         if phase is not Phase.PREFILL or moe_layer != 0 or not self.can_stream(num_tokens * top_k):
             return False
         self._begin(step, num_tokens, top_k)
@@ -184,7 +190,9 @@ class PrefillStreamer:
         if self._cuda:  # earlier steps' kernels may still read the slots about to be overwritten
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.compute_dtype, device=self.device)
-        self._cur = _StreamedStep(step, regions, free, routed)
+        # the step's one read of the tables: from here on only this step changes them, through _stage
+        self._cur = _StreamedStep(step, regions, free, routed, cache.slot_of.tolist(), cache.owner_of.tolist(),
+                                  torch.zeros(2, dtype=torch.int64, device=self.device))
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
 
@@ -197,7 +205,7 @@ class PrefillStreamer:
         """
         cur, cache, E = self._cur, self.cache, self.num_experts
         base = layer * E
-        slots = cache.slot_of[base:base + E].tolist()
+        slots = cur.slot_of[base:base + E]
         resident = [s >= 0 for s in slots]
         missing = [e for e in range(E) if not resident[e]]
         n_spare = min(len(missing), len(cur.spare))
@@ -206,8 +214,12 @@ class PrefillStreamer:
             raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts "
                                f"of layer {layer}")
         del cur.spare[:n_spare]
-        cache.admit_many([base + e for e in missing], dest, cur.step)
-        for e, s in zip(missing, dest):
+        cache.admit_many([base + e for e in missing], dest, cur.step, check=False)  # the host copy says: not resident
+        for e, s in zip(missing, dest):  # the host copy follows: the slot's previous owner leaves
+            old = cur.owner_of[s]
+            if old >= 0:
+                cur.slot_of[old] = -1
+            cur.owner_of[s], cur.slot_of[base + e] = base + e, s
             slots[e] = s
         cache.counters[Phase.PREFILL.value].fills += len(missing)
         runs = copy_runs([base + e for e in missing], dest)
@@ -245,23 +257,22 @@ class PrefillStreamer:
         """
         cur, cache, E = self._cur, self.cache, self.num_experts
         overlap = self.mode == "overlap"
-        if overlap and moe_layer + 1 < self.num_layers:  # issued before this layer's host sync below
+        if overlap and moe_layer + 1 < self.num_layers:  # the next layer's copies, before this layer's compute
             cur.staged[moe_layer + 1] = self._stage(moe_layer + 1, wait=cur.compute_done)
         flat = topk_ids.reshape(-1)  # [P]
-        # the layer's host read of its routing (which experts are routed: counters, recency); waits for the router
-        seen = torch.zeros(E, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True).tolist()  # [E]
         # serial: this layer's copies go on the compute stream now, after its router, before its compute
         staged = cur.staged.pop(moe_layer) if overlap else self._stage(moe_layer, wait=None)
         compute = torch.cuda.current_stream(self.device) if self._cuda else None
         if staged.copy_done is not None:
             compute.wait_event(staged.copy_done)
-        routed_e = [e for e in range(E) if seen[e]]
-        hit_slots = [staged.slots[e] for e in routed_e if staged.resident[e]]
-        counters = cache.counters[Phase.PREFILL.value]
-        counters.hits += len(hit_slots)
-        counters.misses += len(routed_e) - len(hit_slots)
-        cache.touch(hit_slots, cur.step)
-        cache.touch([staged.slots[e] for e in range(E) if not (seen[e] or staged.resident[e])], UNROUTED_STAGED_STEP)
+        # counters and recency from the layer's routing, on the device (no host read: the step's queue keeps going)
+        seen = torch.zeros(E, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)  # [E] routed
+        resident = device_int64([int(r) for r in staged.resident], flat.device).bool()  # [E] a hit when routed
+        slots = device_int64(staged.slots, flat.device)  # [E] distinct: every expert of the layer has its slot
+        hit, unrouted_staged = seen & resident, ~(seen | resident)
+        cur.hit_miss += torch.stack([hit.sum(), (seen & ~resident).sum()])
+        lu = cache.last_used
+        lu[slots] = torch.where(hit, cur.step, torch.where(unrouted_staged, UNROUTED_STAGED_STEP, lu[slots]))
         base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
         run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
                            cur.routed, act=self.pool.activation)
@@ -271,5 +282,13 @@ class PrefillStreamer:
             cur.compute_done.record(compute)
         cur.next_layer = moe_layer + 1
         if cur.next_layer == self.num_layers:
-            self._cur = None
+            self._finish()
         return out
+
+    def _finish(self) -> None:
+        """End the streamed step: its hit and miss counts to the prefill counters (the step's one read back)."""
+        hits, misses = self._cur.hit_miss.tolist()
+        counters = self.cache.counters[Phase.PREFILL.value]
+        counters.hits += hits
+        counters.misses += misses
+        self._cur = None
