@@ -178,7 +178,8 @@ def _down_kernel(a_ptr, order_ptr, meta_ptr, w2_ptr, b2_ptr, wt_ptr, out_ptr, G,
             tl.store(out_ptrs, (y * r[:, None]).to(wdt).to(odt), mask=omask)
         else:
             if ZERO_MISSING:
-                tl.store(out_ptrs, tl.zeros([BM, BN], odt), mask=omask)
+                if slot == -1:  # -2: a tile another launch computes (a chunk of the dequantizing path)
+                    tl.store(out_ptrs, tl.zeros([BM, BN], odt), mask=omask)
 
 
 def _check_routes(x, topk_ids, topk_weights, expert_slots, T: int, k: int) -> None:
@@ -542,25 +543,24 @@ def _grouped_dequantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
                          biases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """:func:`grouped_swiglu_quant` in chunks of ``cfg.dequant_experts`` experts: each chunk's slots dequantized
     into a float scratch (:func:`dequantize_slots`), then the float pair over the routes of those experts
-    (the routes aligned once; each chunk's tiles point at the scratch, every other tile exits)."""
-    T, k = topk_ids.shape
+    (the routes aligned once; each chunk's tiles point at the scratch, every other tile exits). The first
+    chunk's down kernel also zeroes the routes whose expert has no slot (``zero_missing``; tile slot -1, the
+    other chunks' tiles -2), so no pass over the whole output follows."""
+    k = topk_ids.shape[1]
     E, C, H, I, dev = expert_slots.numel(), cfg.dequant_experts, slots.hidden, slots.intermediate, x.device
     w13 = torch.empty((C, 2 * I, H), dtype=routed.dtype, device=dev)
     w2 = torch.empty((C, H, I), dtype=routed.dtype, device=dev)
     order, first, end, e, real = _align(topk_ids, E, cfg.block_m)
     on_device = real & (expert_slots.index_select(0, e) >= 0)  # [G] tiles whose expert has a slot
+    skip = torch.where(on_device, -2, -1)  # [G] outside a chunk: -1 (zeroed by the first chunk) for no slot
     for c0 in range(0, E, C):
         ids = torch.nn.functional.pad(expert_slots[c0:c0 + C], (0, max(0, c0 + C - E)), value=-1)  # [C]
         dequantize_slots(slots, ids, w13, w2)
-        local = torch.where(on_device & (e >= c0) & (e < c0 + C), e - c0, -1)  # [G] chunk-local slot
+        local = torch.where(on_device & (e >= c0) & (e < c0 + C), e - c0, skip if c0 == 0 else -2)  # [G]
         meta = torch.stack([first, end, local]).to(torch.int32)
         chunk_biases = None if biases is None else tuple(b.index_select(0, ids.clamp(min=0)) for b in biases)
-        _float_pair(x, order, meta, k, topk_weights, w13, w2, routed, cfg, False, swiglu_oai, chunk_biases)
-    if zero_missing:
-        flat = topk_ids.reshape(-1)
-        valid = (flat >= 0) & (flat < E)
-        slot = expert_slots.index_select(0, flat.clamp(0, E - 1))
-        routed.masked_fill_((valid & (slot < 0)).view(T, k, 1), 0)
+        _float_pair(x, order, meta, k, topk_weights, w13, w2, routed, cfg, zero_missing and c0 == 0, swiglu_oai,
+                    chunk_biases)
 
 
 def quant_config(cfg: GroupedConfig, slots: QuantSlots) -> GroupedConfig:
