@@ -91,8 +91,8 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     feeding random tokens gives near-uniform routing instead (the pessimistic case).
 
     ``step_log``: also return ``steps``, one record per decode step (warm-up included): its wall time in ms
-    (the step's sampling synchronizes), its decode hits, misses, fills and CPU experts, and the policy's
-    state after it (:func:`policy_state`).
+    (the step's sampling synchronizes), its decode hits, misses, fills and CPU experts (one counter read after
+    each step), and the policy's state after it (:func:`policy_state`).
     """
     runner.set_expert_cache(slots, policy)
     dev = runner.device
@@ -112,19 +112,20 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     pos = len(prompt)
     step = 0
     steps: list[dict] = []
+    counts = dict(runner.experts.stats()["decode"]) if step_log else {}  # read once per step after it
 
     def decode_step() -> None:
-        nonlocal pos, step
+        nonlocal pos, step, counts
         ids = [toks[i] if feed is None else feed[(step * batch + i) % len(feed)] for i in range(batch)]
-        if step_log:
-            c0, s0 = dict(runner.experts.stats()["decode"]), time.perf_counter()
+        s0 = time.perf_counter()
         logits = runner.execute([StepInput(i, [t], pos) for i, t in enumerate(ids)], Phase.DECODE)
         toks[:] = logits.argmax(dim=-1).tolist()
         if step_log:
             ms = 1e3 * (time.perf_counter() - s0)
-            c1 = runner.experts.stats()["decode"]
-            steps.append({"step": step, "ms": round(ms, 3), **{k: c1[k] - c0[k] for k in c1},
+            c1 = dict(runner.experts.stats()["decode"])
+            steps.append({"step": step, "ms": round(ms, 3), **{k: c1[k] - counts[k] for k in c1},
                           **policy_state(runner.experts.policy)})
+            counts = c1
         pos, step = pos + 1, step + 1
 
     for _ in range(warmup):

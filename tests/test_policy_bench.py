@@ -22,12 +22,18 @@ def test_decode_benchmark_replays_traces_and_summary_table(tmp_path, load_benchm
                        "--policies", "qstar,auto,fill-all",
                        "--routing", "trace", "--trace", traces, "--tokens", "4", "--warmup", "1",
                        "--profile-seconds", "0.05", "--rotate-gb", "0.05", "--no-resident", "--cpu-threads", "1",
-                       "--out", str(run)]) == 0
+                       "--step-log", "--out", str(run)]) == 0
     data = json.loads((run / "decode.json").read_text())
     assert data["meta"]["routing"] == "trace" and data["meta"]["trace_steps"] > 100
     assert data["meta"]["eviction"] == "layer-lru"
     res = {r["policy"]: r for r in data["results"]}
     assert set(res) == {"qstar", "auto", "fill-all"}
+    for r in res.values():  # the step log: warm-up and timed steps, their counters summing to the timed totals
+        steps = r["steps"]
+        assert [s["step"] for s in steps] == list(range(5))
+        assert sum(s["fills"] for s in steps[1:]) == pytest.approx(r["fills_per_token"] * 4)
+        assert sum(s["cpu"] for s in steps[1:]) == pytest.approx(r["cpu_per_token"] * 4)
+    assert "fills_every_miss" in res["auto"]["steps"][-1] and "cpu_level" in res["auto"]["steps"][-1]
     assert res["fill-all"]["hit_rate"] > 0  # the replayed trace repeats experts across steps
     summary = load_benchmark("policy_summary")
     assert summary.main([str(tmp_path / "policy")]) == 0
