@@ -287,6 +287,9 @@ def main(argv=None) -> int:
                          "pages are allocated without a prefill (decode time does not depend on their values)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every (budget, policy, batch) in turn: the policies alternate within a budget, so a "
+                         "drift of the machine reaches each of them alike (results carry their repeat index)")
     ap.add_argument("--step-log", action="store_true",
                     help="record every decode step (time, hits, misses, fills, CPU experts, the policy's state) "
                          "in decode.json (the timed steps then include the counter reads)")
@@ -401,27 +404,30 @@ def main(argv=None) -> int:
                 r = run_one(runner, pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
                 record(r, "all (resident)")
         torch_cpu = ex.name == "torch" and not pool.format.dense and not a.torch_cpu_branch
-        for gb in [float(x) for x in a.budgets.split(",") if x]:
-            for pol in [p for p in a.policies.split(",") if p]:
-                if pol == "fill-all" and n:  # no CPU branch: the thread count does not matter
-                    continue
-                if torch_cpu and pol != "fill-all":
-                    skipped.append(f"{pol} at {gb} GB, {ex.threads} threads: {pool.format.value} rows have no native "
-                                   "CPU kernel (torch executor)")
-                    continue
-                for b in batches:
-                    r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
-                                step_log=a.step_log)
-                    # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
-                    # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
-                    both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
-                    rates = prof["concurrent"] if both else prof["isolated"]
-                    if b in resident_ms and rates["b_p_gbps"] and rates["b_h_gbps"]:
-                        miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
-                                      r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
-                        r["bound_ms"] = resident_ms[b] + miss_ms
-                        r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
-                    record(r, gb)
+        runs = [(gb, rep, pol) for gb in [float(x) for x in a.budgets.split(",") if x] for rep in range(a.repeats)
+                for pol in [p for p in a.policies.split(",") if p]]
+        for gb, rep, pol in runs:
+            if pol == "fill-all" and n:  # no CPU branch: the thread count does not matter
+                continue
+            if torch_cpu and pol != "fill-all":
+                if not rep:
+                    skipped.append(f"{pol} at {gb} GB, {ex.threads} threads: {pool.format.value} rows have no "
+                                   "native CPU kernel (torch executor)")
+                continue
+            for b in batches:
+                r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
+                            step_log=a.step_log)
+                # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
+                # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
+                both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0
+                rates = prof["concurrent"] if both else prof["isolated"]
+                if b in resident_ms and rates["b_p_gbps"] and rates["b_h_gbps"]:
+                    miss_ms = max(r["fills_per_token"] * row / (rates["b_p_gbps"] * 1e9),
+                                  r["cpu_per_token"] * row / (rates["b_h_gbps"] * 1e9)) * 1e3
+                    r["bound_ms"] = resident_ms[b] + miss_ms
+                    r["bound_ratio"] = r["bound_ms"] / r["ms_per_token"]
+                r["repeat"] = rep
+                record(r, gb)
     for line in skipped:
         print("skipped:", line, flush=True)
     print(save())

@@ -45,6 +45,32 @@ def test_decode_benchmark_replays_traces_and_summary_table(tmp_path, load_benchm
     assert "| realistic | 1 | 0.0005 |" in (tmp_path / "policy" / "summary.md").read_text()
 
 
+def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmark):
+    """``decode.py --repeats 2`` runs the policies in turn twice per budget (results carry the repeat index);
+    the summary counts each policy by its median and reports the spread of the repeats."""
+    run = tmp_path / "policy" / "no-locality"
+    assert load_benchmark("decode").main([
+        "--preset", "tiny", "--device", "cpu", "--budgets", "0.0005", "--policies", "qstar,fill-all",
+        "--routing", "uniform", "--tokens", "2", "--warmup", "1", "--profile-seconds", "0.05", "--rotate-gb", "0.05",
+        "--no-resident", "--cpu-threads", "1", "--repeats", "2", "--out", str(run)]) == 0
+    data = json.loads((run / "decode.json").read_text())
+    assert [(r["policy"], r["repeat"]) for r in data["results"]] == [
+        ("qstar", 0), ("fill-all", 0), ("qstar", 1), ("fill-all", 1)]
+    # the summary over made-up figures: medians of three repeats, the spread of the noisiest policy
+    results = [{"policy": p, "threads": 6, "budget_gb": 2, "tokens_per_s": v}
+               for p, vs in (("qstar", (90.0, 100.0, 120.0)), ("auto", (99.0, 97.0, 98.0)),
+                             ("fill-all", (50.0, 50.0, 50.0))) for v in vs]
+    (run / "decode.json").write_text(json.dumps({"meta": {}, "results": results}))
+    summary = load_benchmark("policy_summary")
+    assert summary.main([str(tmp_path / "policy")]) == 0
+    row, = json.loads((tmp_path / "policy" / "summary.json").read_text())
+    assert row["tokens_per_s"] == {"qstar": 100.0, "auto": 98.0, "fill-all": 50.0}
+    assert row["best_fixed"] == "qstar" and row["auto_ratio"] == pytest.approx(0.98)
+    assert row["repeats"] == 3 and row["spread"] == pytest.approx(0.3)
+    assert "| no-locality | 6 | 2 | 100.0 | 98.0 | 50.0 | qstar | 0.980 | 3 | 0.300 |" in (
+        tmp_path / "policy" / "summary.md").read_text()
+
+
 def test_policy_summary_without_runs(tmp_path, load_benchmark, capsys):
     assert load_benchmark("policy_summary").main([str(tmp_path)]) == 1
     assert "no */decode.json" in capsys.readouterr().err
