@@ -172,7 +172,7 @@ class ExpertCache:
     def touch(self, slots: list[int], step: int) -> None:
         """Refresh recency of ``slots`` to ``step``."""
         if slots:
-            self.last_used[self._index(slots)] = step
+            self.last_used.index_fill_(0, self._index(slots), step)
 
     def victim_range(self, layer: int | None) -> tuple[int, int]:
         """``(lo, hi)``: the slots a fill of MoE layer ``layer`` may evict (all when global, or ``None``)."""
@@ -184,7 +184,7 @@ class ExpertCache:
     def _blocked(self, exclude: list[int], layer: int | None) -> torch.Tensor:
         blocked = self.pinned.clone()
         if exclude:
-            blocked[self._index(exclude)] = True
+            blocked.index_fill_(0, self._index(exclude), True)
         lo, hi = self.victim_range(layer)
         blocked[:lo] = True
         blocked[hi:] = True
@@ -252,7 +252,7 @@ class ExpertCache:
         self._displace(ids, idx, olds)
         self.slot_of[ids] = idx
         self.owner_of[idx] = ids
-        self.last_used[idx] = step
+        self.last_used.index_fill_(0, idx, step)
 
     def evict(self, slots: list[int]) -> None:
         """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""
@@ -262,20 +262,20 @@ class ExpertCache:
         self._forget_ghosts(idx)
         owners = self.owner_of[idx]
         _set_where(self.slot_of, owners, owners >= 0, -1)
-        self.owner_of[idx] = -1
-        self.last_used[idx] = -1
+        self.owner_of.index_fill_(0, idx, -1)
+        self.last_used.index_fill_(0, idx, -1)
 
     def _forget_ghosts(self, idx: torch.Tensor) -> None:
         """The ghosts of slots ``idx`` are forgotten (their owners leave or are replaced)."""
         g = self.slot_ghost[idx]
         mine = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == idx)  # a ghost that was filled since is someone else's
         _set_where(self.ghost_slot, g, mine, -1)
-        self.slot_ghost[idx] = -1
+        self.slot_ghost.index_fill_(0, idx, -1)
 
     def _displace(self, ids: torch.Tensor, idx: torch.Tensor, olds: torch.Tensor) -> None:
         """Ghost tables for fills of ``ids`` into slots ``idx`` whose previous owners were ``olds`` (-1: free)."""
         self._forget_ghosts(idx)
-        self.ghost_slot[ids] = -1
+        self.ghost_slot.index_fill_(0, ids, -1)
         _set_where(self.ghost_slot, olds, olds >= 0, idx)
         self.slot_ghost[idx] = olds
 
