@@ -521,15 +521,16 @@ class AutoPolicy(ExpertPolicy):
     experts to the CPU would add (a CPU-served expert is not cached and misses again).
 
     It also fills every miss while the misses fall fast: a window's mean misses per layer step below
-    :attr:`falling_ratio` of the window before's (from at least :attr:`falling_min_misses`), for
-    :attr:`falling_windows` windows in a row. The cache is then taking in a new working set (after a prefill, or
-    when the conversation moves on) and its fills are what makes the misses fall, while the reuse counters lag them
-    (a fill's hits come in the windows after it); on the GPU host a split in those windows (realistic routing,
-    16 GB) left out experts that were requested again and ran at 0.80-0.95x ``fill-all``. One fall alone is not
-    enough: the first decode step after a prefill misses nearly every expert (the prompt's experts are not the
-    decode's), so the window after it always falls, also where the cache is too small for the working set and
-    the misses level off at once (realistic routing, 6 GB: filling every miss for that window's six steps ran at
-    0.88x ``qstar``). Without locality the misses stay level and the split comes at the first window, as before.
+    :attr:`falling_ratio` of the window before's (from at least :attr:`falling_min_misses`). The cache is then
+    taking in a new working set (after a prefill, or when the conversation moves on) and its fills are what makes
+    the misses fall, while the reuse counters lag them (a fill's hits come in the windows after it); on the GPU host
+    a split in those windows (realistic routing, 16 GB: 5.8, 1.9, 0.5, 0.3 misses per layer step in the first
+    four windows after a prefill) left out experts that were requested again and ran at 0.80-0.95x ``fill-all``.
+    The ratio is a halving, not less: the first decode step after a prefill misses nearly every expert (the
+    prompt's experts are not the decode's), so the window after it falls also where the cache is too small for
+    the working set and the misses level off at once (realistic routing, 6 GB: 7.2 then 4.3 and 4.1, a fall to
+    0.6 of the window before that, at 0.7, held ``fill-all`` for six steps). Without locality the misses stay
+    level and the split comes at the first window, as before.
 
     Args:
         costs: the prior cost model (from the measured bandwidths and fixed costs).
@@ -558,9 +559,8 @@ class AutoPolicy(ExpertPolicy):
     cpu_probe_experts = 8  # experts of one CPU-speed probe (one token each) while the CPU is priced out
     cpu_probe_return = 2.0  # probe time over the model's below which the level follows the probe
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
-    falling_ratio = 0.7  # a window's miss count below this share of the window before's: the working set is settling
+    falling_ratio = 0.5  # a window's miss count below this share of the window before's: the working set is settling
     falling_min_misses = 0.5  # ... counted only from a window before with at least this many misses per layer step
-    falling_windows = 2  # ... in this many windows in a row (the window after a prefill's cold step falls alone)
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
@@ -588,8 +588,7 @@ class AutoPolicy(ExpertPolicy):
         self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
         self.miss_rate: float | None = None
         self._window_misses: float | None = None  # the last window's mean misses per layer step (unsmoothed)
-        self.misses_falling = False  # the last windows missed far less than those before (see the class docstring)
-        self._falls = 0  # consecutive windows whose misses fell by falling_ratio
+        self.misses_falling = False  # the last window missed far less than the one before (see the class docstring)
         self.armed_cost_s = 0.0
         self._rebuild()
 
@@ -739,9 +738,8 @@ class AutoPolicy(ExpertPolicy):
             prev, w, m = self.miss_rate, self.miss_rate_decay, obs.misses_per_layer_step
             self.miss_rate = m if prev is None else w * prev + (1 - w) * m
             before, self._window_misses = self._window_misses, m
-            fell = before is not None and before >= self.falling_min_misses and m < self.falling_ratio * before
-            self._falls = self._falls + 1 if fell else 0
-            self.misses_falling = self._falls >= self.falling_windows
+            self.misses_falling = (before is not None and before >= self.falling_min_misses
+                                   and m < self.falling_ratio * before)
         mean_s = self._window_s / self._window_steps if self._window_steps else None
         ref = self._step_ref_s
         slowed = mean_s is not None and ref is not None and mean_s >= self.balance_stall_slowdown * ref
