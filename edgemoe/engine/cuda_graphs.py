@@ -6,10 +6,17 @@ eager step of that size (which also compiles the Triton kernels and warms cuBLAS
 inputs (:class:`DecodeInputs`) every graph
 reads. A batch size whose capture fails runs eagerly from then on. :meth:`DecodeGraphs.invalidate`
 drops every graph (the expert cache was rebuilt: its tensors moved).
+
+Python's cyclic garbage collector is run before each capture and kept off during it: a collection that
+starts inside the capture would run the finalizers of dead objects there, and those of a released host pool
+or embedding table call ``cudaHostUnregister``, which CUDA forbids while a stream is capturing (the capture
+fails, the error unreported until the next launch: "operation failed due to a previous error during
+capture"). ``torch.cuda.graph`` no longer collects by itself (``torch.compiler.config.force_cudagraph_gc``).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -205,7 +212,14 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         batch.step_cache.clear()  # tensors derived during the eager step must be recomputed inside the graph
         torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = model(batch)
+        gc.collect()  # dead objects' finalizers run now, not inside the capture (module docstring)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = model(batch)
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[key] = (graph, logits)
         log.info("captured the decode step for batch size %d%s", key[0], " with the CPU branch" if key[1] else "")

@@ -48,3 +48,49 @@ def test_qstar_on_cuda_matches_resident_tokens(small):
     assert st["fills"] > 0 and st["cpu"] > 0
     assert ht == rt
     torch.testing.assert_close(hybrid, resident, rtol=1e-4, atol=1e-4)
+
+
+class _UnregistersWhenCollected:
+    """Garbage in a reference cycle whose finalizer unregisters page-locked host memory, as a released
+    ``HostExpertPool``'s or ``HostEmbedding``'s does (``cudaHostUnregister``: forbidden while a stream captures)."""
+
+    def __init__(self, registration, done: list):
+        self.registration, self.done, self.cycle = registration, done, self
+
+    def __del__(self):
+        self.registration.unregister()
+        self.done.append(True)
+
+
+def test_a_collection_during_a_capture_cannot_break_it(small):
+    """Decode-step captures run with Python's collector off: garbage whose finalizer calls into CUDA, made inside
+    the capture and followed by enough allocations to start a collection, is finalized after it, and the step's
+    graph is captured (before, such a collection failed the capture at random and left that batch size eager)."""
+    import gc
+
+    from edgemoe.experts.pool import HostRegistration
+
+    runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6),
+                         progress=False)
+    assert runner.graphs is not None
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    registration = HostRegistration()
+    assert int(registration.register(buf.data_ptr(), buf.numel())) == 0
+    pending, done, fired = [registration], [], []
+
+    def make_garbage_while_capturing(module, args):
+        if torch.cuda.is_current_stream_capturing() and pending:
+            _UnregistersWhenCollected(pending.pop(), done)  # unreachable at once, kept by its own cycle
+            junk = [[] for _ in range(3 * gc.get_threshold()[0])]  # past generation 0's threshold
+            fired.append(gc.isenabled())
+            del junk
+
+    handle = runner.model.register_forward_pre_hook(make_garbage_while_capturing)
+    try:
+        greedy_decode(runner, PROMPT, 4, free=True)
+    finally:
+        handle.remove()
+    assert fired == [False]  # the garbage was made inside a capture, with the collector off
+    assert 1 in runner.graphs.captured_sizes() and 1 not in runner.graphs.failed
+    gc.collect()
+    assert done == [True] and not registration.registered  # finalized after the capture
