@@ -1,5 +1,6 @@
 """CUDA-only checks of the offload paths (skipped without a GPU): pinned pool, bit-identity of
-offloaded ``fill-all`` with the all-resident run, and concurrent CPU + GPU branches under ``qstar``."""
+offloaded ``fill-all`` with the all-resident run, concurrent CPU + GPU branches under ``qstar``, and a
+decode-step capture that a garbage collection cannot break."""
 
 from __future__ import annotations
 
