@@ -82,9 +82,16 @@ def policy_state(pol) -> dict:
 
 
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
-            feed: list[int] | None, skip_prefill: bool = False, batch: int = 1, step_log: bool = False) -> dict:
+            feed: list[int] | None, skip_prefill: bool = False, batch: int = 1, step_log: bool = False,
+            requests: int = 1, on_request=None) -> dict:
     """Prefill ``prompt`` for each of ``batch`` sequences, then decode them together ``warmup + tokens``
     steps; time the last ``tokens`` steps (each decodes one token of every sequence).
+
+    ``requests``: serve that many such requests back to back on one expert cache and policy (the turns of
+    an agent session): request ``r > 0`` prefills again and decodes ``tokens`` steps, all timed, so the
+    policy's course after each prefill counts (``on_request(r)`` runs before each request's prefill, e.g. to
+    move the routing replay on); ``tokens_per_s`` is over every timed step, ``request_tokens_per_s`` per
+    request.
 
     ``feed``: the tokens given to the decode steps (teacher forcing; sequence ``i`` of step ``s`` takes
     ``feed[(s * batch + i) % len(feed)]``); ``None`` feeds back the greedy token. A random-weight
@@ -97,23 +104,27 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     """
     runner.set_expert_cache(slots, policy)
     dev = runner.device
-    _sync(dev)
-    t0 = time.perf_counter()
-    toks = []
-    for i in range(batch):
-        if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
-            runner.kv.allocate(i, len(prompt))
-            toks.append(prompt[-1])
-            continue
-        for start in range(0, len(prompt), PREFILL_CHUNK):
-            logits = runner.execute([StepInput(i, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
-        toks.append(int(logits[0].argmax()))
-    _sync(dev)
-    prefill_s = time.perf_counter() - t0
-    pos = len(prompt)
-    step = 0
+    toks: list[int] = []
+    pos = step = 0
     steps: list[dict] = []
     counts = dict(runner.experts.stats()["decode"]) if step_log else {}  # read once per step after it
+
+    def prefill() -> float:
+        nonlocal pos
+        _sync(dev)
+        t0 = time.perf_counter()
+        toks.clear()
+        for i in range(batch):
+            if skip_prefill:  # long-context decode: the KV pages are allocated, not computed (decode reads them all)
+                runner.kv.allocate(i, len(prompt))
+                toks.append(prompt[-1])
+                continue
+            for start in range(0, len(prompt), PREFILL_CHUNK):
+                logits = runner.execute([StepInput(i, prompt[start:start + PREFILL_CHUNK], start)], Phase.PREFILL)
+            toks.append(int(logits[0].argmax()))
+        _sync(dev)
+        pos = len(prompt)
+        return time.perf_counter() - t0
 
     def decode_step() -> None:
         nonlocal pos, step, counts
@@ -129,19 +140,28 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
             counts = c1
         pos, step = pos + 1, step + 1
 
-    for _ in range(warmup):
-        decode_step()
-    before = dict(runner.experts.stats()["decode"])
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        decode_step()
-    _sync(dev)
-    dt = time.perf_counter() - t0
-    after = runner.experts.stats()["decode"]
-    d = {k: after[k] - before[k] for k in after}
-    for i in range(batch):
-        runner.free(i)
+    prefill_s, dt, per_request = 0.0, 0.0, []
+    d = dict.fromkeys(runner.experts.stats()["decode"], 0)
+    for r in range(requests):
+        if on_request is not None:
+            on_request(r)
+        prefill_s += prefill()
+        for _ in range(warmup if r == 0 else 0):
+            decode_step()
+        before = dict(runner.experts.stats()["decode"])
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            decode_step()
+        _sync(dev)
+        dt_r = time.perf_counter() - t0
+        after = runner.experts.stats()["decode"]
+        d = {k: d[k] + after[k] - before[k] for k in after}
+        dt += dt_r
+        per_request.append(batch * tokens / dt_r)
+        for i in range(batch):
+            runner.free(i)
+    tokens *= requests  # every timed step of every request
     uses = d["hits"] + d["misses"]
     row = runner.pool.row_bytes
     return {
@@ -153,6 +173,7 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
         "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
         "q_ratio_policy": runner.experts.policy.q_ratio(),
         "q_over_m_observed": d["fills"] / d["misses"] if d["misses"] else None,
+        **({"requests": requests, "request_tokens_per_s": per_request} if requests > 1 else {}),
         **({"steps": steps} if step_log else {}),
     }
 
@@ -184,12 +205,14 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
         blk.route = route
 
 
-def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, seed: int = 0) -> int:
+def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, seed: int = 0,
+                     start: list[int] | None = None) -> int:
     """Replace each router's choice by recorded routing: the traces' decode steps mapped onto this model's
     (MoE layers, experts, top-k) (:func:`edgemoe.bench.replay.remap_workload`), MoE layer ``j`` reading
     step ``c_j``, ``c_j + 1``, ... of its own table at a device-side counter (a prefill, a step of at
-    least ``reset_tokens`` tokens, restarts it at 0 and reads rows too, so every run replays the same
-    steps; a CUDA graph replays with the counter).
+    least ``reset_tokens`` tokens, restarts it at ``start[0]`` (0 without ``start``; the caller may change it
+    between requests) and reads rows too, so every run replays the same steps; a CUDA graph replays with the
+    counter).
     Weights: the router's own top-k weights (its work stays in the step). Returns the number of recorded
     steps (the tables wrap around).
 
@@ -215,8 +238,8 @@ def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, s
 
         def route(x, valid=None, own=blk.route, j=j):
             T = x.shape[0]
-            if T >= reset_tokens:  # a prefill: every run replays the trace from its start
-                counters[j:j + 1].zero_()
+            if T >= reset_tokens:  # a prefill: every run replays the trace from the request's start
+                counters[j:j + 1].fill_(start[0] % n if start else 0)
             _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
             idx = (counters[j] + torch.arange(T, device=dev)) % n  # [T]
             counters[j:j + 1].add_(T)
@@ -288,6 +311,10 @@ def main(argv=None) -> int:
                          "pages are allocated without a prefill (decode time does not depend on their values)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests served back to back per run on one cache and policy (an agent session's turns): "
+                         "each prefills, the first decodes --warmup untimed steps, every one --tokens timed steps; "
+                         "with --routing trace request r replays the trace from step r x (prompt + warmup + tokens)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every (budget, policy, batch) in turn: the policies alternate within a budget, so a "
                          "drift of the machine reaches each of them alike (results carry their repeat index)")
@@ -319,6 +346,10 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - t0
     pool = runner.pool
     trace_steps = None
+    trace_start = [0]  # where a request's prefill starts the trace replay (--requests)
+
+    def next_request(r: int) -> None:  # request r replays a later stretch of the trace (wrapping around)
+        trace_start[0] = r * (a.prompt_len + a.warmup + a.tokens)
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
     elif a.routing == "trace":
@@ -326,7 +357,7 @@ def main(argv=None) -> int:
             ap.error("--routing trace needs --trace FILE[,FILE...]")
         if max(batches) >= a.prompt_len:
             ap.error("--routing trace tells a prefill by its size: give --batch-sizes below --prompt-len")
-        trace_steps = route_from_trace(runner, [p for p in a.trace.split(",") if p], a.prompt_len)
+        trace_steps = route_from_trace(runner, [p for p in a.trace.split(",") if p], a.prompt_len, start=trace_start)
     print(runner.summary(), flush=True)
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
@@ -417,7 +448,7 @@ def main(argv=None) -> int:
                 continue
             for b in batches:
                 r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
-                            step_log=a.step_log)
+                            step_log=a.step_log, requests=a.requests, on_request=next_request)
                 # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
                 # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
                 both = r["fills_per_token"] > 0 and r["cpu_per_token"] > 0

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "routing_traces"
 MIXTRAL = sorted(TRACES.glob("mixtral*.jsonl")) if TRACES.is_dir() else []
@@ -69,6 +70,48 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
     assert row["repeats"] == 3 and row["spread"] == pytest.approx(0.3)
     assert "| no-locality | 6 | 2 | 100.0 | 98.0 | 50.0 | qstar | 0.980 | 3 | 0.300 |" in (
         tmp_path / "policy" / "summary.md").read_text()
+
+
+@pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")
+def test_requests_share_one_cache_and_replay_later_stretches_of_the_trace(tmp_path, load_benchmark):
+    """``decode.py --requests 3``: three requests per run on one cache and policy, each after its own prefill;
+    the timed steps add up over the requests (the first request's warm-up untimed), the first request is the
+    single-request run's, and a prefill restarts the trace replay where ``route_from_trace``'s ``start`` says."""
+    bench = load_benchmark("decode")
+    traces = ",".join(map(str, MIXTRAL))
+    common = ["--preset", "tiny", "--device", "cpu", "--budgets", "0.0005", "--policies", "fill-all",
+              "--routing", "trace", "--trace", traces, "--tokens", "3", "--warmup", "1", "--profile-seconds", "0.05",
+              "--rotate-gb", "0.05", "--no-resident", "--cpu-threads", "1", "--step-log"]
+    assert bench.main([*common, "--requests", "3", "--out", str(tmp_path / "r3")]) == 0
+    r3, = json.loads((tmp_path / "r3" / "decode.json").read_text())["results"]
+    assert r3["requests"] == 3 and len(r3["request_tokens_per_s"]) == 3
+    assert [s["step"] for s in r3["steps"]] == list(range(1 + 3 * 3))
+    timed = r3["steps"][1:]
+    assert sum(s["fills"] for s in timed) == pytest.approx(r3["fills_per_token"] * 9)
+    assert r3["tokens_per_s"] == pytest.approx(9 / sum(3 / t for t in r3["request_tokens_per_s"]))
+    assert bench.main([*common, "--out", str(tmp_path / "r1")]) == 0
+    r1, = json.loads((tmp_path / "r1" / "decode.json").read_text())["results"]
+    assert "requests" not in r1 and [s["step"] for s in r1["steps"]] == list(range(4))
+    assert [s["misses"] for s in r3["steps"][:4]] == [s["misses"] for s in r1["steps"]]
+    # the replay's start: a prefill (>= reset_tokens tokens) reads the trace's rows from start[0] on
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.model_runner import ModelRunner
+    from edgemoe.synth import write_config_only
+
+    model = write_config_only(tmp_path / "tiny", "qwen3_moe", "tiny")
+    runner = ModelRunner(model, EngineConfig(device="cpu", load_format="dummy", expert_cache_slots=0,
+                                             expert_policy="cpu-all"), progress=False)
+    start = [0]
+    assert bench.route_from_trace(runner, MIXTRAL, reset_tokens=6, start=start) > 100
+    block = next(iter(runner.model.moe_blocks()))
+    x = torch.zeros(6, runner.model_config.hidden_size, dtype=runner.dtype)
+    from_0 = block.route(x)[0]  # rows 0-5 of the replay table (expert ids [6, k])
+    start[0] = 3
+    from_3 = block.route(x)[0]  # rows 3-8
+    assert torch.equal(from_3[:3], from_0[3:]) and not torch.equal(from_3, from_0)
+    step = block.route(x[:1])[0]  # a decode step reads on: row 9
+    start[0] = 4
+    assert torch.equal(block.route(x)[0][-1:], step)  # rows 4-9
 
 
 def test_policy_summary_without_runs(tmp_path, load_benchmark, capsys):
