@@ -453,3 +453,43 @@ def test_an_armed_branch_that_saves_less_than_it_costs_is_dropped():
     assert not fresh.fills_every_miss()
     fresh.price_armed_branch(8e-6)  # a new cache: every miss fills until a miss rate is measured
     assert fresh.fills_every_miss()
+
+
+def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
+    """``AutoPolicy.inherit``: the branch-cost fits' samples and the CPU cost level carry over to the policy of a
+    resized cache; the reuse of a fill, the miss rate and the falling-window test start over; another policy
+    inherits nothing."""
+    bw = Bandwidths(53.0, 98.7)
+    old = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
+    for _ in range(3):  # joins that never waited: the CPU side is cheaper than modeled
+        old.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0], reuse_net=[3, 3], fills=[40, 40],
+                                            misses_per_layer_step=4.0, cpu_samples=[(4, 2e-4, False)] * 6))
+    assert old.cpu_level == -7 and old.miss_rate is not None and old.costs != old.prior
+    new = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
+    fresh = [new.num_fills(m) for m in range(1, 17)]
+    new.inherit(old)
+    assert new.cpu_level == old.cpu_level and new.costs == old.costs
+    assert [new.num_fills(m) for m in range(1, 17)] != fresh
+    assert new.miss_rate is None and new.reuse == [new.reuse_prior] * 2 and not new.misses_falling
+    other = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
+    assert not other.inherit(QStarPolicy(bw)) and other.cpu_level == 0
+
+
+def test_resize_inherits_and_a_rebuilt_cache_starts_from_the_prior(tiny_model_dir):
+    """The runtime hands the old policy to the new one on a resize of the same policy (the elastic budget, the
+    admin endpoint), not when the cache is set anew (a benchmark's run, a change of thread count) or the
+    policy changes."""
+    from edgemoe import LLM
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    rt.policy.cpu_level = -5
+    rt.resize(slots=16)
+    assert rt.cache.num_slots == 16 and rt.policy.cpu_level == -5
+    rt.set_cache(16, "auto")
+    assert rt.policy.cpu_level == 0
+    rt.policy.cpu_level = -5
+    rt.resize(policy="qstar")
+    rt.resize(policy="auto")
+    assert rt.policy.cpu_level == 0

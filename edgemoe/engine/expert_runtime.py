@@ -196,12 +196,14 @@ class ExpertRuntime:
             self.hybrid.device_decode.close()
         self.hybrid = None
 
-    def set_cache(self, slots: int, policy: str) -> None:
+    def set_cache(self, slots: int, policy: str, inherit: bool = False) -> None:
         """(Re)build the device expert cache with ``slots`` slots under ``policy``, at a safe point
         between steps (no step in flight). The host pool is untouched; the new cache starts cold (a
         static policy re-places its layers); the hit/miss/fill/CPU totals of :meth:`stats` carry on
         (the old cache's counts are kept), so they never decrease. The caller rebinds the
-        model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+        model's MoE blocks to :attr:`hybrid` and drops captured decode graphs. ``inherit``: a new policy
+        of the old one's name takes over what the old one learned of the machine (``ExpertPolicy.inherit``;
+        a resize), else it starts from its prior.
 
         Raises:
             ValueError: negative ``slots`` or an unknown policy (checked before anything changes).
@@ -211,6 +213,7 @@ class ExpertRuntime:
         if policy not in EXPERT_POLICIES:
             raise ValueError(f"unknown expert policy {policy!r}; choose one of {', '.join(EXPERT_POLICIES)}")
         slots = min(int(slots), self.pool.num_ids)
+        previous = self.policy if inherit and self.policy is not None and self.policy.name == policy else None
         self._retire_hybrid()
         if self.cache is not None:  # free the old bank before allocating the new one
             self.cache.release()
@@ -230,6 +233,8 @@ class ExpertRuntime:
         self.policy = make_policy(policy, self.bandwidths, num_layers=cfg.num_moe_layers,
                                   max_misses=min(cfg.num_experts, self.config.max_num_seqs * cfg.top_k),
                                   expert_bytes=pool.row_bytes)
+        if previous is not None:
+            self.policy.inherit(previous)
         # the first read counts from this cache's creation: its counters start at zero
         self._reuse_seen = ([[0, 0]] * self.cache.num_layers, None, 0, self._decode_steps, self.cache.slots_used)
         self._reuse_read_s = time.perf_counter()
@@ -239,8 +244,9 @@ class ExpertRuntime:
 
     def resize(self, gb: float | None = None, slots: int | None = None, policy: str | None = None) -> None:
         """Change the expert cache's budget and/or policy at a safe point between steps (the elastic
-        GPU budget). If the new cache cannot be set up, the previous size and policy are restored
-        (if even that fails, the CPU-only cache of 0 slots) and the error is raised.
+        GPU budget). The policy, kept, also keeps what it learned of the machine (``ExpertPolicy.inherit``).
+        If the new cache cannot be set up, the previous size and policy are restored (if even that fails, the
+        CPU-only cache of 0 slots) and the error is raised.
 
         Args:
             gb: new budget in GB (1e9 bytes); or ``slots``: new size in (layer, expert) slots.
@@ -273,11 +279,11 @@ class ExpertRuntime:
             raise ValueError("the host expert pool could not be pinned at start-up, so experts run on the CPU "
                              f"only: the cache stays at 0 slots with policy {FALLBACK_POLICY}")
         try:
-            self.set_cache(new_slots, policy or old_policy)
+            self.set_cache(new_slots, policy or old_policy, inherit=True)
         except Exception as exc:
             log.warning("expert cache resize to %d slots failed (%s); restoring %d slots", new_slots, exc, old_slots)
             try:
-                self.set_cache(old_slots, old_policy)
+                self.set_cache(old_slots, old_policy, inherit=True)
                 kept = f"kept {old_slots} slots"
             except Exception:
                 self.set_cache(0, FALLBACK_POLICY)

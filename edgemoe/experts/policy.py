@@ -115,6 +115,12 @@ class ExpertPolicy:
         hand-off and join launches); returns whether the rule changed. Fixed rules ignore it."""
         return False
 
+    def inherit(self, previous: "ExpertPolicy") -> bool:
+        """Take over what ``previous``, the same policy on the expert cache this one's replaces (a resize),
+        learned about the machine rather than about that cache; returns whether the rule changed. Fixed rules
+        learn nothing."""
+        return False
+
     def q_ratio(self) -> float:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
@@ -396,6 +402,10 @@ class EwLinearFit:
         self.snn = self.snn * d + weight * n * n
         self.st = self.st * d + weight * t
         self.snt = self.snt * d + weight * n * t
+
+    def take_samples(self, other: "EwLinearFit") -> None:
+        """Replace this fit's samples by ``other``'s (its prior stays this fit's own)."""
+        self.sw, self.sn, self.snn, self.st, self.snt = other.sw, other.sn, other.snn, other.st, other.snt
 
     @property
     def params(self) -> tuple[float, float]:
@@ -790,9 +800,29 @@ class AutoPolicy(ExpertPolicy):
                 self.fill_fit.add(n, t * (p.fill_s / p.fill_conc_s if conc else 1.0))
             for n, t, conc in obs.cpu_samples:
                 self.cpu_fit.add(n, t * (p.cpu_s / p.cpu_conc_s if conc else 1.0))
-            (fa, fb), (ca, cb) = self.fill_fit.params, self.cpu_fit.params
-            self.costs = replace(p, fill_fixed_s=fa, fill_s=fb, fill_conc_s=fb * p.fill_conc_s / p.fill_s,
-                                 cpu_fixed_s=ca, cpu_s=cb, cpu_conc_s=cb * p.cpu_conc_s / p.cpu_s)
+            self._costs_from_fits()
+        return self._rebuild()
+
+    def _costs_from_fits(self) -> None:
+        p = self.prior
+        (fa, fb), (ca, cb) = self.fill_fit.params, self.cpu_fit.params
+        self.costs = replace(p, fill_fixed_s=fa, fill_s=fb, fill_conc_s=fb * p.fill_conc_s / p.fill_s,
+                             cpu_fixed_s=ca, cpu_s=cb, cpu_conc_s=cb * p.cpu_conc_s / p.cpu_s)
+
+    def inherit(self, previous: ExpertPolicy) -> bool:
+        """Keep, across a resize of the expert cache, what ``previous`` measured of the machine: the samples of
+        the two branch-cost fits (fixed cost and per-expert time of a fill and of a CPU call; this policy's own
+        prior anchors them) and the balance controller's CPU cost level with its probe spacing (how far the
+        CPU side runs from the model: another process on its cores, or a model that misjudges it), which a
+        fresh policy would climb back to over several windows, each a few decode steps slower than need be.
+        What belongs to the cache starts over: the reuse of a fill, the miss rate and its falling-window test,
+        the step-time reference (a different cache size steps at another pace)."""
+        if not isinstance(previous, AutoPolicy):
+            return False
+        self.fill_fit.take_samples(previous.fill_fit)
+        self.cpu_fit.take_samples(previous.cpu_fit)
+        self._costs_from_fits()
+        self.cpu_level, self._retry_windows = previous.cpu_level, previous._retry_windows
         return self._rebuild()
 
 
