@@ -89,9 +89,9 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
 
     ``requests``: serve that many such requests back to back on one expert cache and policy (the turns of
     an agent session): request ``r > 0`` prefills again and decodes ``tokens`` steps, all timed, so the
-    policy's course after each prefill counts (``on_request(r)`` runs before each request's prefill, e.g. to
-    move the routing replay on); ``tokens_per_s`` is over every timed step, ``request_tokens_per_s`` per
-    request.
+    policy's course after each prefill counts (``on_request(r, batch)`` runs before each request's prefill, e.g.
+    to move the routing replay on); ``tokens_per_s`` is over every timed step, ``request_tokens_per_s`` per
+    request, ``prefill_s`` the sum of the requests' prefills.
 
     ``feed``: the tokens given to the decode steps (teacher forcing; sequence ``i`` of step ``s`` takes
     ``feed[(s * batch + i) % len(feed)]``); ``None`` feeds back the greedy token. A random-weight
@@ -144,7 +144,7 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     d = dict.fromkeys(runner.experts.stats()["decode"], 0)
     for r in range(requests):
         if on_request is not None:
-            on_request(r)
+            on_request(r, batch)
         prefill_s += prefill()
         for _ in range(warmup if r == 0 else 0):
             decode_step()
@@ -203,6 +203,14 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
             return pad_routes(ids, w, valid)
 
         blk.route = route
+
+
+def trace_offset(request: int, prompt_len: int, warmup: int, tokens: int, batch: int) -> int:
+    """The trace row at which request ``request`` of a ``--requests`` run starts its replay: past every row the
+    requests before it read (each sequence's prefill restarts at the request's start and reads ``prompt_len``
+    rows, then each decode step reads ``batch`` rows; every request is given the first one's ``warmup + tokens``
+    steps)."""
+    return request * (prompt_len + batch * (warmup + tokens))
 
 
 def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, seed: int = 0,
@@ -314,7 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=1,
                     help="requests served back to back per run on one cache and policy (an agent session's turns): "
                          "each prefills, the first decodes --warmup untimed steps, every one --tokens timed steps; "
-                         "with --routing trace request r replays the trace from step r x (prompt + warmup + tokens)")
+                         "with --routing trace request r replays the trace from past the rows the requests before "
+                         "it read (trace_offset)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every (budget, policy, batch) in turn: the policies alternate within a budget, so a "
                          "drift of the machine reaches each of them alike (results carry their repeat index)")
@@ -322,6 +331,8 @@ def main(argv=None) -> int:
                     help="record every decode step (time, hits, misses, fills, CPU experts, the policy's state) "
                          "in decode.json (the timed steps then include the counter reads)")
     a = ap.parse_args(argv)
+    if a.requests < 1 or a.repeats < 1:
+        ap.error(f"--requests and --repeats must be >= 1, got {a.requests} and {a.repeats}")
     if a.compare:
         return compare(a.compare, Path(a.out))
     if a.prefetch != "off" and a.routing != "model":
@@ -348,8 +359,8 @@ def main(argv=None) -> int:
     trace_steps = None
     trace_start = [0]  # where a request's prefill starts the trace replay (--requests)
 
-    def next_request(r: int) -> None:  # request r replays a later stretch of the trace (wrapping around)
-        trace_start[0] = r * (a.prompt_len + a.warmup + a.tokens)
+    def next_request(r: int, batch: int) -> None:  # request r replays a later stretch of the trace
+        trace_start[0] = trace_offset(r, a.prompt_len, a.warmup, a.tokens, batch)
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)
     elif a.routing == "trace":
@@ -358,12 +369,15 @@ def main(argv=None) -> int:
         if max(batches) >= a.prompt_len:
             ap.error("--routing trace tells a prefill by its size: give --batch-sizes below --prompt-len")
         trace_steps = route_from_trace(runner, [p for p in a.trace.split(",") if p], a.prompt_len, start=trace_start)
+        if (rows := trace_offset(a.requests, a.prompt_len, a.warmup, a.tokens, max(batches))) > trace_steps:
+            print(f"note: the requests read {rows} trace rows, the trace has {trace_steps}: later requests wrap "
+                  "around onto earlier ones' routing", flush=True)
     print(runner.summary(), flush=True)
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist()
-    feed = None if a.decode_input == "greedy" else torch.randint(
-        0, vocab, ((a.warmup + a.tokens) * max(batches),), generator=g).tolist()
+    feed = None if a.decode_input == "greedy" else torch.randint(  # every request's steps get their own tokens
+        0, vocab, ((a.warmup + a.requests * a.tokens) * max(batches),), generator=g).tolist()
     row = pool.row_bytes
     results, profiles, skipped = [], {}, []
     resident_ms: dict[int, float] = {}

@@ -473,6 +473,9 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     assert new.miss_rate is None and new.reuse == [new.reuse_prior] * 2 and not new.misses_falling
     other = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     assert not other.inherit(QStarPolicy(bw)) and other.cpu_level == 0
+    remeasured = AutoPolicy.from_bandwidths(Bandwidths(40.0, 98.7), ROW, num_layers=2, max_misses=16)
+    remeasured.inherit(old)  # another prior: the level measured against the old model is not carried
+    assert remeasured.cpu_level == 0 and remeasured.cpu_fit.sw == old.cpu_fit.sw > 0
 
 
 def test_resize_inherits_and_a_rebuilt_cache_starts_from_the_prior(tiny_model_dir):

@@ -15,6 +15,13 @@ import torch
 from edgemoe.engine.cuda_graphs import DecodeGraphs
 
 
+@pytest.fixture(autouse=True)
+def _collector_back_on():
+    """Whatever a test below leaves, the collector is on for the rest of the session."""
+    yield
+    gc.enable()
+
+
 def _fake_cuda(monkeypatch, seen: list):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

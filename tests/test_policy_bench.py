@@ -93,6 +93,18 @@ def test_requests_share_one_cache_and_replay_later_stretches_of_the_trace(tmp_pa
     r1, = json.loads((tmp_path / "r1" / "decode.json").read_text())["results"]
     assert "requests" not in r1 and [s["step"] for s in r1["steps"]] == list(range(4))
     assert [s["misses"] for s in r3["steps"][:4]] == [s["misses"] for s in r1["steps"]]
+    # request r starts past every row the requests before it read: each sequence's prefill restarts at the
+    # request's start and reads P rows, each decode step reads one row per sequence
+    P, W, T = 32, 1, 3
+    for b in (1, 2, 5):
+        read = []
+        for r in range(3):
+            start = bench.trace_offset(r, P, W, T, b)
+            steps = W + T if r == 0 else T
+            read.append(set(range(start, start + P + b * steps)))
+        assert not read[0] & read[1] and not read[1] & read[2] and not read[0] & read[2]
+    with pytest.raises(SystemExit):
+        bench.main([*common, "--requests", "0", "--out", str(tmp_path / "r0")])
     # the replay's start: a prefill (>= reset_tokens tokens) reads the trace's rows from start[0] on
     from edgemoe.config import EngineConfig
     from edgemoe.engine.model_runner import ModelRunner

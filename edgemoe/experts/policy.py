@@ -815,14 +815,18 @@ class AutoPolicy(ExpertPolicy):
         prior anchors them) and the balance controller's CPU cost level with its probe spacing (how far the
         CPU side runs from the model: another process on its cores, or a model that misjudges it), which a
         fresh policy would climb back to over several windows, each a few decode steps slower than need be.
-        What belongs to the cache starts over: the reuse of a fill, the miss rate and its falling-window test,
-        the step-time reference (a different cache size steps at another pace)."""
+        The level (with a probe in flight) is kept only where both policies start from the same prior: it
+        measures the CPU against that model, and new bandwidths make another one. What belongs to the cache
+        starts over: the reuse of a fill, the miss rate and its falling-window test, the step-time reference
+        (a different cache size steps at another pace)."""
         if not isinstance(previous, AutoPolicy):
             return False
         self.fill_fit.take_samples(previous.fill_fit)
         self.cpu_fit.take_samples(previous.cpu_fit)
         self._costs_from_fits()
-        self.cpu_level, self._retry_windows = previous.cpu_level, previous._retry_windows
+        if previous.prior == self.prior:
+            self.cpu_level, self._retry_windows = previous.cpu_level, previous._retry_windows
+            self._probing = previous._probing
         return self._rebuild()
 
 
