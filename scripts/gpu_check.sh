@@ -16,6 +16,7 @@
 # over HTTP): carry .whl (scripts/fetch_gpu_wheels.sh fills it: the host lacks the server's packages).
 # policy (the expert-policy study, docs/benchmarks/policy.md): $POLICY_* variables, see the stage.
 # Runs from a source checkout without installing (PYTHONPATH), with the host's own torch/transformers/Triton.
+# More than 8 result files are packed into $OUT/results.tar.gz at the end (the device tool returns 8 at most).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -193,3 +194,13 @@ for stage in "${stages[@]}"; do
   *) echo "unknown stage $stage" ;;
   esac
 done
+
+# The device tool brings back at most 8 files from $OUT (each under 16 MiB, two folders deep at most): more are
+# packed into one results.tar.gz beside machine.txt (tar -xzf it here), unless the archive itself would be too large.
+n=$(find "$OUT" -type f | wc -l)
+if [ "$n" -gt 8 ] && tar -czf /tmp/gpu-check-results.tar.gz -C "$OUT" . \
+    && [ "$(stat -c %s /tmp/gpu-check-results.tar.gz)" -lt 15000000 ]; then
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name machine.txt -exec rm -rf {} +
+  mv /tmp/gpu-check-results.tar.gz "$OUT/results.tar.gz"
+  echo "$n files under \$OUT packed into results.tar.gz (the device tool returns at most 8)"
+fi
