@@ -161,16 +161,16 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
         per_request.append(batch * tokens / dt_r)
         for i in range(batch):
             runner.free(i)
-    tokens *= requests  # every timed step of every request
+    timed = tokens * requests  # every timed step of every request
     uses = d["hits"] + d["misses"]
     row = runner.pool.row_bytes
     return {
         "policy": policy, "slots": slots, "cache_gb": slots * row / 1e9, "context": len(prompt), "batch": batch,
         "decode_path": runner.experts.decode_path,
-        "tokens_per_s": batch * tokens / dt, "ms_per_token": 1e3 * dt / tokens, "prefill_s": prefill_s,
+        "tokens_per_s": batch * timed / dt, "ms_per_token": 1e3 * dt / timed, "prefill_s": prefill_s,
         "hit_rate": d["hits"] / uses if uses else 0.0,
-        "fills_per_token": d["fills"] / tokens, "cpu_per_token": d["cpu"] / tokens,
-        "miss_gb_per_token": d["misses"] * row / 1e9 / tokens,
+        "fills_per_token": d["fills"] / timed, "cpu_per_token": d["cpu"] / timed,
+        "miss_gb_per_token": d["misses"] * row / 1e9 / timed,
         "q_ratio_policy": runner.experts.policy.q_ratio(),
         "q_over_m_observed": d["fills"] / d["misses"] if d["misses"] else None,
         **({"requests": requests, "request_tokens_per_s": per_request} if requests > 1 else {}),

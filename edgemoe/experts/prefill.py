@@ -267,8 +267,9 @@ class PrefillStreamer:
             compute.wait_event(staged.copy_done)
         # counters and recency from the layer's routing, on the device (no host read: the step's queue keeps going)
         seen = torch.zeros(E, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)  # [E] routed
-        resident = device_int64([int(r) for r in staged.resident], flat.device).bool()  # [E] a hit when routed
-        slots = device_int64(staged.slots, flat.device)  # [E] distinct: every expert of the layer has its slot
+        # one transfer: [E] whether resident (a hit when routed), then [E] the slots (distinct: every expert has one)
+        staged_d = device_int64([int(r) for r in staged.resident] + staged.slots, flat.device)
+        resident, slots = staged_d[:E].bool(), staged_d[E:]
         hit, unrouted_staged = seen & resident, ~(seen | resident)
         cur.hit_miss += torch.stack([hit.sum(), (seen & ~resident).sum()])
         lu = cache.last_used
