@@ -24,11 +24,14 @@ send nearly every token to the same few experts, which would not touch every exp
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
+import shutil
 import sys
 import time
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -83,21 +86,79 @@ def run_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prompt: 
     return rows
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def device_timeline(events, bulk_ms: float = 0.5) -> str:
+    """Where a profiled prompt's device time went (ms): the span from the first to the last device event, the
+    time the expert copies (host-to-device copies of at least ``bulk_ms``) and the kernels kept the GPU busy, both
+    at once and neither, busy time per stream, and the longest idle gaps between expert copies with the kernels
+    that ran inside each (a gap the compute fills means the next copy waited for compute)."""
+    copies, kernels, per_stream = [], [], {}
+    for e in events:
+        if e.device_type.name != "CUDA" or e.time_range.end <= e.time_range.start:
+            continue
+        a, b = e.time_range.start / 1e3, e.time_range.end / 1e3
+        per_stream.setdefault(getattr(e, "device_resource_id", None), []).append((a, b))
+        if e.name.startswith("Memcpy HtoD") and b - a >= bulk_ms:
+            copies.append((a, b, e.name))
+        elif not e.name.startswith("Memcpy"):
+            kernels.append((a, b, e.name))
+    if not copies or not kernels:
+        return "== device timeline: no expert copies or kernels recorded"
+    cu = _union([(a, b) for a, b, _ in copies])
+    ku = _union([(a, b) for a, b, _ in kernels])
+    t0 = min(cu[0][0], ku[0][0])
+    t1 = max(cu[-1][1], ku[-1][1])
+    busy = _length(_union(cu + ku))
+    gaps = sorted(((b0, a1 - b0) for (_, b0), (a1, _) in pairwise(cu)), key=lambda g: -g[1])
+    big = [d for _, d in gaps if d >= 0.5]
+    lines = [f"== device timeline (ms): span {t1 - t0:.1f}, expert copies busy {_length(cu):.1f}, kernels busy "
+             f"{_length(ku):.1f}, both {_length(cu) + _length(ku) - busy:.1f}, neither {t1 - t0 - busy:.1f}; "
+             f"before the first copy {cu[0][0] - t0:.1f}, after the last {t1 - cu[-1][1]:.1f}; gaps between "
+             f"copies >= 0.5 ms: {len(big)} totalling {sum(big):.1f}",
+             "   busy per stream: " + ", ".join(f"{sid}: {_length(_union(v)):.1f}" for sid, v in per_stream.items())]
+    for start, d in gaps[:8]:
+        inside = [(min(b, start + d) - max(a, start), n) for a, b, n in kernels if a < start + d and b > start]
+        names = sorted({n[:40] for _, n in inside})[:3]
+        lines.append(f"   gap {d:.2f} at {start - t0:.1f}: {len(inside)} kernels, {sum(t for t, _ in inside):.2f} "
+                     f"busy ({'; '.join(names) or 'none'})")
+    return "\n".join(lines)
+
+
 def profile_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prompt: list[int], chunk: int,
                    b_p: float, out: Path) -> int:
-    """Profile one prompt (torch.profiler, CPU and CUDA activity); top operators by device and host time."""
+    """Profile one prompt (torch.profiler, CPU and CUDA activity): top operators by device and host time, on CUDA
+    the device timeline (:func:`device_timeline`), and the Chrome trace (prefill-trace.json.gz)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    out.mkdir(parents=True, exist_ok=True)
     with profile(activities=acts) as prof:
         rows = run_prompt(runner, slots, policy, mode, prompt, chunk, b_p)
+    trace = out / "prefill-trace.json"
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    trace.unlink()
     ka = prof.key_averages()
     sort_dev = "device_time_total" if runner.device.type == "cuda" else "cpu_time_total"
     text = "\n".join([
         "chunks: " + ", ".join(f"{r['seconds']:.3f} s" for r in rows),
+        *([device_timeline(prof.events())] if runner.device.type == "cuda" else []),
         f"== by device time ({sort_dev})", ka.table(sort_by=sort_dev, row_limit=40, max_name_column_width=70),
         "== by host self time", ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)])
-    out.mkdir(parents=True, exist_ok=True)
     (out / "prefill-profile.txt").write_text(text)
     print(text[:12000])
     return 0
@@ -167,7 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="uniform", choices=["uniform", "model"])
     ap.add_argument("--out", default=".", help="folder for prefill.json and prefill.md")
     ap.add_argument("--profile", action="store_true", help="instead of the timings, profile one prompt at the "
-                    "first budget (torch.profiler) and write the top operators to prefill-profile.txt")
+                    "first budget (torch.profiler) and write the top operators and the device timeline to "
+                    "prefill-profile.txt, the trace to prefill-trace.json.gz")
     ap.add_argument("--dequant-scratch", type=int,
                     help="FP4 experts: the dequantizing path's scratch in activation scratches (the kernels' "
                          "DEQUANT_SCRATCH_ACTIVATIONS, which sets the experts per chunk; default: the kernels' own)")

@@ -4,7 +4,9 @@ wave path, residency tables, counters, the fallback, and decode after a streamed
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -429,6 +431,37 @@ def test_prefill_benchmark_cpu_smoke(tmp_path, load_benchmark):
     assert {(t["slots"], t["mode"], t["tokens"]) for t in res["prompts"]} == {
         (s, m, 64) for s in (32, 40) for m in ("overlap", "serial")}
     assert "| 32 |" in (tmp_path / "prefill.md").read_text()
+
+
+def test_prefill_benchmark_profile_writes_the_trace_and_tables(tmp_path, load_benchmark):
+    bench = load_benchmark("prefill")
+    rc = bench.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--slots", "32", "--chunk", "32",
+                     "--chunks", "1", "--bp-seconds", "0.05", "--no-warmup", "--profile", "--out", str(tmp_path)])
+    assert rc == 0
+    text = (tmp_path / "prefill-profile.txt").read_text()
+    assert "== by host self time" in text and "aten::" in text
+    with gzip.open(tmp_path / "prefill-trace.json.gz", "rt") as f:
+        assert json.load(f)["traceEvents"]
+
+
+def test_device_timeline_finds_copies_waiting_for_compute(load_benchmark):
+    """Two expert copies with a 3 ms gap that one kernel fills; a small copy inside the gap is not an expert
+    copy; busy, overlap and idle time add up over the span."""
+    bench = load_benchmark("prefill")
+    cuda = SimpleNamespace(name="CUDA")
+
+    def ev(name, a, b, stream):
+        return SimpleNamespace(name=name, device_type=cuda, time_range=SimpleNamespace(start=a * 1e3, end=b * 1e3),
+                               device_resource_id=stream)
+
+    h2d = "Memcpy HtoD (Pinned -> Device)"
+    text = bench.device_timeline([ev(h2d, 0, 10, 9), ev("gate_up", 5, 12, 7), ev(h2d, 10.5, 10.51, 7),
+                                  ev(h2d, 13, 20, 9), ev("down", 20, 25, 7)])
+    assert ("span 25.0, expert copies busy 17.0, kernels busy 12.0, both 5.0, neither 1.0; before the first copy "
+            "0.0, after the last 5.0; gaps between copies >= 0.5 ms: 1 totalling 3.0") in text
+    assert "gap 3.00 at 10.0: 1 kernels, 2.00 busy (gate_up)" in text
+    assert "9: 17.0" in text and "7: 12.0" in text
+    assert bench.device_timeline([ev("k", 0, 1, 7)]).endswith("no expert copies or kernels recorded")
 
 
 def test_admit_many_and_evict_keep_tables_inverse():

@@ -25,6 +25,14 @@ def small(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module", params=[None, "fp8", "mxfp4", "nvfp4-modelopt"])
+def small_any_format(request, tmp_path_factory):
+    """The small Qwen3-MoE checkpoint with bf16 experts, then in each released quantized layout."""
+    out = tmp_path_factory.mktemp(f"small-{request.param or 'bf16'}-prefill")
+    make_model(out, "qwen3_moe", "small", seed=5, dtype="bfloat16", quant=request.param)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
 def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
     runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6),
@@ -52,13 +60,13 @@ def test_streamed_prefill_on_cuda_is_bit_identical_to_resident(small, mode):
                 assert torch.equal(cache.bank[slot].cpu(), runner.pool.bank[fid])
 
 
-def test_streamed_middle_layers_never_wait_for_the_gpu(small):
+def test_streamed_middle_layers_never_wait_for_the_gpu(small_any_format):
     """Between a streamed step's first and last MoE layer the streamer makes no synchronizing call (a host read
     there drains the compute queue and idles the GPU while the host issues the next layer): torch's sync debug
     mode raises on any such call in those layers (copies staged, tables updated, counts and recency on the
     device, the grouped kernels). The step's first layer reads the tables, its last layer the counts."""
-    runner = ModelRunner(small, EngineConfig(device="cuda", expert_policy="fill-all", expert_cache_slots=10**6),
-                         progress=False)
+    runner = ModelRunner(small_any_format, EngineConfig(device="cuda", expert_policy="fill-all",
+                                                        expert_cache_slots=10**6), progress=False)
     E, L = runner.model_config.num_experts, runner.model_config.num_moe_layers
     runner.set_expert_cache(2 * E, "fill-all")  # two regions: every layer stages, evicting the layer two before
     streamer, checked = runner.experts.hybrid.prefill, []
