@@ -34,12 +34,16 @@ stages=("$@")
   python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
   lscpu | grep -E 'Model name|^CPU\(s\)|Thread|NUMA node\(s\)|L3'
   free -g | head -2
+  echo "kernel $(uname -r)"
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 # the native CPU kernels compile once, here, outside any stage's timeout (a stage killed mid-build wasted its time)
 python3 -c 'from edgemoe.experts import native; r = native.build()
 print("native CPU kernels:", r.error or "%.1f s, cached %s, %s" % (r.seconds, r.cached, r.builder))' 2>&1 \
   | tee -a "$OUT/machine.txt"
+# whether this host's GPU runs a side-stream copy under kernels at all (streamed prefill and fills rely on it;
+# on 2026-12-05 one H100 host overlapped them and another did not, with the same code)
+timeout 60 python3 benchmarks/overlap_probe.py 2>&1 | tail -n 1 | tee -a "$OUT/machine.txt"
 
 for stage in "${stages[@]}"; do
   case "$stage" in
