@@ -42,7 +42,8 @@ python3 -c 'from edgemoe.experts import native; r = native.build()
 print("native CPU kernels:", r.error or "%.1f s, cached %s, %s" % (r.seconds, r.cached, r.builder))' 2>&1 \
   | tee -a "$OUT/machine.txt"
 # whether this host's GPU runs a side-stream copy under kernels at all (streamed prefill and fills rely on it;
-# on 2026-12-05 one H100 host overlapped them and another did not, with the same code)
+# on 2026-12-05 the same streamed prefill ran at its copy bound on one H100 host and at about copies plus compute
+# on another)
 timeout 60 python3 benchmarks/overlap_probe.py 2>&1 | tail -n 1 | tee -a "$OUT/machine.txt"
 
 for stage in "${stages[@]}"; do
