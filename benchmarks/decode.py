@@ -69,12 +69,13 @@ def _sync(dev: torch.device) -> None:
 
 def policy_state(pol) -> dict:
     """The policy's decision state for a step log: its fill ratio at the table's largest miss count and, for
-    ``auto``, whether the table fills every miss (and whether for the falling misses), the CPU cost level,
+    ``auto``, whether the table fills every miss (and whether for falling or rising misses), the CPU cost level,
     the mean miss count per layer step and the mean estimated net reuse of a fill over the layers."""
     st = {"q_ratio": round(pol.q_ratio(), 4)}
     if isinstance(pol, AutoPolicy):
         reuse = pol.reuse
         st |= {"fills_every_miss": pol.fills_every_miss(), "misses_falling": pol.misses_falling,
+               "misses_rose": pol.misses_rose,
                "cpu_level": pol.cpu_level,
                "miss_rate": None if pol.miss_rate is None else round(pol.miss_rate, 3),
                "reuse_mean": round(sum(reuse) / len(reuse), 3), "reuse_min": round(min(reuse), 3)}

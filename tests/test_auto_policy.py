@@ -279,6 +279,74 @@ def test_misses_falling_fast_keep_filling_every_miss():
     assert not few.misses_falling
 
 
+def test_misses_rising_from_a_held_working_set_fill_every_miss():
+    """A cache that held the working set (few misses) meets a new one (the next request of a session): the window
+    after the rise fills every miss, though the rise raised the miss rate and the CPU branch's expected gain; the
+    falls that follow keep the hold, the level after them releases it. A rise from a level the cache was not
+    holding (too small for the working set), from one whose misses found free slots (a cache filling up), or the
+    first window of a cache, holds nothing."""
+    costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
+                      cpu_fixed_s=27e-6)
+    layers = 48
+
+    def window(misses: float, free: int = 0) -> LayerObservation:
+        return LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=misses,
+                                free_slot_fills=free)
+
+    auto = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    for m in (5.8, 1.9, 0.5, 0.3, 0.3):  # the first request: its burst, then a cache holding its working set
+        auto.observe_layers(window(m))
+    assert not auto.misses_rose and not auto.fills_every_miss()
+    auto.observe_layers(window(5.8))  # the next request's first decode steps
+    assert auto.misses_rose and not auto.misses_falling and auto.fills_every_miss()
+    for m in (1.9, 0.5):  # its misses halve as its working set comes in: the falling hold takes over
+        auto.observe_layers(window(m))
+        assert auto.misses_falling and not auto.misses_rose and auto.fills_every_miss()
+    auto.observe_layers(window(0.35))
+    assert not (auto.misses_falling or auto.misses_rose) and not auto.fills_every_miss()
+    small = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    for m in (4.3, 4.1, 7.2, 4.2):  # a cache too small for the working set: the next request rises from a high level
+        small.observe_layers(window(m))
+        assert not small.misses_rose and not small.fills_every_miss()
+    first = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    first.observe_layers(window(5.8))
+    assert not first.misses_rose
+    slight = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
+    for m in (0.3, 0.9):  # more misses, but below rising_min_misses: not a new working set
+        slight.observe_layers(window(m))
+    assert not slight.misses_rose
+    filling = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)  # a cold cache filling up
+    filling.observe_layers(window(0.2, free=300))  # its misses found free slots: few were left to decide
+    filling.observe_layers(window(5.9))  # full now: every miss is decided, no new working set
+    assert not filling.misses_rose and not filling.fills_every_miss()
+
+
+def test_runtime_reports_the_misses_that_found_a_free_slot(tiny_model_dir):
+    """The runtime's observations split a window's decode misses: those that found a free slot (a cache filling
+    up) in ``free_slot_fills``, the rest in ``misses_per_layer_step``. The slots the prefill took in are not decode
+    fills: at every read the free-slot fills reported so far add up to the slots taken in since the prefill; once
+    the cache is full a window reports none."""
+    from edgemoe import LLM, SamplingParams
+    from edgemoe.experts.policy import REUSE_READ_STEPS
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=30,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    pol, seen = rt.policy, []
+    observe = pol.observe_layers
+    pol.observe_layers = lambda obs: (seen.append((obs, rt.cache.slots_used)), observe(obs))[1]
+    llm.generate(["Hi"], SamplingParams(max_tokens=8 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True))
+    prefill_fills = rt.hybrid.stats()["prefill"]["fills"]
+    assert 0 < prefill_fills < rt.cache.num_slots  # the prefill left free slots for decode to fill
+    assert len(seen) >= 4 and all(obs.free_slot_fills is not None for obs, _ in seen)
+    total = 0
+    for obs, used in seen:
+        total += obs.free_slot_fills
+        assert total == used - prefill_fills
+    assert seen[0][0].free_slot_fills > 0
+    assert seen[-1][1] == rt.cache.num_slots and seen[-1][0].free_slot_fills == 0
+
+
 def test_fixed_costs_from_two_call_sizes():
     # t(n) = 20 us + n * 100 us for a copy, 150 us + n * 80 us for a CPU call
     row = 1_000_000
@@ -470,7 +538,8 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     new.inherit(old)
     assert new.cpu_level == old.cpu_level and new.costs == old.costs
     assert [new.num_fills(m) for m in range(1, 17)] != fresh
-    assert new.miss_rate is None and new.reuse == [new.reuse_prior] * 2 and not new.misses_falling
+    assert (new.miss_rate is None and new.reuse == [new.reuse_prior] * 2 and not new.misses_falling
+            and not new.misses_rose)
     other = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     assert not other.inherit(QStarPolicy(bw)) and other.cpu_level == 0
     remeasured = AutoPolicy.from_bandwidths(Bandwidths(40.0, 98.7), ROW, num_layers=2, max_misses=16)

@@ -263,6 +263,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         t = c.layer_seconds(h, f, cpu, armed) + carry
         win.layer_steps += 1
         win.decided += m - min(f, free)
+        win.free_fills += min(f, free)
         if cpu and armed:
             win.handoffs[a.layer] += 1
             win.late[a.layer] += b > g + h * c.hit_s
@@ -306,6 +307,7 @@ class _Window:
     start_s: float = 0.0
     layer_steps: int = 0
     decided: int = 0  # misses that found no free slot
+    free_fills: int = 0  # misses that found one
     handoffs: list[int] = field(default_factory=list)
     late: list[int] = field(default_factory=list)
 
@@ -313,7 +315,7 @@ class _Window:
         self.reset(0.0)
 
     def reset(self, now: float) -> None:
-        self.steps, self.start_s, self.layer_steps, self.decided = 0, now, 0, 0
+        self.steps, self.start_s, self.layer_steps, self.decided, self.free_fills = 0, now, 0, 0, 0
         self.handoffs, self.late = [0] * self.num_layers, [0] * self.num_layers
 
 
@@ -339,6 +341,7 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
     if isinstance(pol, AutoPolicy):
         obs.handoffs, obs.late = win.handoffs, win.late
         obs.misses_per_layer_step = win.decided / win.layer_steps if win.layer_steps else None
+        obs.free_slot_fills = win.free_fills
     if (n := pol.wants_cpu_probe) and probe_costs is not None:  # the runtime's CPU-speed probe, between steps
         c = probe_costs(clock)
         t = c.cpu_fixed_s + n * c.cpu_s

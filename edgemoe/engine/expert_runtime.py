@@ -331,6 +331,8 @@ class ExpertRuntime:
             self.cache.clock.fill_(step)
         now = time.perf_counter()
         if phase is Phase.DECODE and self.policy.per_layer:
+            if self._last_decode is None:  # a prefill since the last decode step: its fills took free slots too
+                self._reuse_seen = (*self._reuse_seen[:4], self.cache.slots_used)
             self._decode_steps += 1
             since = self._decode_steps - self._reuse_seen[3]
             if (since >= REUSE_READ_STEPS or now - self._reuse_read_s >= REUSE_READ_SECONDS
@@ -348,8 +350,9 @@ class ExpertRuntime:
         between steps: the previous step's sampling already synchronized) and push a changed table.
 
         The miss count it reports per MoE layer step leaves out the misses that found a free slot (the
-        growth of the used slots over the window): those fill whatever the policy says, so a cold cache's
-        first misses do not stand for the misses the policy decides about."""
+        growth of the used slots over the window's decode steps, also reported: the slots a prefill took in are
+        not counted, :meth:`begin_step` takes the baseline again after one): those fill whatever the policy
+        says, so a cold cache's first misses do not stand for the misses the policy decides about."""
         dd = self.device_decode
         joins = dd.join_stats.tolist() if dd is not None and dd.counts_joins else None  # [L][hand-offs, late]
         now = (self.cache.reuse.tolist(), joins, self.hybrid.stats()["decode"]["misses"], self._decode_steps,
@@ -365,7 +368,8 @@ class ExpertRuntime:
                                handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
                                late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
                                misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None,
-                               cpu_probe=self._cpu_probe(self.policy.wants_cpu_probe))
+                               cpu_probe=self._cpu_probe(self.policy.wants_cpu_probe),
+                               free_slot_fills=max(used - used0, 0))
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
 

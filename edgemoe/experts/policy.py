@@ -441,6 +441,7 @@ class LayerObservation:
             window that found no free slot (the ones a policy decides about), or ``None``.
         cpu_probe: ``(experts, seconds)`` of one call of the CPU executor, one token per expert, timed by
             the runtime between steps when the policy asked (:attr:`ExpertPolicy.wants_cpu_probe`), or ``None``.
+        free_slot_fills: misses of the window that found a free slot (the cache was not yet full), or ``None``.
     """
 
     reuse_net: list[int] | None = None
@@ -451,6 +452,7 @@ class LayerObservation:
     late: list[int] | None = None
     misses_per_layer_step: float | None = None
     cpu_probe: tuple[int, float] | None = None
+    free_slot_fills: int | None = None
 
 
 class AutoPolicy(ExpertPolicy):
@@ -542,6 +544,17 @@ class AutoPolicy(ExpertPolicy):
     fall to 0.6 of the window before that, at a threshold of 0.7, held ``fill-all`` for six steps). Without
     locality the misses stay level and the split comes at the first window, as before.
 
+    The window after a rise is held too: a window with at least :attr:`rising_min_misses` misses per layer step
+    after one below :attr:`falling_min_misses` in which no miss found a free slot (a full cache was holding the
+    working set; a cache still filling up counts only the misses that found none), and a new one is coming in
+    (the next request of an agent session after its prefill, or a change of topic). The rise itself raised the
+    measured miss rate, and with it the expected gain of the CPU branch, so the next window would otherwise split
+    the new working set's misses and keep the experts served on the CPU out of the cache (on the GPU host,
+    realistic routing at 16 GB with four requests per run, before this rule: 0.5-0.8 experts a token on the CPU,
+    2.5-5 % behind ``fill-all`` in every request, 0.966-0.970x over the run; which windows sent them was not
+    logged). Where the cache is too small for the working set the misses never drop below
+    :attr:`falling_min_misses`, so no rise is held.
+
     Args:
         costs: the prior cost model (from the measured bandwidths and fixed costs).
         num_layers: ``L``, MoE layers.
@@ -571,6 +584,7 @@ class AutoPolicy(ExpertPolicy):
     miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
     falling_ratio = 0.5  # a window's miss count below this share of the window before's: the working set is settling
     falling_min_misses = 0.5  # ... counted only from a window before with at least this many misses per layer step
+    rising_min_misses = 1.0  # a window with at least this many misses per layer step after one below falling_min_misses
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
@@ -598,7 +612,9 @@ class AutoPolicy(ExpertPolicy):
         self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
         self.miss_rate: float | None = None
         self._window_misses: float | None = None  # the last window's mean misses per layer step (unsmoothed)
+        self._window_full = False  # no miss of the last window found a free slot (the cache was full)
         self.misses_falling = False  # the last window missed far less than the one before (see the class docstring)
+        self.misses_rose = False  # the last window's misses rose from a level the cache was holding (likewise)
         self.armed_cost_s = 0.0
         self._rebuild()
 
@@ -693,7 +709,7 @@ class AutoPolicy(ExpertPolicy):
         t_save = self.t_save(c)
         values = [max(r, 0.0) * t_save for r in self.reuse]
         table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
-        if self.misses_falling or self._armed_branch_pays(c, table, values) is False:
+        if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
             table = [list(range(self.M + 1)) for _ in range(self.L)]
         changed = table != self._table
         if changed:
@@ -750,6 +766,9 @@ class AutoPolicy(ExpertPolicy):
             before, self._window_misses = self._window_misses, m
             self.misses_falling = (before is not None and before >= self.falling_min_misses
                                    and m < self.falling_ratio * before)
+            self.misses_rose = (before is not None and self._window_full and before < self.falling_min_misses
+                                and m >= self.rising_min_misses)
+            self._window_full = obs.free_slot_fills == 0
         mean_s = self._window_s / self._window_steps if self._window_steps else None
         ref = self._step_ref_s
         slowed = mean_s is not None and ref is not None and mean_s >= self.balance_stall_slowdown * ref
@@ -817,7 +836,7 @@ class AutoPolicy(ExpertPolicy):
         fresh policy would climb back to over several windows, each a few decode steps slower than need be.
         The level (with a probe in flight) is kept only where both policies start from the same prior: it
         measures the CPU against that model, and new bandwidths make another one. What belongs to the cache
-        starts over: the reuse of a fill, the miss rate and its falling-window test, the step-time reference
+        starts over: the reuse of a fill, the miss rate and its falling and rising window tests, the step-time reference
         (a different cache size steps at another pace)."""
         if not isinstance(previous, AutoPolicy):
             return False
