@@ -107,6 +107,24 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         failed.shutdown()
 
 
+def test_a_shutdown_during_the_load_skips_on_ready(tiny_model_dir):
+    """Ctrl-C while the model loads (a first start compiles for a while): the load runs to its end in the engine
+    thread, but ``on_ready`` (the CLI's summary and "serving on ...") is not called for a server already stopped."""
+    from edgemoe.engine.model_runner import ModelRunner
+
+    release, ready = threading.Event(), []
+
+    def slow_runner():
+        release.wait(60)
+        return ModelRunner(str(tiny_model_dir), EngineConfig(device="cpu"), progress=False)
+
+    llm = AsyncLLM(str(tiny_model_dir), runner_factory=slow_runner, on_ready=ready.append)
+    llm.shutdown(timeout=0.1)  # the thread is still loading
+    release.set()
+    llm._thread.join(60)
+    assert not llm._thread.is_alive() and ready == [] and not llm.is_ready
+
+
 def test_models(served):
     models = served.client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].object == "model"

@@ -124,6 +124,26 @@ def test_huge_top_k_and_max_tokens_are_400(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+def test_anthropic_max_tokens_below_one_is_400_without_an_or_none(server):
+    """``/v1/messages`` requires ``max_tokens``: a value below 1 is refused naming the field, without the OpenAI
+    routes' "or None"."""
+    base, _ = server
+    for value in (-1, 0):
+        r = _post(base, "/v1/messages", json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": value}))
+        assert r.status_code == 400 and "max_tokens" in r.text and "None" not in r.text, r.text
+
+
+def test_a_prompt_counted_whole_says_so(server):
+    """A prompt just long enough for the piecewise count to cover all of it before passing the limit says it was
+    counted whole, not "in its first N of M characters" with N > M."""
+    base, _ = server
+    text = "word " * 2000  # 10000 characters and the template's: counted piecewise (over 8 per token of the 1023
+    with pytest.raises(openai.BadRequestError) as info:  # limit), in one piece (64 Ki characters) that is all of it
+        _openai(base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+    msg = info.value.message
+    assert info.value.code == "context_length_exceeded" and "counted in pieces, all " in msg and "first" not in msg, msg
+
+
 @pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "add_generation_prompt", "conversation", "documents",
                                  "namespace", "raise_exception"])  # the template's functions (a 500, or no checks)
 def test_reserved_chat_template_kwargs_are_400(server, key):

@@ -285,7 +285,7 @@ class AsyncLLM:
                 self.tokenizer = copy.deepcopy(engine.tokenizer)
             except Exception:
                 self.tokenizer = engine.tokenizer
-            if self._on_ready is not None:
+            if self._on_ready is not None and not self._stopped:  # not after a shutdown during the load
                 self._on_ready(engine)
         except BaseException as exc:
             log.debug("model failed to load", exc_info=exc)  # the message says what; the traceback is for debugging

@@ -182,7 +182,7 @@ class CountTokensRequest(RequestBody):
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages`` body (unknown fields such as ``metadata`` are accepted and ignored)."""
 
-    max_tokens: MaxTokens
+    max_tokens: Annotated[MaxTokens, Field(ge=1)]  # required here: no "or None" as the OpenAI routes allow
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None

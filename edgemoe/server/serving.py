@@ -345,11 +345,12 @@ class Serving:
                 count += len(tokenizer.encode(text[start:end], add_special_tokens=False))
                 start, pieces = end, pieces + 1
                 if count - COUNT_SLACK_TOKENS * pieces > limit:
+                    counted = (f"in its first {start} of {len(text)} characters" if start < len(text)
+                               else f"in pieces, all {len(text)} characters")
                     raise ContextLengthError(
-                        f"The prompt has more than {count - COUNT_SLACK_TOKENS * pieces} tokens (counted in its "
-                        f"first {start} of {len(text)} characters) but at most {limit} are accepted. Shorten "
-                        "the prompt (or raise --max-model-len / --kv-cache-tokens).",
-                        param, count - COUNT_SLACK_TOKENS * pieces, limit)
+                        f"The prompt has more than {count - COUNT_SLACK_TOKENS * pieces} tokens (counted {counted}) "
+                        f"but at most {limit} are accepted. Shorten the prompt (or raise --max-model-len / "
+                        "--kv-cache-tokens).", param, count - COUNT_SLACK_TOKENS * pieces, limit)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # ------------------------------------------------------------------ preparing a request
