@@ -24,10 +24,8 @@ send nearly every token to the same few experts, which would not touch every exp
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import platform
-import shutil
 import sys
 import time
 from datetime import UTC, datetime
@@ -147,11 +145,7 @@ def profile_prompt(runner: ModelRunner, slots: int, policy: str, mode: str, prom
     out.mkdir(parents=True, exist_ok=True)
     with profile(activities=acts) as prof:
         rows = run_prompt(runner, slots, policy, mode, prompt, chunk, b_p)
-    trace = out / "prefill-trace.json"
-    prof.export_chrome_trace(str(trace))
-    with trace.open("rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
-        shutil.copyfileobj(f, g)
-    trace.unlink()
+    prof.export_chrome_trace(str(out / "prefill-trace.json.gz"))  # torch gzips a path ending in .gz
     ka = prof.key_averages()
     sort_dev = "device_time_total" if runner.device.type == "cuda" else "cpu_time_total"
     text = "\n".join([

@@ -262,8 +262,9 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         g, b = c.branches(f, cpu, armed)
         t = c.layer_seconds(h, f, cpu, armed) + carry
         win.layer_steps += 1
-        win.decided += m - min(f, free)
-        win.free_fills += min(f, free)
+        free_fills = min(f, free)
+        win.decided += m - free_fills
+        win.free_fills += free_fills
         if cpu and armed:
             win.handoffs[a.layer] += 1
             win.late[a.layer] += b > g + h * c.hit_s

@@ -766,7 +766,7 @@ class AutoPolicy(ExpertPolicy):
             before, self._window_misses = self._window_misses, m
             self.misses_falling = (before is not None and before >= self.falling_min_misses
                                    and m < self.falling_ratio * before)
-            self.misses_rose = (before is not None and self._window_full and before < self.falling_min_misses
+            self.misses_rose = (self._window_full and before < self.falling_min_misses  # full implies a window before
                                 and m >= self.rising_min_misses)
             self._window_full = obs.free_slot_fills == 0
         mean_s = self._window_s / self._window_steps if self._window_steps else None
