@@ -79,7 +79,8 @@ enum CpuFeature : uint32_t {
   kFeatAvx512BW = 1u << 3,
   kFeatAvx512VL = 1u << 4,
   kFeatAvx512Bf16 = 1u << 5,
-  kFeatAmxBf16 = 1u << 6,   // reported only: AMX tiles do not help a bandwidth-bound GEMV
+  kFeatAmxBf16 = 1u << 6,   // reported only: AMX tiles measured slower than the vector kernels for a one-token
+                            // FP4 GEMV (docs/benchmarks/cpu_executor.md)
   kFeatF16C = 1u << 7,
   kFeatAvx512Fp16 = 1u << 8, // reported only
 };
