@@ -281,10 +281,13 @@ def test_unfinished_streamed_step_is_closed_by_the_next_call():
     hy.cache.check_invariants()
 
 
-def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
-    """The CUDA protocol, run on CPU with recording stand-ins for streams and events: layer l+1's copy
-    is issued on the copy stream before layer l computes, after the event of layer l-1's compute (the
-    region's previous reader); layer l's compute waits for the event after layer l's copy."""
+@pytest.fixture
+def cuda_protocol(monkeypatch):
+    """Recording stand-ins for CUDA streams and events, so that the streamer's CUDA branches run on CPU:
+    ``(log, current, copy_stream, bind)``, where ``log`` gets ``("wait", stream, event)``, ``("wait_stream", a, b)``,
+    ``("record", stream, event)`` and ``("compute", stream)`` entries, ``current`` is the stack of current streams,
+    and ``bind(hy)`` switches ``hy``'s streamer to the CUDA branches (its copies logged as ``("copy", stream,
+    layer)``)."""
     log: list[tuple] = []
 
     class Stream:
@@ -323,12 +326,24 @@ def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
     run = prefill_mod.run_sorted_experts
     monkeypatch.setattr(prefill_mod, "run_sorted_experts",
                         lambda *a, **kw: (log.append(("compute", current[-1].name)), run(*a, **kw))[1])
+
+    def bind(hy):
+        hy.prefill._cuda = True  # the CUDA branches, with the stand-ins above
+        hy.prefill._copy_stream = copy_stream
+        copy = hy.prefill._copy
+        hy.prefill._copy = lambda runs: (log.append(("copy", current[-1].name, runs[0][0] // E)), copy(runs))[1]
+
+    return log, current, copy_stream, bind
+
+
+def test_overlap_orders_copies_and_compute_with_events(cuda_protocol):
+    """The CUDA protocol, run on CPU with recording stand-ins for streams and events: layer l+1's copy
+    is issued on the copy stream before layer l computes, after the event of layer l-1's compute (the
+    region's previous reader); layer l's compute waits for the event after layer l's copy."""
+    log, _, _, bind = cuda_protocol
     pool = _pool()
     hy = _hybrid(pool, 2 * E + 2)
-    hy.prefill._cuda = True  # the CUDA branches, with the stand-ins above
-    hy.prefill._copy_stream = copy_stream
-    copy = hy.prefill._copy
-    hy.prefill._copy = lambda runs: (log.append(("copy", current[-1].name, runs[0][0] // E)), copy(runs))[1]
+    bind(hy)
     for step in (1, 2):
         log.clear()
         layers = _routing(10, step)
@@ -350,6 +365,35 @@ def test_overlap_orders_copies_and_compute_with_events(monkeypatch):
             assert ("wait", "compute", copy_done[layer]) in log[prev:computes[layer]]
             if layer >= 2:  # region reuse waits for the compute that last read it
                 assert log[copies[layer] - 1] == ("wait", "copy", compute_done[layer - 2])
+
+
+def test_streamed_layers_allocate_no_page_locked_memory(monkeypatch, cuda_protocol):
+    """On CUDA a page-locked host allocation issued between two commands of different streams keeps them from
+    running concurrently (the CUDA programming guide's implicit synchronization), so none may come between a
+    layer's copies and its compute: every index vector a streamed layer sends to the device (the staged ids, their
+    slots, the layer's residency) goes through the step's one staging buffer, allocated at the step's start, and
+    never through ``device_int64`` (a page-locked tensor per call). Run through the CUDA branches on CPU."""
+    from edgemoe.experts import cache as cache_mod
+
+    _, _, _, bind = cuda_protocol
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E)  # two regions: every layer stages, evicting the layer two before
+    bind(hy)
+    layers = _routing(10, 6)
+    calls: list[int] = []
+    orig = cache_mod.device_int64
+    monkeypatch.setattr(cache_mod, "device_int64", lambda values, device: (calls.append(len(values)),
+                                                                           orig(values, device))[1])
+    for step in (1, 2):
+        out = [hy.forward(0, *layers[0], Phase.PREFILL, step)]  # the step's start: regions, staging buffer
+        calls.clear()
+        out += [hy.forward(layer, *layers[layer], Phase.PREFILL, step) for layer in range(1, L)]
+        assert calls == [], f"step {step}: device_int64 of {calls} values in the streamed layers"
+        for layer, got in enumerate(out):
+            torch.testing.assert_close(got.double(), _dense(pool, layer, *layers[layer]), rtol=1e-5, atol=1e-5)
+        hy.cache.check_invariants()
+    c = hy.cache.counters["prefill"]
+    assert c.misses > 0 and c.fills >= c.misses
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=[f.value for f in FORMATS])

@@ -247,8 +247,15 @@ class ExpertCache:
             prev = self.slot_of[ids]
             if bool((prev >= 0).any()):
                 raise RuntimeError(f"experts {ids[prev >= 0].tolist()} already resident")
+        self.admit_indexed(ids, idx, step)
+
+    def admit_indexed(self, ids: torch.Tensor, idx: torch.Tensor, step: int) -> None:
+        """:meth:`admit_many` without its check, from index tensors already on the cache's device: ``ids`` and
+        ``idx`` int64 ``[n]`` (distinct flat ids, none resident; distinct slots). Launches device operations only,
+        so a caller that stages its indices through its own pinned buffer (a streamed prefill step) makes no host
+        allocation here."""
         olds = self.owner_of[idx].clone()
-        self.evict(slots)
+        self._evict_indexed(idx)
         self._displace(ids, idx, olds)
         self.slot_of[ids] = idx
         self.owner_of[idx] = ids
@@ -256,9 +263,10 @@ class ExpertCache:
 
     def evict(self, slots: list[int]) -> None:
         """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""
-        if not slots:
-            return
-        idx = self._index(slots)
+        if slots:
+            self._evict_indexed(self._index(slots))
+
+    def _evict_indexed(self, idx: torch.Tensor) -> None:
         self._forget_ghosts(idx)
         owners = self.owner_of[idx]
         _set_where(self.slot_of, owners, owners >= 0, -1)

@@ -34,6 +34,12 @@ prefill step streams whole layers through the expert cache and is bound by the h
   keeps that copy current as it stages; a layer's hit/miss counts and recency updates are computed on the device
   from its routing, and the counts come back once, at the step's end. A host read per layer would drain the
   compute queue and leave the GPU idle while the host issues the next layer's kernels.
+- **No page-locked allocation between layers.** The index vectors a layer sends to the device (its staged ids
+  and slots, its residency) go through one page-locked staging buffer allocated at the step's start: CUDA does
+  not run two commands of different streams concurrently when a page-locked host allocation was issued between
+  them (the programming guide's implicit synchronization), so one per layer, issued between a layer's copies and
+  its compute, would serialize them. (torch's pinned allocator reuses a freed block only once the work that used
+  it is done, so a host running layers ahead of the GPU would otherwise make new blocks as it goes.)
 
 A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
 (then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
@@ -49,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edgemoe.core import Phase
-from edgemoe.experts.cache import ExpertCache, device_int64
+from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.compute import run_sorted_experts
 from edgemoe.experts.policy import ExpertPolicy
 from edgemoe.experts.pool import HostExpertPool
@@ -100,6 +106,7 @@ class _StreamedStep:
     slot_of: list[int]  # host copy of the cache's slot_of, kept current by the step's admissions
     owner_of: list[int]  # host copy of the cache's owner_of, likewise
     hit_miss: torch.Tensor  # [2] int64 on the device: routed experts that were resident / were staged, so far
+    staging: torch.Tensor  # [L, 4E] int64 on the host, pinned on CUDA: each layer's index vectors on their way
     next_layer: int = 0
     staged: dict[int, _StagedLayer] = field(default_factory=dict)
     compute_done: torch.cuda.Event | None = None  # recorded after the previous layer's expert compute
@@ -191,8 +198,13 @@ class PrefillStreamer:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.compute_dtype, device=self.device)
         # the step's one read of the tables: from here on only this step changes them, through _stage
+        # the step's one page-locked host allocation: every layer's index vectors go to the device through it. A
+        # page-locked allocation between two commands of different streams keeps them from running concurrently
+        # (CUDA's implicit synchronization), so none may happen between a layer's copies and its compute.
+        staging = torch.empty((self.num_layers, 4 * self.num_experts), dtype=torch.int64,
+                              pin_memory=self.device.type == "cuda")
         self._cur = _StreamedStep(step, regions, free, routed, cache.slot_of.tolist(), cache.owner_of.tolist(),
-                                  torch.zeros(2, dtype=torch.int64, device=self.device))
+                                  torch.zeros(2, dtype=torch.int64, device=self.device), staging)
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
 
@@ -214,7 +226,9 @@ class PrefillStreamer:
             raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts "
                                f"of layer {layer}")
         del cur.spare[:n_spare]
-        cache.admit_many([base + e for e in missing], dest, cur.step, check=False)  # the host copy says: not resident
+        if missing:  # the host copy says: not resident
+            cache.admit_indexed(self._to_device(layer, 0, [base + e for e in missing]),
+                                self._to_device(layer, E, dest), cur.step)
         for e, s in zip(missing, dest):  # the host copy follows: the slot's previous owner leaves
             old = cur.owner_of[s]
             if old >= 0:
@@ -234,6 +248,17 @@ class PrefillStreamer:
             done = torch.cuda.Event()
             done.record(stream)
         return _StagedLayer(slots, resident, done)
+
+    def _to_device(self, layer: int, offset: int, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor ``[n]`` on the device, through columns ``[offset, offset + n)`` of the step's
+        staging row ``layer`` (on CUDA an asynchronous copy from page-locked memory: no host allocation, no wait).
+        Each layer uses its columns once per step: ``[0, E)`` and ``[E, 2E)`` the staged ids and their slots,
+        ``[2E, 4E)`` the layer's residency flags and slots."""
+        if not self._cuda:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+        row = self._cur.staging[layer, offset:offset + len(values)]
+        row.copy_(torch.tensor(values, dtype=torch.int64))
+        return row.to(self.device, non_blocking=True)
 
     def _copy(self, runs: list[tuple[int, int, int]]) -> None:
         non_blocking = self.pool.pinned and self._cuda
@@ -268,7 +293,7 @@ class PrefillStreamer:
         # counters and recency from the layer's routing, on the device (no host read: the step's queue keeps going)
         seen = torch.zeros(E, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)  # [E] routed
         # one transfer: [E] whether resident (a hit when routed), then [E] the slots (distinct: every expert has one)
-        staged_d = device_int64([int(r) for r in staged.resident] + staged.slots, flat.device)
+        staged_d = self._to_device(moe_layer, 2 * E, [int(r) for r in staged.resident] + staged.slots)
         resident, slots = staged_d[:E].bool(), staged_d[E:]
         hit, unrouted_staged = seen & resident, ~(seen | resident)
         cur.hit_miss += torch.stack([hit.sum(), (seen & ~resident).sum()])

@@ -64,27 +64,32 @@ def test_streamed_middle_layers_never_wait_for_the_gpu(small_any_format):
     """Between a streamed step's first and last MoE layer the streamer makes no synchronizing call (a host read
     there drains the compute queue and idles the GPU while the host issues the next layer): torch's sync debug
     mode raises on any such call in those layers (copies staged, tables updated, counts and recency on the
-    device, the grouped kernels). The step's first layer reads the tables, its last layer the counts."""
+    device, the grouped kernels). The step's first layer reads the tables, its last layer the counts. Nor does
+    it allocate page-locked host memory there (a page-locked allocation between a layer's copies and its compute
+    keeps them from running concurrently): the pinned allocator's count of blocks it made stays put."""
     runner = ModelRunner(small_any_format, EngineConfig(device="cuda", expert_policy="fill-all",
                                                         expert_cache_slots=10**6), progress=False)
     E, L = runner.model_config.num_experts, runner.model_config.num_moe_layers
     runner.set_expert_cache(2 * E, "fill-all")  # two regions: every layer stages, evicting the layer two before
-    streamer, checked = runner.experts.hybrid.prefill, []
+    streamer, checked, host_allocs = runner.experts.hybrid.prefill, [], []
     forward = streamer.forward
 
     def no_sync(layer, *args):
         if not 0 < layer < L - 1:
             return forward(layer, *args)
         checked.append(layer)
+        before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
         torch.cuda.set_sync_debug_mode("error")
         try:
             return forward(layer, *args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            host_allocs.append(torch.cuda.host_memory_stats().get("num_host_alloc", 0) - before)
 
     streamer.forward = no_sync
     greedy_decode(runner, PROMPT, 2, chunk_ends=[48], free=True)
     assert checked == list(range(1, L - 1)) * 2  # both chunks streamed
+    assert host_allocs == [0] * len(checked), f"page-locked blocks made in the middle layers: {host_allocs}"
     c = runner.experts.cache.counters["prefill"]
     assert c.misses > 0 and c.fills >= c.misses
     runner.experts.cache.check_invariants()
