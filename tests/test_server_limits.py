@@ -274,6 +274,29 @@ def test_a_prompt_far_over_the_limit_is_refused_before_it_is_tokenized_whole(ser
     assert r.choices and len(lengths) == 1
 
 
+# ---------------------------------------------------------------- options that cannot be honoured
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("/v1/messages", {"messages": MESSAGES, "tool_choice": {"type": "any"}}),
+    ("/v1/messages", {"messages": MESSAGES, "tool_choice": {"type": "tool", "name": "f"}}),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required"}),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "f"}}),
+])
+def test_a_tool_choice_that_forces_a_call_without_tools_is_400(server, path, body):
+    """``required`` / ``any`` or a named function with no tools offered cannot be honoured: a 400 naming
+    ``tool_choice``, not a text answer."""
+    base, _ = server
+    for stream in (False, True):
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens": 8, "max_output_tokens": 8, **body,
+                                          "stream": stream}))
+        assert r.status_code == 400 and "tool_choice" in r.text, r.text
+        if path != "/v1/messages":
+            assert r.json()["error"]["param"] == "tool_choice"
+
+
 # ---------------------------------------------------------------- stop strings
 
 

@@ -450,7 +450,7 @@ class Serving:
         ``strict`` tools' calls.
 
         Raises:
-            APIError: 400 for a ``tool_choice`` naming no offered tool.
+            APIError: 400 for a ``tool_choice`` naming no offered tool, or forcing a call with no tools offered.
         """
         parsers = self.parsers
         # The prompt opened a think block: a constrained answer closes it at once.
@@ -464,6 +464,9 @@ class Serving:
             return lambda vocab: Grammar.json_schema(spec.output_schema, spec.output_field, lead(vocab))
         tools = rendered.tools
         if not tools:
+            if spec.tool_choice not in ("auto", "none"):  # a call is forced, and there is nothing to call
+                raise APIError(400, "tool_choice: forces a tool call, but the request offers no function tools",
+                               param="tool_choice")
             return None
         cls = parsers.tool_parser
         by_name = {_tool_name(t): t.get("function") or {} for t in tools}
