@@ -51,6 +51,7 @@ from edgemoe.server.common import (
     event_stream,
     json_body,
     part_text,
+    reject_unsupported,
     request_failed,
     sse_event,
     stream_failure,
@@ -177,6 +178,11 @@ class CountTokensRequest(RequestBody):
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfigParam | None = None
+
+
+UNSUPPORTED_OPTIONS: dict[str, tuple] = {"mcp_servers": ([],)}
+"""Messages options this server cannot honour (connecting to remote MCP servers) → the values besides ``null``
+that ask for nothing; any other is a 400 naming the option."""
 
 
 class MessagesRequest(CountTokensRequest):
@@ -459,6 +465,7 @@ def router(serving: Serving) -> APIRouter:
     async def messages(raw: Request, body: MessagesRequest = Depends(messages_body)):
         serving.check_model(body.model)
         serving.ready()
+        reject_unsupported(body, UNSUPPORTED_OPTIONS)
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("msg"))
         if body.stream:
             return event_stream(_stream(serving, prepared, serving.name))
