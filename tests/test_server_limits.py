@@ -332,6 +332,21 @@ def test_options_this_server_cannot_honour_are_400(server, path, field, value, h
     assert r.status_code == 200, r.text
 
 
+def test_an_anthropic_client_tool_without_input_schema_is_400(server):
+    """A client tool (no ``type``, or ``custom``) needs an ``input_schema``: without one it is a 400 naming it, not
+    dropped from the tools the model is offered; typed server tools stay accepted (and not offered)."""
+    base, _ = server
+    body = {"model": "tiny", "max_tokens": 2, "messages": MESSAGES}
+    for tool in ({"name": "get_weather"}, {"type": "custom", "name": "get_weather", "description": "x"}):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = _post(base, path, json.dumps({**body, "tools": [{"name": "ok", "input_schema": {"type": "object"}},
+                                                                tool]}))
+            assert r.status_code == 400 and "tools[1].input_schema" in r.text, r.text
+    server_tool = {"type": "web_search_20250305", "name": "web_search"}
+    r = _post(base, "/v1/messages", json.dumps({**body, "tools": [server_tool]}))
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------- stop strings
 
 

@@ -134,7 +134,8 @@ class MessageParam(_In):
 
 
 class ToolParam(_In):
-    """A tool. Client tools have ``input_schema``; typed Anthropic server tools (``web_search_...``) do not."""
+    """A tool. Client tools (no ``type``, or ``custom``) need ``input_schema``; typed Anthropic server tools
+    (``web_search_...``) have none."""
 
     name: str
     description: str | None = None
@@ -255,7 +256,8 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     """Convert an Anthropic request into the shared :class:`ChatSpec` (OpenAI-style messages).
 
     Raises:
-        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``).
+        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``) or a client tool
+            without ``input_schema``.
     """
     system = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
     messages: list[dict[str, Any]] = []
@@ -297,6 +299,10 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     system_text = "\n\n".join(t for t in system if t)
     if system_text:
         messages.insert(0, {"role": "system", "content": system_text})
+    for k, t in enumerate(body.tools or []):
+        if t.input_schema is None and t.type in (None, "custom"):
+            raise APIError(400, f"tools[{k}].input_schema: Field required (a client tool needs its JSON schema)",
+                           param="tools")
     tools = [
         {"type": "function", "function": {"name": t.name, "description": t.description or "",
                                           "parameters": t.input_schema, **({"strict": True} if t.strict else {})}}
