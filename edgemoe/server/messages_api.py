@@ -10,7 +10,7 @@ What is served (field names and event shapes follow the ``anthropic`` SDK's type
   types are a 400 naming the block);
 - ``tools`` (client tools with an ``input_schema``, ``strict`` enforced; Anthropic-hosted server tools
   are ignored), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``any`` / ``tool`` calls
-  follow ``input_schema``; ``disable_parallel_tool_use`` is accepted and not enforced), ``thinking``
+  follow ``input_schema``; ``disable_parallel_tool_use``: only the first call is returned), ``thinking``
   (``enabled``/``adaptive`` → the template's ``enable_thinking``, ``disabled`` → off; omitted = the
   model's default; with ``output_config.effort``, also the template's ``reasoning_effort``, which
   gpt-oss's Harmony template reads), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
@@ -339,6 +339,7 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
         chat_template_kwargs=kwargs,
         sampling=sampling,
         field_names={"stop": "stop_sequences"},
+        parallel_tool_calls=not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use),
     )
 
 

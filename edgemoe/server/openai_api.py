@@ -189,6 +189,7 @@ def router(serving: Serving) -> APIRouter:
             chat_template_kwargs=with_reasoning_effort(body.chat_template_kwargs, body.reasoning_effort,
                                                        "reasoning_effort"),
             sampling=body.sampling_fields(body.effective_max_tokens),
+            parallel_tool_calls=body.parallel_tool_calls is not False,
         )
         prepared = await serving.prepare(spec, new_id("chatcmpl"))
         if body.stream:

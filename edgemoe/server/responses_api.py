@@ -313,6 +313,7 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
         },
         field_names={"max_tokens": "max_output_tokens"},
         messages_field="input",
+        parallel_tool_calls=body.parallel_tool_calls is not False,
     )
 
 
