@@ -163,6 +163,37 @@ def test_parallel_tool_calls(server):
     ]
 
 
+def test_parallel_tool_calls_false_keeps_only_the_first_call(server):
+    """``parallel_tool_calls: false`` (Anthropic: ``disable_parallel_tool_use``) asks for at most one call: a
+    model that writes two gets only its first returned, whole and streamed, in all three APIs."""
+    client = server.openai()
+    messages = [{"role": "user", "content": "Weather and time in Tokyo?"}]
+    server.scripts.push(*[PARALLEL] * 6)
+    kw = dict(model=MODEL, messages=messages, tools=TOOLS, temperature=0, parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    assert r.choices[0].finish_reason == "tool_calls"
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion().choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.tool_calls] == [
+        ("get_weather", {"city": "Tokyo"})]
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    rkw = dict(model=MODEL, input="Weather and time in Tokyo?", tools=tools, temperature=0, parallel_tool_calls=False)
+    resp = client.responses.create(**rkw)
+    assert [o.name for o in resp.output if o.type == "function_call"] == ["get_weather"]
+    with client.responses.stream(**rkw) as s:
+        final_resp = s.get_final_response()
+    assert [o.name for o in final_resp.output if o.type == "function_call"] == ["get_weather"]
+    a_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    akw = dict(model=MODEL, max_tokens=400, messages=messages, tools=a_tools,
+               tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    msg = server.anthropic().messages.create(**akw)
+    assert [b.name for b in msg.content if b.type == "tool_use"] == ["get_weather"] and msg.stop_reason == "tool_use"
+    with server.anthropic().messages.stream(**akw) as s:
+        final_msg = s.get_final_message()
+    assert [b.name for b in final_msg.content if b.type == "tool_use"] == ["get_weather"]
+
+
 def test_tool_choice_none_returns_markup_as_text(server):
     client = server.openai()
     server.scripts.push(TURN1)

@@ -274,6 +274,79 @@ def test_a_prompt_far_over_the_limit_is_refused_before_it_is_tokenized_whole(ser
     assert r.choices and len(lengths) == 1
 
 
+# ---------------------------------------------------------------- options that cannot be honoured
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("/v1/messages", {"messages": MESSAGES, "tool_choice": {"type": "any"}}),
+    ("/v1/messages", {"messages": MESSAGES, "tool_choice": {"type": "tool", "name": "f"}}),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required"}),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "f"}}),
+])
+def test_a_tool_choice_that_forces_a_call_without_tools_is_400(server, path, body):
+    """``required`` / ``any`` or a named function with no tools offered cannot be honoured: a 400 naming
+    ``tool_choice``, not a text answer."""
+    base, _ = server
+    for stream in (False, True):
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens": 8, "max_output_tokens": 8, **body,
+                                          "stream": stream}))
+        assert r.status_code == 400 and "tool_choice" in r.text, r.text
+        if path != "/v1/messages":
+            assert r.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("path, field, value, harmless", [
+    ("/v1/chat/completions", "logit_bias", {"5": 100}, {}),
+    ("/v1/chat/completions", "top_logprobs", 3, 0),
+    ("/v1/chat/completions", "presence_penalty", 1.5, 0),
+    ("/v1/chat/completions", "frequency_penalty", -0.5, 0.0),
+    ("/v1/chat/completions", "repetition_penalty", 1.2, 1.0),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {"type": "object"}}], []),
+    ("/v1/chat/completions", "function_call", {"name": "f"}, "auto"),
+    ("/v1/chat/completions", "modalities", ["text", "audio"], ["text"]),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}, None),
+    ("/v1/completions", "logit_bias", {"5": 100}, None),
+    ("/v1/completions", "presence_penalty", 2, 0),
+    ("/v1/completions", "best_of", 3, 1),
+    ("/v1/completions", "suffix", "return x", None),
+    ("/v1/responses", "top_logprobs", 5, 0),
+    ("/v1/responses", "conversation", "conv_123", None),
+    ("/v1/responses", "prompt", {"id": "pmpt_123"}, None),
+    ("/v1/responses", "background", True, False),
+    ("/v1/messages", "mcp_servers", [{"type": "url", "url": "https://example.com/sse", "name": "x"}], []),
+])
+def test_options_this_server_cannot_honour_are_400(server, path, field, value, harmless):
+    """An option that would change the answer and that the server does not implement is a 400 naming it,
+    never silently ignored; its neutral value (what SDKs send by default) is accepted."""
+    base, _ = server
+    body = {"model": "tiny", "max_tokens": 2, "max_output_tokens": 2}
+    body |= {"/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}.get(path, {"messages": MESSAGES})
+    for stream in (False, True):
+        r = _post(base, path, json.dumps({**body, field: value, "stream": stream}))
+        assert r.status_code == 400 and field in r.text and "not supported" in r.text, r.text
+        if path != "/v1/messages":
+            assert r.json()["error"]["param"] == field
+    r = _post(base, path, json.dumps({**body, field: harmless}))
+    assert r.status_code == 200, r.text
+
+
+def test_an_anthropic_client_tool_without_input_schema_is_400(server):
+    """A client tool (no ``type``, or ``custom``) needs an ``input_schema``: without one it is a 400 naming it, not
+    dropped from the tools the model is offered; typed server tools stay accepted (and not offered)."""
+    base, _ = server
+    body = {"model": "tiny", "max_tokens": 2, "messages": MESSAGES}
+    for tool in ({"name": "get_weather"}, {"type": "custom", "name": "get_weather", "description": "x"}):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = _post(base, path, json.dumps({**body, "tools": [{"name": "ok", "input_schema": {"type": "object"}},
+                                                                tool]}))
+            assert r.status_code == 400 and "tools[1].input_schema" in r.text, r.text
+    server_tool = {"type": "web_search_20250305", "name": "web_search"}
+    r = _post(base, "/v1/messages", json.dumps({**body, "tools": [server_tool]}))
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------- stop strings
 
 
@@ -331,8 +404,8 @@ def test_failure_mid_stream_is_an_error_event_then_the_end(server, monkeypatch, 
                 raise ValueError("detokenizer exploded")
 
         monkeypatch.setattr(llm, "generate", failing)
-    body = {"model": "tiny", "max_tokens": 50, "stream": True, "ignore_eos": True,
-            "messages": MESSAGES, "input": "hi", "prompt": "hi"}
+    body = {"model": "tiny", "max_tokens": 50, "stream": True, "ignore_eos": True}
+    body |= {"/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}.get(path, {"messages": MESSAGES})
     with httpx.stream("POST", base + path, json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = _sse(r)

@@ -31,6 +31,7 @@ __all__ = [
     "json_body",
     "openai_finish_reason",
     "part_text",
+    "reject_unsupported",
     "request_failed",
     "sse_data",
     "sse_event",
@@ -183,6 +184,26 @@ def json_body(model: type[Body], max_items: int, items_field: str | None = "mess
         return await asyncio.to_thread(parse_body, model, raw, items_field, max_items)
 
     return dependency
+
+
+def reject_unsupported(body: BaseModel, options: dict[str, tuple]) -> None:
+    """Refuse an option the server cannot honour rather than ignore it.
+
+    Args:
+        body: the request (its declared fields and, as unknown fields are accepted, the extra ones).
+        options: option name → the values besides ``null`` that ask for nothing (what SDKs send by
+            default, e.g. ``0`` for a penalty).
+
+    Raises:
+        APIError: 400 naming the first option set to another value.
+    """
+    given = {**(body.model_extra or {}), **{k: getattr(body, k) for k in type(body).model_fields}}
+    for name, neutral in options.items():
+        value = given.get(name)
+        if value is not None and not any(value == v for v in neutral):
+            accepted = "".join(f" or {json.dumps(v)}" for v in neutral)
+            raise APIError(400, f"{name}: not supported by this server; omit it (or send null{accepted})",
+                           param=name)
 
 
 def part_text(part: Any, where: str, param: str) -> str:

@@ -10,7 +10,7 @@ What is served (field names and event shapes follow the ``anthropic`` SDK's type
   types are a 400 naming the block);
 - ``tools`` (client tools with an ``input_schema``, ``strict`` enforced; Anthropic-hosted server tools
   are ignored), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; ``any`` / ``tool`` calls
-  follow ``input_schema``; ``disable_parallel_tool_use`` is accepted and not enforced), ``thinking``
+  follow ``input_schema``; ``disable_parallel_tool_use``: only the first call is returned), ``thinking``
   (``enabled``/``adaptive`` → the template's ``enable_thinking``, ``disabled`` → off; omitted = the
   model's default; with ``output_config.effort``, also the template's ``reasoning_effort``, which
   gpt-oss's Harmony template reads), ``stop_sequences``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
@@ -51,6 +51,7 @@ from edgemoe.server.common import (
     event_stream,
     json_body,
     part_text,
+    reject_unsupported,
     request_failed,
     sse_event,
     stream_failure,
@@ -133,7 +134,8 @@ class MessageParam(_In):
 
 
 class ToolParam(_In):
-    """A tool. Client tools have ``input_schema``; typed Anthropic server tools (``web_search_...``) do not."""
+    """A tool. Client tools (no ``type``, or ``custom``) need ``input_schema``; typed Anthropic server tools
+    (``web_search_...``) have none."""
 
     name: str
     description: str | None = None
@@ -177,6 +179,11 @@ class CountTokensRequest(RequestBody):
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfigParam | None = None
+
+
+UNSUPPORTED_OPTIONS: dict[str, tuple] = {"mcp_servers": ([],)}
+"""Messages options this server cannot honour (connecting to remote MCP servers) → the values besides ``null``
+that ask for nothing; any other is a 400 naming the option."""
 
 
 class MessagesRequest(CountTokensRequest):
@@ -249,7 +256,8 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     """Convert an Anthropic request into the shared :class:`ChatSpec` (OpenAI-style messages).
 
     Raises:
-        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``).
+        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``) or a client tool
+            without ``input_schema``.
     """
     system = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
     messages: list[dict[str, Any]] = []
@@ -291,6 +299,10 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     system_text = "\n\n".join(t for t in system if t)
     if system_text:
         messages.insert(0, {"role": "system", "content": system_text})
+    for k, t in enumerate(body.tools or []):
+        if t.input_schema is None and t.type in (None, "custom"):
+            raise APIError(400, f"tools[{k}].input_schema: Field required (a client tool needs its JSON schema)",
+                           param="tools")
     tools = [
         {"type": "function", "function": {"name": t.name, "description": t.description or "",
                                           "parameters": t.input_schema, **({"strict": True} if t.strict else {})}}
@@ -327,6 +339,7 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
         chat_template_kwargs=kwargs,
         sampling=sampling,
         field_names={"stop": "stop_sequences"},
+        parallel_tool_calls=not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use),
     )
 
 
@@ -459,6 +472,7 @@ def router(serving: Serving) -> APIRouter:
     async def messages(raw: Request, body: MessagesRequest = Depends(messages_body)):
         serving.check_model(body.model)
         serving.ready()
+        reject_unsupported(body, UNSUPPORTED_OPTIONS)
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("msg"))
         if body.stream:
             return event_stream(_stream(serving, prepared, serving.name))

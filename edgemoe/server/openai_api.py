@@ -43,12 +43,15 @@ from edgemoe.server.common import (
     is_anthropic,
     json_body,
     openai_finish_reason,
+    reject_unsupported,
     request_failed,
     sse_data,
     stream_failure,
 )
 from edgemoe.server.parsers import ParseEvent
 from edgemoe.server.protocol import (
+    UNSUPPORTED_CHAT_OPTIONS,
+    UNSUPPORTED_COMPLETION_OPTIONS,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -136,6 +139,7 @@ def router(serving: Serving) -> APIRouter:
             raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
         if body.logprobs:
             raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+        reject_unsupported(body, UNSUPPORTED_COMPLETION_OPTIONS)
         try:
             return body.to_sampling_params(max_tokens, serving.generation_defaults)
         except SamplingParamsError as exc:
@@ -175,6 +179,7 @@ def router(serving: Serving) -> APIRouter:
             raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
         if body.logprobs:
             raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+        reject_unsupported(body, UNSUPPORTED_CHAT_OPTIONS)
         choice = body.tool_choice or "auto"
         spec = ChatSpec(
             messages=chat_messages(body.messages),
@@ -184,6 +189,7 @@ def router(serving: Serving) -> APIRouter:
             chat_template_kwargs=with_reasoning_effort(body.chat_template_kwargs, body.reasoning_effort,
                                                        "reasoning_effort"),
             sampling=body.sampling_fields(body.effective_max_tokens),
+            parallel_tool_calls=body.parallel_tool_calls is not False,
         )
         prepared = await serving.prepare(spec, new_id("chatcmpl"))
         if body.stream:

@@ -5,9 +5,10 @@ responses out). The Anthropic Messages and OpenAI Responses models live in ``mes
 Requests accept and ignore unknown fields (``extra="allow"``) so SDKs sending newer parameters keep
 working; lone surrogates in any string become U+FFFD (:class:`~edgemoe.server.common.RequestBody`).
 Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
-types by pydantic. ``presence_penalty`` / ``frequency_penalty`` are accepted and ignored (the sampler has
-no penalties yet); ``reasoning_effort`` becomes the chat template's ``reasoning_effort`` (gpt-oss's Harmony
-template reads it).
+types by pydantic. Options the server cannot honour (penalties: the sampler has none yet; ``logit_bias``,
+``top_logprobs``, legacy ``functions``, audio, ...: :data:`UNSUPPORTED_CHAT_OPTIONS`) are a 400 naming them
+unless they ask for nothing (``presence_penalty: 0``); ``reasoning_effort`` becomes the chat template's
+``reasoning_effort`` (gpt-oss's Harmony template reads it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from edgemoe.engine.sampling import SamplingParams
 from edgemoe.server.common import MaxTokens, RequestBody, Seed, TopK
 
 __all__ = [
+    "UNSUPPORTED_CHAT_OPTIONS",
+    "UNSUPPORTED_COMPLETION_OPTIONS",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatCompletionStreamResponse",
@@ -41,6 +44,22 @@ __all__ = [
     "UsageInfo",
     "sampling_kwargs",
 ]
+
+
+_PENALTIES = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,)}
+UNSUPPORTED_CHAT_OPTIONS: dict[str, tuple] = {
+    "logit_bias": ({},),
+    "top_logprobs": (0,),
+    **_PENALTIES,
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "modalities": (["text"],),
+    "audio": (),
+}
+"""Chat-completion options this server cannot honour → the values besides ``null`` that ask for nothing
+(``reject_unsupported``): any other value is a 400 naming the option."""
+UNSUPPORTED_COMPLETION_OPTIONS: dict[str, tuple] = {"logit_bias": ({},), **_PENALTIES, "best_of": (1,), "suffix": ("",)}
+"""The same for text completions."""
 
 
 class _Request(BaseModel):

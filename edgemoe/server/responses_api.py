@@ -47,6 +47,7 @@ from edgemoe.server.common import (
     content_text,
     event_stream,
     json_body,
+    reject_unsupported,
     request_failed,
     sse_event,
     stream_failure,
@@ -134,6 +135,11 @@ class TextConfig(_In):
 class FunctionToolChoice(_In):
     type: Literal["function"]
     name: str
+
+
+UNSUPPORTED_OPTIONS: dict[str, tuple] = {"top_logprobs": (0,), "conversation": (), "prompt": (), "background": (False,)}
+"""Responses options this server cannot honour (stored conversations and prompts, background runs, logprobs) →
+the values besides ``null`` that ask for nothing; any other is a 400 naming the option."""
 
 
 class ResponsesRequest(RequestBody):
@@ -307,6 +313,7 @@ def to_chat_spec(body: ResponsesRequest) -> ChatSpec:
         },
         field_names={"max_tokens": "max_output_tokens"},
         messages_field="input",
+        parallel_tool_calls=body.parallel_tool_calls is not False,
     )
 
 
@@ -503,6 +510,7 @@ def router(serving: Serving) -> APIRouter:
     async def responses(raw: Request, body: ResponsesRequest = Depends(responses_body)):
         serving.check_model(body.model)
         serving.ready()
+        reject_unsupported(body, UNSUPPORTED_OPTIONS)
         prepared = await serving.prepare(to_chat_spec(body), new_tool_call_id("resp"))
         shell = _Shell(body, prepared, serving.name)
         if body.stream:

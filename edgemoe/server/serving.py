@@ -49,7 +49,7 @@ from edgemoe.server.parsers.think import THINK_END, ThinkParser, prompt_ends_in_
 from edgemoe.server.protocol import sampling_kwargs
 from edgemoe.server.structured import Grammar, GrammarError, GrammarLogitsProcessor, GrammarVocab, min_output_tokens
 
-__all__ = ["CallIds", "ChatSpec", "Prepared", "Serving", "new_tool_call_id", "with_reasoning_effort"]
+__all__ = ["CallIds", "ChatSpec", "FirstCallOnly", "Prepared", "Serving", "new_tool_call_id", "with_reasoning_effort"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class ChatSpec:
         field_names: engine field → this API's field, for error messages (``max_tokens`` →
             ``max_output_tokens``).
         messages_field: the API's name of the conversation field (``messages`` / ``input``).
+        parallel_tool_calls: ``False``: at most one tool call is returned (the model's first).
     """
 
     messages: list[dict[str, Any]]
@@ -85,6 +86,7 @@ class ChatSpec:
     sampling: dict[str, Any] = field(default_factory=dict)
     field_names: dict[str, str] = field(default_factory=dict)
     messages_field: str = "messages"
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class CallIds:
 @dataclass
 class Prepared:
     """A request ready to run: prompt, parameters, and what parses its output (``past_call_ids`` /
-    ``past_calls``: see :class:`Rendered`)."""
+    ``past_calls``: see :class:`Rendered`; ``parallel_tool_calls``: see :class:`ChatSpec`)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -161,14 +163,38 @@ class Prepared:
     parsers: ParserConfig
     past_call_ids: frozenset[str] = frozenset()
     past_calls: int = 0
+    parallel_tool_calls: bool = True
 
     def new_parser(self) -> OutputParser:
         """A fresh output parser for this request."""
-        return self.parsers.build(self.generation_prompt, self.tools)
+        parser = self.parsers.build(self.generation_prompt, self.tools)
+        return parser if self.parallel_tool_calls else FirstCallOnly(parser)
 
     def call_ids(self, prefix: str = "call") -> CallIds:
         """A fresh :class:`CallIds` for this request's response."""
         return CallIds(self.parsers.tool_parser, prefix, self.past_call_ids, self.past_calls)
+
+
+class FirstCallOnly(OutputParser):
+    """An output parser's events without the tool calls after the first (``parallel_tool_calls: false``,
+    Anthropic's ``disable_parallel_tool_use``: the client handles one call per turn)."""
+
+    def __init__(self, parser: OutputParser):
+        self.parser = parser
+
+    @property
+    def saw_reasoning(self) -> bool:  # type: ignore[override]
+        return self.parser.saw_reasoning
+
+    @staticmethod
+    def _first(events: list[ParseEvent]) -> list[ParseEvent]:
+        return [e for e in events if e.kind != "tool_call" or e.index == 0]
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        return self._first(self.parser.feed(text))
+
+    def finish(self) -> list[ParseEvent]:
+        return self._first(self.parser.finish())
 
 
 def _tool_name(tool: dict) -> str | None:
@@ -450,7 +476,7 @@ class Serving:
         ``strict`` tools' calls.
 
         Raises:
-            APIError: 400 for a ``tool_choice`` naming no offered tool.
+            APIError: 400 for a ``tool_choice`` naming no offered tool, or forcing a call with no tools offered.
         """
         parsers = self.parsers
         # The prompt opened a think block: a constrained answer closes it at once.
@@ -464,6 +490,9 @@ class Serving:
             return lambda vocab: Grammar.json_schema(spec.output_schema, spec.output_field, lead(vocab))
         tools = rendered.tools
         if not tools:
+            if spec.tool_choice not in ("auto", "none"):  # a call is forced, and there is nothing to call
+                raise APIError(400, "tool_choice: forces a tool call, but the request offers no function tools",
+                               param="tool_choice")
             return None
         cls = parsers.tool_parser
         by_name = {_tool_name(t): t.get("function") or {} for t in tools}
@@ -516,7 +545,7 @@ class Serving:
             proc = await asyncio.to_thread(self._constrain, vocab, build(vocab), params.max_tokens, spec)
             params = replace(params, logits_processors=[proc])
         return Prepared(request_id, rendered.prompt_ids, rendered.generation_prompt, params, rendered.tools,
-                        self.parsers, rendered.past_call_ids, rendered.past_calls)
+                        self.parsers, rendered.past_call_ids, rendered.past_calls, spec.parallel_tool_calls)
 
     @staticmethod
     def _constrain(vocab: GrammarVocab, grammar: Grammar, max_tokens: int, spec: ChatSpec) -> GrammarLogitsProcessor:
