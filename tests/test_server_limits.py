@@ -117,6 +117,46 @@ def test_seed_outside_64_bits_is_400(server, seed):
         assert r.choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("seed", [True, 1.5, "3"], ids=["bool", "float", "string"])
+def test_a_seed_that_is_not_an_integer_is_400(server, seed):
+    """JSON true, 1.5 or "3" is not a seed (pydantic's lax mode took true as seed 1): a 400 naming ``seed``."""
+    base, _ = server
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/responses", {"input": "hi"})):
+        r = _post(base, path, json.dumps({"model": "tiny", "max_tokens" if "chat" in path else "max_output_tokens": 2,
+                                          "seed": seed, **body}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", (path, r.text)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_400(server):
+    """A stop token id past the vocabulary could never stop anything: a 400 naming ``stop_token_ids``."""
+    base, llm = server
+    vocab = llm.model_config.vocab_size
+    c = _openai(base)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"stop_token_ids": [vocab]})
+    assert info.value.param == "stop_token_ids" and f"[0, {vocab})" in info.value.message
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                  extra_body={"stop_token_ids": [vocab - 1]})
+    assert r.choices
+
+
+def test_an_empty_anthropic_content_list_is_400(server):
+    """An empty content list (Anthropic's API refuses one but in a final assistant message) was dropped from the
+    conversation; alone it gave a 400 about an empty conversation. Now a 400 naming ``messages[i].content``."""
+    base, _ = server
+    a = _anthropic(base)
+    for messages in ([{"role": "user", "content": []}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []},
+                      {"role": "user", "content": "again"}]):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            a.messages.create(model="tiny", messages=messages, max_tokens=2)
+        bad = next(i for i, m in enumerate(messages) if m["content"] == [])
+        assert f"messages[{bad}].content" in info.value.message
+    r = a.messages.create(model="tiny", max_tokens=2,
+                          messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}])
+    assert r.content is not None
+
+
 def test_huge_top_k_and_max_tokens_are_400(server):
     base, _ = server
     for field, value in (("top_k", 2**40), ("max_tokens", 2**70)):

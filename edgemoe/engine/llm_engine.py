@@ -40,7 +40,7 @@ from edgemoe.engine.request import (
     RequestOutput,
     RequestStatus,
 )
-from edgemoe.engine.sampling import SamplingParams, make_generator, sample
+from edgemoe.engine.sampling import SamplingParams, SamplingParamsError, make_generator, sample
 from edgemoe.engine.scheduler import ScheduledBatch, Scheduler
 
 __all__ = [
@@ -109,6 +109,7 @@ class LLMEngine:
             PromptTooLongError: ``len(prompt) > max_model_len - 1`` or more than the KV cache can hold, the
                 pages it may borrow included (``ModelRunner.kv_limit_tokens``).
             ValueError: an empty prompt or a token id outside the vocabulary.
+            SamplingParamsError: a ``stop_token_ids`` entry outside the vocabulary (it could never stop anything).
         """
         n = len(prompt_token_ids)
         if n == 0:
@@ -116,6 +117,9 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if not all(0 <= int(t) < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids or []):
+            raise SamplingParamsError("stop_token_ids", f"token ids must be in [0, {vocab}), got "
+                                      f"{max(params.stop_token_ids)}")
         kv_limit = int(self.runner.kv_limit_tokens)
         limit = min(self.max_model_len - 1, kv_limit)  # prompt_limit, from the one reading of kv_limit
         if n > limit:

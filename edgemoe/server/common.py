@@ -15,7 +15,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from edgemoe.engine.async_engine import RequestFailedError
 from edgemoe.engine.llm_engine import RequestOutput
@@ -53,7 +53,8 @@ _IMAGE_PARTS = ("image_url", "input_image", "image")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Integer request fields, bounded so that no value can overflow the sampler's 64-bit tensors.
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a 64-bit generator takes, signed or unsigned
+# what a 64-bit generator takes, signed or unsigned; strict: a boolean, a float or a numeric string is not a seed
+Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
 TopK = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 MaxTokens = Annotated[int, Field(lt=2**63)]
 

@@ -256,12 +256,16 @@ def to_chat_spec(body: CountTokensRequest) -> ChatSpec:
     """Convert an Anthropic request into the shared :class:`ChatSpec` (OpenAI-style messages).
 
     Raises:
-        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``) or a client tool
-            without ``input_schema``.
+        APIError: 400 for an unsupported content block (named ``messages[i].content[j]``), an empty content list
+            (``messages[i].content``) but in a final assistant message, or a client tool without ``input_schema``.
     """
     system = [body.system] if isinstance(body.system, str) else [b.text for b in body.system or []]
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
+        final_assistant = m.role == "assistant" and i == len(body.messages) - 1
+        if isinstance(m.content, list) and not m.content and not final_assistant:
+            raise APIError(400, f"messages[{i}].content: at least one content block is required (only a final "
+                           "assistant message may be empty)", param="messages")
         blocks = [TextBlockParam(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         texts, reasoning, calls = [], [], []
         for j, b in enumerate(blocks):

@@ -338,12 +338,15 @@ class Serving:
 
         Raises:
             ContextLengthError: the prompt can never fit.
-            APIError: 400 naming ``param`` for another bad prompt (empty, a token id out of range).
+            APIError: 400 naming ``param`` for another bad prompt (empty, a token id out of range), or naming the
+                sampling field that the model's vocabulary rules out (a stop token id past it).
         """
         try:
             return self.ready().check_prompt(prompt_ids, params)
         except PromptTooLongError as exc:
             raise ContextLengthError(str(exc), param, exc.prompt_len, exc.limit) from None
+        except SamplingParamsError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
