@@ -10,6 +10,7 @@ import torch
 from edgemoe.engine.sampling import (
     SamplingParams,
     SamplingParamsError,
+    apply_penalties,
     apply_top_k_top_p,
     make_generator,
     sample,
@@ -103,6 +104,11 @@ def test_seed_reproducible_and_batch_independent():
         ({"stop": 3}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"frequency_penalty": True}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
@@ -117,3 +123,23 @@ def test_defaults_and_normalization():
     assert not p.greedy and SamplingParams(temperature=0).greedy
     with pytest.raises(ValueError, match="params"):
         sample(_logits(2), [SamplingParams()])
+
+
+def test_penalties_match_their_definitions():
+    """Repetition over prompt and output (positive logits divided, negative multiplied), then frequency times the
+    output count and presence once per output token, against a per-token loop; masked logits stay masked."""
+    logits = _logits(1, 12, 3)[0]
+    logits[11] = -math.inf
+    prompt, output = [0, 1, 1, 11], [2, 2, 2, 3, 0]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3)
+    got = apply_penalties(logits, prompt, output, p)
+    want = logits.clone()
+    for t in range(12):
+        if t in prompt or t in output:
+            want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+        n = output.count(t)
+        want[t] = want[t] - (-0.25) * n - 0.5 * (n > 0)
+    torch.testing.assert_close(got, want)
+    assert got[11] == -math.inf and torch.equal(logits[11], torch.tensor(-math.inf))  # the input is not modified
+    assert p.penalized and not SamplingParams().penalized
+    assert torch.equal(apply_penalties(logits, prompt, [], SamplingParams(presence_penalty=2)), logits)

@@ -340,15 +340,11 @@ def test_a_tool_choice_that_forces_a_call_without_tools_is_400(server, path, bod
 @pytest.mark.parametrize("path, field, value, harmless", [
     ("/v1/chat/completions", "logit_bias", {"5": 100}, {}),
     ("/v1/chat/completions", "top_logprobs", 3, 0),
-    ("/v1/chat/completions", "presence_penalty", 1.5, 0),
-    ("/v1/chat/completions", "frequency_penalty", -0.5, 0.0),
-    ("/v1/chat/completions", "repetition_penalty", 1.2, 1.0),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {"type": "object"}}], []),
     ("/v1/chat/completions", "function_call", {"name": "f"}, "auto"),
     ("/v1/chat/completions", "modalities", ["text", "audio"], ["text"]),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}, None),
     ("/v1/completions", "logit_bias", {"5": 100}, None),
-    ("/v1/completions", "presence_penalty", 2, 0),
     ("/v1/completions", "best_of", 3, 1),
     ("/v1/completions", "suffix", "return x", None),
     ("/v1/responses", "top_logprobs", 5, 0),
@@ -370,6 +366,31 @@ def test_options_this_server_cannot_honour_are_400(server, path, field, value, h
             assert r.json()["error"]["param"] == field
     r = _post(base, path, json.dumps({**body, field: harmless}))
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_penalties_change_the_answer_and_bad_ones_are_400(server, path):
+    """``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty`` are applied (the engine's tests check
+    the arithmetic): a large one changes a greedy answer that repeats tokens, a neutral one leaves it as it was, and
+    one out of range is a 400 naming it."""
+    base, _ = server
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 0}
+    body |= {"prompt": "one one one one"} if path == "/v1/completions" else {"messages": MESSAGES}
+
+    def text(**kw):
+        r = _post(base, path, json.dumps({**body, **kw}))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice.get("text", (choice.get("message") or {}).get("content"))
+
+    plain = text()
+    assert text(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1) == plain
+    changed = [text(**{name: value}) != plain for name, value in
+               (("frequency_penalty", 2), ("presence_penalty", 2), ("repetition_penalty", 3.0))]
+    assert any(changed), plain
+    for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
+        r = _post(base, path, json.dumps({**body, name: value}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
 
 
 def test_an_anthropic_client_tool_without_input_schema_is_400(server):

@@ -40,7 +40,7 @@ from edgemoe.engine.request import (
     RequestOutput,
     RequestStatus,
 )
-from edgemoe.engine.sampling import SamplingParams, SamplingParamsError, make_generator, sample
+from edgemoe.engine.sampling import SamplingParams, SamplingParamsError, apply_penalties, make_generator, sample
 from edgemoe.engine.scheduler import ScheduledBatch, Scheduler
 
 __all__ = [
@@ -237,7 +237,10 @@ class LLMEngine:
 
     @staticmethod
     def _process(req: Request, logits: torch.Tensor) -> torch.Tensor:
-        """Apply the request's logits processors to its ``[V]`` logits row."""
+        """Apply the request's penalties (:func:`apply_penalties`), then its logits processors, to its ``[V]``
+        logits row."""
+        if req.params.penalized:
+            logits = apply_penalties(logits, req.prompt_token_ids, req.output_token_ids, req.params)
         for proc in req.params.logits_processors:
             logits = proc(req.output_token_ids, logits, req.params.max_tokens)
         return logits

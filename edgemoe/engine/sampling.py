@@ -57,6 +57,13 @@ class SamplingParams:
         logits_processors: callables ``proc(output_token_ids: list[int], logits [V] float32,
             max_tokens: int | None) -> logits [V]`` applied in order to this request's logits before
             sampling (e.g. guided JSON decoding); they may mask tokens with ``-inf``.
+        presence_penalty: subtracted from the logit of every token already in the output, in ``[-2, 2]``
+            (OpenAI's definition); ``0`` = off.
+        frequency_penalty: times the number of times a token is already in the output, subtracted from its
+            logit, in ``[-2, 2]``; ``0`` = off.
+        repetition_penalty: ``> 0``; the logit of every token in the prompt or the output is divided by it
+            where positive and multiplied by it where negative (CTRL, Keskar et al. 2019, as transformers'
+            ``RepetitionPenaltyLogitsProcessor``); ``1`` = off. All three as :func:`apply_penalties`.
 
     Raises:
         SamplingParamsError (a ``ValueError``): a value is out of range; the message starts with the
@@ -73,6 +80,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logits_processors: list = field(default_factory=list, repr=False, compare=False)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         def is_int(v) -> bool:
@@ -108,11 +118,53 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"must be a boolean, got {getattr(self, name)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2 <= v <= 2:
+                raise SamplingParamsError(name, f"must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not is_num(r) or not math.isfinite(r) or r <= 0:
+            raise SamplingParamsError("repetition_penalty", f"must be a finite number > 0, got {r!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
         """True when ``temperature`` is 0 (argmax decoding)."""
         return self.temperature < _GREEDY_EPS
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                    params: SamplingParams) -> torch.Tensor:
+    """One request's logits with its presence, frequency and repetition penalties applied (vLLM's order and
+    definitions): the repetition penalty over the prompt's and the output's tokens, then
+    ``logits - frequency_penalty * count - presence_penalty * (count > 0)`` with ``count`` each token's
+    occurrences in the output so far. Masked entries (``-inf``) stay masked.
+
+    Args:
+        logits: ``[V]`` float logits, any device (not modified).
+        prompt_token_ids: the prompt's ids (each in ``[0, V)``).
+        output_token_ids: the ids generated so far (each in ``[0, V)``).
+        params: the request's :class:`SamplingParams`.
+
+    Returns:
+        A new ``[V]`` tensor, same dtype and device.
+    """
+    V, dev = logits.shape[-1], logits.device
+    out = logits.clone()
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(V, dtype=torch.bool, device=dev)
+        seen[torch.tensor([*prompt_token_ids, *output_token_ids], dtype=torch.int64, device=dev)] = True
+        p = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / p, out * p), out)
+    if output_token_ids and (params.frequency_penalty != 0 or params.presence_penalty != 0):
+        counts = torch.bincount(torch.tensor(list(output_token_ids), dtype=torch.int64, device=dev), minlength=V)
+        counts = counts.to(out.dtype)
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

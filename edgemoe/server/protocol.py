@@ -5,10 +5,11 @@ responses out). The Anthropic Messages and OpenAI Responses models live in ``mes
 Requests accept and ignore unknown fields (``extra="allow"``) so SDKs sending newer parameters keep
 working; lone surrogates in any string become U+FFFD (:class:`~edgemoe.server.common.RequestBody`).
 Ranges are checked by :class:`~edgemoe.engine.sampling.SamplingParams` (one source of truth),
-types by pydantic. Options the server cannot honour (penalties: the sampler has none yet; ``logit_bias``,
-``top_logprobs``, legacy ``functions``, audio, ...: :data:`UNSUPPORTED_CHAT_OPTIONS`) are a 400 naming them
-unless they ask for nothing (``presence_penalty: 0``); ``reasoning_effort`` becomes the chat template's
-``reasoning_effort`` (gpt-oss's Harmony template reads it).
+types by pydantic. ``presence_penalty`` / ``frequency_penalty`` (and vLLM's ``repetition_penalty``) are applied
+by the engine (:func:`~edgemoe.engine.sampling.apply_penalties`). Options the server cannot honour
+(``logit_bias``, ``top_logprobs``, legacy ``functions``, audio, ...: :data:`UNSUPPORTED_CHAT_OPTIONS`) are a
+400 naming them unless they ask for nothing (``logit_bias: {}``); ``reasoning_effort`` becomes the chat
+template's ``reasoning_effort`` (gpt-oss's Harmony template reads it).
 """
 
 from __future__ import annotations
@@ -46,11 +47,9 @@ __all__ = [
 ]
 
 
-_PENALTIES = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,)}
 UNSUPPORTED_CHAT_OPTIONS: dict[str, tuple] = {
     "logit_bias": ({},),
     "top_logprobs": (0,),
-    **_PENALTIES,
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
@@ -58,7 +57,7 @@ UNSUPPORTED_CHAT_OPTIONS: dict[str, tuple] = {
 }
 """Chat-completion options this server cannot honour → the values besides ``null`` that ask for nothing
 (``reject_unsupported``): any other value is a 400 naming the option."""
-UNSUPPORTED_COMPLETION_OPTIONS: dict[str, tuple] = {"logit_bias": ({},), **_PENALTIES, "best_of": (1,), "suffix": ("",)}
+UNSUPPORTED_COMPLETION_OPTIONS: dict[str, tuple] = {"logit_bias": ({},), "best_of": (1,), "suffix": ("",)}
 """The same for text completions."""
 
 
@@ -73,8 +72,9 @@ class StreamOptions(_Request):
 def sampling_kwargs(defaults: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
     """:class:`SamplingParams` keyword arguments: ``fields`` whose value is ``None`` fall back to
     ``defaults`` (generation_config.json) and then to the OpenAI defaults (temperature 1, top_p 1,
-    top_k off)."""
-    base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
+    top_k off, no penalties)."""
+    base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, **(defaults or {})}
     out = dict(fields)
     for key, value in base.items():
         if out.get(key) is None:
@@ -176,6 +176,9 @@ class _SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Build engine sampling parameters (raises ``SamplingParamsError`` naming a bad field).
@@ -196,6 +199,9 @@ class _SamplingFields(RequestBody):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
         }
 
     @property
