@@ -538,7 +538,8 @@ def test_generation_config_defaults_fill_omitted_fields(sampling_defaults_served
     assert omitted != text(temperature=1.0, top_p=1.0, extra={"top_k": 0})  # not OpenAI's
     # The request wins, then generation_config.json, then OpenAI's defaults.
     defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     assert sampling_kwargs(defaults, temperature=None, top_p=0.5, top_k=None, max_tokens=3) == {
-        "temperature": 0.6, "top_p": 0.5, "top_k": 20, "max_tokens": 3}
+        "temperature": 0.6, "top_p": 0.5, "top_k": 20, "max_tokens": 3, **no_penalties}
     assert sampling_kwargs({}, temperature=None, top_p=None, top_k=None) == {"temperature": 1.0, "top_p": 1.0,
-                                                                             "top_k": 0}
+                                                                             "top_k": 0, **no_penalties}
