@@ -250,6 +250,49 @@ def test_config_json_values_inconsistent_or_unusable(tiny_model_dir, tmp_path, m
     _one_line(e, d / "config.json")
 
 
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> dict[str, Path]:
+    """Tiny checkpoints in each released quantized layout."""
+    root = tmp_path_factory.mktemp("quantized")
+    return {q: make_model(root / q, "gpt_oss" if q == "mxfp4" else "qwen3_moe", "tiny", seed=1, quant=q)
+            for q in ("fp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4")}
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full(t.shape, float("nan")).to(t.dtype)
+
+
+_EXPERT = "model.layers.2.mlp.experts.3.gate_proj"
+_ATTN = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("quant, name, edit, match", [
+    ("fp8", f"{_EXPERT}.weight_scale_inv", _nan_like, "NaN or infinite"),
+    ("fp8", f"{_ATTN}.weight_scale_inv", lambda t: torch.full_like(t, float("inf")), "NaN or infinite"),
+    ("nvfp4-modelopt", f"{_EXPERT}.weight_scale_2", _nan_like, "NaN or infinite"),
+    ("nvfp4-modelopt", f"{_EXPERT}.weight_scale", _nan_like, "NaN or infinite"),
+    ("nvfp4-ct", f"{_EXPERT}.weight_global_scale", torch.zeros_like, "is 0"),
+    ("nvfp4-ct", f"{_ATTN}.weight_global_scale", torch.zeros_like, "is 0"),
+    ("mxfp4", "model.layers.0.mlp.experts.down_proj_scales", lambda t: t.index_fill(0, torch.tensor([5]), 255),
+     "NaN or infinite"),
+], ids=["fp8-expert", "fp8-attention", "modelopt-scale-2", "modelopt-block-scale", "ct-global-expert",
+        "ct-global-attention", "mxfp4-e8m0"])
+def test_non_finite_scale(quantized, tmp_path, quant, name, edit, match):
+    """A scale that is NaN or infinite (or a global scale of 0, whose reciprocal is) made every output NaN:
+    the model loaded and converted, and served garbage."""
+    d = _copy(quantized[quant], tmp_path)
+    f = d / "model.safetensors"
+    sd = load_file(f)
+    sd[name] = edit(sd[name])
+    save_file(sd, f)
+    with pytest.raises(CheckpointError, match=match) as e:
+        _load_hf(d)
+    _one_line(e, f, f"tensor {name}")
+    with pytest.raises(CheckpointError, match=match) as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, f, f"tensor {name}")
+
+
 # ------------------------------------------------------------------------------- FTW directories
 
 

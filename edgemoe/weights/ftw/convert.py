@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.quant.weights import WeightFormat, dequantize_linear
+from edgemoe.quant.weights import WeightFormat
 from edgemoe.weights.dtypes import WEIGHT_DTYPES, dtype_name, parse_dtype
 from edgemoe.weights.ftw.spec import MANIFEST, is_ftw
 from edgemoe.weights.ftw.writer import DEFAULT_CHUNK_BYTES, FTWWriter, check_target
@@ -68,8 +68,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
     Raises:
         FileNotFoundError: no config.json. ValueError: unsupported architecture or quantization config, or
         ``hf_dir`` is already FTW, or a config.json that is not valid JSON (the file named).
-        CheckpointError: a checkpoint that does not match its config (one line naming the file and the
-        tensor). FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
+        CheckpointError: a checkpoint that does not match its config, or a scale that is NaN or infinite
+        (one line naming the file and the tensor). FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
     """
     from edgemoe.models import load_config, model_class
 
@@ -116,8 +116,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                     keep = dtype is None or name.endswith(model.float32_parameters)
                     tensors[name] = t if keep else t.to(float_dtype)
                 for name, q in plan.quantized.items():
-                    t = {p: reader.tensor(info) for p, info in q.tensors.items()}
-                    tensors[name] = dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), float_dtype)
+                    tensors[name] = q.dequantize(plan.scheme, reader, float_dtype)
                 w.write_non_expert(tensors)
                 del tensors
                 w.copy_files(hf_dir)
