@@ -134,23 +134,25 @@ def _load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, fil
 
         bar = tqdm(total=len(plan.params) + len(plan.quantized) + pool.num_ids, desc="loading weights",
                    unit="tensor", leave=False)
-    with torch.no_grad(), SafetensorsReader(files) as reader:
-        for name, info in plan.params.items():
-            params[name].copy_(reader.tensor(info))  # cast to the parameter's dtype
-            if bar is not None:
-                bar.update(1)
-        for name, q in plan.quantized.items():  # float32 products, then the parameter's dtype
-            params[name].copy_(q.dequantize(plan.scheme, reader, params[name].dtype))
-            if bar is not None:
-                bar.update(1)
-        for fid in range(pool.num_ids):
-            gate, up, down = (cast_to_layout(w, layout) for w in plan.expert_weights(fid, reader))
-            b13, b2 = plan.expert_biases(fid, reader) or (None, None)
-            layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=pool.bank[fid])
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        with torch.no_grad(), SafetensorsReader(files) as reader:
+            for name, info in plan.params.items():
+                params[name].copy_(reader.tensor(info))  # cast to the parameter's dtype
+                if bar is not None:
+                    bar.update(1)
+            for name, q in plan.quantized.items():  # float32 products, then the parameter's dtype
+                params[name].copy_(q.dequantize(plan.scheme, reader, params[name].dtype))
+                if bar is not None:
+                    bar.update(1)
+            for fid in range(pool.num_ids):
+                gate, up, down = (cast_to_layout(w, layout) for w in plan.expert_weights(fid, reader))
+                b13, b2 = plan.expert_biases(fid, reader) or (None, None)
+                layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=pool.bank[fid])
+                if bar is not None:
+                    bar.update(1)
+    finally:  # also on an error: its message then starts a line of its own
+        if bar is not None:
+            bar.close()
 
 
 def dummy_layout(model: nn.Module, model_dir: str | Path, cfg, dtype: torch.dtype) -> ExpertLayout:
