@@ -225,6 +225,20 @@ def test_config_json_field_of_the_wrong_type(tiny_model_dir, tmp_path, field, va
     assert _one_line(e, d / "config.json").endswith(expected) or expected in str(e.value)
 
 
+def test_config_json_architecture_not_served_with_a_served_model_type(tiny_model_dir, tmp_path):
+    """``architectures[0]`` decides the model class; a served ``model_type`` beside an unknown architecture passed
+    ``load_config`` and failed later, in ``model_class``, without naming the file."""
+    d = _copy(tiny_model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["FooMoeForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture FooMoeForCausalLM") as e:
+        load_config(d)
+    _one_line(e, d / "config.json", "model_type qwen3_moe")
+    with pytest.raises(ValueError, match="unsupported architecture FooMoeForCausalLM") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / "config.json")
+
+
 def test_config_json_values_inconsistent_or_unusable(tiny_model_dir, tmp_path, monkeypatch):
     """A RoPE number that is a string and more experts per token than experts (both loaded: the first
     failed deep in the rotary embedding without naming the file, the second served and failed every
