@@ -307,6 +307,28 @@ def test_non_finite_scale(quantized, tmp_path, quant, name, edit, match):
     _one_line(e, f, f"tensor {name}")
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("[1]", "not a JSON object"),
+    (json.dumps({"eos_token_id": "</s>"}), "eos_token_id must be a token id or a list of them, got '</s>'"),
+    (json.dumps({"eos_token_id": [1, "x"]}), "eos_token_id must be a token id or a list of them"),
+    (json.dumps({"temperature": "hot"}), "temperature must be a finite number >= 0, got 'hot'"),
+    (json.dumps({"top_p": [1]}), "top_p must be in (0, 1], got [1]"),
+    (json.dumps({"top_k": 2.5}), "top_k must be an integer (<= 0 disables it), got 2.5"),
+], ids=["list", "eos-name", "eos-list", "temperature", "top-p", "top-k"])
+def test_generation_config_json_of_the_wrong_shape(tiny_model_dir, tmp_path, text, expected):
+    """A generation_config.json that is a list failed with an AttributeError traceback; an eos_token_id that is
+    not an id with "invalid literal for int()", no file named; a temperature / top_p / top_k of the wrong type
+    loaded, and the server then failed every request that set none (they are its sampling defaults)."""
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.model_runner import ModelRunner
+
+    d = _copy(tiny_model_dir, tmp_path)
+    (d / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+        ModelRunner(d, EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all"), progress=False)
+    assert expected in _one_line(e, d / "generation_config.json")
+
+
 # ------------------------------------------------------------------------------- FTW directories
 
 
