@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -327,6 +328,28 @@ def test_generation_config_json_of_the_wrong_shape(tiny_model_dir, tmp_path, tex
     with pytest.raises(ValueError) as e:
         ModelRunner(d, EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all"), progress=False)
     assert expected in _one_line(e, d / "generation_config.json")
+
+
+@pytest.mark.parametrize("name, text, named, expected", [
+    ("tokenizer.json", "{", "tokenizer.json", "not valid JSON"),
+    ("tokenizer_config.json", '{"model_max_length": ', "tokenizer_config.json", "not valid JSON"),
+    ("tokenizer.json", "{}", "", "cannot load the tokenizer (KeyError"),
+    ("tokenizer.json", None, "", "cannot load the tokenizer ("),
+    ("chat_template.jinja", "{% if %}", "chat_template.jinja", "the chat template does not compile"),
+], ids=["tokenizer-json", "tokenizer-config-json", "tokenizer-json-empty", "tokenizer-json-missing", "template"])
+def test_tokenizer_files_that_do_not_load(tiny_model_dir, tmp_path, name, text, named, expected):
+    """Tokenizer files transformers fails on: a JSONDecodeError without the file, a KeyError traceback, a
+    message of several lines; a chat template that does not compile loaded, and every chat request failed."""
+    from edgemoe.engine.tokenizer import load_tokenizer
+
+    d = _copy(tiny_model_dir, tmp_path)
+    if text is None:
+        (d / name).unlink()
+    else:
+        (d / name).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(expected)) as e:
+        load_tokenizer(d)
+    assert _one_line(e, d / named).startswith(f"{d / named}: ")
 
 
 # ------------------------------------------------------------------------------- FTW directories
