@@ -308,6 +308,23 @@ def test_non_finite_scale(quantized, tmp_path, quant, name, edit, match):
     _one_line(e, f, f"tensor {name}")
 
 
+def test_config_json_dtype_not_a_weight_dtype(quantized, tmp_path):
+    """``--dtype auto`` (and convert of quantized experts without --dtype) take config.json's dtype; one that
+    is not a weight dtype failed with "unsupported dtype 'float77'; choose one of [...]", no file named."""
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.model_runner import ModelRunner
+
+    d = _copy(quantized["fp8"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "dtype": "float77"}))
+    with pytest.raises(ValueError, match="dtype 'float77' is not a weight dtype") as e:
+        ModelRunner(d, EngineConfig(device="cpu", expert_policy="cpu-all"), progress=False)
+    assert "--dtype" in _one_line(e, d / "config.json")
+    with pytest.raises(ValueError, match="dtype 'float77' is not a weight dtype") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / "config.json")
+
+
 @pytest.mark.parametrize("text, expected", [
     ("[1]", "not a JSON object"),
     (json.dumps({"eos_token_id": "</s>"}), "eos_token_id must be a token id or a list of them, got '</s>'"),

@@ -42,6 +42,7 @@ from edgemoe.layers.embedding import HostEmbedding
 from edgemoe.models import load_config, model_class
 from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
+from edgemoe.weights.dtypes import checkpoint_dtype
 from edgemoe.weights.ftw import is_ftw, load_ftw
 from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
@@ -86,7 +87,8 @@ class ModelRunner:
         cfg = self.model_config = load_config(self.model_dir)
         check_remote_code(self.model_dir, config.trust_remote_code)  # before the weights: fail fast
         self.generation_config: dict = self._read_generation_config()  # raw, as saved; also fails fast
-        self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+        self.dtype = (checkpoint_dtype(cfg.torch_dtype, self.model_dir) if config.dtype == "auto"
+                      else parse_dtype(config.dtype))
         self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
         configure_torch_threads(config.cpu_threads)
         model_cls = model_class(cfg.architecture)
