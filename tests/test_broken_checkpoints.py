@@ -404,6 +404,19 @@ def test_missing_ftw_file(ftw_dir, tmp_path, name, what):
     _one_line(e, d / name)
 
 
+def test_ftw_directory_without_its_manifest(ftw_dir, tmp_path):
+    """Without ftw.json a directory is not taken for FTW, so it was loaded as a Hugging Face directory whose one
+    safetensors file is non_expert.safetensors: "missing 144 routed-expert tensor(s)", naming no FTW file."""
+    d = _copy(ftw_dir, tmp_path)
+    (d / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="an FTW expert bank without its manifest") as e:
+        _load_hf(d)
+    _one_line(e, d / MANIFEST, "experts.bin", "edgemoe convert")
+    with pytest.raises(CheckpointError, match="an FTW expert bank without its manifest") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / MANIFEST)
+
+
 def _edit_manifest(d: Path, edit) -> None:
     man = json.loads((d / MANIFEST).read_text())
     edit(man)

@@ -459,11 +459,17 @@ class CheckpointIndex:
 
         Raises:
             QuantConfigError: a ``quantization_config`` edgemoe cannot load (file and field named).
-            CheckpointError: no safetensors files; an index that is not valid JSON, names a missing
-                shard or maps a tensor to a shard without it; a tensor in two shards; a truncated or
-                malformed file (see :func:`parse_safetensors_header`).
+            CheckpointError: no safetensors files; an FTW directory without its manifest (an expert bank
+                beside ``non_expert.safetensors``); an index that is not valid JSON, names a missing shard or
+                maps a tensor to a shard without it; a tensor in two shards; a truncated or malformed file (see
+                :func:`parse_safetensors_header`).
         """
+        from edgemoe.weights.ftw.spec import BANK_FILE, MANIFEST, NON_EXPERT_FILE  # the FTW package imports this one
+
         d = Path(model_dir)
+        if (d / BANK_FILE).is_file() and (d / NON_EXPERT_FILE).is_file() and not (d / MANIFEST).exists():
+            raise CheckpointError(f"{d / MANIFEST}: missing: {d} holds {BANK_FILE} and {NON_EXPERT_FILE}, an FTW "
+                                  "expert bank without its manifest; copy ftw.json too, or re-run `edgemoe convert`")
         index = d / INDEX_FILE
         weight_map: dict[str, str] | None = None
         if index.exists():
