@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -225,6 +226,20 @@ def test_config_json_field_of_the_wrong_type(tiny_model_dir, tmp_path, field, va
     assert _one_line(e, d / "config.json").endswith(expected) or expected in str(e.value)
 
 
+def test_config_json_architecture_not_served_with_a_served_model_type(tiny_model_dir, tmp_path):
+    """``architectures[0]`` decides the model class; a served ``model_type`` beside an unknown architecture passed
+    ``load_config`` and failed later, in ``model_class``, without naming the file."""
+    d = _copy(tiny_model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["FooMoeForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture FooMoeForCausalLM") as e:
+        load_config(d)
+    _one_line(e, d / "config.json", "model_type qwen3_moe")
+    with pytest.raises(ValueError, match="unsupported architecture FooMoeForCausalLM") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / "config.json")
+
+
 def test_config_json_values_inconsistent_or_unusable(tiny_model_dir, tmp_path, monkeypatch):
     """A RoPE number that is a string and more experts per token than experts (both loaded: the first
     failed deep in the rotary embedding without naming the file, the second served and failed every
@@ -248,6 +263,110 @@ def test_config_json_values_inconsistent_or_unusable(tiny_model_dir, tmp_path, m
     with pytest.raises(ValueError, match="a field has a value this model family cannot use") as e:
         load_config(d)
     _one_line(e, d / "config.json")
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> dict[str, Path]:
+    """Tiny checkpoints in each released quantized layout."""
+    root = tmp_path_factory.mktemp("quantized")
+    return {q: make_model(root / q, "gpt_oss" if q == "mxfp4" else "qwen3_moe", "tiny", seed=1, quant=q)
+            for q in ("fp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4")}
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full(t.shape, float("nan")).to(t.dtype)
+
+
+_EXPERT = "model.layers.2.mlp.experts.3.gate_proj"
+_ATTN = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("quant, name, edit, match", [
+    ("fp8", f"{_EXPERT}.weight_scale_inv", _nan_like, "NaN or infinite"),
+    ("fp8", f"{_ATTN}.weight_scale_inv", lambda t: torch.full_like(t, float("inf")), "NaN or infinite"),
+    ("nvfp4-modelopt", f"{_EXPERT}.weight_scale_2", _nan_like, "NaN or infinite"),
+    ("nvfp4-modelopt", f"{_EXPERT}.weight_scale", _nan_like, "NaN or infinite"),
+    ("nvfp4-ct", f"{_EXPERT}.weight_global_scale", torch.zeros_like, "is 0"),
+    ("nvfp4-ct", f"{_ATTN}.weight_global_scale", torch.zeros_like, "is 0"),
+    ("mxfp4", "model.layers.0.mlp.experts.down_proj_scales", lambda t: t.index_fill(0, torch.tensor([5]), 255),
+     "NaN or infinite"),
+], ids=["fp8-expert", "fp8-attention", "modelopt-scale-2", "modelopt-block-scale", "ct-global-expert",
+        "ct-global-attention", "mxfp4-e8m0"])
+def test_non_finite_scale(quantized, tmp_path, quant, name, edit, match):
+    """A scale that is NaN or infinite (or a global scale of 0, whose reciprocal is) made every output NaN:
+    the model loaded and converted, and served garbage."""
+    d = _copy(quantized[quant], tmp_path)
+    f = d / "model.safetensors"
+    sd = load_file(f)
+    sd[name] = edit(sd[name])
+    save_file(sd, f)
+    with pytest.raises(CheckpointError, match=match) as e:
+        _load_hf(d)
+    _one_line(e, f, f"tensor {name}")
+    with pytest.raises(CheckpointError, match=match) as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, f, f"tensor {name}")
+
+
+def test_config_json_dtype_not_a_weight_dtype(quantized, tmp_path):
+    """``--dtype auto`` (and convert of quantized experts without --dtype) take config.json's dtype; one that
+    is not a weight dtype failed with "unsupported dtype 'float77'; choose one of [...]", no file named."""
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.model_runner import ModelRunner
+
+    d = _copy(quantized["fp8"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "dtype": "float77"}))
+    with pytest.raises(ValueError, match="dtype 'float77' is not a weight dtype") as e:
+        ModelRunner(d, EngineConfig(device="cpu", expert_policy="cpu-all"), progress=False)
+    assert "--dtype" in _one_line(e, d / "config.json")
+    with pytest.raises(ValueError, match="dtype 'float77' is not a weight dtype") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / "config.json")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[1]", "not a JSON object"),
+    (json.dumps({"eos_token_id": "</s>"}), "eos_token_id must be a token id or a list of them, got '</s>'"),
+    (json.dumps({"eos_token_id": [1, "x"]}), "eos_token_id must be a token id or a list of them"),
+    (json.dumps({"temperature": "hot"}), "temperature must be a finite number >= 0, got 'hot'"),
+    (json.dumps({"top_p": [1]}), "top_p must be in (0, 1], got [1]"),
+    (json.dumps({"top_k": 2.5}), "top_k must be an integer (<= 0 disables it), got 2.5"),
+], ids=["list", "eos-name", "eos-list", "temperature", "top-p", "top-k"])
+def test_generation_config_json_of_the_wrong_shape(tiny_model_dir, tmp_path, text, expected):
+    """A generation_config.json that is a list failed with an AttributeError traceback; an eos_token_id that is
+    not an id with "invalid literal for int()", no file named; a temperature / top_p / top_k of the wrong type
+    loaded, and the server then failed every request that set none (they are its sampling defaults)."""
+    from edgemoe.config import EngineConfig
+    from edgemoe.engine.model_runner import ModelRunner
+
+    d = _copy(tiny_model_dir, tmp_path)
+    (d / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+        ModelRunner(d, EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all"), progress=False)
+    assert expected in _one_line(e, d / "generation_config.json")
+
+
+@pytest.mark.parametrize("name, text, named, expected", [
+    ("tokenizer.json", "{", "tokenizer.json", "not valid JSON"),
+    ("tokenizer_config.json", '{"model_max_length": ', "tokenizer_config.json", "not valid JSON"),
+    ("tokenizer.json", "{}", "", "cannot load the tokenizer (KeyError"),
+    ("tokenizer.json", None, "", "cannot load the tokenizer ("),
+    ("chat_template.jinja", "{% if %}", "chat_template.jinja", "the chat template does not compile"),
+], ids=["tokenizer-json", "tokenizer-config-json", "tokenizer-json-empty", "tokenizer-json-missing", "template"])
+def test_tokenizer_files_that_do_not_load(tiny_model_dir, tmp_path, name, text, named, expected):
+    """Tokenizer files transformers fails on: a JSONDecodeError without the file, a KeyError traceback, a
+    message of several lines; a chat template that does not compile loaded, and every chat request failed."""
+    from edgemoe.engine.tokenizer import load_tokenizer
+
+    d = _copy(tiny_model_dir, tmp_path)
+    if text is None:
+        (d / name).unlink()
+    else:
+        (d / name).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(expected)) as e:
+        load_tokenizer(d)
+    assert _one_line(e, d / named).startswith(f"{d / named}: ")
 
 
 # ------------------------------------------------------------------------------- FTW directories
@@ -283,6 +402,19 @@ def test_missing_ftw_file(ftw_dir, tmp_path, name, what):
     with pytest.raises(FTWTruncatedError, match=what) as e:
         _load_ftw(d)
     _one_line(e, d / name)
+
+
+def test_ftw_directory_without_its_manifest(ftw_dir, tmp_path):
+    """Without ftw.json a directory is not taken for FTW, so it was loaded as a Hugging Face directory whose one
+    safetensors file is non_expert.safetensors: "missing 144 routed-expert tensor(s)", naming no FTW file."""
+    d = _copy(ftw_dir, tmp_path)
+    (d / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="an FTW expert bank without its manifest") as e:
+        _load_hf(d)
+    _one_line(e, d / MANIFEST, "experts.bin", "edgemoe convert")
+    with pytest.raises(CheckpointError, match="an FTW expert bank without its manifest") as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, d / MANIFEST)
 
 
 def _edit_manifest(d: Path, edit) -> None:

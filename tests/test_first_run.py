@@ -130,6 +130,24 @@ def test_serve_exits_when_the_model_fails_to_load(tiny_model_dir, tmp_path, brok
     assert named in ours[0] and "Traceback" not in r.stderr
 
 
+def test_load_error_while_reading_starts_its_own_line(tmp_path, capsys):
+    """A checkpoint that fails while its tensors are read (here a NaN FP8 scale) left the progress bar open:
+    the error line was written after the bar's text, on the same terminal line."""
+    from safetensors.torch import load_file, save_file
+
+    from edgemoe.synth import make_model
+
+    d = make_model(tmp_path / "m", "qwen3_moe", "tiny", seed=1, quant="fp8")
+    sd = load_file(d / "model.safetensors")
+    name = "model.layers.3.mlp.experts.15.down_proj.weight_scale_inv"  # the last expert read
+    sd[name] = torch.full(sd[name].shape, float("nan")).to(sd[name].dtype)
+    save_file(sd, d / "model.safetensors")
+    assert main(["generate", str(d), "--prompt", "hi", "--device", "cpu", "--cpu-executor", "torch"]) == 1
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.split("\n") if "edgemoe: error:" in ln)
+    assert line.rsplit("\r", 1)[-1].startswith(f"edgemoe: error: {d / 'model.safetensors'}: tensor {name} "), err
+
+
 def test_model_paths_that_are_not_model_directories(tiny_model_dir, tmp_path, capsys):
     """A weights file, a Hugging Face cache entry and the hub cache itself: one line pointing at the
     directory to pass instead."""

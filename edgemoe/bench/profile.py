@@ -26,6 +26,7 @@ from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.models import load_config
 from edgemoe.startup import startup_step
+from edgemoe.weights.dtypes import checkpoint_dtype
 from edgemoe.weights.loader import deployed_layout
 
 
@@ -49,7 +50,7 @@ def run_profile(model_dir: str | Path, config: EngineConfig, out_path: str | Pat
             the CPU); nothing is written.
     """
     cfg = load_config(model_dir)
-    dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+    dtype = checkpoint_dtype(cfg.torch_dtype, model_dir) if config.dtype == "auto" else parse_dtype(config.dtype)
     device = config.resolved_device()
     configure_torch_threads(config.cpu_threads)
     layout = deployed_layout(model_dir, dtype, config.load_format)

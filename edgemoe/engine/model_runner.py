@@ -42,6 +42,7 @@ from edgemoe.layers.embedding import HostEmbedding
 from edgemoe.models import load_config, model_class
 from edgemoe.startup import size, startup_step
 from edgemoe.weights.bootstrap import pin_or_fallback
+from edgemoe.weights.dtypes import checkpoint_dtype
 from edgemoe.weights.ftw import is_ftw, load_ftw
 from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
@@ -85,7 +86,9 @@ class ModelRunner:
                                  "expert_cache_slots")
         cfg = self.model_config = load_config(self.model_dir)
         check_remote_code(self.model_dir, config.trust_remote_code)  # before the weights: fail fast
-        self.dtype = parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
+        self.generation_config: dict = self._read_generation_config()  # raw, as saved; also fails fast
+        self.dtype = (checkpoint_dtype(cfg.torch_dtype, self.model_dir) if config.dtype == "auto"
+                      else parse_dtype(config.dtype))
         self.max_model_len = self._max_model_len(config.max_model_len)  # before the weights: a bad value fails fast
         configure_torch_threads(config.cpu_threads)
         model_cls = model_class(cfg.architecture)
@@ -122,7 +125,6 @@ class ModelRunner:
             self.tokenizer = tokenizer_future.result()
         if self.device.type == "cuda":  # blocks cached by loading (dummy weights' temporaries) go back before
             torch.cuda.empty_cache()  # the expert cache is sized from the free device memory
-        self.generation_config: dict = self._read_generation_config()  # raw, as saved
         self.eos_token_ids = self._eos_ids()
         pinning = startup_step(f"pinning the {size(self.pool.nbytes)} host expert pool (cudaHostRegister)")
         with pinning if self.device.type == "cuda" else contextlib.nullcontext():  # after filling, not before
@@ -213,18 +215,34 @@ class ModelRunner:
         return [int(i) for i in ids]
 
     def _read_generation_config(self) -> dict:
-        """The checkpoint's ``generation_config.json`` (``{}`` when it has none).
+        """The checkpoint's ``generation_config.json`` (``{}`` when it has none), its fields edgemoe reads
+        checked: ``eos_token_id`` (the stop tokens) and ``temperature`` / ``top_p`` / ``top_k`` (the server's
+        sampling defaults, checked as :class:`~edgemoe.engine.sampling.SamplingParams` checks them).
 
         Raises:
-            ValueError: the file is not valid JSON (the message names it).
+            ValueError: the file is not valid JSON, not a JSON object, or one of those fields has a value of
+                the wrong type or range (the message names the file and the field).
         """
+        from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
+
         path = self.model_dir / "generation_config.json"
         if not path.is_file():
             return {}
         try:
-            return json.loads(path.read_text())
+            gen = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(gen, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        eos = gen.get("eos_token_id")
+        if eos is not None and not all(isinstance(i, int) and not isinstance(i, bool)
+                                       for i in (eos if isinstance(eos, list) else [eos])):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        try:
+            SamplingParams(**{k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None})
+        except SamplingParamsError as exc:
+            raise ValueError(f"{path}: {exc.field} {exc.reason}") from None
+        return gen
 
     def _cpu_dense(self):
         """The CPU executor's native decode norms and attention (``CpuExecutor.dense``) on a CPU

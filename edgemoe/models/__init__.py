@@ -47,18 +47,20 @@ def model_class(architecture: str) -> type[MoECausalLM]:
 
 def load_config(source: dict[str, Any] | str | Path) -> ModelConfig:
     """Normalize a Hugging Face config (a dict, a ``config.json`` path or a checkpoint directory)
-    with its architecture's ``config_from_hf``, chosen by ``architectures[0]`` (else ``model_type``).
+    with its architecture's ``config_from_hf``, chosen by ``architectures[0]`` (else, without
+    ``architectures``, by ``model_type``).
 
     Raises:
         FileNotFoundError: no ``config.json`` at the path.
-        ValueError: not valid JSON, an architecture edgemoe does not serve, or a missing,
-            mistyped or inconsistent field; the message names the file (and the field).
+        ValueError: not valid JSON, an architecture edgemoe does not serve (``architectures[0]``, whatever
+            ``model_type`` says), or a missing, mistyped or inconsistent field; the message names the file
+            (and the field).
     """
     raw, where = read_hf_config(source)
     check_config_fields(raw, where)
     archs = raw.get("architectures") or []
     arch = archs[0] if archs and isinstance(archs, list) else ""
-    cls = MODEL_REGISTRY.get(arch) or _BY_MODEL_TYPE.get(str(raw.get("model_type", "")))
+    cls = MODEL_REGISTRY.get(arch) if arch else _BY_MODEL_TYPE.get(str(raw.get("model_type", "")))
     if cls is None:
         raise ValueError(f"{where}: unsupported architecture {arch or '?'} "
                          f"(model_type {raw.get('model_type') or '?'}); edgemoe serves: {_served()}")

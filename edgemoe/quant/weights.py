@@ -55,6 +55,7 @@ __all__ = [
     "QuantizedWeight",
     "TensorMeta",
     "WeightFormat",
+    "check_scale_values",
     "dequantize_linear",
     "gpt_oss_gate_up",
     "linear_weight",
@@ -277,20 +278,53 @@ def validate_linear(scheme: QuantScheme, module: str, tensors: Mapping[str, torc
     return WeightFormat.for_scheme(scheme)
 
 
+def check_scale_values(t: torch.Tensor, name: str, file: str) -> None:
+    """Check that the scale tensor ``name`` of ``file`` holds no NaN or infinity (E4M3 codes ``0x7F`` / ``0xFF``,
+    E8M0 bytes ``0xFF``, non-finite floats): one such scale makes its whole layer's output NaN.
+
+    Raises:
+        QuantTensorError: a NaN or infinite value; the message names ``file`` and the tensor.
+    """
+    if t.dtype == torch.float8_e4m3fn:  # no infinities; NaN is S.1111.111
+        bad = (t.view(torch.uint8) & 0x7F) == 0x7F
+    elif t.dtype in (torch.uint8, torch.float8_e8m0fnu):  # E8M0: 0xFF is NaN
+        bad = t.view(torch.uint8) == 0xFF
+    else:
+        bad = ~torch.isfinite(t)
+    n = int(bad.sum())
+    if n:
+        raise QuantTensorError(f"{file}: tensor {name} holds {n} NaN or infinite value(s) of {t.numel()} (a corrupt "
+                               "scale: its layer's output would be NaN)")
+
+
+def _check_scales(scheme: QuantScheme, module: str, tensors: Mapping[str, torch.Tensor], file: str) -> None:
+    """The values of a quantized linear's weight scales (:func:`check_scale_values`; a compressed-tensors global
+    scale must not be 0, as its reciprocal is the multiplier)."""
+    for p in ("weight_scale_inv", "weight_scale", "weight_scale_2", "weight_global_scale"):
+        if p in tensors:
+            check_scale_values(tensors[p], f"{module}.{p}", file)
+    g = tensors.get("weight_global_scale")
+    if scheme.method is QuantMethod.NVFP4_CT and g is not None and bool((g == 0).any()):
+        raise QuantTensorError(f"{file}: tensor {module}.weight_global_scale is 0 (its reciprocal, the per-tensor "
+                               "scale, is infinite)")
+
+
 def linear_weight(scheme: QuantScheme, module: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int],
                   file: str) -> QuantizedWeight:
-    """Validate one linear's released tensors (:func:`validate_linear`) and normalize them.
+    """Validate one linear's released tensors (:func:`validate_linear`, and the scales' values: no NaN or
+    infinity, no compressed-tensors global scale of 0) and normalize them.
 
     FP8 scales become float32 (exact from bf16 / f16 / e8m0); a compressed-tensors global scale ``g``
     becomes the multiplier ``1/g`` (float32; its dequantization then differs from
     :func:`~edgemoe.quant.dequant.dequant_nvfp4_ct` by float32 rounding only, at most a few ulp).
 
     Raises:
-        QuantTensorError: as :func:`validate_linear`.
+        QuantTensorError: as :func:`validate_linear`, or a scale that is NaN, infinite or (a global scale) 0.
     """
     fmt = validate_linear(scheme, module, tensors, shape, file)
     if fmt.dense:
         return QuantizedWeight(fmt, shape, tensors["weight"])
+    _check_scales(scheme, module, tensors, file)
     if fmt is WeightFormat.FP8_BLOCK:
         return QuantizedWeight(fmt, shape, tensors["weight"], tensors["weight_scale_inv"].float(),
                                block_size=scheme.block_size)
@@ -313,10 +347,11 @@ def dequantize_linear(scheme: QuantScheme, module: str, tensors: Mapping[str, to
         ``[O, I]`` in ``dtype``.
 
     Raises:
-        QuantTensorError: as :func:`validate_linear`.
+        QuantTensorError: as :func:`linear_weight`.
     """
     fmt = validate_linear(scheme, module, tensors, shape, file)
     if scheme.method is QuantMethod.NVFP4_CT and not fmt.dense:
+        _check_scales(scheme, module, tensors, file)
         w = dequant_nvfp4_ct(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"])
     else:
         w = linear_weight(scheme, module, tensors, shape, file).dequant()

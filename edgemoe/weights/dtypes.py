@@ -8,10 +8,13 @@ codes of the safetensors format specification) and byte sizes. It imports only t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 __all__ = [
     "WEIGHT_DTYPES",
+    "checkpoint_dtype",
     "dtype_from_safetensors",
     "dtype_name",
     "dtype_size",
@@ -60,6 +63,21 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return _WEIGHT_NAMES[str(name).lower()]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_WEIGHT_NAMES)}") from None
+
+
+def checkpoint_dtype(name: str, model_dir) -> torch.dtype:
+    """The weight dtype ``name`` that ``config.json`` of ``model_dir`` declares (its ``dtype``, transformers-4
+    ``torch_dtype``), which ``--dtype auto`` computes in.
+
+    Raises:
+        ValueError: ``name`` is not one of the weight dtypes; the message names the file, the field and
+            ``--dtype``.
+    """
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: dtype {name!r} is not a weight dtype edgemoe computes "
+                         f"in ({', '.join(WEIGHT_DTYPES)}); choose one with --dtype") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

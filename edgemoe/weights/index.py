@@ -43,6 +43,8 @@ from edgemoe.quant.weights import (
     QuantTensorError,
     TensorMeta,
     WeightFormat,
+    check_scale_values,
+    dequantize_linear,
     gpt_oss_gate_up,
     linear_weight,
     mxfp4_expert_weight,
@@ -262,6 +264,19 @@ class QuantizedLinear:
         """The file of the module's weight (for messages)."""
         return (self.tensors.get("weight") or next(iter(self.tensors.values()))).file
 
+    def dequantize(self, scheme: QuantScheme, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
+        """The module's weight ``[out, in]`` in ``dtype`` (:func:`~edgemoe.quant.weights.dequantize_linear`).
+
+        Raises:
+            CheckpointError: a tensor that cannot be read, or a scale that is NaN or infinite (or a
+                compressed-tensors global scale of 0); the file and the tensor named.
+        """
+        t = {p: reader.tensor(info) for p, info in self.tensors.items()}
+        try:
+            return dequantize_linear(scheme, self.module, t, self.shape, str(self.file), dtype)
+        except QuantTensorError as e:
+            raise CheckpointError(str(e)) from None
+
 
 @dataclass(frozen=True)
 class ExpertSource:
@@ -305,12 +320,24 @@ class ExpertSource:
 
         Fused ``gate_up_proj`` is split into gate rows ``[0, I)`` and up rows ``[I, 2I)``; MXFP4's
         gate/up interleaving (gpt-oss: gate row ``j`` at ``2j``, up row ``j`` at ``2j + 1``) is undone.
+
+        Raises:
+            CheckpointError: a tensor that cannot be read, or a scale that is NaN or infinite (or a
+                compressed-tensors global scale of 0); the file and the tensor named.
         """
         if self.expert is not None:
             t = {p: reader.tensor(info) for p, info in self.tensors.items()}
-            return {self.role: linear_weight(scheme, self.module, t, self.shape, str(self.first.file))}
+            try:
+                return {self.role: linear_weight(scheme, self.module, t, self.shape, str(self.first.file))}
+            except QuantTensorError as e:
+                raise CheckpointError(str(e)) from None
         if self.format is WeightFormat.MXFP4:
             blocks, scales = reader.index(self.tensors["blocks"], expert), reader.index(self.tensors["scales"], expert)
+            info = self.tensors["scales"]
+            try:
+                check_scale_values(scales, f"{info.name}[{expert}]", str(info.file))
+            except QuantTensorError as e:
+                raise CheckpointError(str(e)) from None
             if self.role == "down_proj":
                 return {"down_proj": mxfp4_expert_weight(blocks, scales)}
             gate, up, _ = gpt_oss_gate_up(blocks, scales)
@@ -376,7 +403,8 @@ class CheckpointPlan:
         """Expert ``fid``'s ``(gate [I, H], up [I, H], down [H, I])`` in canonical form (formats as stored).
 
         Raises:
-            CheckpointError: a tensor that cannot be read (the reader names the file and the tensor).
+            CheckpointError: a tensor that cannot be read (the reader names the file and the tensor), or a
+                scale that is NaN or infinite (:meth:`ExpertSource.read`).
         """
         got: dict[str, QuantizedWeight] = {}
         for part in _EXPERT_PARTS:
@@ -431,11 +459,17 @@ class CheckpointIndex:
 
         Raises:
             QuantConfigError: a ``quantization_config`` edgemoe cannot load (file and field named).
-            CheckpointError: no safetensors files; an index that is not valid JSON, names a missing
-                shard or maps a tensor to a shard without it; a tensor in two shards; a truncated or
-                malformed file (see :func:`parse_safetensors_header`).
+            CheckpointError: no safetensors files; an FTW directory without its manifest (an expert bank
+                beside ``non_expert.safetensors``); an index that is not valid JSON, names a missing shard or
+                maps a tensor to a shard without it; a tensor in two shards; a truncated or malformed file (see
+                :func:`parse_safetensors_header`).
         """
+        from edgemoe.weights.ftw.spec import BANK_FILE, MANIFEST, NON_EXPERT_FILE  # the FTW package imports this one
+
         d = Path(model_dir)
+        if (d / BANK_FILE).is_file() and (d / NON_EXPERT_FILE).is_file() and not (d / MANIFEST).exists():
+            raise CheckpointError(f"{d / MANIFEST}: missing: {d} holds {BANK_FILE} and {NON_EXPERT_FILE}, an FTW "
+                                  "expert bank without its manifest; copy ftw.json too, or re-run `edgemoe convert`")
         index = d / INDEX_FILE
         weight_map: dict[str, str] | None = None
         if index.exists():

@@ -22,7 +22,7 @@ from torch import nn
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.scheme import FP8_DEFAULT_BLOCK, QuantScheme, detect_scheme
-from edgemoe.quant.weights import QuantizedWeight, WeightFormat, dequantize_linear
+from edgemoe.quant.weights import QuantizedWeight, WeightFormat
 from edgemoe.weights.index import CheckpointError, CheckpointIndex, CheckpointPlan, ExpertGeometry, TensorInfo
 
 __all__ = ["CheckpointError", "SafetensorsReader", "cast_to_layout", "deployed_layout", "dummy_layout", "init_dummy",
@@ -109,8 +109,8 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, cfg, dtype: torch.d
 
     Raises:
         CheckpointError: a truncated or malformed file, a missing shard, missing, unexpected or
-            mis-shaped tensors, quantized tensors that do not fit the declared scheme (one line naming the
-            file and the tensor).
+            mis-shaped tensors, quantized tensors that do not fit the declared scheme, a scale that is NaN or
+            infinite (one line naming the file and the tensor).
         QuantConfigError: a ``quantization_config`` edgemoe does not load.
     """
     geometry = ExpertGeometry.from_config(cfg)
@@ -134,24 +134,25 @@ def _load_plan(model: nn.Module, pool: HostExpertPool, plan: CheckpointPlan, fil
 
         bar = tqdm(total=len(plan.params) + len(plan.quantized) + pool.num_ids, desc="loading weights",
                    unit="tensor", leave=False)
-    with torch.no_grad(), SafetensorsReader(files) as reader:
-        for name, info in plan.params.items():
-            params[name].copy_(reader.tensor(info))  # cast to the parameter's dtype
-            if bar is not None:
-                bar.update(1)
-        for name, q in plan.quantized.items():  # float32 products, then the parameter's dtype
-            t = {p: reader.tensor(info) for p, info in q.tensors.items()}
-            params[name].copy_(dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), params[name].dtype))
-            if bar is not None:
-                bar.update(1)
-        for fid in range(pool.num_ids):
-            gate, up, down = (cast_to_layout(w, layout) for w in plan.expert_weights(fid, reader))
-            b13, b2 = plan.expert_biases(fid, reader) or (None, None)
-            layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=pool.bank[fid])
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        with torch.no_grad(), SafetensorsReader(files) as reader:
+            for name, info in plan.params.items():
+                params[name].copy_(reader.tensor(info))  # cast to the parameter's dtype
+                if bar is not None:
+                    bar.update(1)
+            for name, q in plan.quantized.items():  # float32 products, then the parameter's dtype
+                params[name].copy_(q.dequantize(plan.scheme, reader, params[name].dtype))
+                if bar is not None:
+                    bar.update(1)
+            for fid in range(pool.num_ids):
+                gate, up, down = (cast_to_layout(w, layout) for w in plan.expert_weights(fid, reader))
+                b13, b2 = plan.expert_biases(fid, reader) or (None, None)
+                layout.pack_expert(gate, up, down, b13=b13, b2=b2, out=pool.bank[fid])
+                if bar is not None:
+                    bar.update(1)
+    finally:  # also on an error: its message then starts a line of its own
+        if bar is not None:
+            bar.close()
 
 
 def dummy_layout(model: nn.Module, model_dir: str | Path, cfg, dtype: torch.dtype) -> ExpertLayout:

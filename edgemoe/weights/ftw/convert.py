@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.quant.weights import WeightFormat, dequantize_linear
-from edgemoe.weights.dtypes import WEIGHT_DTYPES, dtype_name, parse_dtype
+from edgemoe.quant.weights import WeightFormat
+from edgemoe.weights.dtypes import WEIGHT_DTYPES, checkpoint_dtype, dtype_name, parse_dtype
 from edgemoe.weights.ftw.spec import MANIFEST, is_ftw
 from edgemoe.weights.ftw.writer import DEFAULT_CHUNK_BYTES, FTWWriter, check_target
 from edgemoe.weights.index import CheckpointIndex, ExpertGeometry
@@ -67,9 +67,11 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
 
     Raises:
         FileNotFoundError: no config.json. ValueError: unsupported architecture or quantization config, or
-        ``hf_dir`` is already FTW, or a config.json that is not valid JSON (the file named).
-        CheckpointError: a checkpoint that does not match its config (one line naming the file and the
-        tensor). FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
+        ``hf_dir`` is already FTW, or a config.json that is not valid JSON (the file named), or whose dtype,
+        needed without ``dtype``, is not a weight dtype.
+        CheckpointError: a checkpoint that does not match its config, or a scale that is NaN or infinite
+        (one line naming the file and the tensor).
+        FileExistsError: ``out_dir`` exists and is not empty, without ``overwrite``.
     """
     from edgemoe.models import load_config, model_class
 
@@ -89,7 +91,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
     elif len(found) == 1 and dtype_name(next(iter(found))) in WEIGHT_DTYPES:
         float_dtype = found.pop()
     else:
-        float_dtype = parse_dtype(cfg.torch_dtype)
+        float_dtype = checkpoint_dtype(cfg.torch_dtype, hf_dir)
     fmt = plan.expert_format or WeightFormat.for_dtype(float_dtype)
     layout = pool_layout(fmt, geometry, float_dtype, plan.scheme)
     row = layout.new_bank(1)  # [1, row_bytes]
@@ -116,8 +118,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                     keep = dtype is None or name.endswith(model.float32_parameters)
                     tensors[name] = t if keep else t.to(float_dtype)
                 for name, q in plan.quantized.items():
-                    t = {p: reader.tensor(info) for p, info in q.tensors.items()}
-                    tensors[name] = dequantize_linear(plan.scheme, q.module, t, q.shape, str(q.file), float_dtype)
+                    tensors[name] = q.dequantize(plan.scheme, reader, float_dtype)
                 w.write_non_expert(tensors)
                 del tensors
                 w.copy_files(hf_dir)
