@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -337,6 +338,13 @@ def test_failed_convert_cleans_up(hf, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         convert(hf, tmp_path / "x.ftw", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_converted_file_has_the_same_mode(ftw_dir):
+    """safetensors writes its files 0600: the non-expert file would be the one file of the directory that another
+    user allowed to read the bank could not read. Every file gets the mode the bank got from open() and the umask."""
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ftw_dir.iterdir() if p.is_file()}
+    assert len(set(modes.values())) == 1, modes
 
 
 def test_existing_output_needs_overwrite(hf, ftw_dir, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
@@ -172,6 +173,9 @@ class FTWWriter:
 
         path = self.tmp / NON_EXPERT_FILE
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+        # safetensors writes its file 0600; give it the bank file's mode (what open() gives under the umask), so
+        # whoever may read the bank may read this too
+        os.chmod(path, stat.S_IMODE((self.tmp / BANK_FILE).stat().st_mode))
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         chunk = self.chunk_bytes
