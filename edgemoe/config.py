@@ -283,11 +283,11 @@ _POSITIVE_INT_FIELDS = (
     "moe_intermediate_size", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "n_group", "topk_group",
     "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_num_key_heads", "linear_num_value_heads",
+    "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step",
 )
 _COUNT_FIELDS = (  # integers >= 0
     "intermediate_size", "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts",
-    "first_k_dense_replace", "decoder_sparse_step", "moe_layer_freq", "shared_expert_intermediate_size",
+    "first_k_dense_replace", "moe_layer_freq", "shared_expert_intermediate_size",
     "num_nextn_predict_layers", "num_mtp_layers",
 )
 _POSITIVE_NUMBER_FIELDS = ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")

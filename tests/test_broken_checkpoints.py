@@ -208,6 +208,7 @@ def test_config_json_that_is_not_json(tiny_model_dir, tmp_path):
     ("hidden_size", -4, "hidden_size must be a positive integer, got -4"),
     ("vocab_size", 1.5, "vocab_size must be a positive integer, got 1.5"),
     ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
+    ("decoder_sparse_step", 0, "decoder_sparse_step must be a positive integer, got 0"),  # was taken as 1
     ("num_experts", [1], "num_experts must be an integer >= 0, got [1]"),
     ("rope_theta", "x", "rope_theta must be a positive number, got 'x'"),
     ("rope_scaling", "yarn", "rope_scaling must be an object, got 'yarn'"),

@@ -150,7 +150,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         heads = int(need("num_attention_heads"))
         num_layers = int(need("num_hidden_layers"))
         num_experts = int(need("num_experts", "num_local_experts"))
-        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        step = int(raw.get("decoder_sparse_step") or 1)  # >= 1 when given (check_config_fields: 0 divides by zero)
         mlp_only = set(raw.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(num_layers)
                            if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
