@@ -197,12 +197,12 @@ class PrefillStreamer:
         if self._cuda:  # earlier steps' kernels may still read the slots about to be overwritten
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.compute_dtype, device=self.device)
-        # the step's one read of the tables: from here on only this step changes them, through _stage
         # the step's one page-locked host allocation: every layer's index vectors go to the device through it. A
         # page-locked allocation between two commands of different streams keeps them from running concurrently
         # (CUDA's implicit synchronization), so none may happen between a layer's copies and its compute.
         staging = torch.empty((self.num_layers, 4 * self.num_experts), dtype=torch.int64,
                               pin_memory=self.device.type == "cuda")
+        # the step's one read of the tables: from here on only this step changes them, through _stage
         self._cur = _StreamedStep(step, regions, free, routed, cache.slot_of.tolist(), cache.owner_of.tolist(),
                                   torch.zeros(2, dtype=torch.int64, device=self.device), staging)
         if self.mode == "overlap":
