@@ -8,6 +8,7 @@ index and ``load_config``; the HF and FTW directories are real ones written by `
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -305,6 +306,26 @@ def test_non_finite_scale(quantized, tmp_path, quant, name, edit, match):
         _load_hf(d)
     _one_line(e, f, f"tensor {name}")
     with pytest.raises(CheckpointError, match=match) as e:
+        convert(d, tmp_path / "out.ftw", progress=False)
+    _one_line(e, f, f"tensor {name}")
+
+
+@pytest.mark.parametrize("name, value", [("model.norm.weight", math.nan), ("model.embed_tokens.weight", math.inf),
+                                         ("model.layers.0.self_attn.o_proj.weight", -math.inf)],
+                         ids=["norm-nan", "embedding-inf", "attention-minus-inf"])
+def test_non_finite_float_weight(tiny_model_dir, tmp_path, name, value):
+    """A NaN or infinite non-expert float weight made every output NaN, silently: the load and the convert refuse it,
+    naming the file, the tensor and how many values."""
+    d = _copy(tiny_model_dir, tmp_path)
+    f = next(p for p in sorted(d.glob("*.safetensors")) if name in load_file(p))
+    sd = load_file(f)
+    sd[name] = sd[name].clone().index_fill_(0, torch.tensor([1]), value)
+    save_file(sd, f)
+    n = sd[name][1].numel()
+    with pytest.raises(CheckpointError, match=f"holds {n} NaN or infinite value") as e:
+        _load_hf(d)
+    _one_line(e, f, f"tensor {name}")
+    with pytest.raises(CheckpointError, match="NaN or infinite") as e:
         convert(d, tmp_path / "out.ftw", progress=False)
     _one_line(e, f, f"tensor {name}")
 

@@ -114,7 +114,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, progress: bool = True, *, d
                         bar.update(nb)
                 tensors = {}
                 for name, info in plan.params.items():
-                    t = reader.tensor(info)
+                    t = reader.finite_tensor(info)
                     keep = dtype is None or name.endswith(model.float32_parameters)
                     tensors[name] = t if keep else t.to(float_dtype)
                 for name, q in plan.quantized.items():
