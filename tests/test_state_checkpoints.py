@@ -358,3 +358,16 @@ def test_wrong_prefix_never_restores(model_dir, tokenizer):
     tree = engine.runner.kv.prefix_cache
     tree.evict(tree.num_pages)
     assert engine.runner.prefix.checkpoints.slots_used > 0 and _generate(engine, a).cached_tokens == 0
+
+
+def test_restore_into_a_kv_cache_that_grew(model_dir, tokenizer):
+    # 64 KV tokens: the first request's prefill borrows pages from the expert cache, which resizes the KV pool
+    # inside the step (inference mode); restoring a checkpoint into the grown pool between steps writes its
+    # partial page there, and must not fail the step
+    engine = _engine(model_dir, kv_cache_tokens=64, state_checkpoint_interval=20)
+    a, b = _tool_turn(tokenizer, "There are " + "many " * 30 + "slots.")
+    _generate(engine, a)
+    assert engine.runner.memory.borrowed_pages > 0
+    out = _generate(engine, b)
+    assert out.cached_tokens % PS and out.cached_tokens > PS  # borrowed pages and a restored partial page
+    assert out.outputs[0].token_ids == _generate(_engine(model_dir, state_checkpoints=0), b).outputs[0].token_ids
