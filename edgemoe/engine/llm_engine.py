@@ -323,7 +323,9 @@ class LLMEngine:
         for req, inp in zip(batch.requests, batch.inputs):
             if inp.start_pos > 0 and not self.runner.can_resume(inp.seq_id):
                 # a recurrent state the failed step half-advanced was dropped: recompute (or restore a
-                # checkpoint) from the start; a request that fails again then fails alone
+                # checkpoint) from the start, alone up to the end of this step, so a request that fails
+                # again fails alone
+                req.isolate_until = inp.start_pos + len(inp.token_ids)
                 self.scheduler.preempt(req)
                 self.metrics.preemptions.inc()
                 continue
