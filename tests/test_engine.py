@@ -183,6 +183,23 @@ def test_fault_isolation(engine, prompts, alone, monkeypatch):
     assert engine.metrics.requests.labels(finish_reason="error")._value.get() >= 1
 
 
+def test_raising_logits_processor_fails_only_its_request(engine, prompts, alone):
+    """A request whose logits processor raises (at its third token) fails alone; the others go on."""
+
+    def broken(output_ids, logits, max_tokens):
+        if len(output_ids) == 2:
+            raise RuntimeError("processor fault")
+        return logits
+
+    params = [SamplingParams(max_tokens=24, **GREEDY)] * 4
+    params[1] = SamplingParams(max_tokens=24, logits_processors=[broken], **GREEDY)
+    outs = run(engine, prompts[:4], params)
+    assert outs[1].outputs[0].finish_reason == "error" and "processor fault" in outs[1].error
+    assert outs[1].outputs[0].token_ids == alone[1][:2]
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 1] == [alone[0], *alone[2:4]]
+    assert engine.runner.kv_free_tokens() == engine.runner.kv_capacity_tokens
+
+
 def test_abort_frees_kv(engine, prompts):
     runner = engine.runner
     a = engine.add_request("a", prompts[0], SamplingParams(max_tokens=1000, **GREEDY))

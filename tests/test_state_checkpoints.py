@@ -358,3 +358,55 @@ def test_wrong_prefix_never_restores(model_dir, tokenizer):
     tree = engine.runner.kv.prefix_cache
     tree.evict(tree.num_pages)
     assert engine.runner.prefix.checkpoints.slots_used > 0 and _generate(engine, a).cached_tokens == 0
+
+
+def test_restore_into_a_kv_cache_that_grew(model_dir, tokenizer):
+    # 64 KV tokens: the first request's prefill borrows pages from the expert cache, which resizes the KV pool
+    # inside the step (inference mode); restoring a checkpoint into the grown pool between steps writes its
+    # partial page there, and must not fail the step
+    engine = _engine(model_dir, kv_cache_tokens=64, state_checkpoint_interval=20)
+    a, b = _tool_turn(tokenizer, "There are " + "many " * 30 + "slots.")
+    _generate(engine, a)
+    assert engine.runner.memory.borrowed_pages > 0
+    out = _generate(engine, b)
+    assert out.cached_tokens % PS and out.cached_tokens > PS  # borrowed pages and a restored partial page
+    assert out.outputs[0].token_ids == _generate(_engine(model_dir, state_checkpoints=0), b).outputs[0].token_ids
+
+
+def test_fault_in_a_restored_sequence_fails_it_alone(model_dir, monkeypatch):
+    # A step that fails drops the recurrent states it half-advanced, so its sequences are recomputed; when
+    # they all resume from checkpoints (past position 0) they used to be batched together again, fail again
+    # and be preempted again, forever. The failing request must end in an error, the others as alone.
+    engine = _engine(model_dir, state_checkpoint_interval=16)
+    prompts = [[(i * 37 + 11 * k) % 900 + 20 for i in range(n)] for k, n in ((1, 30), (2, 40), (3, 25))]
+    bad = prompts[1]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for p in prompts:  # checkpoints at 16 and 32 tokens, and the KV pages under them
+        engine.add_request(None, p, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    layer = engine.runner.model.attention_layers()[-1]
+    real = layer.forward
+
+    def forward(x, batch):
+        seqs = {r.seq_id for r in engine.scheduler.running if r.prompt_token_ids == bad}
+        if any(s.seq_id in seqs and s.kv_len > len(bad) + 3 for s in batch.seqs):
+            raise RuntimeError("injected fault")
+        return real(x, batch)
+
+    monkeypatch.setattr(layer, "forward", forward)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert not engine.has_unfinished_requests()
+    monkeypatch.undo()
+    outs = [done[i].outputs[0] for i in ids]
+    assert outs[1].finish_reason == "error" and "injected fault" in done[ids[1]].error
+    plain = _engine(model_dir, state_checkpoints=0)
+    for i in (0, 2):
+        assert outs[i].finish_reason == "length"
+        assert outs[i].token_ids == _generate(plain, prompts[i], max_tokens=12).outputs[0].token_ids
+    assert engine.runner.state.free_slots == engine.runner.state.num_slots

@@ -225,9 +225,17 @@ class LLMEngine:
             rows = self._execute(batch, outputs)
             if self.routing_recorder is not None:
                 self.routing_recorder.flush()  # a served trace survives the process being stopped
-            if rows:
-                reqs = [r for r, _ in rows]
-                logits = torch.stack([self._process(r, row) for r, row in rows])  # [b, V]
+            reqs, processed = [], []
+            for req, row in rows:
+                try:
+                    processed.append(self._process(req, row))
+                except Exception as exc:  # a request's own logits processor: it fails alone
+                    log.exception("request %s failed", req.request_id, exc_info=exc)
+                    outputs.append(self._finish(req, "error", error=_describe(exc)))
+                    continue
+                reqs.append(req)
+            if reqs:
+                logits = torch.stack(processed)  # [b, V]
                 tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
                 for req, tok in zip(reqs, tokens):
                     outputs.append(self._append_token(req, int(tok)))
@@ -315,7 +323,9 @@ class LLMEngine:
         for req, inp in zip(batch.requests, batch.inputs):
             if inp.start_pos > 0 and not self.runner.can_resume(inp.seq_id):
                 # a recurrent state the failed step half-advanced was dropped: recompute (or restore a
-                # checkpoint) from the start; a request that fails again then fails alone
+                # checkpoint) from the start, alone up to the end of this step, so a request that fails
+                # again fails alone
+                req.isolate_until = inp.start_pos + len(inp.token_ids)
                 self.scheduler.preempt(req)
                 self.metrics.preemptions.inc()
                 continue

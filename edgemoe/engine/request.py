@@ -190,6 +190,8 @@ class Request:
         cached_tokens: prompt tokens taken from the prefix cache at the first admission (reported in
             usage); ``None`` before it.
         prefill_done: all tokens but the last sampled one are in the KV cache (decode phase).
+        isolate_until: a failed batch dropped its recurrent state: its prefill steps run alone until this
+            many tokens are computed again (past the failed step), so a request that fails again fails alone.
         text: detokenized output (after stop-string truncation); ``emitted_chars`` of it were returned.
         emitted_tokens: output token ids already returned.
     """
@@ -208,6 +210,7 @@ class Request:
     num_cached_tokens: int = 0
     cached_tokens: int | None = None
     prefill_done: bool = False
+    isolate_until: int = 0
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0

@@ -8,7 +8,8 @@ phase, because a runner step is either prefill or decode:
   of ``waiting`` (no skipping ahead), while ``len(running) < max_num_seqs``, the batch holds at most
   ``prefill_chunk_tokens`` tokens and the runner can allocate their KV pages while leaving one page
   per decoding request free (a watermark). A prompt longer than the budget is split into chunks over
-  several steps.
+  several steps. A request recomputed because a failed step dropped its recurrent state runs in a
+  batch of its own until it is past that step (``Request.isolate_until``).
 - **decode** — one token for every running request whose prompt is fully computed.
 
 Prefill has priority (short TTFT), but never twice in a row while requests are decoding, so a long
@@ -155,7 +156,8 @@ class Scheduler:
             return self.runner.can_allocate(seq_id, start + n) and (not reqs or n <= free())
 
         for req in self.running:
-            if req.prefill_done or budget <= 0:
+            alone = req.num_computed < req.isolate_until  # recomputing past a failed step: in a batch of one
+            if req.prefill_done or budget <= 0 or (alone and reqs):
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not fits(req.seq_id, req.num_computed, n):
@@ -164,6 +166,8 @@ class Scheduler:
             tokens = req.token_slice(req.num_computed, req.num_computed + n)
             inputs.append(StepInput(req.seq_id, tokens, req.num_computed))
             budget, claimed = budget - n, claimed + n
+            if alone:
+                return ScheduledBatch(Phase.PREFILL, reqs, inputs)
         # Admit only while the decoding requests keep room for their next page each (a watermark,
         # as in vLLM), so a fresh admission is not preempted again at the very next decode step.
         reserve = self.runner.page_size * sum(r.prefill_done for r in self.running)
@@ -172,7 +176,8 @@ class Scheduler:
             seq_id = next(self._seq_ids)
             start = self.runner.attach_prefix(seq_id, req.token_slice(0, req.num_tokens))
             n = min(req.num_tokens - start, budget)
-            if not fits(seq_id, start, n) or (reserve and n + reserve > free()):
+            alone = start < req.isolate_until
+            if not fits(seq_id, start, n) or (reserve and n + reserve > free()) or (alone and reqs):
                 self.runner.free(seq_id)
                 break
             self.waiting.popleft()
@@ -184,6 +189,8 @@ class Scheduler:
             reqs.append(req)
             inputs.append(StepInput(seq_id, req.token_slice(start, start + n), start))
             budget, claimed = budget - n, claimed + n
+            if alone:
+                break
         return ScheduledBatch(Phase.PREFILL, reqs, inputs) if reqs else None
 
     def _schedule_decode(self, decoding: list[Request]) -> ScheduledBatch:

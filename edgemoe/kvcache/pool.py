@@ -215,6 +215,9 @@ class PagedKVPool:
             held += self.prefix_cache.referenced_pages()
         return max(held, default=-1) + 1
 
+    # normal tensors even when a step borrowing pages resizes under inference mode: the storage must keep taking
+    # the in-place writes made between steps (a checkpoint's partial page restored on admission)
+    @torch.inference_mode(False)
     def resize(self, num_pages: int, stage_on_host: bool = False) -> None:
         """Change the page count at a safe point between steps (no step in flight).
 
