@@ -103,6 +103,18 @@ def test_device_cuda_without_cuda_is_one_line(tiny_model_dir, capsys, monkeypatc
     assert len(err) == 1 and err[0].startswith("edgemoe: error: --device cuda:") and "CUDA is not available" in err[0]
 
 
+def test_an_empty_api_key_is_refused(tiny_model_dir, capsys, monkeypatch):
+    """``--api-key ""`` (e.g. ``--api-key "$KEY"`` with KEY unset) served every route without a key."""
+    import edgemoe.server.app as app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("serve() reached"))
+    monkeypatch.setenv("EDGEMOE_API_KEY", "from-the-environment")
+    for key in ("", "  "):
+        assert main(["serve", str(tiny_model_dir), "--port", str(_free_port()), "--api-key", key]) == 2
+        err = _stderr_lines(capsys)
+        assert len(err) == 1 and err[0].startswith("edgemoe: error: --api-key: empty"), err
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
