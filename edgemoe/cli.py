@@ -152,10 +152,21 @@ def _add_record_routing(p: argparse.ArgumentParser) -> None:
                         "(format: edgemoe/bench/trace.py); replay with `edgemoe replay-routing`")
 
 
-def _recorder(path: str):
+def _recorder(path: str | None):
+    """The ``--record-routing`` recorder (``None`` without the flag), opened before the model loads so that a
+    path it cannot append to fails at once.
+
+    Raises:
+        CLIError: the file cannot be opened for appending (naming the flag and the reason).
+    """
     from edgemoe.bench.trace import RoutingRecorder
 
-    return RoutingRecorder(path)
+    if path is None:
+        return None
+    try:
+        return RoutingRecorder(path)
+    except OSError as exc:
+        raise CLIError(f"--record-routing {path}: {exc.strerror or exc}") from None
 
 
 def _check_port(host: str, port: int) -> None:
@@ -186,10 +197,11 @@ def _cmd_serve(args) -> int:
     if server_config.api_key is None and os.environ.get("EDGEMOE_API_KEY"):
         server_config = replace(server_config, api_key=os.environ["EDGEMOE_API_KEY"])
     _check_port(server_config.host, server_config.port)  # before loading weights, which can take minutes
+    recorder = _recorder(args.record_routing)  # likewise
 
     def on_ready(engine) -> None:
-        if args.record_routing:
-            engine.attach_routing_recorder(_recorder(args.record_routing))
+        if recorder is not None:
+            engine.attach_routing_recorder(recorder)
         print(engine.runner.summary(), flush=True)
         print(f"edgemoe: serving on http://{server_config.host}:{server_config.port}/v1", flush=True)
 
@@ -249,9 +261,10 @@ def _cmd_generate(args) -> int:
             raise CLIError(f"--chat-template-kwargs: not valid JSON ({exc})") from None
         if not isinstance(template_kwargs, dict):
             raise CLIError("--chat-template-kwargs: must be a JSON object")
+    recorder = _recorder(args.record_routing)  # before loading weights, which can take minutes
     llm = LLM(model, progress=not args.json, **{f.name: getattr(config, f.name) for f in fields(config)})
-    if args.record_routing:
-        llm.engine.attach_routing_recorder(_recorder(args.record_routing))
+    if recorder is not None:
+        llm.engine.attach_routing_recorder(recorder)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, chat_template_kwargs=template_kwargs)[0]
     else:

@@ -550,10 +550,13 @@ class EngineConfig:
 
         Raises:
             RuntimeError: ``cuda`` requested on a machine without CUDA.
+            ValueError: a device type other than ``cpu`` and ``cuda`` (or a malformed name).
         """
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
+        if dev.type not in ("cpu", "cuda"):  # torch names many more (meta, mps, xla, ...): none runs the engine
+            raise ValueError(f"device type {dev.type!r} is not supported; choose cpu, cuda, cuda:N or auto")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda requested but CUDA is not available on this machine")
         return dev

@@ -103,6 +103,27 @@ def test_device_cuda_without_cuda_is_one_line(tiny_model_dir, capsys, monkeypatc
     assert len(err) == 1 and err[0].startswith("edgemoe: error: --device cuda:") and "CUDA is not available" in err[0]
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("flags, named", [
+    (["--device", "meta"], "--device meta: device type 'meta' is not supported"),  # loaded, then failed on .item()
+    (["--record-routing", "{tmp}/missing/routing.jsonl"], "--record-routing {tmp}/missing/routing.jsonl: No such file"),
+    (["--record-routing", "{tmp}"], "--record-routing {tmp}: Is a directory"),  # both failed after the load
+])
+def test_bad_values_fail_before_loading(tiny_model_dir, tmp_path, capsys, monkeypatch, command, flags, named):
+    """A value that cannot work is one line naming the flag before the weights load (which can take
+    minutes), not ``model failed to load: ...`` after them."""
+    import edgemoe.engine.llm as llm
+    import edgemoe.server.app as app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("serve() reached"))
+    monkeypatch.setattr(llm, "LLM", lambda *a, **k: pytest.fail("LLM() reached"))
+    extra = ["--prompt", "hi"] if command == "generate" else ["--port", str(_free_port())]
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert main([command, str(tiny_model_dir), *extra, *flags]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("edgemoe: error: " + named.format(tmp=tmp_path)), err
+
+
 def test_an_empty_api_key_is_refused(tiny_model_dir, capsys, monkeypatch):
     """``--api-key ""`` (e.g. ``--api-key "$KEY"`` with KEY unset) served every route without a key."""
     import edgemoe.server.app as app
