@@ -73,6 +73,19 @@ def test_missing_profile_is_an_error(tiny_model_dir, tmp_path, capsys):
     assert len(err) == 1 and str(missing) in err[0] and "edgemoe profile" in err[0]
 
 
+@pytest.mark.parametrize("flags, named", [(["--gpu-headroom-gb", "5"], "gpu_headroom_gb 5.0"),
+                                          (["--doorbell-wait", "stream-op"], "doorbell_wait stream-op"),
+                                          (["--doorbell-wait", "kernel"], "doorbell_wait kernel"),
+                                          (["--enforce-eager"], "enforce_eager True")])
+def test_cuda_options_on_a_cpu_device_are_refused(tiny_model_dir, capsys, flags, named):
+    """Options of the CUDA decode path were silently ignored on ``--device cpu`` (as ``--gpu-budget`` and
+    ``--expert-cache-gb`` are not; ``POST /admin/memory`` refuses ``headroom_gb`` there too)."""
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", *flags]) == 1
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith(f"edgemoe: error: {named} (") and "is a CUDA option" in err[0], err
+    assert "the device is cpu" in err[0]
+
+
 def test_context_length_and_rope_scaling(tiny_model_dir, capsys):
     from edgemoe.models import load_config
 
