@@ -497,6 +497,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.expert_cache_slots is not None and self.expert_cache_gb is not None:  # slots won, gb went unread
+            raise ValueError("expert_cache_slots and expert_cache_gb both given: size the expert cache by one")
         v = self.expert_cache_gb
         if v is not None and not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"expert_cache_gb must be a finite number >= 0, got {v}")

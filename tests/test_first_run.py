@@ -86,6 +86,16 @@ def test_cuda_options_on_a_cpu_device_are_refused(tiny_model_dir, capsys, flags,
     assert "the device is cpu" in err[0]
 
 
+def test_expert_cache_slots_and_gb_together_are_refused(tiny_model_dir, capsys):
+    """Both sizes given: the slots won and the GB went unread (``POST /admin/expert-cache`` refuses both)."""
+    with pytest.raises(ValueError, match="expert_cache_slots and expert_cache_gb both given"):
+        EngineConfig(expert_cache_slots=8, expert_cache_gb=1.0)
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--expert-cache-slots", "8",
+                 "--expert-cache-gb", "1"]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and "expert_cache_slots and expert_cache_gb both given" in err[0], err
+
+
 def test_context_length_and_rope_scaling(tiny_model_dir, capsys):
     from edgemoe.models import load_config
 
