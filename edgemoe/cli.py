@@ -233,6 +233,8 @@ def _cmd_chat(args) -> int:
         )
     except openai.APIConnectionError:
         raise CLIError(f"no server at {args.base_url} (start one with `edgemoe serve MODEL_DIR`)") from None
+    except openai.APIStatusError as exc:  # e.g. a wrong --api-key (401), a model still loading (503)
+        raise CLIError(f"{args.base_url}: {exc.message}") from None
 
 
 def _cmd_generate(args) -> int:

@@ -467,6 +467,56 @@ def test_chat_commands_stay_local_and_replies_are_capped(tiny_model_dir, monkeyp
     assert main(["chat", "--max-tokens", "0"]) == 2 and "--max-tokens" in capsys.readouterr().err
 
 
+def _status_error(cls, status: int, message: str):
+    import httpx
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+    return cls(f"Error code: {status} - {message}", response=httpx.Response(status, request=request), body=None)
+
+
+def test_chat_reports_server_errors_and_keeps_the_conversation(monkeypatch, capsys):
+    """A turn the server refuses (an unknown model, a bad --temperature, a server gone) ended the chat with
+    a traceback; now it is one line, the chat goes on, and the failed turn is not resent with the next."""
+    import io
+    from types import SimpleNamespace
+
+    import httpx
+    import openai
+
+    import edgemoe.server.chat_client as chat_client
+    from edgemoe.server.chat_client import ChatSession, Output, main_loop
+
+    sent = []
+
+    def create(messages, **kw):
+        sent.append([m["content"] for m in messages])
+        if len(sent) == 1:
+            raise _status_error(openai.NotFoundError, 404, "The model `nosuch` does not exist.")
+        raise openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    buf = io.StringIO()
+    session = ChatSession(client, "nosuch", max_tokens=4)
+    assert main_loop(session, _lines("first", "second", "/exit"), Output(buf, use_rich=False)) == 0
+    text = buf.getvalue()
+    assert "[error: Error code: 404 - The model `nosuch` does not exist.]" in text
+    assert "[error: Connection error.]" in text
+    assert sent == [["first"], ["second"]] and session.messages == []
+
+    class Refusing:  # the server answers /v1/models with 401
+        def __init__(self, **kw):
+            self.models = SimpleNamespace(list=self.list)
+
+        def list(self):
+            raise _status_error(openai.AuthenticationError, 401, "Invalid API key")
+
+    monkeypatch.setattr(openai, "OpenAI", Refusing)
+    monkeypatch.setattr(chat_client, "main_loop", lambda *a: pytest.fail("chat started"))
+    assert main(["chat", "--base-url", "http://127.0.0.1:9/v1"]) == 2
+    err = _stderr_lines(capsys)
+    assert err == ["edgemoe: error: http://127.0.0.1:9/v1: Error code: 401 - Invalid API key"], err
+
+
 def test_readme_lists_every_subcommand():
     from edgemoe.cli import build_parser
 
