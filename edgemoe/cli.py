@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import typing
@@ -222,6 +223,8 @@ def _cmd_chat(args) -> int:
 
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.temperature is not None and not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise CLIError(f"--temperature must be a finite number >= 0, got {args.temperature}")  # as the server says
     try:
         return run(
             args.base_url,

@@ -465,6 +465,10 @@ def test_chat_commands_stay_local_and_replies_are_capped(tiny_model_dir, monkeyp
         assert main(["chat", "--base-url", srv.base + "/v1"]) == 0
         assert seen == {"max_tokens": 1024}  # a cap is always sent (`--max-tokens`, default 1024)
     assert main(["chat", "--max-tokens", "0"]) == 2 and "--max-tokens" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf"):  # each turn was sent and refused by the server
+        assert main(["chat", "--temperature", bad]) == 2
+        assert _stderr_lines(capsys) == [f"edgemoe: error: --temperature must be a finite number >= 0, got "
+                                         f"{float(bad)}"]
 
 
 def _status_error(cls, status: int, message: str):
