@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -497,6 +498,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        logical = os.cpu_count() or 1
+        if self.cpu_threads is not None and self.cpu_threads > logical:  # torch started them all: the process died
+            raise ValueError(f"cpu_threads {self.cpu_threads}: more than the {logical} logical CPUs of this machine")
         if self.expert_cache_slots is not None and self.expert_cache_gb is not None:  # slots won, gb went unread
             raise ValueError("expert_cache_slots and expert_cache_gb both given: size the expert cache by one")
         v = self.expert_cache_gb

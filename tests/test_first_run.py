@@ -96,6 +96,17 @@ def test_expert_cache_slots_and_gb_together_are_refused(tiny_model_dir, capsys):
     assert len(err) == 1 and "expert_cache_slots and expert_cache_gb both given" in err[0], err
 
 
+def test_more_cpu_threads_than_cpus_is_refused(tiny_model_dir, capsys):
+    """``--cpu-threads 100000`` started that many torch threads: "can't start new thread", then a segfault."""
+    many = (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match=f"cpu_threads {many}: more than the {many - 1} logical CPUs"):
+        EngineConfig(cpu_threads=many)
+    assert EngineConfig(cpu_threads=many - 1).cpu_threads == many - 1
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--cpu-threads", "100000"]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("edgemoe: error: cpu_threads 100000: more than the "), err
+
+
 def test_context_length_and_rope_scaling(tiny_model_dir, capsys):
     from edgemoe.models import load_config
 
