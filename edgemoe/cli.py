@@ -323,7 +323,10 @@ def _cmd_profile(args) -> int:
     from edgemoe.experts.bandwidth import format_profile
 
     model = _model_dir(args.model)
-    result = run_profile(model, engine_config_from_args(args, model), args.out)
+    config = engine_config_from_args(args, model)
+    if args.out is not None and Path(args.out).is_dir():  # before measuring, which takes a while
+        raise CLIError(f"--out {args.out}: is a directory; give the path of the profile JSON to write")
+    result = run_profile(model, config, args.out)
     print(format_profile(result))
     return 0
 
@@ -540,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"edgemoe: error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, TypeError) as exc:
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, ValueError, TypeError) as exc:
         print(f"edgemoe: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -237,6 +237,20 @@ def test_model_paths_that_are_not_model_directories(tiny_model_dir, tmp_path, ca
             assert len(err) == 1 and err[0].startswith("edgemoe: error: ") and expected in err[0], err
 
 
+def test_a_directory_where_a_file_belongs_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``profile --out DIR`` and ``replay-routing DIR`` ended in an ``IsADirectoryError`` traceback (profile's
+    after its measurement)."""
+    import edgemoe.bench.profile as profile
+
+    monkeypatch.setattr(profile, "run_profile", lambda *a, **k: pytest.fail("measured"))
+    assert main(["profile", str(tiny_model_dir), "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = _stderr_lines(capsys)
+    assert err == [f"edgemoe: error: --out {tmp_path}: is a directory; give the path of the profile JSON to write"]
+    assert main(["replay-routing", str(tmp_path), "--no-plot"]) == 1
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("edgemoe: error: ") and "Is a directory" in err[0], err
+
+
 def test_a_directory_without_a_tokenizer_is_refused(tiny_model_dir, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
