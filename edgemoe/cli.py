@@ -416,7 +416,7 @@ def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-time", choices=sorted(COST_PRESETS), default=None,
                    help="also simulate decode tokens/s of every miss policy (fill-all, cpu-all, static, qstar, "
                         "adaptive, auto) on this machine model")
-    p.add_argument("--eviction", default="layer-lru", help="eviction rule of the step-time simulation (a --policy "
+    p.add_argument("--eviction", default=None, help="eviction rule of the --step-time simulation (a --policy "
                    "name that fills on a miss; default layer-lru, the engine's)")
 
 
