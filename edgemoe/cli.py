@@ -259,6 +259,8 @@ def _cmd_generate(args) -> int:
     except SamplingParamsError as exc:
         raise CLIError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from None
     template_kwargs = None
+    if args.chat_template_kwargs is not None and not args.chat:  # a plain prompt goes through no template
+        raise CLIError("--chat-template-kwargs: applies to the chat template, which only --chat uses")
     if args.chat_template_kwargs:
         try:
             template_kwargs = json.loads(args.chat_template_kwargs)

@@ -107,6 +107,17 @@ def test_more_cpu_threads_than_cpus_is_refused(tiny_model_dir, capsys):
     assert len(err) == 1 and err[0].startswith("edgemoe: error: cpu_threads 100000: more than the "), err
 
 
+def test_chat_template_kwargs_without_chat_is_refused(tiny_model_dir, capsys, monkeypatch):
+    """``generate --chat-template-kwargs`` without ``--chat`` was ignored: a plain prompt has no template."""
+    import edgemoe.engine.llm as llm
+
+    monkeypatch.setattr(llm, "LLM", lambda *a, **k: pytest.fail("LLM() reached"))
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--chat-template-kwargs",
+                 '{"enable_thinking": false}']) == 2
+    err = _stderr_lines(capsys)
+    assert err == ["edgemoe: error: --chat-template-kwargs: applies to the chat template, which only --chat uses"]
+
+
 def test_context_length_and_rope_scaling(tiny_model_dir, capsys):
     from edgemoe.models import load_config
 
