@@ -514,6 +514,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number of GB/s > 0, got {v}")
+        if self.profile_path is not None and None not in (self.bandwidth_pcie_gbps, self.bandwidth_cpu_gbps):
+            raise ValueError(f"profile {self.profile_path!r} with bandwidth_pcie_gbps and bandwidth_cpu_gbps: the two "
+                             "overrides leave nothing of the profile to read; give the profile or the bandwidths")
         if self.profile_path is not None and not Path(self.profile_path).is_file():
             raise ValueError(f"profile {self.profile_path!r}: no such file (write one with `edgemoe profile MODEL_DIR "
                              f"--out {self.profile_path}`)")

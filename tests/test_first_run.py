@@ -284,6 +284,17 @@ def _profile(bp=12.0, bh=30.0, rounds=None, other=0.1, **kw) -> dict:
             "rounds": rounds or {"b_p_gbps": [bp] * 3, "b_h_gbps": [bh] * 3}, **kw}
 
 
+def test_a_profile_with_both_bandwidth_overrides_is_refused(tiny_model_dir, tmp_path, capsys):
+    """``--profile`` with both ``--bandwidth-*-gbps`` went unread (its fixed costs too)."""
+    saved = tmp_path / "p.json"
+    saved.write_text(json.dumps(_profile()))
+    assert EngineConfig(profile_path=str(saved), bandwidth_pcie_gbps=10.0).profile_path == str(saved)  # B_H read
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--profile", str(saved),
+                 "--bandwidth-pcie-gbps", "10", "--bandwidth-cpu-gbps", "20"]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and "leave nothing of the profile to read" in err[0] and str(saved) in err[0], err
+
+
 def test_plausibility_rules():
     assert implausible(_profile()) is None
     assert "below the 0.1 GB/s" in implausible(_profile(bp=0.02))
