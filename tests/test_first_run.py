@@ -118,6 +118,18 @@ def test_chat_template_kwargs_without_chat_is_refused(tiny_model_dir, capsys, mo
     assert err == ["edgemoe: error: --chat-template-kwargs: applies to the chat template, which only --chat uses"]
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--seed", "7"], "edgemoe: seed 7: seeds dummy weights only (load_format dummy); these are read from HF "
+                      "safetensors, so it is not used"),
+    (["--no-verify-weights"], "edgemoe: verify_weights False: applies to the checksums of an FTW checkpoint"),
+])
+def test_options_of_other_weight_formats_are_said_to_be_unused(tiny_model_dir, capsys, flags, said):
+    """``--seed`` (dummy weights) and ``--no-verify-weights`` (FTW) on an HF checkpoint were ignored without a word."""
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "1", "--device", "cpu",
+                 "--cpu-executor", "torch", *flags]) == 0
+    assert any(ln.rsplit("\r", 1)[-1].startswith(said) for ln in _stderr_lines(capsys))
+
+
 def test_context_length_and_rope_scaling(tiny_model_dir, capsys):
     from edgemoe.models import load_config
 

@@ -115,6 +115,12 @@ class ModelRunner:
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
         self.weights_format = ("dummy weights" if config.load_format == "dummy" else
                                "FTW" if is_ftw(self.model_dir) else "HF safetensors")
+        if config.seed != EngineConfig.seed and config.load_format != "dummy":  # said, not silently ignored
+            log.warning("seed %d: seeds dummy weights only (load_format dummy); these are read from %s, so it is "
+                        "not used", config.seed, self.weights_format)
+        if config.verify_weights is not None and self.weights_format != "FTW":
+            log.warning("verify_weights %s: applies to the checksums of an FTW checkpoint (`edgemoe convert`); these "
+                        "weights are %s, so it is not used", config.verify_weights, self.weights_format)
         self.pool: HostExpertPool
         placed = ("routed experts and the token embedding into host memory" if config.token_embedding == "host"
                   else "routed experts into host memory")
