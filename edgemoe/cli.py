@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="HF model_type (default: the one whose preset --preset names)")
     from edgemoe.synth import PRESETS
 
-    p.add_argument("--preset", default="tiny", choices=[name for presets in PRESETS.values() for name in presets])
+    p.add_argument("--preset", default="tiny", choices=list(dict.fromkeys(  # "tiny" is every arch's: listed once
+        name for presets in PRESETS.values() for name in presets)))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="copy this tokenizer directory instead of building one")
     p.add_argument("--seed", type=int, default=0)

@@ -60,6 +60,14 @@ def test_make_model_refuses_an_existing_model_without_overwrite(tmp_path, capsys
     assert "not a model directory" in capsys.readouterr().err and (other / "todo.txt").exists()
 
 
+def test_make_model_help_lists_each_preset_once(capsys):
+    """``make-model --help`` listed ``tiny`` four times (once per architecture that has one)."""
+    with pytest.raises(SystemExit):
+        main(["make-model", "--help"])
+    usage = capsys.readouterr().out.split("--preset {", 1)[1].split("}", 1)[0].split(",")
+    assert len(usage) == len(set(usage)) and "tiny" in usage and "gpt-oss-20b" in usage
+
+
 # ---------------------------------------------------------------- options that used to be ignored
 
 
