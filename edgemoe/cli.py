@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import typing
@@ -152,10 +153,21 @@ def _add_record_routing(p: argparse.ArgumentParser) -> None:
                         "(format: edgemoe/bench/trace.py); replay with `edgemoe replay-routing`")
 
 
-def _recorder(path: str):
+def _recorder(path: str | None):
+    """The ``--record-routing`` recorder (``None`` without the flag), opened before the model loads so that a
+    path it cannot append to fails at once.
+
+    Raises:
+        CLIError: the file cannot be opened for appending (naming the flag and the reason).
+    """
     from edgemoe.bench.trace import RoutingRecorder
 
-    return RoutingRecorder(path)
+    if path is None:
+        return None
+    try:
+        return RoutingRecorder(path)
+    except OSError as exc:
+        raise CLIError(f"--record-routing {path}: {exc.strerror or exc}") from None
 
 
 def _check_port(host: str, port: int) -> None:
@@ -186,10 +198,11 @@ def _cmd_serve(args) -> int:
     if server_config.api_key is None and os.environ.get("EDGEMOE_API_KEY"):
         server_config = replace(server_config, api_key=os.environ["EDGEMOE_API_KEY"])
     _check_port(server_config.host, server_config.port)  # before loading weights, which can take minutes
+    recorder = _recorder(args.record_routing)  # likewise
 
     def on_ready(engine) -> None:
-        if args.record_routing:
-            engine.attach_routing_recorder(_recorder(args.record_routing))
+        if recorder is not None:
+            engine.attach_routing_recorder(recorder)
         print(engine.runner.summary(), flush=True)
         print(f"edgemoe: serving on http://{server_config.host}:{server_config.port}/v1", flush=True)
 
@@ -210,6 +223,8 @@ def _cmd_chat(args) -> int:
 
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.temperature is not None and not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise CLIError(f"--temperature must be a finite number >= 0, got {args.temperature}")  # as the server says
     try:
         return run(
             args.base_url,
@@ -221,6 +236,8 @@ def _cmd_chat(args) -> int:
         )
     except openai.APIConnectionError:
         raise CLIError(f"no server at {args.base_url} (start one with `edgemoe serve MODEL_DIR`)") from None
+    except openai.APIStatusError as exc:  # e.g. a wrong --api-key (401), a model still loading (503)
+        raise CLIError(f"{args.base_url}: {exc.message}") from None
 
 
 def _cmd_generate(args) -> int:
@@ -242,6 +259,8 @@ def _cmd_generate(args) -> int:
     except SamplingParamsError as exc:
         raise CLIError(f"--{exc.field.replace('_', '-')}: {exc.reason}") from None
     template_kwargs = None
+    if args.chat_template_kwargs is not None and not args.chat:  # a plain prompt goes through no template
+        raise CLIError("--chat-template-kwargs: applies to the chat template, which only --chat uses")
     if args.chat_template_kwargs:
         try:
             template_kwargs = json.loads(args.chat_template_kwargs)
@@ -249,9 +268,10 @@ def _cmd_generate(args) -> int:
             raise CLIError(f"--chat-template-kwargs: not valid JSON ({exc})") from None
         if not isinstance(template_kwargs, dict):
             raise CLIError("--chat-template-kwargs: must be a JSON object")
+    recorder = _recorder(args.record_routing)  # before loading weights, which can take minutes
     llm = LLM(model, progress=not args.json, **{f.name: getattr(config, f.name) for f in fields(config)})
-    if args.record_routing:
-        llm.engine.attach_routing_recorder(_recorder(args.record_routing))
+    if recorder is not None:
+        llm.engine.attach_routing_recorder(recorder)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, chat_template_kwargs=template_kwargs)[0]
     else:
@@ -305,7 +325,10 @@ def _cmd_profile(args) -> int:
     from edgemoe.experts.bandwidth import format_profile
 
     model = _model_dir(args.model)
-    result = run_profile(model, engine_config_from_args(args, model), args.out)
+    config = engine_config_from_args(args, model)
+    if args.out is not None and Path(args.out).is_dir():  # before measuring, which takes a while
+        raise CLIError(f"--out {args.out}: is a directory; give the path of the profile JSON to write")
+    result = run_profile(model, config, args.out)
     print(format_profile(result))
     return 0
 
@@ -395,7 +418,7 @@ def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-time", choices=sorted(COST_PRESETS), default=None,
                    help="also simulate decode tokens/s of every miss policy (fill-all, cpu-all, static, qstar, "
                         "adaptive, auto) on this machine model")
-    p.add_argument("--eviction", default="layer-lru", help="eviction rule of the step-time simulation (a --policy "
+    p.add_argument("--eviction", default=None, help="eviction rule of the --step-time simulation (a --policy "
                    "name that fills on a miss; default layer-lru, the engine's)")
 
 
@@ -461,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="HF model_type (default: the one whose preset --preset names)")
     from edgemoe.synth import PRESETS
 
-    p.add_argument("--preset", default="tiny", choices=[name for presets in PRESETS.values() for name in presets])
+    p.add_argument("--preset", default="tiny", choices=list(dict.fromkeys(  # "tiny" is every arch's: listed once
+        name for presets in PRESETS.values() for name in presets)))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="copy this tokenizer directory instead of building one")
     p.add_argument("--seed", type=int, default=0)
@@ -522,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"edgemoe: error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, TypeError) as exc:
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, ValueError, TypeError) as exc:
         print(f"edgemoe: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -497,6 +498,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        logical = os.cpu_count() or 1
+        if self.cpu_threads is not None and self.cpu_threads > logical:  # torch started them all: the process died
+            raise ValueError(f"cpu_threads {self.cpu_threads}: more than the {logical} logical CPUs of this machine")
+        if self.expert_cache_slots is not None and self.expert_cache_gb is not None:  # slots won, gb went unread
+            raise ValueError("expert_cache_slots and expert_cache_gb both given: size the expert cache by one")
         v = self.expert_cache_gb
         if v is not None and not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"expert_cache_gb must be a finite number >= 0, got {v}")
@@ -508,6 +514,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number of GB/s > 0, got {v}")
+        if self.profile_path is not None and None not in (self.bandwidth_pcie_gbps, self.bandwidth_cpu_gbps):
+            raise ValueError(f"profile {self.profile_path!r} with bandwidth_pcie_gbps and bandwidth_cpu_gbps: the two "
+                             "overrides leave nothing of the profile to read; give the profile or the bandwidths")
         if self.profile_path is not None and not Path(self.profile_path).is_file():
             raise ValueError(f"profile {self.profile_path!r}: no such file (write one with `edgemoe profile MODEL_DIR "
                              f"--out {self.profile_path}`)")
@@ -550,10 +559,13 @@ class EngineConfig:
 
         Raises:
             RuntimeError: ``cuda`` requested on a machine without CUDA.
+            ValueError: a device type other than ``cpu`` and ``cuda`` (or a malformed name).
         """
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)
+        if dev.type not in ("cpu", "cuda"):  # torch names many more (meta, mps, xla, ...): none runs the engine
+            raise ValueError(f"device type {dev.type!r} is not supported; choose cpu, cuda, cuda:N or auto")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda requested but CUDA is not available on this machine")
         return dev

@@ -65,7 +65,7 @@ def test_a_gpu_budget_on_the_cpu_is_400(served, body):
 
 
 @pytest.mark.parametrize("body", [{}, {"slots": -1}, {"gb": 1, "slots": 2}, {"policy": "fastest"}, {"size": 3},
-                                  '{"gb": NaN}'])
+                                  '{"gb": NaN}', {"slots": True}, {"slots": "2"}])  # the last two were 1 and 2 slots
 def test_bad_resize_requests_are_400_and_change_nothing(served, body):
     base, _ = served
     before = httpx.get(base + "/admin/expert-cache").json()["slots"]

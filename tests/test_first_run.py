@@ -60,6 +60,14 @@ def test_make_model_refuses_an_existing_model_without_overwrite(tmp_path, capsys
     assert "not a model directory" in capsys.readouterr().err and (other / "todo.txt").exists()
 
 
+def test_make_model_help_lists_each_preset_once(capsys):
+    """``make-model --help`` listed ``tiny`` four times (once per architecture that has one)."""
+    with pytest.raises(SystemExit):
+        main(["make-model", "--help"])
+    usage = capsys.readouterr().out.split("--preset {", 1)[1].split("}", 1)[0].split(",")
+    assert len(usage) == len(set(usage)) and "tiny" in usage and "gpt-oss-20b" in usage
+
+
 # ---------------------------------------------------------------- options that used to be ignored
 
 
@@ -71,6 +79,63 @@ def test_missing_profile_is_an_error(tiny_model_dir, tmp_path, capsys):
                  str(missing)]) == 2
     err = _stderr_lines(capsys)
     assert len(err) == 1 and str(missing) in err[0] and "edgemoe profile" in err[0]
+
+
+@pytest.mark.parametrize("flags, named", [(["--gpu-headroom-gb", "5"], "gpu_headroom_gb 5.0"),
+                                          (["--doorbell-wait", "stream-op"], "doorbell_wait stream-op"),
+                                          (["--doorbell-wait", "kernel"], "doorbell_wait kernel"),
+                                          (["--enforce-eager"], "enforce_eager True")])
+def test_cuda_options_on_a_cpu_device_are_refused(tiny_model_dir, capsys, flags, named):
+    """Options of the CUDA decode path were silently ignored on ``--device cpu`` (as ``--gpu-budget`` and
+    ``--expert-cache-gb`` are not; ``POST /admin/memory`` refuses ``headroom_gb`` there too)."""
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", *flags]) == 1
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith(f"edgemoe: error: {named} (") and "is a CUDA option" in err[0], err
+    assert "the device is cpu" in err[0]
+
+
+def test_expert_cache_slots_and_gb_together_are_refused(tiny_model_dir, capsys):
+    """Both sizes given: the slots won and the GB went unread (``POST /admin/expert-cache`` refuses both)."""
+    with pytest.raises(ValueError, match="expert_cache_slots and expert_cache_gb both given"):
+        EngineConfig(expert_cache_slots=8, expert_cache_gb=1.0)
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--expert-cache-slots", "8",
+                 "--expert-cache-gb", "1"]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and "expert_cache_slots and expert_cache_gb both given" in err[0], err
+
+
+def test_more_cpu_threads_than_cpus_is_refused(tiny_model_dir, capsys):
+    """``--cpu-threads 100000`` started that many torch threads: "can't start new thread", then a segfault."""
+    many = (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match=f"cpu_threads {many}: more than the {many - 1} logical CPUs"):
+        EngineConfig(cpu_threads=many)
+    assert EngineConfig(cpu_threads=many - 1).cpu_threads == many - 1
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--cpu-threads", "100000"]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("edgemoe: error: cpu_threads 100000: more than the "), err
+
+
+def test_chat_template_kwargs_without_chat_is_refused(tiny_model_dir, capsys, monkeypatch):
+    """``generate --chat-template-kwargs`` without ``--chat`` was ignored: a plain prompt has no template."""
+    import edgemoe.engine.llm as llm
+
+    monkeypatch.setattr(llm, "LLM", lambda *a, **k: pytest.fail("LLM() reached"))
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--chat-template-kwargs",
+                 '{"enable_thinking": false}']) == 2
+    err = _stderr_lines(capsys)
+    assert err == ["edgemoe: error: --chat-template-kwargs: applies to the chat template, which only --chat uses"]
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--seed", "7"], "edgemoe: seed 7: seeds dummy weights only (load_format dummy); these are read from HF "
+                      "safetensors, so it is not used"),
+    (["--no-verify-weights"], "edgemoe: verify_weights False: applies to the checksums of an FTW checkpoint"),
+])
+def test_options_of_other_weight_formats_are_said_to_be_unused(tiny_model_dir, capsys, flags, said):
+    """``--seed`` (dummy weights) and ``--no-verify-weights`` (FTW) on an HF checkpoint were ignored without a word."""
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "1", "--device", "cpu",
+                 "--cpu-executor", "torch", *flags]) == 0
+    assert any(ln.rsplit("\r", 1)[-1].startswith(said) for ln in _stderr_lines(capsys))
 
 
 def test_context_length_and_rope_scaling(tiny_model_dir, capsys):
@@ -101,6 +166,39 @@ def test_device_cuda_without_cuda_is_one_line(tiny_model_dir, capsys, monkeypatc
     assert main([command, str(tiny_model_dir), *extra, "--device", "cuda"]) == 2
     err = _stderr_lines(capsys)
     assert len(err) == 1 and err[0].startswith("edgemoe: error: --device cuda:") and "CUDA is not available" in err[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("flags, named", [
+    (["--device", "meta"], "--device meta: device type 'meta' is not supported"),  # loaded, then failed on .item()
+    (["--record-routing", "{tmp}/missing/routing.jsonl"], "--record-routing {tmp}/missing/routing.jsonl: No such file"),
+    (["--record-routing", "{tmp}"], "--record-routing {tmp}: Is a directory"),  # both failed after the load
+])
+def test_bad_values_fail_before_loading(tiny_model_dir, tmp_path, capsys, monkeypatch, command, flags, named):
+    """A value that cannot work is one line naming the flag before the weights load (which can take
+    minutes), not ``model failed to load: ...`` after them."""
+    import edgemoe.engine.llm as llm
+    import edgemoe.server.app as app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("serve() reached"))
+    monkeypatch.setattr(llm, "LLM", lambda *a, **k: pytest.fail("LLM() reached"))
+    extra = ["--prompt", "hi"] if command == "generate" else ["--port", str(_free_port())]
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert main([command, str(tiny_model_dir), *extra, *flags]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("edgemoe: error: " + named.format(tmp=tmp_path)), err
+
+
+def test_an_empty_api_key_is_refused(tiny_model_dir, capsys, monkeypatch):
+    """``--api-key ""`` (e.g. ``--api-key "$KEY"`` with KEY unset) served every route without a key."""
+    import edgemoe.server.app as app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("serve() reached"))
+    monkeypatch.setenv("EDGEMOE_API_KEY", "from-the-environment")
+    for key in ("", "  "):
+        assert main(["serve", str(tiny_model_dir), "--port", str(_free_port()), "--api-key", key]) == 2
+        err = _stderr_lines(capsys)
+        assert len(err) == 1 and err[0].startswith("edgemoe: error: --api-key: empty"), err
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -170,6 +268,20 @@ def test_model_paths_that_are_not_model_directories(tiny_model_dir, tmp_path, ca
             assert len(err) == 1 and err[0].startswith("edgemoe: error: ") and expected in err[0], err
 
 
+def test_a_directory_where_a_file_belongs_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``profile --out DIR`` and ``replay-routing DIR`` ended in an ``IsADirectoryError`` traceback (profile's
+    after its measurement)."""
+    import edgemoe.bench.profile as profile
+
+    monkeypatch.setattr(profile, "run_profile", lambda *a, **k: pytest.fail("measured"))
+    assert main(["profile", str(tiny_model_dir), "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = _stderr_lines(capsys)
+    assert err == [f"edgemoe: error: --out {tmp_path}: is a directory; give the path of the profile JSON to write"]
+    assert main(["replay-routing", str(tmp_path), "--no-plot"]) == 1
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("edgemoe: error: ") and "Is a directory" in err[0], err
+
+
 def test_a_directory_without_a_tokenizer_is_refused(tiny_model_dir, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -190,6 +302,17 @@ def _profile(bp=12.0, bh=30.0, rounds=None, other=0.1, **kw) -> dict:
                        "rotated_bytes": 1 << 29},
             "isolated": {"b_p_gbps": bp, "b_h_gbps": bh}, "concurrent": {"b_p_gbps": bp / 2, "b_h_gbps": bh / 2},
             "rounds": rounds or {"b_p_gbps": [bp] * 3, "b_h_gbps": [bh] * 3}, **kw}
+
+
+def test_a_profile_with_both_bandwidth_overrides_is_refused(tiny_model_dir, tmp_path, capsys):
+    """``--profile`` with both ``--bandwidth-*-gbps`` went unread (its fixed costs too)."""
+    saved = tmp_path / "p.json"
+    saved.write_text(json.dumps(_profile()))
+    assert EngineConfig(profile_path=str(saved), bandwidth_pcie_gbps=10.0).profile_path == str(saved)  # B_H read
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--profile", str(saved),
+                 "--bandwidth-pcie-gbps", "10", "--bandwidth-cpu-gbps", "20"]) == 2
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and "leave nothing of the profile to read" in err[0] and str(saved) in err[0], err
 
 
 def test_plausibility_rules():
@@ -409,6 +532,60 @@ def test_chat_commands_stay_local_and_replies_are_capped(tiny_model_dir, monkeyp
         assert main(["chat", "--base-url", srv.base + "/v1"]) == 0
         assert seen == {"max_tokens": 1024}  # a cap is always sent (`--max-tokens`, default 1024)
     assert main(["chat", "--max-tokens", "0"]) == 2 and "--max-tokens" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf"):  # each turn was sent and refused by the server
+        assert main(["chat", "--temperature", bad]) == 2
+        assert _stderr_lines(capsys) == [f"edgemoe: error: --temperature must be a finite number >= 0, got "
+                                         f"{float(bad)}"]
+
+
+def _status_error(cls, status: int, message: str):
+    import httpx
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+    return cls(f"Error code: {status} - {message}", response=httpx.Response(status, request=request), body=None)
+
+
+def test_chat_reports_server_errors_and_keeps_the_conversation(monkeypatch, capsys):
+    """A turn the server refuses (an unknown model, a bad --temperature, a server gone) ended the chat with
+    a traceback; now it is one line, the chat goes on, and the failed turn is not resent with the next."""
+    import io
+    from types import SimpleNamespace
+
+    import httpx
+    import openai
+
+    import edgemoe.server.chat_client as chat_client
+    from edgemoe.server.chat_client import ChatSession, Output, main_loop
+
+    sent = []
+
+    def create(messages, **kw):
+        sent.append([m["content"] for m in messages])
+        if len(sent) == 1:
+            raise _status_error(openai.NotFoundError, 404, "The model `nosuch` does not exist.")
+        raise openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    buf = io.StringIO()
+    session = ChatSession(client, "nosuch", max_tokens=4)
+    assert main_loop(session, _lines("first", "second", "/exit"), Output(buf, use_rich=False)) == 0
+    text = buf.getvalue()
+    assert "[error: Error code: 404 - The model `nosuch` does not exist.]" in text
+    assert "[error: Connection error.]" in text
+    assert sent == [["first"], ["second"]] and session.messages == []
+
+    class Refusing:  # the server answers /v1/models with 401
+        def __init__(self, **kw):
+            self.models = SimpleNamespace(list=self.list)
+
+        def list(self):
+            raise _status_error(openai.AuthenticationError, 401, "Invalid API key")
+
+    monkeypatch.setattr(openai, "OpenAI", Refusing)
+    monkeypatch.setattr(chat_client, "main_loop", lambda *a: pytest.fail("chat started"))
+    assert main(["chat", "--base-url", "http://127.0.0.1:9/v1"]) == 2
+    err = _stderr_lines(capsys)
+    assert err == ["edgemoe: error: http://127.0.0.1:9/v1: Error code: 401 - Invalid API key"], err
 
 
 def test_readme_lists_every_subcommand():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,18 @@ def test_cli_prefetch_and_step_time(tmp_path, capsys):
     plain_path.write_text("".join(ln for ln in path.read_text().splitlines(True) if "predicted" not in ln))
     with pytest.raises(ValueError, match="predicted experts"):
         main_replay(_parse([str(plain_path), "--capacity-slots", "4", "--prefetch", "--no-plot"]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill-tokens", "-5"], "--prefill-tokens must be >= 0, got -5"),
+    (["--expert-bytes", "0"], "--expert-bytes must be >= 1, got 0"),
+    (["--expert-bytes", "-1"], "--expert-bytes must be >= 1, got -1"),
+    (["--layer-table-slots", "-1"], "--layer-table-slots must be >= 0, got -1"),
+    (["--eviction", "global-lru"], "--eviction is the rule of the --step-time simulation"),
+])
+def test_cli_bad_counts_and_an_unused_eviction_are_refused(tmp_path, flags, message):
+    """Each was accepted: the negative counts replayed as if absent (or printed negative bytes), and
+    ``--eviction`` (even an unknown name) was ignored without ``--step-time``; refused before the trace is
+    read (here it does not exist)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main_replay(_parse([str(tmp_path / "never-read.jsonl"), "--no-plot", *flags]))

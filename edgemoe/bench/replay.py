@@ -1293,8 +1293,15 @@ def main_replay(args: Namespace) -> int:
     (and JSON); returns the exit status.
 
     Raises:
-        FileNotFoundError / ValueError (incl. ``TraceFormatError``): bad traces or options.
+        FileNotFoundError / ValueError (incl. ``TraceFormatError``): bad traces or options (the counts and
+            ``--eviction`` without ``--step-time`` before any trace is read).
     """
+    for flag, v, least in (("--prefill-tokens", args.prefill_tokens, 0), ("--expert-bytes", args.expert_bytes, 1),
+                           ("--layer-table-slots", args.layer_table_slots, 0)):
+        if v is not None and v < least:
+            raise ValueError(f"{flag} must be >= {least}, got {v}")
+    if args.eviction is not None and not args.step_time:
+        raise ValueError("--eviction is the rule of the --step-time simulation: give --step-time too")
     wl = load_workload(args.traces, args.prefill_tokens)
     calib = load_workload(args.calibration) if args.calibration else None
     policies = args.policy or [p for p in DEFAULT_POLICIES if p != "static-calib" or calib is not None]
@@ -1320,7 +1327,7 @@ def main_replay(args: Namespace) -> int:
     print(format_report(wl, results, expert_bytes, args.layer_table_slots))
     if args.step_time:
         print()
-        print(format_step_time(wl, slots, args.step_time, args.eviction, args.prefetch))
+        print(format_step_time(wl, slots, args.step_time, args.eviction or "layer-lru", args.prefetch))
     if not args.no_plot:
         path = plot(wl, results, args.plot, args.title, absolute=bool(args.capacity_slots))
         print(f"\nplot: {path}")

@@ -64,7 +64,8 @@ class ModelRunner:
 
     Raises:
         FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
-            ``gpu_budget``, ``expert_cache_gb`` or ``token_embedding="host"`` for a device that is not a GPU;
+            ``gpu_budget``, ``expert_cache_gb``, ``token_embedding="host"`` or another CUDA option
+            (``gpu_headroom_gb``, ``doorbell_wait``, ``enforce_eager``) for a device that is not a GPU;
             ``RemoteCodeError`` (a ``ValueError``): a tokenizer that is custom code without
             ``config.trust_remote_code``; ``token_embedding="host"`` for a model whose LM head is tied to the
             embedding, or without Triton.
@@ -84,6 +85,13 @@ class ModelRunner:
                 raise NoGpuError(f"{name} {getattr(config, name)}: the device is {self.device}, not a GPU, so there "
                                  "is no GPU memory to budget; size an expert cache on this device with "
                                  "expert_cache_slots")
+        if self.device.type != "cuda":  # options of the CUDA decode path: refused, not ignored
+            for name, what in (("gpu_headroom_gb", "the free device memory auto mode keeps"),
+                               ("doorbell_wait", "how the device decode step waits for its CPU experts"),
+                               ("enforce_eager", "no CUDA graphs for decode")):
+                if getattr(config, name) != EngineConfig.__dataclass_fields__[name].default:
+                    raise NoGpuError(f"{name} {getattr(config, name)} ({what}) is a CUDA option, and the device is "
+                                     f"{self.device}")
         cfg = self.model_config = load_config(self.model_dir)
         check_remote_code(self.model_dir, config.trust_remote_code)  # before the weights: fail fast
         self.generation_config: dict = self._read_generation_config()  # raw, as saved; also fails fast
@@ -107,6 +115,12 @@ class ModelRunner:
         self.load_stats = None  # FTWLoadStats when bootstrapped from FTW
         self.weights_format = ("dummy weights" if config.load_format == "dummy" else
                                "FTW" if is_ftw(self.model_dir) else "HF safetensors")
+        if config.seed != EngineConfig.seed and config.load_format != "dummy":  # said, not silently ignored
+            log.warning("seed %d: seeds dummy weights only (load_format dummy); these are read from %s, so it is "
+                        "not used", config.seed, self.weights_format)
+        if config.verify_weights is not None and self.weights_format != "FTW":
+            log.warning("verify_weights %s: applies to the checksums of an FTW checkpoint (`edgemoe convert`); these "
+                        "weights are %s, so it is not used", config.verify_weights, self.weights_format)
         self.pool: HostExpertPool
         placed = ("routed experts and the token embedding into host memory" if config.token_embedding == "host"
                   else "routed experts into host memory")

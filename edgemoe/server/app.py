@@ -51,9 +51,10 @@ ADMIN_TIMEOUT_S = 300.0  # a resize may place a static policy's layers: GBs of c
 
 
 class ExpertCacheResize(BaseModel):
-    """Body of ``POST /admin/expert-cache``: a new budget (``gb`` or ``slots``) and/or ``policy``."""
+    """Body of ``POST /admin/expert-cache``: a new budget (``gb`` or ``slots``) and/or ``policy``; strict types
+    (``true`` or ``"5"`` is no slot count)."""
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}
     gb: float | None = Field(None, ge=0, allow_inf_nan=False,
                              description="expert-cache budget in GB (1e9 bytes; GPU only)")
     slots: int | None = Field(None, ge=0, description="expert-cache size in (layer, expert) slots")
@@ -61,9 +62,9 @@ class ExpertCacheResize(BaseModel):
 
 
 class MemoryUpdate(BaseModel):
-    """Body of ``POST /admin/memory``: any of the budget's settings (``GpuMemory.configure``)."""
+    """Body of ``POST /admin/memory``: any of the budget's settings (``GpuMemory.configure``); strict types."""
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}
     auto: bool | None = Field(None, description="follow the device's free memory (true) or keep the budget fixed")
     budget_gb: float | None = Field(None, gt=0, allow_inf_nan=False,
                                     description="a fixed GPU budget in GB for the expert and KV caches (auto off)")

@@ -4,8 +4,10 @@ Streams each answer as it is generated, showing the model's reasoning dimmed bef
 every request carries an output cap (``max_tokens``; ``edgemoe chat --max-tokens``, default 1024),
 and a reply cut by it says so. Lines starting with ``/`` are commands, handled here and never sent
 to the model (:data:`COMMANDS`: ``/help``, ``/reset``, ``/exit``; an unknown one is reported; a
-line starting with ``//`` is sent with one ``/`` removed). Ctrl-C stops the current answer, Ctrl-D
-quits. Uses the ``openai`` SDK, and ``rich`` for output when it is installed (plain ANSI otherwise).
+line starting with ``//`` is sent with one ``/`` removed). A turn the server refuses or does not
+answer is reported in one line and left out of the conversation; the chat goes on. Ctrl-C stops the
+current answer, Ctrl-D quits. Uses the ``openai`` SDK, and ``rich`` for output when it is installed (plain
+ANSI otherwise).
 """
 
 from __future__ import annotations
@@ -79,11 +81,20 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def ask(self, text: str, out: Output) -> str:
-        """Send ``text``, stream the reply to ``out``; returns the answer (kept in the history)."""
+        """Send ``text``, stream the reply to ``out``; returns the answer (kept in the history).
+
+        Raises:
+            openai.APIError / httpx.HTTPError: the server refused the request or the connection failed (the
+                turn is not kept in the history).
+        """
         self.messages.append({"role": "user", "content": text})
         answer, in_reasoning, finish = [], False, None
-        stream = self.client.chat.completions.create(model=self.model, messages=self.messages, stream=True,
-                                                     **self.sampling)
+        try:
+            stream = self.client.chat.completions.create(model=self.model, messages=self.messages, stream=True,
+                                                         **self.sampling)
+        except BaseException:
+            self.messages.pop()
+            raise
         try:
             for chunk in stream:
                 if not chunk.choices:
@@ -106,6 +117,10 @@ class ChatSession:
                         out.info(f"\n[tool call: {call.function.name}]")
         except KeyboardInterrupt:
             out.info("\n[stopped]")
+        except BaseException:  # the connection failed mid-answer: the turn is not kept
+            self.messages.pop()
+            out.content("\n")
+            raise
         finally:
             stream.close()
         out.content("\n")
@@ -121,8 +136,12 @@ def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> 
     """Read lines with ``read(prompt)`` until ``/exit`` or EOF; returns the exit status.
 
     A line starting with ``/`` is a command (:data:`COMMANDS`), handled here and never sent to the
-    model; ``//text`` sends ``/text``.
+    model; ``//text`` sends ``/text``. A turn that fails (the server's error, a lost connection) is
+    reported as ``[error: ...]`` and the loop goes on.
     """
+    import httpx
+    import openai
+
     out.info(f"edgemoe chat with {session.model} — /help for commands, /exit to quit")
     while True:
         try:
@@ -151,7 +170,10 @@ def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> 
             else:
                 out.info(f"[unknown command {command}: /help lists the commands; //text sends /text]")
             continue
-        session.ask(text, out)
+        try:
+            session.ask(text, out)
+        except (openai.APIError, httpx.HTTPError) as exc:
+            out.info(f"[error: {getattr(exc, 'message', None) or exc}]")
 
 
 def run(base_url: str, model: str | None, api_key: str, system: str | None, **sampling: Any) -> int:

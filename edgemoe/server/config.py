@@ -62,6 +62,8 @@ class ServerConfig:
         if not isinstance(self.served_model_name, tuple) or not all(
                 isinstance(n, str) and n for n in self.served_model_name):
             raise ValueError(f"--served-model-name: non-empty names expected, got {self.served_model_name!r}")
+        if self.api_key is not None and not self.api_key.strip():  # `--api-key "$UNSET"` would serve without a key
+            raise ValueError("--api-key: empty; give the key, or leave the flag out to serve without one")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens: must be >= 1, got {self.default_max_tokens}")
         for name in ("max_request_bytes", "max_messages"):
