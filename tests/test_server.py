@@ -506,14 +506,15 @@ def test_qwen3_reasoning_content(qwen_served):
 
 @pytest.fixture(scope="module")
 def sampling_defaults_served(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
-    """The tiny model with temperature / top_p / top_k defaults in its generation_config.json."""
+    """The tiny model with temperature / top_p / top_k / repetition_penalty defaults in its generation_config.json."""
     import json
     import shutil
 
     model = tmp_path_factory.mktemp("gen_defaults") / "tiny"
     shutil.copytree(tiny_model_dir, model)
     gen = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                              "repetition_penalty": 2.0}))
     llm = AsyncLLM(str(model), EngineConfig(device="cpu", max_model_len=1024), progress=False)
     assert llm.wait_ready(120)
     try:
@@ -534,8 +535,10 @@ def test_generation_config_defaults_fill_omitted_fields(sampling_defaults_served
         return r.choices[0].message.content
 
     omitted = text()
-    assert omitted == text(temperature=0.6, top_p=0.95, extra={"top_k": 20})  # the checkpoint's defaults
+    # the checkpoint's defaults
+    assert omitted == text(temperature=0.6, top_p=0.95, extra={"top_k": 20, "repetition_penalty": 2.0})
     assert omitted != text(temperature=1.0, top_p=1.0, extra={"top_k": 0})  # not OpenAI's
+    assert omitted != text(extra={"repetition_penalty": 1.0})  # the repetition penalty is one of them
     # The request wins, then generation_config.json, then OpenAI's defaults.
     defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}

@@ -230,14 +230,15 @@ class ModelRunner:
 
     def _read_generation_config(self) -> dict:
         """The checkpoint's ``generation_config.json`` (``{}`` when it has none), its fields edgemoe reads
-        checked: ``eos_token_id`` (the stop tokens) and ``temperature`` / ``top_p`` / ``top_k`` (the server's
-        sampling defaults, checked as :class:`~edgemoe.engine.sampling.SamplingParams` checks them).
+        checked: ``eos_token_id`` (the stop tokens) and the sampling defaults
+        (:data:`~edgemoe.engine.sampling.GENERATION_CONFIG_KEYS`, checked as
+        :class:`~edgemoe.engine.sampling.SamplingParams` checks them).
 
         Raises:
             ValueError: the file is not valid JSON, not a JSON object, or one of those fields has a value of
                 the wrong type or range (the message names the file and the field).
         """
-        from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
+        from edgemoe.engine.sampling import GENERATION_CONFIG_KEYS, SamplingParams, SamplingParamsError
 
         path = self.model_dir / "generation_config.json"
         if not path.is_file():
@@ -253,7 +254,7 @@ class ModelRunner:
                                        for i in (eos if isinstance(eos, list) else [eos])):
             raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
         try:
-            SamplingParams(**{k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None})
+            SamplingParams(**{k: gen[k] for k in GENERATION_CONFIG_KEYS if gen.get(k) is not None})
         except SamplingParamsError as exc:
             raise ValueError(f"{path}: {exc.field} {exc.reason}") from None
         return gen

@@ -22,6 +22,9 @@ _GREEDY_EPS = 1e-5
 # on the engine thread, so an unbounded list (a million strings fit in a request body) would slow every
 # request in the batch.
 MAX_STOPS = 256
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+"""The ``generation_config.json`` fields that are a request's sampling defaults (as transformers' ``generate``
+and vLLM take them), checked at load as :class:`SamplingParams` checks them."""
 
 
 class SamplingParamsError(ValueError):

@@ -32,7 +32,7 @@ from fastapi import Request
 from edgemoe.engine.async_engine import AsyncLLM, EngineNotReadyError
 from edgemoe.engine.llm import arguments_as_objects, render_chat_text
 from edgemoe.engine.llm_engine import PromptTooLongError, RequestOutput
-from edgemoe.engine.sampling import SamplingParams, SamplingParamsError
+from edgemoe.engine.sampling import GENERATION_CONFIG_KEYS, SamplingParams, SamplingParamsError
 from edgemoe.server.common import APIError, ContextLengthError
 from edgemoe.server.config import ServerConfig
 from edgemoe.server.parsers import (
@@ -54,7 +54,6 @@ __all__ = ["CallIds", "ChatSpec", "FirstCallOnly", "Prepared", "Serving", "new_t
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
 
 
 @dataclass
@@ -316,10 +315,11 @@ class Serving:
 
     @property
     def generation_defaults(self) -> dict[str, Any]:
-        """temperature / top_p / top_k from the checkpoint's ``generation_config.json``."""
+        """The sampling defaults from the checkpoint's ``generation_config.json`` (temperature, top_p, top_k,
+        repetition_penalty: :data:`~edgemoe.engine.sampling.GENERATION_CONFIG_KEYS`)."""
         if self._defaults is None:
             gen = self.ready().generation_config
-            self._defaults = {k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
+            self._defaults = {k: gen[k] for k in GENERATION_CONFIG_KEYS if gen.get(k) is not None}
         return self._defaults
 
     @property
