@@ -56,8 +56,8 @@ class SafetensorsReader:
     def finite_tensor(self, info: TensorInfo) -> torch.Tensor:
         """:meth:`tensor`, checked to hold no NaN or infinity when it is a float tensor (one such weight in a norm,
         an embedding or an attention projection makes every output NaN). The check is one ``aminmax`` pass
-        (a NaN or an infinity reaches the minimum or the maximum; ~2.5 GB/s of bf16 on one core, against
-        0.4 GB/s for ``isfinite``); the values are counted only for the error.
+        (a NaN or an infinity reaches the minimum or the maximum; on the 2-core development VM ~2.5 GB/s of
+        bf16, against 0.2-0.4 GB/s for ``isfinite``); the values are counted only for the error.
 
         Raises:
             CheckpointError: as :meth:`tensor`, or a NaN or infinite value (file and tensor named, with the count).
