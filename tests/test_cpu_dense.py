@@ -1,12 +1,14 @@
-"""Dense linear layers on the native CPU executor (``NativeCpuExecutor.linear``, ``NativeLinears``).
+"""Dense linear layers on the native CPU executor (``NativeCpuExecutor.linear``, ``DenseKernels.linear``).
 
 - ``linear`` matches a float64 reference at every ISA level this CPU has (bf16 and float32 weights,
   row/column tails, 1-17 rows, strided input, float32 and bf16 output) and does not depend on the
   thread count (bit-identical);
-- inside ``NativeLinears`` a bf16 ``F.linear`` with few rows runs natively (bias included), anything
-  else (float32, many rows) is torch's own result; torch's intra-op threads are set inside and restored;
+- ``edgemoe.layers.linear`` with the kernels bound runs a bf16 product with few rows natively (bias
+  included), anything else (float32, many rows, nothing bound) is torch's own result; the executor's
+  ``forward_threads`` sets torch's intra-op threads for a decode step and restores them;
 - a CPU-only engine with the native executor decodes a bf16 model to the torch executor's logits
   within bf16 tolerance, and its forward runs the dense GEMVs, norms and decode attention natively;
+  in a CPU-only decode step of every model family no bf16 product of few rows is left to torch;
 - ``DenseKernels``: RMSNorm equals the torch module's bits but for norm statistics a float32 ulp apart
   (at most one bf16 ulp, in few elements); decode attention (q/k norm, RoPE, the K/V write, attention
   over paged KV) against the torch ops it replaces: the written values bitwise, keys within a bf16 ulp,
@@ -18,11 +20,13 @@ Skipped as a whole when the extension cannot be built here.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase, SeqSlice
@@ -31,11 +35,14 @@ from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.kvcache.pool import KVSpec, PagedKVPool
 from edgemoe.layers.attention import write_and_attend
+from edgemoe.layers.linear import Linear, linear
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models import FAMILIES
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 from edgemoe.synth import make_model
+from edgemoe.synth.archs import ARCHS
 
 try:
     native.load_extension()
@@ -107,31 +114,39 @@ def test_linear_rejects_bad_arguments():
         ex.linear(torch.zeros(2, 16, dtype=torch.bfloat16), w, out=torch.empty(2, 7))
 
 
-def test_native_linears_route_bf16_gemvs_and_leave_the_rest_to_torch():
+def test_bound_linears_run_bf16_gemvs_natively_and_leave_the_rest_to_torch():
     ex = _executor()
+    dense = native.DenseKernels(ex)
+    assert dense.max_linear_rows == ex.max_tokens_per_expert == 16
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
     x = torch.randn(3, 64, generator=g).bfloat16()
     many = torch.randn(40, 64, generator=g).bfloat16()
     w32, x32 = w.float(), x.float()
-    threads = torch.get_num_threads()
-    mode = native.NativeLinears(ex, max_rows=16, torch_threads=1)
-    with mode:
-        assert torch.get_num_threads() == 1
-        y = F.linear(x, w)
-        yb = torch.nn.functional.linear(x, w, b)
-        y_many = F.linear(many, w)
-        y32 = F.linear(x32, w32)
-        lin = torch.nn.Linear(64, 96, bias=False, dtype=torch.bfloat16)
-        lin.weight.data.copy_(w)
-        y_mod = lin(x)
-    assert torch.get_num_threads() == threads
-    assert torch.equal(y, ex.linear(x, w)) and torch.equal(y_mod, y)
+    y = linear(x, w, None, dense)
+    yb = linear(x, w, b, dense)
+    y_many = linear(many, w, None, dense)
+    y32 = linear(x32, w32, None, dense)
+    lin = Linear(64, 96, bias=False, dtype=torch.bfloat16)
+    lin.weight.data.copy_(w)
+    y_torch = lin(x)  # nothing bound: torch
+    lin.cpu_dense = dense
+    y_mod = lin(x)
+    assert torch.equal(y, ex.linear(x, w)) and torch.equal(y_mod, y) and torch.equal(y_torch, F.linear(x, w))
     assert torch.equal(yb, (ex.linear(x, w, out=torch.empty(3, 96)) + b).bfloat16())
     assert torch.equal(y_many, F.linear(many, w)) and torch.equal(y32, F.linear(x32, w32))
     torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
-    assert mode.takes(x, w, None) and not mode.takes(many, w, None) and not mode.takes(x32, w32, None)
+    assert dense.takes_linear(x, w, None) and not dense.takes_linear(many, w, None)
+    assert not dense.takes_linear(x32, w32, None) and not native.DenseKernels().takes_linear(x, w, None)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        dense.linear(many, w)
+    threads = torch.get_num_threads()
+    with ex.forward_threads(1):
+        assert torch.get_num_threads() == ex.plan.torch_threads
+    assert torch.get_num_threads() == threads
+    with ex.forward_threads(40):  # a prefill chunk: torch's threads unchanged
+        assert torch.get_num_threads() == threads
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +203,38 @@ def test_cpu_engine_runs_dense_gemvs_natively_and_matches_torch(small_bf16, monk
     # same greedy path for the first steps, logits within bf16 tolerance of the torch ops
     assert a[0].argmax() == b[0].argmax()
     torch.testing.assert_close(a[0], b[0], rtol=0.05, atol=0.05 * float(b[0].abs().max()))
+
+
+class _TorchLinears(TorchFunctionMode):
+    """Records the ``F.linear`` calls that reach torch (a product the native kernels took never calls it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.calls.append((args[0].dtype, tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda c: c.model_types[0])
+def test_cpu_decode_step_leaves_no_bf16_gemv_to_torch(family, tmp_path):
+    """Every dense product of a CPU-only decode step (projections, routers, shared experts, the LM head) runs on
+    the native kernels, in every family: a linear layer that the runner does not bind would fall back to torch's
+    bf16 GEMV, a fraction of the read bandwidth, with no other symptom."""
+    arch = family.model_types[0]
+    preset = next(p for p in ARCHS[arch].presets if "tiny" in p)
+    path = make_model(tmp_path / "m", arch, preset, seed=3, dtype="bfloat16")
+    runner = ModelRunner(path, EngineConfig(device="cpu", expert_policy="cpu-all", cpu_threads=2,
+                                            cpu_executor="native"), progress=False)
+    prompt = list(range(5, 25))
+    tok = int(runner.execute([StepInput(0, prompt, 0)], Phase.PREFILL)[0].argmax())
+    with _TorchLinears() as seen:
+        runner.execute([StepInput(0, [tok], len(prompt))], Phase.DECODE)
+    rows = runner.experts.cpu_executor.max_tokens_per_expert
+    left = [c for c in seen.calls if c[0] == torch.bfloat16 and math.prod(c[1][:-1]) <= rows]
+    assert not left, f"bf16 GEMVs left to torch in a {family.__name__} decode step: {left}"
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -508,11 +508,12 @@ class ModelRunner:
         return self._run_model(inputs, lambda _inputs, _slots: self._forward(batch), state_slots, plans, phase)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model's forward over ``batch``; on the CPU its dense layers' GEMVs (decode rows) run on
-        the CPU executor's kernels and threads where it has them (``CpuExecutor.dense_linears``)."""
+        """The model's forward over ``batch``; on the CPU with torch's intra-op threads as the CPU executor
+        sets them for its rows (``CpuExecutor.forward_threads``: a decode step's GEMVs, norms and attention
+        run on the executor's kernels, bound to the layers as ``dense``)."""
         if self.device.type != "cpu":
             return self.model(batch)
-        with self.experts.cpu_executor.dense_linears(int(batch.input_ids.numel())):
+        with self.experts.cpu_executor.forward_threads(int(batch.input_ids.numel())):
             return self.model(batch)
 
     def _device_decode(self, inputs: list[StepInput], state_slots: list[int | None]) -> torch.Tensor:

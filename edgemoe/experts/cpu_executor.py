@@ -1,7 +1,7 @@
 """The CPU expert executor: computes routed experts in place from the host pool.
 
 Every executor implements :class:`CpuExecutor`: ``run(x [T, H], work, out [T, H] float32)``,
-``with_pool``, ``name``, ``threads``, ``dense_linears``, ``dense`` and the capability ``registers_steps``
+``with_pool``, ``name``, ``threads``, ``forward_threads``, ``dense`` and the capability ``registers_steps``
 (whether :meth:`CpuExecutor.make_step` gives a step a device kernel can hand to the executor without
 a host sync, which a captured decode step needs). Two implement it:
 
@@ -55,10 +55,9 @@ class CpuExecutor(Protocol):
     def with_pool(self, pool: HostExpertPool) -> CpuExecutor:
         """The same executor (same threads) over another pool, e.g. a bandwidth-rotation pool."""
 
-    def dense_linears(self, rows: int) -> contextlib.AbstractContextManager:
-        """A context for a CPU forward over ``rows`` tokens in which dense linear layers with few rows
-        (decode GEMVs: the LM head, attention projections) run on this executor's kernels and threads,
-        where it has them."""
+    def forward_threads(self, rows: int) -> contextlib.AbstractContextManager:
+        """A context for a CPU forward over ``rows`` tokens setting torch's intra-op threads for it (a decode
+        step whose dense GEMVs run on this executor's threads through :attr:`dense` needs few)."""
 
     @property
     def dense(self) -> DenseKernels | None:
@@ -94,8 +93,8 @@ class TorchCpuExecutor:
     def with_pool(self, pool: HostExpertPool) -> TorchCpuExecutor:
         return TorchCpuExecutor(pool)
 
-    def dense_linears(self, rows: int) -> contextlib.AbstractContextManager:
-        """Nothing changes: the dense layers are torch ops already."""
+    def forward_threads(self, rows: int) -> contextlib.AbstractContextManager:
+        """Nothing changes: the dense layers are torch ops on torch's threads."""
         return contextlib.nullcontext()
 
     def run(self, x: torch.Tensor, work: Work, out: torch.Tensor) -> None:

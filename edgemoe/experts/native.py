@@ -63,7 +63,7 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   pinned (``sched_setaffinity``; skipped where refused), spin ``spin_us`` (default 2000,
   ``EDGEMOE_CPU_SPIN_US``) after a step, yielding their core to any other runnable thread and
   stopping early when they find themselves preempted, then sleep. The GIL is released during a
-  step. :class:`NativeLinears` runs a CPU forward's dense GEMVs on the same threads.
+  step. A CPU decode step's dense GEMVs run on the same threads (:meth:`DenseKernels.linear`).
 - **Inside the CUDA graph**: :meth:`NativeCpuExecutor.make_step` registers (pinned)
   buffers once and returns a :class:`RegisteredStep`; :meth:`RegisteredStep.serve` starts a native
   thread that runs it whenever a device kernel rings its doorbell (``edgemoe/kernels/doorbell.py``),
@@ -94,8 +94,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from edgemoe.experts.compute import run_experts_torch
 from edgemoe.experts.pool import HostExpertPool
@@ -493,6 +491,17 @@ while the pool computes, and the CUDA driver runs threads of its own; on the dev
 pool's worker 0 is the doorbell server thread, so nothing of the pool runs on the Python thread."""
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the context, restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 @dataclass(frozen=True)
 class ThreadPlan:
     """Thread count and pinning of the native executor's pool (from :func:`plan_threads`).
@@ -507,7 +516,7 @@ class ThreadPlan:
         requested: the count asked for (``None``: the default, ``limit``).
         note: why ``threads`` differs from ``requested`` (``None`` when it does not).
         torch_threads: torch's intra-op threads during a CPU forward whose dense GEMVs all run on the
-            pool (a decode step, :class:`NativeLinears`): 1. What torch still computes there (norms,
+            pool (a decode step, :meth:`NativeCpuExecutor.forward_threads`): 1. What torch still computes there (norms,
             RoPE, decode attention) is small, and an OpenMP team costs a scheduler slice at its
             barrier whenever one of its threads has lost its core to the pool or to another process.
     """
@@ -683,16 +692,19 @@ class NativeCpuExecutor:
 
     @property
     def dense(self) -> "DenseKernels":
-        """The native dense operations of a CPU decode step (:class:`DenseKernels`)."""
+        """The native dense operations of a CPU decode step (:class:`DenseKernels`), its GEMVs on this
+        executor."""
         if self._dense is None:
-            self._dense = DenseKernels()
+            self._dense = DenseKernels(self)
         return self._dense
 
-    def dense_linears(self, rows: int) -> NativeLinears:
-        """A context for a CPU forward over ``rows`` tokens in which dense linear layers with few rows run
-        on this executor (:class:`NativeLinears`), torch's intra-op threads as :func:`plan_threads` says."""
-        return NativeLinears(self, self.max_tokens_per_expert,
-                             torch_threads=self.plan.torch_threads if rows <= self.max_tokens_per_expert else None)
+    def forward_threads(self, rows: int) -> contextlib.AbstractContextManager:
+        """A context for a CPU forward over ``rows`` tokens: with at most :attr:`max_tokens_per_expert` rows
+        (a decode step, whose GEMVs run on this executor's pool through :attr:`dense`) torch's intra-op
+        threads are :func:`plan_threads`' ``torch_threads`` inside and restored after; else nothing changes."""
+        if rows > self.max_tokens_per_expert:
+            return contextlib.nullcontext()
+        return _torch_threads(self.plan.torch_threads)
 
     def with_pool(self, pool: HostExpertPool) -> "NativeCpuExecutor":
         """An executor over another pool sharing this one's threads (e.g. a bandwidth-rotation pool)."""
@@ -837,72 +849,12 @@ class NativeCpuExecutor:
         return RegisteredStep(self, max_tokens, max_experts, max_routes, x_dtype, zero_out, pin_memory)
 
 
-class NativeLinears(TorchFunctionMode):
-    """A context in which a forward's dense linear layers with few rows run on the native executor.
-
-    Every ``torch.nn.functional.linear(x, weight, bias)`` (``nn.Linear`` modules, the LM head, routers)
-    on CPU tensors with bfloat16 ``x`` and ``weight`` and at most ``max_rows`` rows of ``x`` is computed
-    by :meth:`NativeCpuExecutor.linear` on the pool's threads; anything else (float32, the GPU, a
-    prefill chunk: a GEMM, where oneDNN wins) runs through torch unchanged. A decode step's dense
-    layers are GEMVs bound by the bytes of their weights (the LM head of Qwen3-30B-A3B alone is
-    151936 x 2048 bf16 = 622 MB per token); torch's bf16 matmul at one row reaches a fraction of the
-    read bandwidth (``docs/benchmarks/cpu_executor.md``). Results equal torch's up to float32
-    summation order: the product is accumulated in float32 and rounded to bf16 once, a bias added
-    before that rounding.
-
-    While the context is active torch's intra-op threads are ``torch_threads`` (``None``: unchanged;
-    see :func:`plan_threads`).
-
-    Args:
-        executor: the native executor whose threads and kernels compute.
-        max_rows: most rows of ``x`` (tokens) sent to the native kernels.
-        torch_threads: torch intra-op threads inside the context (``None``: leave them).
-    """
-
-    def __init__(self, executor: "NativeCpuExecutor", max_rows: int = DEFAULT_MAX_TOKENS_PER_EXPERT,
-                 torch_threads: int | None = None):
-        super().__init__()
-        self.executor, self.max_rows, self.torch_threads = executor, int(max_rows), torch_threads
-        self._saved: list[int] = []
-
-    def __enter__(self):
-        if self.torch_threads is not None:
-            self._saved.append(torch.get_num_threads())
-            torch.set_num_threads(self.torch_threads)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            if self.torch_threads is not None:
-                torch.set_num_threads(self._saved.pop())
-
-    def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``F.linear(x, weight, bias)`` runs on the native kernels here."""
-        return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1 and x.dim() >= 1
-                and x.shape[-1] == weight.shape[1] and 0 < x.numel() <= self.max_rows * x.shape[-1]
-                and (bias is None or bias.device.type == "cpu"))
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if self.takes(x, weight, bias):
-                if bias is None:
-                    return self.executor.linear(x, weight)
-                y = self.executor.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
-                return y.add_(bias).to(x.dtype)
-        return func(*args, **kwargs)
-
-
 class DenseKernels:
     """The dense bf16 operations of a CPU decode step as single native calls (``csrc/dense.cpp``):
     RMSNorm over rows, and an attention layer's decode work after its projections (per-head q/k
-    RMSNorm, rotate-half RoPE, the K/V write into the paged cache, attention over the cached tokens).
+    RMSNorm, rotate-half RoPE, the K/V write into the paged cache, attention over the cached tokens);
+    and, given an executor, the step's dense linear layers of few rows (:meth:`linear`: attention
+    projections, routers, dense MLPs, the LM head) as GEMVs on its pool.
 
     On a CPU-only machine a decode step is otherwise a few hundred small torch operations per token
     whose own CPU time was about a third of the step (16-core Xeon, Qwen3-30B-A3B geometry, 16 layers:
@@ -911,7 +863,11 @@ class DenseKernels:
     ``edgemoe.layers.rotary.RotaryEmbedding``) except summation order:
     the norm statistic (a normalized value may move by one bf16 ulp) and attention, computed in float32
     and rounded once (torch's SDPA blocks and rounds in its own order).
-    Single-threaded on the caller's thread: a decode step's norm and attention work is microseconds.
+    Norms and attention are single-threaded on the caller's thread (a decode step's norm and attention
+    work is microseconds); the GEMVs split their rows over the executor's threads.
+
+    Args:
+        gemv: the executor whose pool and kernels compute :meth:`linear` (``None``: no linear is taken).
 
     Raises (constructor):
         NativeUnavailable: the extension does not build here.
@@ -920,8 +876,34 @@ class DenseKernels:
     max_rows = 64  # RMSNorm calls with more rows (a prefill chunk) stay on torch's threads
     max_kv_bytes = 16 << 20  # attention reading more cached K/V (8k tokens of Qwen3-30B-A3B) stays on torch's threads
 
-    def __init__(self):
+    def __init__(self, gemv: "NativeCpuExecutor | None" = None):
         self._ext = load_extension()
+        self._gemv = gemv
+        self.max_linear_rows = 0 if gemv is None else gemv.max_tokens_per_expert  # more rows: a GEMM, oneDNN's
+
+    def takes_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether :meth:`linear` takes ``x @ weight.T + bias``: bf16 ``x [..., K]`` and ``weight [N, K]`` (rows
+        contiguous) on the CPU, at most :attr:`max_linear_rows` rows, a CPU bias or none."""
+        return (0 < x.numel() <= self.max_linear_rows * x.shape[-1] and x.dtype == torch.bfloat16
+                and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1]
+                and (bias is None or bias.device.type == "cpu"))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` on the executor's GEMV kernels: ``[..., N]`` bf16, the product accumulated
+        in float32 and rounded once (a bias added before that rounding), as torch's bf16 linear up to
+        float32 summation order (:meth:`NativeCpuExecutor.linear`).
+
+        Raises:
+            ValueError: arguments :meth:`takes_linear` refuses.
+        """
+        if not self.takes_linear(x, weight, bias):
+            raise ValueError(f"linear: x {x.dtype} {tuple(x.shape)} on {x.device}, weight {weight.dtype} "
+                             f"{tuple(weight.shape)}: bf16 CPU tensors, at most {self.max_linear_rows} rows")
+        if bias is None:
+            return self._gemv.linear(x, weight)
+        y = self._gemv.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
+        return y.add_(bias).to(x.dtype)
 
     @staticmethod
     def _is_bf16_cpu(*ts: torch.Tensor) -> bool:

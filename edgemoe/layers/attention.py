@@ -28,6 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
+from edgemoe.layers.linear import Linear, UsesCpuDense, linear
 from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm, fused_kernels
 from edgemoe.layers.rotary import RotaryEmbedding
 
@@ -225,7 +226,7 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tens
     return weight, bias, sizes
 
 
-class FusedQKV:
+class FusedQKV(UsesCpuDense):
     """Mixin of an attention module with ``q_proj``, ``k_proj``, ``v_proj`` (``nn.Linear`` over the same
     input): :meth:`fuse_qkv` concatenates them into one ``[Nq + Nk + Nv, H]`` matrix
     (:func:`fuse_linears`; checkpoint names and memory unchanged) and :meth:`project_qkv` then runs one
@@ -245,7 +246,7 @@ class FusedQKV:
         output (last dim contiguous)."""
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        return linear(x, self.qkv_weight, self.qkv_bias, self.cpu_dense).split(self.qkv_sizes, dim=-1)
 
 
 class Qwen3Attention(FusedQKV, nn.Module):
@@ -261,16 +262,15 @@ class Qwen3Attention(FusedQKV, nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn_index = attn_index
         self.rotary = rotary  # shared, not a registered submodule's weights
         self.kv: PagedKVPool | None = None  # bound by the model runner
-        self.cpu_dense = None  # native CPU decode kernels (edgemoe.experts.native.DenseKernels), bound by the runner
 
     def _cpu_dense_decode(self, x: torch.Tensor, batch: ForwardBatch):
         """The native CPU decode kernels when they take this step (a CPU decode step in bf16 with one token
@@ -343,7 +343,7 @@ class GatedAttention(Qwen3Attention):
         super().__init__(cfg, attn_index, rotary)
         self.gated = cfg.attn_output_gate
         if self.gated:  # q_proj also yields the output gate: [T, Hq, 2D]
-            self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=cfg.attention_bias)
+            self.q_proj = Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=cfg.attention_bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
 

@@ -30,6 +30,7 @@ from edgemoe.core import ForwardBatch, Phase
 from edgemoe.kernels import kernel_module
 from edgemoe.kvcache.state import RecurrentStatePool
 from edgemoe.kvcache.state_checkpoints import StateCheckpointStore
+from edgemoe.layers.linear import Linear
 from edgemoe.layers.norm import GatedRMSNorm
 
 CHUNK_SIZE = 64
@@ -193,15 +194,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = la.conv_kernel
         H = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(H, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.out_proj = Linear(self.value_dim, H, bias=False)
         self.state_index = state_index
         self.state: RecurrentStatePool | None = None  # bound by the model runner
         self.checkpoints: StateCheckpointStore | None = None  # bound by the runner when checkpoints are on

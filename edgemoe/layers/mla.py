@@ -33,6 +33,7 @@ from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch, Phase, SeqSlice
 from edgemoe.kernels import kernel_module
 from edgemoe.kvcache.pool import PagedKVPool
+from edgemoe.layers.linear import Linear
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 
@@ -88,16 +89,16 @@ class LatentAttention(nn.Module):
         qk = self.nope_dim + self.rope_dim
         bias, hidden = cfg.attention_bias, cfg.hidden_size
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, H * qk, bias=False)
+            self.q_proj = Linear(hidden, H * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, H * qk, bias=False)
+            self.q_b_proj = Linear(mla.q_lora_rank, H * qk, bias=False)
         self.q_lora = mla.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, hidden, bias=bias)
         self.attn_index = attn_index
         self.rotary = rotary  # shared, not a registered submodule's weights
         self.kv: PagedKVPool | None = None  # bound by the model runner

@@ -11,12 +11,12 @@ shared expert (:class:`SharedExpertMoeBlock`, Qwen3.5) and ungated ``shared_expe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kernels import kernel_module
+from edgemoe.layers.linear import Linear, UsesCpuDense, linear
 from edgemoe.layers.mlp import DenseMLP
 from edgemoe.layers.router import GroupLimitedSigmoidRouter, pad_routes
 
@@ -34,7 +34,7 @@ def _fused_topk(logits: torch.Tensor, top_k: int):
     return module
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(UsesCpuDense, nn.Module):
     """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``;
     weight ``[E, H]`` (``Qwen3MoeTopKRouter``).
 
@@ -50,7 +50,7 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [T, E]
+        logits = linear(x, self.weight, None, self.cpu_dense)  # [T, E]
         if (fused := _fused_topk(logits, self.top_k)) is not None:
             return fused.topk_softmax(logits, self.top_k, self.norm_topk_prob, valid)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -113,7 +113,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def __init__(self, cfg: ModelConfig, moe_layer: int):
         super().__init__(cfg, moe_layer)
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         routed = super().forward(x, batch)  # [T, H]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from edgemoe.kernels import kernel_module
+from edgemoe.layers.linear import UsesCpuDense
 
 
 def fused_kernels(x: torch.Tensor):
@@ -20,7 +21,7 @@ def fused_kernels(x: torch.Tensor):
     return kernel_module("norm_rope", x.device)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesCpuDense, nn.Module):
     """``y = weight * (x / sqrt(mean(x^2) + eps))``, normalized over the last dim.
 
     Input ``[..., D]`` of any float dtype; the statistic is computed in float32 and the result is cast
@@ -33,7 +34,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.float32_scale = float32_scale
-        self.cpu_dense = None  # native CPU decode kernels (edgemoe.experts.native.DenseKernels), bound by the runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (fused := fused_kernels(x)) is not None:  # one launch, same rounding points

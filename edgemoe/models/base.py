@@ -43,10 +43,10 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
-from edgemoe.layers.attention import FusedQKV, Qwen3Attention
+from edgemoe.layers.attention import FusedQKV
 from edgemoe.layers.embedding import HostEmbedding
+from edgemoe.layers.linear import Linear, UsesCpuDense, linear
 from edgemoe.layers.moe import MoeBlock
-from edgemoe.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from edgemoe.experts.native import DenseKernels
@@ -96,7 +96,7 @@ class FusedExpertLayout:
     interleaved: bool = False
 
 
-class MoECausalLM(nn.Module):
+class MoECausalLM(UsesCpuDense, nn.Module):
     """A MoE causal LM over a :class:`~edgemoe.core.ForwardBatch`.
 
     ``forward(batch) -> logits [B, vocab] float32``, one row per sequence (its last new token).
@@ -130,7 +130,7 @@ class MoECausalLM(nn.Module):
         self.decoder_prefix = decoder_prefix
         self.skipped_prefixes = type(self).skipped_prefixes + tuple(
             f"{decoder_prefix}layers.{cfg.num_layers + i}." for i in range(cfg.num_mtp_layers))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         prefix = re.escape(f"{decoder_prefix}layers.")
         module = re.escape(self.expert_module)
         self._per_expert = re.compile(rf"^{prefix}(\d+)\.{module}\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -293,12 +293,13 @@ class MoECausalLM(nn.Module):
                 MoE block.
             state: the recurrent-state pool (state layers; ``None`` without them).
             checkpoints: the recurrent-state checkpoint store, or ``None`` when off.
-            dense: native single-call norms and decode attention for a CPU decode step
-                (``edgemoe.experts.native.DenseKernels``: every RMSNorm and Qwen3-style attention
-                layer), or ``None``: torch operations.
+            dense: native single-call GEMVs, norms and decode attention for a CPU decode step
+                (``edgemoe.experts.native.DenseKernels``: every module that uses them,
+                :class:`~edgemoe.layers.linear.UsesCpuDense`: linear layers, routers, the LM head,
+                RMSNorms and Qwen3-style attention), or ``None``: torch operations.
         """
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Qwen3Attention)):
+            if isinstance(m, UsesCpuDense):
                 m.cpu_dense = dense
         for attn in self.attention_layers():
             attn.kv = kv
@@ -314,4 +315,4 @@ class MoECausalLM(nn.Module):
             x = layer(x, batch)
         x = dec.norm(x.index_select(0, batch.logits_index))  # [B, H]
         w = dec.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, w).float()  # [B, V]
+        return linear(x, w, None, self.cpu_dense).float()  # [B, V]

@@ -27,6 +27,7 @@ from edgemoe.config import GroupLimitedRoutingConfig, ModelConfig, hf_dtype, req
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
 from edgemoe.layers.attention import FusedQKV, write_and_attend
+from edgemoe.layers.linear import Linear
 from edgemoe.layers.mlp import DenseMLP
 from edgemoe.layers.moe import SharedExpertsMoeBlock
 from edgemoe.layers.norm import RMSNorm
@@ -81,10 +82,10 @@ class Glm4MoeAttention(FusedQKV, nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         H, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
+        self.q_proj = Linear(H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, H, bias=False)
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)

@@ -26,13 +26,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.config import ExpertActivation, ModelConfig, hf_dtype, require, rope_from_hf, token_ids
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
 from edgemoe.layers.attention import FusedQKV, write_and_attend
+from edgemoe.layers.linear import Linear, UsesCpuDense, linear
 from edgemoe.layers.moe import MoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -108,10 +108,10 @@ class GptOssAttention(FusedQKV, nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         H, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        self.q_proj = Linear(H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, H, bias=bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.window = cfg.sliding_window if cfg.is_sliding_attention(layer) else None
         self.attn_index = layer
@@ -129,7 +129,7 @@ class GptOssAttention(FusedQKV, nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
-class GptOssTopKRouter(nn.Module):
+class GptOssTopKRouter(UsesCpuDense, nn.Module):
     """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``:
     the top-k of the biased logits ``x·Wᵀ + b``, weighted by the softmax over those k logits, in their
     dtype (``GptOssTopKRouter``); rows where ``valid`` is False as :func:`~edgemoe.layers.router.pad_routes`
@@ -142,7 +142,7 @@ class GptOssTopKRouter(nn.Module):
         self.top_k = cfg.top_k
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        logits = linear(x, self.weight, self.bias, self.cpu_dense)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
         return pad_routes(ids, torch.softmax(top, dim=1, dtype=top.dtype), valid)
 
