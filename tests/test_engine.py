@@ -320,3 +320,28 @@ def test_cli_generate_json_and_make_model(tmp_path, capsys):
     assert main(args) == 0
     assert capsys.readouterr().out.rstrip("\n") == result["text"]
     assert main([*args, "--chat", "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+
+
+def test_failed_prefix_attach_frees_what_it_took_and_computes_from_the_start(engine, prompts, alone, monkeypatch):
+    """Attaching a cached prefix that raises after taking pages (a checkpoint restore failing part-way) leaks
+    nothing: the request computes its prompt from the start, with its usual output."""
+    runner = engine.runner
+    p = prompts[5]
+    run(engine, [p], SamplingParams(max_tokens=4, **GREEDY))  # its prefix is cached now
+    real = runner.prefix.attach
+    failed = []
+
+    def attach_then_fail(seq_id, token_ids):
+        start = real(seq_id, token_ids)
+        if start and not failed:
+            failed.append((seq_id, len(runner.kv.pages_of(seq_id))))
+            raise RuntimeError("injected attach fault")
+        return start
+
+    monkeypatch.setattr(runner.prefix, "attach", attach_then_fail)
+    out = run(engine, [p], SamplingParams(max_tokens=24, **GREEDY))[0]
+    monkeypatch.undo()
+    assert failed and failed[0][1] > 0  # it had taken cached pages before raising
+    assert out.error is None and out.outputs[0].token_ids == alone[5]
+    assert runner.kv.pages_of(failed[0][0]) == []
+    assert runner.kv_free_tokens() == runner.kv_capacity_tokens

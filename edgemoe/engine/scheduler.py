@@ -21,11 +21,14 @@ Prefix caching: on admission a request takes the longest reusable cached prefix 
 tokens from the runner (``attach_prefix``) and its prefill starts there. A request that finishes,
 is aborted or is preempted first caches its full KV pages (``cache_prefix``), so a preempted request
 usually gets its own pages back when readmitted, unless allocation pressure evicted them meanwhile.
+Reuse only saves work: when attaching a prefix fails part-way, the sequence's pages (and recurrent state)
+are freed and the request computes its prompt from the start.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,8 @@ from edgemoe.core import Phase, StepInput
 from edgemoe.engine.request import Request, RequestStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -174,7 +179,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             seq_id = next(self._seq_ids)
-            start = self.runner.attach_prefix(seq_id, req.token_slice(0, req.num_tokens))
+            try:
+                start = self.runner.attach_prefix(seq_id, req.token_slice(0, req.num_tokens))
+            except Exception:  # reuse only saves work: nothing of it may stay attached
+                log.exception("request %s: reusing its cached prefix failed; computing its prompt from the start",
+                              req.request_id)
+                self.runner.free(seq_id)
+                start = 0
             n = min(req.num_tokens - start, budget)
             alone = start < req.isolate_until
             if not fits(seq_id, start, n) or (reserve and n + reserve > free()) or (alone and reqs):
