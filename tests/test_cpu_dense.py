@@ -325,3 +325,25 @@ def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial):
         dense.decode_attention(q[:3], k[:3], v[:3], q_norm=None, k_norm=None, eps=1e-6, float32_scale=False,
                                cos=None, sin=None, k_cache=kv_nat.k[0], v_cache=kv_nat.v[0], batch=prefill,
                                page_size=ps, scale=scale)
+
+
+def test_dense_kernels_do_not_keep_a_replaced_executor_alive():
+    """The executor caches its ``DenseKernels``, which holds it weakly: dropping the executor (a thread-count
+    change replaces it) frees it and its pool at once, without waiting for the cycle collector."""
+    import gc
+    import weakref
+
+    pool = HostExpertPool(1, ExpertLayout.build(WeightFormat.BF16, 16, 16), torch.bfloat16)
+    ex = native.NativeCpuExecutor(pool, 1, min_parallel_bytes=0)
+    dense = ex.dense
+    x, w = torch.ones(1, 16, dtype=torch.bfloat16), torch.ones(4, 16, dtype=torch.bfloat16)
+    assert torch.equal(dense.linear(x, w), torch.full((1, 4), 16.0, dtype=torch.bfloat16))
+    alive = weakref.ref(ex)
+    gc.disable()
+    try:
+        del ex
+        assert alive() is None
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="closed"):
+        dense.linear(x, w)

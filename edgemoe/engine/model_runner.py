@@ -260,7 +260,7 @@ class ModelRunner:
         return gen
 
     def _cpu_dense(self):
-        """The CPU executor's native decode norms and attention (``CpuExecutor.dense``) on a CPU
+        """The CPU executor's native decode GEMVs, norms and attention (``CpuExecutor.dense``) on a CPU
         device, else ``None``."""
         return self.experts.cpu_executor.dense if self.device.type == "cpu" else None
 

@@ -61,7 +61,7 @@ class CpuExecutor(Protocol):
 
     @property
     def dense(self) -> DenseKernels | None:
-        """Native single-call versions of a CPU decode step's norms and attention
+        """Native single-call versions of a CPU decode step's dense GEMVs, norms and attention
         (``edgemoe.experts.native.DenseKernels``), or ``None``: the model keeps its torch operations."""
 
     def make_step(self, max_tokens: int, max_experts: int, max_routes: int | None = None,

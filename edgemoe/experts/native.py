@@ -878,13 +878,15 @@ class DenseKernels:
 
     def __init__(self, gemv: "NativeCpuExecutor | None" = None):
         self._ext = load_extension()
-        self._gemv = gemv
+        # a weak reference: the executor caches this object, and a cycle would keep a replaced executor's
+        # pinned thread pool alive until the cycle collector ran
+        self._gemv = None if gemv is None else weakref.ref(gemv)
         self.max_linear_rows = 0 if gemv is None else gemv.max_tokens_per_expert  # more rows: a GEMM, oneDNN's
 
     def takes_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether :meth:`linear` takes ``x @ weight.T + bias``: bf16 ``x [..., K]`` and ``weight [N, K]`` (rows
         contiguous) on the CPU, at most :attr:`max_linear_rows` rows, a CPU bias or none."""
-        return (0 < x.numel() <= self.max_linear_rows * x.shape[-1] and x.dtype == torch.bfloat16
+        return (x.dim() >= 1 and 0 < x.numel() <= self.max_linear_rows * x.shape[-1] and x.dtype == torch.bfloat16
                 and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"
                 and weight.dim() == 2 and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1]
                 and (bias is None or bias.device.type == "cpu"))
@@ -900,9 +902,12 @@ class DenseKernels:
         if not self.takes_linear(x, weight, bias):
             raise ValueError(f"linear: x {x.dtype} {tuple(x.shape)} on {x.device}, weight {weight.dtype} "
                              f"{tuple(weight.shape)}: bf16 CPU tensors, at most {self.max_linear_rows} rows")
+        gemv = self._gemv()
+        if gemv is None:
+            raise ValueError("linear: the executor these kernels ran on was closed")
         if bias is None:
-            return self._gemv.linear(x, weight)
-        y = self._gemv.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
+            return gemv.linear(x, weight)
+        y = gemv.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
         return y.add_(bias).to(x.dtype)
 
     @staticmethod
