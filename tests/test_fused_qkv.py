@@ -95,3 +95,36 @@ def test_a_quantized_checkpoint_loads_into_the_fused_views(tmp_path, monkeypatch
     ref, ref_toks = greedy_decode(plain, PROMPT, 2)
     got, toks = greedy_decode(fused, PROMPT, 2)
     assert toks == ref_toks and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe", "gpt_oss"])
+def test_cpu_bf16_fuses_and_decodes_bitwise_like_the_separate_projections(tmp_path_factory, arch, monkeypatch):
+    """bf16 on the CPU fuses at materialize; a decode step's q/k/v is then one native GEMV (the executor's
+    rows computed one by one) and every other product (the prefill's GEMMs) runs per module: the logits
+    of prefill and decode are those of the unfused model bit for bit."""
+    from edgemoe.experts import native
+
+    d = _family_dir(tmp_path_factory, arch)
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", expert_policy="cpu-all", cpu_threads=2)
+    fused = ModelRunner(d, cfg, progress=False)
+    if not fused.experts.cpu_executor.name.startswith("native"):
+        pytest.skip("the native CPU executor does not build here")
+    attns = [m for m in fused.model.modules() if isinstance(m, FusedQKV)]
+    assert attns and all(a.qkv_weight is not None for a in attns)
+    weights = []
+    take = native.NativeCpuExecutor._linear_checked
+
+    def recording(self, x, weight, out):
+        weights.append((weight.data_ptr(), weight.shape[0]))
+        return take(self, x, weight, out)
+
+    monkeypatch.setattr(native.NativeCpuExecutor, "_linear_checked", recording)
+    got, toks = greedy_decode(fused, PROMPT, 3)
+    a = attns[0]
+    assert (a.qkv_weight.data_ptr(), a.qkv_weight.shape[0]) in weights  # q/k/v as one GEMV
+    assert (a.k_proj.weight.data_ptr(), a.k_proj.weight.shape[0]) not in weights  # never alone
+    monkeypatch.setattr(MoECausalLM, "fuse_projections", lambda self: None)
+    plain = ModelRunner(d, cfg, progress=False)
+    assert all(m.qkv_weight is None for m in plain.model.modules() if isinstance(m, FusedQKV))
+    ref, ref_toks = greedy_decode(plain, PROMPT, 3)
+    assert toks == ref_toks and torch.equal(got, ref)

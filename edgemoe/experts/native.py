@@ -817,6 +817,15 @@ class NativeCpuExecutor:
         if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.stride(1) != 1:
             raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [..., K] and "
                              "[N, K] with rows contiguous")
+        N = weight.shape[0]
+        if out is not None and (out.dtype not in X_FORMATS or not out.is_contiguous() or out.device.type != "cpu"
+                                or tuple(out.shape) != (*x.shape[:-1], N)):
+            raise ValueError(f"linear: out must be a contiguous float32/bfloat16 CPU tensor of shape "
+                             f"{(*x.shape[:-1], N)}, got {out.dtype} {tuple(out.shape)}")
+        return self._linear_checked(x, weight, out)
+
+    def _linear_checked(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`linear` on arguments already checked (a decode step's GEMVs check them once)."""
         N, K = weight.shape
         x2 = x.reshape(-1, K)
         if x2.stride(1) != 1:
@@ -824,10 +833,6 @@ class NativeCpuExecutor:
         M = x2.shape[0]
         if out is None:
             out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-        elif (out.dtype not in X_FORMATS or not out.is_contiguous() or out.device.type != "cpu"
-              or tuple(out.shape) != (*x.shape[:-1], N)):
-            raise ValueError(f"linear: out must be a contiguous float32/bfloat16 CPU tensor of shape "
-                             f"{(*x.shape[:-1], N)}, got {out.dtype} {tuple(out.shape)}")
         st = self._core.linear(weight.data_ptr(), WEIGHT_FORMATS[weight.dtype], N, K,
                                weight.stride(0) * weight.element_size(), x2.data_ptr(), X_FORMATS[x2.dtype], M,
                                x2.stride(0), out.data_ptr(), X_FORMATS[out.dtype], N)
@@ -899,15 +904,26 @@ class DenseKernels:
         Raises:
             ValueError: arguments :meth:`takes_linear` refuses.
         """
-        if not self.takes_linear(x, weight, bias):
+        if (y := self.try_linear(x, weight, bias)) is None:
             raise ValueError(f"linear: x {x.dtype} {tuple(x.shape)} on {x.device}, weight {weight.dtype} "
                              f"{tuple(weight.shape)}: bf16 CPU tensors, at most {self.max_linear_rows} rows")
+        return y
+
+    def try_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`linear` where :meth:`takes_linear` takes the product (checked once), else ``None``.
+
+        Raises:
+            ValueError: the executor these kernels ran on was closed.
+        """
+        if not self.takes_linear(x, weight, bias):
+            return None
         gemv = self._gemv()
         if gemv is None:
             raise ValueError("linear: the executor these kernels ran on was closed")
         if bias is None:
-            return gemv.linear(x, weight)
-        y = gemv.linear(x, weight, out=torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
+            return gemv._linear_checked(x, weight, None)
+        y = gemv._linear_checked(x, weight, torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
         return y.add_(bias).to(x.dtype)
 
     @staticmethod

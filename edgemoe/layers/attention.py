@@ -28,7 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from edgemoe.config import ModelConfig
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
-from edgemoe.layers.linear import Linear, UsesCpuDense, linear
+from edgemoe.layers.linear import Linear, UsesCpuDense
 from edgemoe.layers.norm import RMSNorm, ZeroCenteredRMSNorm, fused_kernels
 from edgemoe.layers.rotary import RotaryEmbedding
 
@@ -230,8 +230,9 @@ class FusedQKV(UsesCpuDense):
     """Mixin of an attention module with ``q_proj``, ``k_proj``, ``v_proj`` (``nn.Linear`` over the same
     input): :meth:`fuse_qkv` concatenates them into one ``[Nq + Nk + Nv, H]`` matrix
     (:func:`fuse_linears`; checkpoint names and memory unchanged) and :meth:`project_qkv` then runs one
-    GEMM instead of three (a decode step's q/k/v GEMVs are launch-bound: three become one).
-    ``MoECausalLM.materialize`` fuses every such module of a model on CUDA in a 16-bit dtype.
+    GEMM instead of three (a decode step's q/k/v GEMVs are launch-bound: three become one; on a CPU,
+    three native GEMV calls, each a dispatch to the executor's threads, become one).
+    ``MoECausalLM.materialize`` fuses every such module of a model in a 16-bit dtype.
     """
 
     qkv_weight: torch.Tensor | None = None  # [Nq + Nk + Nv, H] once fused
@@ -243,10 +244,18 @@ class FusedQKV(UsesCpuDense):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, H] -> (q [T, Nq], k [T, Nk], v [T, Nv])``; once fused, column views of one ``[T, N]``
-        output (last dim contiguous)."""
+        output (last dim contiguous). On the CPU the fused matrix is one product only where the native
+        GEMVs take it (a decode step's rows, computed row by row, so the result is the three's bit for bit);
+        other products run per module over its row block of the fused matrix, as unfused (oneDNN blocks
+        a GEMM by its output width, so one fused GEMM could differ from the three in the last bits)."""
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return linear(x, self.qkv_weight, self.qkv_bias, self.cpu_dense).split(self.qkv_sizes, dim=-1)
+        if x.device.type != "cpu":
+            return F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        dense = self.cpu_dense
+        if dense is not None and (y := dense.try_linear(x, self.qkv_weight, self.qkv_bias)) is not None:
+            return y.split(self.qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class Qwen3Attention(FusedQKV, nn.Module):

@@ -40,8 +40,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         ``[..., N]`` in ``x``'s dtype (the native result equals torch's up to float32 summation order).
     """
-    if dense is not None and dense.takes_linear(x, weight, bias):
-        return dense.linear(x, weight, bias)
+    if dense is not None and (y := dense.try_linear(x, weight, bias)) is not None:
+        return y
     return F.linear(x, weight, bias)
 
 

@@ -184,13 +184,13 @@ class MoECausalLM(UsesCpuDense, nn.Module):
         """Allocate the parameters (uninitialized) on ``device`` in ``dtype``, those matching
         ``float32_parameters`` in float32; the loaders then copy the checkpoint's values in.
 
-        On CUDA in a 16-bit dtype the attention layers' q/k/v projections are then fused
+        In a 16-bit dtype the attention layers' q/k/v projections are then fused
         (:meth:`fuse_projections`): their parameters become views of one matrix, so the loaders fill it
         under the checkpoint's names. float32 keeps them apart, the reference precision (as the fused
-        norm kernels: ``edgemoe.layers.norm.fused_kernels``); so does the CPU, where oneDNN blocks a
-        GEMM by its output width, so one fused GEMM can differ from the three in the last bits
-        (float32 with several threads, bfloat16 prefill), and decode GEMVs are bound by bytes, not
-        launches.
+        norm kernels: ``edgemoe.layers.norm.fused_kernels``). On the CPU the fused matrix is one product
+        only in a decode step's native GEMV (one dispatch to the executor's threads instead of three, the
+        same result row by row); other CPU products keep the three GEMMs
+        (:meth:`~edgemoe.layers.attention.FusedQKV.project_qkv`).
 
         A :class:`~edgemoe.layers.embedding.HostEmbedding` (:meth:`keep_embedding_on_host`) gets its table
         in (pageable) host memory instead, whatever ``device`` is; the runner pins it after filling.
@@ -207,7 +207,7 @@ class MoECausalLM(UsesCpuDense, nn.Module):
         self.to_empty(device=device)
         if host is not None:
             dec.embed_tokens = host.to_empty(device="cpu")
-        if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if dtype in (torch.bfloat16, torch.float16):
             self.fuse_projections()
 
     def keep_embedding_on_host(self) -> None:
