@@ -266,18 +266,24 @@ def _rotary(head_dim: int, partial: float) -> RotaryEmbedding:
     return RotaryEmbedding(cfg)
 
 
-@pytest.mark.parametrize("hq,hk,d,partial", [(8, 2, 64, 1.0), (4, 4, 32, 0.5), (6, 1, 48, 1.0)])
-def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial):
+@pytest.mark.parametrize("hq,hk,d,partial,lens", [
+    (8, 2, 64, 1.0, [9, 1, 22]),  # the second sequence's only token is the new one
+    (4, 4, 32, 0.5, [9, 1, 22]),
+    (6, 1, 48, 1.0, [9, 1, 22]),
+    (16, 2, 128, 1.0, [300, 129, 128]),  # sequences of several key chunks (kAttnChunk = 128), merged
+    (12, 1, 256, 1.0, [257, 5]),
+])
+def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial, lens):
     dense = native.DenseKernels()
     g = torch.Generator().manual_seed(hq * 100 + d)
-    ps, lens = 4, [9, 1, 22]  # the second sequence's only token is the new one
-    T = len(lens)
-    kv_ref = PagedKVPool(KVSpec.heads(1, hk, d), 16, ps, torch.bfloat16, torch.device("cpu"))
+    ps, T = 4, len(lens)
+    pages = sum(-(-n // ps) for n in lens)
+    kv_ref = PagedKVPool(KVSpec.heads(1, hk, d), pages, ps, torch.bfloat16, torch.device("cpu"))
     for i, n in enumerate(lens):
         kv_ref.allocate(i, n)
     kv_ref.k.copy_(torch.randn(kv_ref.k.shape, generator=g).bfloat16())
     kv_ref.v.copy_(torch.randn(kv_ref.v.shape, generator=g).bfloat16())
-    kv_nat = PagedKVPool(KVSpec.heads(1, hk, d), 16, ps, torch.bfloat16, torch.device("cpu"))
+    kv_nat = PagedKVPool(KVSpec.heads(1, hk, d), pages, ps, torch.bfloat16, torch.device("cpu"))
     kv_nat.k.copy_(kv_ref.k)
     kv_nat.v.copy_(kv_ref.v)
     tables = [kv_ref.page_table(i) for i in range(T)]
@@ -307,7 +313,14 @@ def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial):
     assert torch.equal(kv_nat.v, kv_ref.v)
     assert int(_ulps(kv_nat.k, kv_ref.k).max()) <= 1
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    for bad, match in ((dict(kv_slots=slots[:2]), "KV slots for"), (dict(kv_slots=slots + 10_000), "for a cache of"),
+    for threads in (1, 2, 3):  # on an executor's pool: chunks and merges shared, the same result bit for bit
+        k_cache, v_cache = kv_nat.k[0].clone(), kv_nat.v[0].clone()
+        b = batch()
+        on_pool = native.DenseKernels(_executor(None, threads)).decode_attention(
+            q, k, v, q_norm=q_norm.weight, k_norm=k_norm.weight, eps=1e-6, float32_scale=False, cos=cos, sin=sin,
+            k_cache=k_cache, v_cache=v_cache, batch=b, page_size=ps, scale=scale)
+        assert torch.equal(on_pool, got) and torch.equal(k_cache, kv_nat.k[0]) and torch.equal(v_cache, kv_nat.v[0])
+    for bad, match in ((dict(kv_slots=slots[:-1]), "KV slots for"), (dict(kv_slots=slots + 10_000), "for a cache of"),
                        (dict(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=1, kv_len=9, page_table=tables[0][:1]),
                                    *seqs[1:]]), "pages for")):
         b = batch()
@@ -318,6 +331,8 @@ def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial):
                                    sin=None, k_cache=kv_nat.k[0], v_cache=kv_nat.v[0], batch=b, page_size=ps,
                                    scale=scale)
     assert not dense.takes_decode_attention(q[:0], kv_nat.k[0], SimpleNamespace(seqs=[], decode=None))
+    long = [SeqSlice(seq_id=i, q_start=i, q_len=1, kv_len=200_000, page_table=tables[i]) for i in range(T)]
+    assert dense.takes_decode_attention(q, kv_nat.k[0], SimpleNamespace(seqs=long, decode=None))  # any length
     prefill = SimpleNamespace(seqs=[SeqSlice(seq_id=0, q_start=0, q_len=3, kv_len=9, page_table=tables[0])],
                               decode=None, step_cache={})
     assert not dense.takes_decode_attention(q[:3], kv_nat.k[0], prefill)

@@ -15,6 +15,7 @@
 //
 // Functions are compiled for AVX-512F, AVX2 and baseline x86-64 (GCC function multiversioning picks
 // one at load time); lanes of 16 independent float32 accumulators vectorize without reassociation.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -155,46 +156,59 @@ EDGEMOE_INLINE void rope_row(float* y, int64_t R, const uint16_t* cos, const uin
   }
 }
 
-// <k, q> of n float32 values: two chains of lanes (the FMA latency), summed in a fixed order
-EDGEMOE_INLINE float dot(const float* k, const float* q, int64_t n) {
-  vf a0 = {}, a1 = {};
-  int64_t i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-    a0 += load_f32(k + i) * load_f32(q + i);
-    a1 += load_f32(k + i + kLanes) * load_f32(q + i + kLanes);
-  }
-  if (i + kLanes <= n) {
-    a0 += load_f32(k + i) * load_f32(q + i);
-    i += kLanes;
-  }
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += k[i] * q[i];
-  return hsum(a0 + a1) + tail;
+// lane sum by halving (a fixed order): 16 -> 8 -> 4 -> 2 -> 1
+typedef int32_t vi __attribute__((vector_size(64)));
+EDGEMOE_INLINE float hsum_tree(vf v) {
+  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
 }
 
-// o[0 .. 16 NV) = sum_j p[j] * v[j, :] over float32 rows of 16 NV: the accumulators in registers
-template <int NV>
-EDGEMOE_INLINE void weighted_values(const float* p, const float* v, int64_t n, float* o) {
-  vf acc[NV] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * NV * kLanes;
-    const float pj = p[j];
+// s[i * ld + j] = scale * <key j, q_i> for NH query heads q_i (float32 rows of D, ldq apart) against one
+// bf16 key row k of D values: each key line loaded once for all NH heads; D % 16 in scalar FMAs
+template <int NH>
+EDGEMOE_INLINE void key_scores(const uint16_t* k, const float* q, int64_t ldq, int64_t D, float scale, float* s,
+                               int64_t ld) {
+  vf acc[NH] = {};
+  int64_t e = 0;
+  for (; e + kLanes <= D; e += kLanes) {
+    const vf kv = load_bf16(k + e);
+#pragma GCC unroll 8
+    for (int i = 0; i < NH; ++i) acc[i] += kv * load_f32(q + i * ldq + e);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NH; ++i) {
+    float tail = 0.0f;
+    for (int64_t r = e; r < D; ++r) tail += f32(k[r]) * q[i * ldq + r];
+    s[i * ld] = (hsum_tree(acc[i]) + tail) * scale;
+  }
+}
+
+// o[h][0 .. 16 NV) += sum_j p[h][j] * v_j for NH heads (p rows ldp apart, o rows 16 NV apart) over n bf16 value
+// rows v_j = v + slot[j] * ldv: the accumulators in registers, each value line converted once for the NH heads
+template <int NV, int NH>
+EDGEMOE_INLINE void weighted_values_bf16(const float* p, int64_t ldp, const uint16_t* v, const int64_t* slot,
+                                         int64_t ldv, int64_t n, float* o) {
+  vf acc[NH][NV];
+#pragma GCC unroll 2
+  for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) acc[c] += pj * load_f32(vj + c * kLanes);
+    for (int c = 0; c < NV; ++c) acc[h][c] = load_f32(o + (h * NV + c) * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* vj = v + slot[j] * ldv;
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+      const vf v = load_bf16(vj + c * kLanes);
+#pragma GCC unroll 2
+      for (int h = 0; h < NH; ++h) acc[h][c] += p[h * ldp + j] * v;
+    }
   }
-  std::memcpy(o, acc, sizeof acc);
-}
-
-EDGEMOE_INLINE void weighted_values_any(const float* p, const float* v, int64_t n, int64_t D, float* o) {
-  switch (D) {
-    case 64: return weighted_values<4>(p, v, n, o);
-    case 128: return weighted_values<8>(p, v, n, o);
-    case 256: return weighted_values<16>(p, v, n, o);
-    default:
-      std::fill(o, o + D, 0.0f);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t e = 0; e < D; ++e) o[e] += p[j] * v[j * D + e];
-  }
+#pragma GCC unroll 2
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) store_f32(o + (h * NV + c) * kLanes, acc[h][c]);
 }
 
 // p[j] = exp(p[j] - m) for p[j] <= m, returns their sum: 2^(x log2 e) as 2^round * 2^frac, the fraction's
@@ -250,65 +264,155 @@ void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t ldx, cons
   }
 }
 
-EDGEMOE_CLONES
-int32_t decode_attention_bf16(const DecodeAttentionArgs& a) {
+int32_t decode_attention_check(const DecodeAttentionArgs& a) {
   const int64_t Hq = a.num_heads, Hk = a.num_kv_heads, D = a.head_dim;
   if (Hq < 1 || Hk < 1 || D < 1 || Hq % Hk != 0 || a.tokens < 0 || a.rotary_dim < 0 || a.rotary_dim > D ||
       a.rotary_dim % 2 != 0 || a.page_size < 1)
     return 1;
-  const int64_t G = Hq / Hk, row = Hk * D;  // query heads per KV head; elements of one cached token
-  // scratch reused across calls on this thread (grow only: a fresh large buffer costs page faults per call)
-  thread_local std::vector<float> q, kf, acc, scores, kf32, vf32;  // kf32 / vf32: one KV head's cache, [n, D]
-  thread_local std::vector<int64_t> slots;
-  grow(q, Hq * D);
+  for (int64_t t = 0; t < a.tokens; ++t)
+    if (a.kv_lens[t] < 1) return 1;
+  return 0;
+}
+
+int64_t attention_items(const DecodeAttentionArgs& a, std::vector<int64_t>& first) {
+  first.resize(static_cast<size_t>(a.tokens) + 1);
+  first[0] = 0;
+  for (int64_t t = 0; t < a.tokens; ++t)
+    first[t + 1] = first[t] + a.num_kv_heads * ((a.kv_lens[t] + kAttnChunk - 1) / kAttnChunk);
+  return first[a.tokens];
+}
+
+EDGEMOE_CLONES
+void decode_attention_prologue(const DecodeAttentionArgs& a, float* qf) {
+  const int64_t Hq = a.num_heads, Hk = a.num_kv_heads, D = a.head_dim, row = Hk * D;
+  thread_local std::vector<float> kf;
   grow(kf, D);
-  grow(acc, D);
   for (int64_t t = 0; t < a.tokens; ++t) {
     const uint16_t* cos = a.cos ? a.cos + t * a.cos_ld : nullptr;
     const uint16_t* sin = a.sin ? a.sin + t * a.cos_ld : nullptr;
     for (int64_t h = 0; h < Hq; ++h) {  // queries: norm, RoPE; kept as bf16 values in float32
-      float* y = q.data() + h * D;
+      float* y = qf + (t * Hq + h) * D;
       norm_row(a.q + t * a.q_ld + h * D, D, a.q_norm, a.eps, a.float32_scale, y);
       if (cos) rope_row(y, a.rotary_dim, cos, sin);
     }
-    const int64_t slot = a.kv_slots[t];
-    uint16_t* kdst = a.k_cache + slot * row;
-    uint16_t* vdst = a.v_cache + slot * row;
+    uint16_t* kdst = a.k_cache + a.kv_slots[t] * row;
+    uint16_t* vdst = a.v_cache + a.kv_slots[t] * row;
     for (int64_t h = 0; h < Hk; ++h) {  // the new key (norm, RoPE) and value into their cache slot
       norm_row(a.k + t * a.k_ld + h * D, D, a.k_norm, a.eps, a.float32_scale, kf.data());
       if (cos) rope_row(kf.data(), a.rotary_dim, cos, sin);
       for (int64_t i = 0; i < D; ++i) kdst[h * D + i] = bf16(kf[i]);
       std::memcpy(vdst + h * D, a.v + t * a.v_ld + h * D, static_cast<size_t>(D) * 2);
     }
-    const int64_t n = a.kv_lens[t];
-    const int64_t* pages = a.page_tables + t * a.page_table_ld;
-    grow(slots, n);
-    for (int64_t j = 0; j < n; ++j) slots[j] = pages[j / a.page_size] * a.page_size + j % a.page_size;
-    grow(scores, G * n);
-    grow(kf32, n * D);
-    grow(vf32, n * D);
-    for (int64_t g = 0; g < Hk; ++g) {
-      for (int64_t j = 0; j < n; ++j) {  // the KV head's cached keys and values as float32 rows, once
-        const uint16_t* kj = a.k_cache + slots[j] * row + g * D;
-        const uint16_t* vj = a.v_cache + slots[j] * row + g * D;
-        for (int64_t e = 0; e < D; ++e) kf32[j * D + e] = f32(kj[e]);
-        for (int64_t e = 0; e < D; ++e) vf32[j * D + e] = f32(vj[e]);
-      }
-      const float* qg = q.data() + g * G * D;
-      for (int64_t j = 0; j < n; ++j)  // scores of the group's G query heads against key j
-        for (int64_t i = 0; i < G; ++i) scores[i * n + j] = dot(kf32.data() + j * D, qg + i * D, D) * a.scale;
-      uint16_t* out = a.out + t * Hq * D + g * G * D;
-      for (int64_t i = 0; i < G; ++i) {  // softmax over the keys (float32), then the weighted values
-        float* p = scores.data() + i * n;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) m = p[j] > m ? p[j] : m;
-        const float inv = 1.0f / exp_shifted(p, n, m);
-        for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-        weighted_values_any(p, vf32.data(), n, D, acc.data());
-        for (int64_t e = 0; e < D; ++e) out[i * D + e] = bf16(acc[e]);
+  }
+}
+
+EDGEMOE_CLONES
+void attention_part(const DecodeAttentionArgs& a, const float* qf, const int64_t* first, int64_t item, float* part) {
+  const int64_t Hq = a.num_heads, Hk = a.num_kv_heads, D = a.head_dim, G = Hq / Hk, row = Hk * D;
+  int64_t t = 0;
+  while (first[t + 1] <= item) ++t;
+  const int64_t local = item - first[t], g = local % Hk, c = local / Hk;
+  const int64_t j0 = c * kAttnChunk, n = std::min(a.kv_lens[t], j0 + kAttnChunk) - j0;
+  const int64_t* pages = a.page_tables + t * a.page_table_ld;
+  const int64_t ps = a.page_size;
+  int64_t slot[kAttnChunk];
+  for (int64_t j = 0; j < n; ++j) slot[j] = pages[(j0 + j) / ps] * ps + (j0 + j) % ps;
+  const uint16_t* kbase = a.k_cache + g * D;
+  const uint16_t* vbase = a.v_cache + g * D;
+  const float* qg = qf + (t * Hq + g * G) * D;
+  thread_local std::vector<float> scores;
+  grow(scores, G * kAttnChunk);
+  float* s = scores.data();
+  constexpr int64_t kAhead = 8;  // keys: the rows are scattered over pages (DRAM latency, not bandwidth, bounds a
+                                 // single core walking them), so key j + 8's K and V lines are requested now
+  const int64_t line_elems = 32, lines = (D + line_elems - 1) / line_elems;
+  for (int64_t j = 0; j < n; ++j) {  // scores of the G query heads, 8 at a time, against key j
+    if (j + kAhead < n) {
+      const uint16_t* kn = kbase + slot[j + kAhead] * row;
+      const uint16_t* vn = vbase + slot[j + kAhead] * row;
+      for (int64_t li = 0; li < lines; ++li) {
+        __builtin_prefetch(kn + li * line_elems, 0, 3);
+        __builtin_prefetch(vn + li * line_elems, 0, 2);
       }
     }
+    const uint16_t* kj = kbase + slot[j] * row;
+    int64_t i = 0;
+    for (; i + 8 <= G; i += 8) key_scores<8>(kj, qg + i * D, D, D, a.scale, s + i * kAttnChunk + j, kAttnChunk);
+    for (; i < G; ++i) key_scores<1>(kj, qg + i * D, D, D, a.scale, s + i * kAttnChunk + j, kAttnChunk);
   }
+  float* m = part;          // [G] the chunk's max score per head
+  float* l = part + G;      // [G] sum of exp(score - max)
+  float* o = part + 2 * G;  // [G, D] unnormalized weighted values
+  for (int64_t i = 0; i < G; ++i) {
+    float* p = s + i * kAttnChunk;
+    float mi = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mi = p[j] > mi ? p[j] : mi;
+    m[i] = mi;
+    l[i] = exp_shifted(p, n, mi);
+  }
+  std::fill(o, o + G * D, 0.0f);
+  int64_t i = 0;
+  switch (D) {
+    case 64:
+      for (; i + 2 <= G; i += 2) weighted_values_bf16<4, 2>(s + i * kAttnChunk, kAttnChunk, vbase, slot, row, n, o + i * D);
+      break;
+    case 128:
+      for (; i + 2 <= G; i += 2) weighted_values_bf16<8, 2>(s + i * kAttnChunk, kAttnChunk, vbase, slot, row, n, o + i * D);
+      break;
+    case 256:
+      for (; i < G; ++i) weighted_values_bf16<16, 1>(s + i * kAttnChunk, kAttnChunk, vbase, slot, row, n, o + i * D);
+      break;
+    default:
+      break;
+  }
+  for (; i < G; ++i) {  // other head sizes (and an odd head out): scalar
+    const float* p = s + i * kAttnChunk;
+    float* oi = o + i * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* vj = vbase + slot[j] * row;
+      for (int64_t e = 0; e < D; ++e) oi[e] += p[j] * f32(vj[e]);
+    }
+  }
+}
+
+EDGEMOE_CLONES
+void attention_merge(const DecodeAttentionArgs& a, const int64_t* first, const float* parts, int64_t tg) {
+  const int64_t Hq = a.num_heads, Hk = a.num_kv_heads, D = a.head_dim, G = Hq / Hk;
+  const int64_t t = tg / Hk, g = tg % Hk, chunks = (first[t + 1] - first[t]) / Hk;
+  const int64_t stride = attention_part_floats(a);
+  thread_local std::vector<float> acc;
+  grow(acc, D);
+  for (int64_t i = 0; i < G; ++i) {
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float mc = parts[(first[t] + c * Hk + g) * stride + i];
+      mx = mc > mx ? mc : mx;
+    }
+    float l = 0.0f;
+    std::fill(acc.begin(), acc.begin() + D, 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {  // in chunk order: the result does not depend on the threads
+      const float* pc = parts + (first[t] + c * Hk + g) * stride;
+      const float w = chunks == 1 ? 1.0f : std::exp(pc[i] - mx);
+      l += w * pc[G + i];
+      const float* oc = pc + 2 * G + i * D;
+      for (int64_t e = 0; e < D; ++e) acc[e] += w * oc[e];
+    }
+    const float inv = 1.0f / l;
+    uint16_t* out = a.out + (t * Hq + g * G + i) * D;
+    for (int64_t e = 0; e < D; ++e) out[e] = bf16(acc[e] * inv);
+  }
+}
+
+int32_t decode_attention_bf16(const DecodeAttentionArgs& a) {
+  if (decode_attention_check(a)) return 1;
+  thread_local std::vector<float> qf, parts;
+  thread_local std::vector<int64_t> first;
+  grow(qf, a.tokens * a.num_heads * a.head_dim);
+  decode_attention_prologue(a, qf.data());
+  const int64_t items = attention_items(a, first), stride = attention_part_floats(a);
+  grow(parts, items * stride);
+  for (int64_t it = 0; it < items; ++it) attention_part(a, qf.data(), first.data(), it, parts.data() + it * stride);
+  for (int64_t tg = 0; tg < a.tokens * a.num_kv_heads; ++tg) attention_merge(a, first.data(), parts.data(), tg);
   return 0;
 }
 

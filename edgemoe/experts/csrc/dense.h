@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace edgemoe {
 
@@ -42,5 +43,27 @@ struct DecodeAttentionArgs {
 };
 
 int32_t decode_attention_bf16(const DecodeAttentionArgs& a);
+
+// The same work in parts, for a thread pool (Executor::decode_attention; decode_attention_bf16 runs them in
+// order on the calling thread, with the same result). Flash-decoding (Dao et al., "Flash-Decoding for
+// long-context inference", 2023): each sequence's cached tokens are cut into chunks of kAttnChunk keys, a
+// fixed size, so the result does not depend on the thread count. An item is (sequence t, KV head g, chunk c),
+// numbered per sequence in (c, g) order from first[t] (attention_items); its part holds, for the G = Hq / Hk
+// query heads of g, the chunk's max score [G], the sum of exp(score - max) [G] and the unnormalized weighted
+// values [G, D] (attention_part_floats floats). attention_merge combines the parts of (t, g) = tg / Hk,
+// tg % Hk in chunk order into out.
+constexpr int64_t kAttnChunk = 128;
+// 0, or 1 for sizes it refuses (as decode_attention_bf16) or an empty sequence
+int32_t decode_attention_check(const DecodeAttentionArgs& a);
+// q/k norm and RoPE, the new K/V into the cache; qf [tokens, Hq, D]: the queries (bf16 values in float32)
+void decode_attention_prologue(const DecodeAttentionArgs& a, float* qf);
+// fills first[0 .. tokens] and returns the number of items
+int64_t attention_items(const DecodeAttentionArgs& a, std::vector<int64_t>& first);
+inline int64_t attention_part_floats(const DecodeAttentionArgs& a) {
+  const int64_t G = a.num_heads / a.num_kv_heads;
+  return G * (2 + a.head_dim);
+}
+void attention_part(const DecodeAttentionArgs& a, const float* qf, const int64_t* first, int64_t item, float* part);
+void attention_merge(const DecodeAttentionArgs& a, const int64_t* first, const float* parts, int64_t tg);
 
 }  // namespace edgemoe

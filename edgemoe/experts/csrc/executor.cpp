@@ -656,6 +656,54 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
   return kOk;
 }
 
+struct Executor::AttentionJob {
+  const DecodeAttentionArgs* a;
+  const float* qf;
+  const int64_t* first;
+  float* parts;
+  int64_t items, merges, stride;
+  bool serial;
+  Executor* self;
+  alignas(64) std::atomic<int64_t> next1{0};
+  alignas(64) std::atomic<int64_t> next2{0};
+};
+
+void Executor::attention_job(void* job, int tid) {
+  AttentionJob& J = *static_cast<AttentionJob*>(job);
+  for (int64_t it; (it = J.next1.fetch_add(1, std::memory_order_relaxed)) < J.items;)
+    attention_part(*J.a, J.qf, J.first, it, J.parts + it * J.stride);
+  if (!J.serial) J.self->pool_.barrier();  // every part is written
+  for (int64_t tg; (tg = J.next2.fetch_add(1, std::memory_order_relaxed)) < J.merges;)
+    attention_merge(*J.a, J.first, J.parts, tg);
+}
+
+int32_t Executor::decode_attention(const DecodeAttentionArgs& a) {
+  if (decode_attention_check(a)) return 1;
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  const IeeeSubnormals ieee;
+  const size_t nq = static_cast<size_t>(a.tokens * a.num_heads * a.head_dim);
+  if (attn_q_.size() < nq) attn_q_.resize(nq);
+  decode_attention_prologue(a, attn_q_.data());
+  AttentionJob J;
+  J.a = &a;
+  J.qf = attn_q_.data();
+  J.items = attention_items(a, attn_first_);
+  J.first = attn_first_.data();
+  J.stride = attention_part_floats(a);
+  if (attn_parts_.size() < static_cast<size_t>(J.items * J.stride))
+    attn_parts_.resize(static_cast<size_t>(J.items * J.stride));
+  J.parts = attn_parts_.data();
+  J.merges = a.tokens * a.num_kv_heads;
+  J.self = this;
+  // one item is ~kAttnChunk keys of G heads: a step of fewer items than threads runs on fewer threads' worth
+  J.serial = pool_.size() == 1 || J.items < 2 || !pool_.usable();
+  if (J.serial)
+    attention_job(&J, 0);
+  else
+    pool_.run(&Executor::attention_job, &J);
+  return 0;
+}
+
 namespace {
 struct SumJob {
   const float* p;

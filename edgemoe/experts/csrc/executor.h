@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "dense.h"
 #include "kernels.h"
 
 namespace edgemoe {
@@ -200,6 +201,11 @@ class Executor {
   // Sum of n floats read by all threads (the read-bandwidth test); static split, 4 KiB aligned.
   double sum_f32(const float* p, int64_t n);
 
+  // decode_attention_bf16 (dense.h) with its chunks, then its merges, taken dynamically by the pool's threads
+  // (the prologue on the caller): the same result as the single-threaded call. Thread-safe (serialized with
+  // run()). Returns 0, or 1 for sizes it refuses.
+  int32_t decode_attention(const DecodeAttentionArgs& a);
+
   // ISA level used for `fmt` on this CPU under the cap (-1: none); `bf16_compute` for a quantized
   // format computing in bf16 (the avx512bf16 kernels need bf16 operands: in float32 the level stops
   // at avx512).
@@ -212,10 +218,12 @@ class Executor {
   // Internal state of one step's job (and of one linear()), shared by the pool threads.
   struct Job;
   struct LinearJob;
+  struct AttentionJob;
 
  private:
   static void step_job(void* job, int tid);
   static void linear_job(void* job, int tid);
+  static void attention_job(void* job, int tid);
   // x [T, H] (rows ldx elements apart) in the operand format of `ks`, for weights of `fmt`: a pointer
   // to x itself when no conversion is needed, else to a converted copy in x_bf16_ / x_f32_ (rows H apart).
   const void* prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T, int64_t H,
@@ -234,6 +242,8 @@ class Executor {
   std::vector<const void*> xptr_, aptr_;
   std::vector<std::vector<float>> scratch_;  // per thread: gate, up or y tiles
   std::vector<double> partial_;
+  std::vector<float> attn_q_, attn_parts_;  // decode_attention: the step's queries, the chunks' parts
+  std::vector<int64_t> attn_first_;
 };
 
 }  // namespace edgemoe
