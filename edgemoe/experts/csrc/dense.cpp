@@ -22,6 +22,12 @@
 #include <vector>
 
 #include "dense.h"
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define EDGEMOE_BF16_DOT 1
+#endif
 
 // 64-byte vector types cross inline helpers in the AVX2 and baseline clones (no ABI boundary: all inlined)
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -245,6 +251,76 @@ EDGEMOE_INLINE float exp_shifted(float* p, int64_t n, float m) {
   return lane_sum(acc);
 }
 
+#ifdef EDGEMOE_BF16_DOT
+// s[i * ld + j] = scale * <key j, q_i> for the G query heads (qb: [G, D] bf16) against the n keys at kbase + slot[j] *
+// row, D % 32 == 0: `vdpbf16ps` over each key's lines (exact bf16 products, float32 sums), 8 heads at a time
+// sharing the key's loads, their 8 partial vectors folded into 8 sums by one shuffle tree (4 levels), not 8
+// horizontal sums. K and V lines of key j + ahead are prefetched (as the float32 path does).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void scores_bf16_dot(
+    const uint16_t* kbase, const uint16_t* vbase, const int64_t* slot, int64_t row, int64_t n, const uint16_t* qb,
+    int64_t G, int64_t D, float scale, float* s, int64_t ld, int64_t ahead) {
+  const int64_t lines = D / 32;
+  const __m512i fold = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + ahead < n) {
+      const uint16_t* kn = kbase + slot[j + ahead] * row;
+      const uint16_t* vn = vbase + slot[j + ahead] * row;
+      for (int64_t li = 0; li < lines; ++li) {
+        __builtin_prefetch(kn + li * 32, 0, 3);
+        __builtin_prefetch(vn + li * 32, 0, 2);
+      }
+    }
+    const uint16_t* kj = kbase + slot[j] * row;
+    int64_t i = 0;
+    for (; i + 8 <= G; i += 8) {
+      __m512 acc[8];
+      for (int h = 0; h < 8; ++h) acc[h] = _mm512_setzero_ps();
+      for (int64_t e = 0; e < D; e += 32) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + e);
+#pragma GCC unroll 8
+        for (int h = 0; h < 8; ++h)
+          acc[h] = _mm512_dpbf16_ps(acc[h], kv, (__m512bh)_mm512_loadu_si512(qb + (i + h) * D + e));
+      }
+      // 8 x 16 lanes -> 8 sums: halves of each vector added pairwise (a, b -> [a 8 | b 8]), then quarters
+      // ([a 4 | b 4 | c 4 | d 4]), then within 128-bit lanes twice; lane k then holds heads k and 4 + k
+      __m512 v[4];
+      for (int h = 0; h < 4; ++h)
+        v[h] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * h], acc[2 * h + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * h], acc[2 * h + 1], 0xEE));
+      const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+      const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x88), _mm512_shuffle_f32x4(v[2], v[3], 0xDD));
+      const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
+      const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xDD));
+      // u: 128-bit lane k = [head k, head 4 + k, ...]; permuted to heads 0..7 in lanes 0..7
+      alignas(64) float out[16];
+      _mm512_store_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(fold, u), _mm512_set1_ps(scale)));
+      for (int h = 0; h < 8; ++h) s[(i + h) * ld + j] = out[h];
+    }
+    for (; i < G; ++i) {  // heads past a multiple of 8
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t e = 0; e < D; e += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kj + e), (__m512bh)_mm512_loadu_si512(qb + i * D + e));
+      s[i * ld + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+#endif
+
+// max of p[0 .. n), NaNs skipped (as a chain of p[j] > m ? p[j] : m), in 16 independent lanes (a scalar chain
+// of compare-selects is latency-bound)
+EDGEMOE_INLINE float max_of(const float* p, int64_t n) {
+  vf m = vf{} - INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf x = load_f32(p + j);
+    m = x > m ? x : m;
+  }
+  float r = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) r = m[l] > r ? m[l] : r;
+  for (; j < n; ++j) r = p[j] > r ? p[j] : r;
+  return r;
+}
+
 template <class T>
 void grow(std::vector<T>& v, int64_t n) {
   if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
@@ -326,6 +402,14 @@ void attention_part(const DecodeAttentionArgs& a, const float* qf, const int64_t
   constexpr int64_t kAhead = 8;  // keys: the rows are scattered over pages (DRAM latency, not bandwidth, bounds a
                                  // single core walking them), so key j + 8's K and V lines are requested now
   const int64_t line_elems = 32, lines = (D + line_elems - 1) / line_elems;
+#ifdef EDGEMOE_BF16_DOT
+  if (a.bf16_dot && D % 32 == 0) {
+    thread_local std::vector<uint16_t> qb;  // the group's queries as bf16 (they hold bf16 values: exact)
+    grow(qb, G * D);
+    for (int64_t e = 0; e < G * D; ++e) qb[e] = bf16(qg[e]);
+    scores_bf16_dot(kbase, vbase, slot, row, n, qb.data(), G, D, a.scale, s, kAttnChunk, kAhead);
+  } else
+#endif
   for (int64_t j = 0; j < n; ++j) {  // scores of the G query heads, 8 at a time, against key j
     if (j + kAhead < n) {
       const uint16_t* kn = kbase + slot[j + kAhead] * row;
@@ -345,10 +429,8 @@ void attention_part(const DecodeAttentionArgs& a, const float* qf, const int64_t
   float* o = part + 2 * G;  // [G, D] unnormalized weighted values
   for (int64_t i = 0; i < G; ++i) {
     float* p = s + i * kAttnChunk;
-    float mi = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mi = p[j] > mi ? p[j] : mi;
-    m[i] = mi;
-    l[i] = exp_shifted(p, n, mi);
+    m[i] = max_of(p, n);
+    l[i] = exp_shifted(p, n, m[i]);
   }
   std::fill(o, o + G * D, 0.0f);
   int64_t i = 0;
@@ -403,8 +485,19 @@ void attention_merge(const DecodeAttentionArgs& a, const int64_t* first, const f
   }
 }
 
-int32_t decode_attention_bf16(const DecodeAttentionArgs& a) {
-  if (decode_attention_check(a)) return 1;
+bool has_bf16_dot() {
+#ifdef EDGEMOE_BF16_DOT
+  constexpr uint32_t need = kFeatAvx512F | kFeatAvx512BW | kFeatAvx512VL | kFeatAvx512Bf16;
+  return (detect_cpu_features() & need) == need;
+#else
+  return false;
+#endif
+}
+
+int32_t decode_attention_bf16(const DecodeAttentionArgs& args) {
+  if (decode_attention_check(args)) return 1;
+  DecodeAttentionArgs a = args;
+  a.bf16_dot = has_bf16_dot();
   thread_local std::vector<float> qf, parts;
   thread_local std::vector<int64_t> first;
   grow(qf, a.tokens * a.num_heads * a.head_dim);

@@ -40,7 +40,13 @@ struct DecodeAttentionArgs {
   int64_t page_size;
   float scale;
   uint16_t* out;  // [tokens, Hq, D]
+  // scores by AVX-512-BF16 dot products (set by the caller where the CPU has them and D % 32 == 0; the keys
+  // and the normed, rotated queries are bf16 values, so the products are exact either way; the sums' order
+  // differs from the float32 FMA path)
+  bool bf16_dot = false;
 };
+// whether this CPU runs the bf16_dot path
+bool has_bf16_dot();
 
 int32_t decode_attention_bf16(const DecodeAttentionArgs& a);
 

@@ -677,8 +677,10 @@ void Executor::attention_job(void* job, int tid) {
     attention_merge(*J.a, J.first, J.parts, tg);
 }
 
-int32_t Executor::decode_attention(const DecodeAttentionArgs& a) {
-  if (decode_attention_check(a)) return 1;
+int32_t Executor::decode_attention(const DecodeAttentionArgs& args) {
+  if (decode_attention_check(args)) return 1;
+  DecodeAttentionArgs a = args;  // scores by bf16 dot products where this executor's bf16 kernels use them
+  a.bf16_dot = isa_[static_cast<int>(WeightFormat::BF16)] >= static_cast<int>(Isa::Avx512Bf16) && has_bf16_dot();
   std::lock_guard<std::mutex> lock(run_mutex_);
   const IeeeSubnormals ieee;
   const size_t nq = static_cast<size_t>(a.tokens * a.num_heads * a.head_dim);
