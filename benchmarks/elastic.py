@@ -40,9 +40,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait passively, as in the server)
+
+# isort: split
+import torch
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.llm_engine import LLMEngine

@@ -33,9 +33,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait passively, as in the server)
+
+# isort: split
+import torch
 
 from edgemoe.bench.trace import RoutingRecorder
 from edgemoe.config import EngineConfig

@@ -27,9 +27,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait passively, as in the server)
+
+# isort: split
+import torch
 
 from benchmarks.decode import add_model_args, model_dir, route_uniformly
 from edgemoe.config import EngineConfig

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats formats-prefill prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
+#        formats formats-prefill cpu-profile prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
 #        laptop   (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -102,6 +102,19 @@ for stage in "${stages[@]}"; do
     done
     [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
       | tee "$OUT/formats.log" ;;
+  cpu-profile)
+    echo "== CPU-only decode, where a step's time goes (16 layers of Qwen3-30B-A3B geometry, dummy weights), by context"
+    # $CPU_PROFILE_TREES: source trees to profile in turn (default this one; another, e.g. a copy of an earlier
+    # commit's edgemoe/ and benchmarks/ in an ignored folder, gives a before/after on one machine)
+    for tree in ${CPU_PROFILE_TREES:-.}; do
+      for pl in ${CPU_PROFILE_PROMPTS:-32 4096}; do
+        echo "-- tree $tree, context $pl"
+        timeout ${CPU_PROFILE_TIMEOUT:-150} python3 "$tree/benchmarks/peers/profile_cpu.py" --layers 16 \
+          --threads ${CPU_PROFILE_THREADS:-16} --tokens 16 --prompt-len "$pl" --torch-profile 0 \
+          --out "$OUT/cpu-profile-$(basename "$(realpath "$tree")")-p$pl.json" 2>&1 | tr '\r' '\n' | grep -E '^[0-9]+ decode|^[a-zA-Z ]+ +[0-9]' \
+          | tee -a "$OUT/cpu-profile.log"
+      done
+    done ;;
   formats-prefill)
     echo "== prefill per quantized expert format: an 8192-token chunk against (packed expert bytes / B_P)"
     for q in ${FORMATS_PREFILL_QUANTS:-fp8 mxfp4 nvfp4-modelopt}; do

@@ -38,9 +38,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait passively, as in the server)
+
+# isort: split
+import torch
 
 from edgemoe.synth import write_config_only
 

@@ -25,9 +25,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait passively, as in the server)
+
+# isort: split
+import torch
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
@@ -76,7 +79,8 @@ def main(argv=None) -> int:
                                           overrides={"num_hidden_layers": a.layers}))
         load_format = "dummy"
     cfg = EngineConfig(device="cpu", load_format=load_format, expert_cache_slots=0, expert_policy="cpu-all",
-                       cpu_threads=a.threads, bandwidth_pcie_gbps=1.0, bandwidth_cpu_gbps=1.0, max_model_len=4096)
+                       cpu_threads=a.threads, bandwidth_pcie_gbps=1.0, bandwidth_cpu_gbps=1.0,
+                       max_model_len=max(4096, a.prompt_len + a.warmup + a.tokens + a.torch_profile + 16))
     runner = ModelRunner(model_dir, cfg)
     mc = runner.model_config
     model = runner.model
