@@ -45,6 +45,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -377,8 +378,12 @@ def _load_llama(results: Path) -> list[dict]:
     for f in sorted((results / "llama").glob("*.jsonl")):
         for ln in f.read_text().splitlines():
             r = json.loads(ln)
+            samples = r.get("samples_ts") or [r["avg_ts"]]
+            # the median of the repetitions: the first one may page the mmapped GGUF back in (an edgemoe run
+            # before it can have evicted it from the page cache), an outlier the mean would keep
             rows.append({"run": f.name, "threads": r["n_threads"], "ngl": r["n_gpu_layers"],
-                         "ncmoe": r.get("n_cpu_moe", 0), "devices": r.get("devices"), "tokens_per_s": r["avg_ts"],
+                         "ncmoe": r.get("n_cpu_moe", 0), "devices": r.get("devices"),
+                         "tokens_per_s": statistics.median(samples), "mean": r["avg_ts"], "samples": samples,
                          "stddev": r["stddev_ts"], "backends": r.get("backends"), "build_commit": r.get("build_commit"),
                          "cpu_info": r.get("cpu_info"), "gpu_info": r.get("gpu_info")})
     return rows
