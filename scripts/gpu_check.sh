@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats formats-prefill cpu-profile prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
+#        formats formats-prefill cpu-profile cpu-decode prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
 #        laptop   (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -113,6 +113,18 @@ for stage in "${stages[@]}"; do
           --threads ${CPU_PROFILE_THREADS:-16} --tokens 16 --prompt-len "$pl" --torch-profile 0 \
           --out "$OUT/cpu-profile-$(basename "$(realpath "$tree")")-p$pl.json" 2>&1 | tr '\r' '\n' | grep -E '^[0-9]+ decode|^[a-zA-Z ]+ +[0-9]' \
           | tee -a "$OUT/cpu-profile.log"
+      done
+    done ;;
+  cpu-decode)
+    echo "== CPU-only decode tokens/s (16 layers of Qwen3-30B-A3B geometry, dummy weights, cpu-all), trees side by side"
+    # $CPU_DECODE_TREES as $CPU_PROFILE_TREES; each tree runs its own benchmarks/decode.py
+    for tree in ${CPU_DECODE_TREES:-.}; do
+      for t in ${CPU_DECODE_THREADS:-6 16}; do
+        echo "-- tree $tree, $t threads"
+        timeout ${CPU_DECODE_TIMEOUT:-150} python3 "$tree/benchmarks/decode.py" --layers 16 --device cpu --budgets 0 \
+          --policies cpu-all --no-resident --routing model --decode-input random --tokens 32 --warmup 8 --cpu-threads "$t" \
+          --out "$OUT/cpu-decode-$(basename "$(realpath "$tree")")-t$t" 2>&1 | grep -aoE "'tokens_per_s': [0-9.]+|^profile: .*" \
+          | tee -a "$OUT/cpu-decode.log"
       done
     done ;;
   formats-prefill)
