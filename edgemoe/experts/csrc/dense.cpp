@@ -304,74 +304,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void sc
     }
   }
 }
-
-// o[h][0 .. D) = sum_j bf16(p[h][j]) * v_j for the G heads (p rows ld apart, float32; o [G, D] float32) over the n
-// bf16 value rows v_j = vbase + slot[j] * row, D = 32 NB: keys taken in pairs, the two rows' lines interleaved
-// (`vpunpck{l,h}wd`) so one `vdpbf16ps` per 16 dims adds both keys' products for a head, whose two weights are
-// one broadcast 32-bit pair. The weights are rounded to bf16 (as the reference rounds its softmax to bf16 before
-// the product with V); products exact, sums float32. NH heads per pass over the rows (the accumulators of
-// NH x 2 NB vectors stay in registers); an odd n pads with a zero row and weight.
-template <int NB, int NH>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"), always_inline)) inline void values_pass(
-    const uint32_t* pp, int64_t ldpp, const uint16_t* vbase, const int64_t* slot, int64_t row, int64_t n,
-    const uint16_t* zero, float* o, int64_t D) {
-  __m512 acc[NH][2 * NB];
-  for (int h = 0; h < NH; ++h)
-    for (int b = 0; b < 2 * NB; ++b) acc[h][b] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 2) {
-    const uint16_t* va = vbase + slot[j] * row;
-    const uint16_t* vb = j + 1 < n ? vbase + slot[j + 1] * row : zero;
-    __m512i w[NH];
-    for (int h = 0; h < NH; ++h) w[h] = _mm512_set1_epi32(static_cast<int>(pp[h * ldpp + j / 2]));
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      const __m512i x = _mm512_loadu_si512(va + 32 * b), y = _mm512_loadu_si512(vb + 32 * b);
-      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
-#pragma GCC unroll 2
-      for (int h = 0; h < NH; ++h) {
-        acc[h][2 * b] = _mm512_dpbf16_ps(acc[h][2 * b], lo, (__m512bh)w[h]);
-        acc[h][2 * b + 1] = _mm512_dpbf16_ps(acc[h][2 * b + 1], hi, (__m512bh)w[h]);
-      }
-    }
-  }
-  // lane 4q + i of the lo accumulator holds dim 8q + i of its 32, the hi one dim 8q + 4 + i: back to dim order
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int h = 0; h < NH; ++h)
-    for (int b = 0; b < NB; ++b) {
-      _mm512_storeu_ps(o + h * D + 32 * b, _mm512_permutex2var_ps(acc[h][2 * b], first, acc[h][2 * b + 1]));
-      _mm512_storeu_ps(o + h * D + 32 * b + 16, _mm512_permutex2var_ps(acc[h][2 * b], second, acc[h][2 * b + 1]));
-    }
-}
-
-// true where it computed o (D of 64, 128 or 256), else false (the caller's float32 path runs)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) bool values_bf16_dot(
-    const float* p, int64_t ld, int64_t G, const uint16_t* vbase, const int64_t* slot, int64_t row, int64_t n,
-    int64_t D, float* o) {
-  if (D != 64 && D != 128 && D != 256) return false;
-  thread_local std::vector<uint32_t> pp;
-  thread_local std::vector<uint16_t> zero;
-  const int64_t half = (n + 1) / 2;
-  if (pp.size() < static_cast<size_t>(G * half)) pp.resize(static_cast<size_t>(G * half));
-  if (zero.size() < static_cast<size_t>(D)) zero.assign(static_cast<size_t>(D), 0);
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t j = 0; j < n; j += 2)
-      pp[h * half + j / 2] = bf16(p[h * ld + j]) | (j + 1 < n ? static_cast<uint32_t>(bf16(p[h * ld + j + 1])) << 16 : 0u);
-  int64_t h = 0;
-  switch (D) {
-    case 64:
-      for (; h + 2 <= G; h += 2) values_pass<2, 2>(pp.data() + h * half, half, vbase, slot, row, n, zero.data(), o + h * D, D);
-      for (; h < G; ++h) values_pass<2, 1>(pp.data() + h * half, half, vbase, slot, row, n, zero.data(), o + h * D, D);
-      break;
-    case 128:
-      for (; h + 2 <= G; h += 2) values_pass<4, 2>(pp.data() + h * half, half, vbase, slot, row, n, zero.data(), o + h * D, D);
-      for (; h < G; ++h) values_pass<4, 1>(pp.data() + h * half, half, vbase, slot, row, n, zero.data(), o + h * D, D);
-      break;
-    default:
-      for (; h < G; ++h) values_pass<8, 1>(pp.data() + h * half, half, vbase, slot, row, n, zero.data(), o + h * D, D);
-  }
-  return true;
-}
 #endif
 
 // max of p[0 .. n), NaNs skipped (as a chain of p[j] > m ? p[j] : m), in 16 independent lanes (a scalar chain
@@ -500,9 +432,6 @@ void attention_part(const DecodeAttentionArgs& a, const float* qf, const int64_t
     m[i] = max_of(p, n);
     l[i] = exp_shifted(p, n, m[i]);
   }
-#ifdef EDGEMOE_BF16_DOT
-  if (a.bf16_dot && values_bf16_dot(s, kAttnChunk, G, vbase, slot, row, n, D, o)) return;
-#endif
   std::fill(o, o + G * D, 0.0f);
   int64_t i = 0;
   switch (D) {
