@@ -872,9 +872,10 @@ class DenseKernels:
     (Dao et al., 2023): each sequence's keys in chunks of a fixed 128, a part (max, exp-sum, weighted values)
     per chunk and KV head, then the parts merged in chunk order, so the result does not depend on the thread
     count; given an executor, its pool's threads share the chunks and the merges, else the caller computes them
-    alone. It takes every context length: at 8k-32k tokens of Qwen3-30B-A3B's attention (32 query heads, 4 KV
-    heads of 128) two threads of the development VM ran it 3.2-3.7x faster than torch's SDPA over the gathered
-    pages. The GEMVs split their rows over the executor's threads.
+    alone. It takes every context length: on one thread of the development VM, Qwen3-30B-A3B's attention (32
+    query heads, 4 KV heads of 128) over 300-32000 cached tokens ran 1.3-2x faster than the torch path (norms,
+    RoPE, the page gather and SDPA; ``benchmarks/cpu_attention.py``). The GEMVs split their rows over the
+    executor's threads.
 
     Args:
         gemv: the executor whose pool computes :meth:`linear` and the attention (``None``: no linear is
