@@ -934,7 +934,10 @@ class DenseKernels:
 
     @staticmethod
     def _is_bf16_cpu(*ts: torch.Tensor) -> bool:
-        return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
+        for t in ts:  # a loop, not all() over a generator: a decode step calls this a few hundred times
+            if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+                return False
+        return True
 
     def takes_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether :meth:`rms_norm` takes ``x [..., D]`` (bf16 on the CPU, at most :attr:`max_rows` rows
@@ -948,11 +951,18 @@ class DenseKernels:
         Raises:
             ValueError: arguments :meth:`takes_norm` refuses.
         """
-        if not self.takes_norm(x, weight):
+        if (y := self.try_rms_norm(x, weight, eps, float32_scale)) is None:
             raise ValueError(f"rms_norm: x {x.dtype} {tuple(x.shape)} on {x.device} with weight {weight.dtype} "
                              f"{tuple(weight.shape)}: bf16 CPU tensors, at most {self.max_rows} rows")
+        return y
+
+    def try_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     float32_scale: bool = False) -> torch.Tensor | None:
+        """:meth:`rms_norm` where :meth:`takes_norm` takes it (checked once), else ``None``."""
+        if not self.takes_norm(x, weight):
+            return None
         D = x.shape[-1]
-        x2 = x.reshape(-1, D)
+        x2 = x if x.dim() == 2 else x.reshape(-1, D)
         if x2.stride(0) < D:
             x2 = x2.contiguous()
         y = torch.empty(x.shape, dtype=torch.bfloat16)

@@ -38,8 +38,9 @@ class RMSNorm(UsesCpuDense, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (fused := fused_kernels(x)) is not None:  # one launch, same rounding points
             return fused.rms_norm(x, self.weight, self.eps, float32_scale=self.float32_scale)
-        if self.cpu_dense is not None and self.cpu_dense.takes_norm(x, self.weight):  # one call, a CPU decode step
-            return self.cpu_dense.rms_norm(x, self.weight, self.eps, self.float32_scale)
+        if self.cpu_dense is not None and (  # one call, a CPU decode step
+                y := self.cpu_dense.try_rms_norm(x, self.weight, self.eps, self.float32_scale)) is not None:
+            return y
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
