@@ -440,6 +440,10 @@ class EngineConfig:
         type=int)
     cpu_executor: str = option("auto", "CPU expert executor: auto (native C++ kernels where they build), "
                                "native, torch (torch ops)", choices=CPU_EXECUTORS)
+    keep_freed_host_memory: bool = option(
+        True, "on a CPU device, glibc malloc keeps freed memory for reuse instead of returning it to the kernel "
+        "(a CPU prefill's large temporaries then cost no page faults; the process keeps its peak heap)",
+        flag="--no-keep-freed-host-memory")
     doorbell_wait: str = option(
         "auto", "how the device decode step waits for its CPU experts (CUDA): kernel (a one-program kernel polling "
         "pinned memory, holding an SM while it waits), stream-op (cuStreamWaitValue32 stream memory operations, "

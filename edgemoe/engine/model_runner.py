@@ -32,6 +32,7 @@ from edgemoe.core import ForwardBatch, Phase, SeqSlice, StepInput
 from edgemoe.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, DecodeInputs
 from edgemoe.engine.expert_runtime import DecodePath, ExpertRuntime, NoGpuError, configure_torch_threads
 from edgemoe.engine.gpu_memory import GpuMemory, make_probe
+from edgemoe.engine.host_malloc import keep_freed_memory
 from edgemoe.engine.prefix_state import Plan, PrefixStateManager
 from edgemoe.engine.tokenizer import check_remote_code, load_tokenizer
 from edgemoe.experts.pool import HostExpertPool
@@ -180,6 +181,9 @@ class ModelRunner:
                                 probe=make_probe(self.device))
         self._step = 0
         self.record = None  # optional routing recorder callback (see ForwardBatch.record)
+        self.host_malloc = None  # the summary's line when freed host memory is kept (a CPU device)
+        if self.device.type == "cpu" and config.keep_freed_host_memory:
+            self.host_malloc = keep_freed_memory()
         self.load_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
@@ -576,6 +580,7 @@ class ModelRunner:
             self._weights_line(),
             *self.experts.summary_lines(self.pinned),
             self.memory.summary_line(),
+            *([f"  host memory  {self.host_malloc}"] if self.host_malloc else []),
             f"  KV cache     {self.kv.capacity_tokens} tokens in pages of {self.kv.page_size}, "
             f"{self.kv.bytes_per_token / 1024:.1f} KiB per token ({self.kv.spec.describe()}) = "
             f"{self.kv.nbytes / 1e9:.3f} GB; "
