@@ -362,3 +362,31 @@ def test_dense_kernels_do_not_keep_a_replaced_executor_alive():
         gc.enable()
     with pytest.raises(ValueError, match="closed"):
         dense.linear(x, w)
+
+
+def test_dense_decode_attention_skips_a_chunk_of_minus_infinite_scores():
+    """Keys whose every score is -inf hold no weight: a 128-key chunk of them leaves the other chunk's softmax
+    (torch's softmax gives them weight 0), on one thread and on a pool."""
+    hq, hk, d, ps, n = 4, 1, 32, 16, 256
+    g = torch.Generator().manual_seed(5)
+    kv = PagedKVPool(KVSpec.heads(1, hk, d), n // ps, ps, torch.bfloat16, torch.device("cpu"))
+    kv.allocate(0, n)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).bfloat16())
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).bfloat16())
+    table = kv.page_table(0)
+    slots_of = (table.repeat_interleave(ps) * ps + torch.arange(n) % ps)  # position -> slot
+    kv.k[0][slots_of[:128]] = float("-inf")  # the first chunk: every score -inf against a positive query
+    q = torch.rand(1, hq * d, generator=g).bfloat16() + 0.5
+    k, v = kv.k[0][slots_of[-1]].reshape(1, -1).clone(), kv.v[0][slots_of[-1]].reshape(1, -1).clone()
+    pos = torch.tensor([n - 1])
+    seqs = [SeqSlice(seq_id=0, q_start=0, q_len=1, kv_len=n, page_table=table)]
+    ks, vs = kv.k[0][slots_of].float(), kv.v[0][slots_of].float()  # [n, 1, d]
+    p = torch.softmax((ks[:, 0] @ q.view(hq, d).float().T) * d ** -0.5, dim=0)  # [n, hq]
+    want = (p.T @ vs[:, 0]).view(1, hq, d)
+    for dense in (native.DenseKernels(), native.DenseKernels(_executor(None, 2))):
+        b = SimpleNamespace(seqs=seqs, kv_slots=slots_of[-1:], positions=pos, decode=None, step_cache={})
+        got = dense.decode_attention(q, k, v, q_norm=None, k_norm=None, eps=1e-6, float32_scale=False, cos=None,
+                                     sin=None, k_cache=kv.k[0], v_cache=kv.v[0], batch=b, page_size=ps,
+                                     scale=d ** -0.5)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

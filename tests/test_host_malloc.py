@@ -27,6 +27,7 @@ sys.path.insert(0, {root!r})
 if {keep}:
     from edgemoe.engine.host_malloc import keep_freed_memory
     assert keep_freed_memory() is not None
+import threading
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -35,28 +36,48 @@ def touch():
     p = libc.malloc(n)
     ctypes.memset(p, 1, n)
     libc.free(p)
-touch()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+def work():
     touch()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        touch()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+if {thread}:  # a thread started after the call (the server's engine thread)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+else:
+    work()
 """
 
 
-def _faults(keep: bool) -> int:
+def _faults(keep: bool, thread: bool = False) -> int:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", _FAULTS.format(root=root, keep=keep)], capture_output=True, text=True,
-                         check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", _FAULTS.format(root=root, keep=keep, thread=thread)],
+                         capture_output=True, text=True, check=True, timeout=60)
     return int(out.stdout.strip())
 
 
 @needs_glibc
-def test_freed_blocks_are_reused_without_page_faults():
+@pytest.mark.parametrize("thread", [False, True])
+def test_freed_blocks_are_reused_without_page_faults(thread):
     pages = (64 << 20) // 4096
-    assert _faults(False) >= 4 * pages  # glibc maps and unmaps a 64 MB block each time: every page faults again
-    assert _faults(True) < pages // 10  # kept: the pages of the first block serve the next ones
+    assert _faults(False, thread) >= 4 * pages  # glibc maps and unmaps a 64 MB block each time: every page faults
+    assert _faults(True, thread) < pages // 10  # kept: the pages of the first block serve the next ones
+
+
+def test_the_server_sets_it_before_its_engine_thread_starts(tiny_model_dir, monkeypatch):
+    from edgemoe.engine import async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine, "keep_freed_memory", lambda: calls.append(1))
+    async_engine.AsyncLLM(model_dir=tiny_model_dir, config=EngineConfig(device="cpu"), start=False)
+    assert calls == [1]
+    async_engine.AsyncLLM(model_dir=tiny_model_dir, config=EngineConfig(device="cpu", keep_freed_host_memory=False),
+                          start=False)
+    assert calls == [1]
 
 
 @needs_glibc

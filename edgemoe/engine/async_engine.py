@@ -20,7 +20,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import torch
+
 from edgemoe.config import EngineConfig, ModelConfig
+from edgemoe.engine.host_malloc import keep_freed_memory
 from edgemoe.engine.llm_engine import LLMEngine, RequestOutput
 from edgemoe.engine.metrics import EngineMetrics
 from edgemoe.engine.model_runner import ModelRunner
@@ -91,8 +94,13 @@ class AsyncLLM:
             if model_dir is None:
                 raise ValueError("AsyncLLM needs model_dir or runner_factory")
 
+            cfg = config or EngineConfig()
+            on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+            if cfg.keep_freed_host_memory and on_cpu:
+                keep_freed_memory()  # before the engine thread exists, so that it allocates from the main heap
+
             def runner_factory():
-                return ModelRunner(str(model_dir), config or EngineConfig(), progress=progress)
+                return ModelRunner(str(model_dir), cfg, progress=progress)
 
         self.model_dir = model_dir
         self._runner_factory = runner_factory

@@ -6,10 +6,14 @@ A CPU prefill chunk allocates and frees tensors of tens of MB at every operation
 each new allocation then faults in zeroed pages again. On the 2-core development VM an 8192-token prefill of four
 Qwen3-30B-A3B layers took 2.2 million minor faults (8.4 GB of pages zeroed) and spent 9 of its 16 s in the kernel.
 
-:func:`keep_freed_memory` sets ``M_MMAP_MAX`` to 0 (large blocks come from the heap too) and ``M_TRIM_THRESHOLD`` to
-its largest value, 2 GiB (freed memory up to that is kept): the next chunk reuses the pages of the last. The
-process keeps its peak heap size instead of shrinking after a long prompt. Called once the weights are loaded (the
-expert pool and the weights keep their own mappings). glibc's malloc parameters are documented in ``mallopt(3)``.
+:func:`keep_freed_memory` sets ``M_MMAP_MAX`` to 0 (large blocks come from the heap too), ``M_TRIM_THRESHOLD`` to
+its largest value, 2 GiB (freed memory up to that is kept), and ``M_ARENA_MAX`` to 1: a thread's own arena lives in
+heaps of 64 MiB and serves a larger block with ``mmap`` whatever ``M_MMAP_MAX`` says, so threads that first allocate
+after the call share the main heap. The next chunk then reuses the pages of the last. The process keeps its peak
+heap size instead of shrinking after a long prompt. The runner calls it on a CPU device once the weights are loaded
+(the expert pool and the weights keep their own mappings); the server calls it before it starts its engine thread,
+which builds the runner. The settings are process-wide and stay (``--no-keep-freed-host-memory`` skips them).
+glibc's malloc parameters are documented in ``mallopt(3)``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt(3) parameter numbers (glibc malloc.h)
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 _TRIM_MAX = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can set
 
 
@@ -40,7 +45,10 @@ def keep_freed_memory() -> str | None:
     except OSError as e:
         log.warning("host malloc: libc not loadable (%s); freed memory goes back to the kernel", e)
         return None
-    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, _TRIM_MAX)):
-        log.warning("host malloc: mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD; freed memory goes back to the kernel")
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, _TRIM_MAX)
+            and libc.mallopt(M_ARENA_MAX, 1)):
+        log.warning("host malloc: mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD / M_ARENA_MAX; freed memory may go "
+                    "back to the kernel")
         return None
-    return "glibc malloc keeps freed memory (no mmap per block, trim above 2 GiB): prefill temporaries reuse pages"
+    return ("glibc malloc keeps freed memory (no mmap per block, trim above 2 GiB, one arena): prefill temporaries "
+            "reuse pages")

@@ -256,7 +256,7 @@ EDGEMOE_INLINE float exp_shifted(float* p, int64_t n, float m) {
 // row, D % 32 == 0: `vdpbf16ps` over each key's lines (exact bf16 products, float32 sums), 8 heads at a time
 // sharing the key's loads, their 8 partial vectors folded into 8 sums by one shuffle tree (4 levels), not 8
 // horizontal sums. K and V lines of key j + ahead are prefetched (as the float32 path does).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void scores_bf16_dot(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void scores_bf16_dot(
     const uint16_t* kbase, const uint16_t* vbase, const int64_t* slot, int64_t row, int64_t n, const uint16_t* qb,
     int64_t G, int64_t D, float scale, float* s, int64_t ld, int64_t ahead) {
   const int64_t lines = D / 32;
@@ -385,8 +385,7 @@ void decode_attention_prologue(const DecodeAttentionArgs& a, float* qf) {
 EDGEMOE_CLONES
 void attention_part(const DecodeAttentionArgs& a, const float* qf, const int64_t* first, int64_t item, float* part) {
   const int64_t Hq = a.num_heads, Hk = a.num_kv_heads, D = a.head_dim, G = Hq / Hk, row = Hk * D;
-  int64_t t = 0;
-  while (first[t + 1] <= item) ++t;
+  const int64_t t = std::upper_bound(first + 1, first + a.tokens + 1, item) - (first + 1);  // first[t] <= item
   const int64_t local = item - first[t], g = local % Hk, c = local / Hk;
   const int64_t j0 = c * kAttnChunk, n = std::min(a.kv_lens[t], j0 + kAttnChunk) - j0;
   const int64_t* pages = a.page_tables + t * a.page_table_ld;
@@ -474,6 +473,9 @@ void attention_merge(const DecodeAttentionArgs& a, const int64_t* first, const f
     std::fill(acc.begin(), acc.begin() + D, 0.0f);
     for (int64_t c = 0; c < chunks; ++c) {  // in chunk order: the result does not depend on the threads
       const float* pc = parts + (first[t] + c * Hk + g) * stride;
+      // a chunk whose every score is -inf holds no weight (its exp-sum is NaN: -inf - -inf); skipped unless every
+      // chunk is such (then, as torch's softmax over -inf only, the output is NaN)
+      if (pc[i] == -INFINITY && mx != -INFINITY) continue;
       const float w = chunks == 1 ? 1.0f : std::exp(pc[i] - mx);
       l += w * pc[G + i];
       const float* oc = pc + 2 * G + i * D;

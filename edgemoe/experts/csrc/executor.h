@@ -202,8 +202,11 @@ class Executor {
   double sum_f32(const float* p, int64_t n);
 
   // decode_attention_bf16 (dense.h) with its chunks, then its merges, taken dynamically by the pool's threads
-  // (the prologue on the caller): the same result as the single-threaded call. Thread-safe (serialized with
-  // run()). Returns 0, or 1 for sizes it refuses.
+  // (the prologue on the caller): the same result at every thread count, and as the single-threaded call where
+  // both take the same scores path (bf16_dot: here only where the executor's bf16 kernels are AVX-512-BF16, i.e.
+  // also under its ISA cap). The parts buffer grows to the largest step's (about Hq (D + 2) 4 / 128 bytes a
+  // cached token of the batch) and is kept. Thread-safe (serialized with run()). Returns 0, or 1 for sizes it
+  // refuses.
   int32_t decode_attention(const DecodeAttentionArgs& a);
 
   // ISA level used for `fmt` on this CPU under the cap (-1: none); `bf16_compute` for a quantized
