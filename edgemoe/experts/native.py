@@ -1057,7 +1057,8 @@ class DenseKernels:
                              f"{k_cache.shape[0]} slots")
         out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
         gemv = None if self._gemv is None else self._gemv()  # the pool's threads share the chunks, else this one
-        st = (self._ext.decode_attention_bf16 if gemv is None else gemv._core.decode_attention)(
+        st = self._ext.decode_attention_bf16(
+            None if gemv is None else gemv._core,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), T, Hq, Hk, D,
             0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(), float(eps),
             bool(float32_scale), 0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(), cos_ld, R,

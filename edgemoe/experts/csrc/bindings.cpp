@@ -79,11 +79,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "RMSNorm over rows of bf16 (dense.h)");
   m.def(
       "decode_attention_bf16",
-      [](uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_ld, int64_t k_ld, int64_t v_ld, int64_t tokens, int64_t hq,
-         int64_t hk, int64_t d, uintptr_t q_norm, uintptr_t k_norm, float eps, bool f32_scale, uintptr_t cos,
-         uintptr_t sin, int64_t cos_ld, int64_t rotary_dim, uintptr_t kv_slots, uintptr_t k_cache, uintptr_t v_cache,
-         uintptr_t page_tables, int64_t page_table_ld, uintptr_t kv_lens, int64_t page_size, float scale,
-         uintptr_t out) {
+      [](Executor* e, uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_ld, int64_t k_ld, int64_t v_ld, int64_t tokens,
+         int64_t hq, int64_t hk, int64_t d, uintptr_t q_norm, uintptr_t k_norm, float eps, bool f32_scale,
+         uintptr_t cos, uintptr_t sin, int64_t cos_ld, int64_t rotary_dim, uintptr_t kv_slots, uintptr_t k_cache,
+         uintptr_t v_cache, uintptr_t page_tables, int64_t page_table_ld, uintptr_t kv_lens, int64_t page_size,
+         float scale, uintptr_t out) {
         DecodeAttentionArgs a{ptr<const uint16_t>(q), ptr<const uint16_t>(k), ptr<const uint16_t>(v), q_ld, k_ld, v_ld,
                               tokens, hq, hk, d, ptr<const uint16_t>(q_norm), ptr<const uint16_t>(k_norm), eps,
                               f32_scale, ptr<const uint16_t>(cos), ptr<const uint16_t>(sin), cos_ld, rotary_dim,
@@ -91,9 +91,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                               ptr<const int64_t>(page_tables), page_table_ld, ptr<const int64_t>(kv_lens), page_size,
                               scale, ptr<uint16_t>(out)};
         py::gil_scoped_release nogil;
-        return decode_attention_bf16(a);
+        return e ? e->decode_attention(a) : decode_attention_bf16(a);
       },
-      "q/k norm, RoPE, K/V write and attention of a decode step in bf16 (dense.h)");
+      "q/k norm, RoPE, K/V write and attention of a decode step in bf16 (dense.h), on an executor's pool "
+      "(Executor::decode_attention) or, executor None, on the calling thread; returns 0, or 1 for refused sizes");
 
   py::class_<ExpertBanks>(m, "ExpertBanks")
       .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,
@@ -161,23 +162,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             x_fmt, M, ldx, ptr<void>(y), y_fmt, ldy);
           },
           "Dense rows y[M, N] = x[M, K] @ W[N, K]^T on the pool; returns an edgemoe Status code (0 = ok)")
-      .def(
-          "decode_attention",
-          [](Executor& e, uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_ld, int64_t k_ld, int64_t v_ld,
-             int64_t tokens, int64_t hq, int64_t hk, int64_t d, uintptr_t q_norm, uintptr_t k_norm, float eps,
-             bool f32_scale, uintptr_t cos, uintptr_t sin, int64_t cos_ld, int64_t rotary_dim, uintptr_t kv_slots,
-             uintptr_t k_cache, uintptr_t v_cache, uintptr_t page_tables, int64_t page_table_ld, uintptr_t kv_lens,
-             int64_t page_size, float scale, uintptr_t out) {
-            DecodeAttentionArgs a{ptr<const uint16_t>(q), ptr<const uint16_t>(k), ptr<const uint16_t>(v), q_ld, k_ld,
-                                  v_ld, tokens, hq, hk, d, ptr<const uint16_t>(q_norm), ptr<const uint16_t>(k_norm),
-                                  eps, f32_scale, ptr<const uint16_t>(cos), ptr<const uint16_t>(sin), cos_ld,
-                                  rotary_dim, ptr<const int64_t>(kv_slots), ptr<uint16_t>(k_cache),
-                                  ptr<uint16_t>(v_cache), ptr<const int64_t>(page_tables), page_table_ld,
-                                  ptr<const int64_t>(kv_lens), page_size, scale, ptr<uint16_t>(out)};
-            py::gil_scoped_release nogil;
-            return e.decode_attention(a);
-          },
-          "decode_attention_bf16 (dense.h) on the pool's threads; returns 0, or 1 for refused sizes")
       .def(
           "sum_f32",
           [](Executor& e, uintptr_t p, int64_t n) {
