@@ -83,11 +83,23 @@ def _work(T: int, num_ids: int, seed: int, k: int = 3):
     return work
 
 
-def reference(pool: HostExpertPool, x: torch.Tensor, work, round_weights: bool = True) -> torch.Tensor:
+def q15_lanes(t: torch.Tensor) -> torch.Tensor:
+    """The FP4 integer kernels' activation (``Q15_LANES``), written from its definition: each lane of 8
+    consecutive elements rounded (half to even) to a multiple of ``2^(E - 13)``, where ``2^E <= max |x| < 2^(E + 1)``
+    over the lane. ``t``: [n, K] float64 bf16 values, K a multiple of 8."""
+    lanes = t.reshape(t.shape[0], -1, 8)
+    mx = lanes.abs().amax(-1, keepdim=True)
+    unit = torch.where(mx > 0, torch.exp2(torch.floor(torch.log2(mx.clamp_min(1e-300))) - 13), torch.ones_like(mx))
+    return (torch.round(lanes / unit) * unit).reshape(t.shape)
+
+
+def reference(pool: HostExpertPool, x: torch.Tensor, work, round_weights: bool = True,
+              q15: bool = False) -> torch.Tensor:
     """float64 ``Σ w · down(silu(gate(x)) · up(x))`` over the dequantized rows (``dequant_rows``: float32, as
     the torch path dequantizes), rounded where the kernels document: in bfloat16 the weights (unless
     ``round_weights`` is false), x, gate, up, SiLU(gate), the activation, y, the router weight and y·w are
-    bf16 values; in float32 nothing is."""
+    bf16 values; in float32 nothing is. ``q15``: x and the activation further rounded as the FP4 integer
+    kernels take them (:func:`q15_lanes`)."""
     bf16 = pool.compute_dtype == torch.bfloat16
     I = pool.intermediate
 
@@ -97,25 +109,33 @@ def reference(pool: HostExpertPool, x: torch.Tensor, work, round_weights: bool =
     def rw(t: torch.Tensor) -> torch.Tensor:
         return r(t) if round_weights else t.double()
 
-    xr = r(x)
+    def ra(t: torch.Tensor) -> torch.Tensor:
+        return q15_lanes(r(t)) if q15 else r(t)
+
+    xr = ra(x)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for fid, tok, wt in work:
         w13, w2 = pool.layout.dequant_rows(pool.bank, [fid])  # [1, 2I, H], [1, H, I] float32
         h = xr[tok] @ rw(w13[0]).T  # [n, 2I]
-        a = r(r(torch.nn.functional.silu(r(h[:, :I]))) * r(h[:, I:]))  # [n, I]
+        a = ra(r(torch.nn.functional.silu(r(h[:, :I]))) * r(h[:, I:]))  # [n, I]
         y = r(a @ rw(w2[0]).T)  # [n, H]
         out.index_add_(0, tok, r(y * r(wt.float())[:, None]))
     return out
 
 
-def _ref(fmt, shape, compute, T, round_weights: bool = True):
-    key = (fmt, shape, compute, T, round_weights)
+def _ref(fmt, shape, compute, T, round_weights: bool = True, q15: bool = False):
+    key = (fmt, shape, compute, T, round_weights, q15)
     if key not in _refs:
         pool = _pool(fmt, shape, compute)
         x = torch.randn(T, pool.hidden, generator=torch.Generator().manual_seed(T))
         work = _work(T, pool.num_ids, seed=50 + T)
-        _refs[key] = (x, work, reference(pool, x, work, round_weights))
+        _refs[key] = (x, work, reference(pool, x, work, round_weights, q15))
     return _refs[key]
+
+
+def _takes_q15(isa: str, fmt: str, compute: torch.dtype) -> bool:
+    """Whether the (isa, format, compute) kernel takes Q15_LANES activations: the FP4 integer kernels."""
+    return isa == "avx512bf16" and fmt in ("mxfp4", "nvfp4") and compute == torch.bfloat16
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -141,7 +161,7 @@ def test_quantized_kernels_match_float64_reference(isa, fmt, shape, compute, T, 
     compute = COMPUTE[compute]
     _skip_unsupported(isa, fmt, compute)
     pool = _pool(fmt, shape, compute)
-    x, work, ref = _ref(fmt, shape, compute, T, round_weights=False)
+    x, work, ref = _ref(fmt, shape, compute, T, round_weights=False, q15=_takes_q15(isa, fmt, compute))
     ex = _executor(pool, isa, threads)
     assert ex.isa == isa and ex.threads == threads
     out = torch.zeros(T, pool.hidden)
@@ -170,7 +190,8 @@ def test_results_do_not_depend_on_thread_count(fmt, compute, isa):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_native_matches_torch_executor(fmt, compute):
     """The torch executor dequantizes the rows (float32, then the compute dtype) and runs the float expert;
-    the native kernels compute the same numbers up to float32 summation order."""
+    the native kernels compute the same numbers up to float32 summation order (and, for the FP4 integer
+    kernels, the rounding of the activation's small elements: within the bf16 tolerance, not mostly equal)."""
     compute = COMPUTE[compute]
     pool = _pool(fmt, "qwen3-30b-a3b", compute)
     x, work, _ = _ref(fmt, "qwen3-30b-a3b", compute, 3)
@@ -180,7 +201,7 @@ def test_native_matches_torch_executor(fmt, compute):
     ex.run(x, work, out)
     TorchCpuExecutor(pool).run(x, work, ref)
     torch.testing.assert_close(out, ref, atol=TOL[compute] * float(ref.abs().max()), rtol=0)
-    if native_weights_are_torch_weights(fmt) or compute == torch.float32:
+    if (native_weights_are_torch_weights(fmt) or compute == torch.float32) and not _takes_q15(ex.isa, fmt, compute):
         assert _differing(out, ref.double()) < MAX_DIFFERING
 
 
@@ -459,3 +480,40 @@ def test_token_tiles_and_remainders(fmt, isa):
         assert torch.equal(out[:n], alone[:n]), f"{fmt}: {n} tokens on one expert"
         ref = reference(pool, x[:n], [(2, toks, wt[:n])], round_weights=False)
         assert _rel_err(out[:n], ref) < TOL[torch.bfloat16]
+
+
+def test_fp4_integer_kernels_need_vnni():
+    """The FP4 kernels of the avx512bf16 level multiply with `vpdpbusd`: without AVX-512 VNNI the level is
+    skipped for MXFP4 and NVFP4 (FP8 keeps it)."""
+    feats = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"]
+    for fmt in ("mxfp4", "nvfp4"):
+        assert native.select_isa(feats, None, FORMATS[fmt], torch.bfloat16) == "avx512"
+        assert native.select_isa(feats + ["avx512_vnni"], None, FORMATS[fmt], torch.bfloat16) == "avx512bf16"
+    assert native.select_isa(feats, None, FORMATS["fp8"], torch.bfloat16) == "avx512bf16"
+
+
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_fp4_activation_lanes_at_the_edges(isa):
+    """Activations whose lanes of 8 hold zeros only, a largest element with a full mantissa beside elements
+    2^-7 .. 2^-12 of it (rounded by the integer kernels), bf16 subnormals beside normals, and subnormals
+    only (x near 2^-130, weights scaled by 2^120 so that the products stay normal): every level gives the
+    reference's numbers, the integer kernels those of the reference that rounds the lanes as documented."""
+    _skip_unsupported(isa, "mxfp4", torch.bfloat16)
+    H, I = 256, 128
+    pool = HostExpertPool(2, ExpertLayout.build(WeightFormat.MXFP4, H, I), torch.bfloat16)
+    pool.fill_random(seed=9, std=0.05)
+    pool.layout.view(pool.bank, "w13_scale").fill_(247)  # 2^120
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, H, generator=g) * 2.0**-120
+    x[:, 0:8] = 0.0
+    x[:, 8:16] = torch.tensor([1.9921875, 2.0**-7, -(2.0**-8), 3 * 2.0**-10, 2.0**-12, -1.5, 0.0, 2.0**-9]) * 2.0**-118
+    x[:, 16:24] *= 2.0**-12  # bf16 subnormals among normals
+    x[0, 24:32] = torch.tensor([1, -3, 5, 7, 0, 127, -64, 2]) * 2.0**-133  # subnormals only
+    x[1, 32:40] *= 2.0**-9
+    work = [(0, torch.tensor([0, 1]), torch.tensor([0.5, 1.0])), (1, torch.tensor([1]), torch.tensor([0.75]))]
+    ref = reference(pool, x, work, round_weights=False, q15=_takes_q15(isa, "mxfp4", torch.bfloat16))
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
+    out = torch.zeros(2, H)
+    _executor(pool, isa, 1).run(x, work, out)
+    assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa}: relative error {_rel_err(out, ref):.2e}"
+    assert _differing(out, ref) < 0.005, f"{isa}: {_differing(out, ref):.1%} of outputs differ"

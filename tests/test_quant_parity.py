@@ -119,10 +119,13 @@ def test_native_executor_matches_torch_executor(quantized, dtype, monkeypatch):
         n = greedy_decode(nat, PROMPT, STEPS, free=True)
         t = greedy_decode(_runner(path, policy, slots, dtype, cpu_executor="torch"), PROMPT, STEPS, free=True)
         assert n[1] == t[1], (policy, slots)
-        if dtype == "bfloat16" and not native_weights_are_torch_weights(quant):
+        # the FP4 integer kernels (native-avx512bf16) also round an activation's small elements (Q15 lanes)
+        same_numbers = native_weights_are_torch_weights(quant) and nat.experts.cpu_executor.name != "native-avx512bf16"
+        if dtype == "bfloat16" and not same_numbers:
             # this kernel multiplies the format's exact weights (the codes times the float32 block or group
-            # scale), the torch executor their bf16 roundings: both are bf16 computations of the same model, and
-            # the native one is no farther from the float32 computation than the torch one
+            # scale), the torch executor their bf16 roundings (and the FP4 integer kernels a 15-bit activation):
+            # both are bf16 computations of the same model, and the native one is no farther from the float32
+            # computation than the torch one
             f = greedy_decode(_runner(path, policy, slots, "float32", cpu_executor="torch"), PROMPT, STEPS, free=True)
             err_n, err_t = (n[0].float() - f[0]).abs(), (t[0].float() - f[0]).abs()
             assert float(err_n.mean()) <= 1.1 * float(err_t.mean()), (policy, slots)

@@ -65,7 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("avx512f") = uint32_t(kFeatAvx512F), py::arg("avx512bw") = uint32_t(kFeatAvx512BW),
                     py::arg("avx512vl") = uint32_t(kFeatAvx512VL), py::arg("avx512_bf16") = uint32_t(kFeatAvx512Bf16),
                     py::arg("amx_bf16") = uint32_t(kFeatAmxBf16), py::arg("f16c") = uint32_t(kFeatF16C),
-                    py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16));
+                    py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16),
+                    py::arg("avx512_vnni") = uint32_t(kFeatAvx512Vnni));
   });
 
   m.def(

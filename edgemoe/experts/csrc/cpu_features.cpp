@@ -30,7 +30,8 @@ uint64_t xgetbv0() {
 }
 
 // cpuid bits (Intel SDM vol. 2A, CPUID): leaf 1 ecx: fma 12, osxsave 27, f16c 29; leaf 7.0 ebx:
-// avx2 5, avx512f 16, avx512bw 30, avx512vl 31; leaf 7.0 edx: avx512fp16 23, amx-bf16 22;
+// avx2 5, avx512f 16, avx512bw 30, avx512vl 31; leaf 7.0 ecx: avx512_vnni 11; leaf 7.0 edx: avx512fp16 23,
+// amx-bf16 22;
 // leaf 7.1 eax: avx512_bf16 5. XCR0 (xgetbv 0): 0x6 = SSE+AVX state, 0xE0 = opmask+zmm state.
 uint32_t detect_x86() {
   unsigned a, b, c, d;
@@ -53,6 +54,7 @@ uint32_t detect_x86() {
     if (b & (1u << 16)) f |= kFeatAvx512F;
     if (b & (1u << 30)) f |= kFeatAvx512BW;
     if (b & (1u << 31)) f |= kFeatAvx512VL;
+    if (c & (1u << 11)) f |= kFeatAvx512Vnni;
     if (d & (1u << 23)) f |= kFeatAvx512Fp16;
   }
   if (d & (1u << 22)) f |= kFeatAmxBf16;  // reported only (tile state also needs an OS opt-in)
@@ -102,7 +104,8 @@ int select_isa(uint32_t features, int cap, WeightFormat fmt) {
   if (cap < 0 || cap >= kNumIsa) cap = kNumIsa - 1;
   for (int level = cap; level >= 0; --level) {
     const Isa isa = static_cast<Isa>(level);
-    if (isa_supported(features, isa) && kernels_for(isa).by_format[f].gemv != nullptr) return level;
+    const KernelSet& ks = kernels_for(isa).by_format[f];
+    if (isa_supported(features, isa) && ks.gemv != nullptr && (features & ks.needs) == ks.needs) return level;
   }
   return -1;
 }

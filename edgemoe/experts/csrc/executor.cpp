@@ -334,6 +334,7 @@ struct Executor::Job {
   const void* const* aptr;  // [R] activation row of each route (phase 2 input)
   float* act_f32;           // [R, I] when act == F32
   uint16_t* act_bf16;       // [R, I] when act is a bf16 layout
+  uint8_t* act_q15;         // [R, q15_row_bytes(I)] when act == Q15_LANES
   bool bf16_points;         // bf16 compute: round where the torch path's bf16 ops do (projections, biases,
                             // each op of the activation, y, y·w)
   alignas(64) std::atomic<int64_t> next1{0};
@@ -402,11 +403,15 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   if (s.zero_out) std::memset(s.out, 0, sizeof(float) * T * H);
 
   // ---- activations: x in the kernel's operand format (a bf16 computation uses bf16-rounded x)
-  int64_t ldx;
-  const void* xa = prepare_x(ks, bf16c, s.x, s.x_fmt, T, H, H, &ldx);
-  const size_t asize = is_bf16_act(ks.act) ? 2 : 4;
+  int64_t x_row_bytes;
+  const void* xa = prepare_x(ks, bf16c, s.x, s.x_fmt, T, H, H, &x_row_bytes);
+  const int64_t a_row_bytes = act_row_bytes(ks.act, I);
   uint8_t* abase;
-  if (is_bf16_act(ks.act)) {
+  if (ks.act == ActFormat::Q15_LANES) {
+    act_q15_.resize(R * a_row_bytes);
+    abase = act_q15_.data();
+    for (int64_t r = 0; r < R; ++r) q15_lanes_clear_tail(abase + r * a_row_bytes, I);
+  } else if (is_bf16_act(ks.act)) {
     act_bf16_.resize(R * I);
     abase = reinterpret_cast<uint8_t*>(act_bf16_.data());
   } else {
@@ -416,8 +421,8 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   xptr_.resize(R);
   aptr_.resize(R);
   for (int64_t r = 0; r < R; ++r) {
-    xptr_[r] = static_cast<const uint8_t*>(xa) + s.tok[r] * ldx * asize;
-    aptr_[r] = abase + r * I * asize;
+    xptr_[r] = static_cast<const uint8_t*>(xa) + s.tok[r] * x_row_bytes;
+    aptr_[r] = abase + r * a_row_bytes;
   }
 
   // ---- work split
@@ -451,6 +456,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.aptr = aptr_.data();
   J.act_f32 = act_f32_.data();
   J.act_bf16 = act_bf16_.data();
+  J.act_q15 = act_q15_.data();
   J.bf16_points = bf16c;
   const size_t need = static_cast<size_t>(nmax * std::max(2 * J.c1, J.c2));
   for (auto& v : scratch_)
@@ -488,7 +494,13 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
   for (int64_t j = 0; j < n; ++j) {
     const float* gj = g + j * rows;
     const float* uj = u + j * rows;
-    if (J.act == ActFormat::BF16) {
+    if (J.act == ActFormat::Q15_LANES) {  // whole lanes: i0 and rows are multiples of 16 (FP4: I % 16 == 0)
+      thread_local std::vector<uint16_t> ab;  // the chunk's activation as bf16
+      ab.resize(rows);
+      for (int64_t r = 0; r < rows; ++r)
+        ab[r] = f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
+      q15_lanes_store(J.act_q15 + (r0 + j) * q15_row_bytes(I), i0, ab.data(), rows);
+    } else if (J.act == ActFormat::BF16) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
       for (int64_t r = 0; r < rows; ++r)
         dst[r] = f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
@@ -535,25 +547,44 @@ void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
 }
 
 const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T,
-                                int64_t H, int64_t ldx, int64_t* ld_out) {
-  *ld_out = H;
-  if (ks.act == ActFormat::BF16_Q128 || ks.act == ActFormat::BF16_P64) {  // permuted copy, from bf16 or rounded
+                                int64_t H, int64_t ldx, int64_t* row_bytes) {
+  *row_bytes = act_row_bytes(ks.act, H);
+  if (ks.act == ActFormat::Q15_LANES) {  // integer lanes of the bf16 (or bf16-rounded) row
+    x_q15_.resize(T * *row_bytes);
+    thread_local std::vector<uint16_t> xb;
+    xb.resize(H);
+    for (int64_t t = 0; t < T; ++t) {
+      const uint16_t* src;
+      if (x_fmt == 1) {
+        src = static_cast<const uint16_t*>(x) + t * ldx;
+      } else {
+        const float* xr = static_cast<const float*>(x) + t * ldx;
+        for (int64_t i = 0; i < H; ++i) xb[i] = f32_to_bf16(xr[i]);
+        src = xb.data();
+      }
+      uint8_t* dst = x_q15_.data() + t * *row_bytes;
+      q15_lanes_clear_tail(dst, H);
+      q15_lanes_store(dst, 0, src, H);
+    }
+    return x_q15_.data();
+  }
+  if (ks.act == ActFormat::BF16_P64) {  // permuted copy, from bf16 or rounded
     x_bf16_.resize(T * H);
     for (int64_t t = 0; t < T; ++t) {
       uint16_t* dst = x_bf16_.data() + t * H;
       if (x_fmt == 1) {
         const uint16_t* xr = static_cast<const uint16_t*>(x) + t * ldx;
-        for (int64_t i = 0; i < H; ++i) dst[bf16_act_pos(ks.act, i, H)] = xr[i];
+        for (int64_t i = 0; i < H; ++i) dst[p64_pos(i, H)] = xr[i];
       } else {
         const float* xr = static_cast<const float*>(x) + t * ldx;
-        for (int64_t i = 0; i < H; ++i) dst[bf16_act_pos(ks.act, i, H)] = f32_to_bf16(xr[i]);
+        for (int64_t i = 0; i < H; ++i) dst[p64_pos(i, H)] = f32_to_bf16(xr[i]);
       }
     }
     return x_bf16_.data();
   }
   if (ks.act == ActFormat::BF16) {
     if (x_fmt == 1) {
-      *ld_out = ldx;
+      *row_bytes = 2 * ldx;
       return x;
     }
     x_bf16_.resize(T * H);
@@ -564,7 +595,7 @@ const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const vo
     return x_bf16_.data();
   }
   if (x_fmt == 0 && !bf16_compute) {
-    *ld_out = ldx;
+    *row_bytes = 4 * ldx;
     return x;
   }
   x_f32_.resize(T * H);
@@ -623,11 +654,10 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
 
   std::lock_guard<std::mutex> lock(run_mutex_);
   const IeeeSubnormals ieee;
-  int64_t lda;
-  const void* xa = prepare_x(ks, fmt == WeightFormat::BF16, x, x_fmt, M, K, ldx, &lda);
-  const size_t asize = is_bf16_act(ks.act) ? 2 : 4;
+  int64_t x_row_bytes;
+  const void* xa = prepare_x(ks, fmt == WeightFormat::BF16, x, x_fmt, M, K, ldx, &x_row_bytes);
   xptr_.resize(M);
-  for (int64_t m = 0; m < M; ++m) xptr_[m] = static_cast<const uint8_t*>(xa) + m * lda * asize;
+  for (int64_t m = 0; m < M; ++m) xptr_[m] = static_cast<const uint8_t*>(xa) + m * x_row_bytes;
   const int p = pool_.size();
   const bool serial = p == 1 || N * K * static_cast<int64_t>(elem_size(fmt)) < min_parallel_bytes_ || !pool_.usable();
   LinearJob J;

@@ -227,10 +227,10 @@ class Executor {
   static void step_job(void* job, int tid);
   static void linear_job(void* job, int tid);
   static void attention_job(void* job, int tid);
-  // x [T, H] (rows ldx elements apart) in the operand format of `ks`, for weights of `fmt`: a pointer
-  // to x itself when no conversion is needed, else to a converted copy in x_bf16_ / x_f32_ (rows H apart).
+  // x [T, H] (rows ldx elements apart) in the operand format of `ks`: a pointer to x itself when no conversion
+  // is needed, else to a converted copy in x_bf16_ / x_f32_ / x_q15_; *row_bytes: bytes between its rows.
   const void* prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T, int64_t H,
-                        int64_t ldx, int64_t* ld_out);
+                        int64_t ldx, int64_t* row_bytes);
   void phase1_chunk(Job& J, int64_t c, int tid);
   void phase2_chunk(Job& J, int64_t c, int tid);
 
@@ -242,6 +242,7 @@ class Executor {
   // Buffers reused across steps (grow only; no allocation in steady state).
   std::vector<uint16_t> x_bf16_, act_bf16_;
   std::vector<float> x_f32_, act_f32_;
+  std::vector<uint8_t> x_q15_, act_q15_;  // Q15_LANES rows (kernels.h)
   std::vector<const void*> xptr_, aptr_;
   std::vector<std::vector<float>> scratch_;  // per thread: gate, up or y tiles
   std::vector<double> partial_;

@@ -37,34 +37,51 @@ constexpr bool is_quantized(WeightFormat f) {
 
 // Format of the activation operand a kernel consumes (x for phase 1, a for phase 2).
 // F32 kernels dequantize weights to float32 lanes and FMA; the AVX-512-BF16 kernels feed `vdpbf16ps`,
-// which needs both operands in bf16. The two blocked bf16 layouts store every whole block of 128 elements
-// of a row permuted (the last K % 128 elements stay in order), in the order in which the AVX-512-BF16
-// quantized kernels decode their codes, so the weights need no cross-lane shuffle into element order; the
-// activation is permuted once per step instead:
-//   BF16_Q128  quad-interleaved (q128_pos): a 64-byte line of FP4 codes holds elements 4i .. 4i + 3 in
-//              16-bit word i, one nibble each, one word shift apart;
+// which needs both operands in bf16. BF16_P64 stores every whole block of 128 elements of a row permuted (the
+// last K % 128 elements stay in order), in the order in which the FP8 kernel decodes its codes, so the weights
+// need no cross-lane shuffle into element order; the activation is permuted once per step instead:
 //   BF16_P64   each half-block of 64 elements with its even elements first, then its odd ones (p64_pos): a
 //              64-byte line of FP8 codes holds elements 2i and 2i + 1 in word i, one byte each.
-enum class ActFormat : int32_t { F32 = 0, BF16 = 1, BF16_Q128 = 2, BF16_P64 = 3 };
+// Q15_LANES is the integer operand of the FP4 kernels (`vpdpbusd`): the bf16 activation as 15-bit integers, one
+// power-of-two scale per lane of 8 elements, in blocks of 128 elements (q15_lanes_store; kernels_avx512bf16.cpp).
+enum class ActFormat : int32_t { F32 = 0, BF16 = 1, Q15_LANES = 2, BF16_P64 = 3 };
 
-// Position of element k of a K-element activation row in the BF16_Q128 layout: in the block of 128
-// elements holding k, run k % 4 (32 elements) at offset (k % 128) / 4; the last K % 128 elements stay
-// in order.
-constexpr int64_t q128_pos(int64_t k, int64_t K) {
-  return k >= K - K % 128 ? k : (k & ~int64_t{127}) + (k & 3) * 32 + ((k & 127) >> 2);
-}
 // Position of element k in the BF16_P64 layout: in the half-block of 64 holding k, run k % 2 (32 elements)
 // at offset (k % 64) / 2; the last K % 128 elements stay in order.
 constexpr int64_t p64_pos(int64_t k, int64_t K) {
   return k >= K - K % 128 ? k : (k & ~int64_t{63}) + (k & 1) * 32 + ((k & 63) >> 1);
 }
-// Position of element k of a K-element activation row stored in bf16 layout `a` (BF16, BF16_Q128, BF16_P64).
+// Position of element k of a K-element activation row stored in bf16 layout `a` (BF16, BF16_P64).
 constexpr int64_t bf16_act_pos(ActFormat a, int64_t k, int64_t K) {
-  return a == ActFormat::BF16_Q128 ? q128_pos(k, K) : a == ActFormat::BF16_P64 ? p64_pos(k, K) : k;
+  return a == ActFormat::BF16_P64 ? p64_pos(k, K) : k;
 }
-constexpr bool is_bf16_act(ActFormat a) {
-  return a == ActFormat::BF16 || a == ActFormat::BF16_Q128 || a == ActFormat::BF16_P64;
+constexpr bool is_bf16_act(ActFormat a) { return a == ActFormat::BF16 || a == ActFormat::BF16_P64; }
+
+// Q15_LANES: an activation row of K elements is ceil(K / 128) blocks of kQ15BlockBytes; block b holds elements
+// [128b, 128b + 128) as 16 lanes of 8 (lane j: elements 128b + 8j .. + 7, the elements whose FP4 codes are bytes
+// 4j .. 4j + 3 of the block's 64-byte line of codes). Each element x (a bf16 value) is q * scale[j] / 2 with q a
+// 15-bit integer, stored as two int8 limbs, q = 128 * hi + lo (hi in [-128, 127], lo in [0, 127]):
+//   bytes   0 ..  63   hi of the even elements of each lane: element 8j + 2i at byte 4j + i
+//          64 .. 127   hi of the odd elements (8j + 2i + 1 at byte 4j + i)
+//         128 .. 255   lo, the same two halves
+//         256 .. 319   int32 corr[16] = -12 * (sum of the lane's q), the start of a lane's lo sum
+//         320 .. 383   float scale[16] / 2: the lane's power-of-two scale halved (the kernels look the e2m1
+//                      codes up doubled), 0 for a lane of zeros and for the lanes past K
+// The lane's largest |x| maps to [2^13, 2^14): elements within 2^6 of it are exact, smaller ones are rounded to a
+// multiple of 2^-13 of it (round half to even). Lanes past K in the last block are zero.
+constexpr int64_t kQ15BlockBytes = 384;
+constexpr int64_t q15_row_bytes(int64_t K) { return (K + 127) / 128 * kQ15BlockBytes; }
+
+// Bytes of one activation row of K elements in format `a`.
+constexpr int64_t act_row_bytes(ActFormat a, int64_t K) {
+  return a == ActFormat::Q15_LANES ? q15_row_bytes(K) : is_bf16_act(a) ? 2 * K : 4 * K;
 }
+
+// Writes elements [k0, k0 + n) of a Q15_LANES row (`row`: its first block) from their bf16 values `x` (bits);
+// k0 and n multiples of 8, or k0 + n == K with K a multiple of 8. Pure C++, the same result on every ISA.
+void q15_lanes_store(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n);
+// Zeroes the lanes past K of a Q15_LANES row's last block (the kernels read whole blocks).
+void q15_lanes_clear_tail(uint8_t* row, int64_t K);
 
 // Instruction-set levels, ordered: a level implies every lower one is usable on the same CPU.
 enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
@@ -83,15 +100,17 @@ enum CpuFeature : uint32_t {
                             // FP4 GEMV (docs/benchmarks/cpu_executor.md)
   kFeatF16C = 1u << 7,
   kFeatAvx512Fp16 = 1u << 8, // reported only
+  kFeatAvx512Vnni = 1u << 9, // `vpdpbusd` (the FP4 kernels of the avx512bf16 level; every AVX-512-BF16 CPU has it)
 };
 
 // The features of the CPU this process runs on (cached after the first call).
 uint32_t detect_cpu_features();
 
 // The highest ISA level whose requirements `features` meets, capped at `cap`, that has a kernel for
-// `fmt`. Pure function of its arguments (tests call it with fake feature sets):
+// `fmt` whose own extra features (KernelSet::needs) `features` has too. Pure function of its arguments (tests call it with fake feature sets):
 //   avx512bf16: avx512f+bw+vl + avx512_bf16 (bf16 weights, and quantized weights computed in bf16:
-//               `vdpbf16ps`; f32 weights, and quantized weights computed in float32, use avx512)
+//               `vdpbf16ps`, FP4 weights with `vpdpbusd`, which also needs avx512_vnni; f32 weights, and
+//               quantized weights computed in float32, use avx512)
 //   avx512:     avx512f+bw+vl   (bw/vl: masked 16-bit loads for bf16 tails)
 //   avx2:       avx2 + fma
 //   scalar:     always
@@ -139,6 +158,7 @@ struct KernelSet {
   GemvFn gemv;         // nullptr: no kernel for this (ISA, format)
   ActFormat act;       // activation format `gemv` consumes
   SumFn sum_f32;
+  uint32_t needs = 0;  // CPU features `gemv` needs beyond its level's (CpuFeature bits)
 };
 
 // Kernel table of one ISA level, one entry per WeightFormat value (index = int(fmt)).

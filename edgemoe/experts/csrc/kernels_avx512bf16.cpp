@@ -5,14 +5,15 @@
 // the GPU path compute with too. float32 weights have no kernel at this level: select_isa() then picks
 // the AVX-512F one.
 //
-// Quantized rows computing in bf16, fed to `vdpbf16ps` with bf16 activations in a blocked order (kernels.h),
-// whole blocks of 128 columns at a time, each block's partial sums multiplied by its scales (post-scaled):
+// Quantized rows computing in bf16 (bf16-rounded activations), whole blocks of 128 columns at a time, each block's
+// partial sums multiplied by its scales (post-scaled):
 //   FP8    two lines of codes per block, BF16_P64 activations: word shifts and one `vpternlogd` turn the codes
 //          into exact bf16 values times 2^-56 (see "FP8 rows, post-scaled" below);
-//   MXFP4, NVFP4  one line of codes per block, BF16_Q128 activations, looked up unscaled in a fixed e2m1 ->
-//          bf16 table (see "FP4 rows, post-scaled" below).
-// No weight is rounded: the result is that of the format's exact weights up to float32 summation order. Like
-// every `vdpbf16ps` kernel here, subnormal bf16 activations count as zero in the whole blocks.
+//   MXFP4, NVFP4  not in bf16: one line of codes per block looked up as integers and multiplied by the
+//          activation as 15-bit integers (Q15_LANES) with `vpdpbusd` (see "FP4 rows, integer products" below).
+// No weight is rounded: the result is that of the format's exact weights up to float32 summation order (FP4: and
+// Q15_LANES' rounding of an activation's small elements). Like every `vdpbf16ps` kernel here, the FP8 kernel
+// counts subnormal bf16 activations as zero in the whole blocks.
 #include <cstdint>
 #include <cstring>
 
@@ -22,7 +23,7 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")
 
 #include "kernel_impl.h"
 
@@ -264,36 +265,27 @@ void gemv_fp8(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const
     token_tiles<Fp8Dp<false>, 4, 2, 2, 2>(w, row0, nrows, K, a, n, y, ldy);
 }
 
-// ---------------------------------------------------------------------------- FP4 rows, post-scaled
-// MXFP4 and NVFP4 rows against BF16_Q128 activations. A 64-byte line of codes (a block of 128 elements) read as
-// 32 words holds elements 4i .. 4i + 3 in word i, one nibble each; the word shifted right by 4c has element
-// 4i + c in bits 0..3, and one `vpermw` into a fixed table of the e2m1 values as bf16 (exact; entries 16..31
-// repeat 0..15, so index bit 4 is ignored) turns the line into 32 exact, unscaled weights in the
-// activation's run c. Four `vdpbf16ps` (two chains, then one add) give 16 float32 partial sums in which lane i
-// holds elements 8i .. 8i + 7 of the block (each product exact in float32). Every lane lies in one scale group
-// (NVFP4: 16 elements, lanes 2g and 2g + 1; MXFP4: 32, lanes 4g .. 4g + 3), so one FMA per block and token
-// multiplies the partials by their groups' scales (a `vpermps` of the step's scale vector, decoded once per
-// 256 elements) into the accumulator. No per-group table is built and no weight is rounded: MXFP4 scales are
-// powers of two, so its result is the bf16-weight dot product exactly up to float32 summation order; NVFP4
-// computes sum(e2m1 * x) * float32(float(e4m3) * global_scale), i.e. with the format's exact weights, which
-// the torch and GPU paths round to bf16 first (the two agree within the bf16 tolerance, not bit for bit).
-// The last K % 128 elements (K % 16 == 0 for NVFP4, % 32 for MXFP4) are taken in element order, 16 at a time,
-// in float32 FMAs. In the whole blocks, as in every `vdpbf16ps` kernel here, subnormal bf16 activations count
-// as zero (the tail's float32 FMAs keep them); no scaled weight is formed, so no weight is flushed. Fixed
-// operation order per (row, token), whatever the row and token counts.
-alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
-
-// 16 e2m1 codes from 8 bytes (low nibble first) as float32, in element order.
-inline __m512 fp4_16_f32(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m512i d = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));  // dword 2i, 2i + 1: byte i
-  const __m512i sh = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(d, sh), _mm512_loadu_ps(kE2M1));  // index bits 0..3
-}
+// ---------------------------------------------------------------------------- FP4 rows, integer products
+// MXFP4 and NVFP4 rows against Q15_LANES activations (kernels.h). A 64-byte line of codes holds a block of 128
+// elements, element 2i in the low nibble of byte i, 2i + 1 in the high one; masked nibbles looked up with
+// `vpshufb` in a table of 2 * e2m1 + 12 (unsigned bytes 0 .. 24) give the even and the odd elements' weights,
+// and `vpdpbusd` multiplies them by the activation's limbs four bytes at a time, so that int32 lane j sums
+// elements 8j .. 8j + 7 of the block, all in one scale group (NVFP4: 16 elements, lanes 2g and 2g + 1; MXFP4:
+// 32, lanes 4g .. 4g + 3). Per line and token: H = sum (w + 12) * hi, L = corr + sum (w + 12) * lo with corr =
+// -12 * sum q, so 128 H + L = sum 2 * e2m1 * q exactly (|.| < 2^21: exact in float32 too); one FMA multiplies it
+// by the lane's group scale times the activation lane's scale / 2 into the accumulator. Against `vdpbf16ps` on
+// bf16 weights this is a third of the vector work per line (two lookups and four `vpdpbusd` instead of four
+// `vpermw` and four `vdpbf16ps`), which lets one core consume codes near the rate it can read them
+// (docs/benchmarks/cpu_executor.md). The weights are the format's exact ones (MXFP4: e2m1 * 2^(e - 127); NVFP4:
+// e2m1 * float32(float(e4m3) * global_scale)); the activation is the bf16 one up to Q15_LANES' rounding of
+// elements below 2^-6 of their lane's largest (at 2^-13 of it), which the float64 reference of the tests
+// cannot tell from float32 summation order (the torch and GPU paths round NVFP4 weights to bf16 instead: the
+// two agree within the bf16 tolerance, not bit for bit). The group scale times the lane scale is one float32
+// product: exact unless it leaves float32's range (activations and weight scales whose products are
+// themselves out of float32's range). The last partial block (K % 128, a multiple of 16) reads its codes and
+// scales masked; its lanes past K are zero in the activation. Fixed operation order per (row, token), whatever
+// the row and token counts.
+alignas(16) constexpr int8_t kE2M1TwiceU8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // A scale format S for micro_fp4 provides Row, row(w, r), step(row, k, n) (the float32 scales of the groups
 // of elements [k, k + min(n, 256)) as one vector, lane = group - k / G, lanes past n zero) and G (elements per
@@ -357,20 +349,18 @@ struct ScaleMX {
 
 // y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens: steps of 256 elements (two 64-byte lines of codes per
 // row, prefetched EDGEMOE_PREFETCH_BLOCKS row blocks ahead into L2), each row's scales decoded once per step,
-// then its one or two whole blocks of 128; then the last K % 128 elements in order.
+// then its one or two blocks of 128 (the last one possibly partial).
 template <class S, int RB, int NT>
-inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
+inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint8_t* const* a, float* y, int64_t ldy,
                       int64_t pf) {
   __m512 acc[RB][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512i lut = _mm512_load_si512(kE2M1Bf16);
-  const int64_t blocks_end = K - K % 128;
-  int64_t k = 0;
-  for (; k < blocks_end; k += 256) {
-    const int nb = blocks_end - k >= 256 ? 2 : 1;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1TwiceU8)));
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t k = 0; k < K; k += 256) {
     __m512 sv[RB];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
@@ -379,42 +369,30 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* co
         __builtin_prefetch(c, 0, EDGEMOE_PREFETCH_LOCALITY);
         __builtin_prefetch(c + 64, 0, EDGEMOE_PREFETCH_LOCALITY);
       }
-      sv[r] = S::step(rows[r], k, blocks_end - k);
+      sv[r] = S::step(rows[r], k, K - k);
     }
 #pragma GCC unroll 2
     for (int u = 0; u < 2; ++u) {
-      if (u >= nb) break;
       const int64_t kb = k + 128 * u;
+      if (kb >= K) break;
+      const __mmask64 m = K - kb >= 128 ? ~__mmask64{0} : (__mmask64{1} << ((K - kb) >> 1)) - 1;
       const __m512i li = scale_lanes<S::G>(u);
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        const __m512i words = _mm512_loadu_si512(rows[r].p + (kb >> 1));
-        const __m512i w0 = _mm512_permutexvar_epi16(words, lut);
-        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
-        const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), lut);
-        const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), lut);
-        const __m512 s = _mm512_permutexvar_ps(li, sv[r]);
+        const __m512i line = _mm512_maskz_loadu_epi8(m, rows[r].p + (kb >> 1));
+        const __m512i we = _mm512_shuffle_epi8(lut, _mm512_and_si512(line, low4));
+        const __m512i wo = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(line, 4), low4));
+        const __m512 ws = _mm512_permutexvar_ps(li, sv[r]);
 #pragma GCC unroll 4
         for (int j = 0; j < NT; ++j) {
-          const uint16_t* aj = a[j] + kb;
-          __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(aj));
-          __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w1, (__m512bh)_mm512_loadu_si512(aj + 32));
-          p0 = _mm512_dpbf16_ps(p0, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(aj + 64));
-          p1 = _mm512_dpbf16_ps(p1, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(aj + 96));
-          acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), s, acc[r][j]);
+          const uint8_t* blk = a[j] + (kb >> 7) * kQ15BlockBytes;
+          __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), we, _mm512_loadu_si512(blk));
+          __m512i l = _mm512_dpbusd_epi32(_mm512_loadu_si512(blk + 256), we, _mm512_loadu_si512(blk + 128));
+          h = _mm512_dpbusd_epi32(h, wo, _mm512_loadu_si512(blk + 64));
+          l = _mm512_dpbusd_epi32(l, wo, _mm512_loadu_si512(blk + 192));
+          const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
+          acc[r][j] = _mm512_fmadd_ps(t, _mm512_mul_ps(ws, _mm512_loadu_ps(blk + 320)), acc[r][j]);
         }
-      }
-    }
-  }
-  for (k = blocks_end; k < K; k += 16) {  // e2m1 * x exact in float32, then times the group's scale
-    for (int r = 0; r < RB; ++r) {
-      const __m512 w = fp4_16_f32(rows[r].p + (k >> 1));
-      float sc;
-      _mm_store_ss(&sc, _mm512_castps512_ps128(S::step(rows[r], k - k % S::G, S::G)));
-      const __m512 s = _mm512_set1_ps(sc);
-      for (int j = 0; j < NT; ++j) {
-        const __m512 x = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[j] + k)));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(w, x), s, acc[r][j]);
       }
     }
   }
@@ -424,21 +402,21 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint16_t* co
     for (int j = 0; j < NT; ++j) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
 }
 template <class S>
-struct Fp4Dp {  // micro_fp4 as a register kernel
+struct Fp4Int {  // micro_fp4 as a register kernel
   using Row = typename S::Row;
-  using Act = uint16_t;
+  using Act = uint8_t;
   static Row row(const WeightView& w, int64_t r) { return S::row(w, r); }
   template <int RB, int NT>
   static void run(const Row* rows, int64_t K, const Act* const* a, float* y, int64_t ldy, int64_t pf) {
     micro_fp4<S, RB, NT>(rows, K, a, y, ldy, pf);
   }
 };
-// GemvFn for MXFP4 (S = ScaleMX) and NVFP4 (ScaleNV) rows computing in bf16, BF16_Q128 activations: tiles of
-// up to 4 tokens, 4 rows for a tile of one token, 2 otherwise (the register file).
+// GemvFn for MXFP4 (S = ScaleMX) and NVFP4 (ScaleNV) rows, Q15_LANES activations: tiles of up to 4 tokens, 4 rows
+// for a tile of one token, 2 otherwise (the register file).
 template <class S>
 void gemv_fp4(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
               float* y, int64_t ldy) {
-  token_tiles<Fp4Dp<S>, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const uint16_t* const*>(act), n, y, ldy);
+  token_tiles<Fp4Int<S>, 4, 2, 2, 2>(w, row0, nrows, K, reinterpret_cast<const uint8_t* const*>(act), n, y, ldy);
 }
 
 // The read test needs no bf16 instruction: the AVX-512F sum is reused through kernels_avx512().
@@ -456,8 +434,8 @@ const IsaKernels& kernels_avx512bf16() {
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
     t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8, ActFormat::BF16_P64, sum};
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::BF16_Q128, sum};
-    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::BF16_Q128, sum};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::Q15_LANES, sum, kFeatAvx512Vnni};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::Q15_LANES, sum, kFeatAvx512Vnni};
     return t;
   }();
   return k;
