@@ -87,11 +87,13 @@ def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
 @dataclass
 class _StagedLayer:
     """One MoE layer's experts for this step: ``slots[e]`` (resident or staged), ``resident[e]`` (resident
-    before staging: a hit when routed), ``copy_done`` (CUDA event after its copies; ``None`` when none
-    are pending on the copy stream)."""
+    before staging: a hit when routed), ``on_device`` (``[2E]`` int64 on the compute device: ``resident`` as
+    0/1, then ``slots``), ``copy_done`` (CUDA event after its copies; ``None`` when none are pending on the
+    copy stream)."""
 
     slots: list[int]
     resident: list[bool]
+    on_device: torch.Tensor
     copy_done: torch.cuda.Event | None
 
 
@@ -236,10 +238,14 @@ class PrefillStreamer:
             cur.owner_of[s], cur.slot_of[base + e] = base + e, s
             slots[e] = s
         cache.counters[Phase.PREFILL.value].fills += len(missing)
+        # the layer's residency and slots go to the device now, before its expert copies: a small host-to-device
+        # copy issued on the compute stream after a large one on the copy stream was seen to wait for the large
+        # one to finish (H100, 2026-12-06), which held the layer's compute, and with it the next copies, back
+        on_device = self._to_device(layer, 2 * E, [int(r) for r in resident] + slots)
         runs = copy_runs([base + e for e in missing], dest)
         if not (runs and self._cuda and self.mode == "overlap"):
             self._copy(runs)
-            return _StagedLayer(slots, resident, None)
+            return _StagedLayer(slots, resident, on_device, None)
         stream = self._copy_stream
         with torch.cuda.stream(stream):
             if wait is not None:
@@ -247,7 +253,7 @@ class PrefillStreamer:
             self._copy(runs)
             done = torch.cuda.Event()
             done.record(stream)
-        return _StagedLayer(slots, resident, done)
+        return _StagedLayer(slots, resident, on_device, done)
 
     def _to_device(self, layer: int, offset: int, values: list[int]) -> torch.Tensor:
         """``values`` as an int64 tensor ``[n]`` on the device, through columns ``[offset, offset + n)`` of the step's
@@ -292,9 +298,8 @@ class PrefillStreamer:
             compute.wait_event(staged.copy_done)
         # counters and recency from the layer's routing, on the device (no host read: the step's queue keeps going)
         seen = torch.zeros(E, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)  # [E] routed
-        # one transfer: [E] whether resident (a hit when routed), then [E] the slots (distinct: every expert has one)
-        staged_d = self._to_device(moe_layer, 2 * E, [int(r) for r in staged.resident] + staged.slots)
-        resident, slots = staged_d[:E].bool(), staged_d[E:]
+        # [E] whether resident (a hit when routed), then [E] the slots (distinct: every expert has one)
+        resident, slots = staged.on_device[:E].bool(), staged.on_device[E:]
         hit, unrouted_staged = seen & resident, ~(seen | resident)
         cur.hit_miss += torch.stack([hit.sum(), (seen & ~resident).sum()])
         lu = cache.last_used
