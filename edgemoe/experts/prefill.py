@@ -34,12 +34,13 @@ prefill step streams whole layers through the expert cache and is bound by the h
   keeps that copy current as it stages; a layer's hit/miss counts and recency updates are computed on the device
   from its routing, and the counts come back once, at the step's end. A host read per layer would drain the
   compute queue and leave the GPU idle while the host issues the next layer's kernels.
-- **No page-locked allocation between layers.** The index vectors a layer sends to the device (its staged ids
-  and slots, its residency) go through one page-locked staging buffer allocated at the step's start: CUDA does
-  not run two commands of different streams concurrently when a page-locked host allocation was issued between
-  them (the programming guide's implicit synchronization), so one per layer, issued between a layer's copies and
-  its compute, would serialize them. (torch's pinned allocator reuses a freed block only once the work that used
-  it is done, so a host running layers ahead of the GPU would otherwise make new blocks as it goes.)
+- **The step planned at its start, sent in one copy.** Which experts each layer copies into which slots is
+  decided on the host copy of the tables when the step starts (nothing else changes them during the step), and
+  every layer's index vectors (its staged ids and slots, its residency) go to the device in one copy from one
+  page-locked buffer, before any expert copy. Small host-to-device copies issued on the compute stream between
+  the layers were seen to wait for the large expert copies queued on the copy stream to finish, which held each
+  layer's compute, and the copies that wait for it, back; and a page-locked allocation between two commands of
+  different streams keeps them from running concurrently (CUDA's implicit synchronization).
 
 A step streams only when the policy streams prefill, the chunk has ``T·k ≥ 2E`` routes per layer
 (then ~86 % or more of a layer's experts are routed under uniform routing, ``1 − e^{-2}``; a shorter
@@ -98,6 +99,18 @@ class _StagedLayer:
 
 
 @dataclass
+class _LayerPlan:
+    """Where one MoE layer's experts are for this step, decided at its start: ``slots[e]`` (resident or staged),
+    ``resident[e]`` (resident before staging: a hit when routed), ``missing`` (the global ids of the experts to
+    copy) and ``dest`` (their slots, in the same order)."""
+
+    slots: list[int]
+    resident: list[bool]
+    missing: list[int]
+    dest: list[int]
+
+
+@dataclass
 class _StreamedStep:
     """State of the streamed prefill step in progress (lives from its first MoE layer to its last)."""
 
@@ -108,7 +121,8 @@ class _StreamedStep:
     slot_of: list[int]  # host copy of the cache's slot_of, kept current by the step's admissions
     owner_of: list[int]  # host copy of the cache's owner_of, likewise
     hit_miss: torch.Tensor  # [2] int64 on the device: routed experts that were resident / were staged, so far
-    staging: torch.Tensor  # [L, 4E] int64 on the host, pinned on CUDA: each layer's index vectors on their way
+    plans: list[_LayerPlan] = field(default_factory=list)
+    indices: torch.Tensor | None = None  # [L, 4E] int64 on the device: each layer's plan (see _plan_step)
     next_layer: int = 0
     staged: dict[int, _StagedLayer] = field(default_factory=dict)
     compute_done: torch.cuda.Event | None = None  # recorded after the previous layer's expert compute
@@ -199,53 +213,71 @@ class PrefillStreamer:
         if self._cuda:  # earlier steps' kernels may still read the slots about to be overwritten
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         routed = torch.empty((num_tokens, top_k, self.pool.hidden), dtype=cache.compute_dtype, device=self.device)
-        # the step's one page-locked host allocation: every layer's index vectors go to the device through it. A
-        # page-locked allocation between two commands of different streams keeps them from running concurrently
-        # (CUDA's implicit synchronization), so none may happen between a layer's copies and its compute.
-        staging = torch.empty((self.num_layers, 4 * self.num_experts), dtype=torch.int64,
-                              pin_memory=self.device.type == "cuda")
-        # the step's one read of the tables: from here on only this step changes them, through _stage
+        # the step's one read of the tables: from here on only this step changes them, through _plan_step
         self._cur = _StreamedStep(step, regions, free, routed, cache.slot_of.tolist(), cache.owner_of.tolist(),
-                                  torch.zeros(2, dtype=torch.int64, device=self.device), staging)
+                                  torch.zeros(2, dtype=torch.int64, device=self.device))
+        self._plan_step()
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
 
+    def _plan_step(self) -> None:
+        """Plan every layer of the step (which experts are copied into which slots) on the host copy of the tables,
+        and send all the plans to the device in one copy, before any expert copy: ``indices[l]`` holds the staged
+        ids in ``[0, n)``, their slots in ``[E, E + n)``, the layer's residency flags in ``[2E, 3E)`` and its slots
+        in ``[3E, 4E)``. One copy because small host-to-device copies issued on the compute stream between the
+        layers were seen to wait for the large expert copies queued on the copy stream to finish (H100,
+        2026-12-06), which held each layer's compute, and the copies that wait for it, back. Its one page-locked
+        host buffer is allocated here: a page-locked allocation between two commands of different streams keeps
+        them from running concurrently (CUDA's implicit synchronization).
+
+        Raises:
+            RuntimeError: a layer has more experts to copy than its region and the spare slots hold.
+        """
+        cur, E = self._cur, self.num_experts
+        rows = []
+        for layer in range(self.num_layers):
+            base = layer * E
+            slots = cur.slot_of[base:base + E]
+            resident = [s >= 0 for s in slots]
+            missing = [base + e for e in range(E) if not resident[e]]
+            n_spare = min(len(missing), len(cur.spare))
+            dest = cur.spare[:n_spare] + cur.regions[layer % 2][:len(missing) - n_spare]
+            if len(dest) < len(missing):
+                raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts "
+                                   f"of layer {layer}")
+            del cur.spare[:n_spare]
+            for fid, s in zip(missing, dest):  # the host copy follows: the slot's previous owner leaves
+                old = cur.owner_of[s]
+                if old >= 0:
+                    cur.slot_of[old] = -1
+                cur.owner_of[s], cur.slot_of[fid] = fid, s
+                slots[fid - base] = s
+            cur.plans.append(_LayerPlan(slots, resident, missing, dest))
+            pad = [0] * (E - len(missing))
+            rows.append(missing + pad + dest + pad + [int(r) for r in resident] + slots)
+        staging = torch.tensor(rows, dtype=torch.int64)  # [L, 4E]
+        if self.device.type == "cuda":
+            staging = staging.pin_memory()
+        cur.indices = staging.to(self.device, non_blocking=True)
+
     # ------------------------------------------------------------------ staging
     def _stage(self, layer: int, wait: torch.cuda.Event | None) -> _StagedLayer:
-        """Admit layer ``layer``'s non-resident experts into spare slots, then its region, and copy them.
+        """Admit layer ``layer``'s non-resident experts into the slots its plan gives them, and copy them.
 
         ``wait``: event the copies wait for (the compute that last read the region). Copies go on the
         copy stream in ``overlap`` mode on CUDA, else on the current stream.
         """
         cur, cache, E = self._cur, self.cache, self.num_experts
-        base = layer * E
-        slots = cur.slot_of[base:base + E]
-        resident = [s >= 0 for s in slots]
-        missing = [e for e in range(E) if not resident[e]]
-        n_spare = min(len(missing), len(cur.spare))
-        dest = cur.spare[:n_spare] + cur.regions[layer % 2][:len(missing) - n_spare]
-        if len(dest) < len(missing):
-            raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts "
-                               f"of layer {layer}")
-        del cur.spare[:n_spare]
-        if missing:  # the host copy says: not resident
-            cache.admit_indexed(self._to_device(layer, 0, [base + e for e in missing]),
-                                self._to_device(layer, E, dest), cur.step)
-        for e, s in zip(missing, dest):  # the host copy follows: the slot's previous owner leaves
-            old = cur.owner_of[s]
-            if old >= 0:
-                cur.slot_of[old] = -1
-            cur.owner_of[s], cur.slot_of[base + e] = base + e, s
-            slots[e] = s
-        cache.counters[Phase.PREFILL.value].fills += len(missing)
-        # the layer's residency and slots go to the device now, before its expert copies: a small host-to-device
-        # copy issued on the compute stream after a large one on the copy stream was seen to wait for the large
-        # one to finish (H100, 2026-12-06), which held the layer's compute, and with it the next copies, back
-        on_device = self._to_device(layer, 2 * E, [int(r) for r in resident] + slots)
-        runs = copy_runs([base + e for e in missing], dest)
+        plan, idx = cur.plans[layer], cur.indices[layer]
+        n = len(plan.missing)
+        if n:
+            cache.admit_indexed(idx[:n], idx[E:E + n], cur.step)
+        cache.counters[Phase.PREFILL.value].fills += n
+        on_device = idx[2 * E:]
+        runs = copy_runs(plan.missing, plan.dest)
         if not (runs and self._cuda and self.mode == "overlap"):
             self._copy(runs)
-            return _StagedLayer(slots, resident, on_device, None)
+            return _StagedLayer(plan.slots, plan.resident, on_device, None)
         stream = self._copy_stream
         with torch.cuda.stream(stream):
             if wait is not None:
@@ -253,18 +285,7 @@ class PrefillStreamer:
             self._copy(runs)
             done = torch.cuda.Event()
             done.record(stream)
-        return _StagedLayer(slots, resident, on_device, done)
-
-    def _to_device(self, layer: int, offset: int, values: list[int]) -> torch.Tensor:
-        """``values`` as an int64 tensor ``[n]`` on the device, through columns ``[offset, offset + n)`` of the step's
-        staging row ``layer`` (on CUDA an asynchronous copy from page-locked memory: no host allocation, no wait).
-        Each layer uses its columns once per step: ``[0, E)`` and ``[E, 2E)`` the staged ids and their slots,
-        ``[2E, 4E)`` the layer's residency flags and slots."""
-        if not self._cuda:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-        row = self._cur.staging[layer, offset:offset + len(values)]
-        row.copy_(torch.tensor(values, dtype=torch.int64))
-        return row.to(self.device, non_blocking=True)
+        return _StagedLayer(plan.slots, plan.resident, on_device, done)
 
     def _copy(self, runs: list[tuple[int, int, int]]) -> None:
         non_blocking = self.pool.pinned and self._cuda
