@@ -526,3 +526,21 @@ def test_executor_keeps_working_in_a_forked_child():
     p.join(30)
     assert p.exitcode == 0
     assert _rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_detected_features_match_proc_cpuinfo():
+    """The cpuid bits the extension reads agree with the kernel's flags (Linux): a wrong bit would otherwise only
+    make the tests of the levels that need it skip."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    flags = next((set(line.split(":", 1)[1].split()) for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("flags")), None)
+    if flags is None:
+        pytest.skip("no flags line in /proc/cpuinfo")
+    feats = native.cpu_features()
+    for name in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c",
+                 "avx512_fp16"):
+        assert feats[name] == (name in flags), name

@@ -494,10 +494,11 @@ def test_fp4_integer_kernels_need_vnni():
 
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
 def test_fp4_activation_lanes_at_the_edges(isa):
-    """Activations whose lanes of 8 hold zeros only, a largest element with a full mantissa beside elements
-    2^-7 .. 2^-12 of it (rounded by the integer kernels), bf16 subnormals beside normals, and subnormals
-    only (x near 2^-130, weights scaled by 2^120 so that the products stay normal): every level gives the
-    reference's numbers, the integer kernels those of the reference that rounds the lanes as documented."""
+    """Activations whose lanes of 8 hold zeros only; a largest element with a full mantissa beside elements below
+    2^-6 of it that the integer kernels round (two ties among them, rounded to even); bf16 subnormals beside normals,
+    all exact; subnormals only (x near 2^-120, weights scaled by 2^120 so that the products stay normal): every
+    level gives the reference's numbers, the integer kernels those of the reference that rounds the lanes as
+    documented."""
     _skip_unsupported(isa, "mxfp4", torch.bfloat16)
     H, I = 256, 128
     pool = HostExpertPool(2, ExpertLayout.build(WeightFormat.MXFP4, H, I), torch.bfloat16)
@@ -506,10 +507,20 @@ def test_fp4_activation_lanes_at_the_edges(isa):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, H, generator=g) * 2.0**-120
     x[:, 0:8] = 0.0
-    x[:, 8:16] = torch.tensor([1.9921875, 2.0**-7, -(2.0**-8), 3 * 2.0**-10, 2.0**-12, -1.5, 0.0, 2.0**-9]) * 2.0**-118
-    x[:, 16:24] *= 2.0**-12  # bf16 subnormals among normals
+    # largest 1.9921875 * 2^-118, unit 2^-131: 3.5 and -1.5 units are ties (to 4 and -2), 1.25 units -> 1
+    x[:, 8:16] = torch.tensor([1.9921875, 2.0**-7, 1.75 * 2.0**-12, 1.25 * 2.0**-13, -1.5 * 2.0**-13,
+                               1.0078125 * 2.0**-8, -1.5, 0.0]) * 2.0**-118
+    # largest 2^-120, unit 2^-133 (the bf16 subnormal step): normals and subnormals, every one exact
+    x[:, 16:24] = torch.tensor([1.0, -3 * 2.0**-10, 5 * 2.0**-13, 1.5 * 2.0**-1, 127 * 2.0**-13, 0.0, -(2.0**-6),
+                                7 * 2.0**-11]) * 2.0**-120
     x[0, 24:32] = torch.tensor([1, -3, 5, 7, 0, 127, -64, 2]) * 2.0**-133  # subnormals only
     x[1, 32:40] *= 2.0**-9
+    xb = x.to(torch.bfloat16).double()
+    assert torch.equal(xb[:, 8:24], x[:, 8:24].double())  # the crafted lanes are bf16 values
+    q = q15_lanes(xb)
+    units = torch.tensor([16320.0, 64, 4, 1, -2, 32, -12288, 0], dtype=torch.float64)
+    assert torch.equal(q[0, 8:16] / 2.0**-131, units)
+    assert torch.equal(q[:, 16:40], xb[:, 16:40])  # exact lanes
     work = [(0, torch.tensor([0, 1]), torch.tensor([0.5, 1.0])), (1, torch.tensor([1]), torch.tensor([0.75]))]
     ref = reference(pool, x, work, round_weights=False, q15=_takes_q15(isa, "mxfp4", torch.bfloat16))
     assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
@@ -517,3 +528,20 @@ def test_fp4_activation_lanes_at_the_edges(isa):
     _executor(pool, isa, 1).run(x, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa}: relative error {_rel_err(out, ref):.2e}"
     assert _differing(out, ref) < 0.005, f"{isa}: {_differing(out, ref):.1%} of outputs differ"
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+def test_a_non_finite_activation_reaches_the_output(isa, fmt, bad):
+    """An infinity or NaN in a token's activation makes that token's output non-finite at every level (the integer
+    kernels give its lane a NaN scale), and leaves the other tokens finite."""
+    _skip_unsupported(isa, fmt, torch.bfloat16)
+    H, I = 256, 128
+    pool = HostExpertPool(2, ExpertLayout.build(FORMATS[fmt], H, I), torch.bfloat16)
+    pool.fill_random(seed=9, std=0.05)
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(1))
+    x[0, 37] = bad
+    out = torch.zeros(2, H)
+    _executor(pool, isa, 1).run(x, [(0, torch.tensor([0, 1]), torch.tensor([0.5, 1.0]))], out)
+    assert not torch.isfinite(out[0]).any() and torch.isfinite(out[1]).all()

@@ -216,7 +216,11 @@ class PrefillStreamer:
         # the step's one read of the tables: from here on only this step changes them, through _plan_step
         self._cur = _StreamedStep(step, regions, free, routed, cache.slot_of.tolist(), cache.owner_of.tolist(),
                                   torch.zeros(2, dtype=torch.int64, device=self.device))
-        self._plan_step()
+        try:
+            self._plan_step()
+        except RuntimeError:
+            self._cur = None  # no layer was admitted: nothing of the step is left to close
+            raise
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
 

@@ -66,7 +66,8 @@ constexpr bool is_bf16_act(ActFormat a) { return a == ActFormat::BF16 || a == Ac
 //         128 .. 255   lo, the same two halves
 //         256 .. 319   int32 corr[16] = -12 * (sum of the lane's q), the start of a lane's lo sum
 //         320 .. 383   float scale[16] / 2: the lane's power-of-two scale halved (the kernels look the e2m1
-//                      codes up doubled), 0 for a lane of zeros and for the lanes past K
+//                      codes up doubled), 0 for a lane of zeros and for the lanes past K, NaN for a lane
+//                      holding an infinity or NaN (its products are NaN)
 // The lane's largest |x| maps to [2^13, 2^14): elements within 2^6 of it are exact, smaller ones are rounded to a
 // multiple of 2^-13 of it (round half to even). Lanes past K in the last block are zero.
 constexpr int64_t kQ15BlockBytes = 384;
@@ -78,7 +79,8 @@ constexpr int64_t act_row_bytes(ActFormat a, int64_t K) {
 }
 
 // Writes elements [k0, k0 + n) of a Q15_LANES row (`row`: its first block) from their bf16 values `x` (bits);
-// k0 and n multiples of 8, or k0 + n == K with K a multiple of 8. Pure C++, the same result on every ISA.
+// k0 a multiple of 8, n too unless [k0, k0 + n) ends the row (a short last lane: its missing elements are zero).
+// Pure C++, the same result on every ISA.
 void q15_lanes_store(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n);
 // Zeroes the lanes past K of a Q15_LANES row's last block (the kernels read whole blocks).
 void q15_lanes_clear_tail(uint8_t* row, int64_t K);

@@ -278,11 +278,13 @@ void gemv_fp8(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const
 // `vpermw` and four `vdpbf16ps`), which lets one core consume codes near the rate it can read them
 // (docs/benchmarks/cpu_executor.md). The weights are the format's exact ones (MXFP4: e2m1 * 2^(e - 127); NVFP4:
 // e2m1 * float32(float(e4m3) * global_scale)); the activation is the bf16 one up to Q15_LANES' rounding of
-// elements below 2^-6 of their lane's largest (at 2^-13 of it), which the float64 reference of the tests
-// cannot tell from float32 summation order (the torch and GPU paths round NVFP4 weights to bf16 instead: the
-// two agree within the bf16 tolerance, not bit for bit). The group scale times the lane scale is one float32
-// product: exact unless it leaves float32's range (activations and weight scales whose products are
-// themselves out of float32's range). The last partial block (K % 128, a multiple of 16) reads its codes and
+// elements below 2^-6 of their lane's largest (at 2^-13 of it). Against the bf16 activation that moves an
+// expert's output by about 1e-5 of its largest value, which flips a bf16 rounding of the step's intermediate
+// values (gate, up, a, y) now and then: within the bf16 tolerance, not bit for bit (tests: a float64 reference
+// that rounds the lanes as documented agrees up to float32 summation order; the torch and GPU paths, which
+// also round NVFP4 weights to bf16, agree within the bf16 tolerance). The group scale times the lane scale is
+// one float32 product: exact unless it leaves float32's normal range (weight scales and activations near
+// 2^-100 or below, or products out of float32's range). A lane holding an infinity or NaN gives NaN. The last partial block (K % 128, a multiple of 16) reads its codes and
 // scales masked; its lanes past K are zero in the activation. Fixed operation order per (row, token), whatever
 // the row and token counts.
 alignas(16) constexpr int8_t kE2M1TwiceU8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
