@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         sync()
         hp.disable()
         buf = io.StringIO()
-        pstats.Stats(hp, stream=buf).sort_stats("tottime").print_stats(25)
+        pstats.Stats(hp, stream=buf).sort_stats("tottime").print_stats(a.top)
         host_top = buf.getvalue()
         print(f"host functions over {a.host_profile} steps (cProfile, own time):\n{host_top}", flush=True)
 

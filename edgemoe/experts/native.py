@@ -19,7 +19,8 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   torch executor.
 - **ISA**: one binary for every x86-64 CPU; each kernel is compiled for its own target and picked at
   run time from cpuid: ``avx512bf16`` (``vdpbf16ps``: bf16 weights, and quantized weights computing
-  in bf16) > ``avx512`` > ``avx2`` (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
+  in bf16; its MXFP4 / NVFP4 kernels multiply integers with ``vpdpbusd`` and also need AVX-512 VNNI)
+  > ``avx512`` > ``avx2`` (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
   the level; a level the CPU lacks is never selected. float32 weights, and quantized rows computing in
   float32, stop at ``avx512``.
 - **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
@@ -52,7 +53,9 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   alike, where the torch path dequantizes each weight as :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`
   does and, in bf16, rounds it to bf16 (the same numbers for MXFP4, whose scales are powers of two; FP8 and
   NVFP4 agree within bf16 tolerance: ``docs/quantization.md``); the step rounds at the bf16 points above.
-  The AVX-512-BF16 instructions treat float32 subnormals as zero (bf16 weights below 2^-126, which no
+  The ``avx512bf16`` FP4 kernels also round the activation's elements below 2^-6 of their lane of 8's largest
+  (at 2^-13 of it: ``Q15_LANES`` in ``csrc/kernels.h``), within bf16 tolerance. The AVX-512-BF16
+  instructions treat float32 subnormals as zero (bf16 weights below 2^-126, which no
   release has; bf16 activations below 2^-126), and the e4m3 NaN codes (which no quantizer writes) read as
   ±480 in the vector parts of the kernels, NaN in scalar code (``docs/quantization.md`` lists these edge
   cases). Kernels run with flush-to-zero and denormals-are-zero off (the caller's setting restored after),
