@@ -135,7 +135,7 @@ def _ref(fmt, shape, compute, T, round_weights: bool = True, q15: bool = False):
 
 def _takes_q15(isa: str, fmt: str, compute: torch.dtype) -> bool:
     """Whether the (isa, format, compute) kernel takes Q15_LANES activations: the FP4 integer kernels."""
-    return isa == "avx512bf16" and fmt in ("mxfp4", "nvfp4") and compute == torch.bfloat16
+    return isa in ("avx2vnni", "avx512bf16") and fmt in ("mxfp4", "nvfp4") and compute == torch.bfloat16
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -484,12 +484,21 @@ def test_token_tiles_and_remainders(fmt, isa):
 
 def test_fp4_integer_kernels_need_vnni():
     """The FP4 kernels of the avx512bf16 level multiply with `vpdpbusd`: without AVX-512 VNNI the level is
-    skipped for MXFP4 and NVFP4 (FP8 keeps it)."""
+    skipped for MXFP4 and NVFP4 (FP8 keeps it). A CPU with AVX-VNNI but no AVX-512 runs them at avx2vnni, in bf16
+    only; every other format falls through that level to avx2."""
     feats = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"]
     for fmt in ("mxfp4", "nvfp4"):
         assert native.select_isa(feats, None, FORMATS[fmt], torch.bfloat16) == "avx512"
         assert native.select_isa(feats + ["avx512_vnni"], None, FORMATS[fmt], torch.bfloat16) == "avx512bf16"
     assert native.select_isa(feats, None, FORMATS["fp8"], torch.bfloat16) == "avx512bf16"
+    client = ["avx2", "fma", "avx_vnni"]  # AVX-VNNI without AVX-512 (Intel client cores since Alder Lake)
+    for fmt in ("mxfp4", "nvfp4"):
+        assert native.select_isa(client, None, FORMATS[fmt], torch.bfloat16) == "avx2vnni"
+        assert native.select_isa(client, None, FORMATS[fmt], torch.float32) == "avx2"  # integer kernels: bf16 only
+        assert native.select_isa(client, "avx2", FORMATS[fmt], torch.bfloat16) == "avx2"
+        assert native.select_isa(["avx2", "fma"], None, FORMATS[fmt], torch.bfloat16) == "avx2"
+    assert native.select_isa(client, None, FORMATS["fp8"], torch.bfloat16) == "avx2"
+    assert native.select_isa(client, None, torch.bfloat16) == "avx2"
 
 
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)

@@ -56,9 +56,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("cpu_features", &detect_cpu_features, "CPU feature bitmask (cpuid + xgetbv)");
   m.def(
-      "select_isa", [](uint32_t features, int cap, int fmt) { return select_isa(features, cap, static_cast<WeightFormat>(fmt)); },
-      py::arg("features"), py::arg("cap"), py::arg("fmt"),
-      "ISA level chosen for a feature bitmask, a cap (-1: none) and a weight format (-1: no kernel)");
+      "select_isa",
+      [](uint32_t features, int cap, int fmt, bool bf16_compute) {
+        return select_isa(features, cap, static_cast<WeightFormat>(fmt), bf16_compute);
+      },
+      py::arg("features"), py::arg("cap"), py::arg("fmt"), py::arg("bf16_compute") = true,
+      "ISA level chosen for a feature bitmask, a cap (-1: none), a weight format and whether it computes in bf16 "
+      "(-1: no kernel)");
   m.def("isa_name", [](int level) { return std::string(isa_name(static_cast<Isa>(level))); });
   m.def("feature_bits", [] {
     return py::dict(py::arg("avx2") = uint32_t(kFeatAvx2), py::arg("fma") = uint32_t(kFeatFma),
@@ -66,7 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("avx512vl") = uint32_t(kFeatAvx512VL), py::arg("avx512_bf16") = uint32_t(kFeatAvx512Bf16),
                     py::arg("amx_bf16") = uint32_t(kFeatAmxBf16), py::arg("f16c") = uint32_t(kFeatF16C),
                     py::arg("avx512_fp16") = uint32_t(kFeatAvx512Fp16),
-                    py::arg("avx512_vnni") = uint32_t(kFeatAvx512Vnni));
+                    py::arg("avx512_vnni") = uint32_t(kFeatAvx512Vnni), py::arg("avx_vnni") = uint32_t(kFeatAvxVnni));
   });
 
   m.def(

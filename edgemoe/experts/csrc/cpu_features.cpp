@@ -14,6 +14,7 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
+    case Isa::Avx2Vnni: return "avx2vnni";
     case Isa::Avx512: return "avx512";
     case Isa::Avx512Bf16: return "avx512bf16";
   }
@@ -32,7 +33,7 @@ uint64_t xgetbv0() {
 // cpuid bits (Intel SDM vol. 2A, CPUID): leaf 1 ecx: fma 12, osxsave 27, f16c 29; leaf 7.0 ebx:
 // avx2 5, avx512f 16, avx512bw 30, avx512vl 31; leaf 7.0 ecx: avx512_vnni 11; leaf 7.0 edx: avx512fp16 23,
 // amx-bf16 22;
-// leaf 7.1 eax: avx512_bf16 5. XCR0 (xgetbv 0): 0x6 = SSE+AVX state, 0xE0 = opmask+zmm state.
+// leaf 7.1 eax: avx_vnni 4, avx512_bf16 5. XCR0 (xgetbv 0): 0x6 = SSE+AVX state, 0xE0 = opmask+zmm state.
 uint32_t detect_x86() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
@@ -58,9 +59,10 @@ uint32_t detect_x86() {
     if (d & (1u << 23)) f |= kFeatAvx512Fp16;
   }
   if (d & (1u << 22)) f |= kFeatAmxBf16;  // reported only (tile state also needs an OS opt-in)
-  if (max_sub >= 1 && os_avx512) {
+  if (max_sub >= 1) {
     __cpuid_count(7, 1, a, b, c, d);
-    if (a & (1u << 5)) f |= kFeatAvx512Bf16;
+    if (a & (1u << 4)) f |= kFeatAvxVnni;
+    if (os_avx512 && (a & (1u << 5))) f |= kFeatAvx512Bf16;
   }
   return f;
 }
@@ -79,6 +81,7 @@ const IsaKernels& kernels_for(Isa isa) {
   switch (isa) {
     case Isa::Avx512Bf16: return kernels_avx512bf16();
     case Isa::Avx512: return kernels_avx512();
+    case Isa::Avx2Vnni: return kernels_avx2vnni();
     case Isa::Avx2: return kernels_avx2();
     case Isa::Scalar: break;
   }
@@ -91,6 +94,7 @@ bool isa_supported(uint32_t f, Isa isa) {
   switch (isa) {
     case Isa::Scalar: return true;
     case Isa::Avx2: return (f & (kFeatAvx2 | kFeatFma)) == (kFeatAvx2 | kFeatFma);
+    case Isa::Avx2Vnni: return (f & (kFeatAvx2 | kFeatFma | kFeatAvxVnni)) == (kFeatAvx2 | kFeatFma | kFeatAvxVnni);
     case Isa::Avx512: return (f & avx512) == avx512;
     case Isa::Avx512Bf16: return (f & (avx512 | kFeatAvx512Bf16)) == (avx512 | kFeatAvx512Bf16);
   }
@@ -98,14 +102,16 @@ bool isa_supported(uint32_t f, Isa isa) {
 }
 }  // namespace
 
-int select_isa(uint32_t features, int cap, WeightFormat fmt) {
+int select_isa(uint32_t features, int cap, WeightFormat fmt, bool bf16_compute) {
   const int f = static_cast<int>(fmt);
   if (f < 0 || f >= kNumFormats) return -1;
   if (cap < 0 || cap >= kNumIsa) cap = kNumIsa - 1;
   for (int level = cap; level >= 0; --level) {
     const Isa isa = static_cast<Isa>(level);
     const KernelSet& ks = kernels_for(isa).by_format[f];
-    if (isa_supported(features, isa) && ks.gemv != nullptr && (features & ks.needs) == ks.needs) return level;
+    if (isa_supported(features, isa) && ks.gemv != nullptr && (features & ks.needs) == ks.needs &&
+        (bf16_compute || ks.act == ActFormat::F32))
+      return level;
   }
   return -1;
 }

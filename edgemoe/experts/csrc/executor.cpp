@@ -345,11 +345,11 @@ Executor::Executor(int threads, const std::vector<int>& cpus, int isa_cap, int s
                    int64_t min_parallel_bytes)
     : pool_(threads, cpus, spin_us), min_parallel_bytes_(std::max<int64_t>(0, min_parallel_bytes)) {
   const uint32_t feats = detect_cpu_features();
-  const int cap32 = isa_cap < 0 ? static_cast<int>(Isa::Avx512) : std::min(isa_cap, static_cast<int>(Isa::Avx512));
   for (int f = 0; f < kNumFormats; ++f) {
     isa_[f] = select_isa(feats, isa_cap, static_cast<WeightFormat>(f));
-    isa_f32_[f] = is_quantized(static_cast<WeightFormat>(f)) ? select_isa(feats, cap32, static_cast<WeightFormat>(f))
-                                                              : isa_[f];
+    isa_f32_[f] = is_quantized(static_cast<WeightFormat>(f))
+                      ? select_isa(feats, isa_cap, static_cast<WeightFormat>(f), /*bf16_compute=*/false)
+                      : isa_[f];
   }
   scratch_.resize(pool_.size());
   partial_.resize(pool_.size());

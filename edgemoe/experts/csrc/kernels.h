@@ -86,8 +86,10 @@ void q15_lanes_store(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n);
 void q15_lanes_clear_tail(uint8_t* row, int64_t K);
 
 // Instruction-set levels, ordered: a level implies every lower one is usable on the same CPU.
-enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
-constexpr int kNumIsa = 4;
+// Avx2Vnni has kernels for the FP4 formats computing in bf16 only (AVX-VNNI, the 256-bit `vpdpbusd` of Intel's
+// client cores since Alder Lake, which have no AVX-512); every other format falls through it to Avx2.
+enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx2Vnni = 2, Avx512 = 3, Avx512Bf16 = 4 };
+constexpr int kNumIsa = 5;
 const char* isa_name(Isa isa);
 
 // CPU feature bits (a bitmask), detected with cpuid + xgetbv (OS support for the register state).
@@ -103,21 +105,24 @@ enum CpuFeature : uint32_t {
   kFeatF16C = 1u << 7,
   kFeatAvx512Fp16 = 1u << 8, // reported only
   kFeatAvx512Vnni = 1u << 9, // `vpdpbusd` (the FP4 kernels of the avx512bf16 level; every AVX-512-BF16 CPU has it)
+  kFeatAvxVnni = 1u << 10,   // VEX `vpdpbusd` on 256-bit registers (the avx2vnni level)
 };
 
 // The features of the CPU this process runs on (cached after the first call).
 uint32_t detect_cpu_features();
 
 // The highest ISA level whose requirements `features` meets, capped at `cap`, that has a kernel for
-// `fmt` whose own extra features (KernelSet::needs) `features` has too. Pure function of its arguments (tests call it with fake feature sets):
+// `fmt` whose own extra features (KernelSet::needs) `features` has too; computing in float32
+// (`bf16_compute` false) only a kernel taking float32 activations. Pure function of its arguments (tests call it with fake feature sets):
 //   avx512bf16: avx512f+bw+vl + avx512_bf16 (bf16 weights, and quantized weights computed in bf16:
 //               `vdpbf16ps`, FP4 weights with `vpdpbusd`, which also needs avx512_vnni; f32 weights, and
 //               quantized weights computed in float32, use avx512)
 //   avx512:     avx512f+bw+vl   (bw/vl: masked 16-bit loads for bf16 tails)
+//   avx2vnni:   avx2 + fma + avx_vnni (FP4 rows computing in bf16: `vpdpbusd` on Q15_LANES activations)
 //   avx2:       avx2 + fma
 //   scalar:     always
 // Returns -1 when `fmt` has no kernel at all (a reserved format).
-int select_isa(uint32_t features, int cap, WeightFormat fmt);
+int select_isa(uint32_t features, int cap, WeightFormat fmt, bool bf16_compute = true);
 
 // One [rows, K] weight matrix of one expert (gate, up or down) as a kernel sees it; built by
 // expert_matrix() (executor.h) from the expert's row of the byte bank. Row r of the matrix starts at
@@ -172,6 +177,7 @@ struct IsaKernels {
 // Defined in kernels_<isa>.cpp, each compiled for its own target via `#pragma GCC target`.
 const IsaKernels& kernels_scalar();
 const IsaKernels& kernels_avx2();
+const IsaKernels& kernels_avx2vnni();
 const IsaKernels& kernels_avx512();
 const IsaKernels& kernels_avx512bf16();
 const IsaKernels& kernels_for(Isa isa);
