@@ -236,7 +236,7 @@ class Executor {
 
   ThreadPool pool_;
   int isa_[kNumFormats];      // per format (bf16 compute for quantized formats)
-  int isa_f32_[kNumFormats];  // quantized formats computing in float32: capped at avx512
+  int isa_f32_[kNumFormats];  // quantized formats computing in float32: kernels taking float32 activations
   int64_t min_parallel_bytes_;
   std::mutex run_mutex_;
   // Buffers reused across steps (grow only; no allocation in steady state).
