@@ -87,25 +87,19 @@ def copy_runs(fids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
 
 @dataclass
 class _StagedLayer:
-    """One MoE layer's experts for this step: ``slots[e]`` (resident or staged), ``resident[e]`` (resident
-    before staging: a hit when routed), ``on_device`` (``[2E]`` int64 on the compute device: ``resident`` as
-    0/1, then ``slots``), ``copy_done`` (CUDA event after its copies; ``None`` when none are pending on the
-    copy stream)."""
+    """One MoE layer's experts for this step: ``on_device`` (``[2E]`` int64 on the compute device: whether each
+    expert was resident before staging, a hit when routed, as 0/1; then its slot, resident or staged),
+    ``copy_done`` (CUDA event after its copies; ``None`` when none are pending on the copy stream)."""
 
-    slots: list[int]
-    resident: list[bool]
     on_device: torch.Tensor
     copy_done: torch.cuda.Event | None
 
 
 @dataclass
 class _LayerPlan:
-    """Where one MoE layer's experts are for this step, decided at its start: ``slots[e]`` (resident or staged),
-    ``resident[e]`` (resident before staging: a hit when routed), ``missing`` (the global ids of the experts to
+    """What one MoE layer copies in this step, decided at its start: ``missing`` (the global ids of the experts to
     copy) and ``dest`` (their slots, in the same order)."""
 
-    slots: list[int]
-    resident: list[bool]
     missing: list[int]
     dest: list[int]
 
@@ -256,7 +250,7 @@ class PrefillStreamer:
                     cur.slot_of[old] = -1
                 cur.owner_of[s], cur.slot_of[fid] = fid, s
                 slots[fid - base] = s
-            cur.plans.append(_LayerPlan(slots, resident, missing, dest))
+            cur.plans.append(_LayerPlan(missing, dest))
             pad = [0] * (E - len(missing))
             rows.append(missing + pad + dest + pad + [int(r) for r in resident] + slots)
         staging = torch.tensor(rows, dtype=torch.int64)  # [L, 4E]
@@ -281,7 +275,7 @@ class PrefillStreamer:
         runs = copy_runs(plan.missing, plan.dest)
         if not (runs and self._cuda and self.mode == "overlap"):
             self._copy(runs)
-            return _StagedLayer(plan.slots, plan.resident, on_device, None)
+            return _StagedLayer(on_device, None)
         stream = self._copy_stream
         with torch.cuda.stream(stream):
             if wait is not None:
@@ -289,7 +283,7 @@ class PrefillStreamer:
             self._copy(runs)
             done = torch.cuda.Event()
             done.record(stream)
-        return _StagedLayer(plan.slots, plan.resident, on_device, done)
+        return _StagedLayer(on_device, done)
 
     def _copy(self, runs: list[tuple[int, int, int]]) -> None:
         non_blocking = self.pool.pinned and self._cuda
@@ -329,7 +323,7 @@ class PrefillStreamer:
         cur.hit_miss += torch.stack([hit.sum(), (seen & ~resident).sum()])
         lu = cache.last_used
         lu[slots] = torch.where(hit, cur.step, torch.where(unrouted_staged, UNROUTED_STAGED_STEP, lu[slots]))
-        base = moe_layer * E  # the table's rows of this layer are staged.slots, on the device
+        base = moe_layer * E  # the table's rows of this layer hold `slots`
         run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
                            cur.routed, act=self.pool.activation)
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
