@@ -188,13 +188,24 @@ def test_cpu_engine_runs_dense_gemvs_natively_and_matches_torch(small_bf16, monk
         return attention(self, q, *args, **kw)
 
     monkeypatch.setattr(native.DenseKernels, "decode_attention", counting_attention)
+    moe_calls = []
+    moe_decode = native.DenseKernels.try_moe_decode
+
+    def counting_moe(self, x, router_weight, top_k, norm_topk_prob, id_base, residual=None):
+        got = moe_decode(self, x, router_weight, top_k, norm_topk_prob, id_base, residual)
+        moe_calls.append(got is not None and residual is not None)
+        return got
+
+    monkeypatch.setattr(native.DenseKernels, "try_moe_decode", counting_moe)
     prompt = list(range(5, 30))
     a = _decode(nat, prompt, 6)
     cfgm = nat.model_config
     shapes = {shape for shape, _ in calls}
     assert (cfgm.vocab_size, cfgm.hidden_size) in shapes  # the LM head
     assert (cfgm.num_heads * cfgm.head_dim, cfgm.hidden_size) in shapes  # q_proj
-    assert (cfgm.num_experts, cfgm.hidden_size) in shapes  # the router
+    assert (cfgm.num_experts, cfgm.hidden_size) not in shapes  # the router: inside the MoE layer's one call
+    # every decode step's MoE layers ran as one native call each (router, experts and the residual add)
+    assert moe_calls == [True] * (6 * len(cfgm.moe_layers))
     # the 25-row prefill's projections stayed with torch (a GEMM); its LM head row (1) did not
     assert max(rows for _, rows in calls) == 1
     assert len(attn_calls) == 6 * cfgm.num_layers and set(attn_calls) == {1}  # every decode step's attention
@@ -259,6 +270,27 @@ def test_dense_rms_norm_matches_the_torch_module(float32_scale, rows, n):
     assert not dense.takes_norm(torch.zeros(65, n, dtype=torch.bfloat16), norm.weight)  # a prefill: torch's threads
     with pytest.raises(ValueError, match="bf16 CPU tensors"):
         dense.rms_norm(x.float(), norm.weight, norm.eps)
+
+
+@pytest.mark.parametrize("float32_scale", [False, True])
+@pytest.mark.parametrize("rows,n", [(1, 2048), (5, 96), (2, 37)])
+def test_dense_add_rms_norm_is_the_residual_add_then_the_norm(float32_scale, rows, n):
+    """``RMSNorm.add_forward`` with the kernels bound (one native call): the residual sum bit for bit torch's bf16
+    add, the normalized value as :meth:`DenseKernels.rms_norm` of that sum (itself within a bf16 ulp of torch)."""
+    dense = native.DenseKernels()
+    g = torch.Generator().manual_seed(rows * n)
+    norm = RMSNorm(n, 1e-6, float32_scale=float32_scale)
+    norm.weight.data = (torch.randn(n, generator=g) * 0.5 + 1).bfloat16()
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    delta = (torch.randn(rows, n, generator=g) * 2).bfloat16()
+    r_ref, y_ref = norm.add_forward(x, delta)  # nothing bound: torch's add and norm
+    norm.cpu_dense = dense
+    r, y = norm.add_forward(x, delta)
+    assert torch.equal(r, x + delta) and torch.equal(r, r_ref)
+    assert torch.equal(y, dense.rms_norm(r, norm.weight, norm.eps, float32_scale))
+    assert int(_ulps(y, y_ref).max()) <= 1
+    assert dense.try_add_rms_norm(x.float(), delta.float(), norm.weight, norm.eps) is None  # float32: torch's
+    assert dense.try_add_rms_norm(x, delta[:, :-1].contiguous(), norm.weight, norm.eps) is None
 
 
 def _rotary(head_dim: int, partial: float) -> RotaryEmbedding:
@@ -390,3 +422,79 @@ def test_dense_decode_attention_skips_a_chunk_of_minus_infinite_scores():
                                      scale=d ** -0.5)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _routing_reference(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax top-k router's torch ops (``TopKRouter``) with the documented tie rule (equal probabilities:
+    the lower expert first): ``(ids [T, k], weights [T, k] bf16)``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    order = torch.sort(-probs, dim=-1, stable=True).indices[:, :k]
+    w = probs.gather(1, order)
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return order, w.to(logits.dtype)
+
+
+@pytest.mark.parametrize("T,k,norm,with_residual,threads", [
+    (1, 8, True, True, 1), (1, 8, True, False, 3), (3, 2, False, True, 2), (8, 4, True, True, 3),
+    (5, 1, True, False, 2)])
+def test_moe_decode_matches_router_experts_and_residual_of_the_python_path(T, k, norm, with_residual, threads):
+    """``DenseKernels.try_moe_decode`` (one native call) against the ops it replaces: the router's bf16 logits
+    (``linear``) through torch's softmax / top-k, the routes grouped by expert through ``run_grouped`` into a
+    float32 sum, ``.to(bfloat16)`` and the residual add. Ids equal, weights within a bf16 ulp of torch's, and
+    the output bit for bit the Python path's over the same routes and weights."""
+    E, H, I, layers = 16, 64, 32, 3
+    pool = HostExpertPool.dense(layers * E, H, I, torch.bfloat16)
+    pool.fill_random(seed=T + k, std=0.1)
+    ex = native.NativeCpuExecutor(pool, threads, min_parallel_bytes=0, oversubscribe=True)
+    dense = ex.dense
+    g = torch.Generator().manual_seed(100 * T + k)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    router = (torch.randn(E, H, generator=g) * 0.3).to(torch.bfloat16)
+    residual = torch.randn(T, H, generator=g).to(torch.bfloat16) if with_residual else None
+    layer = 2
+    out, ids, weights, n = dense.try_moe_decode(x, router, k, norm, layer * E, residual)
+    logits = dense.linear(x, router)
+    ref_ids, ref_w = _routing_reference(logits, k, norm)
+    assert torch.equal(ids, ref_ids)
+    assert int(_ulps(weights, ref_w).max()) <= 1
+    assert n == len(set((ids + layer * E).flatten().tolist()))
+    flat = ids + layer * E
+    order = flat.reshape(-1).argsort(stable=True)
+    fids, counts = torch.unique(flat, return_counts=True)
+    acc = torch.zeros(T, H)
+    ex.run_grouped(x, fids.tolist(), counts.tolist(), order // k, weights.reshape(-1)[order].float(), acc)
+    expect = acc.to(torch.bfloat16)
+    if residual is not None:
+        expect = residual + expect
+    assert torch.equal(out, expect)
+
+
+def test_moe_decode_breaks_ties_at_the_kth_place_toward_the_lower_expert():
+    E, H = 8, 32
+    pool = HostExpertPool.dense(E, H, 32, torch.bfloat16)
+    pool.fill_random(seed=1, std=0.1)
+    ex = native.NativeCpuExecutor(pool, 1, min_parallel_bytes=0)
+    dense = ex.dense
+    x = torch.zeros(1, H, dtype=torch.bfloat16)
+    x[0, 0] = 1.0
+    router = torch.zeros(E, H, dtype=torch.bfloat16)
+    router[:, 0] = torch.tensor([0.5, 2.0, 1.0, 1.0, 2.0, 1.0, 0.0, 1.0])  # logits, ties at the 3rd place
+    _, ids, weights, _ = dense.try_moe_decode(x, router, 3, False, 0)
+    assert ids.tolist() == [[1, 4, 2]]
+    assert weights[0, 0] == weights[0, 1] and weights[0, 1] > weights[0, 2]
+
+
+def test_moe_decode_refuses_what_it_does_not_take():
+    pool = HostExpertPool.dense(8, 32, 32, torch.bfloat16)
+    pool.fill_random(seed=2, std=0.1)
+    ex = native.NativeCpuExecutor(pool, 1, min_parallel_bytes=0)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    router = torch.randn(8, 32).to(torch.bfloat16)
+    dense = ex.dense
+    assert dense.try_moe_decode(x.float(), router, 2, True, 0) is None  # float32 activations
+    assert dense.try_moe_decode(x, router[:, :16], 2, True, 0) is None  # router width != hidden
+    assert dense.try_moe_decode(x, router, 9, True, 0) is None  # k > E
+    assert dense.try_moe_decode(x, router, 2, True, 0, residual=x[:1]) is None  # residual shape
+    with pytest.raises(IndexError):
+        dense.try_moe_decode(x, router, 2, True, 8)  # experts 8.. are not in the pool

@@ -232,6 +232,34 @@ class HybridExperts:
         self._prefetched[moe_layer + 1] = set(misses[:len(victims)])
 
     # ------------------------------------------------------------------ forward
+    def try_cpu_decode(self, moe_layer: int, x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+                       norm_topk_prob: bool, phase: Phase, residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A softmax top-k MoE layer's decode step as one native call where every route runs on the CPU executor
+        (no cache slots: a CPU-only engine, or ``cpu-all`` with an empty cache) and its dense kernels take it
+        (``DenseKernels.try_moe_decode``: router, routing, experts, residual add); the counters move as
+        :meth:`forward`'s would (every expert a miss computed on the CPU).
+
+        Args:
+            moe_layer: MoE layer ordinal. x: ``[T, H]`` the MLP input. router_weight: ``[E, H]``.
+            top_k, norm_topk_prob: the router's settings. phase: only decode is taken.
+            residual: ``[T, H]`` added to the routed output, or ``None``.
+
+        Returns:
+            ``(out [T, H] (+ residual), ids [T, k] int64, weights [T, k])``, or ``None``: use the router and
+            :meth:`forward`.
+        """
+        if phase is not Phase.DECODE or self.cache.num_slots or (dense := self.cpu.dense) is None:
+            return None
+        got = dense.try_moe_decode(x, router_weight, top_k, norm_topk_prob, moe_layer * self.num_experts, residual)
+        if got is None:
+            return None
+        out, ids, weights, n = got
+        counters = self.cache.counters[phase.value]
+        counters.misses += n
+        counters.cpu += n
+        return out, ids, weights
+
     def _run_cpu_only(self, x: torch.Tensor, k: int, topk_weights: torch.Tensor, fids: list[int],
                       counts: list[int], order: torch.Tensor) -> torch.Tensor:
         """Routed output of a step whose every route runs on the CPU executor: ``[T, H]`` in ``x.dtype``.

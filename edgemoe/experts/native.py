@@ -935,6 +935,59 @@ class DenseKernels:
         y = gemv._linear_checked(x, weight, torch.empty(*x.shape[:-1], weight.shape[0]))  # float32
         return y.add_(bias).to(x.dtype)
 
+    def try_moe_decode(self, x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                       id_base: int, residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """One softmax top-k MoE layer of a CPU decode step whose every routed expert runs on the executor, as one
+        native call (``Executor::moe_decode``): the router GEMV, softmax top-k routing, the experts and the residual
+        add, with no torch operation between them. The same computation as the Python path it replaces
+        (``TopKRouter``, ``HybridExperts`` with every route on the CPU, then ``residual + routed``): the same
+        kernels over the routes in the same order, the logits rounded to bf16, the routing weights to bf16 and
+        the routed sum to bf16 where that path rounds; the softmax differs only in its summation order and
+        ``exp`` (float32 ulps, rarely one bf16 ulp of a weight), and equal probabilities at the k-th place keep
+        the lower expert.
+
+        Args:
+            x: ``[T, H]`` bf16 CPU hidden states (the MLP input), at most :attr:`max_linear_rows` rows.
+            router_weight: ``[E, H]`` bf16, rows contiguous (``Qwen3MoeTopKRouter``'s ``weight``).
+            top_k, norm_topk_prob: the router's settings.
+            id_base: flat id of the layer's expert 0 in the executor's pool (``moe_layer * E``).
+            residual: ``[T, H]`` bf16 added to the result, or ``None``.
+
+        Returns:
+            ``(out [T, H] bf16, ids [T, k] int64 descending weight, weights [T, k] bf16, distinct experts run)``,
+            or ``None`` where the call does not take these arguments (dtypes, devices, shapes, rows).
+
+        Raises:
+            ValueError: the executor these kernels ran on was closed, or it refused the step (an id range
+                outside its pool).
+        """
+        if x.dim() != 2 or not 0 < x.shape[0] <= self.max_linear_rows or router_weight.dim() != 2:
+            return None
+        T, H = x.shape
+        E = router_weight.shape[0]
+        if (not self._is_bf16_cpu(x, router_weight) or not x.is_contiguous() or not router_weight.is_contiguous()
+                or router_weight.shape[1] != H or not 1 <= top_k <= E):
+            return None
+        if residual is not None and (not self._is_bf16_cpu(residual) or residual.shape != x.shape
+                                     or not residual.is_contiguous()):
+            return None
+        gemv = self._gemv()
+        if gemv is None:
+            raise ValueError("moe_decode: the executor these kernels ran on was closed")
+        if gemv.pool.hidden != H:
+            return None
+        out = torch.empty(T, H, dtype=torch.bfloat16)
+        ids = torch.empty(T, top_k, dtype=torch.int64)
+        weights = torch.empty(T, top_k, dtype=torch.bfloat16)
+        res = 0 if residual is None else residual.data_ptr()
+        st, n = gemv._core.moe_decode(gemv._banks, x.data_ptr(), T, router_weight.data_ptr(), E, int(top_k),
+                                      bool(norm_topk_prob), int(id_base), res, out.data_ptr(), ids.data_ptr(),
+                                      weights.data_ptr())
+        if st:
+            _raise_status(st, f"{gemv.name}.moe_decode")
+        return out, ids, weights, n
+
     @staticmethod
     def _is_bf16_cpu(*ts: torch.Tensor) -> bool:
         for t in ts:  # a loop, not all() over a generator: a decode step calls this a few hundred times
@@ -972,6 +1025,20 @@ class DenseKernels:
         self._ext.rms_norm_bf16(x2.data_ptr(), x2.shape[0], D, x2.stride(0), weight.data_ptr(), float(eps),
                                 bool(float32_scale), y.data_ptr(), D)
         return y
+
+    def try_add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                         float32_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual add and the norm after it as one call: ``r = x + delta`` (rounded to bf16, as torch's bf16
+        add) and ``(r, RMSNorm(r) * weight)`` as :meth:`rms_norm`; ``x``, ``delta`` ``[T, D]`` bf16 contiguous on
+        the CPU (at most :attr:`max_rows` rows), else ``None``."""
+        if (x.dim() != 2 or delta.shape != x.shape or not self.takes_norm(x, weight) or not self._is_bf16_cpu(delta)
+                or not x.is_contiguous() or not delta.is_contiguous()):
+            return None
+        r = torch.empty(x.shape, dtype=torch.bfloat16)
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        self._ext.add_rms_norm_bf16(x.data_ptr(), delta.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                                    float(eps), bool(float32_scale), r.data_ptr(), y.data_ptr())
+        return r, y
 
     def takes_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, batch) -> bool:
         """Whether :meth:`decode_attention` takes this step: bf16 CPU tensors, one new token per

@@ -91,7 +91,11 @@ class MoeBlock(nn.Module):
 
 
 class SparseMoeBlock(MoeBlock):
-    """A :class:`MoeBlock` whose router is ``gate``, chosen by the config (see the module docstring)."""
+    """A :class:`MoeBlock` whose router is ``gate``, chosen by the config (see the module docstring).
+
+    ``forward(x [T, H], batch, residual [T, H] | None) -> [T, H]``: the routed output, plus ``residual`` when
+    given (a decoder layer's residual add, which the native CPU decode step folds into its call).
+    """
 
     def __init__(self, cfg: ModelConfig, moe_layer: int):
         super().__init__(moe_layer)
@@ -99,6 +103,17 @@ class SparseMoeBlock(MoeBlock):
 
     def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate(x, valid)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+        gate = self.gate
+        if isinstance(gate, TopKRouter) and (got := self.experts.try_cpu_decode(
+                self.moe_layer, x, gate.weight, gate.top_k, gate.norm_topk_prob, batch.phase, residual)) is not None:
+            out, ids, weights = got  # a CPU-only decode step: router, experts and residual in one native call
+            if batch.record is not None:
+                batch.record(batch, self.moe_layer, ids, weights)
+            return out
+        out = super().forward(x, batch)
+        return out if residual is None else residual + out
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

@@ -50,9 +50,13 @@ class RMSNorm(UsesCpuDense, nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and this norm: ``r = x + delta`` (``[T, D]``), returns ``(r, self(r))``; one
-        launch on CUDA in a 16-bit dtype (same rounding points as the two ops)."""
+        launch on CUDA in a 16-bit dtype, one native call in a CPU decode step (same rounding points as the two
+        ops)."""
         fused = fused_kernels(x)
         if fused is None or x.dim() != 2 or self.weight.dtype != x.dtype or delta.dtype != x.dtype:
+            if self.cpu_dense is not None and (  # one call, a CPU decode step
+                    got := self.cpu_dense.try_add_rms_norm(x, delta, self.weight, self.eps, self.float32_scale)):
+                return got
             r = x + delta
             return r, self(r)
         return fused.add_rms_norm(x, delta, self.weight, self.eps, float32_scale=self.float32_scale)

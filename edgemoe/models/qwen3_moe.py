@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), batch))
-        return x + (self.mlp(h, batch) if self.is_moe else self.mlp(h))
+        return self.mlp(h, batch, residual=x) if self.is_moe else x + self.mlp(h)
 
 
 class Qwen3MoeModel(nn.Module):

@@ -83,6 +83,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "RMSNorm over rows of bf16 (dense.h)");
   m.def(
+      "add_rms_norm_bf16",
+      [](uintptr_t x, uintptr_t delta, int64_t rows, int64_t n, uintptr_t w, float eps, bool f32_scale, uintptr_t r,
+         uintptr_t y) {
+        py::gil_scoped_release nogil;
+        add_rms_norm_bf16(ptr<const uint16_t>(x), ptr<const uint16_t>(delta), rows, n, ptr<const uint16_t>(w), eps,
+                          f32_scale, ptr<uint16_t>(r), ptr<uint16_t>(y));
+      },
+      "The residual add and RMSNorm over rows of bf16 (dense.h)");
+  m.def(
       "decode_attention_bf16",
       [](Executor* e, uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_ld, int64_t k_ld, int64_t v_ld, int64_t tokens,
          int64_t hq, int64_t hk, int64_t d, uintptr_t q_norm, uintptr_t k_norm, float eps, bool f32_scale,
@@ -167,6 +176,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             x_fmt, M, ldx, ptr<void>(y), y_fmt, ldy);
           },
           "Dense rows y[M, N] = x[M, K] @ W[N, K]^T on the pool; returns an edgemoe Status code (0 = ok)")
+      .def(
+          "moe_decode",
+          [](Executor& e, const ExpertBanks& b, uintptr_t x, int64_t T, uintptr_t router, int64_t E, int64_t top_k,
+             bool norm_topk, int64_t id_base, uintptr_t residual, uintptr_t out, uintptr_t ids, uintptr_t weights) {
+            const Executor::MoeDecodeArgs a{ptr<const uint16_t>(x), T, ptr<const uint16_t>(router), E, top_k,
+                                            norm_topk, id_base, ptr<const uint16_t>(residual), ptr<uint16_t>(out),
+                                            ptr<int64_t>(ids), ptr<uint16_t>(weights)};
+            int64_t n = 0;
+            int32_t st;
+            {
+              py::gil_scoped_release nogil;
+              st = e.moe_decode(b, a, &n);
+            }
+            return py::make_tuple(st, n);
+          },
+          "One MoE layer of a CPU decode step (router, softmax top-k, experts, residual; Executor::moe_decode); "
+          "returns (Status, distinct experts run)")
       .def(
           "sum_f32",
           [](Executor& e, uintptr_t p, int64_t n) {

@@ -340,6 +340,50 @@ void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t ldx, cons
   }
 }
 
+void softmax_topk_bf16(const uint16_t* logits, int64_t tokens, int64_t E, int64_t ld, int64_t top_k, bool norm_topk,
+                       int64_t* ids, uint16_t* weights) {
+  thread_local std::vector<float> p;
+  thread_local std::vector<int64_t> order;
+  grow(p, E);
+  grow(order, E);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* l = logits + t * ld;
+    float mx = f32(l[0]);
+    for (int64_t e = 1; e < E; ++e) mx = std::max(mx, f32(l[e]));
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(f32(l[e]) - mx));
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; ++e) {
+      p[e] *= inv;
+      order[e] = e;
+    }
+    // descending probability, the lower id first among equals (a NaN row keeps the ids in order)
+    std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + E,
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (!(p[b] > p[a]) && a < b); });
+    float ksum = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) ksum += p[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      ids[t * top_k + j] = order[j];
+      weights[t * top_k + j] = bf16(norm_topk ? p[order[j]] / ksum : p[order[j]]);
+    }
+  }
+}
+
+void round_add_bf16(const float* acc, const uint16_t* residual, uint16_t* out, int64_t n) {
+  if (residual == nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16(acc[i]);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16(f32(residual[i]) + round_bf16(acc[i]));
+}
+
+EDGEMOE_CLONES
+void add_rms_norm_bf16(const uint16_t* x, const uint16_t* delta, int64_t rows, int64_t n, const uint16_t* w, float eps,
+                       bool f32_scale, uint16_t* r, uint16_t* y) {
+  for (int64_t i = 0; i < rows * n; ++i) r[i] = bf16(f32(x[i]) + f32(delta[i]));
+  rms_norm_bf16(r, rows, n, n, w, eps, f32_scale, y, n);
+}
+
 int32_t decode_attention_check(const DecodeAttentionArgs& a) {
   const int64_t Hq = a.num_heads, Hk = a.num_kv_heads, D = a.head_dim;
   if (Hq < 1 || Hk < 1 || D < 1 || Hq % Hk != 0 || a.tokens < 0 || a.rotary_dim < 0 || a.rotary_dim > D ||

@@ -12,6 +12,23 @@ namespace edgemoe {
 void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t ldx, const uint16_t* w, float eps,
                    bool f32_scale, uint16_t* y, int64_t ldy);
 
+// The router of a softmax top-k MoE layer (reference: transformers' Qwen3MoeTopKRouter) over `tokens` rows of
+// bf16 logits [tokens, E] (rows ld elements apart): p = softmax(logits) in float32 (exp(l - max) times the
+// reciprocal of their sum, as torch's CPU softmax), the top_k largest in descending order (equal values: the
+// lower expert first), with norm_topk each divided by the k's sum, rounded to bf16. ids [tokens, top_k] int64
+// (experts of the layer), weights [tokens, top_k] bf16. Requires 1 <= top_k <= E.
+void softmax_topk_bf16(const uint16_t* logits, int64_t tokens, int64_t E, int64_t ld, int64_t top_k, bool norm_topk,
+                       int64_t* ids, uint16_t* weights);
+
+// out[i] = bf16(acc[i]) for i < n, or with a residual bf16(residual[i] + bf16(acc[i])): a float32 sum rounded to the
+// model's dtype, then the bf16 residual add (the rounding points of torch's `.to(bfloat16)` and bf16 `+`)
+void round_add_bf16(const float* acc, const uint16_t* residual, uint16_t* out, int64_t n);
+
+// The residual add and the norm after it: r = x + delta rounded to bf16, y = RMSNorm(r) as rms_norm_bf16, for
+// `rows` rows of n contiguous elements (x, delta, r, y rows n apart)
+void add_rms_norm_bf16(const uint16_t* x, const uint16_t* delta, int64_t rows, int64_t n, const uint16_t* w, float eps,
+                       bool f32_scale, uint16_t* r, uint16_t* y);
+
 // One attention layer's decode work for `tokens` sequences of one new token each, after the q/k/v
 // projections: q/k per-head RMSNorm (q_norm / k_norm, or nullptr: none), rotate-half RoPE on the first
 // rotary_dim dims of each head (cos / sin nullptr: none), the new key and value written into cache slot

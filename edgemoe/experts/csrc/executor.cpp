@@ -686,6 +686,45 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
   return kOk;
 }
 
+int32_t Executor::moe_decode(const ExpertBanks& b, const MoeDecodeArgs& a, int64_t* n_experts) {
+  if (a.T < 1 || a.E < 1 || a.top_k < 1 || a.top_k > a.E || !a.x || !a.router || !a.out || !a.ids || !a.weights ||
+      !n_experts || b.hidden < 1)
+    return kBadArgs;
+  if (a.id_base < 0 || a.id_base + a.E > b.num_ids) return kBadExpert;
+  const int64_t T = a.T, H = b.hidden, E = a.E, k = a.top_k, R = T * k;
+  std::lock_guard<std::mutex> lock(moe_mutex_);
+  moe_logits_.resize(static_cast<size_t>(T * E));
+  int32_t st = linear(a.router, WeightFormat::BF16, E, H, H * 2, a.x, 1, T, H, moe_logits_.data(), 1, E);
+  if (st) return st;
+  softmax_topk_bf16(moe_logits_.data(), T, E, E, k, a.norm_topk, a.ids, a.weights);
+  // routes r = t * k + j, stably sorted by expert: ascending (expert, token, k)
+  moe_order_.resize(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) moe_order_[r] = r;
+  std::stable_sort(moe_order_.begin(), moe_order_.end(), [&](int64_t p, int64_t q) { return a.ids[p] < a.ids[q]; });
+  moe_fids_.clear();
+  moe_offsets_.assign(1, 0);
+  moe_tok_.resize(static_cast<size_t>(R));
+  moe_wt_.resize(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t r = moe_order_[i], id = a.ids[r];
+    if (moe_fids_.empty() || moe_fids_.back() != a.id_base + id) {
+      moe_fids_.push_back(a.id_base + id);
+      moe_offsets_.push_back(i);
+    }
+    moe_offsets_.back() = i + 1;
+    moe_tok_[i] = r / k;
+    const uint32_t w = static_cast<uint32_t>(a.weights[r]) << 16;
+    std::memcpy(&moe_wt_[i], &w, 4);
+  }
+  moe_acc_.resize(static_cast<size_t>(T * H));
+  const StepArgs s{a.x, 1, T, moe_acc_.data(), static_cast<int64_t>(moe_fids_.size()), moe_fids_.data(),
+                   moe_offsets_.data(), moe_tok_.data(), moe_wt_.data(), 1};
+  if ((st = run(b, s))) return st;
+  round_add_bf16(moe_acc_.data(), a.residual, a.out, T * H);
+  *n_experts = static_cast<int64_t>(moe_fids_.size());
+  return kOk;
+}
+
 struct Executor::AttentionJob {
   const DecodeAttentionArgs* a;
   const float* qf;

@@ -198,6 +198,27 @@ class Executor {
   int32_t linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, int64_t w_stride, const void* x,
                  int32_t x_fmt, int64_t M, int64_t ldx, void* y, int32_t y_fmt, int64_t ldy);
 
+  // One MoE layer of a decode step with every routed expert on this executor (a CPU-only engine), as one call:
+  // the router's bf16 logits x @ router^T (linear()), softmax top-k routing (softmax_topk_bf16, dense.h), the
+  // routes grouped by expert in ascending (expert, token, k) order, run() over them, and the float32 sum rounded
+  // to bf16, plus the residual where one is given (round_add_bf16). The same work, in the same order, as the
+  // Python path it replaces (router, grouping, run(), `.to(bfloat16)`, residual add), without its torch
+  // operations between the native calls. *n_experts: the distinct experts the step ran. Thread-safe (serialized
+  // with itself; run() and linear() with each other). Returns a Status; on error out is not written.
+  struct MoeDecodeArgs {
+    const uint16_t* x;         // [T, H] bf16, rows contiguous
+    int64_t T;
+    const uint16_t* router;    // [E, H] bf16, rows contiguous
+    int64_t E, top_k;
+    bool norm_topk;
+    int64_t id_base;           // flat id of the layer's expert 0 (moe_layer * E)
+    const uint16_t* residual;  // [T, H] bf16, or nullptr
+    uint16_t* out;             // [T, H] bf16
+    int64_t* ids;              // [T, top_k]: experts of the layer, descending weight
+    uint16_t* weights;         // [T, top_k] bf16
+  };
+  int32_t moe_decode(const ExpertBanks& banks, const MoeDecodeArgs& a, int64_t* n_experts);
+
   // Sum of n floats read by all threads (the read-bandwidth test); static split, 4 KiB aligned.
   double sum_f32(const float* p, int64_t n);
 
@@ -248,6 +269,10 @@ class Executor {
   std::vector<double> partial_;
   std::vector<float> attn_q_, attn_parts_;  // decode_attention: the step's queries, the chunks' parts
   std::vector<int64_t> attn_first_;
+  std::mutex moe_mutex_;  // moe_decode's buffers: the logits, the grouped routes, the float32 sums
+  std::vector<uint16_t> moe_logits_;
+  std::vector<int64_t> moe_order_, moe_fids_, moe_offsets_, moe_tok_;
+  std::vector<float> moe_wt_, moe_acc_;
 };
 
 }  // namespace edgemoe
