@@ -181,13 +181,14 @@ def test_cpu_engine_runs_dense_gemvs_natively_and_matches_torch(small_bf16, monk
 
     monkeypatch.setattr(native.NativeCpuExecutor, "_linear_checked", counting)
     attn_calls = []
-    attention = native.DenseKernels.decode_attention
+    attention_layer = native.DenseKernels.try_attention_layer
 
-    def counting_attention(self, q, *args, **kw):
-        attn_calls.append(q.shape[0])
-        return attention(self, q, *args, **kw)
+    def counting_attention(self, x, *args, **kw):
+        y = attention_layer(self, x, *args, **kw)
+        attn_calls.append(None if y is None else x.shape[0])
+        return y
 
-    monkeypatch.setattr(native.DenseKernels, "decode_attention", counting_attention)
+    monkeypatch.setattr(native.DenseKernels, "try_attention_layer", counting_attention)
     moe_calls = []
     moe_decode = native.DenseKernels.try_moe_decode
 
@@ -202,13 +203,14 @@ def test_cpu_engine_runs_dense_gemvs_natively_and_matches_torch(small_bf16, monk
     cfgm = nat.model_config
     shapes = {shape for shape, _ in calls}
     assert (cfgm.vocab_size, cfgm.hidden_size) in shapes  # the LM head
-    assert (cfgm.num_heads * cfgm.head_dim, cfgm.hidden_size) in shapes  # q_proj
-    assert (cfgm.num_experts, cfgm.hidden_size) not in shapes  # the router: inside the MoE layer's one call
+    # the attention projections and the router: inside the layer's one call each (attention, MoE)
+    assert ((cfgm.num_heads + 2 * cfgm.num_kv_heads) * cfgm.head_dim, cfgm.hidden_size) not in shapes  # fused q/k/v
+    assert (cfgm.num_experts, cfgm.hidden_size) not in shapes
     # every decode step's MoE layers ran as one native call each (router, experts and the residual add)
     assert moe_calls == [True] * (6 * len(cfgm.moe_layers))
     # the 25-row prefill's projections stayed with torch (a GEMM); its LM head row (1) did not
     assert max(rows for _, rows in calls) == 1
-    assert len(attn_calls) == 6 * cfgm.num_layers and set(attn_calls) == {1}  # every decode step's attention
+    assert attn_calls == [1] * (6 * cfgm.num_layers)  # every decode step's attention layer as one call
     assert ref.experts.cpu_executor.dense is None
     b = _decode(ref, prompt, 6)
     # same greedy path for the first steps, logits within bf16 tolerance of the torch ops
@@ -498,3 +500,47 @@ def test_moe_decode_refuses_what_it_does_not_take():
     assert dense.try_moe_decode(x, router, 2, True, 0, residual=x[:1]) is None  # residual shape
     with pytest.raises(IndexError):
         dense.try_moe_decode(x, router, 2, True, 8)  # experts 8.. are not in the pool
+
+
+@pytest.mark.parametrize("hq,hk,d,lens,threads", [(8, 2, 64, [9, 1, 22], 2), (16, 4, 128, [300, 129], 3),
+                                                  (4, 4, 32, [5], 1)])
+def test_attention_layer_is_the_qkv_gemv_attention_and_o_gemv_bit_for_bit(hq, hk, d, lens, threads):
+    """``DenseKernels.try_attention_layer`` (one native call) against the three calls it replaces on the same
+    executor: the fused q/k/v GEMV (``linear``), ``decode_attention`` over its columns and the o GEMV: the output
+    and the K/V written into the cache bit for bit."""
+    g = torch.Generator().manual_seed(hq + d)
+    H, ps, T = 96, 4, len(lens)
+    dense = native.DenseKernels(_executor(None, threads))
+    pages = sum(-(-n // ps) for n in lens)
+    kv_a = PagedKVPool(KVSpec.heads(1, hk, d), pages, ps, torch.bfloat16, torch.device("cpu"))
+    for i, n in enumerate(lens):
+        kv_a.allocate(i, n)
+    kv_a.k.copy_(torch.randn(kv_a.k.shape, generator=g).bfloat16())
+    kv_a.v.copy_(torch.randn(kv_a.v.shape, generator=g).bfloat16())
+    k_b, v_b = kv_a.k[0].clone(), kv_a.v[0].clone()
+    tables = [kv_a.page_table(i) for i in range(T)]
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = torch.stack([tables[i][pos[i] // ps] * ps + pos[i] % ps for i in range(T)])
+    seqs = [SeqSlice(seq_id=i, q_start=i, q_len=1, kv_len=n, page_table=tables[i]) for i, n in enumerate(lens)]
+
+    def batch():
+        return SimpleNamespace(seqs=seqs, kv_slots=slots, positions=pos, decode=None, step_cache={})
+
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w_qkv = (torch.randn((hq + 2 * hk) * d, H, generator=g) * 0.1).bfloat16()
+    w_o = (torch.randn(H, hq * d, generator=g) * 0.1).bfloat16()
+    q_norm = (torch.randn(d, generator=g) * 0.3 + 1).bfloat16()
+    cos, sin = _rotary(d, 1.0).tables(pos, torch.bfloat16)
+    common = dict(q_norm=q_norm, k_norm=q_norm, eps=1e-6, float32_scale=False, cos=cos, sin=sin, page_size=ps,
+                  scale=d ** -0.5)
+    got = dense.try_attention_layer(x, w_qkv, w_o, k_cache=kv_a.k[0], v_cache=kv_a.v[0], batch=batch(), **common)
+    q, k, v = dense.linear(x, w_qkv).split([hq * d, hk * d, hk * d], dim=-1)
+    o = dense.decode_attention(q, k, v, k_cache=k_b, v_cache=v_b, batch=batch(), **common)
+    want = dense.linear(o.reshape(T, hq * d), w_o)
+    assert got.shape == (T, H) and torch.equal(got, want)
+    assert torch.equal(kv_a.k[0], k_b) and torch.equal(kv_a.v[0], v_b)
+    # what it does not take: a bias-less fused matrix of another width, float32 input, no executor
+    assert dense.try_attention_layer(x, w_qkv[:-d], w_o, k_cache=k_b, v_cache=v_b, batch=batch(), **common) is None
+    assert dense.try_attention_layer(x.float(), w_qkv, w_o, k_cache=k_b, v_cache=v_b, batch=batch(), **common) is None
+    assert native.DenseKernels().try_attention_layer(x, w_qkv, w_o, k_cache=k_b, v_cache=v_b, batch=batch(),
+                                                     **common) is None

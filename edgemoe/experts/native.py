@@ -1105,13 +1105,34 @@ class DenseKernels:
                              "[slots, Hk, D]")
         T, Hk, D = q.shape[0], k_cache.shape[1], k_cache.shape[2]
         Hq = q.shape[1] // D
-        if not self.takes_decode_attention(q, k_cache, batch) or not self._is_bf16_cpu(k, v, v_cache):
+        if not self.takes_decode_attention(q, k_cache, batch) or not self._is_bf16_cpu(k, v):
             raise ValueError("decode_attention: bf16 CPU tensors and a decode step of one token per sequence")
         if (q.shape[1] != Hq * D or tuple(k.shape) != (T, Hk * D) or tuple(v.shape) != (T, Hk * D)
-                or any(t.stride(1) != 1 for t in (q, k, v)) or not k_cache.is_contiguous()
-                or not v_cache.is_contiguous() or v_cache.shape != k_cache.shape):
-            raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and "
-                             f"caches {tuple(k_cache.shape)} do not fit [T, Hq*D], [T, Hk*D] x 2, [slots, Hk, D]")
+                or any(t.stride(1) != 1 for t in (q, k, v))):
+            raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                             f"fit [T, Hq*D], [T, Hk*D] x 2 with caches {tuple(k_cache.shape)}")
+        tail = self._attention_args(T, Hq, q_norm, k_norm, eps, float32_scale, cos, sin, k_cache, v_cache, batch,
+                                    page_size, scale)
+        out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
+        gemv = None if self._gemv is None else self._gemv()  # the pool's threads share the chunks, else this one
+        st = self._ext.decode_attention_bf16(None if gemv is None else gemv._core, q.data_ptr(), k.data_ptr(),
+                                             v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), *tail, out.data_ptr())
+        if st:
+            raise ValueError(f"decode_attention: sizes refused (Hq {Hq}, Hk {Hk}, D {D}, page {page_size})")
+        return out
+
+    def _attention_args(self, T: int, Hq: int, q_norm, k_norm, eps: float, float32_scale: bool, cos, sin,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, batch, page_size: int, scale: float) -> tuple:
+        """The native attention calls' arguments from ``tokens`` to ``scale`` (``DecodeAttentionArgs``), checked.
+
+        Raises:
+            ValueError: caches, norms or RoPE tables that do not fit, pages beyond the cache.
+        """
+        Hk, D = k_cache.shape[1], k_cache.shape[2]
+        if (not self._is_bf16_cpu(k_cache, v_cache) or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or v_cache.shape != k_cache.shape or Hq % Hk):
+            raise ValueError(f"decode_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be one "
+                             f"contiguous bf16 [slots, Hk, D] each, Hk dividing Hq = {Hq}")
         for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
             if w is not None and (w.dtype != torch.bfloat16 or w.numel() != D or not w.is_contiguous()):
                 raise ValueError(f"decode_attention: {name} must be [{D}] bf16, got {w.dtype} {tuple(w.shape)}")
@@ -1125,18 +1146,52 @@ class DenseKernels:
         if need > k_cache.shape[0]:
             raise ValueError(f"decode_attention: pages or KV slots up to {need} for a cache of "
                              f"{k_cache.shape[0]} slots")
-        out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
-        gemv = None if self._gemv is None else self._gemv()  # the pool's threads share the chunks, else this one
-        st = self._ext.decode_attention_bf16(
-            None if gemv is None else gemv._core,
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), T, Hq, Hk, D,
-            0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(), float(eps),
-            bool(float32_scale), 0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(), cos_ld, R,
-            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), int(page_size), float(scale), out.data_ptr())
+        return (T, Hq, Hk, D, 0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(),
+                float(eps), bool(float32_scale), 0 if cos is None else cos.data_ptr(),
+                0 if sin is None else sin.data_ptr(), cos_ld, R, slots.data_ptr(), k_cache.data_ptr(),
+                v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), int(page_size), float(scale))
+
+    def try_attention_layer(self, x: torch.Tensor, qkv_weight: torch.Tensor, o_weight: torch.Tensor, *,
+                            q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, float32_scale: bool,
+                            cos: torch.Tensor | None, sin: torch.Tensor | None, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, batch, page_size: int, scale: float) -> torch.Tensor | None:
+        """A whole attention layer of a CPU decode step as one native call (``Executor::attention_layer``): the
+        q/k/v GEMV over the fused matrix, :meth:`decode_attention` over its columns and the o GEMV, with the
+        kernels and rounding points of those three calls (q/k/v and the attention output rounded to bf16) and no
+        Python or torch operation between them.
+
+        Args:
+            x: ``[T, H]`` bf16 contiguous, the layer's normalized input, one token of each of ``batch.seqs``.
+            qkv_weight: ``[(Hq + 2 Hk) D, H]`` bf16, q, k and v rows in that order (``FusedQKV``), no bias.
+            o_weight: ``[H, Hq D]`` bf16 (``o_proj``, no bias).
+            The rest as :meth:`decode_attention`.
+
+        Returns:
+            ``[T, H]`` bf16, or ``None`` where it does not take the step (no executor, dtypes, shapes, rows, a step
+            :meth:`takes_decode_attention` refuses): then the separate calls.
+
+        Raises:
+            ValueError: caches, norms, tables or pages that do not fit (as :meth:`decode_attention`).
+        """
+        gemv = None if self._gemv is None else self._gemv()
+        if gemv is None or x.dim() != 2 or k_cache.dim() != 3 or not 0 < x.shape[0] <= self.max_linear_rows:
+            return None
+        (T, H), D = x.shape, k_cache.shape[2]
+        Hq = o_weight.shape[-1] // D
+        N = qkv_weight.shape[0]
+        if (not self.takes_decode_attention(x, k_cache, batch) or not self._is_bf16_cpu(qkv_weight, o_weight)
+                or not x.is_contiguous() or not qkv_weight.is_contiguous() or not o_weight.is_contiguous()
+                or qkv_weight.dim() != 2 or qkv_weight.shape[1] != H or tuple(o_weight.shape) != (H, Hq * D)
+                or N != (Hq + 2 * k_cache.shape[1]) * D):
+            return None
+        tail = self._attention_args(T, Hq, q_norm, k_norm, eps, float32_scale, cos, sin, k_cache, v_cache, batch,
+                                    page_size, scale)
+        y = torch.empty(T, H, dtype=torch.bfloat16)
+        st = self._ext.attention_layer_bf16(gemv._core, x.data_ptr(), H, qkv_weight.data_ptr(), o_weight.data_ptr(),
+                                            *tail, y.data_ptr())
         if st:
-            raise ValueError(f"decode_attention: sizes refused (Hq {Hq}, Hk {Hk}, D {D}, R {R}, page {page_size})")
-        return out
+            _raise_status(st, f"{gemv.name}.attention_layer")
+        return y
 
 
 class RegisteredStep:

@@ -322,12 +322,15 @@ class Qwen3Attention(FusedQKV, nn.Module):
             o = attend(q, self.kv, self.attn_index, batch, scale)  # [T, Hq, D]
             return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
         if (dense := self._cpu_dense_decode(x, batch)) is not None:
-            q, k, v = self.project_qkv(x)  # [T, Hq * D], [T, Hk * D] x 2
             cos, sin = self.rotary.step_tables(batch.positions, x.dtype, batch.step_cache)  # [T, R]
-            o = dense.decode_attention(q, k, v, q_norm=self.q_norm.weight, k_norm=self.k_norm.weight,
-                                       eps=self.q_norm.eps, float32_scale=self.q_norm.float32_scale, cos=cos, sin=sin,
-                                       k_cache=self.kv.k[self.attn_index], v_cache=self.kv.v[self.attn_index],
-                                       batch=batch, page_size=self.kv.page_size, scale=scale)  # [T, Hq, D]
+            args = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, eps=self.q_norm.eps,
+                        float32_scale=self.q_norm.float32_scale, cos=cos, sin=sin, k_cache=self.kv.k[self.attn_index],
+                        v_cache=self.kv.v[self.attn_index], batch=batch, page_size=self.kv.page_size, scale=scale)
+            if (self.qkv_weight is not None and self.qkv_bias is None and self.o_proj.bias is None and (
+                    y := dense.try_attention_layer(x, self.qkv_weight, self.o_proj.weight, **args)) is not None):
+                return y  # projections, attention and output projection in one native call
+            q, k, v = self.project_qkv(x)  # [T, Hq * D], [T, Hk * D] x 2
+            o = dense.decode_attention(q, k, v, **args)  # [T, Hq, D]
             return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
         q, k, v = self.project_qkv(x)  # [T, Hq * D], [T, Hk * D] x 2
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))  # [T, Hq, D]

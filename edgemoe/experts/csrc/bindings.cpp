@@ -109,6 +109,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "q/k norm, RoPE, K/V write and attention of a decode step in bf16 (dense.h), on an executor's pool "
       "(Executor::decode_attention) or, executor None, on the calling thread; returns 0, or 1 for refused sizes");
+  m.def(
+      "attention_layer_bf16",
+      [](Executor& e, uintptr_t x, int64_t hidden, uintptr_t qkv_w, uintptr_t o_w, int64_t tokens, int64_t hq,
+         int64_t hk, int64_t d, uintptr_t q_norm, uintptr_t k_norm, float eps, bool f32_scale, uintptr_t cos,
+         uintptr_t sin, int64_t cos_ld, int64_t rotary_dim, uintptr_t kv_slots, uintptr_t k_cache, uintptr_t v_cache,
+         uintptr_t page_tables, int64_t page_table_ld, uintptr_t kv_lens, int64_t page_size, float scale, uintptr_t y) {
+        // q, k, v and out are the executor's own buffers (Executor::attention_layer)
+        DecodeAttentionArgs a{nullptr, nullptr, nullptr, 0, 0, 0, tokens, hq, hk, d, ptr<const uint16_t>(q_norm),
+                              ptr<const uint16_t>(k_norm), eps, f32_scale, ptr<const uint16_t>(cos),
+                              ptr<const uint16_t>(sin), cos_ld, rotary_dim, ptr<const int64_t>(kv_slots),
+                              ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), ptr<const int64_t>(page_tables),
+                              page_table_ld, ptr<const int64_t>(kv_lens), page_size, scale, nullptr};
+        py::gil_scoped_release nogil;
+        return e.attention_layer(ptr<const uint16_t>(x), hidden, ptr<const uint16_t>(qkv_w), ptr<const uint16_t>(o_w),
+                                 a, ptr<uint16_t>(y));
+      },
+      "An attention layer of a decode step in bf16: fused q/k/v GEMV, decode attention, o GEMV "
+      "(Executor::attention_layer); returns an edgemoe Status code (0 = ok)");
 
   py::class_<ExpertBanks>(m, "ExpertBanks")
       .def(py::init([](uintptr_t base, int64_t row_bytes, int64_t num_ids, int64_t hidden, int64_t inter, int32_t fmt,

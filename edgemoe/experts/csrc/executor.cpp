@@ -686,6 +686,26 @@ int32_t Executor::linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, 
   return kOk;
 }
 
+int32_t Executor::attention_layer(const uint16_t* x, int64_t H, const uint16_t* qkv_w, const uint16_t* o_w,
+                                  const DecodeAttentionArgs& args, uint16_t* y) {
+  if (!x || !qkv_w || !o_w || !y || H < 1 || decode_attention_check(args)) return kBadArgs;
+  const int64_t T = args.tokens, Nq = args.num_heads * args.head_dim, Nk = args.num_kv_heads * args.head_dim;
+  const int64_t N = Nq + 2 * Nk;
+  std::lock_guard<std::mutex> lock(layer_mutex_);
+  layer_qkv_.resize(static_cast<size_t>(T * N));
+  layer_attn_.resize(static_cast<size_t>(T * Nq));
+  int32_t st = linear(qkv_w, WeightFormat::BF16, N, H, H * 2, x, 1, T, H, layer_qkv_.data(), 1, N);
+  if (st) return st;
+  DecodeAttentionArgs a = args;
+  a.q = layer_qkv_.data();
+  a.k = a.q + Nq;
+  a.v = a.k + Nk;
+  a.q_ld = a.k_ld = a.v_ld = N;
+  a.out = layer_attn_.data();
+  if (decode_attention(a)) return kBadArgs;
+  return linear(o_w, WeightFormat::BF16, H, Nq, Nq * 2, layer_attn_.data(), 1, T, Nq, y, 1, H);
+}
+
 int32_t Executor::moe_decode(const ExpertBanks& b, const MoeDecodeArgs& a, int64_t* n_experts) {
   if (a.T < 1 || a.E < 1 || a.top_k < 1 || a.top_k > a.E || !a.x || !a.router || !a.out || !a.ids || !a.weights ||
       !n_experts || b.hidden < 1)

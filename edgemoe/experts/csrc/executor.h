@@ -198,6 +198,15 @@ class Executor {
   int32_t linear(const void* w, WeightFormat fmt, int64_t N, int64_t K, int64_t w_stride, const void* x,
                  int32_t x_fmt, int64_t M, int64_t ldx, void* y, int32_t y_fmt, int64_t ldy);
 
+  // One attention layer of a decode step as one call, for q/k/v projections fused into one matrix without biases:
+  // qkv = x @ qkv_w^T (linear(); x [T, H] bf16, qkv_w [(Hq + 2 Hk) D, H] bf16, qkv rounded to bf16), decode_attention()
+  // over its q, k and v columns (`a` as decode_attention takes it, its q, k, v, their strides and out set here), then
+  // y = attention @ o_w^T (linear(); o_w [H, Hq D] bf16, y [T, H] bf16). The kernels and rounding points of the three
+  // calls it replaces, without the Python and torch operations between them. Thread-safe (serialized with itself).
+  // Returns a Status (sizes decode_attention refuses: kBadArgs).
+  int32_t attention_layer(const uint16_t* x, int64_t hidden, const uint16_t* qkv_w, const uint16_t* o_w,
+                          const DecodeAttentionArgs& a, uint16_t* y);
+
   // One MoE layer of a decode step with every routed expert on this executor (a CPU-only engine), as one call:
   // the router's bf16 logits x @ router^T (linear()), softmax top-k routing (softmax_topk_bf16, dense.h), the
   // routes grouped by expert in ascending (expert, token, k) order, run() over them, and the float32 sum rounded
@@ -269,6 +278,8 @@ class Executor {
   std::vector<double> partial_;
   std::vector<float> attn_q_, attn_parts_;  // decode_attention: the step's queries, the chunks' parts
   std::vector<int64_t> attn_first_;
+  std::mutex layer_mutex_;  // attention_layer's buffers: the q/k/v projections, the attention output
+  std::vector<uint16_t> layer_qkv_, layer_attn_;
   std::mutex moe_mutex_;  // moe_decode's buffers: the logits, the grouped routes, the float32 sums
   std::vector<uint16_t> moe_logits_;
   std::vector<int64_t> moe_order_, moe_fids_, moe_offsets_, moe_tok_;
