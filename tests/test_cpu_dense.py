@@ -544,3 +544,69 @@ def test_attention_layer_is_the_qkv_gemv_attention_and_o_gemv_bit_for_bit(hq, hk
     assert dense.try_attention_layer(x.float(), w_qkv, w_o, k_cache=k_b, v_cache=v_b, batch=batch(), **common) is None
     assert native.DenseKernels().try_attention_layer(x, w_qkv, w_o, k_cache=k_b, v_cache=v_b, batch=batch(),
                                                      **common) is None
+
+
+@pytest.mark.parametrize("T,k,wdtype", [(1, 8, torch.float32), (4, 3, torch.bfloat16), (9, 2, torch.float32)])
+def test_moe_routes_equal_the_grouped_python_path(T, k, wdtype):
+    """``DenseKernels.try_moe_routes`` (routes any router computed: one native call from the grouping to the bf16
+    rounding) against ``group_routes`` + ``run_grouped`` + ``.to(bfloat16)``, bit for bit; ids outside the layer
+    raise."""
+    from edgemoe.experts.hybrid import group_routes
+
+    E, H, I = 16, 64, 32
+    pool = HostExpertPool.dense(2 * E, H, I, torch.bfloat16)
+    pool.fill_random(seed=T * k, std=0.1)
+    ex = native.NativeCpuExecutor(pool, 2, min_parallel_bytes=0, oversubscribe=True)
+    g = torch.Generator().manual_seed(T + 10 * k)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+    weights = torch.rand(T, k, generator=g).to(wdtype)
+    out, n = ex.dense.try_moe_routes(x, ids, weights, E, E)
+    fids, counts, order = group_routes(ids + E)
+    acc = torch.zeros(T, H)
+    ex.run_grouped(x, fids, counts, order // k, weights.reshape(-1)[order].float(), acc)
+    assert torch.equal(out, acc.to(torch.bfloat16)) and n == len(fids)
+    with pytest.raises(IndexError):
+        ex.dense.try_moe_routes(x, ids + E, weights, E, 0)  # ids beyond the layer's experts
+    with pytest.raises(IndexError):
+        ex.dense.try_moe_routes(x, ids, weights, E, 2 * E)  # a layer beyond the pool
+    assert ex.dense.try_moe_routes(x.float(), ids, weights, E, 0) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda c: c.model_types[0])
+def test_one_call_layers_change_nothing_but_speed(family, tmp_path, monkeypatch):
+    """A CPU-only engine of every family decodes the same tokens, logits and expert counters with the one-call
+    layers (attention layer, add + norm, MoE layer with its router or with given routes) as with each of them
+    refused (the separate native calls and torch operations they replace): bit for bit but for the softmax
+    router's float32 rounding (weights within a bf16 ulp)."""
+    arch = family.model_types[0]
+    preset = next(p for p in ARCHS[arch].presets if "tiny" in p)
+    path = make_model(tmp_path / "m", arch, preset, seed=5, dtype="bfloat16")
+    cfg = EngineConfig(device="cpu", expert_policy="cpu-all", cpu_threads=2, cpu_executor="native")
+    prompt = list(range(3, 20))
+    taken = []
+
+    def run():
+        runner = ModelRunner(path, cfg, progress=False)
+        logits = _decode(runner, prompt, 4)
+        return logits, runner.experts.stats()["decode"]
+
+    for name in ("try_moe_decode", "try_moe_routes", "try_attention_layer", "try_add_rms_norm"):
+        method = getattr(native.DenseKernels, name)
+
+        def counting(self, *a, _m=method, _n=name, **kw):
+            got = _m(self, *a, **kw)
+            taken.append(_n if got is not None else None)
+            return got
+
+        monkeypatch.setattr(native.DenseKernels, name, counting)
+    fused, fused_stats = run()
+    assert {n for n in taken if n} & {"try_moe_decode", "try_moe_routes"}  # some MoE layer took one call
+    for name in ("try_moe_decode", "try_moe_routes", "try_attention_layer", "try_add_rms_norm"):
+        monkeypatch.setattr(native.DenseKernels, name, lambda self, *a, **kw: None)
+    plain, plain_stats = run()
+    assert fused_stats == plain_stats
+    if "try_moe_decode" not in taken:  # routers in the family's own code: the same numbers throughout
+        assert torch.equal(fused, plain)
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    torch.testing.assert_close(fused, plain, rtol=0.02, atol=0.02 * float(plain.abs().max()))

@@ -293,6 +293,14 @@ class HybridExperts:
             return self.prefill.forward(moe_layer, x, topk_ids, topk_weights)
         if phase is Phase.DECODE and self.device_decode is not None:
             return self.device_decode.forward(moe_layer, x, topk_ids, topk_weights)
+        if phase is Phase.DECODE and not self.cache.num_slots and (dense := self.cpu.dense) is not None and (
+                got := dense.try_moe_routes(x, topk_ids, topk_weights, self.num_experts,
+                                            moe_layer * self.num_experts)) is not None:
+            out, n = got  # every route on the CPU executor: grouping, experts and rounding in one native call
+            counters = self.cache.counters[phase.value]
+            counters.misses += n
+            counters.cpu += n
+            return out
         T = x.shape[0]
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
         fids, counts, order = group_routes(flat)

@@ -983,10 +983,49 @@ class DenseKernels:
         res = 0 if residual is None else residual.data_ptr()
         st, n = gemv._core.moe_decode(gemv._banks, x.data_ptr(), T, router_weight.data_ptr(), E, int(top_k),
                                       bool(norm_topk_prob), int(id_base), res, out.data_ptr(), ids.data_ptr(),
-                                      weights.data_ptr())
+                                      weights.data_ptr(), 0)
         if st:
             _raise_status(st, f"{gemv.name}.moe_decode")
         return out, ids, weights, n
+
+    def try_moe_routes(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                       id_base: int) -> tuple[torch.Tensor, int] | None:
+        """A MoE layer's routed experts for routes any router computed, as one native call
+        (``Executor::moe_decode`` without a router): the routes grouped by expert in ascending (expert, token, k)
+        order, the two-phase expert step into a float32 sum, rounded to bf16 — what ``HybridExperts.forward``
+        computes with every route on the CPU (``group_routes``, ``run_grouped``, ``.to(bfloat16)``), bit for bit,
+        without its torch operations.
+
+        Args:
+            x: ``[T, H]`` bf16 CPU hidden states, at most :attr:`max_linear_rows` rows.
+            ids: ``[T, k]`` int64 experts of the layer (``< num_experts``). weights: ``[T, k]`` float32 or bf16.
+            num_experts: ``E``, experts per layer. id_base: flat id of the layer's expert 0 (``moe_layer * E``).
+
+        Returns:
+            ``(out [T, H] bf16, distinct experts run)``, or ``None`` where it does not take the arguments.
+
+        Raises:
+            ValueError: the executor was closed. IndexError: an id outside ``[0, num_experts)`` or a layer
+                outside the pool.
+        """
+        if (x.dim() != 2 or not 0 < x.shape[0] <= self.max_linear_rows or not self._is_bf16_cpu(x)
+                or not x.is_contiguous() or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]
+                or ids.device.type != "cpu" or weights.device.type != "cpu" or not 1 <= ids.shape[1] <= num_experts):
+            return None
+        gemv = self._gemv()
+        if gemv is None:
+            raise ValueError("moe_decode: the executor these kernels ran on was closed")
+        if gemv.pool.hidden != x.shape[1]:
+            return None
+        ids = ids.to(torch.int64).contiguous()
+        wts = weights.to(torch.float32).contiguous()
+        T, H = x.shape
+        out = torch.empty(T, H, dtype=torch.bfloat16)
+        st, n = gemv._core.moe_decode(gemv._banks, x.data_ptr(), T, 0, int(num_experts), ids.shape[1], False,
+                                      int(id_base), 0, out.data_ptr(), ids.data_ptr(), 0, wts.data_ptr())
+        if st:
+            _raise_status(st, f"{gemv.name}.moe_decode")
+        return out, n
 
     @staticmethod
     def _is_bf16_cpu(*ts: torch.Tensor) -> bool:

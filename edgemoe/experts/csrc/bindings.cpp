@@ -197,10 +197,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "moe_decode",
           [](Executor& e, const ExpertBanks& b, uintptr_t x, int64_t T, uintptr_t router, int64_t E, int64_t top_k,
-             bool norm_topk, int64_t id_base, uintptr_t residual, uintptr_t out, uintptr_t ids, uintptr_t weights) {
+             bool norm_topk, int64_t id_base, uintptr_t residual, uintptr_t out, uintptr_t ids, uintptr_t weights,
+             uintptr_t route_weights) {
             const Executor::MoeDecodeArgs a{ptr<const uint16_t>(x), T, ptr<const uint16_t>(router), E, top_k,
                                             norm_topk, id_base, ptr<const uint16_t>(residual), ptr<uint16_t>(out),
-                                            ptr<int64_t>(ids), ptr<uint16_t>(weights)};
+                                            ptr<int64_t>(ids), ptr<uint16_t>(weights), ptr<const float>(route_weights)};
             int64_t n = 0;
             int32_t st;
             {
@@ -209,8 +210,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             }
             return py::make_tuple(st, n);
           },
-          "One MoE layer of a CPU decode step (router, softmax top-k, experts, residual; Executor::moe_decode); "
-          "returns (Status, distinct experts run)")
+          "One MoE layer of a CPU decode step (router, softmax top-k or given routes, experts, residual; "
+          "Executor::moe_decode); returns (Status, distinct experts run)")
       .def(
           "sum_f32",
           [](Executor& e, uintptr_t p, int64_t n) {

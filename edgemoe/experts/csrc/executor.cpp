@@ -707,16 +707,21 @@ int32_t Executor::attention_layer(const uint16_t* x, int64_t H, const uint16_t* 
 }
 
 int32_t Executor::moe_decode(const ExpertBanks& b, const MoeDecodeArgs& a, int64_t* n_experts) {
-  if (a.T < 1 || a.E < 1 || a.top_k < 1 || a.top_k > a.E || !a.x || !a.router || !a.out || !a.ids || !a.weights ||
-      !n_experts || b.hidden < 1)
+  if (a.T < 1 || a.E < 1 || a.top_k < 1 || a.top_k > a.E || !a.x || !a.out || !a.ids || !n_experts || b.hidden < 1 ||
+      (a.router ? !a.weights : !a.route_weights))
     return kBadArgs;
   if (a.id_base < 0 || a.id_base + a.E > b.num_ids) return kBadExpert;
   const int64_t T = a.T, H = b.hidden, E = a.E, k = a.top_k, R = T * k;
   std::lock_guard<std::mutex> lock(moe_mutex_);
-  moe_logits_.resize(static_cast<size_t>(T * E));
-  int32_t st = linear(a.router, WeightFormat::BF16, E, H, H * 2, a.x, 1, T, H, moe_logits_.data(), 1, E);
-  if (st) return st;
-  softmax_topk_bf16(moe_logits_.data(), T, E, E, k, a.norm_topk, a.ids, a.weights);
+  int32_t st = kOk;
+  if (a.router) {
+    moe_logits_.resize(static_cast<size_t>(T * E));
+    if ((st = linear(a.router, WeightFormat::BF16, E, H, H * 2, a.x, 1, T, H, moe_logits_.data(), 1, E))) return st;
+    softmax_topk_bf16(moe_logits_.data(), T, E, E, k, a.norm_topk, a.ids, a.weights);
+  } else {
+    for (int64_t r = 0; r < R; ++r)
+      if (a.ids[r] < 0 || a.ids[r] >= E) return kBadExpert;
+  }
   // routes r = t * k + j, stably sorted by expert: ascending (expert, token, k)
   moe_order_.resize(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) moe_order_[r] = r;
@@ -733,8 +738,12 @@ int32_t Executor::moe_decode(const ExpertBanks& b, const MoeDecodeArgs& a, int64
     }
     moe_offsets_.back() = i + 1;
     moe_tok_[i] = r / k;
-    const uint32_t w = static_cast<uint32_t>(a.weights[r]) << 16;
-    std::memcpy(&moe_wt_[i], &w, 4);
+    if (a.router) {
+      const uint32_t w = static_cast<uint32_t>(a.weights[r]) << 16;
+      std::memcpy(&moe_wt_[i], &w, 4);
+    } else {
+      moe_wt_[i] = a.route_weights[r];
+    }
   }
   moe_acc_.resize(static_cast<size_t>(T * H));
   const StepArgs s{a.x, 1, T, moe_acc_.data(), static_cast<int64_t>(moe_fids_.size()), moe_fids_.data(),

@@ -214,17 +214,20 @@ class Executor {
   // Python path it replaces (router, grouping, run(), `.to(bfloat16)`, residual add), without its torch
   // operations between the native calls. *n_experts: the distinct experts the step ran. Thread-safe (serialized
   // with itself; run() and linear() with each other). Returns a Status; on error out is not written.
+  // Without a router (nullptr) the routes are given: ids [T, top_k] (experts of the layer, < E) and
+  // route_weights [T, top_k] float32 are read, and the call runs from the grouping on (any router's routes).
   struct MoeDecodeArgs {
     const uint16_t* x;         // [T, H] bf16, rows contiguous
     int64_t T;
-    const uint16_t* router;    // [E, H] bf16, rows contiguous
+    const uint16_t* router;    // [E, H] bf16, rows contiguous, or nullptr: routes given
     int64_t E, top_k;
     bool norm_topk;
     int64_t id_base;           // flat id of the layer's expert 0 (moe_layer * E)
     const uint16_t* residual;  // [T, H] bf16, or nullptr
     uint16_t* out;             // [T, H] bf16
-    int64_t* ids;              // [T, top_k]: experts of the layer, descending weight
-    uint16_t* weights;         // [T, top_k] bf16
+    int64_t* ids;              // [T, top_k]: experts of the layer, descending weight (written; read without router)
+    uint16_t* weights;         // [T, top_k] bf16, written (with a router)
+    const float* route_weights;  // [T, top_k] float32, read (without a router)
   };
   int32_t moe_decode(const ExpertBanks& banks, const MoeDecodeArgs& a, int64_t* n_experts);
 
