@@ -300,6 +300,27 @@ def _rotary(head_dim: int, partial: float) -> RotaryEmbedding:
     return RotaryEmbedding(cfg)
 
 
+def _paged_decode(hk: int, d: int, lens: list[int], ps: int, g: torch.Generator):
+    """A paged KV pool of random bf16 keys / values holding sequences of ``lens`` tokens (the last one the new
+    token of a decode step), and that step's pieces: ``(kv, tables, pos, slots, seqs, batch)``, ``batch()`` a fresh
+    ``ForwardBatch``-like namespace (its own step cache)."""
+    T = len(lens)
+    kv = PagedKVPool(KVSpec.heads(1, hk, d), sum(-(-n // ps) for n in lens), ps, torch.bfloat16, torch.device("cpu"))
+    for i, n in enumerate(lens):
+        kv.allocate(i, n)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).bfloat16())
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).bfloat16())
+    tables = [kv.page_table(i) for i in range(T)]
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = torch.stack([tables[i][pos[i] // ps] * ps + pos[i] % ps for i in range(T)])
+    seqs = [SeqSlice(seq_id=i, q_start=i, q_len=1, kv_len=n, page_table=tables[i]) for i, n in enumerate(lens)]
+
+    def batch():
+        return SimpleNamespace(seqs=seqs, kv_slots=slots, positions=pos, decode=None, step_cache={})
+
+    return kv, tables, pos, slots, seqs, batch
+
+
 @pytest.mark.parametrize("hq,hk,d,partial,lens", [
     (8, 2, 64, 1.0, [9, 1, 22]),  # the second sequence's only token is the new one
     (4, 4, 32, 0.5, [9, 1, 22]),
@@ -311,23 +332,10 @@ def test_dense_decode_attention_matches_the_torch_ops(hq, hk, d, partial, lens):
     dense = native.DenseKernels()
     g = torch.Generator().manual_seed(hq * 100 + d)
     ps, T = 4, len(lens)
-    pages = sum(-(-n // ps) for n in lens)
-    kv_ref = PagedKVPool(KVSpec.heads(1, hk, d), pages, ps, torch.bfloat16, torch.device("cpu"))
-    for i, n in enumerate(lens):
-        kv_ref.allocate(i, n)
-    kv_ref.k.copy_(torch.randn(kv_ref.k.shape, generator=g).bfloat16())
-    kv_ref.v.copy_(torch.randn(kv_ref.v.shape, generator=g).bfloat16())
-    kv_nat = PagedKVPool(KVSpec.heads(1, hk, d), pages, ps, torch.bfloat16, torch.device("cpu"))
+    kv_ref, tables, pos, slots, seqs, batch = _paged_decode(hk, d, lens, ps, g)
+    kv_nat = PagedKVPool(KVSpec.heads(1, hk, d), kv_ref.num_pages, ps, torch.bfloat16, torch.device("cpu"))
     kv_nat.k.copy_(kv_ref.k)
     kv_nat.v.copy_(kv_ref.v)
-    tables = [kv_ref.page_table(i) for i in range(T)]
-    pos = torch.tensor([n - 1 for n in lens])
-    slots = torch.stack([tables[i][pos[i] // ps] * ps + pos[i] % ps for i in range(T)])
-    seqs = [SeqSlice(seq_id=i, q_start=i, q_len=1, kv_len=n, page_table=tables[i]) for i, n in enumerate(lens)]
-
-    def batch():
-        return SimpleNamespace(seqs=seqs, kv_slots=slots, positions=pos, decode=None, step_cache={})
-
     qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2).bfloat16()
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)  # strided views, as a fused projection gives
     q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
@@ -511,21 +519,8 @@ def test_attention_layer_is_the_qkv_gemv_attention_and_o_gemv_bit_for_bit(hq, hk
     g = torch.Generator().manual_seed(hq + d)
     H, ps, T = 96, 4, len(lens)
     dense = native.DenseKernels(_executor(None, threads))
-    pages = sum(-(-n // ps) for n in lens)
-    kv_a = PagedKVPool(KVSpec.heads(1, hk, d), pages, ps, torch.bfloat16, torch.device("cpu"))
-    for i, n in enumerate(lens):
-        kv_a.allocate(i, n)
-    kv_a.k.copy_(torch.randn(kv_a.k.shape, generator=g).bfloat16())
-    kv_a.v.copy_(torch.randn(kv_a.v.shape, generator=g).bfloat16())
+    kv_a, _, pos, _, _, batch = _paged_decode(hk, d, lens, ps, g)
     k_b, v_b = kv_a.k[0].clone(), kv_a.v[0].clone()
-    tables = [kv_a.page_table(i) for i in range(T)]
-    pos = torch.tensor([n - 1 for n in lens])
-    slots = torch.stack([tables[i][pos[i] // ps] * ps + pos[i] % ps for i in range(T)])
-    seqs = [SeqSlice(seq_id=i, q_start=i, q_len=1, kv_len=n, page_table=tables[i]) for i, n in enumerate(lens)]
-
-    def batch():
-        return SimpleNamespace(seqs=seqs, kv_slots=slots, positions=pos, decode=None, step_cache={})
-
     x = torch.randn(T, H, generator=g).bfloat16()
     w_qkv = (torch.randn((hq + 2 * hk) * d, H, generator=g) * 0.1).bfloat16()
     w_o = (torch.randn(H, hq * d, generator=g) * 0.1).bfloat16()
