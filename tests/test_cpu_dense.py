@@ -583,8 +583,11 @@ def test_one_call_layers_change_nothing_but_speed(family, tmp_path, monkeypatch)
 
     def run():
         runner = ModelRunner(path, cfg, progress=False)
+        trace = []
+        runner.record = lambda batch, layer, ids, weights: trace.append(
+            (batch.phase.value, layer, ids.tolist(), weights.float().tolist()))
         logits = _decode(runner, prompt, 4)
-        return logits, runner.experts.stats()["decode"]
+        return logits, (runner.experts.stats()["decode"], trace)
 
     for name in ("try_moe_decode", "try_moe_routes", "try_attention_layer", "try_add_rms_norm"):
         method = getattr(native.DenseKernels, name)
@@ -600,8 +603,47 @@ def test_one_call_layers_change_nothing_but_speed(family, tmp_path, monkeypatch)
     for name in ("try_moe_decode", "try_moe_routes", "try_attention_layer", "try_add_rms_norm"):
         monkeypatch.setattr(native.DenseKernels, name, lambda self, *a, **kw: None)
     plain, plain_stats = run()
-    assert fused_stats == plain_stats
+    assert fused_stats[0] == plain_stats[0]  # expert counters
+    f_trace, p_trace = fused_stats[1], plain_stats[1]  # the recorded routes: same ids in the same order
+    assert [t[:3] for t in f_trace] == [t[:3] for t in p_trace] and len(f_trace) > 0
     if "try_moe_decode" not in taken:  # routers in the family's own code: the same numbers throughout
-        assert torch.equal(fused, plain)
+        assert torch.equal(fused, plain) and f_trace == p_trace
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
     torch.testing.assert_close(fused, plain, rtol=0.02, atol=0.02 * float(plain.abs().max()))
+
+
+def test_cpu_decode_keeps_a_replaced_route_and_a_cache_off_the_one_call_router(small_bf16, monkeypatch):
+    """The MoE layer's one native call computes the block's own router only: a ``route`` replaced on the block
+    (the decode benchmark's uniform or trace routing) is what the experts get, through the given-routes call; and
+    a CPU engine with expert cache slots keeps the cache path (hits and fills), not the one call."""
+    prompt = list(range(4, 20))
+    runner = ModelRunner(small_bf16, EngineConfig(device="cpu", expert_policy="cpu-all", cpu_threads=2,
+                                                  cpu_executor="native"), progress=False)
+    blocks = runner.model.moe_blocks()
+    E, k = runner.model_config.num_experts, runner.model_config.top_k
+    calls = []
+    for blk in blocks:
+        def fixed(x, valid=None, _blk=blk):
+            calls.append(_blk.moe_layer)
+            ids = torch.arange(k).repeat(x.shape[0], 1) + _blk.moe_layer % (E - k)  # [T, k]
+            return ids, torch.full(ids.shape, 1.0 / k, dtype=x.dtype)
+        blk.route = fixed
+    seen = []
+    runner.record = lambda batch, layer, ids, weights: seen.append((batch.phase.value, layer, ids[0].tolist()))
+    _decode(runner, prompt, 3)
+    assert len(calls) == 4 * len(blocks)  # the prefill's and every decode step's MoE layers
+    decode = [(layer, ids) for phase, layer, ids in seen if phase == "decode"]
+    assert decode and all(ids == [i + layer % (E - k) for i in range(k)] for layer, ids in decode)
+
+    cached = ModelRunner(small_bf16, EngineConfig(device="cpu", expert_policy="fill-all", cpu_threads=2,
+                                                  cpu_executor="native", expert_cache_slots=8), progress=False)
+    took = []
+    moe_decode = native.DenseKernels.try_moe_decode
+
+    def counting(self, *a, **kw):
+        took.append(True)
+        return moe_decode(self, *a, **kw)
+
+    monkeypatch.setattr(native.DenseKernels, "try_moe_decode", counting)
+    _decode(cached, prompt, 3)
+    assert not took and cached.experts.stats()["decode"]["hits"] + cached.experts.stats()["decode"]["fills"] > 0

@@ -1,10 +1,11 @@
-"""Where edgemoe's CPU-only decode time goes: embeddings, norms, attention, router, experts, LM head.
+"""Where edgemoe's CPU-only decode time goes: embeddings, norms, attention, experts, LM head.
 
 Loads a checkpoint on the CPU (``cpu-all``, 0 cache slots: every expert on the CPU executor), prefills a
 random prompt and decodes random tokens (the comparison's protocol), timing each part of every step
 with wall-clock module hooks (all CPU work is synchronous): ``norms`` (input, post-attention and final
-RMSNorm), ``attention`` (q/k/v/o projections, q/k norm, RoPE, KV write, SDPA), ``router``, ``experts``
-(the MoE block minus its router: routing control and the CPU executor), ``LM head`` (the final
+RMSNorm), ``attention`` (q/k/v/o projections, q/k norm, RoPE, KV write, SDPA), ``experts`` (the MoE block:
+its router, routing control and the CPU executor, one native call where it takes the step; the router is not
+hooked on its own, as a hook on it sends the step back to the separate calls), ``LM head`` (the final
 projection onto the vocabulary and its float32 cast), ``residual`` (the rest of the decoder layers) and
 ``runner`` (the step outside the model: inputs, KV bookkeeping, argmax). Each part's weight bytes per
 token and effective GB/s are printed beside its time; a torch.profiler table of the heaviest ops follows.
@@ -93,7 +94,6 @@ def main(argv=None) -> int:
         timer.attach(layer.post_attention_layernorm, "norms")
         timer.attach(layer.self_attn, "attention")
         timer.attach(layer.mlp, "moe block")
-        timer.attach(layer.mlp.gate, "router")
     timer.attach(backbone.norm, "final norm", mark="final_norm_end")
     timer.attach(model, "model", mark="model_end")
 
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
         "embed": tot["embed"],
         "norms": tot["norms"] + tot["final norm"],
         "attention": tot["attention"],
-        "router": tot["router"],
-        "experts": tot["moe block"] - tot["router"],
+        "experts": tot["moe block"],
         "residual": tot["layer"] - tot["attention"] - tot["moe block"] - tot["norms"],
         "LM head": lm_s,
         "runner": step_s - tot["model"],
@@ -129,9 +128,9 @@ def main(argv=None) -> int:
     h, hd = mc.hidden_size, mc.head_dim
     attn_bytes = (2 * mc.num_heads * hd + 2 * mc.num_kv_heads * hd) * h * 2
     layers = len(backbone.layers)
-    weight_bytes = {"attention": layers * attn_bytes, "router": layers * mc.num_experts * h * 2,
-                    "experts": layers * mc.top_k * runner.pool.row_bytes, "LM head": mc.vocab_size * h * 2,
-                    "embed": h * 2}
+    weight_bytes = {"attention": layers * attn_bytes,
+                    "experts": layers * (mc.top_k * runner.pool.row_bytes + mc.num_experts * h * 2),  # + router
+                    "LM head": mc.vocab_size * h * 2, "embed": h * 2}
     rows = []
     print(f"{n} decode steps, {a.threads} threads: {n / step_s:.2f} tokens/s, {1e3 * step_s / n:.1f} ms/token")
     print(f"{'part':<10} {'ms/token':>9} {'share':>6} {'MB/token':>9} {'GB/s':>6}")

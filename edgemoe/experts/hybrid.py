@@ -238,7 +238,8 @@ class HybridExperts:
         """A softmax top-k MoE layer's decode step as one native call where every route runs on the CPU executor
         (no cache slots: a CPU-only engine, or ``cpu-all`` with an empty cache) and its dense kernels take it
         (``DenseKernels.try_moe_decode``: router, routing, experts, residual add); the counters move as
-        :meth:`forward`'s would (every expert a miss computed on the CPU).
+        :meth:`forward`'s would (every expert a miss computed on the CPU). Equal probabilities at the k-th place
+        choose the lower expert, as ``TopKRouter`` does on every path.
 
         Args:
             moe_layer: MoE layer ordinal. x: ``[T, H]`` the MLP input. router_weight: ``[E, H]``.

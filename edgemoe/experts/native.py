@@ -871,7 +871,10 @@ class DenseKernels:
     ``edgemoe.layers.rotary.RotaryEmbedding``) except summation order:
     the norm statistic (a normalized value may move by one bf16 ulp) and attention, computed in float32
     and rounded once (torch's SDPA blocks and rounds in its own order).
-    Norms run on the caller's thread (microseconds). Attention over the cached tokens is flash-decoding
+    Given an executor, three calls take whole parts of a layer: :meth:`try_attention_layer` (q/k/v GEMV,
+    attention, o GEMV), :meth:`try_moe_decode` (a softmax top-k MoE layer from its router to the residual add)
+    and :meth:`try_moe_routes` (a MoE layer's given routes); :meth:`try_add_rms_norm` is a residual add and the
+    norm after it. Norms run on the caller's thread (microseconds). Attention over the cached tokens is flash-decoding
     (Dao et al., 2023): each sequence's keys in chunks of a fixed 128, a part (max, exp-sum, weighted values)
     per chunk and KV head, then the parts merged in chunk order, so the result does not depend on the thread
     count; given an executor, its pool's threads share the chunks and the merges, else the caller computes them
@@ -959,10 +962,11 @@ class DenseKernels:
             or ``None`` where the call does not take these arguments (dtypes, devices, shapes, rows).
 
         Raises:
-            ValueError: the executor these kernels ran on was closed, or it refused the step (an id range
-                outside its pool).
+            ValueError: the executor these kernels ran on was closed. IndexError: ``id_base`` puts the layer's
+                experts outside the executor's pool. RuntimeError: no kernel for the pool's rows on this CPU.
         """
-        if x.dim() != 2 or not 0 < x.shape[0] <= self.max_linear_rows or router_weight.dim() != 2:
+        if (self._gemv is None or x.dim() != 2 or not 0 < x.shape[0] <= self.max_linear_rows
+                or router_weight.dim() != 2):
             return None
         T, H = x.shape
         E = router_weight.shape[0]
@@ -1006,9 +1010,9 @@ class DenseKernels:
 
         Raises:
             ValueError: the executor was closed. IndexError: an id outside ``[0, num_experts)`` or a layer
-                outside the pool.
+                outside the pool. RuntimeError: no kernel for the pool's rows on this CPU.
         """
-        if (x.dim() != 2 or not 0 < x.shape[0] <= self.max_linear_rows or not self._is_bf16_cpu(x)
+        if (self._gemv is None or x.dim() != 2 or not 0 < x.shape[0] <= self.max_linear_rows or not self._is_bf16_cpu(x)
                 or not x.is_contiguous() or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]
                 or ids.device.type != "cpu" or weights.device.type != "cpu" or not 1 <= ids.shape[1] <= num_experts):
             return None
@@ -1229,7 +1233,8 @@ class DenseKernels:
         st = self._ext.attention_layer_bf16(gemv._core, x.data_ptr(), H, qkv_weight.data_ptr(), o_weight.data_ptr(),
                                             *tail, y.data_ptr())
         if st:
-            _raise_status(st, f"{gemv.name}.attention_layer")
+            Hk = k_cache.shape[1]
+            _raise_status(st, f"{gemv.name}.attention_layer (Hq {Hq}, Hk {Hk}, D {D}, page {page_size})")
         return y
 
 

@@ -38,10 +38,13 @@ class TopKRouter(UsesCpuDense, nn.Module):
     """``forward(x [T, H], valid [T] bool | None) -> (topk_ids [T, k] int64, topk_weights [T, k] x.dtype)``;
     weight ``[E, H]`` (``Qwen3MoeTopKRouter``).
 
-    ``softmax(x·Wᵀ)`` in float32, top-k, renormalized over the k when ``norm_topk_prob``, cast to the
-    logits' dtype; rows where ``valid`` is False get row 0's ids and weight 0 (:func:`pad_routes`). On
-    CUDA in a 16-bit dtype all of it is one kernel (:func:`edgemoe.kernels.router_topk.topk_softmax`,
-    rounding as these torch ops round on CUDA); elsewhere the torch ops below run.
+    ``softmax(x·Wᵀ)`` in float32, top-k (equal probabilities: the lower expert first, on every path, so a
+    token routes the same alone or in a batch; ``torch.topk`` leaves their order unspecified), renormalized
+    over the k when ``norm_topk_prob``, cast to the logits' dtype; rows where ``valid`` is False get row 0's
+    ids and weight 0 (:func:`pad_routes`). On CUDA in a 16-bit dtype all of it is one kernel
+    (:func:`edgemoe.kernels.router_topk.topk_softmax`, rounding as these torch ops round on CUDA), in a
+    CPU-only decode step it is part of the MoE layer's one native call (:class:`SparseMoeBlock`); elsewhere
+    the torch ops below run.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -54,7 +57,8 @@ class TopKRouter(UsesCpuDense, nn.Module):
         if (fused := _fused_topk(logits, self.top_k)) is not None:
             return fused.topk_softmax(logits, self.top_k, self.norm_topk_prob, valid)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal: the lower expert first
+        weights, ids = weights[:, :self.top_k], ids[:, :self.top_k]  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return pad_routes(ids, weights.to(logits.dtype), valid)
@@ -104,9 +108,18 @@ class SparseMoeBlock(MoeBlock):
     def route(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate(x, valid)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _own_router(self) -> TopKRouter | None:
+        """The router a one-call CPU decode step may compute in native code: this block's ``TopKRouter``, unless
+        its routing was replaced on the instance (a benchmark's ``route`` or router ``forward``, or hooks that
+        watch the router: they must see the torch path run)."""
         gate = self.gate
-        if isinstance(gate, TopKRouter) and (got := self.experts.try_cpu_decode(
+        if (type(gate) is not TopKRouter or "route" in vars(self) or "forward" in vars(gate)
+                or gate._forward_hooks or gate._forward_pre_hooks):
+            return None
+        return gate
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if (gate := self._own_router()) is not None and (got := self.experts.try_cpu_decode(
                 self.moe_layer, x, gate.weight, gate.top_k, gate.norm_topk_prob, batch.phase, residual)) is not None:
             out, ids, weights = got  # a CPU-only decode step: router, experts and residual in one native call
             if batch.record is not None:

@@ -54,7 +54,7 @@ class RMSNorm(UsesCpuDense, nn.Module):
         ops)."""
         fused = fused_kernels(x)
         if fused is None or x.dim() != 2 or self.weight.dtype != x.dtype or delta.dtype != x.dtype:
-            if self.cpu_dense is not None and (  # one call, a CPU decode step
+            if self.cpu_dense is not None and (  # one call for few bf16 rows on the CPU
                     got := self.cpu_dense.try_add_rms_norm(x, delta, self.weight, self.eps, self.float32_scale)):
                 return got
             r = x + delta
