@@ -13,7 +13,12 @@
   (at most one bf16 ulp, in few elements); decode attention (q/k norm, RoPE, the K/V write, attention
   over paged KV) against the torch ops it replaces: the written values bitwise, keys within a bf16 ulp,
   the output within bf16 tolerance, for several sequences (one with no cached token), GQA and partial
-  rotary.
+  rotary;
+- the one-call layers against the calls they replace: the attention layer (q/k/v GEMV, attention, o GEMV) and
+  the residual add + norm bit for bit; the MoE layer with its softmax top-k router (ids equal, weights within a
+  bf16 ulp of torch's, the output bit for bit over the same routes, ties to the lower expert, refusals) and with
+  given routes (bit for bit); every family's CPU-only decode gives the same tokens, logits, counters and recorded
+  routes with them as without; a route replaced on the block is honoured and a cache keeps its own path.
 
 Skipped as a whole when the extension cannot be built here.
 """
