@@ -256,10 +256,15 @@ class HybridExperts:
         if got is None:
             return None
         out, ids, weights, n = got
+        self._count_cpu_only(phase, n)
+        return out, ids, weights
+
+    def _count_cpu_only(self, phase: Phase, n: int) -> None:
+        """A step's ``n`` distinct experts, all computed on the CPU without the cache: what :func:`plan_step`
+        counts with no slots (each a miss served by the CPU)."""
         counters = self.cache.counters[phase.value]
         counters.misses += n
         counters.cpu += n
-        return out, ids, weights
 
     def _run_cpu_only(self, x: torch.Tensor, k: int, topk_weights: torch.Tensor, fids: list[int],
                       counts: list[int], order: torch.Tensor) -> torch.Tensor:
@@ -298,9 +303,7 @@ class HybridExperts:
                 got := dense.try_moe_routes(x, topk_ids, topk_weights, self.num_experts,
                                             moe_layer * self.num_experts)) is not None:
             out, n = got  # every route on the CPU executor: grouping, experts and rounding in one native call
-            counters = self.cache.counters[phase.value]
-            counters.misses += n
-            counters.cpu += n
+            self._count_cpu_only(phase, n)
             return out
         T = x.shape[0]
         flat = topk_ids.to("cpu", torch.int64) + moe_layer * self.num_experts  # [T, k]
