@@ -385,11 +385,14 @@ class ResidentPolicy(Policy):
     """Shared miss loop for the pure-Python policies (see the module docstring for the rule), with the
     net-reuse accounting of fills (:class:`edgemoe.experts.policy.LayerObservation`).
 
-    Reuse accounting: a fill remembers the id it displaced (its *ghost*, while the filled id stays
-    resident). Each access of a resident id adds 1 to ``reuse_net[layer of the id]``; each access of
-    a ghost subtracts 1 from ``reuse_net`` of the layer whose fill displaced it; ``fills_by_layer``
-    counts fills. Over a window, ``reuse_net / fills`` is the hits a fill of the layer buys net of
-    the hits it costs (zero in expectation when routing has no locality).
+    Reuse accounting, as the engine's cache counts it (:class:`edgemoe.experts.cache.ExpertCache`, whose module
+    docstring gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*);
+    the pair is live while the filled id stays resident and no other fill displaces the ghost (it may be filled
+    again itself). Each access of a resident id with a live ghost adds 1 to ``reuse_net[layer of the id]``; each
+    access of a live ghost (resident again or not) subtracts 1 from ``reuse_net`` of the layer whose fill
+    displaced it; ``fills_by_layer`` counts the fills that displaced a resident. Over a window,
+    ``reuse_net / fills`` is the hits such a fill buys net of the requests the displaced expert would have met
+    (zero in expectation when routing has no locality).
     """
 
     def __init__(self, wl: Workload, slots: int):
@@ -405,12 +408,14 @@ class ResidentPolicy(Policy):
         hits = [f for f in a.ids if f in res]
         n_miss = len(a.ids) - len(hits)
         E, net = self.wl.num_experts, self.reuse_net
-        for f in hits:
-            net[f // E] += 1
-        if len(hits) < len(a.ids) and self.ghost_of:
+        if self.ghost_of:
+            for f in hits:
+                g = self.ghost_by.get(f)
+                if g is not None and self.ghost_of.get(g) == f:
+                    net[f // E] += 1
             for f in a.ids:
                 g = self.ghost_of.get(f)
-                if g is not None and f not in res:
+                if g is not None:
                     net[g // E] -= 1
         self.on_access(a, i, hits)
         self.fills = 0
@@ -446,10 +451,9 @@ class ResidentPolicy(Policy):
                     del self.ghost_of[g]
                 self.evict(v)
             self.admit(f, a, i)
-            self.ghost_of.pop(f, None)
             if v >= 0:
                 self.ghost_of[v], self.ghost_by[f] = f, v
-            self.fills_by_layer[f // self.wl.num_experts] += 1
+                self.fills_by_layer[f // self.wl.num_experts] += 1
             filled += 1
         return filled
 

@@ -83,6 +83,12 @@ COST_PRESETS: dict[str, MissCosts] = {
     "h200-folded": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 54.0, 107.0, 48.8, 100.0,
                                              fill_fixed_s=15e-6, cpu_fixed_s=190e-6, idle_handoff_s=1e-6,
                                              base_s=137e-6),
+    # H100 host (2026-12-06 05:08 profile, 6 CPU threads; its CPU reads about twice as fast as PCIe): B_P 55.05 /
+    # 55.04 GB/s alone / concurrent, B_H 100.4 / 96.0; fixed costs from copies of 1 and 8 rows (6.6 us) and CPU
+    # calls of 1 and 4 experts (22.3 us); 185 tokens/s at a 0.99 hit rate (48 layers): ~112 us of other work per
+    # layer; the armed branch without work as on the H200 host.
+    "h100": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 55.05, 100.4, 55.04, 96.0, fill_fixed_s=6.6e-6,
+                                      cpu_fixed_s=22.3e-6, idle_handoff_s=8e-6, base_s=112e-6),
     # 2-core development VM (CPU only: the "device" cache is a second host buffer on the same cores, so
     # the branches do not overlap): native executor on 2 threads 20.0 / 23.8 GB/s at 1 / 4 experts per
     # call (372 us per expert + 100 us per call); a fill is a 9.44 MB memory copy (~12 GB/s); a cached

@@ -15,12 +15,21 @@ step as the clock all layers of a step share one age, and a global victim is oft
 next layers of the step are about to route. The cache is a performance lever only: shrinking it never changes
 results.
 
-Reuse accounting (for the ``auto`` miss policy, which values a fill by what it buys): a fill
-remembers the id it displaced, its *ghost* (``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``),
-while the filled id stays in that slot. In decode, ``reuse[l, 0]`` gains MoE layer ``l``'s hits and
-loses one for every miss of a ghost that a fill of layer ``l`` displaced; ``reuse[l, 1]`` counts layer
-``l``'s fills. Their ratio over a window is the net reuse of a fill (the hits it bought minus the hits
-it cost; zero in expectation without routing locality).
+Reuse accounting (for the ``auto`` miss policy, which values a fill by what it buys): a fill that displaces a
+resident remembers the id it displaced, its *ghost* (``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``);
+the pair is live while the filled id stays in that slot and the ghost is not displaced by another fill (it may
+be filled again itself). In decode, ``reuse[l, 0]`` gains one for every hit of MoE layer ``l`` on a resident
+with a live ghost and loses one for every request (hit or miss) of a live ghost whose displacer is of layer
+``l``; ``reuse[l, 1]`` counts layer ``l``'s fills that displaced a resident. Their ratio over a window is the
+net reuse of such a fill against the cache without it: the hits it bought minus the requests the displaced
+expert would have met (zero in expectation without routing locality, and where every fill displaces an expert
+as much in use as itself). Two choices keep it a marginal value, what one more fill buys, rather than an
+average over the cache: a ghost filled again is still charged to its displacer (otherwise a chain of fills,
+each displacing an expert the next one brings back, is credited with every hit and charged almost nothing),
+and the hits of residents without a live ghost (filled into a free slot, streamed in by a prefill, or whose
+ghost a later fill displaced) are credited to no fill (otherwise a cache smaller than a steady working set,
+whose long-lived residents are hit every step, credits their hits to the few fills that cycle its other
+slots: several hits a fill where one more fill buys none).
 
 The tables live on the cache's device, so the device-side control of a decode step
 (``edgemoe.kernels.route_control``) reads and updates the very tensors these methods use; the methods
@@ -102,9 +111,11 @@ class ExpertCache:
         pinned: ``[S]`` bool, slots never evicted (static placement).
         clock: ``[1]`` int64, the current model step for device-side control (its caller advances it
             once per step; the eager path passes ``step`` explicitly instead).
-        ghost_slot: ``[N]`` int64, the slot whose current owner's fill displaced the id, or -1.
+        ghost_slot: ``[N]`` int64, the slot whose current owner's fill displaced the id (resident again
+            or not), or -1.
         slot_ghost: ``[S]`` int64, the id the slot's current owner displaced, or -1.
-        reuse: ``[L, 2]`` int64, per MoE layer (net reuse hits, fills) in decode since creation.
+        reuse: ``[L, 2]`` int64, per MoE layer (net reuse hits, fills that displaced a resident) in decode since
+            creation (module docstring).
 
     All tables are on ``device``.
     """
@@ -283,22 +294,26 @@ class ExpertCache:
     def _displace(self, ids: torch.Tensor, idx: torch.Tensor, olds: torch.Tensor) -> None:
         """Ghost tables for fills of ``ids`` into slots ``idx`` whose previous owners were ``olds`` (-1: free)."""
         self._forget_ghosts(idx)
-        self.ghost_slot.index_fill_(0, ids, -1)
         _set_where(self.ghost_slot, olds, olds >= 0, idx)
         self.slot_ghost[idx] = olds
 
-    def count_reuse(self, layer: int, hits: int, misses: list[int], fills: int) -> None:
-        """Decode reuse accounting of one MoE layer's step (module docstring): ``hits`` resident experts,
-        the ``misses`` (flat ids) as looked up before this step's fills, ``fills`` filled."""
-        if misses:
-            gs = self.ghost_slot[self._index(misses)]
+    def count_reuse(self, layer: int, requested: list[int], hit_slots: list[int], victims: list[int]) -> None:
+        """Decode reuse accounting of one MoE layer's step (module docstring), on the tables as before this step's
+        fills: the step's ``requested`` experts (distinct flat ids), the slots of those that hit, and the slots
+        its fills take (their owners, where any, are displaced)."""
+        if requested:
+            gs = self.ghost_slot[self._index(requested)]
             gs = gs[gs >= 0]
             if gs.numel():
                 owners = self.owner_of[gs]
                 owners = owners[owners >= 0]
                 self.reuse[:, 0].index_add_(0, owners // self.num_experts, torch.full_like(owners, -1))
-        if hits or fills:
-            self.reuse[layer] += self._index([hits, fills])
+        if hit_slots:
+            g = self.slot_ghost[self._index(hit_slots)]
+            live = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == self._index(hit_slots))
+            self.reuse[layer, 0] += live.sum()
+        if victims:
+            self.reuse[layer, 1] += (self.owner_of[self._index(victims)] >= 0).sum()
 
     def clear(self) -> None:
         """Drop all residency (data stays allocated)."""

@@ -131,10 +131,11 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
             n_fill = max(n_fill, min(len(misses), cache.free_slots(layer)))
         n_fill = min(n_fill, evictable)
         fill, cpu = misses[:n_fill], misses[n_fill:]
+        victims = cache.choose_victims(len(fill), exclude, layer) if fill else []
         if phase is Phase.DECODE:
-            cache.count_reuse(layer, len(hits), misses, len(fill))
+            cache.count_reuse(layer, [*hits, *misses], exclude, victims)
         if fill:
-            waves.append(list(zip(fill, cache.choose_victims(len(fill), exclude, layer))))
+            waves.append(list(zip(fill, victims)))
             for fid, slot in waves[0]:
                 cache.admit(fid, slot, step)
     counters.fills += len(misses) - len(cpu)

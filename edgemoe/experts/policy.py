@@ -428,10 +428,12 @@ class LayerObservation:
     """What the engine measured over one or more decode steps, for :meth:`ExpertPolicy.observe_layers`.
 
     Attributes:
-        reuse_net: ``[L]`` int, per MoE layer: hits on experts the layer filled minus requests of the
-            experts those fills displaced (while the filled expert is still resident), counted since
-            the previous observation. ``fills``: ``[L]`` int, the layer's fills in the same window.
-            Their ratio is the net reuse of a fill (zero in expectation without routing locality).
+        reuse_net: ``[L]`` int, per MoE layer: hits on experts the layer filled in place of a resident minus
+            requests of the experts those fills displaced (while the filled expert is still resident and
+            the displaced one not displaced again; :class:`~edgemoe.experts.cache.ExpertCache` counts it),
+            since the previous observation. ``fills``: ``[L]`` int, the layer's fills that displaced a
+            resident in the same window. Their ratio is the net reuse of such a fill, what one more fill
+            buys against the cache without it (zero in expectation without routing locality).
         fill_samples: ``(fills, seconds, concurrent)`` of fill branches measured (any layers).
         cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
         handoffs: ``[L]`` int, per MoE layer: decode layer steps that handed CPU work to the executor on
@@ -464,7 +466,8 @@ class AutoPolicy(ExpertPolicy):
 
     where ``T`` is :class:`MissCosts`'s layer time (both branches, their fixed costs, the bandwidths
     alone or concurrent), ``r_l`` the measured net reuse of a fill of layer ``l`` (hits its slot got
-    during its tenure minus the requests of the expert it displaced, :class:`LayerObservation`), and
+    during its tenure minus the requests of the expert it displaced, also where that expert was filled again,
+    over the fills that displaced a resident: :class:`LayerObservation`), and
     ``t_save = fill_s·cpu_s / (fill_s + cpu_s)`` the time a miss costs at the balance of the two
     branches. Ties go to the larger ``q``. With ``r = 0`` and no fixed costs this is the q* balance of
     FreeToken (arXiv 2608.16157); fixed costs make few misses fill (a hand-off costs more than a copy)

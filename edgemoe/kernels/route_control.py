@@ -30,12 +30,14 @@ live in the caller's scratch rows between passes.
    accepts at least one victim (typically many); at most ``q`` passes, usually one or two.
 6. The i-th fill takes the i-th victim; the victim's previous owner is evicted.
 
-Reuse accounting (optional, the tables of :class:`edgemoe.experts.cache.ExpertCache`): a fill remembers
-the id it displaced (its *ghost*: ``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``) while the
-filled id stays in the slot. Per MoE layer ``l``, ``reuse[l, 0]`` gains the layer's hits and loses one
-for each miss of a ghost displaced by a fill of layer ``l`` (charged to the filler's layer);
-``reuse[l, 1]`` counts the layer's fills. ``reuse[l, 0] / reuse[l, 1]`` over a window is the net reuse
-of a fill: the hits it bought minus the hits it cost (zero in expectation without routing locality).
+Reuse accounting (optional, the tables of :class:`edgemoe.experts.cache.ExpertCache`, whose module docstring
+gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*:
+``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``); the pair is live while the filled id stays in the
+slot and no other fill displaces the ghost. Per MoE layer ``l``, ``reuse[l, 0]`` gains one for each hit of the
+layer on a resident with a live ghost and loses one for each request (hit or miss) of a live ghost displaced by
+a fill of layer ``l`` (charged to the filler's layer); ``reuse[l, 1]`` counts the layer's fills that displaced a
+resident. ``reuse[l, 0] / reuse[l, 1]`` over a window is the net reuse of such a fill against the cache without
+it (zero in expectation without routing locality).
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     # 1. dedupe (an expert's first route represents it, its route count is its token count) and
     #    2. hits and misses; hit slots are marked for the victim search
     n_hits = tl.zeros([], tl.int32)
+    n_credit = tl.zeros([], tl.int32)
     m = tl.zeros([], tl.int32)
     for i0 in range(0, P, BLOCK_P):
         r = i0 + lane
@@ -176,17 +179,21 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         n_hits += tl.sum((first & hit).to(tl.int32))
         m += tl.sum((first & miss).to(tl.int32))
         tl.store(last_used_ptr + slot, _HIT, mask=hit)
-        if REUSE:  # before any table changes: misses of ghosts are charged to their filler's layer
-            gs = tl.load(ghost_slot_ptr + fid, mask=first & miss, other=-1)  # [BP]
-            gown = tl.load(owner_of_ptr + gs, mask=first & miss & (gs >= 0), other=-1)  # [BP]
-            pen = first & miss & (gs >= 0) & (gown >= 0)
+        if REUSE:  # before any table changes: requests of live ghosts are charged to their filler's layer,
+            # hits on residents with a live ghost credited to this layer
+            gs = tl.load(ghost_slot_ptr + fid, mask=first, other=-1)  # [BP]
+            gown = tl.load(owner_of_ptr + gs, mask=first & (gs >= 0), other=-1)  # [BP]
+            pen = first & (gs >= 0) & (gown >= 0)
             tl.atomic_add(reuse_ptr + (gown // E) * 2, tl.full([BLOCK_P], -1, tl.int64), mask=pen)
+            hg = tl.load(slot_ghost_ptr + slot, mask=first & hit, other=-1)  # [BP] the hit resident's ghost
+            hg_at = tl.load(ghost_slot_ptr + hg, mask=first & hit & (hg >= 0), other=-1)
+            n_credit += tl.sum((first & hit & (hg >= 0) & (hg_at == slot)).to(tl.int32))
         tl.store(cnt_ptr + r, cnt, mask=valid)
         tl.store(within_ptr + r, within, mask=valid)
         tl.store(slot_ptr + r, slot.to(tl.int32), mask=valid)
         tl.store(flags_ptr + r, first.to(tl.int32) | (miss.to(tl.int32) << 1), mask=valid)
     if REUSE:
-        tl.atomic_add(reuse_ptr + moe_layer * 2, n_hits.to(tl.int64))
+        tl.atomic_add(reuse_ptr + moe_layer * 2, n_credit.to(tl.int64))
     tl.debug_barrier()
 
     # 3. q from the policy's fill rule (float64, the host formula's operation order) or its per-layer
@@ -278,12 +285,10 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
             g_at = tl.load(ghost_slot_ptr + g, mask=fl & (g >= 0), other=-1)
             tl.debug_barrier()
             tl.store(ghost_slot_ptr + g, -1, mask=fl & (g >= 0) & (g_at == vic))
-            tl.store(ghost_slot_ptr + ffid, -1, mask=fl)
             tl.debug_barrier()
             tl.store(ghost_slot_ptr + old, vic, mask=fl & (old >= 0))
             tl.store(slot_ghost_ptr + vic, old, mask=fl)
-    if REUSE:
-        tl.atomic_add(reuse_ptr + moe_layer * 2 + 1, q.to(tl.int64))
+            tl.atomic_add(reuse_ptr + moe_layer * 2 + 1, tl.sum((fl & (old >= 0)).to(tl.int64)))
     tl.debug_barrier()  # the fill list's first q entries are read (vslot) before the rest is cleared
     for i0 in range(0, P, BLOCK_P):
         r = i0 + lane
