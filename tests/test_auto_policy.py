@@ -43,7 +43,7 @@ def test_fixed_costs_decide_few_misses():
     # B_H measured at 4 experts per call that cost 400 us each: the call, not the experts, is the CPU's
     # cost, so of 2 misses both fill (q* fills 1), and many misses go to the CPU in one call
     bw = Bandwidths(50.0, 150.0, fill_fixed_s=1e-5, cpu_fixed_s=4e-4)
-    handoff = AutoPolicy.from_bandwidths(bw, ROW, 1, 64, reuse_prior=0.0)  # the cost model alone
+    handoff = AutoPolicy.from_bandwidths(bw, ROW, 1, 64)
     assert handoff.num_fills(2) == 2 and QStarPolicy(bw).num_fills(2) == 1
     assert handoff.num_fills(11) == 2 < QStarPolicy(bw).num_fills(11)
     for m in range(1, 65):
@@ -52,7 +52,7 @@ def test_fixed_costs_decide_few_misses():
                    for x in range(m + 1))
     assert handoff.num_fills(64) < 64
     # a copy that costs 1 ms to start: a single miss stays on the CPU
-    copy = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0, fill_fixed_s=1e-3), ROW, 1, 64, reuse_prior=0.0)
+    copy = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0, fill_fixed_s=1e-3), ROW, 1, 64)
     assert copy.num_fills(1) == 0
 
 
@@ -570,7 +570,7 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
         old.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0], reuse_net=[3, 3], fills=[40, 40],
                                             misses_per_layer_step=4.0, cpu_samples=[(4, 2e-4, False)] * 6))
     assert old.cpu_level == -7 and old.miss_rate is not None and old.costs != old.prior
-    new = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16, reuse_prior=0.0)  # no hold
+    new = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     fresh = [new.num_fills(m) for m in range(1, 17)]
     new.inherit(old)
     assert new.cpu_level == old.cpu_level and new.costs == old.costs

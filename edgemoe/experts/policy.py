@@ -480,13 +480,10 @@ class AutoPolicy(ExpertPolicy):
     samples scaled to the isolated ones by the model's ratio), then recomputes the table ``q_l(m)``
     (``[L, M + 1]``, :meth:`fill_table`) when any entry changes. No probe steps: every decision uses
     the current estimates. The reuse prior is optimistic (``reuse_prior``, the largest net reuse, worth
-    ``reuse_prior_weight`` fills of evidence), and while a layer has measured fewer fills (that displaced a
-    resident, exponentially weighted) than that weight, its fills count as worth their whole cost: it fills
-    every miss (unless ``reuse_prior`` is 0). A miss served on the CPU is not cached, so a split chosen in the
-    first windows after the working set moved, whose fills have not been requested again yet, keeps those
-    experts out and makes its own later misses (on the GPU host, realistic routing at 16 GB with prior 0 split
-    for ~24 decode steps after prefill and ran at 0.80-0.93x ``fill-all``); and where nearly every expert hits,
-    few fills displace anything, so the layer keeps filling every miss, as ``fill-all`` does. Without
+    ``reuse_prior_weight`` fills of evidence): a miss served on the CPU is not cached, so a split chosen
+    in the first windows after the working set moved, whose fills have not been requested again yet,
+    keeps those experts out and makes its own later misses (on the GPU host, realistic routing at 16 GB
+    with prior 0 split for ~24 decode steps after prefill and ran at 0.80-0.93x ``fill-all``). Without
     locality one window's fills (several per layer step) outweigh the prior.
 
     ``t_save`` is the marginal time of one more miss at the measured mean miss count ``m̄`` of a layer
@@ -641,9 +638,8 @@ class AutoPolicy(ExpertPolicy):
         """
         if expert_bytes <= 0:
             raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
-        if bw.pcie is None or bw.cpu is None:  # no cache to fill: nothing to hold either
+        if bw.pcie is None or bw.cpu is None:
             costs = MissCosts(fill_s=1.0, fill_conc_s=1.0, cpu_s=1e-9, cpu_conc_s=1e-9)
-            kw = {**kw, "reuse_prior": 0.0}
         else:
             residual = max(bw.cpu - bw.pcie, 1e-3 * bw.pcie)  # B_H <= B_P: the CPU adds (almost) nothing
             b = expert_bytes / 1e9
@@ -715,9 +711,7 @@ class AutoPolicy(ExpertPolicy):
             hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)]) for m in range(self.M + 1)]
             self._hulls_by_level[self.cpu_level] = hulls
         t_save = self.t_save(c)
-        hold = self.reuse_prior > 0  # an optimistic prior: a layer fills every miss until its fills are measured
-        values = [math.inf if hold and n < self.reuse_prior_weight else max(r, 0.0) * t_save
-                  for r, n in zip(self.reuse, self._n)]
+        values = [max(r, 0.0) * t_save for r in self.reuse]
         table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
         if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
             table = [list(range(self.M + 1)) for _ in range(self.L)]
