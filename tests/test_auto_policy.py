@@ -226,30 +226,24 @@ def test_measured_reuse_makes_a_layer_fill_every_miss():
     assert not auto.observe_layers(LayerObservation(reuse_net=[0, 0, 0], fills=[0, 0, 0]))  # nothing new
 
 
-def test_optimistic_reuse_prior_fills_above_the_balance_until_fills_show_no_reuse():
-    """Costs measured on the GPU host at 15 threads (a CPU expert cheaper than a fill): after prefill, a window
-    whose few fills were not requested again yet fills more misses than the balance (a CPU-served expert would
-    not be cached), by at most one saved miss's worth per fill; a window of many fills with no net reuse (no
-    locality) brings the split back to the balance."""
+def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
+    """Costs measured on the GPU host at 15 threads (a CPU expert cheaper than a fill): after prefill,
+    a window whose few fills were not requested again yet keeps filling every miss (a CPU-served expert
+    would not be cached); a window of many fills with no net reuse (no locality) splits."""
     costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
                       cpu_fixed_s=27e-6)
     layers = 48
     burst = LayerObservation(reuse_net=[6] * layers, fills=[9] * layers, misses_per_layer_step=4.6)
-
-    def fills(pol: AutoPolicy) -> list[int]:
-        return [pol.num_fills(m) for m in range(1, 17)]
-
     auto = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
+    auto.price_armed_branch(8e-6)
+    auto.observe_layers(burst)
+    assert auto.fills_every_miss()
     prior0 = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False, reuse_prior=0.0)
-    for pol in (auto, prior0):
-        pol.price_armed_branch(8e-6)
-        pol.observe_layers(burst)
-    assert auto.reuse[0] > prior0.reuse[0] > 0
-    assert all(a >= b for a, b in zip(fills(auto), fills(prior0))) and fills(auto) != fills(prior0)
-    assert not auto.fills_every_miss()  # one saved miss (~65 us here) does not pay a 190 us fill beyond the balance
-    for pol in (auto, prior0):
-        pol.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[460] * layers, misses_per_layer_step=5.8))
-    assert fills(auto) == fills(prior0)
+    prior0.price_armed_branch(8e-6)
+    prior0.observe_layers(burst)
+    assert not prior0.fills_every_miss()  # the self-confirming split the prior exists to avoid
+    auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
+    assert not auto.fills_every_miss()
 
 
 def test_misses_falling_fast_keep_filling_every_miss():
@@ -388,43 +382,36 @@ def test_cache_reuse_counters_equal_the_replay_accounting(rule):
     pol = FillAllPolicy() if rule == "fill-all" else QStarPolicy(Bandwidths(10.0, 25.0))
     cache = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
     ref = SlotLRU(wl, S)
+    resident_ghosts = 0  # steps after which a ghost was resident again (still charged to its displacer)
     for i, a in enumerate(wl.accesses):
         plan_step(cache, pol, dict(zip(a.ids, a.counts)), Phase.DECODE, a.step)
         ref.access(a, i, pol.num_fills)
+        resident_ghosts += bool(((cache.ghost_slot >= 0) & (cache.slot_of >= 0)).any())
+    assert resident_ghosts > 0
     assert cache.reuse[:, 0].tolist() == ref.reuse_net
     assert cache.reuse[:, 1].tolist() == ref.fills_by_layer
     assert sum(ref.fills_by_layer) > 0 and any(ref.reuse_net)
     cache.check_invariants()
-    # ghosts not requested since point at slots whose owner displaced them (-2 - id once that owner was hit)
+    # ghosts point at slots whose owner displaced them (a ghost filled again keeps its displacer), never at their own
     for fid, slot in enumerate(cache.ghost_slot.tolist()):
         if slot >= 0:
-            assert cache.slot_of[fid] < 0 and int(cache.slot_ghost[slot]) in (fid, -2 - fid)
+            assert cache.slot_ghost[slot] == fid and cache.slot_of[fid] != slot
 
 
 def test_reuse_is_positive_with_locality_and_near_zero_without():
-    """A working set that drifts (each layer routes 2 of a window of 4 experts that moves on now and then): a fill
-    brings an expert of the window in place of one that left it, so it is needed again and the displaced one is
-    not (net reuse well above 0); uniform routing: as likely either way (near 0)."""
     L, E, S = 2, 16, 8
     rng = random.Random(0)
-    start = [0] * L
     out = {}
-
-    def drifting(layer: int) -> list[int]:
-        if rng.random() < 0.05:
-            start[layer] += 1
-        return [(start[layer] + e) % E for e in rng.sample(range(4), 2)]
-
-    for name, draw in (("drifting", drifting), ("uniform", lambda layer: rng.sample(range(E), 2))):
+    for name, draw in (("hot", lambda: rng.sample(range(4), 2) if rng.random() < 0.9 else rng.sample(range(E), 2)),
+                       ("uniform", lambda: rng.sample(range(E), 2))):
         cache = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
-        for step in range(1, 3000):
+        for step in range(1, 1500):
             for layer in range(L):
-                plan_step(cache, FillAllPolicy(), {layer * E + e: 1 for e in draw(layer)}, Phase.DECODE, step)
+                plan_step(cache, FillAllPolicy(), {layer * E + e: 1 for e in draw()}, Phase.DECODE, step)
         net, fills = cache.reuse.sum(0).tolist()
-        assert fills > 100
         out[name] = net / fills
-    assert out["drifting"] > 0.3  # a shift's first miss may still displace an expert of the window
-    assert abs(out["uniform"]) < 0.1
+    assert out["hot"] > 0.5
+    assert abs(out["uniform"]) < 0.15
 
 
 @pytest.mark.parametrize("partition", [False, True])
@@ -432,8 +419,8 @@ def test_fills_that_cycle_a_working_set_larger_than_the_cache_buy_no_reuse(parti
     """Every step requests 6 of the same 8 experts per layer into 4 slots a layer, a quarter of the misses filled
     (the random model's own routing with a small cache): each fill displaces an expert as much in use as the one
     it brings, so one more fill buys no hit (per-layer LRU), or costs some (global LRU, whose victims are the
-    experts the next layers route). The residents are hit several times per fill; counting every hit of a
-    tenure, or the hits of residents that displaced no one, credited each fill with ~3 hits."""
+    experts the next layers route). The residents are hit several times per fill; counting those hits for the
+    fills, or letting a ghost filled again stop being charged, credited each fill with ~3 hits."""
     L, E, k = 3, 16, 8
     rng = random.Random(1)
     sets = [rng.sample(range(E), k) for _ in range(L)]
@@ -445,7 +432,9 @@ def test_fills_that_cycle_a_working_set_larger_than_the_cache_buy_no_reuse(parti
             plan_step(cache, pol, {layer * E + e: 1 for e in rng.sample(sets[layer], 6)}, Phase.DECODE, step)
     net, fills = cache.reuse.sum(0).tolist()
     assert fills > 1000 and cache.counters["decode"].hits > 2.5 * fills
-    assert -0.4 < net / fills < 0.1  # a fill evicted before its expert comes back pays its ghost and gains nothing
+    assert net / fills < 0.1
+    if partition:
+        assert abs(net / fills) < 0.1
 
 
 def test_engine_feeds_auto_between_steps_and_outputs_stay_exact(tiny_model_dir):

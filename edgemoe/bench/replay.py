@@ -386,20 +386,20 @@ class ResidentPolicy(Policy):
     net-reuse accounting of fills (:class:`edgemoe.experts.policy.LayerObservation`).
 
     Reuse accounting, as the engine's cache counts it (:class:`edgemoe.experts.cache.ExpertCache`, whose module
-    docstring gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*).
-    The first access of the filled id while resident adds 1 to ``reuse_net[layer of the id]``; the first access
-    of the ghost (resident again or not) while the filled id is resident subtracts 1 from ``reuse_net`` of the
-    filler's layer; ``fills_by_layer`` counts those fills. Over a window, ``reuse_net / fills`` (between -1 and
-    1) is how much more often a fill's expert is needed again than the one it displaced (zero in expectation
-    when routing has no locality).
+    docstring gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*);
+    the pair is live while the filled id stays resident and no other fill displaces the ghost (it may be filled
+    again itself). Each access of a resident id with a live ghost adds 1 to ``reuse_net[layer of the id]``; each
+    access of a live ghost (resident again or not) subtracts 1 from ``reuse_net`` of the layer whose fill
+    displaced it; ``fills_by_layer`` counts the fills that displaced a resident. Over a window,
+    ``reuse_net / fills`` is the hits such a fill buys net of the requests the displaced expert would have met
+    (zero in expectation when routing has no locality).
     """
 
     def __init__(self, wl: Workload, slots: int):
         super().__init__(wl, slots)
         self.res: set[int] = set()
-        self.ghost_of: dict[int, int] = {}  # displaced id, not requested since -> the resident that displaced it
+        self.ghost_of: dict[int, int] = {}  # displaced id -> the resident id whose fill displaced it
         self.ghost_by: dict[int, int] = {}  # resident id -> the id its fill displaced
-        self.uncredited: set[int] = set()  # residents that displaced one, not hit since
         self.reuse_net = [0] * wl.num_layers
         self.fills_by_layer = [0] * wl.num_layers
 
@@ -408,14 +408,13 @@ class ResidentPolicy(Policy):
         hits = [f for f in a.ids if f in res]
         n_miss = len(a.ids) - len(hits)
         E, net = self.wl.num_experts, self.reuse_net
-        if self.uncredited:
-            for f in hits:
-                if f in self.uncredited:
-                    self.uncredited.discard(f)
-                    net[f // E] += 1
         if self.ghost_of:
+            for f in hits:
+                g = self.ghost_by.get(f)
+                if g is not None and self.ghost_of.get(g) == f:
+                    net[f // E] += 1
             for f in a.ids:
-                g = self.ghost_of.pop(f, None)
+                g = self.ghost_of.get(f)
                 if g is not None:
                     net[g // E] -= 1
         self.on_access(a, i, hits)
@@ -450,12 +449,10 @@ class ResidentPolicy(Policy):
                 g = self.ghost_by.pop(v, None)
                 if g is not None and self.ghost_of.get(g) == v:
                     del self.ghost_of[g]
-                self.uncredited.discard(v)
                 self.evict(v)
             self.admit(f, a, i)
             if v >= 0:
                 self.ghost_of[v], self.ghost_by[f] = f, v
-                self.uncredited.add(f)
                 self.fills_by_layer[f // self.wl.num_experts] += 1
             filled += 1
         return filled

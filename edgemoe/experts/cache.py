@@ -15,18 +15,21 @@ step as the clock all layers of a step share one age, and a global victim is oft
 next layers of the step are about to route. The cache is a performance lever only: shrinking it never changes
 results.
 
-Reuse accounting (for the ``auto`` miss policy, which values a fill by what it buys over serving that request
-on the CPU): a fill that displaces a resident remembers the id it displaced, its *ghost*
-(``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``). In decode, per MoE layer ``l``, ``reuse[l, 0]``
-gains one for the first hit of a resident that a fill of layer ``l`` brought in place of another, and loses one
-for the first request (hit or miss) of the expert it displaced, while the filled one is resident;
-``reuse[l, 1]`` counts those fills. Their ratio over a window, between -1 and 1, is the net reuse of a fill:
-how much more often the filled expert is needed again than the one it displaced. Each tenure counts once on
-either side because the alternative to a fill is not an expert never cached but one served on the CPU now and
-filled at a later miss: what filling now buys is the next request, not every hit of the tenure (counting every
-hit credited a fill in a cache smaller than a steady working set with ~3 hits, while one more fill bought
-almost none). After its first hit a resident's entry becomes ``-2 - ghost`` (credited, the ghost still known
-for :meth:`_forget_ghosts`); after its first request a ghost's entry becomes -1 (charged).
+Reuse accounting (for the ``auto`` miss policy, which values a fill by what it buys): a fill that displaces a
+resident remembers the id it displaced, its *ghost* (``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``);
+the pair is live while the filled id stays in that slot and the ghost is not displaced by another fill (it may
+be filled again itself). In decode, ``reuse[l, 0]`` gains one for every hit of MoE layer ``l`` on a resident
+with a live ghost and loses one for every request (hit or miss) of a live ghost whose displacer is of layer
+``l``; ``reuse[l, 1]`` counts layer ``l``'s fills that displaced a resident. Their ratio over a window is the
+net reuse of such a fill against the cache without it: the hits it bought minus the requests the displaced
+expert would have met (zero in expectation without routing locality, and where every fill displaces an expert
+as much in use as itself). Two choices keep it a marginal value, what one more fill buys, rather than an
+average over the cache: a ghost filled again is still charged to its displacer (otherwise a chain of fills,
+each displacing an expert the next one brings back, is credited with every hit and charged almost nothing),
+and the hits of residents without a live ghost (filled into a free slot, streamed in by a prefill, or whose
+ghost a later fill displaced) are credited to no fill (otherwise a cache smaller than a steady working set,
+whose long-lived residents are hit every step, credits their hits to the few fills that cycle its other
+slots: several hits a fill where one more fill buys none).
 
 The tables live on the cache's device, so the device-side control of a decode step
 (``edgemoe.kernels.route_control``) reads and updates the very tensors these methods use; the methods
@@ -108,11 +111,10 @@ class ExpertCache:
         pinned: ``[S]`` bool, slots never evicted (static placement).
         clock: ``[1]`` int64, the current model step for device-side control (its caller advances it
             once per step; the eager path passes ``step`` explicitly instead).
-        ghost_slot: ``[N]`` int64, the slot whose current owner's fill displaced the id, until the id's first
-            request since (then -1), or -1.
-        slot_ghost: ``[S]`` int64, the id the slot's current owner displaced (``-2 - id`` once the owner was
-            hit), or -1.
-        reuse: ``[L, 2]`` int64, per MoE layer (net reuse, fills that displaced a resident) in decode since
+        ghost_slot: ``[N]`` int64, the slot whose current owner's fill displaced the id (resident again
+            or not), or -1.
+        slot_ghost: ``[S]`` int64, the id the slot's current owner displaced, or -1.
+        reuse: ``[L, 2]`` int64, per MoE layer (net reuse hits, fills that displaced a resident) in decode since
             creation (module docstring).
 
     All tables are on ``device``.
@@ -285,8 +287,7 @@ class ExpertCache:
     def _forget_ghosts(self, idx: torch.Tensor) -> None:
         """The ghosts of slots ``idx`` are forgotten (their owners leave or are replaced)."""
         g = self.slot_ghost[idx]
-        g = torch.where(g <= -2, -2 - g, g)  # an owner already credited keeps its ghost as -2 - id
-        mine = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == idx)  # a ghost displaced again since is someone else's
+        mine = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == idx)  # a ghost that was filled since is someone else's
         _set_where(self.ghost_slot, g, mine, -1)
         self.slot_ghost.index_fill_(0, idx, -1)
 
@@ -301,20 +302,16 @@ class ExpertCache:
         fills: the step's ``requested`` experts (distinct flat ids), the slots of those that hit, and the slots
         its fills take (their owners, where any, are displaced)."""
         if requested:
-            ids = self._index(requested)
-            gs = self.ghost_slot[ids]
-            charged = gs >= 0  # first request of a ghost: charged to its displacer's layer, once
-            if bool(charged.any()):
-                owners = self.owner_of[gs[charged]]
+            gs = self.ghost_slot[self._index(requested)]
+            gs = gs[gs >= 0]
+            if gs.numel():
+                owners = self.owner_of[gs]
                 owners = owners[owners >= 0]
                 self.reuse[:, 0].index_add_(0, owners // self.num_experts, torch.full_like(owners, -1))
-                self.ghost_slot[ids[charged]] = -1
         if hit_slots:
-            idx = self._index(hit_slots)
-            g = self.slot_ghost[idx]
-            first = g >= 0  # first hit of a resident that displaced one: credited to this layer, once
-            self.reuse[layer, 0] += first.sum()
-            self.slot_ghost[idx] = torch.where(first, -2 - g, g)
+            g = self.slot_ghost[self._index(hit_slots)]
+            live = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == self._index(hit_slots))
+            self.reuse[layer, 0] += live.sum()
         if victims:
             self.reuse[layer, 1] += (self.owner_of[self._index(victims)] >= 0).sum()
 

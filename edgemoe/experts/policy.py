@@ -428,12 +428,12 @@ class LayerObservation:
     """What the engine measured over one or more decode steps, for :meth:`ExpertPolicy.observe_layers`.
 
     Attributes:
-        reuse_net: ``[L]`` int, per MoE layer: first hits of experts the layer filled in place of a resident
-            minus first requests of the experts those fills displaced while the filled one is resident
-            (:class:`~edgemoe.experts.cache.ExpertCache` counts it), since the previous observation.
-            ``fills``: ``[L]`` int, the layer's fills that displaced a resident in the same window. Their
-            ratio, between -1 and 1, is the net reuse of such a fill: how much more often its expert is
-            needed again than the one it displaced (zero in expectation without routing locality).
+        reuse_net: ``[L]`` int, per MoE layer: hits on experts the layer filled in place of a resident minus
+            requests of the experts those fills displaced (while the filled expert is still resident and
+            the displaced one not displaced again; :class:`~edgemoe.experts.cache.ExpertCache` counts it),
+            since the previous observation. ``fills``: ``[L]`` int, the layer's fills that displaced a
+            resident in the same window. Their ratio is the net reuse of such a fill, what one more fill
+            buys against the cache without it (zero in expectation without routing locality).
         fill_samples: ``(fills, seconds, concurrent)`` of fill branches measured (any layers).
         cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
         handoffs: ``[L]`` int, per MoE layer: decode layer steps that handed CPU work to the executor on
@@ -465,21 +465,20 @@ class AutoPolicy(ExpertPolicy):
         J_l(q) = T(q, m − q) − V_l · q,      V_l = max(r_l, 0) · t_save
 
     where ``T`` is :class:`MissCosts`'s layer time (both branches, their fixed costs, the bandwidths
-    alone or concurrent), ``r_l`` the measured net reuse of a fill of layer ``l`` (whether the filled expert
-    was hit during its tenure minus whether the expert it displaced was requested then, over the fills that
-    displaced a resident, between -1 and 1: :class:`LayerObservation`), and
+    alone or concurrent), ``r_l`` the measured net reuse of a fill of layer ``l`` (hits its slot got
+    during its tenure minus the requests of the expert it displaced, also where that expert was filled again,
+    over the fills that displaced a resident: :class:`LayerObservation`), and
     ``t_save = fill_s·cpu_s / (fill_s + cpu_s)`` the time a miss costs at the balance of the two
     branches. Ties go to the larger ``q``. With ``r = 0`` and no fixed costs this is the q* balance of
     FreeToken (arXiv 2608.16157); fixed costs make few misses fill (a hand-off costs more than a copy)
-    or stay on the CPU; reuse makes a layer whose fills are hit again fill more misses than the balance,
-    by at most the value of one saved miss per fill (what filling now buys over filling at the next miss).
+    or stay on the CPU; reuse makes a layer whose fills are hit again fill every miss.
 
     Online: :meth:`observe_layers` updates ``r_l`` (exponentially weighted over ``reuse_halflife``
     tenures, prior ``reuse_prior`` with weight ``reuse_prior_weight`` fills) and the branch costs (per branch an
     :class:`EwLinearFit` of fixed cost and per-expert time over measured branch times, concurrent
     samples scaled to the isolated ones by the model's ratio), then recomputes the table ``q_l(m)``
     (``[L, M + 1]``, :meth:`fill_table`) when any entry changes. No probe steps: every decision uses
-    the current estimates. The reuse prior is optimistic (``reuse_prior``, the largest net reuse, worth
+    the current estimates. The reuse prior is optimistic (``reuse_prior`` hits per fill, worth
     ``reuse_prior_weight`` fills of evidence): a miss served on the CPU is not cached, so a split chosen
     in the first windows after the working set moved, whose fills have not been requested again yet,
     keeps those experts out and makes its own later misses (on the GPU host, realistic routing at 16 GB
@@ -591,7 +590,7 @@ class AutoPolicy(ExpertPolicy):
     rising_min_misses = 1.0  # a window with at least this many misses per layer step after one below falling_min_misses
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
-                 reuse_halflife: float = 32.0, reuse_prior: float = 1.0, reuse_prior_weight: float = 6.0,
+                 reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
                  fit_halflife: float = 256.0):
         if num_layers < 1 or max_misses < 1:
             raise ValueError(f"num_layers and max_misses must be >= 1, got {num_layers}, {max_misses}")

@@ -32,12 +32,12 @@ live in the caller's scratch rows between passes.
 
 Reuse accounting (optional, the tables of :class:`edgemoe.experts.cache.ExpertCache`, whose module docstring
 gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*:
-``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``). Per MoE layer ``l``, ``reuse[l, 0]`` gains one for
-the first hit of a resident that a fill of the layer brought in place of another (its entry then becomes
-``-2 - ghost``) and loses one for the first request (hit or miss) of a ghost displaced by a fill of layer ``l``
-while the filler is resident (its entry then becomes -1); ``reuse[l, 1]`` counts those fills.
-``reuse[l, 0] / reuse[l, 1]`` over a window is the net reuse of a fill, between -1 and 1 (zero in expectation
-without routing locality).
+``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``); the pair is live while the filled id stays in the
+slot and no other fill displaces the ghost. Per MoE layer ``l``, ``reuse[l, 0]`` gains one for each hit of the
+layer on a resident with a live ghost and loses one for each request (hit or miss) of a live ghost displaced by
+a fill of layer ``l`` (charged to the filler's layer); ``reuse[l, 1]`` counts the layer's fills that displaced a
+resident. ``reuse[l, 0] / reuse[l, 1]`` over a window is the net reuse of such a fill against the cache without
+it (zero in expectation without routing locality).
 """
 
 from __future__ import annotations
@@ -179,17 +179,15 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         n_hits += tl.sum((first & hit).to(tl.int32))
         m += tl.sum((first & miss).to(tl.int32))
         tl.store(last_used_ptr + slot, _HIT, mask=hit)
-        if REUSE:  # before any fill: a ghost's first request is charged to its filler's layer, a resident's
-            # first hit since it displaced one credited to this layer (each once; distinct ids, distinct slots)
+        if REUSE:  # before any table changes: requests of live ghosts are charged to their filler's layer,
+            # hits on residents with a live ghost credited to this layer
             gs = tl.load(ghost_slot_ptr + fid, mask=first, other=-1)  # [BP]
             gown = tl.load(owner_of_ptr + gs, mask=first & (gs >= 0), other=-1)  # [BP]
             pen = first & (gs >= 0) & (gown >= 0)
             tl.atomic_add(reuse_ptr + (gown // E) * 2, tl.full([BLOCK_P], -1, tl.int64), mask=pen)
-            tl.store(ghost_slot_ptr + fid, -1, mask=first & (gs >= 0))
             hg = tl.load(slot_ghost_ptr + slot, mask=first & hit, other=-1)  # [BP] the hit resident's ghost
-            cred = first & hit & (hg >= 0)
-            n_credit += tl.sum(cred.to(tl.int32))
-            tl.store(slot_ghost_ptr + slot, -2 - hg, mask=cred)
+            hg_at = tl.load(ghost_slot_ptr + hg, mask=first & hit & (hg >= 0), other=-1)
+            n_credit += tl.sum((first & hit & (hg >= 0) & (hg_at == slot)).to(tl.int32))
         tl.store(cnt_ptr + r, cnt, mask=valid)
         tl.store(within_ptr + r, within, mask=valid)
         tl.store(slot_ptr + r, slot.to(tl.int32), mask=valid)
@@ -284,7 +282,6 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         tl.store(slot_tk_ptr + r, tl.where(hit, slot, vslot).to(tl.int32), mask=valid)
         if REUSE:  # the victims' old ghosts are forgotten, their owners become the fills' ghosts
             g = tl.load(slot_ghost_ptr + vic, mask=fl, other=-1)  # [BP]
-            g = tl.where(g <= -2, -2 - g, g)  # an owner already credited keeps its ghost as -2 - id
             g_at = tl.load(ghost_slot_ptr + g, mask=fl & (g >= 0), other=-1)
             tl.debug_barrier()
             tl.store(ghost_slot_ptr + g, -1, mask=fl & (g >= 0) & (g_at == vic))
