@@ -32,7 +32,11 @@ def _patch_triton_interpreter() -> None:
     """Three bugs of Triton 3.6's interpreter (not of compiled kernels), patched for the tests: a loop bound
     passed as a kernel argument fails under numpy >= 2.4 (triton-lang/triton#9171), ``tl.dot``
     multiplies bfloat16 operands as their raw uint16 bit patterns, and a float32 -> bfloat16 cast
-    truncates (compiled kernels round to nearest even, as torch does)."""
+    truncates (compiled kernels round to nearest even, as torch does). Also, the interpreter's ``tl.dot`` is
+    numpy's float32 ``matmul``, whose BLAS may sum a row's products in an order that depends on the row's
+    position in the tile (OpenBLAS's AVX-512 kernels on an AMD Zen 5 do, in groups of six rows), while a compiled
+    kernel's order per output element does not: a floating-point ``tl.dot`` here sums in float64 (each product of
+    float32 values exact) and rounds once, so a row's result does not depend on the rows beside it."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter as it
@@ -54,7 +58,11 @@ def _patch_triton_interpreter() -> None:
             return it.TensorHandle(it._convert_float(h.data, tl.bfloat16, tl.float32, None).view(it.np.float32),
                                    tl.float32)
 
-        return orig_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+        a, b = f32(a), f32(b)
+        if not (it.np.issubdtype(a.data.dtype, it.np.floating) and it.np.issubdtype(d.data.dtype, it.np.floating)):
+            return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        ab = it.np.matmul(a.data.astype(it.np.float64), b.data.astype(it.np.float64)).astype(d.data.dtype)
+        return it.TensorHandle(ab + d.data, d.dtype.scalar)
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
