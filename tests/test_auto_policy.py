@@ -420,7 +420,8 @@ def test_fills_that_cycle_a_working_set_larger_than_the_cache_buy_no_reuse(parti
     (the random model's own routing with a small cache): each fill displaces an expert as much in use as the one
     it brings, so one more fill buys no hit (per-layer LRU), or costs some (global LRU, whose victims are the
     experts the next layers route). The residents are hit several times per fill; counting those hits for the
-    fills, or letting a ghost filled again stop being charged, credited each fill with ~3 hits."""
+    fills and letting a ghost filled again stop being charged (the accounting before) gave +0.96 (global) and
+    +1.61 (per layer) a fill."""
     L, E, k = 3, 16, 8
     rng = random.Random(1)
     sets = [rng.sample(range(E), k) for _ in range(L)]

@@ -29,7 +29,7 @@ each displacing an expert the next one brings back, is credited with every hit a
 and the hits of residents without a live ghost (filled into a free slot, streamed in by a prefill, or whose
 ghost a later fill displaced) are credited to no fill (otherwise a cache smaller than a steady working set,
 whose long-lived residents are hit every step, credits their hits to the few fills that cycle its other
-slots: several hits a fill where one more fill buys none).
+slots: one to several hits a fill where one more fill buys none).
 
 The tables live on the cache's device, so the device-side control of a decode step
 (``edgemoe.kernels.route_control``) reads and updates the very tensors these methods use; the methods
