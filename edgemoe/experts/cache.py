@@ -309,8 +309,9 @@ class ExpertCache:
                 owners = owners[owners >= 0]
                 self.reuse[:, 0].index_add_(0, owners // self.num_experts, torch.full_like(owners, -1))
         if hit_slots:
-            g = self.slot_ghost[self._index(hit_slots)]
-            live = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == self._index(hit_slots))
+            idx = self._index(hit_slots)
+            g = self.slot_ghost[idx]
+            live = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == idx)
             self.reuse[layer, 0] += live.sum()
         if victims:
             self.reuse[layer, 1] += (self.owner_of[self._index(victims)] >= 0).sum()
