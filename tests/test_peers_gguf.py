@@ -196,3 +196,45 @@ def test_dry_run_plans_matched_levels_in_order(tmp_path, capsys):
     budgets = [float(b) for b in args[args.index("--budgets") + 1].split(",")]
     assert [int(b * 1e9 // ROW) for b in budgets] == [2 * 128, 5 * 128]  # decode.py's slots = the -ncmoe levels' VRAM
     assert args[args.index("--cpu-threads") + 1] == "6" and "--no-resident" not in args
+
+
+def test_rounds_and_builds_take_medians_and_list_every_round(tmp_path):
+    run = _run_module()
+    assert run.parse_run_name(run.run_name("cpu", "llama-bench-cpu", 3)) == ("cpu", "llama-bench-cpu", 3)
+    assert run.parse_run_name(run.run_name("cpu-t6")) == ("cpu-t6", "", 1)
+    res = tmp_path / "results"
+    (res / "llama").mkdir(parents=True)
+    # two builds over three rounds: cpu build 20 / 24 / 22 (median 22), cuda build 21 / 18 / 19 (median 19)
+    for rnd, (cpu_ts, cuda_ts) in enumerate([(20.0, 21.0), (24.0, 18.0), (22.0, 19.0)], start=1):
+        for build, ts in (("llama-bench-cpu", cpu_ts), ("llama-bench-cuda", cuda_ts)):
+            (res / "llama" / f"{run.run_name('cpu', build, rnd)}.jsonl").write_text(_llama_line(6, 0, 0, ts) + "\n")
+        d = res / "edgemoe" / run.run_name("cpu-t6", "", rnd)
+        d.mkdir(parents=True)
+        prof = {"isolated": {"b_p_gbps": 0.0, "b_h_gbps": 50.0 + rnd},
+                "concurrent": {"b_p_gbps": 0.0, "b_h_gbps": 50.0}}
+        result = _edge_result("cpu-all", 0, [30.0, 33.0, 27.0][rnd - 1])
+        (d / "decode.json").write_text(json.dumps({"meta": {"profile": prof, "machine": {"cpu_threads": 6}},
+                                                   "results": [result]}))
+    a = type("Args", (), {"results": str(res), "ncmoe_levels": [14], "thread_list": [], "cpu_thread_list": [6],
+                          "cpu_only": True, "tokens": 64, "reps": 3, "policy_list": ["cpu-all"]})()
+    geo = run.geometry(run.model_config(16, {}))
+    md = run.build_table(a, geo)
+    cpu = next(r for r in json.loads((res / "peers.json").read_text())["rows"] if r["kind"] == "cpu-only")
+    assert cpu["llama"] == 22.0 and cpu["cpu-all"] == 30.0  # medians; the better build's
+    gb = (geo["dense_bytes_per_token"] + 16 * 8 * ROW) / 1e9
+    assert cpu["bound"] == pytest.approx(52.0 / gb)  # the median B_H
+    assert f"| 6 | 22.0 | 30.0 ({52.0 / gb:.0f}) | 1.36× |" in md
+    # each round against the faster build of that round
+    assert "| setting | threads | round | llama.cpp llama-bench-cpu | llama.cpp llama-bench-cuda |" in md
+    assert "| CPU-only | 6 | 1 | 20.0 | 21.0 | 30.0 | 1.43× |" in md
+    assert "| CPU-only | 6 | 2 | 24.0 | 18.0 | 33.0 | 1.38× |" in md
+    assert "| CPU-only | 6 | 3 | 22.0 | 19.0 | 27.0 | 1.23× |" in md
+
+
+def test_dry_run_alternates_rounds_and_builds(tmp_path, capsys):
+    run = _run_module()
+    assert run.main(["--dry-run", "--cpu-only", "--cpu-threads", "6", "--rounds", "2", "--llama-bench",
+                     "/bin/true,/bin/false", "--work", str(tmp_path / "ckpt"), "--results", str(tmp_path / "res")]) == 0
+    out = [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines() if ln.startswith(("llama ", "edgemoe "))]
+    assert out == ["llama cpu.true", "llama cpu.false", "edgemoe cpu-t6",
+                   "llama cpu.true@r2", "llama cpu.false@r2", "edgemoe cpu-t6@r2"]

@@ -21,6 +21,12 @@ Stages (``--stages``, comma-separated; default all), each doing only what is mis
 - ``edgemoe``: one decode.py process per thread count (every level and policy in it), the first two
   thread counts, then CPU-only, then the other thread counts.
 
+``--rounds R`` makes every run R times, round after round (each round: the llama.cpp runs, then edgemoe's), so
+that a change in the machine's memory or PCIe rate during the session falls on both engines; ``--llama-bench``
+may name several builds (comma-separated; the CPU and the CUDA build run their CPU paths at different rates on
+different hosts), each run in every round. The table takes, per setting, the median over the rounds, and for
+llama.cpp the build whose median is higher; a second table lists every round with its own ratio.
+
 Every run writes its own result file under ``--results`` and is skipped when that file exists
 (``--force`` reruns), so a session splits over calls. With ``--deadline S`` no run is started that the
 remaining time cannot hold and each process gets the remaining time as its limit; a process stopped by
@@ -217,7 +223,7 @@ class Build:
         self.a, self.env, self.proc, self.log_file = a, env, None, None
         self.kind = "cpu" if a.cpu_only else "cuda-native"
         default = PEERS / "bin" / ("llama-bench-cpu" if a.cpu_only else "llama-bench-cuda")
-        self.path = Path(a.llama_bench) if a.llama_bench else default
+        self.path = Path(a.llama_bench.split(",")[0]) if a.llama_bench else default
         self.cmd = ["nice", "-n", str(a.build_nice), "bash", str(HERE / "build_llama_bench.sh"), self.kind]
 
     def start(self) -> None:
@@ -269,6 +275,19 @@ def salvage_jsonl(text: str) -> str:
         except json.JSONDecodeError:
             pass
     return "\n".join(good) + ("\n" if good else "")
+
+
+def run_name(base: str, build: str = "", rnd: int = 1) -> str:
+    """A run's result name: ``base`` (gpu-ncmoe14, cpu-t6, ...), then ``.build`` where several llama-bench
+    builds run, then ``@rN`` from the second round on."""
+    return base + (f".{build}" if build else "") + (f"@r{rnd}" if rnd > 1 else "")
+
+
+def parse_run_name(name: str) -> tuple[str, str, int]:
+    """(base, build, round) of a result name written by :func:`run_name`."""
+    head, _, rnd = name.partition("@r")
+    base, _, build = head.partition(".")
+    return base, build, int(rnd) if rnd else 1
 
 
 def llama_cmd(a, binary: Path, gguf: Path, extra: list[str], threads: list[int]) -> list[str]:
@@ -381,7 +400,9 @@ def _load_llama(results: Path) -> list[dict]:
             samples = r.get("samples_ts") or [r["avg_ts"]]
             # the median of the repetitions: the first one may page the mmapped GGUF back in (an edgemoe run
             # before it can have evicted it from the page cache), an outlier the mean would keep
-            rows.append({"run": f.name, "threads": r["n_threads"], "ngl": r["n_gpu_layers"],
+            base, build, rnd = parse_run_name(f.name.removesuffix(".jsonl").removesuffix(".partial"))
+            rows.append({"run": f.name, "base": base, "build": build, "round": rnd,
+                         "threads": r["n_threads"], "ngl": r["n_gpu_layers"],
                          "ncmoe": r.get("n_cpu_moe", 0), "devices": r.get("devices"),
                          "tokens_per_s": statistics.median(samples), "mean": r["avg_ts"], "samples": samples,
                          "stddev": r["stddev_ts"], "backends": r.get("backends"), "build_commit": r.get("build_commit"),
@@ -415,27 +436,63 @@ def build_table(a, geo: dict) -> str:
     llama, edge = _load_llama(res), _load_edgemoe(res)
     n, k, row, e = geo["layers"], geo["top_k"], geo["expert_bytes"], geo["experts"]
 
-    def llama_at(ncmoe: int, t: int, cpu_only: bool = False) -> dict | None:
-        return next((r for r in llama if r["threads"] == t and (r["ngl"] == 0) == cpu_only
-                     and (cpu_only or r["ncmoe"] == ncmoe)), None)
+    rounds: dict[tuple, dict[int, dict]] = {}  # (kind, threads, ncmoe) -> round -> {"llama": {build: ts}, "edgemoe"}
 
-    def edge_at(name: str, slots: int | None, policy: str) -> dict | None:
-        d = edge.get(name)
-        for r in d["results"] if d else []:
+    def llama_match(ncmoe: int, t: int, cpu_only: bool) -> list[dict]:
+        return [r for r in llama if r["threads"] == t and (r["ngl"] == 0) == cpu_only
+                and (cpu_only or r["ncmoe"] == ncmoe)]
+
+    def llama_at(ncmoe: int, t: int, cpu_only: bool = False) -> dict | None:
+        """The setting's llama.cpp figure: per build the median over the rounds, the better build's."""
+        by_build: dict[str, list[float]] = {}
+        for r in llama_match(ncmoe, t, cpu_only):
+            by_build.setdefault(r["build"], []).append(r["tokens_per_s"])
+        if not by_build:
+            return None
+        medians = {b: statistics.median(v) for b, v in by_build.items()}
+        best = max(medians, key=medians.get)
+        return {"tokens_per_s": medians[best], "build": best, "by_build": medians}
+
+    def edge_runs(name: str) -> list[tuple[int, dict]]:
+        return sorted((parse_run_name(n)[2], d) for n, d in edge.items() if parse_run_name(n)[0] == name)
+
+    def edge_pick(d: dict, slots: int | None, policy: str) -> dict | None:
+        for r in d["results"]:
             resident = r["budget_gb"] == "all (resident)"
             if r["policy"] == policy and (resident if slots is None else not resident and r["slots"] == slots):
                 return r
         return None
 
+    def edge_at(name: str, slots: int | None, policy: str) -> dict | None:
+        """The setting's edgemoe result, its tokens/s the median over the rounds (the other fields: the
+        round whose tokens/s is nearest that median)."""
+        found = [r for _, d in edge_runs(name) if (r := edge_pick(d, slots, policy)) is not None]
+        if not found:
+            return None
+        med = statistics.median(r["tokens_per_s"] for r in found)
+        return {**min(found, key=lambda r: abs(r["tokens_per_s"] - med)), "tokens_per_s": med,
+                "rounds": len(found)}
+
     def b_h(name: str) -> float | None:
-        prof = (edge.get(name) or {}).get("meta", {}).get("profile")
-        return prof["isolated"]["b_h_gbps"] if prof else None
+        vals = [d["meta"]["profile"]["isolated"]["b_h_gbps"] for _, d in edge_runs(name)
+                if d.get("meta", {}).get("profile")]
+        return statistics.median(vals) if vals else None
 
     def pool_threads(name: str) -> int | None:
         """The CPU executor's threads in that run: a request above the cores free of the threads that run
         beside the pool is capped (on CUDA one core stays for the Python and driver threads)."""
-        t = (edge.get(name) or {}).get("meta", {}).get("machine", {}).get("cpu_threads")
+        runs = edge_runs(name)
+        t = runs[0][1].get("meta", {}).get("machine", {}).get("cpu_threads") if runs else None
         return t[0] if isinstance(t, list) and len(t) == 1 else t  # decode.py lists one count per setting
+
+    def note_rounds(key: tuple, ncmoe: int, t: int, cpu_only: bool, name: str, slots: int | None,
+                    policy: str) -> None:
+        for r in llama_match(ncmoe, t, cpu_only):
+            rounds.setdefault(key, {}).setdefault(r["round"], {}).setdefault("llama", {})[r["build"]] = \
+                r["tokens_per_s"]
+        for rnd, d in edge_runs(name):
+            if (er := edge_pick(d, slots, policy)) is not None:
+                rounds.setdefault(key, {}).setdefault(rnd, {})["edgemoe"] = er["tokens_per_s"]
 
     def threads_cell(r: dict) -> str:
         t, pool = r["threads"], r["edgemoe_pool_threads"]
@@ -454,6 +511,7 @@ def build_table(a, geo: dict) -> str:
                        "slots": slots, "expert_vram_gb": slots * row / 1e9,
                        "llama": lr and lr["tokens_per_s"], "llama_cpu_gb_per_token": cpu_gb,
                        "llama_bound": 1e3 / (res_ms + cpu_gb / bh * 1e3) if res_ms and bh else None}
+            note_rounds(("gpu", t, ncmoe), ncmoe, t, False, name, slots, a.policy_list[0])
             for pol in a.policy_list:
                 # with 0 slots every policy serves every miss on the CPU: only the cpu-all run is reported
                 r = edge_at(name, slots, pol) if slots or pol == "cpu-all" else None
@@ -468,8 +526,8 @@ def build_table(a, geo: dict) -> str:
                      "llama": lres and lres["tokens_per_s"], "resident": er and er["tokens_per_s"]})
     for t in a.cpu_thread_list:
         lr = llama_at(n, t, cpu_only=True)
-        d = edge.get(f"cpu-t{t}")
-        er = next((r for r in d["results"] if r["policy"] == "cpu-all"), None) if d else None
+        er = edge_at(f"cpu-t{t}", 0, "cpu-all")
+        note_rounds(("cpu-only", t, n), n, t, True, f"cpu-t{t}", 0, "cpu-all")
         bh = b_h(f"cpu-t{t}")
         gb = (geo["dense_bytes_per_token"] + n * k * row) / 1e9
         rows.append({"kind": "cpu-only", "threads": t, "edgemoe_pool_threads": pool_threads(f"cpu-t{t}"),
@@ -483,6 +541,7 @@ def build_table(a, geo: dict) -> str:
             "llama_build": next(({"commit": r["build_commit"], "cpu": r["cpu_info"], "gpu": r["gpu_info"]}
                                  for r in llama), None),
             "edgemoe_meta": {name: d["meta"] for name, d in edge.items()}}
+    meta["rounds"] = {f"{k0} t{k1} ncmoe{k2}": per for (k0, k1, k2), per in rounds.items()}
     (res / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows, "llama": llama,
                                                 "edgemoe": {k2: v["results"] for k2, v in edge.items()}}, indent=2))
     md = [f"Tokens/s, tg{a.tokens}, batch 1; in parentheses the bytes bound in tokens/s (inputs in peers.json). "
@@ -514,6 +573,18 @@ def build_table(a, geo: dict) -> str:
             md.append(f"| {threads_cell(r)} | {_fmt(r['llama'])} | "
                       f"{_fmt(r['cpu-all'], r['bound'])} | "
                       f"{_ratio(r['cpu-all'], r['llama'])} |")
+    if any(len(per) > 1 or any(len(v.get("llama", {})) > 1 for v in per.values()) for per in rounds.values()):
+        builds = sorted({b for per in rounds.values() for v in per.values() for b in v.get("llama", {})})
+        md += ["", f"Every round (edgemoe: {pols[0]} offloaded, cpu-all CPU-only; ratio: edgemoe over the round's "
+                   "faster llama.cpp build):", "",
+               "| setting | threads | round | " + "".join(f"llama.cpp {b or 'build'} | " for b in builds)
+               + "edgemoe | ratio |", "|---|---|---|" + "---|" * len(builds) + "---|---|"]
+        for (kind, t, c), per in rounds.items():
+            setting = "CPU-only" if kind == "cpu-only" else f"-ncmoe {c}"
+            for rnd in sorted(per):
+                lv, ev = per[rnd].get("llama", {}), per[rnd].get("edgemoe")
+                md.append(f"| {setting} | {t} | {rnd} | " + "".join(f"{_fmt(lv.get(b))} | " for b in builds)
+                          + f"{_fmt(ev)} | {_ratio(ev, max(lv.values()) if lv else None)} |")
     partial = [f.name for f in (res / "llama").glob("*.partial.jsonl")] + [
         d.name for d in (res / "edgemoe").glob("*")
         if (d / "decode.partial.json").exists() and not (d / "decode.json").exists()]
@@ -545,26 +616,33 @@ def publish(a, geo: dict | None) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def plan(a, hf: Path, gguf: Path, binary: Path, geo: dict) -> list[tuple[str, str, list[str]]]:
-    """The runs in the order they are made: (engine, name, command)."""
+def plan(a, hf: Path, gguf: Path, binaries: list[Path], geo: dict) -> list[tuple[str, str, Path | None, list[str]]]:
+    """The runs in the order they are made: (engine, name, llama-bench binary or None, command); round after
+    round, each round's llama.cpp runs (every build) before its edgemoe runs."""
     n, e = geo["layers"], geo["experts"]
-    runs = []
-    if not a.cpu_only:
-        for c in [*a.ncmoe_levels, 0]:
-            cmd = llama_cmd(a, binary, gguf, ["-ngl", "99", "-ncmoe", str(c)], a.thread_list)
-            runs.append(("llama", f"gpu-ncmoe{c}", cmd))
-    runs.append(("llama", "cpu", llama_cmd(a, binary, gguf, ["-ngl", "0", "-dev", "none"], a.cpu_thread_list)))
     budgets = ",".join(budget_gb((n - c) * e, geo["expert_bytes"]) for c in a.ncmoe_levels)
     res = Path(a.results) / "edgemoe"
+    runs = []
 
-    def gpu(t):
-        return ("edgemoe", f"gpu-t{t}", edgemoe_cmd(a, hf, res / f"gpu-t{t}", [
-            "--device", "cuda", "--budgets", budgets, "--policies", a.policies, "--cpu-threads", str(t)]))
-    gpu_runs = [] if a.cpu_only else [gpu(t) for t in a.thread_list]
-    cpu_runs = [("edgemoe", f"cpu-t{t}", edgemoe_cmd(a, hf, res / f"cpu-t{t}", [
-        "--device", "cpu", "--budgets", "0", "--policies", "cpu-all", "--no-resident", "--cpu-threads", str(t)]))
-        for t in a.cpu_thread_list]
-    return runs + gpu_runs[:2] + cpu_runs + gpu_runs[2:]
+    def edgemoe(base: str, rnd: int, args: list[str]):
+        name = run_name(base, "", rnd)
+        return ("edgemoe", name, None, edgemoe_cmd(a, hf, res / name, args))
+    for rnd in range(1, a.rounds + 1):
+        for binary in binaries:
+            build = binary.name if len(binaries) > 1 else ""
+            levels = [] if a.cpu_only else [*a.ncmoe_levels, 0]
+            for c in levels:
+                cmd = llama_cmd(a, binary, gguf, ["-ngl", "99", "-ncmoe", str(c)], a.thread_list)
+                runs.append(("llama", run_name(f"gpu-ncmoe{c}", build, rnd), binary, cmd))
+            runs.append(("llama", run_name("cpu", build, rnd), binary,
+                         llama_cmd(a, binary, gguf, ["-ngl", "0", "-dev", "none"], a.cpu_thread_list)))
+        gpu_runs = [] if a.cpu_only else [edgemoe(f"gpu-t{t}", rnd, [
+            "--device", "cuda", "--budgets", budgets, "--policies", a.policies, "--cpu-threads", str(t)])
+            for t in a.thread_list]
+        cpu_runs = [edgemoe(f"cpu-t{t}", rnd, ["--device", "cpu", "--budgets", "0", "--policies", "cpu-all",
+                                          "--no-resident", "--cpu-threads", str(t)]) for t in a.cpu_thread_list]
+        runs += gpu_runs[:2] + cpu_runs + gpu_runs[2:]
+    return runs
 
 
 def main(argv=None) -> int:
@@ -584,6 +662,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-only", action="store_true", help="only the CPU-only runs (a machine without a GPU)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="make every run this many times, round after round (the table takes the medians)")
     ap.add_argument("--policies", default="auto,qstar,cpu-all,static",
                     help="edgemoe policies of the GPU runs (the first one's hit rate is shown)")
     ap.add_argument("--tokenizer", default=str(PEERS / "carry" / "tokenizer"),
@@ -591,7 +671,7 @@ def main(argv=None) -> int:
                          "recognise it)")
     ap.add_argument("--no-token-routing", action="store_true", help="o_proj at the init std (degenerate routing)")
     ap.add_argument("--llama-bench", help="llama-bench binary (default: .peers/bin/llama-bench-cuda, or -cpu with "
-                                          "--cpu-only, built when missing)")
+                                          "--cpu-only, built when missing); several, comma-separated, run in turn")
     ap.add_argument("--llama-cpp", default=str(PEERS / "llama.cpp"), help="the stripped llama.cpp tree (for gguf-py)")
     ap.add_argument("--build-nice", type=int, default=0, help="nice level of the llama-bench build")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per llama-bench / decode.py process")
@@ -630,6 +710,7 @@ def main(argv=None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     env = bench_env()
     build = Build(a, env)
+    extra = [Path(b) for b in (a.llama_bench or "").split(",")[1:] if b]  # builds beside the first, none built here
     ckpt_cmd = [sys.executable, str(HERE / "checkpoint.py"), "--out", str(work), "--layers", str(a.layers),
                 "--llama-cpp", a.llama_cpp, "--tokenizer", a.tokenizer, "--config-overrides", json.dumps(overrides),
                 *([] if a.no_token_routing else ["--token-routing"])]
@@ -638,7 +719,7 @@ def main(argv=None) -> int:
     if a.dry_run:
         print("build:", " ".join(build.cmd), f"(when {build.path} is missing or cannot run)")
         print("checkpoint:", " ".join(ckpt_cmd), "(when", work, "holds no complete checkpoint)")
-        for engine, name, cmd in plan(a, hf, gguf, build.path, geo):
+        for engine, name, _, cmd in plan(a, hf, gguf, [build.path, *extra], geo):
             print(f"{engine} {name}:", " ".join(cmd))
         return 0
 
@@ -668,14 +749,18 @@ def main(argv=None) -> int:
         log(f"no complete checkpoint in {work}: no runs (add the checkpoint stage)")
         publish(a, None)
         return 1
+    if "llama" in stages:
+        for b in extra:
+            if (why := binary_problem(b, env, not a.cpu_only)) is not None:
+                raise SystemExit(why)
     publish(a, geo)
-    for engine, name, cmd in plan(a, hf, gguf, binary or build.path, geo):
+    for engine, name, exe, cmd in plan(a, hf, gguf, [binary or build.path, *extra], geo):
         if engine not in stages:
             continue
         if engine == "llama" and binary is None:
             log(f"llama {name}: skipped, no llama-bench")
             continue
-        ran = (run_llama(a, clock, binary, env, gguf, name, cmd) if engine == "llama"
+        ran = (run_llama(a, clock, exe, env, gguf, name, cmd) if engine == "llama"
                else run_edgemoe(a, clock, name, cmd))
         if ran:
             publish(a, geo)
