@@ -314,8 +314,8 @@ struct ScaleNV {
   // global_scale * 2^120 (both factors exact powers-of-two shifts of the real ones, so the product rounds as
   // float(e4m3) * global_scale does); where that constant overflows, 2^120 restored first
   static __m512 step(const Row& row, int64_t k, int64_t n) {
-    const int groups = n >= 256 ? 16 : static_cast<int>(n >> 4);
-    const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << groups) - 1u), row.s + (k >> 4));
+    const __m128i b = n >= 256 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.s + (k >> 4)))
+                               : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (n >> 4)) - 1u), row.s + (k >> 4));
     if (__builtin_expect(row.g120 != 0.0f, 1)) return _mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(row.g120));
     return _mm512_mul_ps(_mm512_mul_ps(e4m3_raw(b), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(row.g));
   }
@@ -370,6 +370,10 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint8_t* con
         const char* c = reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_BLOCKS * pf;
         __builtin_prefetch(c, 0, EDGEMOE_PREFETCH_LOCALITY);
         __builtin_prefetch(c + 64, 0, EDGEMOE_PREFETCH_LOCALITY);
+        // the same rows' scales (a code row holds G / 2 bytes per scale byte): a masked or narrow load of them
+        // is not followed by the hardware prefetcher, and a miss there stalls the step
+        __builtin_prefetch(rows[r].s + k / S::G + EDGEMOE_PREFETCH_BLOCKS * pf / (S::G / 2), 0,
+                           EDGEMOE_PREFETCH_LOCALITY);
       }
       sv[r] = S::step(rows[r], k, K - k);
     }
