@@ -473,9 +473,14 @@ def build_table(a, geo: dict) -> str:
         return {**min(found, key=lambda r: abs(r["tokens_per_s"] - med)), "tokens_per_s": med,
                 "rounds": len(found)}
 
+    def profile(d: dict) -> dict | None:
+        """decode.py's start-up profile: ``profile`` (a stopped run's salvage), else its one ``profiles`` entry
+        (keyed by thread count; a run here has one count)."""
+        meta = d.get("meta", {})
+        return meta.get("profile") or next(iter((meta.get("profiles") or {}).values()), None)
+
     def b_h(name: str) -> float | None:
-        vals = [d["meta"]["profile"]["isolated"]["b_h_gbps"] for _, d in edge_runs(name)
-                if d.get("meta", {}).get("profile")]
+        vals = [p["isolated"]["b_h_gbps"] for _, d in edge_runs(name) if (p := profile(d))]
         return statistics.median(vals) if vals else None
 
     def pool_threads(name: str) -> int | None:
@@ -575,8 +580,8 @@ def build_table(a, geo: dict) -> str:
                       f"{_ratio(r['cpu-all'], r['llama'])} |")
     if any(len(per) > 1 or any(len(v.get("llama", {})) > 1 for v in per.values()) for per in rounds.values()):
         builds = sorted({b for per in rounds.values() for v in per.values() for b in v.get("llama", {})})
-        md += ["", f"Every round (edgemoe: {pols[0]} offloaded, cpu-all CPU-only; ratio: edgemoe over the round's "
-                   "faster llama.cpp build):", "",
+        which = "cpu-all" if a.cpu_only else f"{pols[0]} offloaded, cpu-all CPU-only"
+        md += ["", f"Every round (edgemoe: {which}; ratio: edgemoe over the round's faster llama.cpp build):", "",
                "| setting | threads | round | " + "".join(f"llama.cpp {b or 'build'} | " for b in builds)
                + "edgemoe | ratio |", "|---|---|---|" + "---|" * len(builds) + "---|---|"]
         for (kind, t, c), per in rounds.items():
