@@ -90,6 +90,24 @@ def test_linear_matches_float64_reference(isa, wdtype, N, K, M):
     assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.parametrize("isa", native.ISA_LEVELS)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,K", [(37, 23), (130, 2048), (64, 768)])
+def test_a_token_alone_equals_its_row_in_a_batch(isa, wdtype, N, K):
+    """One token's GEMV (rows read one after another where the kernel does so) gives the bits that token gets
+    in a batch of 2-6 (rows read in blocks): the same operations per (row, token)."""
+    if native.select_isa(native.load_extension().cpu_features(), isa, wdtype) != isa:
+        pytest.skip(f"no {isa} kernel for {wdtype} on this CPU")
+    g = torch.Generator().manual_seed(N * K)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(wdtype)
+    x = torch.randn(6, K, generator=g).to(wdtype)
+    ex = _executor(isa, 2)
+    for m in (2, 3, 5, 6):
+        batch = ex.linear(x[:m], w, out=torch.empty(m, N))
+        for j in (0, m - 1):
+            assert torch.equal(ex.linear(x[j:j + 1], w, out=torch.empty(1, N)), batch[j:j + 1])
+
+
 def test_linear_output_formats_strides_and_thread_independence():
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(300, 130, generator=g) * 0.05).bfloat16()

@@ -271,11 +271,13 @@ inline void micro(const typename F::Row* rows, int64_t K, const float* const* a,
         const reg av = V::load_f32_tail(a[j] + k, n);
         for (int r = 0; r < RB; ++r) acc[r][j] = V::fmadd(wv[r], av, acc[r][j]);
       }
-    } else {  // scalar tail, summed after the vector part
+    } else {  // scalar tail, summed after the vector part; an explicit fused multiply-add: the compiler's
+              // choice to contract `t += w * x` or not differed between tilings (a token alone against the same
+              // token in a batch differed in the last bit)
       for (; k < K; ++k)
         for (int r = 0; r < RB; ++r) {
           const float wk = F::at(rows[r], k);
-          for (int j = 0; j < NT; ++j) tail[r][j] += wk * a[j][k];
+          for (int j = 0; j < NT; ++j) tail[r][j] = __builtin_fmaf(wk, a[j][k], tail[r][j]);
         }
     }
   }
@@ -478,7 +480,7 @@ inline void micro_ps(const typename D::Row* rows, int64_t K, const float* const*
         for (; k < K; ++k)
           for (int r = 0; r < RB; ++r) {
             const float wk = D::raw_at(rows[r], k);
-            for (int j = 0; j < NT; ++j) ps[r][j] += wk * a[j][k];
+            for (int j = 0; j < NT; ++j) ps[r][j] = __builtin_fmaf(wk, a[j][k], ps[r][j]);  // fused: as micro's tail
           }
       }
     }
