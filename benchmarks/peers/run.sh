@@ -17,4 +17,12 @@ if [ ! -e .peers/bin/llama-bench-cuda ] && [ -f "$x.xz" ]; then
   chmod +x .peers/bin/llama-bench-cuda
   [ -f "$x.needs" ] && cp "$x.needs" .peers/bin/llama-bench-cuda.needs
 fi
+# the engine's packages the host lacks (pydantic, ...) travel as wheels in .whl/ (scripts/fetch_gpu_wheels.sh), as
+# for scripts/gpu_check.sh: installed here when the engine does not import without them
+if ! python3 -c 'import edgemoe.engine.model_runner' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c 'import edgemoe.engine.model_runner' \
+  || echo "run.sh: edgemoe does not import here (carry .whl/, filled by scripts/fetch_gpu_wheels.sh): its runs will fail" >&2
 exec python3 benchmarks/peers/run.py "$@"
