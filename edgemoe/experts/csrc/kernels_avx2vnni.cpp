@@ -67,8 +67,10 @@ inline __m256 half_scales(__m256 s, int h) {
 template <bool NV, int RB, int NT>
 inline void micro_fp4_vnni(const Fp4IntRow* rows, int64_t K, const uint8_t* const* a, float* y, int64_t ldy,
                            int64_t pf) {
-  __m256 acc[RB][NT];
+  __m256 acc[RB][NT];  // the loops over rows, halves and tokens unrolled: the accumulators stay in registers
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_setzero_ps();
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1TwiceU8)));
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -76,6 +78,7 @@ inline void micro_fp4_vnni(const Fp4IntRow* rows, int64_t K, const uint8_t* cons
   alignas(32) uint8_t tail[64], tail_s[8];
   for (int64_t k = 0; k < K; k += 128) {
     const int64_t b = k >> 7;
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
         __builtin_prefetch(reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
@@ -91,11 +94,13 @@ inline void micro_fp4_vnni(const Fp4IntRow* rows, int64_t K, const uint8_t* cons
         scales = tail_s;
       }
       const __m256 sc = block_scales<NV>(rows[r], scales);
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * h));
         const __m256i we = _mm256_shuffle_epi8(lut, _mm256_and_si256(line, low4));
         const __m256i wo = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(line, 4), low4));
         const __m256 ws = half_scales<NV>(sc, h);
+#pragma GCC unroll 4
         for (int j = 0; j < NT; ++j) {
           const uint8_t* blk = a[j] + b * kQ15BlockBytes + 32 * h;
           auto ld = [&](int off) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + off)); };
