@@ -135,7 +135,7 @@ def _ref(fmt, shape, compute, T, round_weights: bool = True, q15: bool = False):
 
 def _takes_q15(isa: str, fmt: str, compute: torch.dtype) -> bool:
     """Whether the (isa, format, compute) kernel takes Q15_LANES activations: the FP4 integer kernels."""
-    return isa in ("avx2vnni", "avx512bf16") and fmt in ("mxfp4", "nvfp4") and compute == torch.bfloat16
+    return isa in ("avx2int", "avx2vnni", "avx512bf16") and fmt in ("mxfp4", "nvfp4") and compute == torch.bfloat16
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -168,6 +168,24 @@ def test_quantized_kernels_match_float64_reference(isa, fmt, shape, compute, T, 
     ex.run(x, work, out)
     assert _rel_err(out, ref) < TOL[compute], f"{ex.name} {fmt}: relative error {_rel_err(out, ref):.2e}"
     assert _differing(out, ref) < MAX_DIFFERING, f"{ex.name} {fmt}: {_differing(out, ref):.1%} of outputs differ"
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("fmt,shape", [c for c in CASES if c[0] in ("mxfp4", "nvfp4")],
+                         ids=[f"{f}-{s}" for f, s in CASES if f in ("mxfp4", "nvfp4")])
+def test_avx2int_equals_avx2vnni_bit_for_bit(fmt, shape, T):
+    """The AVX2 byte multiply-adds sum the same exact integers as `vpdpbusd`: the two levels' FP4 kernels give
+    the same bits."""
+    for isa in ("avx2int", "avx2vnni"):
+        _skip_unsupported(isa, fmt, torch.bfloat16)
+    pool = _pool(fmt, shape, torch.bfloat16)
+    x, work, _ = _ref(fmt, shape, torch.bfloat16, T, round_weights=False, q15=True)
+    outs = []
+    for isa in ("avx2int", "avx2vnni"):
+        out = torch.zeros(T, pool.hidden)
+        _executor(pool, isa, 2).run(x, work, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("isa", native.ISA_LEVELS)
@@ -484,8 +502,9 @@ def test_token_tiles_and_remainders(fmt, isa):
 
 def test_fp4_integer_kernels_need_vnni():
     """The FP4 kernels of the avx512bf16 level multiply with `vpdpbusd`: without AVX-512 VNNI the level is
-    skipped for MXFP4 and NVFP4 (FP8 keeps it). A CPU with AVX-VNNI but no AVX-512 runs them at avx2vnni, in bf16
-    only; every other format falls through that level to avx2."""
+    skipped for MXFP4 and NVFP4 (FP8 keeps it). A CPU with AVX-VNNI but no AVX-512 runs them at avx2vnni, one with
+    AVX2 only at avx2int (the same products from AVX2's byte multiply-adds), in bf16 only; every other format
+    falls through those levels to avx2."""
     feats = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"]
     for fmt in ("mxfp4", "nvfp4"):
         assert native.select_isa(feats, None, FORMATS[fmt], torch.bfloat16) == "avx512"
@@ -496,7 +515,10 @@ def test_fp4_integer_kernels_need_vnni():
         assert native.select_isa(client, None, FORMATS[fmt], torch.bfloat16) == "avx2vnni"
         assert native.select_isa(client, None, FORMATS[fmt], torch.float32) == "avx2"  # integer kernels: bf16 only
         assert native.select_isa(client, "avx2", FORMATS[fmt], torch.bfloat16) == "avx2"
-        assert native.select_isa(["avx2", "fma"], None, FORMATS[fmt], torch.bfloat16) == "avx2"
+        assert native.select_isa(client, "avx2int", FORMATS[fmt], torch.bfloat16) == "avx2int"
+        assert native.select_isa(["avx2", "fma"], None, FORMATS[fmt], torch.bfloat16) == "avx2int"
+        assert native.select_isa(["avx2", "fma"], None, FORMATS[fmt], torch.float32) == "avx2"
+        assert native.select_isa(["avx2"], None, FORMATS[fmt], torch.bfloat16) == "scalar"  # AVX2 without FMA
     assert native.select_isa(client, None, FORMATS["fp8"], torch.bfloat16) == "avx2"
     assert native.select_isa(client, None, torch.bfloat16) == "avx2"
 

@@ -119,9 +119,9 @@ def test_native_executor_matches_torch_executor(quantized, dtype, monkeypatch):
         n = greedy_decode(nat, PROMPT, STEPS, free=True)
         t = greedy_decode(_runner(path, policy, slots, dtype, cpu_executor="torch"), PROMPT, STEPS, free=True)
         assert n[1] == t[1], (policy, slots)
-        # the FP4 integer kernels (avx2vnni, avx512bf16) also round an activation's small elements (Q15 lanes)
+        # the FP4 integer kernels (avx2int, avx2vnni, avx512bf16) also round an activation's small elements
         same_numbers = native_weights_are_torch_weights(quant) and nat.experts.cpu_executor.name not in (
-            "native-avx2vnni", "native-avx512bf16")
+            "native-avx2int", "native-avx2vnni", "native-avx512bf16")
         if dtype == "bfloat16" and not same_numbers:
             # this kernel multiplies the format's exact weights (the codes times the float32 block or group
             # scale), the torch executor their bf16 roundings (and the FP4 integer kernels a 15-bit activation):

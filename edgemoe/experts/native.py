@@ -21,8 +21,9 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   run time from cpuid: ``avx512bf16`` (``vdpbf16ps``: bf16 weights, and quantized weights computing
   in bf16; its MXFP4 / NVFP4 kernels multiply integers with ``vpdpbusd`` and also need AVX-512 VNNI)
   > ``avx512`` > ``avx2vnni`` (MXFP4 / NVFP4 computing in bf16 only: the same integer products with the
-  256-bit AVX-VNNI ``vpdpbusd`` of CPUs without AVX-512, Intel client cores since Alder Lake) > ``avx2``
-  (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
+  256-bit AVX-VNNI ``vpdpbusd`` of CPUs without AVX-512, Intel client cores since Alder Lake) > ``avx2int``
+  (the same, with AVX2's byte multiply-adds in place of ``vpdpbusd``: CPUs with neither, such as AMD Zen 2 and
+  Zen 3) > ``avx2`` (+FMA) > ``scalar``. ``EDGEMOE_CPU_ISA=<level>`` (or ``isa=``) caps
   the level; a level the CPU lacks is never selected. float32 weights, and quantized rows computing in
   float32, stop at ``avx512``.
 - **Bank**: the pool's byte bank is described once per pool (``ExpertBanks`` in ``csrc/executor.h``: base
@@ -55,7 +56,7 @@ for all of the expert's tokens, split across all cores by output rows (``csrc/ex
   alike, where the torch path dequantizes each weight as :meth:`~edgemoe.quant.layout.ExpertLayout.dequant_rows`
   does and, in bf16, rounds it to bf16 (the same numbers for MXFP4, whose scales are powers of two; FP8 and
   NVFP4 agree within bf16 tolerance: ``docs/quantization.md``); the step rounds at the bf16 points above.
-  The ``avx512bf16`` and ``avx2vnni`` FP4 kernels also round the activation's elements below 2^-6 of their
+  The ``avx512bf16``, ``avx2vnni`` and ``avx2int`` FP4 kernels also round the activation's elements below 2^-6 of their
   lane of 8's largest (at 2^-13 of it: ``Q15_LANES`` in ``csrc/kernels.h``), within bf16 tolerance. The AVX-512-BF16
   instructions treat float32 subnormals as zero (bf16 weights below 2^-126, which no
   release has; bf16 activations below 2^-126), and the e4m3 NaN codes (which no quantizer writes) read as
@@ -110,8 +111,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "executor.cpp", "cpu_features.cpp", "kernels_scalar.cpp", "kernels_avx2.cpp",
-           "kernels_avx2vnni.cpp", "kernels_avx512.cpp", "kernels_avx512bf16.cpp", "dense.cpp")
-HEADERS = ("kernels.h", "kernel_impl.h", "executor.h", "dense.h")
+           "kernels_avx2int.cpp", "kernels_avx2vnni.cpp", "kernels_avx512.cpp", "kernels_avx512bf16.cpp",
+           "dense.cpp")
+HEADERS = ("kernels.h", "kernel_impl.h", "fp4_int256.h", "executor.h", "dense.h")
 EXTRA_CFLAGS = ("-O3",)
 
 
@@ -125,7 +127,7 @@ EXT_NAME = "edgemoe_cpu_ext"
 BUILD_CPU_SECONDS = 38  # compiler CPU time of a full build (g++ 12, AMD EPYC dev VM: 38.2 s user+sys)
 BUILD_LONGEST_SECONDS = 12  # its longest source (bindings.cpp, pybind11): the wall time on many cores
 
-ISA_LEVELS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512bf16")  # index = the C++ Isa value
+ISA_LEVELS = ("scalar", "avx2", "avx2int", "avx2vnni", "avx512", "avx512bf16")  # index = the C++ Isa value
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # dtypes of the float kernels (edgemoe::WeightFormat)
 NATIVE_FORMATS = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.FP16: 2, WeightFormat.FP8_BLOCK: 3,
                   WeightFormat.MXFP4: 4, WeightFormat.NVFP4: 5}
@@ -424,9 +426,9 @@ def select_isa(features, cap: str | None = None, dtype: torch.dtype | WeightForm
         cap: highest level allowed (``None``: no cap).
         dtype: weight dtype, or a row :class:`~edgemoe.quant.weights.WeightFormat` (``float32`` has no
             ``avx512bf16`` kernel and gets ``avx512``).
-        compute: a quantized format's compute dtype: its ``avx512bf16`` and ``avx2vnni`` kernels compute in
-            bfloat16, so in ``float32`` only the levels whose kernels take float32 activations count
-            (``avx512`` and below, ``avx2vnni`` excepted).
+        compute: a quantized format's compute dtype: its ``avx512bf16``, ``avx2vnni`` and ``avx2int`` kernels
+            compute in bfloat16, so in ``float32`` only the levels whose kernels take float32 activations count
+            (``avx512``, ``avx2``, ``scalar``).
 
     Returns:
         A name from :data:`ISA_LEVELS`, or ``None`` when the format has no native kernel.

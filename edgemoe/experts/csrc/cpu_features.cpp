@@ -14,6 +14,7 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
+    case Isa::Avx2Int: return "avx2int";
     case Isa::Avx2Vnni: return "avx2vnni";
     case Isa::Avx512: return "avx512";
     case Isa::Avx512Bf16: return "avx512bf16";
@@ -82,6 +83,7 @@ const IsaKernels& kernels_for(Isa isa) {
     case Isa::Avx512Bf16: return kernels_avx512bf16();
     case Isa::Avx512: return kernels_avx512();
     case Isa::Avx2Vnni: return kernels_avx2vnni();
+    case Isa::Avx2Int: return kernels_avx2int();
     case Isa::Avx2: return kernels_avx2();
     case Isa::Scalar: break;
   }
@@ -93,7 +95,8 @@ bool isa_supported(uint32_t f, Isa isa) {
   constexpr uint32_t avx512 = kFeatAvx512F | kFeatAvx512BW | kFeatAvx512VL;
   switch (isa) {
     case Isa::Scalar: return true;
-    case Isa::Avx2: return (f & (kFeatAvx2 | kFeatFma)) == (kFeatAvx2 | kFeatFma);
+    case Isa::Avx2:
+    case Isa::Avx2Int: return (f & (kFeatAvx2 | kFeatFma)) == (kFeatAvx2 | kFeatFma);
     case Isa::Avx2Vnni: return (f & (kFeatAvx2 | kFeatFma | kFeatAvxVnni)) == (kFeatAvx2 | kFeatFma | kFeatAvxVnni);
     case Isa::Avx512: return (f & avx512) == avx512;
     case Isa::Avx512Bf16: return (f & (avx512 | kFeatAvx512Bf16)) == (avx512 | kFeatAvx512Bf16);

@@ -86,10 +86,11 @@ void q15_lanes_store(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n);
 void q15_lanes_clear_tail(uint8_t* row, int64_t K);
 
 // Instruction-set levels, ordered: a level implies every lower one is usable on the same CPU.
-// Avx2Vnni has kernels for the FP4 formats computing in bf16 only (AVX-VNNI, the 256-bit `vpdpbusd` of Intel's
-// client cores since Alder Lake, which have no AVX-512); every other format falls through it to Avx2.
-enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx2Vnni = 2, Avx512 = 3, Avx512Bf16 = 4 };
-constexpr int kNumIsa = 5;
+// Avx2Int and Avx2Vnni have kernels for the FP4 formats computing in bf16 only (integer products on 256-bit
+// registers, fp4_int256.h: AVX2's byte multiply-adds, or AVX-VNNI's `vpdpbusd` of Intel's client cores since Alder
+// Lake, which have no AVX-512); every other format falls through them to Avx2.
+enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx2Int = 2, Avx2Vnni = 3, Avx512 = 4, Avx512Bf16 = 5 };
+constexpr int kNumIsa = 6;
 const char* isa_name(Isa isa);
 
 // CPU feature bits (a bitmask), detected with cpuid + xgetbv (OS support for the register state).
@@ -177,6 +178,7 @@ struct IsaKernels {
 // Defined in kernels_<isa>.cpp, each compiled for its own target via `#pragma GCC target`.
 const IsaKernels& kernels_scalar();
 const IsaKernels& kernels_avx2();
+const IsaKernels& kernels_avx2int();
 const IsaKernels& kernels_avx2vnni();
 const IsaKernels& kernels_avx512();
 const IsaKernels& kernels_avx512bf16();
