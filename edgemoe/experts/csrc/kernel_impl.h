@@ -304,22 +304,25 @@ inline void micro_tile(int nt, const typename F::Row* rows, int64_t K, const flo
 }
 
 // ---------------------------------------------------------------------------- GEMV driver (GemvFn)
-// Row blocks of RB rows for tiles of NT tokens. One token (OneTokenByRow): its rows one after another instead.
-// A row block reads RB rows side by side, RB streams a page apart (a bf16 row of 2048 is 4 KB), which the
-// hardware prefetchers follow less well than one sequential stream: on a Zen 5 core, one token's bf16 rows
-// consumed 0.68-0.80 of the core's read rate four at a time and 0.91-1.0 one at a time (both AVX-512 levels;
-// docs/benchmarks/cpu_executor.md). One row keeps one accumulator chain, so it needs the core to run a line's
-// vector work within the multiply-add latency: the AVX2 kernels (four 8-wide FMAs a line of bf16) do not, and
-// keep their row blocks. Every (row, token) sees the same operations either way: results are unchanged.
-template <class V, class F, int RB, int NT, bool OneTokenByRow = false>
+// Row blocks of RB rows for tiles of NT tokens. Up to ByRow tokens (ByRow <= NT): the rows one after another
+// instead. A row block reads RB rows side by side, RB streams a page apart (a bf16 row of 2048 is 4 KB), which the
+// hardware prefetchers follow less well than one sequential stream: on a Zen 5 core, one token's bf16 rows consumed
+// 0.68-0.80 of the core's read rate four at a time and 0.86-1.0 one at a time (both AVX-512 levels), two tokens'
+// 0.64-0.68 and 0.80-0.86; with three or four tokens one row at a time was no faster, at the avx512 level slower
+// (docs/benchmarks/cpu_executor.md). One row keeps one accumulator chain per token, so it needs the core to run a
+// line's vector work within the multiply-add latency: the AVX2 kernels (four 8-wide FMAs a line of bf16) do not,
+// and keep their row blocks (ByRow 0). Every (row, token) sees the same operations either way: results are
+// unchanged.
+template <class V, class F, int RB, int NT, int ByRow = 0>
 void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
           int64_t ldy) {
+  static_assert(ByRow <= NT, "one tile of tokens");
   const float* const* a = reinterpret_cast<const float* const*>(act);
   typename F::Row rows[RB];
-  if (OneTokenByRow && n == 1) {
+  if (n <= ByRow) {
     for (int64_t r = 0; r < nrows; ++r) {
       rows[0] = F::row(w, row0 + r);
-      micro<V, F, 1, 1>(rows, K, a, y + r, ldy, w.row_stride_bytes);
+      micro_tile<V, F, 1, NT>(n, rows, K, a, y + r, ldy, w.row_stride_bytes);
     }
     return;
   }

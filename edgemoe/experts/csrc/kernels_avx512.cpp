@@ -81,7 +81,7 @@ void gemv_f32_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K
 }
 void gemv_bf16_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                       float* y, int64_t ldy) {
-  gemv<Vec512, FmtBF16<Vec512>, 4, 4, true>(w, row0, nrows, K, act, n, y, ldy);
+  gemv<Vec512, FmtBF16<Vec512>, 4, 4, 2>(w, row0, nrows, K, act, n, y, ldy);
 }
 void gemv_fp8_avx512(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                      float* y, int64_t ldy) {

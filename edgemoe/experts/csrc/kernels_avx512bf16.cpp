@@ -86,18 +86,18 @@ inline void micro_dp_tile(int nt, const uint16_t* const* rows, int64_t K, const 
   }
 }
 
-// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv, and for one token its
-// rows one after another: kernel_impl.h, "one token").
+// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv, and for one or two tokens
+// its rows one after another, as there: kernel_impl.h, "GEMV driver").
 void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                   float* y, int64_t ldy) {
   constexpr int RB = 4, NT = 4;
   const uint16_t* const* a = reinterpret_cast<const uint16_t* const*>(act);
   const char* base = static_cast<const char*>(w.data);
   const uint16_t* rows[RB];
-  if (n == 1) {
+  if (n <= 2) {
     for (int64_t r = 0; r < nrows; ++r) {
       rows[0] = reinterpret_cast<const uint16_t*>(base + (row0 + r) * w.row_stride_bytes);
-      micro_dp<1, 1>(rows, K, a, y + r, ldy, w.row_stride_bytes);
+      micro_dp_tile<1>(n, rows, K, a, y + r, ldy, w.row_stride_bytes);
     }
     return;
   }
