@@ -59,7 +59,7 @@ inline __m256 half_scales(__m256 s, int h) {
 // copied into a zero-padded line first, so nothing past the row is read).
 template <class Dot, bool NV, int RB, int NT>
 inline void micro_fp4_int256(const Fp4IntRow* rows, int64_t K, const uint8_t* const* a, float* y, int64_t ldy,
-                           int64_t pf) {
+                             int64_t pf) {
   __m256 acc[RB][NT];  // the loops over rows, halves and tokens unrolled: the accumulators stay in registers
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
