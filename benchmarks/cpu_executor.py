@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     except native.NativeUnavailable as e:
         sys.exit(f"cpu_executor benchmark: {e}")
     b = native.build()
-    build = {"seconds": b.seconds, "cached": b.cached, "dir": b.dir, "builder": b.builder}
+    build = {"seconds": b.seconds, "cached": b.cached, "dir": b.dir, "builder": b.builder,
+             "cflags": native.cflags()}
     print(f"native extension: {'cached' if build.get('cached') else 'compiled'} in {time.perf_counter() - t0:.1f} s "
           f"({build.get('dir')})", flush=True)
 

@@ -65,15 +65,21 @@ for stage in "${stages[@]}"; do
     timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
       | tail -n 3
     # $CPU_FORMATS_TREES: source trees measured in turn, each with its own kernels (as $CPU_PROFILE_TREES; a tree
-    # named twice is measured twice); $CPU_FORMATS_ARGS replaces the thread and batch lists
+    # named twice is measured twice); $CPU_FORMATS_VARIANTS: ';'-separated build flag sets (EDGEMOE_NATIVE_CFLAGS)
+    # measured in turn within each tree ('-' for none); $CPU_FORMATS_ARGS replaces the thread and batch lists
     i=0
+    IFS=';' read -r -a variants <<< "${CPU_FORMATS_VARIANTS:--}"
     for tree in ${CPU_FORMATS_TREES:-.}; do
-      i=$((i + 1)); name=$(basename "$(realpath "$tree")")
-      echo "-- tree $tree (run $i)"
-      timeout ${CPU_FORMATS_TIMEOUT:-150} python3 "$tree/benchmarks/cpu_executor.py" --format bf16,fp8,mxfp4,nvfp4 \
-        ${CPU_FORMATS_ARGS:---threads 6,15 --batch 1,8} --experts-per-call 8 --executors native \
-        --out "$OUT/cpu_formats$( [ -n "${CPU_FORMATS_TREES:-}" ] && echo "-$i-$name").json" 2>&1 \
-        | tee -a "$OUT/cpu-formats.log" | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:'
+      for variant in "${variants[@]}"; do
+        i=$((i + 1)); name=$(basename "$(realpath "$tree")")
+        [ "$variant" = "-" ] && variant=""
+        echo "-- tree $tree, build flags '${variant}' (run $i)"
+        EDGEMOE_NATIVE_CFLAGS="$variant" timeout ${CPU_FORMATS_TIMEOUT:-150} python3 "$tree/benchmarks/cpu_executor.py" \
+          --format ${CPU_FORMATS_FORMATS:-bf16,fp8,mxfp4,nvfp4} ${CPU_FORMATS_ARGS:---threads 6,15 --batch 1,8} \
+          --experts-per-call 8 --executors native \
+          --out "$OUT/cpu_formats$( [ -n "${CPU_FORMATS_TREES:-}${CPU_FORMATS_VARIANTS:-}" ] && echo "-$i-$name").json" 2>&1 \
+          | tee -a "$OUT/cpu-formats.log" | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:'
+      done
     done ;;
   threads)
     echo "== native executor B_H per thread count (1..cores), planned vs as asked, alone and beside 1 busy process"

@@ -422,9 +422,9 @@ def test_native_build_cache_key_covers_what_the_build_depends_on(monkeypatch, tm
     monkeypatch.setattr(native, "EXTRA_CFLAGS", ("-O2",))
     other_flags = native.build_dir()
     monkeypatch.setattr(native, "EXTRA_CFLAGS", ("-O3",))
-    monkeypatch.setenv("EDGEMOE_NATIVE_CFLAGS", "-DEDGEMOE_PREFETCH_BLOCKS=4")
+    monkeypatch.setenv("EDGEMOE_NATIVE_CFLAGS", "-DEDGEMOE_PREFETCH_ROWS=4")
     env_flags = native.build_dir()
-    assert native.cflags()[-1] == "-DEDGEMOE_PREFETCH_BLOCKS=4"
+    assert native.cflags()[-1] == "-DEDGEMOE_PREFETCH_ROWS=4"
     assert len({base, other_venv, other_checkout, other_flags, env_flags}) == 5
     key = native.build_key()
     assert {"sources", "source_dir", "flags", "compiler", "torch", "python", "platform"} <= set(key)

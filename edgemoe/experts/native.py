@@ -119,7 +119,7 @@ EXTRA_CFLAGS = ("-O3",)
 
 def cflags() -> list[str]:
     """The compiler flags of the build: ``EXTRA_CFLAGS`` and then ``EDGEMOE_NATIVE_CFLAGS`` (whitespace-separated,
-    e.g. ``-DEDGEMOE_PREFETCH_BLOCKS=4`` to try another of ``csrc/kernel_impl.h``'s tuning constants on a
+    e.g. ``-DEDGEMOE_PREFETCH_ROWS=4`` to try another of ``csrc/kernel_impl.h``'s tuning constants on a
     machine; they are part of :func:`build_key`, so each set builds into its own directory)."""
     return [*EXTRA_CFLAGS, *os.environ.get("EDGEMOE_NATIVE_CFLAGS", "").split()]
 

@@ -73,8 +73,8 @@ inline void micro_fp4_int256(const Fp4IntRow* rows, int64_t K, const uint8_t* co
     const int64_t b = k >> 7;
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+      if constexpr (EDGEMOE_PREFETCH_ROWS > 0)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_ROWS * pf, 0,
                            EDGEMOE_PREFETCH_LOCALITY);
       const uint8_t* codes = rows[r].p + (k >> 1);
       const uint8_t* scales = rows[r].s + k / G;

@@ -18,13 +18,14 @@
 //   e4m3_tail(p, n).
 //
 // Structure of one GEMV call (rows [row0, row0 + nrows) of one expert bank, n tokens):
-//   for each block of RB rows                 RB weight rows streamed side by side from DRAM
+//   the rows split into RB row streams of q = nrows / RB consecutive rows (RowStreams)
+//   for each step r < q: the block of rows r of every stream, RB rows side by side from DRAM
 //     for each tile of NT tokens              the RB x K block is re-read from L1 for tiles >= 2
 //       micro-kernel: RB x NT float accumulators held in registers across the whole K loop;
-//       K is walked one 64-byte cache line of weights per step, and the same line of the row block
-//       EDGEMOE_PREFETCH_BLOCKS ahead is software-prefetched into L2, so each thread keeps 2 x RB line
-//       streams in flight (hardware prefetchers stop at 4 KiB page ends, and a bf16 row of H = 2048 is
-//       exactly one page).
+//       K is walked one 64-byte cache line of weights per step, and the same line EDGEMOE_PREFETCH_ROWS rows
+//       further down each row's stream is software-prefetched into L2, so each thread keeps RB sequential
+//       streams in flight, each in its own pages, which the hardware prefetchers follow as well;
+//   then the nrows % RB rows left, one at a time.
 // RB x NT is chosen per ISA to fit the register file (AVX-512: 32 zmm -> 4 x 4; AVX2: 16 ymm -> 4 x 2).
 // At T <= 8 the work is bound by the weight bytes read; arithmetic is far below the core's peak, so
 // the kernel's job is to keep enough independent loads in flight and to read every weight byte once.
@@ -47,14 +48,14 @@
 // for every format. (AVX-512-BF16 has its own quantized kernels, post-scaled too, which feed bf16 codes to
 // `vdpbf16ps`: kernels_avx512bf16.cpp.)
 
-#ifndef EDGEMOE_PREFETCH_BLOCKS
-#define EDGEMOE_PREFETCH_BLOCKS 2  // prefetch distance in row blocks (0: hardware prefetch only)
+#ifndef EDGEMOE_PREFETCH_ROWS
+#define EDGEMOE_PREFETCH_ROWS 2  // prefetch distance in rows of a row's stream (0: hardware prefetch only)
 #endif
 #ifndef EDGEMOE_SUM_PREFETCH
 #define EDGEMOE_SUM_PREFETCH 1  // the read test prefetches as the GEMVs do
 #endif
 #ifndef EDGEMOE_PREFETCH_LOCALITY
-// __builtin_prefetch locality of the row-block prefetch: 2 = prefetcht1, into L2. A prefetch into L1
+// __builtin_prefetch locality of the row prefetch: 2 = prefetcht1, into L2. A prefetch into L1
 // (3, prefetcht0) holds one of the core's few L1 miss buffers (~24) for a whole DRAM latency, which
 // caps a core near 24 lines per latency: 11-14 GB/s of bf16 weights on the 2-core Zen 4 dev VM
 // against 19-22 GB/s with L2 prefetches and the loads hitting L2 (docs/benchmarks/cpu_executor.md).
@@ -212,10 +213,32 @@ struct RawFP4 {
   static const char* addr(const Row& row, int64_t k) { return reinterpret_cast<const char*>(row.p + (k >> 1)); }
 };
 
+// ---------------------------------------------------------------------------- row streams
+// The rows of a GEMV call as RB streams of q = nrows / RB consecutive rows, stream i = rows [i q, (i + 1) q)
+// (offsets from row0), walked side by side: step r reads row r of every stream. Rows are contiguous in memory,
+// so each stream is one sequential read in pages of its own. Blocks of RB adjacent rows instead put RB streams
+// into one page (four FP4 rows of K = 2048 are one 4 KB page), re-started at every block, which the hardware
+// prefetchers follow badly: one Zen 5 core read FP4 / FP8 rows 5-10 % faster as streams, two cores 15-35 %; the
+// GPU host's Xeon 5-12 % (docs/benchmarks/cpu_executor.md). A micro-kernel writes one block's outputs into yt
+// ([token][stream], ldy RB) and scatter() puts them in place; tail() is the first row left for one-at-a-time
+// calls. Every (row, token) sees the same operations either way: results do not depend on the layout.
+template <int RB, int NT>
+struct RowStreams {
+  int64_t q;
+  float yt[RB * NT];
+  explicit RowStreams(int64_t nrows) : q(nrows / RB) {}
+  int64_t row(int i, int64_t r) const { return i * q + r; }
+  int64_t tail() const { return RB * q; }
+  void scatter(int nt, int64_t r, float* y, int64_t ldy) const {
+    for (int j = 0; j < nt; ++j)
+      for (int i = 0; i < RB; ++i) y[j * ldy + i * q + r] = yt[j * RB + i];
+  }
+};
+
 // ---------------------------------------------------------------------------- micro-kernel
-// y[j * ldy + r] = <row r, a[j]> for r < RB, j < NT. `pf` is the prefetch distance in bytes (the
-// same position one row block ahead); every (r, j) sees the same sequence of operations whatever RB
-// and NT are, so results do not depend on the tiling (nor on the thread count).
+// y[j * ldy + r] = <row r, a[j]> for r < RB, j < NT. `pf` is the unit of the prefetch distance in bytes (one row: the
+// line EDGEMOE_PREFETCH_ROWS rows further down the row's stream is prefetched); every (r, j) sees the same sequence
+// of operations whatever RB and NT are, so results do not depend on the tiling (nor on the thread count).
 template <class V, class F, int RB, int NT>
 inline void micro(const typename F::Row* rows, int64_t K, const float* const* a, float* y, int64_t ldy,
                   int64_t pf) {
@@ -230,10 +253,10 @@ inline void micro(const typename F::Row* rows, int64_t K, const float* const* a,
 
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
+    if constexpr (EDGEMOE_PREFETCH_ROWS > 0) {
 #pragma GCC unroll 16
       for (int r = 0; r < RB; ++r)
-        __builtin_prefetch(F::addr(rows[r], k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
+        __builtin_prefetch(F::addr(rows[r], k) + EDGEMOE_PREFETCH_ROWS * pf, 0, EDGEMOE_PREFETCH_LOCALITY);
     }
 #pragma GCC unroll 32
     for (int u = 0; u < L; u += W) {
@@ -304,14 +327,14 @@ inline void micro_tile(int nt, const typename F::Row* rows, int64_t K, const flo
 }
 
 // ---------------------------------------------------------------------------- GEMV driver (GemvFn)
-// Row blocks of RB rows for tiles of NT tokens. Up to ByRow tokens (ByRow <= NT): the rows one after another
-// instead. A row block reads RB rows side by side, RB streams a page apart (a bf16 row of 2048 is 4 KB), which the
-// hardware prefetchers follow less well than one sequential stream: on a Zen 5 core, one token's bf16 rows consumed
-// 0.68-0.80 of the core's read rate four at a time and 0.86-1.0 one at a time (both AVX-512 levels), two tokens'
-// 0.64-0.68 and 0.80-0.86; with three or four tokens one row at a time was no faster, at the avx512 level slower
-// (docs/benchmarks/cpu_executor.md). One row keeps one accumulator chain per token, so it needs the core to run a
-// line's vector work within the multiply-add latency: the AVX2 kernels (four 8-wide FMAs a line of bf16) do not,
-// and keep their row blocks (ByRow 0). Every (row, token) sees the same operations either way: results are
+// RowStreams blocks of RB rows for tiles of NT tokens. Up to ByRow tokens (ByRow <= NT): the rows one after another
+// instead. A block of four adjacent rows read RB rows side by side, RB streams a page apart (a bf16 row of 2048 is 4
+// KB), which the hardware prefetchers follow less well than one sequential stream: on a Zen 5 core, one token's bf16
+// rows consumed 0.68-0.80 of the core's read rate four at a time and 0.86-1.0 one at a time (both AVX-512 levels),
+// two tokens' 0.64-0.68 and 0.80-0.86; with three or four tokens one row at a time was no faster, at the avx512 level
+// slower (docs/benchmarks/cpu_executor.md). One row keeps one accumulator chain per token, so it needs the core to
+// run a line's vector work within the multiply-add latency: the AVX2 kernels (four 8-wide FMAs a line of bf16) do
+// not, and keep their row blocks (ByRow 0). Every (row, token) sees the same operations either way: results are
 // unchanged.
 template <class V, class F, int RB, int NT, int ByRow = 0>
 void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
@@ -326,15 +349,16 @@ void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const voi
     }
     return;
   }
-  int64_t r = 0;
-  for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = F::row(w, row0 + r + i);
+  RowStreams<RB, NT> s(nrows);
+  for (int64_t r = 0; r < s.q; ++r) {
+    for (int i = 0; i < RB; ++i) rows[i] = F::row(w, row0 + s.row(i, r));
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_tile<V, F, RB, NT>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+      micro_tile<V, F, RB, NT>(nt, rows, K, a + j0, s.yt, RB, w.row_stride_bytes);
+      s.scatter(nt, r, y + j0 * ldy, ldy);
     }
   }
-  for (; r < nrows; ++r) {  // row tail, one row at a time
+  for (int64_t r = s.tail(); r < nrows; ++r) {  // row tail, one row at a time
     rows[0] = F::row(w, row0 + r);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
@@ -345,19 +369,20 @@ void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const voi
 
 // ---------------------------------------------------------------------------- register-kernel drivers
 // A register kernel M for rows_tile / token_tiles provides Row, Act (the activation element type),
-// row(w, r) and run<RB, NT>(rows, K, act, y, ldy, pf): RB rows x NT tokens (pf: bytes of a row block).
-// Row blocks of RB rows for a tile of nt <= NT tokens (templates instantiated only up to NT), then the
-// nrows % RB row tail one row at a time.
+// row(w, r) and run<RB, NT>(rows, K, act, y, ldy, pf): RB rows x NT tokens (pf: bytes of one row, the unit of
+// the prefetch distance). RowStreams blocks of RB rows for a tile of nt <= NT tokens (templates instantiated
+// only up to NT), then the nrows % RB rows left one at a time.
 template <class M, int RB, int NT>
 inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
                       float* y, int64_t ldy) {
   typename M::Row rows[RB];
-  int64_t r = 0;
-  for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = M::row(w, row0 + r + i);
-    M::template run<RB, NT>(rows, K, a, y + r, ldy, RB * w.row_stride_bytes);
+  RowStreams<RB, NT> s(nrows);
+  for (int64_t r = 0; r < s.q; ++r) {
+    for (int i = 0; i < RB; ++i) rows[i] = M::row(w, row0 + s.row(i, r));
+    M::template run<RB, NT>(rows, K, a, s.yt, RB, w.row_stride_bytes);
+    s.scatter(NT, r, y, ldy);
   }
-  for (; r < nrows; ++r) {
+  for (int64_t r = s.tail(); r < nrows; ++r) {
     rows[0] = M::row(w, row0 + r);
     M::template run<1, NT>(rows, K, a, y + r, ldy, w.row_stride_bytes);
   }
@@ -381,12 +406,12 @@ inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_
 
 // ---------------------------------------------------------------------------- post-scaled quantized rows
 // y[j * ldy + r] = sum over groups g of scale_g * sum_{k in g} raw_k * a[j][k], RB rows x NT tokens, float32
-// activations. Steps of whole lines and whole groups of G elements (G a multiple of W, one scale each; each
-// step's lines of codes EDGEMOE_PREFETCH_BLOCKS row blocks ahead prefetched into L2), then the last K % G
-// elements, which lie in one group: whole vectors, then a masked vector (V::kMasked) or scalar products
-// (their group's scaled sum added after the vector part). Every (r, j) sees the same operations whatever
-// RB and NT are, so results do not depend on the tiling (nor on the thread count).
-// One vector of a group: the raw values at k + u times the activations, into the partial sums p (started at u 0).
+// activations. Steps of whole lines and whole groups of G elements (G a multiple of W, one scale each; each step's
+// lines of codes EDGEMOE_PREFETCH_ROWS rows further down each row's stream prefetched into L2), then the last K % G
+// elements, which lie in one group: whole vectors, then a masked vector (V::kMasked) or scalar products (their
+// group's scaled sum added after the vector part). Every (r, j) sees the same operations whatever RB and NT are, so
+// results do not depend on the tiling (nor on the thread count). One vector of a group: the raw values at k + u times
+// the activations, into the partial sums p (started at u 0).
 template <class V, class D, int RB, int NT>
 __attribute__((always_inline)) inline void ps_vector(const typename D::Row* rows, int64_t k, int u,
                                                      const float* const* a, typename V::reg (&p)[RB][NT]) {
@@ -441,12 +466,12 @@ inline void micro_ps(const typename D::Row* rows, int64_t K, const float* const*
     for (int j = 0; j < NT; ++j) acc[r][j] = V::zero();
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
+    if constexpr (EDGEMOE_PREFETCH_ROWS > 0) {
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 2
         for (int l = 0; l < kLines; ++l)
-          __builtin_prefetch(D::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+          __builtin_prefetch(D::addr(rows[r], k) + 64 * l + EDGEMOE_PREFETCH_ROWS * pf, 0,
                              EDGEMOE_PREFETCH_LOCALITY);
     }
 #pragma GCC unroll 8

@@ -27,14 +27,14 @@
 
 #include "kernel_impl.h"
 
-// EDGEMOE_PREFETCH_BLOCKS / EDGEMOE_PREFETCH_LOCALITY: as kernel_impl.h defines them.
+// EDGEMOE_PREFETCH_ROWS / EDGEMOE_PREFETCH_LOCALITY: as kernel_impl.h defines them.
 
 namespace edgemoe {
 namespace {
 
 // y[j * ldy + r] = <row r, a[j]>, RB rows x NT tokens of accumulators (4 x 4 = 16 zmm), K walked one
-// 64-byte line (32 bf16) per step with the line EDGEMOE_PREFETCH_BLOCKS row blocks ahead prefetched into
-// L2; a masked final step covers K % 32 (masked-off lanes load as zero and are never read from memory).
+// 64-byte line (32 bf16) per step with the line EDGEMOE_PREFETCH_ROWS rows further down each row's stream
+// prefetched into L2; a masked final step covers K % 32 (masked-off lanes load as zero and are never read from memory).
 template <int RB, int NT>
 inline void micro_dp(const uint16_t* const* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy,
                      int64_t pf) {
@@ -48,8 +48,8 @@ inline void micro_dp(const uint16_t* const* rows, int64_t K, const uint16_t* con
     __m512i wv[RB];
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
-      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + EDGEMOE_PREFETCH_BLOCKS * pf, 0,
+      if constexpr (EDGEMOE_PREFETCH_ROWS > 0)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + EDGEMOE_PREFETCH_ROWS * pf, 0,
                            EDGEMOE_PREFETCH_LOCALITY);
       wv[r] = _mm512_loadu_si512(rows[r] + k);
     }
@@ -86,7 +86,7 @@ inline void micro_dp_tile(int nt, const uint16_t* const* rows, int64_t K, const 
   }
 }
 
-// GemvFn for bf16 weights with bf16 activations (same blocking as kernel_impl.h's gemv, and for one or two tokens
+// GemvFn for bf16 weights with bf16 activations (same row streams as kernel_impl.h's gemv, and for one or two tokens
 // its rows one after another, as there: kernel_impl.h, "GEMV driver").
 void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n,
                   float* y, int64_t ldy) {
@@ -101,15 +101,17 @@ void gemv_bf16_dp(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, c
     }
     return;
   }
-  int64_t r = 0;
-  for (; r + RB <= nrows; r += RB) {
-    for (int i = 0; i < RB; ++i) rows[i] = reinterpret_cast<const uint16_t*>(base + (row0 + r + i) * w.row_stride_bytes);
+  RowStreams<RB, NT> s(nrows);
+  for (int64_t r = 0; r < s.q; ++r) {
+    for (int i = 0; i < RB; ++i)
+      rows[i] = reinterpret_cast<const uint16_t*>(base + (row0 + s.row(i, r)) * w.row_stride_bytes);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
-      micro_dp_tile<RB>(nt, rows, K, a + j0, y + j0 * ldy + r, ldy, RB * w.row_stride_bytes);
+      micro_dp_tile<RB>(nt, rows, K, a + j0, s.yt, RB, w.row_stride_bytes);
+      s.scatter(nt, r, y + j0 * ldy, ldy);
     }
   }
-  for (; r < nrows; ++r) {
+  for (int64_t r = s.tail(); r < nrows; ++r) {
     rows[0] = reinterpret_cast<const uint16_t*>(base + (row0 + r) * w.row_stride_bytes);
     for (int j0 = 0; j0 < n; j0 += NT) {
       const int nt = n - j0 < NT ? n - j0 : NT;
@@ -188,7 +190,8 @@ inline Fp8Row fp8_row(const WeightView& w, int64_t r) {
 }
 
 // y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens: whole blocks of 128 (two lines of codes per row,
-// prefetched EDGEMOE_PREFETCH_BLOCKS row blocks ahead into L2), then the last K % 128 elements in order.
+// prefetched EDGEMOE_PREFETCH_ROWS rows further down each row's stream into L2), then the last K % 128
+// elements in order.
 // Wide: one scale per block of 128 (scale_cols >= 128).
 template <bool Wide, int RB, int NT>
 inline void micro_fp8(const Fp8Row* rows, int64_t K, const uint16_t* const* a, float* y, int64_t ldy, int64_t pf) {
@@ -202,8 +205,8 @@ inline void micro_fp8(const Fp8Row* rows, int64_t K, const uint16_t* const* a, f
   for (int64_t k = 0; k < blocks_end; k += 128) {
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
-        const char* c = reinterpret_cast<const char*>(rows[r].p + k) + EDGEMOE_PREFETCH_BLOCKS * pf;
+      if constexpr (EDGEMOE_PREFETCH_ROWS > 0) {
+        const char* c = reinterpret_cast<const char*>(rows[r].p + k) + EDGEMOE_PREFETCH_ROWS * pf;
         __builtin_prefetch(c, 0, EDGEMOE_PREFETCH_LOCALITY);
         __builtin_prefetch(c + 64, 0, EDGEMOE_PREFETCH_LOCALITY);
       }
@@ -358,8 +361,8 @@ struct ScaleMX {
 };
 
 // y[j * ldy + r] = <row r, a[j]> for RB rows x NT tokens: steps of 256 elements (two 64-byte lines of codes per
-// row, prefetched EDGEMOE_PREFETCH_BLOCKS row blocks ahead into L2), each row's scales decoded once per step,
-// then its one or two blocks of 128 (the last one possibly partial).
+// row, prefetched EDGEMOE_PREFETCH_ROWS rows further down each row's stream into L2), each row's scales decoded
+// once per step, then its one or two blocks of 128 (the last one possibly partial).
 template <class S, int RB, int NT>
 inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint8_t* const* a, float* y, int64_t ldy,
                       int64_t pf) {
@@ -374,13 +377,13 @@ inline void micro_fp4(const typename S::Row* rows, int64_t K, const uint8_t* con
     __m512 sv[RB];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      if constexpr (EDGEMOE_PREFETCH_BLOCKS > 0) {
-        const char* c = reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_BLOCKS * pf;
+      if constexpr (EDGEMOE_PREFETCH_ROWS > 0) {
+        const char* c = reinterpret_cast<const char*>(rows[r].p + (k >> 1)) + EDGEMOE_PREFETCH_ROWS * pf;
         __builtin_prefetch(c, 0, EDGEMOE_PREFETCH_LOCALITY);
         __builtin_prefetch(c + 64, 0, EDGEMOE_PREFETCH_LOCALITY);
         // the same rows' scales (a code row holds G / 2 bytes per scale byte): a masked or narrow load of them
         // is not followed by the hardware prefetcher, and a miss there stalls the step
-        __builtin_prefetch(rows[r].s + k / S::G + EDGEMOE_PREFETCH_BLOCKS * pf / (S::G / 2), 0,
+        __builtin_prefetch(rows[r].s + k / S::G + EDGEMOE_PREFETCH_ROWS * pf / (S::G / 2), 0,
                            EDGEMOE_PREFETCH_LOCALITY);
       }
       sv[r] = S::step(rows[r], k, K - k);
