@@ -72,7 +72,7 @@ for stage in "${stages[@]}"; do
     for tree in ${CPU_FORMATS_TREES:-.}; do
       for variant in "${variants[@]}"; do
         i=$((i + 1)); name=$(basename "$(realpath "$tree")")
-        [ "$variant" = "-" ] && variant=""
+        [ "$variant" = "-" ] && variant="${EDGEMOE_NATIVE_CFLAGS:-}"  # '-': the caller's flags, if any
         echo "-- tree $tree, build flags '${variant}' (run $i)"
         EDGEMOE_NATIVE_CFLAGS="$variant" timeout ${CPU_FORMATS_TIMEOUT:-150} python3 "$tree/benchmarks/cpu_executor.py" \
           --format ${CPU_FORMATS_FORMATS:-bf16,fp8,mxfp4,nvfp4} ${CPU_FORMATS_ARGS:---threads 6,15 --batch 1,8} \

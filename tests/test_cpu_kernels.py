@@ -40,6 +40,7 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU ext
 SHAPES = {  # name: (H, I, experts in the pool)
     "tiny-tails": (37, 23, 8),       # nothing a multiple of 8: every vector/row/chunk tail
     "tails-16": (80, 48, 6),         # multiples of 16 but not 32 (bf16 line tails)
+    "row-tails": (33, 17, 6),        # with threads: last chunks of one row (fewer rows than a row block)
     "qwen3-30b-a3b": (2048, 768, 4),
 }
 TOKENS = (1, 3, 8, 17)

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU ext
 FORMATS = {"fp8": WeightFormat.FP8_BLOCK, "mxfp4": WeightFormat.MXFP4, "nvfp4": WeightFormat.NVFP4}
 SHAPES = {  # format: {name: (H, I, experts)}
     "fp8": {"odd": (200, 72, 6), "partial-blocks": (304, 176, 5), "ragged": (203, 77, 4),
-            "qwen3-30b-a3b": (2048, 768, 3)},
+            "row-tails": (195, 65, 4), "qwen3-30b-a3b": (2048, 768, 3)},  # row-tails: chunks of 1 and 3 rows
     "mxfp4": {"odd": (96, 160, 6), "qwen3-30b-a3b": (2048, 768, 3)},
     "nvfp4": {"odd": (80, 48, 6), "partial-128": (144, 208, 5), "qwen3-30b-a3b": (2048, 768, 3)},
 }
@@ -481,10 +481,11 @@ def test_flush_to_zero_on_the_calling_thread_changes_nothing(isa):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_token_tiles_and_remainders(fmt, isa):
     """Token counts that hit every tile shape of the kernels (one token x 4 rows, 2-4 x 2, 5-8 x 1 at the
-    lower ISA levels, several tiles with a remainder) and row counts with a row tail: each
-    token gets the bits it gets alone, and the reference's numbers."""
+    lower ISA levels, several tiles with a remainder) and, for FP8, chunks whose row count is not a multiple of
+    the row block or smaller than it (FP4 rows come in whole chunks of 16): each token gets the bits it gets
+    alone, and the reference's numbers."""
     _skip_unsupported(isa, fmt, torch.bfloat16)
-    pool = _pool(fmt, "odd", torch.bfloat16)
+    pool = _pool(fmt, "row-tails" if "row-tails" in SHAPES[fmt] else "odd", torch.bfloat16)
     ex = _executor(pool, isa, 2)
     x = torch.randn(19, pool.hidden, generator=torch.Generator().manual_seed(19))
     wt = torch.rand(19, generator=torch.Generator().manual_seed(20)) + 0.1

@@ -328,14 +328,14 @@ inline void micro_tile(int nt, const typename F::Row* rows, int64_t K, const flo
 
 // ---------------------------------------------------------------------------- GEMV driver (GemvFn)
 // RowStreams blocks of RB rows for tiles of NT tokens. Up to ByRow tokens (ByRow <= NT): the rows one after another
-// instead. A block of four adjacent rows read RB rows side by side, RB streams a page apart (a bf16 row of 2048 is 4
-// KB), which the hardware prefetchers follow less well than one sequential stream: on a Zen 5 core, one token's bf16
-// rows consumed 0.68-0.80 of the core's read rate four at a time and 0.86-1.0 one at a time (both AVX-512 levels),
-// two tokens' 0.64-0.68 and 0.80-0.86; with three or four tokens one row at a time was no faster, at the avx512 level
-// slower (docs/benchmarks/cpu_executor.md). One row keeps one accumulator chain per token, so it needs the core to
-// run a line's vector work within the multiply-add latency: the AVX2 kernels (four 8-wide FMAs a line of bf16) do
-// not, and keep their row blocks (ByRow 0). Every (row, token) sees the same operations either way: results are
-// unchanged.
+// instead, one sequential stream. Measured before the row streams, against blocks of four adjacent rows (four streams
+// a page apart: a bf16 row of 2048 is 4 KB): on a Zen 5 core one token's bf16 rows consumed 0.68-0.80 of the core's
+// read rate four at a time and 0.86-1.0 one at a time (both AVX-512 levels), two tokens' 0.64-0.68 and 0.80-0.86;
+// with three or four tokens one row at a time was no faster, at the avx512 level slower
+// (docs/benchmarks/cpu_executor.md). One row keeps one accumulator chain per token, so it needs the core to run a
+// line's vector work within the multiply-add latency: the AVX2 kernels (four 8-wide FMAs a line of bf16) do not, and
+// take row streams at every token count (ByRow 0). Every (row, token) sees the same operations either way: results
+// are unchanged.
 template <class V, class F, int RB, int NT, int ByRow = 0>
 void gemv(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const void* const* act, int n, float* y,
           int64_t ldy) {
@@ -388,7 +388,7 @@ inline void rows_tile(const WeightView& w, int64_t row0, int64_t nrows, int64_t 
   }
 }
 
-// Tokens in tiles of up to 4; a tile of nt tokens takes row blocks of RB<nt> rows.
+// Tokens in tiles of up to 4; a tile of nt tokens takes RowStreams blocks of RB<nt> rows.
 template <class M, int RB1, int RB2, int RB3, int RB4>
 inline void token_tiles(const WeightView& w, int64_t row0, int64_t nrows, int64_t K, const typename M::Act* const* a,
                         int n, float* y, int64_t ldy) {
