@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{name:>6} {t:>3} {b:>5} {epc:>8} {read:>9.2f} {f(nat):>11} {f(tor):>10} "
                           f"{f(nat and nat / read):>11} {f(tor and tor / read):>10} "
                           f"{f(nat and tor and nat / tor):>12}", flush=True)
-                    if name == formats[-1] and b == batches[-1] and epc == epcs[-1]:
-                        reads[t].append(read_bandwidth(ex, pool, args.seconds))
+            if name == formats[-1]:  # the last pool: one more read after its rows
+                reads[t].append(read_bandwidth(ex, pool, args.seconds))
             del ex, te
             gc.collect()
         del pool

@@ -66,7 +66,7 @@ for stage in "${stages[@]}"; do
       | tail -n 3
     # $CPU_FORMATS_TREES: source trees measured in turn, each with its own kernels (as $CPU_PROFILE_TREES; a tree
     # named twice is measured twice); $CPU_FORMATS_VARIANTS: ';'-separated build flag sets (EDGEMOE_NATIVE_CFLAGS)
-    # measured in turn within each tree ('-' for none); $CPU_FORMATS_ARGS replaces the thread and batch lists
+    # measured in turn within each tree ('-': the caller's own, if any); $CPU_FORMATS_ARGS replaces the thread and batch lists
     i=0
     IFS=';' read -r -a variants <<< "${CPU_FORMATS_VARIANTS:--}"
     for tree in ${CPU_FORMATS_TREES:-.}; do

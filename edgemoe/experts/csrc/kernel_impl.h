@@ -214,14 +214,14 @@ struct RawFP4 {
 };
 
 // ---------------------------------------------------------------------------- row streams
-// The rows of a GEMV call as RB streams of q = nrows / RB consecutive rows, stream i = rows [i q, (i + 1) q)
-// (offsets from row0), walked side by side: step r reads row r of every stream. Rows are contiguous in memory,
-// so each stream is one sequential read in pages of its own. Blocks of RB adjacent rows instead put RB streams
-// into one page (four FP4 rows of K = 2048 are one 4 KB page), re-started at every block, which the hardware
-// prefetchers follow badly: one Zen 5 core read FP4 / FP8 rows 5-10 % faster as streams, two cores 3-38 %; the
-// GPU host's Xeon its 4-bit rows 5-12 %, FP8 unchanged (docs/benchmarks/cpu_executor.md). A micro-kernel writes one block's outputs into yt
-// ([token][stream], ldy RB) and scatter() puts them in place; tail() is the first row left for one-at-a-time
-// calls. Every (row, token) sees the same operations either way: results do not depend on the layout.
+// The rows of a GEMV call as RB streams of q = nrows / RB consecutive rows, stream i = rows [i q, (i + 1) q) (offsets
+// from row0), walked side by side: step r reads row r of every stream. Rows are contiguous in memory, so each stream
+// is one sequential read in pages of its own. Blocks of RB adjacent rows instead put RB streams into one page (four
+// FP4 rows of K = 2048 are one 4 KB page), re-started at every block, which the hardware prefetchers follow badly:
+// one Zen 5 core read FP4 / FP8 rows 5-10 % faster as streams, two cores 3-38 %; the GPU host's Xeon its 4-bit rows
+// 5-25 %, FP8 unchanged (docs/benchmarks/cpu_executor.md). A micro-kernel writes one block's outputs into yt
+// ([token][stream], ldy RB) and scatter() puts them in place; tail() is the first row left for one-at-a-time calls.
+// Every (row, token) sees the same operations either way: results do not depend on the layout.
 template <int RB, int NT>
 struct RowStreams {
   int64_t q;
