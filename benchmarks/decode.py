@@ -54,6 +54,7 @@ import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait pa
 # isort: split
 import torch
 
+from edgemoe.bench.route_table import table_rows
 from edgemoe.config import DOORBELL_WAITS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
@@ -187,24 +188,20 @@ def route_uniformly(runner: ModelRunner, seed: int, max_tokens: int = 8192) -> N
     the router's own top-k weights; the router's work stays in the step). Random-weight models route almost the
     same experts every step, which would flatter any cache; uniform routing is the no-locality case.
 
-    The draws come from a pre-generated table of random scores read at a device-side counter, so a
-    decode step replayed from a CUDA graph routes differently at every layer and step (a generator
-    call cannot be captured)."""
+    The draws come from a pre-generated table (the top k of random scores per row) read at a device-side
+    counter, so a decode step replayed from a CUDA graph routes differently at every layer and step (a
+    generator call cannot be captured); a decode step reads it in one launch (:func:`table_rows`)."""
     dev, E = runner.device, runner.model_config.num_experts
     g = torch.Generator(device=dev).manual_seed(seed)
     rows = 1 << 14
-    table = torch.rand(rows, E, generator=g, device=dev)  # [R, E] random scores
-    counter = torch.zeros(1, dtype=torch.int64, device=dev)
     k = runner.model_config.top_k
+    table = torch.rand(rows, E, generator=g, device=dev).topk(k, dim=-1).indices.contiguous()  # [R, k] ids
+    counter = torch.zeros(1, dtype=torch.int64, device=dev)
     for blk in runner.model.moe_blocks():
 
         def route(x, valid=None, own=blk.route):
-            T = x.shape[0]
             _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
-            idx = (counter + torch.arange(T, device=dev)) % rows  # [T]
-            counter.add_(T)
-            ids = table.index_select(0, idx).topk(k, dim=-1).indices  # [T, k]
-            return pad_routes(ids, w, valid)
+            return pad_routes(table_rows(table, counter, x.shape[0]), w, valid)  # ids [T, k]
 
         blk.route = route
 
@@ -253,9 +250,7 @@ def route_from_trace(runner: ModelRunner, paths: list[str], reset_tokens: int, s
             if T >= reset_tokens:  # a prefill: every run replays the trace from the request's start
                 counters[j:j + 1].fill_(start[0] % n if start else 0)
             _, w = own(x)  # the router's own work and weights (any family's routing), its choice replaced
-            idx = (counters[j] + torch.arange(T, device=dev)) % n  # [T]
-            counters[j:j + 1].add_(T)
-            return pad_routes(table[j].index_select(0, idx), w, valid)  # [T, k]
+            return pad_routes(table_rows(table[j], counters[j:j + 1], T), w, valid)  # ids [T, k]
 
         blk.route = route
     return n

@@ -164,12 +164,14 @@ for stage in "${stages[@]}"; do
       | tee "$OUT/elastic.log" | tail -n 25 ;;
   profile-decode)
     # where the resident decode step's time goes (16-layer Qwen3-30B-A3B geometry, the model's own routing):
-    # CUDA graphs, then eager; $PROFILE_ARGS adds flags (e.g. --budget-gb 2.42 --policy qstar)
+    # $PROFILE_MODES (default "graphs eager"); $PROFILE_ARGS adds flags (e.g. --budget-gb 2.42 --policy qstar);
+    # $PROFILE_TAG names the results (profile-decode-<tag><mode>), so that one call can profile several setups
     echo "== decode step profile: host time, kernel time, GPU gaps, kernels by time"
-    for mode in graphs eager; do
+    for mode in ${PROFILE_MODES:-graphs eager}; do
       flag=""; [ "$mode" = eager ] && flag="--eager"
+      name="profile-decode-${PROFILE_TAG:-}$mode"
       timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_decode.py --layers ${PROFILE_LAYERS:-16} $flag \
-        --out "$OUT/profile-decode-$mode" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile-decode-$mode.log" | tail -n 60
+        --out "$OUT/$name" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/$name.log" | tail -n 60
     done ;;
   agent)
     echo "== agentic replay (Qwen3.6-35B-A3B geometry, dummy weights)"
