@@ -66,7 +66,8 @@ for stage in "${stages[@]}"; do
       | tail -n 3
     # $CPU_FORMATS_TREES: source trees measured in turn, each with its own kernels (as $CPU_PROFILE_TREES; a tree
     # named twice is measured twice); $CPU_FORMATS_VARIANTS: ';'-separated build flag sets (EDGEMOE_NATIVE_CFLAGS)
-    # measured in turn within each tree ('-': the caller's own, if any); $CPU_FORMATS_ARGS replaces the thread and batch lists
+    # measured in turn within each tree ('-': the caller's own, if any); $CPU_FORMATS_ARGS replaces the thread and batch lists;
+    # $CPU_FORMATS_EXPERTS: experts per call, a list (default 8; a decode layer sends 1-4 to the CPU)
     i=0
     IFS=';' read -r -a variants <<< "${CPU_FORMATS_VARIANTS:--}"
     for tree in ${CPU_FORMATS_TREES:-.}; do
@@ -76,7 +77,7 @@ for stage in "${stages[@]}"; do
         echo "-- tree $tree, build flags '${variant}' (run $i)"
         EDGEMOE_NATIVE_CFLAGS="$variant" timeout ${CPU_FORMATS_TIMEOUT:-150} python3 "$tree/benchmarks/cpu_executor.py" \
           --format ${CPU_FORMATS_FORMATS:-bf16,fp8,mxfp4,nvfp4} ${CPU_FORMATS_ARGS:---threads 6,15 --batch 1,8} \
-          --experts-per-call 8 --executors native \
+          --experts-per-call ${CPU_FORMATS_EXPERTS:-8} --executors native \
           --out "$OUT/cpu_formats$( [ -n "${CPU_FORMATS_TREES:-}${CPU_FORMATS_VARIANTS:-}" ] && echo "-$i-$name").json" 2>&1 \
           | tee -a "$OUT/cpu-formats.log" | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:'
       done
