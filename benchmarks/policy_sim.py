@@ -15,6 +15,15 @@
 10 s (another process on the executor's cores, as the GPU host's contention benchmark found it):
 tokens/s before, in the first second of the slowdown and after it, and in the first second after
 and after that, per policy (the offline counterpart of ``benchmarks/contention.py``).
+
+``--fill-ratios R1,R2,...``: instead, in each regime and budget, ``qstar`` with a fixed share ``R`` of each layer
+step's misses filled: tokens/s, hit rate, fills per token, and the *marginal* hits per fill between consecutive
+ratios (the extra hits per token over the extra fills per token), beside the net reuse per fill that the engine's
+accounting measures for ``auto`` in the same run (``LayerObservation``): what one more fill actually buys against
+what ``auto`` is told it buys.
+
+    python benchmarks/policy_sim.py --traces T1 T2 --preset h100-cpu49 --prompt 32 --tokens 32 --budgets 6 \
+        --fill-ratios 0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0
 """
 
 from __future__ import annotations
@@ -99,6 +108,46 @@ def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0,
     return 0
 
 
+def fill_ratios(a: argparse.Namespace, regimes: dict[str, R.Workload]) -> int:
+    """The ``--fill-ratios`` table (see the module docstring)."""
+    from edgemoe.experts.policy import AutoPolicy
+
+    costs = S.COST_PRESETS[a.preset]
+    ratios = [float(x) for x in a.fill_ratios.split(",") if x]
+    print("| regime | budget (GB) | fill ratio | tokens/s | hit rate | fills / token | marginal hits / fill |")
+    print("|---|---|---|---|---|---|---|")
+    for name, wl in regimes.items():
+        for gb in (float(x) for x in a.budgets.split(",") if x):
+            slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
+            ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= L * K else "lru"
+            prev = None
+            for r in ratios:
+                res = S.simulate_time(wl, "qstar", slots, costs, ev, token_base_s=1e-3, warmup=a.warmup, fill_ratio=r)
+                n = max(1, wl.decode_tokens)
+                hits, fills = res.hits / n, res.fills / n
+                marginal = ("-" if prev is None or abs(fills - prev[1]) < 0.5  # too few extra fills to divide by
+                            else f"{(hits - prev[0]) / (fills - prev[1]):.2f}")
+                print(f"| {name} | {gb:g} | {r:.2f} | {res.tokens_per_s:.1f} | {res.hit_rate:.3f} | {fills:.1f} | "
+                      f"{marginal} |", flush=True)
+                prev = (hits, fills)
+            seen: list[float] = []
+            observe = AutoPolicy.observe_layers
+
+            def spy(self, obs, seen=seen, observe=observe):  # the auto policy's net reuse per fill, window by window
+                if obs.fills and sum(obs.fills):
+                    seen.append(sum(obs.reuse_net) / sum(obs.fills))
+                return observe(self, obs)
+
+            AutoPolicy.observe_layers = spy
+            try:
+                S.simulate_time(wl, "auto", slots, costs, ev, token_base_s=1e-3, warmup=a.warmup)
+            finally:
+                AutoPolicy.observe_layers = observe
+            print(f"| {name} | {gb:g} | auto's measured net reuse per fill, by window | "
+                  + ", ".join(f"{x:.2f}" for x in seen) + " | | | |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="*", default=[], help="routing traces of the realistic regime")
@@ -114,12 +163,16 @@ def main(argv=None) -> int:
     ap.add_argument("--contention", type=float, default=None, metavar="CPU_FACTOR",
                     help="simulate a CPU slowdown by this factor from 4 s to 10 s instead (see above)")
     ap.add_argument("--layers", type=int, default=16, help="--contention: MoE layers")
+    ap.add_argument("--fill-ratios", default="", help="fixed fill shares for qstar instead of the policy table "
+                    "(comma-separated; see above)")
     a = ap.parse_args(argv)
     if a.contention is not None:
         return contention(a)
     regimes = {"no-locality": R.uniform_workload(L, E, K, a.tokens), "degenerate": degenerate(a.tokens)}
     if a.traces:
         regimes["realistic"] = realistic(a.traces, a.tokens, a.prompt)
+    if a.fill_ratios:
+        return fill_ratios(a, regimes)
     costs = S.COST_PRESETS[a.preset]
     rows = []
     print(f"| regime | budget (GB) | {' | '.join(S.MISS_POLICIES)} | best fixed | auto / best fixed |")

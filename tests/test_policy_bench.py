@@ -157,3 +157,21 @@ def test_policy_sim_contention_auto_follows_a_stalled_cpu(load_benchmark, capsys
     auto, qstar, fill = rows["auto"], rows["qstar"], rows["fill-all"]
     assert auto[during] > 3 * qstar[during] and auto[during] > 0.85 * fill[during]
     assert auto[after] > 0.95 * auto[before] and auto[before] > fill[before]
+
+
+def test_policy_sim_fill_ratios_marginal_value(load_benchmark, capsys):
+    """``policy_sim.py --fill-ratios``: a fixed share of the misses filled; without locality one more fill buys no
+    hit (marginal hits per fill near 0), and filling every miss is slower than a split; ``auto``'s measured net
+    reuse per fill is printed beside it, near 0 there too."""
+    assert load_benchmark("policy_sim").main(["--tokens", "24", "--budgets", "6", "--fill-ratios", "0.4,0.7,1.0"]) == 0
+    rows: dict[tuple[str, str], list[str]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in ("no-locality", "degenerate"):
+            rows[(cells[0], cells[2])] = cells
+    split, every = rows[("no-locality", "0.40")], rows[("no-locality", "1.00")]
+    assert float(split[3]) > float(every[3])  # tokens/s: the CPU's share pays without locality
+    assert float(every[5]) > float(split[5])  # fills per token rise with the ratio
+    assert abs(float(rows[("no-locality", "0.70")][6])) < 0.1 and abs(float(every[6])) < 0.1
+    measured = rows[("no-locality", "auto's measured net reuse per fill, by window")][3]
+    assert measured and all(abs(float(x)) < 0.2 for x in measured.split(","))

@@ -89,6 +89,10 @@ COST_PRESETS: dict[str, MissCosts] = {
     # layer; the armed branch without work as on the H200 host.
     "h100": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 55.05, 100.4, 55.04, 96.0, fill_fixed_s=6.6e-6,
                                       cpu_fixed_s=22.3e-6, idle_handoff_s=8e-6, base_s=112e-6),
+    # Another H100 host (2026-12-06 10:13, its step logs in the policy study): a CPU that reads slower than PCIe at
+    # 6 threads, B_P 54.86 / 54.28 GB/s alone / concurrent, B_H 49.2 / 44.8; the fixed costs and other work as "h100".
+    "h100-cpu49": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 54.86, 49.2, 54.28, 44.83, fill_fixed_s=6.6e-6,
+                                            cpu_fixed_s=22.3e-6, idle_handoff_s=8e-6, base_s=112e-6),
     # 2-core development VM (CPU only: the "device" cache is a second host buffer on the same cores, so
     # the branches do not overlap): native executor on 2 threads 20.0 / 23.8 GB/s at 1 / 4 experts per
     # call (372 us per expert + 100 us per call); a fill is a 9.44 MB memory copy (~12 GB/s); a cached
@@ -174,10 +178,11 @@ class _Noise:
         return t * math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma > 0 else t
 
 
-def _miss_policy(name: str, wl: Workload, costs: MissCosts, **auto_kw) -> ExpertPolicy | None:
+def _miss_policy(name: str, wl: Workload, costs: MissCosts, fill_ratio: float | None = None,
+                **auto_kw) -> ExpertPolicy | None:
     bw = profiled_bandwidths(costs)
     if name == "qstar":
-        return QStarPolicy(bw)
+        return QStarPolicy(bw if fill_ratio is None else Bandwidths(fill_ratio, 1.0, "fixed fill ratio"))
     if name == "adaptive":
         return AdaptivePolicy(bw)
     if name == "fill-all":
@@ -192,7 +197,7 @@ def _miss_policy(name: str, wl: Workload, costs: MissCosts, **auto_kw) -> Expert
 def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, eviction: str = "lru", *,
                   contention: Contention | None = None, noise: float = 0.0, seed: int = 0, prefetch: bool = False,
                   token_base_s: float = 0.0, auto_kw: dict | None = None,
-                  measure_branches: bool = False, warmup: int = 0) -> TimeResult:
+                  measure_branches: bool = False, warmup: int = 0, fill_ratio: float | None = None) -> TimeResult:
     """Replay ``wl`` under miss policy ``policy`` (one of :data:`MISS_POLICIES`) with ``slots`` cache
     slots under ``eviction`` (a :func:`~edgemoe.bench.replay.make_policy` name) on a machine of ``costs``
     (see the module docstring). ``token_base_s``: time per decode step outside the MoE layers (LM
@@ -200,7 +205,9 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
     ``auto`` sees, as in the engine, the fills' net reuse every ``REUSE_READ_STEPS`` decode steps;
     ``measure_branches`` also gives it every layer step's branch times (which the engine does not time).
     ``warmup``: decode steps run but not timed (as the decode benchmark's ``--warmup``; the engine's
-    prefill warms the cache before decode, a decode-only trace starts cold).
+    prefill warms the cache before decode, a decode-only trace starts cold). ``fill_ratio``: ``qstar`` fills
+    this share of each layer step's misses instead of the profiled ``B_P / B_H`` (a fixed split, to measure
+    what more or fewer fills buy).
 
     Raises:
         ValueError: an unknown policy or eviction rule, or ``prefetch`` on a trace without predictions.
@@ -216,7 +223,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         rule = make_policy("static-layers" if policy == "static" else eviction, wl, slots)
         if not isinstance(rule, ResidentPolicy):
             raise ValueError(f"eviction rule {eviction!r} has no step-time model (use a pure-Python rule)")
-    pol = _miss_policy(policy, wl, costs, **(auto_kw or {}))
+    pol = _miss_policy(policy, wl, costs, fill_ratio, **(auto_kw or {}))
     device_auto = isinstance(pol, AutoPolicy)
     if device_auto:
         pol.price_armed_branch(costs.idle_handoff_s)
