@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="expert shape hidden,moe_intermediate (default Qwen3-30B-A3B's 2048,768; gpt-oss: 2880,2880; "
                          "Qwen3.6-35B-A3B: 2048,512)")
     ap.add_argument("--isa", default=None, help=f"cap the native ISA ({', '.join(native.ISA_LEVELS)})")
+    ap.add_argument("--min-chunk-kb", type=int, default=None,
+                    help="the native executor's floor on a chunk's weights, KiB (default its own, "
+                         f"{native.DEFAULT_MIN_CHUNK_BYTES // 1024}; 0: four chunks per thread whatever their size)")
     ap.add_argument("--executors", default="native,torch", help="which executors (default native,torch)")
     ap.add_argument("--out", default=None, help="JSON output file, or a folder for cpu_executor.json")
     args = ap.parse_args(argv)
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"native extension: {'cached' if build.get('cached') else 'compiled'} in {time.perf_counter() - t0:.1f} s "
           f"({build.get('dir')})", flush=True)
 
+    min_chunk = native.DEFAULT_MIN_CHUNK_BYTES if args.min_chunk_kb is None else 1024 * args.min_chunk_kb
     torch_threads0 = torch.get_num_threads()
     rows, experts, reads = [], {}, {}
     hdr = f"{'format':>6} {'thr':>3} {'batch':>5} {'exp/call':>8} {'read GB/s':>9} {'native GB/s':>11} " \
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(hdr)
         print("-" * len(hdr))
         for t in threads:
-            ex = native.NativeCpuExecutor(pool, t, isa=args.isa)
+            ex = native.NativeCpuExecutor(pool, t, isa=args.isa, min_chunk_bytes=min_chunk)
             torch.set_num_threads(t)
             te = TorchCpuExecutor(pool) if "torch" in kinds else None
             reads.setdefault(t, []).append(read_bandwidth(ex, pool, args.seconds))
@@ -204,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         "build": build,
         "expert": {"hidden": H, "intermediate": I, "formats": experts},
         "seconds_each": args.seconds,
+        "min_chunk_bytes": min_chunk,
         "reads_gbps": {str(t): vs for t, vs in reads.items()},
         "rows": rows,
     }

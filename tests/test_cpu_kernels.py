@@ -74,7 +74,7 @@ def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuE
     """One thread pool per (ISA cap, threads), rebound to each test's pool."""
     key = (isa, threads)
     if key not in _cores:
-        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
+        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0, min_chunk_bytes=0,
                                                max_tokens_per_expert=1 << 30, oversubscribe=True)
     return _cores[key].with_pool(pool)
 

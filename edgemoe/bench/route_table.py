@@ -21,7 +21,8 @@ except ImportError:
     triton = None
 
 MAX_TOKENS = 64  # one program copies every row; a longer step (a prefill) uses the torch ops
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit below: CPU tensors then run too
+# read by triton.jit below (as Triton reads it): CPU tensors then run too
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 if triton is not None:
 
@@ -35,6 +36,7 @@ if triton is not None:
         row = (c + t) % R
         ids = tl.load(table_ptr + row[:, None] * K + j[None, :], mask=mask)
         tl.store(out_ptr + t[:, None] * K + j[None, :], ids, mask=mask)
+        tl.debug_barrier()  # every thread has read the counter before it moves
         tl.store(counter_ptr, c + T)
 
 

@@ -144,6 +144,7 @@ ACT_KINDS = {"silu": 0, "swiglu_oai": 1}
 DEFAULT_SPIN_US = 2000
 # Steps reading fewer weight bytes run on the calling thread alone: waking the pool costs more.
 DEFAULT_MIN_PARALLEL_BYTES = 256 * 1024
+DEFAULT_MIN_CHUNK_BYTES = 256 * 1024
 # An expert with more tokens than this in one step runs on the torch-ops path (oneDNN GEMM; AMX where
 # present), which wins once the work stops being a bandwidth-bound GEMV (prefill on the CPU). Measured
 # crossover on the 2-core dev VM (1 thread, Qwen3-30B-A3B expert): ~12 tokens; docs/benchmarks/cpu_executor.md.
@@ -649,6 +650,9 @@ class NativeCpuExecutor:
         oversubscribe: use ``threads`` even beyond the cores (:func:`plan_threads`).
         spin_us: µs a worker spins after a step before sleeping (``None``: ``EDGEMOE_CPU_SPIN_US`` or 2000).
         min_parallel_bytes: steps reading fewer weight bytes run on the caller alone (0: always parallel).
+        min_chunk_bytes: a step's phase is cut into fewer chunks per thread (at least one each) where its chunks
+            would read fewer weight bytes than this (0: four chunks per thread whatever their size): a chunk's
+            rows are a few sequential streams that start cold, so small chunks of 4-bit rows read slowly.
         max_tokens_per_expert: experts with more tokens than this in a step run on the torch-ops path.
 
     Attributes:
@@ -665,7 +669,7 @@ class NativeCpuExecutor:
 
     def __init__(self, pool: HostExpertPool, threads: int | None = None, *, alongside: int = 0, isa: str | None = None,
                  pin: bool = True, oversubscribe: bool = False, spin_us: int | None = None,
-                 min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES,
+                 min_parallel_bytes: int = DEFAULT_MIN_PARALLEL_BYTES, min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
                  max_tokens_per_expert: int = DEFAULT_MAX_TOKENS_PER_EXPERT, _core=None, _plan=None):
         ext = load_extension()
         self.pool = pool
@@ -678,7 +682,8 @@ class NativeCpuExecutor:
             if spin_us is None:
                 spin_us = int(os.environ.get("EDGEMOE_CPU_SPIN_US", DEFAULT_SPIN_US))
             cap = isa if isa is not None else isa_cap_from_env()
-            _core = ext.Executor(_plan.threads, list(_plan.cpus), _level(cap), int(spin_us), int(min_parallel_bytes))
+            _core = ext.Executor(_plan.threads, list(_plan.cpus), _level(cap), int(spin_us), int(min_parallel_bytes),
+                                 int(min_chunk_bytes))
         self._core = _core
         self.plan = _plan
         reason = native_reason(pool)

@@ -163,8 +163,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "The WeightView of projection proj (0 gate, 1 up, 2 down) of expert fid, as a dict of addresses");
 
   py::class_<Executor>(m, "Executor")
-      .def(py::init<int, const std::vector<int>&, int, int, int64_t>(), py::arg("threads"), py::arg("cpus"),
-           py::arg("isa_cap"), py::arg("spin_us"), py::arg("min_parallel_bytes"))
+      .def(py::init<int, const std::vector<int>&, int, int, int64_t, int64_t>(), py::arg("threads"), py::arg("cpus"),
+           py::arg("isa_cap"), py::arg("spin_us"), py::arg("min_parallel_bytes"), py::arg("min_chunk_bytes"))
       .def_property_readonly("threads", &Executor::threads)
       .def_property_readonly("pinned", &Executor::pinned)
       .def_property_readonly("caller_cpu", &Executor::caller_cpu)

@@ -342,8 +342,9 @@ struct Executor::Job {
 };
 
 Executor::Executor(int threads, const std::vector<int>& cpus, int isa_cap, int spin_us,
-                   int64_t min_parallel_bytes)
-    : pool_(threads, cpus, spin_us), min_parallel_bytes_(std::max<int64_t>(0, min_parallel_bytes)) {
+                   int64_t min_parallel_bytes, int64_t min_chunk_bytes)
+    : pool_(threads, cpus, spin_us), min_parallel_bytes_(std::max<int64_t>(0, min_parallel_bytes)),
+      min_chunk_bytes_(std::max<int64_t>(0, min_chunk_bytes)) {
   const uint32_t feats = detect_cpu_features();
   for (int f = 0; f < kNumFormats; ++f) {
     isa_[f] = select_isa(feats, isa_cap, static_cast<WeightFormat>(f));
@@ -445,32 +446,33 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.H = H;
   J.I = I;
   // Chunks: EDGEMOE_CHUNKS_PER_THREAD per thread and phase (dynamic balance), fewer (at least one per thread) where
-  // chunks would hold less than EDGEMOE_MIN_CHUNK_KB of weights, in whole rows of 16 (chunk edges on lines). A
+  // chunks would hold fewer than min_chunk_bytes_ of weights, in whole rows of 16 (chunk edges on lines). A
   // chunk's rows are a few sequential streams that each start cold (their first rows not prefetched) and stop
   // early, so a chunk of few bytes reads slowly: by rows alone, a call of 4 experts at 15 threads cut FP4 rows
-  // into chunks of 68 KB (gate/up) and 4 x 19 KB (down), a quarter of bf16's. On a 2-core Zen 5 given that
-  // chunking (-DEDGEMOE_CHUNKS_PER_THREAD=30 at 2 threads), calls of 3 experts read MXFP4 / NVFP4 rows at 28-32
-  // GB/s, and at 34-42 with the 256 KB floor (cpu_executor.md, "Chunks of a call"). Chunking never changes a
-  // result: each output row sums its experts in step order whichever thread runs it.
+  // into chunks of 64 gate and 64 up rows (2 x 68 KB) and of 48 down rows of every expert (4 x 19 KB), a quarter
+  // of bf16's. On a 2-core Zen 5 given that chunking (-DEDGEMOE_CHUNKS_PER_THREAD=30 at 2 threads), calls of 3
+  // experts read MXFP4 / NVFP4 rows at 28-32 GB/s, and at 34-42 with a 256 KiB floor (cpu_executor.md, "Chunks of
+  // a call"). Chunking never changes a result: each output row sums its experts in step order whichever thread
+  // runs it. Byte counts are of the codes (a row's stride), scales aside.
 #ifndef EDGEMOE_CHUNKS_PER_THREAD
 #define EDGEMOE_CHUNKS_PER_THREAD 4
 #endif
-#ifndef EDGEMOE_MIN_CHUNK_KB
-#define EDGEMOE_MIN_CHUNK_KB 256
-#endif
-  // rows of a chunk of `total` rows of `row_bytes` each (at most `limit`)
+  static_assert(EDGEMOE_CHUNKS_PER_THREAD >= 1, "EDGEMOE_CHUNKS_PER_THREAD must be at least 1");
+  // rows of a chunk when `total` rows of `row_bytes` each are to be cut (at most `limit`: a chunk stays in one
+  // expert's rows)
   auto chunk_rows = [&](int64_t total, int64_t limit, int64_t row_bytes) {
     if (J.serial) return limit;
-    const int64_t floor_bytes = std::max<int64_t>(1, int64_t{EDGEMOE_MIN_CHUNK_KB} * 1024 * p);
-    const int64_t per_thread = std::clamp<int64_t>(total * row_bytes / floor_bytes, 1, EDGEMOE_CHUNKS_PER_THREAD);
+    const int64_t floor_bytes = std::max<int64_t>(1, min_chunk_bytes_ * p);
+    const int64_t per_thread = min_chunk_bytes_ == 0 ? int64_t{EDGEMOE_CHUNKS_PER_THREAD}
+                               : std::clamp<int64_t>(total * row_bytes / floor_bytes, 1, EDGEMOE_CHUNKS_PER_THREAD);
     return std::min(limit, std::max<int64_t>(16, round_up(ceil_div(total, per_thread * p), 16)));
   };
-  const int64_t gate_row = expert_matrix(b, s.fids[0], Proj::Gate).row_stride_bytes;  // packed bytes of a row
+  const int64_t gate_row = expert_matrix(b, s.fids[0], Proj::Gate).row_stride_bytes;  // bytes of a row's codes
   const int64_t down_row = expert_matrix(b, s.fids[0], Proj::Down).row_stride_bytes;
-  J.c1 = chunk_rows(s.n_experts * I, I, 2 * gate_row);  // a phase-1 row: a gate row and an up row
+  J.c1 = chunk_rows(active * I, I, 2 * gate_row);  // a phase-1 row: a gate row and an up row (experts with tokens)
   J.per_e1 = ceil_div(I, J.c1);
   J.n1 = s.n_experts * J.per_e1;
-  J.c2 = chunk_rows(H, H, std::max<int64_t>(1, active) * down_row);  // a phase-2 row: that row of every expert
+  J.c2 = chunk_rows(H, H, active * down_row);  // a phase-2 row: that row of every expert with tokens
   J.n2 = ceil_div(H, J.c2);
   J.xptr = xptr_.data();
   J.aptr = aptr_.data();

@@ -181,8 +181,10 @@ class Executor {
   // threads >= 1; cpus: CPU ids to pin workers to (index = thread id; see ThreadPool); isa_cap: the
   // highest ISA level to use (-1 = best available); spin_us: worker spin before sleeping;
   // min_parallel_bytes: steps reading fewer weight bytes than this run on the caller alone (a
-  // wake-up costs more than it saves).
-  Executor(int threads, const std::vector<int>& cpus, int isa_cap, int spin_us, int64_t min_parallel_bytes);
+  // wake-up costs more than it saves); min_chunk_bytes: a phase of a step is cut into fewer chunks per thread
+  // (at least one each) where its chunks would hold fewer weight bytes than this (0: by rows only; see run()).
+  Executor(int threads, const std::vector<int>& cpus, int isa_cap, int spin_us, int64_t min_parallel_bytes,
+           int64_t min_chunk_bytes);
 
   // Computes one step (see StepArgs). Thread-safe: concurrent callers are serialized. Returns a
   // Status; on error nothing has been written to out.
@@ -271,6 +273,7 @@ class Executor {
   int isa_[kNumFormats];      // per format (bf16 compute for quantized formats)
   int isa_f32_[kNumFormats];  // quantized formats computing in float32: kernels taking float32 activations
   int64_t min_parallel_bytes_;
+  int64_t min_chunk_bytes_;
   std::mutex run_mutex_;
   // Buffers reused across steps (grow only; no allocation in steady state).
   std::vector<uint16_t> x_bf16_, act_bf16_;
