@@ -6,7 +6,8 @@
   exact weights) with the documented rounding points, for odd shapes (FP8 with H and I not multiples of 16
   or 128, and not even of 8: the scalar and masked tails of the vector kernels; FP4 formats with I not a
   multiple of 128), the Qwen3-30B-A3B expert, several tokens and experts, 1 and 2 threads;
-- results do not depend on the thread count; the native executor agrees with the torch executor;
+- results do not depend on the thread count, nor on how a call is cut into chunks (dense bf16 rows too); the native
+  executor agrees with the torch executor;
 - the registered step (the device decode path's CPU branch) runs quantized rows;
 - which pools have no native kernel (float16 compute, FP8 blocks the kernels cannot tile).
 
@@ -62,11 +63,14 @@ def _pool(fmt: str, shape: str, compute: torch.dtype) -> HostExpertPool:
     return _pools[key]
 
 
-def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuExecutor:
-    key = (isa, threads)
+def _executor(pool: HostExpertPool, isa: str, threads: int, min_chunk_bytes: int = 0) -> native.NativeCpuExecutor:
+    """One thread pool per (ISA cap, threads, chunk floor), rebound to each test's pool; the kernel tests cut calls
+    by rows only (floor 0), so their small shapes keep chunks of a few rows."""
+    key = (isa, threads, min_chunk_bytes)
     if key not in _cores:
-        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0, min_chunk_bytes=0,
-                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
+        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
+                                               min_chunk_bytes=min_chunk_bytes, max_tokens_per_expert=1 << 30,
+                                               oversubscribe=True)
     return _cores[key].with_pool(pool)
 
 
@@ -577,3 +581,52 @@ def test_a_non_finite_activation_reaches_the_output(isa, fmt, bad):
     out = torch.zeros(2, H)
     _executor(pool, isa, 1).run(x, [(0, torch.tensor([0, 1]), torch.tensor([0.5, 1.0]))], out)
     assert not torch.isfinite(out[0]).any() and torch.isfinite(out[1]).all()
+
+
+# ---------------------------------------------------------------------------- chunking
+# How the executor cuts a call into chunks never changes its result: a call's two phases (gate/up rows per expert,
+# then down rows of every expert) are cut into chunks that the pool's threads take in turn, four per thread by rows,
+# or fewer where chunks would read less than ``min_chunk_bytes``. Shapes whose chunks are not multiples of 16 rows
+# of themselves (the rule rounds them up), calls of 1-5 experts with every second one routed no token, floors that
+# leave four chunks per thread, fewer, or one: 2 and 3 threads give bit for bit what 1 thread gives.
+
+CHUNK_FORMATS = {"bf16": None, **FORMATS}  # the dense rows too
+CHUNK_SHAPES = [(224, 800), (1056, 352)]  # (H, I): 4 chunks a thread of either phase is not a whole number of 16 rows
+CHUNK_FLOORS = [0, 8 * 1024, native.DEFAULT_MIN_CHUNK_BYTES]  # by rows only; fewer chunks a thread; one chunk a thread
+
+
+def _chunk_pool(fmt: str, H: int, I: int, compute: torch.dtype) -> HostExpertPool:
+    if CHUNK_FORMATS[fmt] is None:
+        pool = HostExpertPool.dense(6, H, I, torch.bfloat16)
+    else:
+        pool = HostExpertPool(6, ExpertLayout.build(CHUNK_FORMATS[fmt], H, I), compute)
+    pool.fill_random(seed=5, std=0.05)
+    return pool
+
+
+@pytest.mark.parametrize("floor", CHUNK_FLOORS)
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", list(CHUNK_FORMATS))
+@pytest.mark.parametrize("shape", CHUNK_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_chunking_gives_the_one_thread_result(fmt, shape, compute, floor):
+    compute = getattr(torch, compute)
+    if CHUNK_FORMATS[fmt] is None and compute == torch.float32:
+        pytest.skip("a dense bf16 pool computes in bfloat16")
+    H, I = shape
+    pool = _chunk_pool(fmt, H, I, compute)
+    fmt_or_dtype = CHUNK_FORMATS[fmt] or torch.bfloat16
+    isas = native.supported_isas(fmt_or_dtype, compute)
+    g = torch.Generator().manual_seed(1)
+    for isa in isas:
+        for T in (1, 3):
+            x = torch.randn(T, H, generator=g)  # [T, H] float32
+            for n_experts in (1, 3, 5):
+                work = [(e, torch.arange(0 if e % 2 else T), torch.rand(0 if e % 2 else T, generator=g) + 0.1)
+                        for e in range(n_experts)]  # every second expert routed no token
+                outs = []
+                for threads in (1, 2, 3):
+                    out = torch.zeros(T, H)
+                    _executor(pool, isa, threads, floor).run(x, work, out)
+                    outs.append(out)
+                for threads, out in zip((2, 3), outs[1:]):
+                    assert torch.equal(outs[0], out), (isa, T, n_experts, threads)
