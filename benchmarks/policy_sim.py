@@ -110,8 +110,6 @@ def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0,
 
 def fill_ratios(a: argparse.Namespace, regimes: dict[str, R.Workload]) -> int:
     """The ``--fill-ratios`` table (see the module docstring)."""
-    from edgemoe.experts.policy import AutoPolicy
-
     costs = S.COST_PRESETS[a.preset]
     ratios = [float(x) for x in a.fill_ratios.split(",") if x]
     print("| regime | budget (GB) | fill ratio | tokens/s | hit rate | fills / token | marginal hits / fill |")
@@ -130,21 +128,9 @@ def fill_ratios(a: argparse.Namespace, regimes: dict[str, R.Workload]) -> int:
                 print(f"| {name} | {gb:g} | {r:.2f} | {res.tokens_per_s:.1f} | {res.hit_rate:.3f} | {fills:.1f} | "
                       f"{marginal} |", flush=True)
                 prev = (hits, fills)
-            seen: list[float] = []
-            observe = AutoPolicy.observe_layers
-
-            def spy(self, obs, seen=seen, observe=observe):  # the auto policy's net reuse per fill, window by window
-                if obs.fills and sum(obs.fills):
-                    seen.append(sum(obs.reuse_net) / sum(obs.fills))
-                return observe(self, obs)
-
-            AutoPolicy.observe_layers = spy
-            try:
-                S.simulate_time(wl, "auto", slots, costs, ev, token_base_s=1e-3, warmup=a.warmup)
-            finally:
-                AutoPolicy.observe_layers = observe
+            auto = S.simulate_time(wl, "auto", slots, costs, ev, token_base_s=1e-3, warmup=a.warmup)
             print(f"| {name} | {gb:g} | auto's measured net reuse per fill, by window | "
-                  + ", ".join(f"{x:.2f}" for x in seen) + " | | | |", flush=True)
+                  + ", ".join(f"{x:.2f}" for x in auto.reuse_per_fill) + " | | | |", flush=True)
     return 0
 
 

@@ -130,6 +130,8 @@ class TimeResult:
         hits / misses / fills / cpu: decode counts (deduplicated experts per layer step).
         prefetched / prefetch_hits: prefetch fills and those routed by their layer.
         step_seconds: time of each decode step (in order).
+        reuse_per_fill: the net reuse per displacing fill of each window the policy read (the engine's
+            accounting, :class:`LayerObservation`), summed over layers; windows without such fills left out.
     """
 
     policy: str
@@ -144,6 +146,7 @@ class TimeResult:
     prefetched: int = 0
     prefetch_hits: int = 0
     step_seconds: list[float] = field(default_factory=list, repr=False)
+    reuse_per_fill: list[float] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -351,6 +354,8 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
         net, n = rule.reuse_net, rule.fills_by_layer
         obs.reuse_net = [x - y for x, y in zip(net, seen[0])]
         obs.fills = [x - y for x, y in zip(n, seen[1])]
+        if sum(obs.fills):
+            res.reuse_per_fill.append(sum(obs.reuse_net) / sum(obs.fills))
         seen[0][:], seen[1][:] = net, n
     if isinstance(pol, AutoPolicy):
         obs.handoffs, obs.late = win.handoffs, win.late

@@ -462,9 +462,8 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   // expert's rows)
   auto chunk_rows = [&](int64_t total, int64_t limit, int64_t row_bytes) {
     if (J.serial) return limit;
-    const int64_t floor_bytes = std::max<int64_t>(1, min_chunk_bytes_ * p);
-    const int64_t per_thread = min_chunk_bytes_ == 0 ? int64_t{EDGEMOE_CHUNKS_PER_THREAD}
-                               : std::clamp<int64_t>(total * row_bytes / floor_bytes, 1, EDGEMOE_CHUNKS_PER_THREAD);
+    const int64_t floor_bytes = std::max<int64_t>(1, min_chunk_bytes_ * p);  // 0: the rows alone decide
+    const int64_t per_thread = std::clamp<int64_t>(total * row_bytes / floor_bytes, 1, EDGEMOE_CHUNKS_PER_THREAD);
     return std::min(limit, std::max<int64_t>(16, round_up(ceil_div(total, per_thread * p), 16)));
   };
   const int64_t gate_row = expert_matrix(b, s.fids[0], Proj::Gate).row_stride_bytes;  // bytes of a row's codes
