@@ -55,7 +55,7 @@ import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait pa
 import torch
 
 from edgemoe.bench.route_table import table_rows
-from edgemoe.config import DOORBELL_WAITS, STEP_WAITS, EngineConfig
+from edgemoe.config import DOORBELL_WAITS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
@@ -317,12 +317,6 @@ def main(argv=None) -> int:
                     help="extra all-resident runs at these context lengths (tokens), e.g. 8192,32768; the KV "
                          "pages are allocated without a prefill (decode time does not depend on their values)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--graph-segments", default=str(EngineConfig.decode_graph_segments),
-                    help="CUDA graphs a decode step is cut into (EngineConfig.decode_graph_segments), a list: each "
-                         "run is repeated per value in turn, e.g. 1,3")
-    ap.add_argument("--step-wait", default=EngineConfig.step_wait,
-                    help="how the host waits for a decode step with a CPU branch (EngineConfig.step_wait: "
-                         f"{' | '.join(STEP_WAITS)}), a list like --graph-segments")
     ap.add_argument("--out", default=".", help="folder for decode.json and decode.md")
     ap.add_argument("--requests", type=int, default=1,
                     help="requests served back to back per run on one cache and policy (an agent session's turns): "
@@ -344,13 +338,6 @@ def main(argv=None) -> int:
         ap.error(f"--prefetch {a.prefetch} predicts with the model's own routers, which --routing {a.routing} "
                  "replaces: use --routing model")
 
-    segments = [int(x) for x in a.graph_segments.split(",") if x]
-    waits = [x for x in a.step_wait.split(",") if x]
-    if not segments or min(segments) < 1 or not waits or not set(waits) <= set(STEP_WAITS):
-        ap.error(f"--graph-segments takes counts >= 1 and --step-wait {' | '.join(STEP_WAITS)}, got "
-                 f"{a.graph_segments!r} and {a.step_wait!r}")
-    variants = [(n, w) for n in segments for w in waits]  # every run repeats per variant, in turn
-
     model = model_dir(a)
     threads = [int(t) for t in a.cpu_threads.split(",") if t] or [None]
     batches = [int(b) for b in a.batch_sizes.split(",") if b]
@@ -361,7 +348,6 @@ def main(argv=None) -> int:
     per_seq = a.prompt_len + a.warmup + a.tokens + 16
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=threads[0], enforce_eager=a.enforce_eager,
-                       decode_graph_segments=segments[0], step_wait=waits[0],
                        expert_eviction=a.eviction, prefetch=a.prefetch, doorbell_wait=a.doorbell_wait,
                        max_model_len=max_len, max_num_seqs=max(batches),
                        kv_cache_tokens=max(max_len, max(batches) * per_seq))
@@ -426,8 +412,7 @@ def main(argv=None) -> int:
         for r in results:
             qo = "-" if r["q_over_m_observed"] is None else f"{r['q_over_m_observed']:.2f}"
             bound = f"{r['bound_ms']:.2f} | {r['bound_ratio']:.2f}" if "bound_ms" in r else "- | -"
-            pol = r["policy"] + (f" ({r['graph_segments']} graphs, {r['step_wait']})" if "step_wait" in r else "")
-            lines.append(f"| {r['budget_gb']} | {pol} | {r['threads']} | {r['batch']} | {r['context']} | "
+            lines.append(f"| {r['budget_gb']} | {r['policy']} | {r['threads']} | {r['batch']} | {r['context']} | "
                          f"{r['tokens_per_s']:.1f} | "
                          f"{r['ms_per_token']:.2f} | "
                          f"{bound} | {r['hit_rate']:.3f} | {r['fills_per_token']:.1f} | {r['cpu_per_token']:.1f} | "
@@ -436,18 +421,7 @@ def main(argv=None) -> int:
         (out / "decode.md").write_text(table + "\n")
         return table
 
-    def use_variant(v: tuple[int, str]) -> None:
-        """Decode steps from now on cut into ``v[0]`` graphs (captured again when that changes) and awaited by
-        ``v[1]``."""
-        if runner.graphs is not None and runner.graphs.segments != v[0]:
-            runner.graphs.segments = v[0]
-            runner.graphs.invalidate()
-        runner.experts.step_wait = v[1]
-
     def record(r: dict, budget) -> None:
-        if len(variants) > 1:
-            r.update(graph_segments=runner.graphs.segments if runner.graphs is not None else None,
-                     step_wait=runner.experts.step_wait)
         r.update(budget_gb=budget, format=pool.format.value, threads=runner.experts.cpu_executor.threads,
                  cpu_executor=runner.experts.cpu_executor.name)
         results.append(r)
@@ -467,11 +441,9 @@ def main(argv=None) -> int:
         if n == 0 and not a.no_resident:
             # every expert placed and pinned up front: all hits, the ceiling (no CPU work: once)
             for b in batches:
-                for v in variants:
-                    use_variant(v)
-                    r = run_one(runner, pool.num_ids, "static", prompt, a.warmup, a.tokens, feed, batch=b)
-                    resident_ms.setdefault(b, r["ms_per_token"])
-                    record(r, "all (resident)")
+                r = run_one(runner, pool.num_ids, "static", prompt, a.warmup, a.tokens, feed, batch=b)
+                resident_ms[b] = r["ms_per_token"]
+                record(r, "all (resident)")
             for ctx in [int(c) for c in a.contexts.split(",") if c]:
                 long_prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
                 r = run_one(runner, pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
@@ -487,8 +459,7 @@ def main(argv=None) -> int:
                     skipped.append(f"{pol} at {gb} GB, {ex.threads} threads: {pool.format.value} rows have no "
                                    "native CPU kernel (torch executor)")
                 continue
-            for b, v in [(b, v) for b in batches for v in variants]:
-                use_variant(v)
+            for b in batches:
                 r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
                             step_log=a.step_log, requests=a.requests, on_request=next_request)
                 # bytes-bound limit: the resident step plus the slower miss branch, each at the rate

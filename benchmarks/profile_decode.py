@@ -35,7 +35,7 @@ import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait pa
 import torch
 
 from benchmarks.decode import add_model_args, model_dir, route_uniformly
-from edgemoe.config import STEP_WAITS, EngineConfig
+from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 
@@ -63,10 +63,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel launched by the host)")
-    ap.add_argument("--graph-segments", type=int, default=EngineConfig.decode_graph_segments,
-                    help="CUDA graphs a decode step is cut into (EngineConfig.decode_graph_segments)")
-    ap.add_argument("--step-wait", default=EngineConfig.step_wait, choices=list(STEP_WAITS),
-                    help="how the host waits for a decode step with a CPU branch (EngineConfig.step_wait)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also run N steps under cProfile and print the host functions by own time")
     ap.add_argument("--top", type=int, default=30, help="kernels in the table")
@@ -77,8 +73,7 @@ def main(argv=None) -> int:
 
     model = model_dir(a)
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
-                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.eager, max_model_len=4096,
-                       decode_graph_segments=a.graph_segments, step_wait=a.step_wait)
+                       expert_policy="cpu-all", cpu_threads=a.cpu_threads, enforce_eager=a.eager, max_model_len=4096)
     runner = ModelRunner(model, cfg)
     if a.routing == "uniform":
         route_uniformly(runner, seed=1)

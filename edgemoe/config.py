@@ -383,7 +383,6 @@ EXPERT_EVICTIONS = ("layer-lru", "global-lru")
 EXPERT_PREFETCH = ("off", "next-layer")
 CPU_EXECUTORS = ("auto", "native", "torch")
 DOORBELL_WAITS = ("auto", "kernel", "stream-op")
-STEP_WAITS = ("block", "poll")
 LOAD_FORMATS = ("auto", "dummy")
 TOKEN_EMBEDDINGS = ("device", "host")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -479,14 +478,6 @@ class EngineConfig:
     verify_weights: bool | None = option(None, "the FTW bank checksums while loading (on unless "
                                          "EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")
     enforce_eager: bool = option(False, "never capture CUDA graphs for decode (decode still takes the device path)")
-    decode_graph_segments: int = option(
-        1, "CUDA graphs a decode step is cut into at decoder-layer boundaries, the first ones short: the GPU starts "
-        "on the first while the host still launches the rest (a graph's launch takes about a microsecond per node "
-        "before any of it runs); 1: one graph")
-    step_wait: str = option(
-        "block", "how the host waits for a device-path decode step with a CPU branch: block (sleep in the CUDA "
-        "driver until the GPU signals; leaves the core free) or poll (query the step's event, yielding the core "
-        "between queries: wakes sooner, keeps the Python thread's core busy)", choices=STEP_WAITS)
     state_checkpoints: int = option(32, "recurrent-state checkpoint slots of hybrid models (LRU; 0 = none)")
     state_checkpoint_interval: int = option(2048, "also checkpoint the recurrent state every N tokens "
                                             "(0 = only at anchor tokens)")
@@ -497,8 +488,8 @@ class EngineConfig:
     def __post_init__(self):
         for name, choices in (("expert_policy", EXPERT_POLICIES), ("expert_eviction", EXPERT_EVICTIONS),
                               ("prefetch", EXPERT_PREFETCH), ("cpu_executor", CPU_EXECUTORS),
-                              ("doorbell_wait", DOORBELL_WAITS), ("step_wait", STEP_WAITS),
-                              ("load_format", LOAD_FORMATS), ("token_embedding", TOKEN_EMBEDDINGS)):
+                              ("doorbell_wait", DOORBELL_WAITS), ("load_format", LOAD_FORMATS),
+                              ("token_embedding", TOKEN_EMBEDDINGS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("expert_cache_slots", "min_expert_cache_slots", "state_checkpoints",
@@ -507,7 +498,7 @@ class EngineConfig:
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
         for name in ("max_num_seqs", "page_size", "prefill_chunk_tokens", "max_model_len", "kv_cache_tokens",
-                     "cpu_threads", "decode_graph_segments"):
+                     "cpu_threads"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")

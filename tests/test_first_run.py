@@ -84,9 +84,7 @@ def test_missing_profile_is_an_error(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("flags, named", [(["--gpu-headroom-gb", "5"], "gpu_headroom_gb 5.0"),
                                           (["--doorbell-wait", "stream-op"], "doorbell_wait stream-op"),
                                           (["--doorbell-wait", "kernel"], "doorbell_wait kernel"),
-                                          (["--enforce-eager"], "enforce_eager True"),
-                                          (["--decode-graph-segments", "3"], "decode_graph_segments 3"),
-                                          (["--step-wait", "poll"], "step_wait poll")])
+                                          (["--enforce-eager"], "enforce_eager True")])
 def test_cuda_options_on_a_cpu_device_are_refused(tiny_model_dir, capsys, flags, named):
     """Options of the CUDA decode path were silently ignored on ``--device cpu`` (as ``--gpu-budget`` and
     ``--expert-cache-gb`` are not; ``POST /admin/memory`` refuses ``headroom_gb`` there too)."""
@@ -115,13 +113,6 @@ def test_more_cpu_threads_than_cpus_is_refused(tiny_model_dir, capsys):
     assert main(["generate", str(tiny_model_dir), "--prompt", "hi", "--device", "cpu", "--cpu-threads", "100000"]) == 2
     err = _stderr_lines(capsys)
     assert len(err) == 1 and err[0].startswith("edgemoe: error: cpu_threads 100000: more than the "), err
-
-
-def test_bad_decode_step_options_are_refused():
-    with pytest.raises(ValueError, match="decode_graph_segments must be >= 1, got 0"):
-        EngineConfig(decode_graph_segments=0)
-    with pytest.raises(ValueError, match="step_wait 'spin': choose one of block, poll"):
-        EngineConfig(step_wait="spin")
 
 
 def test_chat_template_kwargs_without_chat_is_refused(tiny_model_dir, capsys, monkeypatch):

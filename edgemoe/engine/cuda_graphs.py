@@ -136,53 +136,20 @@ class DecodeInputs:
         )
 
 
-def segment_starts(num_layers: int, segments: int) -> list[int]:
-    """Decoder layers at which the graphs after the first of a decode step begin: ``round(L·(i/n)²)`` for
-    ``i = 1 .. n−1`` (each at least 1, strictly increasing, below ``L``; fewer where ``L`` is small), so the
-    first graphs are short and the GPU runs each while the host launches the next, longer one.
-
-    Raises:
-        ValueError: ``segments < 1``.
-    """
-    if segments < 1:
-        raise ValueError(f"segments must be >= 1, got {segments}")
-    starts: list[int] = []
-    for i in range(1, segments):
-        b = max(round(num_layers * (i / segments) ** 2), starts[-1] + 1 if starts else 1)
-        if b >= num_layers:
-            break
-        starts.append(b)
-    return starts
-
-
 class DecodeGraphs:
-    """Runs device-path decode steps: replayed from CUDA graphs of the padded batch size when they are
+    """Runs device-path decode steps: replayed from a CUDA graph of the padded batch size when one is
     captured, else eagerly (then captured when graphs are on).
-
-    A step is captured as ``segments`` graphs cut at decoder-layer boundaries (:func:`segment_starts`) and
-    replayed in order on one stream. ``cudaGraphLaunch`` returns only after it has submitted every node
-    of the graph, and none of the graph runs before; a step of a 48-layer model with the CPU branch has
-    about a thousand nodes, a millisecond of host time during which the GPU idles. Cut short first, the
-    GPU starts on the first graph while the host launches the next. The graphs share the capture's memory
-    pool (captured in replay order, as CUDA graphs that share a pool must be) and the tensors that cross
-    a cut are kept alive with them. A model whose step cannot be cut (a stream forked in one layer and
-    joined in the next, as next-layer prefetch does, fails its capture) is captured whole instead.
 
     Args:
         inputs: the static inputs (one set serves every batch size).
         device: the compute device.
-        segments: graphs per step (1: one graph).
     """
 
-    def __init__(self, inputs: DecodeInputs, device: torch.device, segments: int = 1):
+    def __init__(self, inputs: DecodeInputs, device: torch.device):
         self.inputs, self.device = inputs, device
-        self.segments = int(segments)
-        segment_starts(1, self.segments)  # validates
-        # (batch size, armed) -> (the step's graphs in replay order, logits, tensors crossing the cuts)
-        self.graphs: dict[tuple[int, bool], tuple[list[torch.cuda.CUDAGraph], torch.Tensor, list]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch size, armed)
         self.failed: set[int] = set()  # batch sizes whose capture failed: they run eagerly
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self._capture_stream: torch.cuda.Stream | None = None
 
     def captured_sizes(self) -> set[int]:
         """Batch sizes with a captured graph (with or without the CPU branch)."""
@@ -222,9 +189,8 @@ class DecodeGraphs:
         batch = d.load(inputs, state_slots, bs, step, record)
         key = (bs, bool(armed))
         if use_graphs and key in self.graphs:
-            graphs, logits, _ = self.graphs[key]
-            for graph in graphs:
-                graph.replay()
+            graph, logits = self.graphs[key]
+            graph.replay()
             return logits[:B].clone()
         both = use_graphs and arming is not None
         with arming(True) if both else nullcontext():
@@ -244,57 +210,17 @@ class DecodeGraphs:
         return logits[:B]
 
     def _capture(self, model: torch.nn.Module, key: tuple[int, bool], batch: ForwardBatch) -> None:
-        """Capture the decode step ``key = (batch size, armed)`` over the static inputs (no kernel runs), cut
-        into :attr:`segments` graphs; a cut capture that fails is retried whole, and the step is then captured
-        whole from now on."""
-        if self.segments > 1:
-            try:
-                self._capture_cut(model, key, batch, segment_starts(len(model.decoder.layers), self.segments))
-                return
-            except Exception:
-                log.exception("capturing the decode step cut into %d graphs failed; capturing it whole from now on",
-                              self.segments)
-                torch.cuda.synchronize(self.device)
-                self.segments = 1
-        self._capture_cut(model, key, batch, [])
-
-    def _capture_cut(self, model: torch.nn.Module, key: tuple[int, bool], batch: ForwardBatch,
-                     starts: list[int]) -> None:
-        """Capture the step as ``len(starts) + 1`` graphs, a new one beginning at each decoder layer of
-        ``starts`` (a forward pre-hook ends the running capture and begins the next on the same stream)."""
-        graphs = [torch.cuda.CUDAGraph()]
-        crossing: list = []  # each cut's layer inputs: written by one graph, read by the next
-
-        def cut(_layer, args):
-            graphs[-1].capture_end()
-            crossing.append(args)
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=self.pool)
-
-        hooks = [model.decoder.layers[i].register_forward_pre_hook(cut) for i in starts]
+        """Capture the decode step ``key = (batch size, armed)`` over the static inputs (no kernel runs)."""
+        graph = torch.cuda.CUDAGraph()
         batch.step_cache.clear()  # tensors derived during the eager step must be recomputed inside the graph
         torch.cuda.synchronize(self.device)
         collecting = gc.isenabled()
         gc.disable()  # no finalizer of dead objects runs inside the capture (module docstring)
         try:
-            if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self._capture_stream):  # a capture needs a stream other than the default
-                graphs[0].capture_begin(pool=self.pool)
-                try:
-                    logits = model(batch)
-                except BaseException:
-                    try:  # leave the stream out of capture mode; the model's error is the one to report
-                        graphs[-1].capture_end()
-                    except Exception:
-                        pass
-                    raise
-                graphs[-1].capture_end()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = model(batch)
         finally:
-            for h in hooks:
-                h.remove()
             if collecting:
                 gc.enable()
-        self.graphs[key] = (graphs, logits, crossing)
-        log.info("captured the decode step for batch size %d%s%s", key[0], " with the CPU branch" if key[1] else "",
-                 f" as {len(graphs)} graphs" if len(graphs) > 1 else "")
+        self.graphs[key] = (graph, logits)
+        log.info("captured the decode step for batch size %d%s", key[0], " with the CPU branch" if key[1] else "")

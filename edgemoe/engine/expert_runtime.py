@@ -122,8 +122,7 @@ class ExpertRuntime:
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
         self._retired["prefetch"] = {"prefetched": 0, "prefetch_hits": 0}  # next-layer prefetch
-        self._step_done: dict[bool, torch.cuda.Event] = {}  # polled? -> the event a decode step's end is awaited on
-        self.step_wait = config.step_wait  # how check_decode_step waits (block | poll; a benchmark may switch it)
+        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
         if fallback:
             self.set_cache(0, FALLBACK_POLICY)
         else:
@@ -395,28 +394,20 @@ class ExpertRuntime:
         anyway) and raise if that branch went wrong, so the engine fails those requests instead of
         sampling from logits that lack the CPU experts.
 
-        :attr:`step_wait` (``EngineConfig.step_wait``) says how: ``block`` (a ``blocking`` CUDA event: the
-        thread sleeps in the driver until the GPU reaches it and wakes on its interrupt, on the GPU host ~0.2 ms
-        after the step's end) or ``poll`` (query the event, ``sched_yield`` between queries: wakes within
-        microseconds, and keeps the Python thread's core busy for the whole step;
-        ``edgemoe.experts.native.plan_threads`` leaves that thread a core of its own unless the executor was
-        told to oversubscribe).
+        The wait blocks (a ``blocking`` CUDA event: the thread sleeps in the driver until the GPU
+        reaches it) instead of spinning as a stream synchronization does by default: for the whole
+        step the CPU experts run on the native pool, and a spinning Python thread would take a core
+        from it (``edgemoe.experts.native.plan_threads``).
 
         Raises:
             RuntimeError: see ``DeviceDecode.check``.
         """
         dd = self.device_decode
         if dd is not None and dd.step is not None and dd.armed:  # a step without the branch: sampling syncs
-            poll = self.step_wait == "poll"
-            done = self._step_done.get(poll)
-            if done is None:
-                done = self._step_done[poll] = torch.cuda.Event(blocking=not poll)
-            done.record(torch.cuda.current_stream(self.device))
-            if poll:
-                while not done.query():
-                    os.sched_yield()
-            else:
-                done.synchronize()
+            if self._step_done is None:
+                self._step_done = torch.cuda.Event(blocking=True)
+            self._step_done.record(torch.cuda.current_stream(self.device))
+            self._step_done.synchronize()
             dd.check()
 
     # ------------------------------------------------------------------ reporting

@@ -66,8 +66,7 @@ class ModelRunner:
     Raises:
         FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
             ``gpu_budget``, ``expert_cache_gb``, ``token_embedding="host"`` or another CUDA option
-            (``gpu_headroom_gb``, ``doorbell_wait``, ``enforce_eager``, ``decode_graph_segments``, ``step_wait``)
-            for a device that is not a GPU;
+            (``gpu_headroom_gb``, ``doorbell_wait``, ``enforce_eager``) for a device that is not a GPU;
             ``RemoteCodeError`` (a ``ValueError``): a tokenizer that is custom code without
             ``config.trust_remote_code``; ``token_embedding="host"`` for a model whose LM head is tied to the
             embedding, or without Triton.
@@ -90,9 +89,7 @@ class ModelRunner:
         if self.device.type != "cuda":  # options of the CUDA decode path: refused, not ignored
             for name, what in (("gpu_headroom_gb", "the free device memory auto mode keeps"),
                                ("doorbell_wait", "how the device decode step waits for its CPU experts"),
-                               ("enforce_eager", "no CUDA graphs for decode"),
-                               ("decode_graph_segments", "CUDA graphs a decode step is cut into"),
-                               ("step_wait", "how the host waits for a decode step with a CPU branch")):
+                               ("enforce_eager", "no CUDA graphs for decode")):
                 if getattr(config, name) != EngineConfig.__dataclass_fields__[name].default:
                     raise NoGpuError(f"{name} {getattr(config, name)} ({what}) is a CUDA option, and the device is "
                                      f"{self.device}")
@@ -284,7 +281,7 @@ class ModelRunner:
             cfg = self.model_config
             inputs = DecodeInputs(self.kv, self.state, cfg.num_heads, cfg.head_dim, self.max_model_len,
                                   self.engine_config.max_num_seqs, self.device)
-            self.graphs = DecodeGraphs(inputs, self.device, self.engine_config.decode_graph_segments)
+            self.graphs = DecodeGraphs(inputs, self.device)
         else:
             self.graphs.invalidate()  # a rebuilt cache moved the tensors the graphs captured
 

@@ -11,7 +11,6 @@ import torch
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
-from edgemoe.engine.cuda_graphs import segment_starts
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.policy import Bandwidths
 from edgemoe.synth import make_model
@@ -201,36 +200,3 @@ def test_decode_totals_survive_a_thread_count_change(small):
     assert all(after[k] == before[k] for k in before), (before, after)
     _decode(runner, PROMPTS[:1], steps=2)
     assert runner.experts.stats()["decode"]["misses"] > before["misses"]
-
-
-@pytest.mark.parametrize("step_wait", ["block", "poll"])
-@pytest.mark.parametrize("segments", [2, 4])
-def test_decode_step_cut_into_graphs_is_bit_identical_to_one_graph(small, segments, step_wait):
-    """A step replayed as several graphs cut at layer boundaries (the CPU branch armed, its hand-off and join
-    inside the graphs) gives the one-graph step's logits bit for bit, whichever way the host waits."""
-    kw = dict(dtype="float32", expert_policy="qstar", expert_cache_slots=20, bandwidth_pcie_gbps=10.0,
-              bandwidth_cpu_gbps=25.0)
-    whole = _runner(small, **kw)
-    cut = _runner(small, decode_graph_segments=segments, step_wait=step_wait, **kw)
-    a, ta = _decode(whole, PROMPTS[:1], steps=10)
-    b, tb = _decode(cut, PROMPTS[:1], steps=10)
-    assert cut.experts.stats()["decode"]["cpu"] > 0  # the CPU branch ran in the cut graphs
-    layers = len(cut.model.decoder.layers)
-    assert cut.graphs.graphs and not cut.graphs.failed and cut.graphs.segments == segments
-    for graphs, _, crossing in cut.graphs.graphs.values():
-        assert len(graphs) == len(segment_starts(layers, segments)) + 1 == len(crossing) + 1
-    assert all(len(g) == 1 for g, _, _ in whole.graphs.graphs.values())
-    assert ta == tb and torch.equal(a, b)
-    cut.experts.cache.check_invariants()
-
-
-def test_next_layer_prefetch_with_a_cut_step_matches_one_graph(small):
-    """Next-layer prefetch forks its fills into the next layer; where a cut cannot end a capture there, the
-    step is captured whole instead: same logits, nothing left eager."""
-    kw = dict(dtype="float32", expert_policy="fill-all", expert_cache_slots=40, prefetch="next-layer")
-    whole = _runner(small, **kw)
-    cut = _runner(small, decode_graph_segments=3, **kw)
-    a, ta = _decode(whole, PROMPTS[:1], steps=8)
-    b, tb = _decode(cut, PROMPTS[:1], steps=8)
-    assert cut.graphs.graphs and not cut.graphs.failed
-    assert ta == tb and torch.equal(a, b)
