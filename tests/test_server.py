@@ -4,6 +4,7 @@ uvicorn server on 127.0.0.1 (a free port, run in a background thread)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 import time
@@ -25,6 +26,7 @@ from conftest import running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a brave little expert."}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+_HOLD_S = 10.0  # most seconds the disconnect test holds the engine waiting for the abort
 
 
 @dataclass
@@ -358,22 +360,57 @@ def test_exception_in_handler_is_500(served, monkeypatch):
     assert served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices
 
 
-def test_client_disconnect_mid_stream_frees_request(served):
+def test_client_disconnect_mid_stream_frees_request(served, monkeypatch):
+    """A client that leaves mid-stream gets its request aborted and its KV pages freed, and the server goes on.
+
+    The engine decodes without waiting for the client (1500 tokens: ~2 s on the tiny model), so reading
+    ``num_running`` at a moment the client picks would race it. Instead the engine is held at a decode step
+    until the server aborts the request: it cannot finish while the client reads and leaves, and the abort
+    (queued before the engine goes on) lands before its next step. A server that does not abort a request
+    whose client left lets it run on after ``_HOLD_S`` to ``finish_reason="length"``, which fails below."""
     aborted = served.metric('edgemoe_requests_total{finish_reason="abort"}')
+    let_go = threading.Event()
+    abort = served.llm.abort
+
+    def abort_then_let_go(request_id: str) -> None:
+        abort(request_id)
+        let_go.set()
+
+    def hold(engine):
+        real, steps = engine.runner.execute, itertools.count()
+
+        def execute(inputs, phase):
+            if phase is Phase.DECODE and next(steps) == 64:  # enough tokens for the client's first chunks
+                let_go.wait(_HOLD_S)
+            return real(inputs, phase)
+
+        engine.runner.execute = execute
+
+    monkeypatch.setattr(served.llm, "abort", abort_then_let_go)
+    served.engine_call(hold)
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", served.base + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = 0
-            for line in r.iter_lines():
-                lines += line.startswith("data:")
-                if lines >= 5:
-                    break
-            assert served.llm.num_running == 1
-    served.wait_idle(timeout=10)
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", served.base + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                data = []
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        data.append(line)
+                    if len(data) >= 5:
+                        break
+                # the role chunk and four deltas, no error event nor [DONE]: the request is being decoded
+                assert len(data) == 5 and all(d.startswith('data: {"id"') for d in data), data
+                assert served.llm.num_running == 1
+        served.wait_idle(timeout=_HOLD_S + 10)
+    finally:
+        let_go.set()
+        served.engine_call(lambda e: delattr(e.runner, "execute"))
     assert served.metric('edgemoe_requests_total{finish_reason="abort"}') == aborted + 1
     assert served.engine_call(lambda e: e.runner.kv_free_tokens() == e.runner.kv_capacity_tokens)
     assert served.metric("edgemoe_num_requests_running") == 0
+    ok = served.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **GREEDY)
+    assert ok.choices[0].finish_reason == "length"
 
 
 def test_client_disconnect_non_streaming_frees_request(served):
