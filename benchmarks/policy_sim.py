@@ -19,9 +19,8 @@ and after that, per policy (the offline counterpart of ``benchmarks/contention.p
 ``--fill-ratios R1,R2,...``: instead, in each regime and budget, ``qstar`` with a fixed share ``R`` of each layer
 step's misses filled: tokens/s, hit rate, fills per token, and the *marginal* hits per fill between consecutive
 ratios (the extra hits per token over the extra fills per token), beside the net reuse per fill that the engine's
-accounting measures for ``auto`` in the same run (``LayerObservation``), weighted by rank as ``auto`` weights it
-(``AutoPolicy.weighted_net``, without its prior): what one more fill actually buys against what ``auto`` is told
-it buys.
+accounting measures for ``auto`` in the same run (``LayerObservation``): what one more fill actually buys against
+what ``auto`` is told it buys.
 
     python benchmarks/policy_sim.py --traces T1 T2 --preset h100-cpu49 --prompt 32 --tokens 32 --budgets 6 \
         --fill-ratios 0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0

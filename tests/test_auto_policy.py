@@ -14,7 +14,7 @@ import torch
 from edgemoe.bench.replay import SlotLRU, uniform_workload
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import fixed_costs
-from edgemoe.experts.cache import REUSE_FILLS, REUSE_GHOSTS, REUSE_HITS, REUSE_RANKS, ExpertCache
+from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.hybrid import plan_step
 from edgemoe.experts.policy import (
     AutoPolicy,
@@ -27,21 +27,6 @@ from edgemoe.experts.policy import (
 )
 
 ROW = 9_437_184  # bytes of a Qwen3-30B-A3B bf16 expert
-
-
-def _first_rank(nets: list[int]) -> dict:
-    """``LayerObservation`` histograms holding each layer's net reuse at rank 1 (weight 1 at any fill share): as
-    credited hits where positive, as charged ghost requests where negative."""
-    rest = [0] * (REUSE_RANKS - 1)
-    return {"reuse_hits": [[max(n, 0), *rest] for n in nets], "reuse_ghosts": [[max(-n, 0), *rest] for n in nets]}
-
-
-def _net_and_fills(cache: ExpertCache) -> tuple[int, int]:
-    """The cache's unweighted net reuse (credited hits minus charged ghost requests, all ranks and layers) and
-    displacing fills."""
-    r = cache.reuse.sum(0)
-    J = REUSE_RANKS
-    return int(r[REUSE_HITS:REUSE_HITS + J].sum() - r[REUSE_GHOSTS:REUSE_GHOSTS + J].sum()), int(r[REUSE_FILLS])
 
 
 def test_without_fixed_costs_or_reuse_auto_is_the_qstar_balance():
@@ -147,7 +132,7 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     assert auto.cpu_level == min(28 + max(auto.balance_stall_step, math.ceil(8 * math.log2(3))), 40) == 40
     auto.cpu_level = 28
     stalled = all_late
-    auto.observe_layers(LayerObservation(**_first_rank([10_000, 10_000]), fills=[10, 10]))
+    auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
     assert auto.fills_every_miss()
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
@@ -181,7 +166,7 @@ def test_a_cpu_probe_brings_a_priced_out_cpu_back_when_the_slowdown_ends():
     asked at level 0 or while the table splits."""
     auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
     assert auto.wants_cpu_probe == 0  # level 0
-    auto.observe_layers(LayerObservation(fills=[40, 40], misses_per_layer_step=6.0))
+    auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[40, 40], misses_per_layer_step=6.0))
     base = [auto.num_fills(m) for m in range(1, 17)]
     auto.cpu_level = auto.balance_levels[1]  # priced out by a stall
     auto._rebuild()
@@ -232,43 +217,33 @@ def test_a_fill_is_worth_a_whole_miss_when_layers_miss_rarely():
 def test_measured_reuse_makes_a_layer_fill_every_miss():
     auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 150.0), ROW, num_layers=3, max_misses=16, reuse_prior=0.0)
     before = auto.fill_table().clone()
-    assert auto.observe_layers(LayerObservation(**_first_rank([0, 400, -50]), fills=[100, 100, 100]))
+    assert auto.observe_layers(LayerObservation(reuse_net=[0, 400, -50], fills=[100, 100, 100]))
     t = auto.fill_table()
     assert t.shape == (3, 17) and t.dtype == torch.int32
     assert t[1].tolist() == list(range(17))  # reuse ~3.8 hits per fill: fill every miss
     assert torch.equal(t[0], before[0]) and torch.equal(t[2], before[2])  # no (or negative) reuse: the balance
     assert auto.num_fills(40, 1) == 40  # beyond the table: row M's ratio
-    assert not auto.observe_layers(LayerObservation(fills=[0, 0, 0]))  # nothing new
+    assert not auto.observe_layers(LayerObservation(reuse_net=[0, 0, 0], fills=[0, 0, 0]))  # nothing new
 
 
 def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
-    """Costs measured on the GPU host at 15 threads (a CPU expert cheaper than a fill): after prefill, a window
-    whose few fills were not requested again yet fills more misses than a prior of 0 would (a CPU-served expert
-    would not be cached); a window of many fills with no net reuse (no locality) comes back to the prior-0 split.
-    The prior is on the rank-weighted scale (every rank hit, the ghost never requested: ``Σ_j w_lj`` at 8 ranks),
-    about 2.5 hits a fill at this table's share of ~0.4, so it no longer makes this layer fill every miss, which
-    would take a net reuse of about 3 here (the unweighted prior of 8 did)."""
+    """Costs measured on the GPU host at 15 threads (a CPU expert cheaper than a fill): after prefill,
+    a window whose few fills were not requested again yet keeps filling every miss (a CPU-served expert
+    would not be cached); a window of many fills with no net reuse (no locality) splits."""
     costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
                       cpu_fixed_s=27e-6)
     layers = 48
-    burst = LayerObservation(**_first_rank([6] * layers), fills=[9] * layers, misses_per_layer_step=4.6)
+    burst = LayerObservation(reuse_net=[6] * layers, fills=[9] * layers, misses_per_layer_step=4.6)
     auto = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
     auto.price_armed_branch(8e-6)
+    auto.observe_layers(burst)
+    assert auto.fills_every_miss()
     prior0 = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False, reuse_prior=0.0)
     prior0.price_armed_branch(8e-6)
-    assert auto.fills_every_miss() and prior0.fills_every_miss()  # no miss rate yet
-    auto.observe_layers(burst)
     prior0.observe_layers(burst)
     assert not prior0.fills_every_miss()  # the self-confirming split the prior exists to avoid
-    assert 0 < auto.fill_share(0) < 1
-    expected = (6 + auto.reuse_prior_weight * auto.reuse_prior * sum(auto.rank_weights(0)) / REUSE_RANKS) / (
-        9 + auto.reuse_prior_weight)
-    assert auto.reuse[0] == pytest.approx(expected) and auto.reuse[0] > 2 * prior0.reuse[0]
-    fills, fills0 = ([pol.num_fills(m, 0) for m in range(1, 9)] for pol in (auto, prior0))
-    assert all(a >= b for a, b in zip(fills, fills0)) and fills != fills0
-    auto.observe_layers(LayerObservation(fills=[46] * layers, misses_per_layer_step=5.8))
-    prior0.observe_layers(LayerObservation(fills=[46] * layers, misses_per_layer_step=5.8))
-    assert [auto.num_fills(m, 0) for m in range(1, 9)] == [prior0.num_fills(m, 0) for m in range(1, 9)]
+    auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
+    assert not auto.fills_every_miss()
 
 
 def test_misses_falling_fast_keep_filling_every_miss():
@@ -280,7 +255,7 @@ def test_misses_falling_fast_keep_filling_every_miss():
     layers = 48
 
     def window(misses: float) -> LayerObservation:
-        return LayerObservation(fills=[46] * layers, misses_per_layer_step=misses)
+        return LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=misses)
 
     auto = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
     auto.observe_layers(window(5.8))
@@ -315,7 +290,7 @@ def test_misses_rising_from_a_held_working_set_fill_every_miss():
     layers = 48
 
     def window(misses: float, free: int = 0) -> LayerObservation:
-        return LayerObservation(fills=[46] * layers, misses_per_layer_step=misses,
+        return LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=misses,
                                 free_slot_fills=free)
 
     auto = AutoPolicy(costs, num_layers=layers, max_misses=8, armed=False)
@@ -398,34 +373,12 @@ def test_make_policy_auto_and_errors():
     assert isinstance(pol.costs, MissCosts)
 
 
-def _hot_workload(L: int, E: int, k: int, tokens: int, seed: int = 0):
-    """Decode steps whose tokens draw their ``k`` experts per layer from the layer's first ``k + 1`` nine times in ten
-    (long tenures: ranks beyond ``REUSE_RANKS``), else from all ``E``."""
-    from edgemoe.bench.replay import build_workload
-    from edgemoe.bench.trace import RouteRecord, TraceInfo
-
-    rng = random.Random(seed)
-    recs = [RouteRecord("hot", 0, "h", "decode", t + 1, layer, [t],
-                        [rng.sample(range(k + 1) if rng.random() < 0.9 else range(E), k)], None)
-            for t in range(tokens) for layer in range(L)]
-    return build_workload(recs, TraceInfo([{"num_moe_layers": L, "num_experts": E, "top_k": k}]))
-
-
-def _histograms(cache: ExpertCache) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    J = REUSE_RANKS
-    r = cache.reuse.tolist()
-    return [x[REUSE_HITS:REUSE_HITS + J] for x in r], [x[REUSE_GHOSTS:REUSE_GHOSTS + J] for x in r], \
-        [x[REUSE_FILLS] for x in r]
-
-
 @pytest.mark.parametrize("rule", ["fill-all", "qstar"])
-@pytest.mark.parametrize("routing", ["uniform", "hot"])
-def test_cache_reuse_counters_equal_the_replay_accounting(rule, routing):
+def test_cache_reuse_counters_equal_the_replay_accounting(rule):
     """The engine's ghost counters (ExpertCache.count_reuse through plan_step) equal the routing replay's
-    accounting of the same global LRU (SlotLRU), layer by layer and rank by rank."""
+    net-reuse accounting of the same global LRU (SlotLRU), layer by layer."""
     L, E, k, S = 3, 10, 3, 9
-    wl = (uniform_workload(L, E, k, tokens=60, requests=2, seed=3) if routing == "uniform"
-          else _hot_workload(L, E, k, tokens=150, seed=3))
+    wl = uniform_workload(L, E, k, tokens=60, requests=2, seed=3)
     pol = FillAllPolicy() if rule == "fill-all" else QStarPolicy(Bandwidths(10.0, 25.0))
     cache = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
     ref = SlotLRU(wl, S)
@@ -435,68 +388,14 @@ def test_cache_reuse_counters_equal_the_replay_accounting(rule, routing):
         ref.access(a, i, pol.num_fills)
         resident_ghosts += bool(((cache.ghost_slot >= 0) & (cache.slot_of >= 0)).any())
     assert resident_ghosts > 0
-    hits, ghosts, fills = _histograms(cache)
-    assert hits == ref.reuse_hits and ghosts == ref.reuse_ghosts and fills == ref.fills_by_layer
-    assert sum(fills) > 0 and any(ref.reuse_net)
-    ranked = [sum(col) for col in zip(*hits)], [sum(col) for col in zip(*ghosts)]
-    assert all(x[1] > 0 for x in ranked)  # ranks beyond the first are met on both sides
-    if routing == "hot":
-        assert ranked[0][-1] > 0  # and the last bucket (ranks >= J)
+    assert cache.reuse[:, 0].tolist() == ref.reuse_net
+    assert cache.reuse[:, 1].tolist() == ref.fills_by_layer
+    assert sum(ref.fills_by_layer) > 0 and any(ref.reuse_net)
     cache.check_invariants()
     # ghosts point at slots whose owner displaced them (a ghost filled again keeps its displacer), never at their own
     for fid, slot in enumerate(cache.ghost_slot.tolist()):
         if slot >= 0:
             assert cache.slot_ghost[slot] == fid and cache.slot_of[fid] != slot
-
-
-def test_reuse_ranks_by_hand():
-    """One layer of 4 experts, 2 slots, every miss filled: the ranks of a pair's hits and of its ghost's requests,
-    the last bucket holding ranks >= J, a ghost filled again still charged (and credited for its own pair), in the
-    cache's histograms and in the replay's alike."""
-    steps = [[0], [1], [2], [2], [2], [0], [0, 2]] + [[2]] * 10
-    # 0 and 1 fill free slots; 2 displaces 0 (pair 2/0): hits of rank 1 and 2; 0 is requested (its ghost's first
-    # request), fills again and displaces 1 (pair 0/1); then 0 hits (rank 1 of pair 0/1) and is the ghost's second
-    # request, 2 hits (rank 3); ten more hits of 2: ranks 4 .. 13, those from J = 8 on in the last bucket
-    want_hits = [2, 1, 1, 1, 1, 1, 1, 6]
-    want_ghosts = [1, 1, 0, 0, 0, 0, 0, 0]
-    assert REUSE_RANKS == 8
-    cache = ExpertCache(2, 4, None, torch.float32, torch.device("cpu"), num_experts=4)
-    wl = uniform_workload(1, 4, 1, tokens=1)
-    ref = SlotLRU(wl, 2)
-    from edgemoe.bench.replay import Access
-
-    for step, ids in enumerate(steps, start=1):
-        plan_step(cache, FillAllPolicy(), {f: 1 for f in ids}, Phase.DECODE, step)
-        ref.access(Access("decode", step, 0, sorted(ids), [1] * len(ids)), step - 1)
-    hits, ghosts, fills = _histograms(cache)
-    assert (hits, ghosts, fills) == ([want_hits], [want_ghosts], [2])
-    assert (ref.reuse_hits, ref.reuse_ghosts, ref.fills_by_layer) == ([want_hits], [want_ghosts], [2])
-    slot_of = cache.slot_of.tolist()
-    assert cache.slot_hits[slot_of[2]] == 13 and cache.slot_hits[slot_of[0]] == 1
-    assert cache.ghost_requests.tolist() == [2, 0, 0, 0]
-
-
-def test_rank_weighting_of_the_net_reuse():
-    """``r_l = Σ_j (1 − p_l)^(j−1)·(hits_j − ghosts_j) / (fills + w0)`` (prior 0), ``p_l`` the share of misses the
-    layer's table fills at the measured miss count: B_P = B_H − B_P fills one of two misses (p = 1/2)."""
-    auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 100.0), ROW, num_layers=2, max_misses=16, reuse_prior=0.0)
-    hits = [[4, 2, 0, 0, 0, 0, 0, 3], [0] * 8]
-    ghosts = [[1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 8]]
-    auto.observe_layers(LayerObservation(reuse_hits=hits, reuse_ghosts=ghosts, fills=[10, 10],
-                                         misses_per_layer_step=2.0))
-    assert auto.num_fills(2, 0) == auto.num_fills(2, 1) == 1
-    assert auto.fill_share(0) == auto.fill_share(1) == 0.5
-    assert auto.rank_weights(0) == [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125]
-    w0 = auto.reuse_prior_weight
-    assert auto.reuse == pytest.approx([(4 - 1 + 2 * 0.5 + 3 * 0.5 ** 7) / (10 + w0), -8 * 0.5 ** 7 / (10 + w0)])
-    assert auto.weighted_net(hits, ghosts) == pytest.approx([4.0234375, -0.0625])
-    # the prior on the same scale: prior hits at each of the J ranks (8 unweighted), weighted like the counts
-    prior = AutoPolicy.from_bandwidths(Bandwidths(50.0, 100.0), ROW, num_layers=1, max_misses=16)
-    prior.observe_layers(LayerObservation(misses_per_layer_step=2.0))
-    assert prior.fill_share(0) == 0.5 and prior.reuse == pytest.approx([(2 - 0.5 ** 7)])
-    prior.observe_layers(LayerObservation(misses_per_layer_step=50.0))  # every miss filled at the measured count
-    if prior.fill_share(0) == 1.0:
-        assert prior.reuse == pytest.approx([1.0])
 
 
 def test_reuse_is_positive_with_locality_and_near_zero_without():
@@ -509,7 +408,7 @@ def test_reuse_is_positive_with_locality_and_near_zero_without():
         for step in range(1, 1500):
             for layer in range(L):
                 plan_step(cache, FillAllPolicy(), {layer * E + e: 1 for e in draw()}, Phase.DECODE, step)
-        net, fills = _net_and_fills(cache)
+        net, fills = cache.reuse.sum(0).tolist()
         out[name] = net / fills
     assert out["hot"] > 0.5
     assert abs(out["uniform"]) < 0.15
@@ -532,7 +431,7 @@ def test_fills_that_cycle_a_working_set_larger_than_the_cache_buy_no_reuse(parti
     for step in range(1, 600):
         for layer in range(L):
             plan_step(cache, pol, {layer * E + e: 1 for e in rng.sample(sets[layer], 6)}, Phase.DECODE, step)
-    net, fills = _net_and_fills(cache)
+    net, fills = cache.reuse.sum(0).tolist()
     assert fills > 1000 and cache.counters["decode"].hits > 2.5 * fills
     assert net / fills < 0.1
     if partition:
@@ -658,7 +557,7 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     bw = Bandwidths(53.0, 98.7)
     old = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     for _ in range(3):  # joins that never waited: the CPU side is cheaper than modeled
-        old.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0], **_first_rank([3, 3]), fills=[40, 40],
+        old.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0], reuse_net=[3, 3], fills=[40, 40],
                                             misses_per_layer_step=4.0, cpu_samples=[(4, 2e-4, False)] * 6))
     assert old.cpu_level == -7 and old.miss_rate is not None and old.costs != old.prior
     new = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
@@ -666,9 +565,8 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     new.inherit(old)
     assert new.cpu_level == old.cpu_level and new.costs == old.costs
     assert [new.num_fills(m) for m in range(1, 17)] != fresh
-    prior = [new.reuse_prior * sum(new.rank_weights(layer)) / REUSE_RANKS for layer in range(2)]  # no fills measured
-    assert new.miss_rate is None and new.reuse == pytest.approx(prior)
-    assert not new.misses_falling and not new.misses_rose
+    assert (new.miss_rate is None and new.reuse == [new.reuse_prior] * 2 and not new.misses_falling
+            and not new.misses_rose)
     other = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     assert not other.inherit(QStarPolicy(bw)) and other.cpu_level == 0
     remeasured = AutoPolicy.from_bandwidths(Bandwidths(40.0, 98.7), ROW, num_layers=2, max_misses=16)

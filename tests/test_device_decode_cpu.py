@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from edgemoe.config import SILU_SWIGLU, ExpertActivation
 from edgemoe.core import Phase
-from edgemoe.experts.cache import REUSE_RANKS, ExpertCache
+from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.cpu_executor import TorchCpuExecutor
 from edgemoe.experts.device_decode import DeviceDecode
 from edgemoe.experts.hybrid import HybridExperts
@@ -82,8 +82,7 @@ def test_device_path_equals_eager_path(policy, slots, experts, partition):
             a = eager.forward(layer, x, ids, w, Phase.DECODE, step)
             b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
             torch.testing.assert_close(b, a, **tol)
-            for name in ("slot_of", "owner_of", "last_used", "ghost_slot", "slot_ghost", "slot_hits", "ghost_requests",
-                         "reuse"):
+            for name in ("slot_of", "owner_of", "last_used", "ghost_slot", "slot_ghost", "reuse"):
                 assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
         dev.cache.check_invariants()
     assert dev.stats()["decode"] == eager.stats()["decode"]
@@ -363,15 +362,13 @@ def test_cpu_branch_disarms_while_auto_fills_every_miss():
                 b = dev.forward(layer, x, ids, w, Phase.DECODE, step)
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
-    high = [[10_000] + [0] * (REUSE_RANKS - 1)] * LAYERS  # hits of rank 1: weight 1 at any fill share
-    policy.observe_layers(LayerObservation(reuse_hits=high, fills=[10] * LAYERS))
+    policy.observe_layers(LayerObservation(reuse_net=[10_000] * LAYERS, fills=[10] * LAYERS))
     assert policy.fills_every_miss()
     dd.push_policy()
     assert not dd.armed
     steps(1, 3)
     assert dd.step.served == 0 and int(dd.seq[0]) == 0 and dev.stats()["decode"]["cpu"] == 0
-    policy.observe_layers(LayerObservation(reuse_ghosts=[[10**7] + [0] * (REUSE_RANKS - 1)] * LAYERS,
-                                           fills=[10] * LAYERS))
+    policy.observe_layers(LayerObservation(reuse_net=[-10**7] * LAYERS, fills=[10] * LAYERS))
     assert not policy.fills_every_miss()
     dd.push_policy()
     assert dd.armed

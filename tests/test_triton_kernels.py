@@ -101,17 +101,10 @@ def _random_tables(S: int, N: int, seed: int, free: float, clocks: int) -> Exper
     return c
 
 
-REUSE_TABLES = ("ghost_slot", "slot_ghost", "slot_hits", "ghost_requests", "reuse")
-
-
 def _run_route_control(policy, S, L, E, T, k, steps, pinned=0, seed=0, wdtype=torch.float32, groups=64, ref=None,
-                       ids=None, reuse=False, hot=0):
-    """``route_control`` against ``plan_step`` over ``steps`` steps of ``L`` layers, tables compared after each layer
-    step; ``reuse``: with the reuse accounting (its tables compared too; ``ref`` needs ``num_experts = E``);
-    ``hot > 0``: each token's experts drawn from the layer's first ``hot`` nine times in ten (locality)."""
+                       ids=None):
     ref = _warm_cache(S, L * E, pinned, seed) if ref is None else ref
-    names = ("slot_of", "owner_of", "last_used", "pinned") + (REUSE_TABLES if reuse else ())
-    tables = {n: getattr(ref, n).clone().to(DEV) for n in names}
+    tables = {n: getattr(ref, n).clone().to(DEV) for n in ("slot_of", "owner_of", "last_used", "pinned")}
     clock = torch.zeros(1, dtype=torch.int64, device=DEV)
     rule = torch.tensor(policy.fill_rule(), dtype=torch.float64, device=DEV)
     counters = torch.zeros(4, dtype=torch.int64, device=DEV)
@@ -122,16 +115,12 @@ def _run_route_control(policy, S, L, E, T, k, steps, pinned=0, seed=0, wdtype=to
         for layer in range(L):
             # repeats within and across tokens
             step_ids = torch.randint(0, E, (T, k), generator=g) if ids is None else ids
-            if hot:
-                step_ids = torch.where(torch.rand(T, 1, generator=g) < 0.9, step_ids % hot, step_ids)
             w = torch.rand(T, k, generator=g).to(wdtype)
             flat = step_ids + layer * E
             tpe = {f: int((flat == f).sum()) for f in torch.unique(flat).tolist()}
             plan = plan_step(ref, policy, tpe, Phase.DECODE, step)
             route_control(step_ids.to(DEV), w.to(DEV), layer * E, tables["slot_of"], tables["owner_of"],
-                          tables["last_used"], tables["pinned"], clock, rule, counters, out, groups=groups,
-                          moe_layer=layer, reuse=tuple(tables[n] for n in REUSE_TABLES) if reuse else None,
-                          num_experts=E)
+                          tables["last_used"], tables["pinned"], clock, rule, counters, out, groups=groups)
             where = f"step {step} layer {layer}"
             for n, t in tables.items():
                 assert torch.equal(t.cpu(), getattr(ref, n)), f"{n} differs at {where}"
@@ -181,24 +170,6 @@ def test_route_control_resident_model_all_hits_after_warm_up(name):
     policy = FillAllPolicy() if name == "fill-all" else QStarPolicy(Bandwidths(10.0, 15.0))
     c = _run_route_control(policy, S=24, L=3, E=8, T=2, k=4, steps=8, seed=5)
     assert c.hits > 0 and c.misses > 0
-
-
-@pytest.mark.parametrize("T,k,S,E,steps", [(2, 3, 10, 8, 40), (17, 8, 20, 64, 4)])
-def test_route_control_reuse_accounting_equals_plan_step(T, k, S, E, steps):
-    """The rank histograms of the reuse accounting (and the ghost and rank tables) equal the host's after every
-    layer step, over a cache with locality (long tenures: ranks up to the last bucket) and over steps of more than
-    one tile of routes (136: the credits and charges of lanes in different tiles)."""
-    from edgemoe.experts.cache import REUSE_GHOSTS, REUSE_HITS, REUSE_RANKS
-
-    L = 3
-    ref = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
-    _run_route_control(QStarPolicy(Bandwidths(10.0, 15.0)), S=S, L=L, E=E, T=T, k=k, steps=steps, seed=T, ref=ref,
-                       reuse=True, hot=k + 1)
-    ranks = ref.reuse.sum(0)
-    hits, ghosts = ranks[REUSE_HITS:REUSE_HITS + REUSE_RANKS], ranks[REUSE_GHOSTS:REUSE_GHOSTS + REUSE_RANKS]
-    assert hits[0] > 0 and ghosts[0] > 0
-    if steps > 10:
-        assert hits[1] > 0 and ghosts[1] > 0 and hits[-1] > 0
 
 
 @pytest.mark.parametrize("S,E,groups,free,clocks", [(150, 200, 4, 0.2, 6), (150, 200, 2, 0.05, 40),

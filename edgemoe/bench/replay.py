@@ -54,7 +54,7 @@ import torch
 
 from edgemoe.bench.trace import RouteRecord, TraceInfo, read_traces
 from edgemoe.core import Phase
-from edgemoe.experts.cache import REUSE_RANKS, ExpertCache
+from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.hybrid import plan_step
 from edgemoe.experts.policy import FillAllPolicy
 
@@ -327,9 +327,8 @@ class Policy:
     ``q``: the miss policy, ``q(m)`` = how many of the access's ``m`` misses may fill (``None``: every
     one that finds a victim, the ``fill-all`` semantic of the miss-rate curves); the step-time
     simulation (:mod:`edgemoe.bench.steptime`) passes the engine's ``ExpertPolicy.num_fills``. After an
-    access, ``fills`` holds how many misses it filled. ``reuse_hits`` / ``reuse_ghosts`` (``[L][J]``) and
-    ``fills_by_layer`` (``[L]``): the rank-histogram reuse accounting of fills (:class:`ResidentPolicy`),
-    ``None`` for a policy without it.
+    access, ``fills`` holds how many misses it filled. ``tenure_net``/``tenures``: the net-reuse
+    accounting of fills (:class:`ResidentPolicy`), ``None`` for a policy without it.
     """
 
     name = "base"
@@ -338,16 +337,8 @@ class Policy:
     def __init__(self, wl: Workload, slots: int):
         self.wl, self.slots = wl, int(slots)
         self.fills = 0
-        self.reuse_hits: list[list[int]] | None = None
-        self.reuse_ghosts: list[list[int]] | None = None
+        self.reuse_net: list[int] | None = None
         self.fills_by_layer: list[int] | None = None
-
-    @property
-    def reuse_net(self) -> list[int] | None:
-        """Per MoE layer, credited hits minus charged ghost requests over every rank (the unweighted net)."""
-        if self.reuse_hits is None or self.reuse_ghosts is None:
-            return None
-        return [sum(h) - sum(g) for h, g in zip(self.reuse_hits, self.reuse_ghosts)]
 
     def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
         raise NotImplementedError
@@ -395,17 +386,13 @@ class ResidentPolicy(Policy):
     net-reuse accounting of fills (:class:`edgemoe.experts.policy.LayerObservation`).
 
     Reuse accounting, as the engine's cache counts it (:class:`edgemoe.experts.cache.ExpertCache`, whose module
-    docstring gives the reasons), in decode accesses: a fill that displaces a resident remembers the id it
-    displaced (its *ghost*); the pair is live while the filled id stays resident and no other fill displaces the
-    ghost (it may be filled again itself). Each access of a resident id with a live ghost adds 1 to
-    ``reuse_hits[layer of the id][j - 1]``, ``j`` the rank of that hit in the pair's tenure (``min(j, J)``,
-    ``J = REUSE_RANKS``); each access of a live ghost (resident again or not) adds 1 to ``reuse_ghosts[l][j - 1]``
-    of the layer ``l`` whose fill displaced it, ``j`` the rank of the request since the displacement;
-    ``fills_by_layer`` counts the decode fills that displaced a resident. Pairs form at every fill (prefill and
-    prefetch ones too, as the engine's :meth:`~edgemoe.experts.cache.ExpertCache.admit` does), but only decode
-    accesses and their own fills are counted (the engine counts in ``plan_step``'s decode steps only). Over a
-    window, ``Σ_j (reuse_hits − reuse_ghosts) / fills`` is the hits such a fill buys net of the requests the
-    displaced expert would have met (zero in expectation when routing has no locality).
+    docstring gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*);
+    the pair is live while the filled id stays resident and no other fill displaces the ghost (it may be filled
+    again itself). Each access of a resident id with a live ghost adds 1 to ``reuse_net[layer of the id]``; each
+    access of a live ghost (resident again or not) subtracts 1 from ``reuse_net`` of the layer whose fill
+    displaced it; ``fills_by_layer`` counts the fills that displaced a resident. Over a window,
+    ``reuse_net / fills`` is the hits such a fill buys net of the requests the displaced expert would have met
+    (zero in expectation when routing has no locality).
     """
 
     def __init__(self, wl: Workload, slots: int):
@@ -413,30 +400,23 @@ class ResidentPolicy(Policy):
         self.res: set[int] = set()
         self.ghost_of: dict[int, int] = {}  # displaced id -> the resident id whose fill displaced it
         self.ghost_by: dict[int, int] = {}  # resident id -> the id its fill displaced
-        self.hit_rank: dict[int, int] = {}  # resident id -> credited hits of its pair so far
-        self.ghost_rank: dict[int, int] = {}  # ghost id -> charged requests since its displacement
-        self.reuse_hits = [[0] * REUSE_RANKS for _ in range(wl.num_layers)]
-        self.reuse_ghosts = [[0] * REUSE_RANKS for _ in range(wl.num_layers)]
+        self.reuse_net = [0] * wl.num_layers
         self.fills_by_layer = [0] * wl.num_layers
 
     def access(self, a: Access, i: int, q: Callable[[int], int] | None = None) -> tuple[int, int]:
         res = self.res
         hits = [f for f in a.ids if f in res]
         n_miss = len(a.ids) - len(hits)
-        E, top = self.wl.num_experts, REUSE_RANKS - 1
-        if self.ghost_of and a.phase == "decode":
+        E, net = self.wl.num_experts, self.reuse_net
+        if self.ghost_of:
             for f in hits:
                 g = self.ghost_by.get(f)
                 if g is not None and self.ghost_of.get(g) == f:
-                    j = self.hit_rank[f]
-                    self.hit_rank[f] = j + 1
-                    self.reuse_hits[f // E][min(j, top)] += 1
+                    net[f // E] += 1
             for f in a.ids:
                 g = self.ghost_of.get(f)
                 if g is not None:
-                    j = self.ghost_rank[f]
-                    self.ghost_rank[f] = j + 1
-                    self.reuse_ghosts[g // E][min(j, top)] += 1
+                    net[g // E] -= 1
         self.on_access(a, i, hits)
         self.fills = 0
         if n_miss and self.admits:
@@ -449,11 +429,10 @@ class ResidentPolicy(Policy):
     def prefetch(self, a: Access, ids: list[int], protected: set[int], i: int) -> int:
         """Fill ``ids`` (not resident; in this order) ahead of access ``a`` without evicting ``protected``
         (a next-layer prefetch; not counted as requests). Returns the number filled."""
-        return self._fill([f for f in ids if f not in self.res], protected, a, i, None, prefill=False, count=False)
+        return self._fill([f for f in ids if f not in self.res], protected, a, i, None, prefill=False)
 
     def _fill(self, misses: list[int], group: set[int], a: Access, i: int, limit: int | None,
-              prefill: bool | None = None, count: bool = True) -> int:
-        count = count and a.phase == "decode"  # the fills the engine's reuse accounting counts
+              prefill: bool | None = None) -> int:
         prefill = a.phase == "prefill" if prefill is None else prefill
         filled = 0
         for f in misses:
@@ -474,9 +453,7 @@ class ResidentPolicy(Policy):
             self.admit(f, a, i)
             if v >= 0:
                 self.ghost_of[v], self.ghost_by[f] = f, v
-                self.hit_rank[f], self.ghost_rank[v] = 0, 0
-                if count:
-                    self.fills_by_layer[f // self.wl.num_experts] += 1
+                self.fills_by_layer[f // self.wl.num_experts] += 1
             filled += 1
         return filled
 

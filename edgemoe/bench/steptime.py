@@ -46,7 +46,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from edgemoe.bench.replay import Access, ResidentPolicy, Workload, make_policy
-from edgemoe.experts.cache import REUSE_RANKS
 from edgemoe.experts.policy import (
     REUSE_READ_SECONDS,
     REUSE_READ_STEPS,
@@ -132,9 +131,7 @@ class TimeResult:
         prefetched / prefetch_hits: prefetch fills and those routed by their layer.
         step_seconds: time of each decode step (in order).
         reuse_per_fill: the net reuse per displacing fill of each window the policy read (the engine's
-            accounting, :class:`LayerObservation`), summed over layers; for ``auto`` weighted by rank as it weights
-            them when it reads the window (``AutoPolicy.weighted_net``), for the other policies unweighted;
-            windows without such fills left out.
+            accounting, :class:`LayerObservation`), summed over layers; windows without such fills left out.
     """
 
     policy: str
@@ -245,8 +242,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
     clock = 0.0
     step_t, cur_step = 0.0, None
     obs = LayerObservation(fill_samples=[], cpu_samples=[])
-    seen: tuple[list[list[int]], list[list[int]], list[int]] = ([[0] * REUSE_RANKS] * L, [[0] * REUSE_RANKS] * L,
-                                                                  [0] * L)
+    seen = ([0] * L, [0] * L)
     prev: Access | None = None
     carry = 0.0  # prefetch copies of this layer that did not fit in the previous layer's time
     prev_window = 0.0
@@ -341,7 +337,7 @@ class _Window:
 
 
 def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | None, obs: LayerObservation,
-              seen: tuple[list[list[int]], list[list[int]], list[int]], seconds: float, sense: _Noise, clock: float,
+              seen: tuple[list[int], list[int]], seconds: float, sense: _Noise, clock: float,
               win: _Window, probe_costs: Callable[[float], MissCosts] | None = None) -> tuple[float, bool]:
     """Close a decode step; returns the new clock and whether the policy read its window (then a new one starts).
     ``probe_costs(clock)``: the costs at that time, for a CPU-speed probe the policy asks for (its time is
@@ -354,16 +350,13 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
     pol.observe(sense(seconds), 1)
     if win.steps < REUSE_READ_STEPS and clock - win.start_s < REUSE_READ_SECONDS and not pol.wants_early_read:
         return clock, False
-    if rule is not None and rule.fills_by_layer is not None:
-        hits, ghosts, n = rule.reuse_hits, rule.reuse_ghosts, rule.fills_by_layer
-        obs.reuse_hits = [[x - y for x, y in zip(a, b)] for a, b in zip(hits, seen[0])]
-        obs.reuse_ghosts = [[x - y for x, y in zip(a, b)] for a, b in zip(ghosts, seen[1])]
-        obs.fills = [x - y for x, y in zip(n, seen[2])]
+    if rule is not None and rule.reuse_net is not None:
+        net, n = rule.reuse_net, rule.fills_by_layer
+        obs.reuse_net = [x - y for x, y in zip(net, seen[0])]
+        obs.fills = [x - y for x, y in zip(n, seen[1])]
         if sum(obs.fills):
-            net = (pol.weighted_net(obs.reuse_hits, obs.reuse_ghosts) if isinstance(pol, AutoPolicy)
-                   else [sum(h) - sum(g) for h, g in zip(obs.reuse_hits, obs.reuse_ghosts)])
-            res.reuse_per_fill.append(sum(net) / sum(obs.fills))
-        seen[0][:], seen[1][:], seen[2][:] = [list(r) for r in hits], [list(r) for r in ghosts], list(n)
+            res.reuse_per_fill.append(sum(obs.reuse_net) / sum(obs.fills))
+        seen[0][:], seen[1][:] = net, n
     if isinstance(pol, AutoPolicy):
         obs.handoffs, obs.late = win.handoffs, win.late
         obs.misses_per_layer_step = win.decided / win.layer_steps if win.layer_steps else None

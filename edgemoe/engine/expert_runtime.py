@@ -22,15 +22,7 @@ import torch
 from edgemoe.config import EXPERT_POLICIES, EngineConfig, ModelConfig
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import BANDWIDTH_POLICIES, resolve_bandwidths
-from edgemoe.experts.cache import (
-    REUSE_COLUMNS,
-    REUSE_FILLS,
-    REUSE_GHOSTS,
-    REUSE_HITS,
-    REUSE_RANKS,
-    CacheCounters,
-    ExpertCache,
-)
+from edgemoe.experts.cache import CacheCounters, ExpertCache
 from edgemoe.experts.compute import kernel_reason
 from edgemoe.experts.cpu_executor import make_cpu_executor
 from edgemoe.experts.device_decode import DeviceDecode, resolve_doorbell_wait
@@ -244,8 +236,7 @@ class ExpertRuntime:
         if previous is not None:
             self.policy.inherit(previous)
         # the first read counts from this cache's creation: its counters start at zero
-        self._reuse_seen = ([[0] * REUSE_COLUMNS] * self.cache.num_layers, None, 0, self._decode_steps,
-                            self.cache.slots_used)
+        self._reuse_seen = ([[0, 0]] * self.cache.num_layers, None, 0, self._decode_steps, self.cache.slots_used)
         self._reuse_read_s = time.perf_counter()
         self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
                                     self.device)
@@ -372,11 +363,8 @@ class ExpertRuntime:
             joins0 = [[0, 0]] * len(joins)
         layer_steps = (steps - steps0) * self.cache.num_layers
         decided = max(misses - misses0 - (used - used0), 0)
-        delta = [[x - y for x, y in zip(a, b)] for a, b in zip(reuse, reuse0)]  # [L][REUSE_COLUMNS]
-        J = REUSE_RANKS
-        obs = LayerObservation(reuse_hits=[d[REUSE_HITS:REUSE_HITS + J] for d in delta],
-                               reuse_ghosts=[d[REUSE_GHOSTS:REUSE_GHOSTS + J] for d in delta],
-                               fills=[d[REUSE_FILLS] for d in delta],
+        obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(reuse, reuse0)],
+                               fills=[a[1] - b[1] for a, b in zip(reuse, reuse0)],
                                handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
                                late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
                                misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None,

@@ -18,25 +18,18 @@ results.
 Reuse accounting (for the ``auto`` miss policy, which values a fill by what it buys): a fill that displaces a
 resident remembers the id it displaced, its *ghost* (``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``);
 the pair is live while the filled id stays in that slot and the ghost is not displaced by another fill (it may
-be filled again itself). In decode, every hit of MoE layer ``l`` on a resident with a live ghost is credited to
-layer ``l``, and every request (hit or miss) of a live ghost is charged to the layer of its displacer; both by
-rank, in the integer histogram ``reuse [L, 1 + 2J]`` (``J`` = :data:`REUSE_RANKS`): column
-:data:`REUSE_FILLS` counts layer ``l``'s fills that displaced a resident, column ``REUSE_HITS + j - 1`` the hits
-that were the ``j``-th hit of their pair's tenure, column ``REUSE_GHOSTS + j - 1`` the requests that were the
-``j``-th request of their ghost since it was displaced (the last column of each holds ranks ``>= J``). The ranks
-come from ``slot_hits [S]`` (hits of the slot's resident since its fill, while its pair is live) and
-``ghost_requests [N]`` (requests of the id since it last became a ghost, while it is live); both reset when the
-pair forms. ``Σ_j (hits_j − ghost requests_j) / fills`` over a window is the net reuse of such a fill against the
-cache without it: the hits it bought minus the requests the displaced expert would have met (zero in expectation
-without routing locality, and where every fill displaces an expert as much in use as itself). The ranks let the
-policy weight it by what a fill buys against a *later* fill of the same expert (the alternative when a share of
-misses is filled, :class:`~edgemoe.experts.policy.AutoPolicy`). Two choices keep it a marginal value, what one
-more fill buys, rather than an average over the cache: a ghost filled again is still charged to its displacer
-(otherwise a chain of fills, each displacing an expert the next one brings back, is credited with every hit and
-charged almost nothing), and the hits of residents without a live ghost (filled into a free slot, streamed in by
-a prefill, or whose ghost a later fill displaced) are credited to no fill (otherwise a cache smaller than a
-steady working set, whose long-lived residents are hit every step, credits their hits to the few fills that
-cycle its other slots: one to several hits a fill where one more fill buys none).
+be filled again itself). In decode, ``reuse[l, 0]`` gains one for every hit of MoE layer ``l`` on a resident
+with a live ghost and loses one for every request (hit or miss) of a live ghost whose displacer is of layer
+``l``; ``reuse[l, 1]`` counts layer ``l``'s fills that displaced a resident. Their ratio over a window is the
+net reuse of such a fill against the cache without it: the hits it bought minus the requests the displaced
+expert would have met (zero in expectation without routing locality, and where every fill displaces an expert
+as much in use as itself). Two choices keep it a marginal value, what one more fill buys, rather than an
+average over the cache: a ghost filled again is still charged to its displacer (otherwise a chain of fills,
+each displacing an expert the next one brings back, is credited with every hit and charged almost nothing),
+and the hits of residents without a live ghost (filled into a free slot, streamed in by a prefill, or whose
+ghost a later fill displaced) are credited to no fill (otherwise a cache smaller than a steady working set,
+whose long-lived residents are hit every step, credits their hits to the few fills that cycle its other
+slots: one to several hits a fill where one more fill buys none).
 
 The tables live on the cache's device, so the device-side control of a decode step
 (``edgemoe.kernels.route_control``) reads and updates the very tensors these methods use; the methods
@@ -50,16 +43,6 @@ from dataclasses import dataclass, field
 import torch
 
 from edgemoe.quant.layout import ExpertLayout
-
-REUSE_RANKS = 8
-"""``J``: rank buckets of the reuse histograms (module docstring); the last bucket holds ranks ``>= J``."""
-REUSE_FILLS = 0
-"""Column of ``ExpertCache.reuse`` counting the fills that displaced a resident."""
-REUSE_HITS = 1
-"""First of the ``J`` columns of ``ExpertCache.reuse`` counting credited hits by rank (rank 1 first)."""
-REUSE_GHOSTS = 1 + REUSE_RANKS
-"""First of the ``J`` columns of ``ExpertCache.reuse`` counting charged ghost requests by rank."""
-REUSE_COLUMNS = 1 + 2 * REUSE_RANKS
 
 
 @dataclass
@@ -131,12 +114,8 @@ class ExpertCache:
         ghost_slot: ``[N]`` int64, the slot whose current owner's fill displaced the id (resident again
             or not), or -1.
         slot_ghost: ``[S]`` int64, the id the slot's current owner displaced, or -1.
-        slot_hits: ``[S]`` int64, decode hits of the slot's current owner since its fill, counted while its pair
-            with a ghost is live (the rank of its next credited hit, minus one).
-        ghost_requests: ``[N]`` int64, decode requests of the id since it last became a ghost, counted while it
-            is a live ghost (the rank of its next charged request, minus one).
-        reuse: ``[L, REUSE_COLUMNS]`` int64, per MoE layer the fills that displaced a resident and the rank
-            histograms of credited hits and charged ghost requests, in decode since creation (module docstring).
+        reuse: ``[L, 2]`` int64, per MoE layer (net reuse hits, fills that displaced a resident) in decode since
+            creation (module docstring).
 
     All tables are on ``device``.
     """
@@ -165,9 +144,7 @@ class ExpertCache:
         self.num_layers = max(1, -(-self.num_ids // self.num_experts))
         self.ghost_slot = torch.full((self.num_ids,), -1, dtype=torch.int64, device=dev)
         self.slot_ghost = torch.full((S,), -1, dtype=torch.int64, device=dev)
-        self.slot_hits = torch.zeros(S, dtype=torch.int64, device=dev)
-        self.ghost_requests = torch.zeros(self.num_ids, dtype=torch.int64, device=dev)
-        self.reuse = torch.zeros(self.num_layers, REUSE_COLUMNS, dtype=torch.int64, device=dev)
+        self.reuse = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=dev)
         self.partition_layers = self.partition_layers and S >= self.num_layers
         self.counters = {"prefill": CacheCounters(), "decode": CacheCounters()}
 
@@ -318,37 +295,26 @@ class ExpertCache:
         """Ghost tables for fills of ``ids`` into slots ``idx`` whose previous owners were ``olds`` (-1: free)."""
         self._forget_ghosts(idx)
         _set_where(self.ghost_slot, olds, olds >= 0, idx)
-        _set_where(self.ghost_requests, olds, olds >= 0, 0)
         self.slot_ghost[idx] = olds
-        self.slot_hits.index_fill_(0, idx, 0)
 
     def count_reuse(self, layer: int, requested: list[int], hit_slots: list[int], victims: list[int]) -> None:
         """Decode reuse accounting of one MoE layer's step (module docstring), on the tables as before this step's
         fills: the step's ``requested`` experts (distinct flat ids), the slots of those that hit, and the slots
         its fills take (their owners, where any, are displaced)."""
-        J = REUSE_RANKS
         if requested:
-            ids = self._index(requested)
-            gs = self.ghost_slot[ids]
-            owners = torch.where(gs >= 0, self.owner_of[gs.clamp(min=0)], -1)
-            live = owners >= 0
-            if bool(live.any()):
-                ids, owners = ids[live], owners[live]
-                rank = self.ghost_requests[ids]  # requests before this one
-                self.ghost_requests[ids] = rank + 1
-                self.reuse.index_put_((owners // self.num_experts, REUSE_GHOSTS + rank.clamp(max=J - 1)),
-                                      torch.ones_like(rank), accumulate=True)
+            gs = self.ghost_slot[self._index(requested)]
+            gs = gs[gs >= 0]
+            if gs.numel():
+                owners = self.owner_of[gs]
+                owners = owners[owners >= 0]
+                self.reuse[:, 0].index_add_(0, owners // self.num_experts, torch.full_like(owners, -1))
         if hit_slots:
             idx = self._index(hit_slots)
             g = self.slot_ghost[idx]
             live = (g >= 0) & (self.ghost_slot[g.clamp(min=0)] == idx)
-            if bool(live.any()):
-                idx = idx[live]
-                rank = self.slot_hits[idx]  # credited hits of the pair before this one
-                self.slot_hits[idx] = rank + 1
-                self.reuse[layer].index_add_(0, REUSE_HITS + rank.clamp(max=J - 1), torch.ones_like(rank))
+            self.reuse[layer, 0] += live.sum()
         if victims:
-            self.reuse[layer, REUSE_FILLS] += (self.owner_of[self._index(victims)] >= 0).sum()
+            self.reuse[layer, 1] += (self.owner_of[self._index(victims)] >= 0).sum()
 
     def clear(self) -> None:
         """Drop all residency (data stays allocated)."""
@@ -358,8 +324,6 @@ class ExpertCache:
         self.pinned.fill_(False)
         self.ghost_slot.fill_(-1)
         self.slot_ghost.fill_(-1)
-        self.slot_hits.zero_()
-        self.ghost_requests.zero_()
 
     def check_invariants(self) -> None:
         """Assert ``slot_of`` and ``owner_of`` are inverse maps (used by tests).

@@ -325,8 +325,7 @@ class DeviceDecode:
         c, o = self.cache, self.out
         self._route_control(topk_ids, topk_weights, moe_layer * self.num_experts, c.slot_of, c.owner_of, c.last_used,
                             c.pinned, c.clock, self.policy, self.counters, o, fill_table=self.fill_table,
-                            moe_layer=moe_layer,
-                            reuse=(c.ghost_slot, c.slot_ghost, c.slot_hits, c.ghost_requests, c.reuse),
+                            moe_layer=moe_layer, reuse=(c.ghost_slot, c.slot_ghost, c.reuse),
                             num_experts=self.num_experts, slots=c.victim_range(moe_layer))
         cpu_out = self.cpu_out[:T]
         if self.armed and self.step is not None:  # hand-off first: the fills below hold every SM

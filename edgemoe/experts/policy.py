@@ -17,8 +17,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from edgemoe.experts.cache import REUSE_RANKS
-
 REUSE_READ_STEPS = 8
 """Decode steps between the runtime's reads of the cache's reuse counters for a ``per_layer`` policy."""
 
@@ -430,16 +428,12 @@ class LayerObservation:
     """What the engine measured over one or more decode steps, for :meth:`ExpertPolicy.observe_layers`.
 
     Attributes:
-        reuse_hits: ``[L][J]`` int (``J`` = :data:`~edgemoe.experts.cache.REUSE_RANKS`), per MoE layer and rank
-            ``j = 1 .. J``: hits on experts the layer filled in place of a resident that were the ``j``-th hit of
-            the filled expert's tenure (while it is still resident and the displaced one not displaced again;
-            the last bucket holds ranks ``>= J``; :class:`~edgemoe.experts.cache.ExpertCache` counts them), since
-            the previous observation. ``reuse_ghosts``: ``[L][J]`` int, requests of the experts those fills
-            displaced that were the ``j``-th since the displacement, likewise. ``fills``: ``[L]`` int, the layer's
-            fills that displaced a resident in the same window. ``Σ_j (hits − ghosts) / fills`` is the net reuse of
-            such a fill against the cache without it (zero in expectation without routing locality); the
-            policy weights the ranks by what a fill buys against a later fill (:class:`AutoPolicy`). ``None``
-            with ``fills`` given: no hits (ghost requests) counted.
+        reuse_net: ``[L]`` int, per MoE layer: hits on experts the layer filled in place of a resident minus
+            requests of the experts those fills displaced (while the filled expert is still resident and
+            the displaced one not displaced again; :class:`~edgemoe.experts.cache.ExpertCache` counts it),
+            since the previous observation. ``fills``: ``[L]`` int, the layer's fills that displaced a
+            resident in the same window. Their ratio is the net reuse of such a fill, what one more fill
+            buys against the cache without it (zero in expectation without routing locality).
         fill_samples: ``(fills, seconds, concurrent)`` of fill branches measured (any layers).
         cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
         handoffs: ``[L]`` int, per MoE layer: decode layer steps that handed CPU work to the executor on
@@ -452,8 +446,7 @@ class LayerObservation:
         free_slot_fills: misses of the window that found a free slot (the cache was not yet full), or ``None``.
     """
 
-    reuse_hits: list[list[int]] | None = None
-    reuse_ghosts: list[list[int]] | None = None
+    reuse_net: list[int] | None = None
     fills: list[int] | None = None
     fill_samples: list[tuple[int, float, bool]] = field(default_factory=list)
     cpu_samples: list[tuple[int, float, bool]] = field(default_factory=list)
@@ -474,47 +467,19 @@ class AutoPolicy(ExpertPolicy):
     where ``T`` is :class:`MissCosts`'s layer time (both branches, their fixed costs, the bandwidths
     alone or concurrent), ``r_l`` the measured net reuse of a fill of layer ``l`` (hits its slot got
     during its tenure minus the requests of the expert it displaced, also where that expert was filled again,
-    over the fills that displaced a resident: :class:`LayerObservation`), weighted by rank (below), and
+    over the fills that displaced a resident: :class:`LayerObservation`), and
     ``t_save = fill_s·cpu_s / (fill_s + cpu_s)`` the time a miss costs at the balance of the two
     branches. Ties go to the larger ``q``. With ``r = 0`` and no fixed costs this is the q* balance of
     FreeToken (arXiv 2608.16157); fixed costs make few misses fill (a hand-off costs more than a copy)
     or stay on the CPU; reuse makes a layer whose fills are hit again fill every miss.
 
-    The rank weighting (our own analysis of what a fill buys; the engine counts by rank so that the policy can
-    apply it): the alternative to filling an expert at this miss is not never caching it, since the policy fills
-    a share ``p_l`` of the layer's misses, but filling it at one of its next misses. Filling now buys only the
-    hits before that later fill: the ``j``-th hit of the tenure would have been a miss without this fill only if
-    none of the ``j − 1`` requests before it (misses then) had filled it, probability ``(1 − p_l)^(j−1)``
-    when each miss fills independently with probability ``p_l``. The displaced expert's ``j``-th request after
-    the displacement is lost alike (the earlier ones would have refilled it). So
-
-        r_l = (Σ_j w_lj·(H_lj − G_lj) + w0·r0_l) / (n_l + w0),      w_lj = (1 − p_l)^(j−1),
-        r0_l = reuse_prior · (1/J)·Σ_j w_lj
-
-    with ``H_lj`` / ``G_lj`` the layer's credited hits / charged ghost requests of rank ``j`` and ``n_l`` its
-    displacing fills (all exponentially weighted over ``reuse_halflife`` fills; the last rank bucket, ranks
-    ``>= J``, takes the weight of rank ``J``) and ``w0 = reuse_prior_weight``. ``p_l = q_l(k) / k`` is the share
-    of misses the layer's table, as the cost model builds it (before the holds below, which fill every miss for
-    a window or two), fills at the measured mean miss count, ``k = max(1, round(m̄))``, or at ``k = M`` before a
-    miss rate is measured; the table of the last rebuild (``p_l = 0`` while the first one is built), so ``r_l``
-    and the split reach each other over windows. With ``p_l = 0`` every rank counts (the unweighted count);
-    with ``p_l = 1`` only the first hit against the first ghost request, at most one hit a fill. The prior is
-    on the same scale: ``reuse_prior / J`` hits at each of the ``J`` ranks and no ghost request (the optimistic
-    end, ``reuse_prior`` itself at ``p_l = 0``, about ``reuse_prior / (J·p_l)`` at a share ``p_l`` ≥ 0.3).
-    Simplifications: the table fills the most-routed misses first rather than each with probability ``p_l``,
-    and a ghost's later fills are priced at its displacer's layer's share. Measured in the step-time simulator
-    (``benchmarks/policy_sim.py``, realistic routing at 6 GB on the ``h100-cpu49`` machine): one more fill near
-    the split bought 0.08-0.2 hits where the unweighted count read 0.1-0.6 a fill; the weighted count reads
-    -0.2-0.2 there. The weighting moved ``auto`` only with the prior on its scale (an unweighted prior of 8
-    hits, far above any weighted value, kept the split where the unweighted count had it).
-
-    Online: :meth:`observe_layers` updates the rank histograms (exponentially weighted over ``reuse_halflife``
+    Online: :meth:`observe_layers` updates ``r_l`` (exponentially weighted over ``reuse_halflife``
     tenures, prior ``reuse_prior`` with weight ``reuse_prior_weight`` fills) and the branch costs (per branch an
     :class:`EwLinearFit` of fixed cost and per-expert time over measured branch times, concurrent
     samples scaled to the isolated ones by the model's ratio), then recomputes the table ``q_l(m)``
     (``[L, M + 1]``, :meth:`fill_table`) when any entry changes. No probe steps: every decision uses
-    the current estimates. The reuse prior is optimistic (``reuse_prior`` hits per fill unweighted, weighted as
-    above, worth ``reuse_prior_weight`` fills of evidence): a miss served on the CPU is not cached, so a split chosen
+    the current estimates. The reuse prior is optimistic (``reuse_prior`` hits per fill, worth
+    ``reuse_prior_weight`` fills of evidence): a miss served on the CPU is not cached, so a split chosen
     in the first windows after the working set moved, whose fills have not been requested again yet,
     keeps those experts out and makes its own later misses (on the GPU host, realistic routing at 16 GB
     with prior 0 split for ~24 decode steps after prefill and ran at 0.80-0.93x ``fill-all``). Without
@@ -633,10 +598,8 @@ class AutoPolicy(ExpertPolicy):
         self.L, self.M = int(num_layers), int(max_misses)
         self.reuse_decay = 0.5 ** (1.0 / float(reuse_halflife))
         self.reuse_prior, self.reuse_prior_weight = float(reuse_prior), float(reuse_prior_weight)
-        self._hits = [[0.0] * REUSE_RANKS for _ in range(self.L)]  # [L][J] credited hits by rank (EW)
-        self._ghosts = [[0.0] * REUSE_RANKS for _ in range(self.L)]  # [L][J] charged ghost requests by rank (EW)
+        self._net = [0.0] * self.L
         self._n = [0.0] * self.L
-        self._model_table: list[list[int]] = []  # the cost model's table before the holds (p_l's source)
         self.fill_fit = EwLinearFit(costs.fill_fixed_s, costs.fill_s, fit_halflife)
         self.cpu_fit = EwLinearFit(costs.cpu_fixed_s, costs.cpu_s, fit_halflife)
         self._table: list[list[int]] = []
@@ -687,34 +650,9 @@ class AutoPolicy(ExpertPolicy):
 
     @property
     def reuse(self) -> list[float]:
-        """``r_l``: estimated net reuse (hits) of one fill, per MoE layer, weighted by rank, with the prior on the
-        same scale (class docstring)."""
-        w0, J = self.reuse_prior_weight, REUSE_RANKS
-        out = []
-        for layer, (net, n) in enumerate(zip(self.weighted_net(self._hits, self._ghosts), self._n)):
-            r0 = self.reuse_prior * sum(self.rank_weights(layer)) / J
-            out.append((net + w0 * r0) / (n + w0))
-        return out
-
-    def fill_share(self, layer: int) -> float:
-        """``p_l``: the share of misses layer ``layer``'s table (the cost model's, before the holds) fills at the
-        measured mean miss count (at ``M`` before one is measured), in ``[0, 1]``."""
-        if not self._model_table:  # the first table is being built: the unweighted count and the prior's full value
-            return 0.0
-        k = self.M if self.miss_rate is None else max(1, min(self.M, math.floor(self.miss_rate + 0.5)))
-        return min(max(self._model_table[layer][k] / k, 0.0), 1.0)
-
-    def rank_weights(self, layer: int) -> list[float]:
-        """``w_lj = (1 − p_l)^(j−1)`` for ranks ``j = 1 .. J``: the share of a fill's ``j``-th hit (and of its
-        ghost's ``j``-th request) that filling now rather than at a later miss decides (class docstring)."""
-        keep = 1.0 - self.fill_share(layer)
-        return [keep ** j for j in range(REUSE_RANKS)]
-
-    def weighted_net(self, hits: list[list[float]], ghosts: list[list[float]]) -> list[float]:
-        """``Σ_j w_lj·(hits[l][j] − ghosts[l][j])`` per MoE layer ``l`` (``[L][J]`` rank histograms, e.g. a
-        :class:`LayerObservation`'s) with the current :meth:`rank_weights`."""
-        return [sum(w * (h - g) for w, h, g in zip(self.rank_weights(layer), hs, gs))
-                for layer, (hs, gs) in enumerate(zip(hits, ghosts))]
+        """``r_l``: estimated net reuse (hits) of one fill, per MoE layer."""
+        w, r0 = self.reuse_prior_weight, self.reuse_prior
+        return [(net + w * r0) / (n + w) for net, n in zip(self._net, self._n)]
 
     def num_fills(self, m: int, layer: int = 0) -> int:
         if m <= 0:
@@ -774,7 +712,6 @@ class AutoPolicy(ExpertPolicy):
         t_save = self.t_save(c)
         values = [max(r, 0.0) * t_save for r in self.reuse]
         table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
-        self._model_table = table
         if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
             table = [list(range(self.M + 1)) for _ in range(self.L)]
         changed = table != self._table
@@ -823,11 +760,8 @@ class AutoPolicy(ExpertPolicy):
         changed (the caller then pushes :meth:`fill_table` to the device)."""
         if obs.fills is not None:
             d = self.reuse_decay
-            for layer, n in enumerate(obs.fills):
-                for acc, seen in ((self._hits, obs.reuse_hits), (self._ghosts, obs.reuse_ghosts)):
-                    row = acc[layer]
-                    for j in range(REUSE_RANKS):
-                        row[j] = row[j] * d + (seen[layer][j] if seen is not None else 0)
+            for layer, (net, n) in enumerate(zip(obs.reuse_net, obs.fills)):
+                self._net[layer] = self._net[layer] * d + net
                 self._n[layer] = self._n[layer] * d + n
         if obs.misses_per_layer_step is not None:
             prev, w, m = self.miss_rate, self.miss_rate_decay, obs.misses_per_layer_step

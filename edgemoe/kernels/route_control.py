@@ -33,16 +33,11 @@ live in the caller's scratch rows between passes.
 Reuse accounting (optional, the tables of :class:`edgemoe.experts.cache.ExpertCache`, whose module docstring
 gives the reasons): a fill that displaces a resident remembers the id it displaced (its *ghost*:
 ``ghost_slot[ghost] = slot``, ``slot_ghost[slot] = ghost``); the pair is live while the filled id stays in the
-slot and no other fill displaces the ghost. Per MoE layer ``l`` the histogram row ``reuse[l]`` (``J`` =
-``REUSE_RANKS`` rank buckets, the last holding ranks ``>= J``) gains, before any table changes: at column
-``REUSE_HITS + min(j, J) - 1`` one for each hit of the layer on a resident with a live ghost that is the ``j``-th
-credited hit of that pair (``j = slot_hits[slot] + 1``, then ``slot_hits[slot] = j``); at column ``REUSE_GHOSTS
-+ min(j, J) - 1`` of the displacer's layer one for each request (hit or miss) of a live ghost that is its
-``j``-th since it was displaced (``j = ghost_requests[ghost] + 1``, likewise). With the fills, column
-``REUSE_FILLS`` counts the layer's fills that displaced a resident, and each fill sets ``slot_hits[slot] = 0``
-and ``ghost_requests[displaced] = 0``. ``Σ_j (hits_j − ghost requests_j) / fills`` over a window is the net
-reuse of such a fill against the cache without it (zero in expectation without routing locality); the ranks
-let :class:`edgemoe.experts.policy.AutoPolicy` weight it against a later fill of the same expert.
+slot and no other fill displaces the ghost. Per MoE layer ``l``, ``reuse[l, 0]`` gains one for each hit of the
+layer on a resident with a live ghost and loses one for each request (hit or miss) of a live ghost displaced by
+a fill of layer ``l`` (charged to the filler's layer); ``reuse[l, 1]`` counts the layer's fills that displaced a
+resident. ``reuse[l, 0] / reuse[l, 1]`` over a window is the net reuse of such a fill against the cache without
+it (zero in expectation without routing locality).
 """
 
 from __future__ import annotations
@@ -53,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.experts.cache import REUSE_COLUMNS, REUSE_FILLS, REUSE_GHOSTS, REUSE_HITS, REUSE_RANKS
 from edgemoe.kernels.cpu_work import carve_cpu_work, cpu_work_words
 
 TILE = 128  # routes per tile of the pairwise comparisons
@@ -149,12 +143,10 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
                           counters_ptr, S,
                           slot_tk_ptr, fill_fid_ptr, fill_slot_ptr, meta_ptr,
                           cpu_dims_ptr, cpu_fids_ptr, cpu_offsets_ptr, cpu_tok_ptr, cpu_wt_ptr, scratch_ptr, SK,
-                          table_ptr, table_cols, moe_layer, ghost_slot_ptr, slot_ghost_ptr, slot_hits_ptr,
-                          ghost_requests_ptr, reuse_ptr, E,
+                          table_ptr, table_cols, moe_layer, ghost_slot_ptr, slot_ghost_ptr, reuse_ptr, E,
                           slot_lo, slot_hi,
                           BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-                          TABLE: tl.constexpr, REUSE: tl.constexpr, RANKS: tl.constexpr, COLS: tl.constexpr,
-                          COL_FILLS: tl.constexpr, COL_HITS: tl.constexpr, COL_GHOSTS: tl.constexpr):
+                          TABLE: tl.constexpr, REUSE: tl.constexpr):
     # Routes are processed in tiles of BLOCK_P; a pairwise quantity of route i is a sum over every
     # column tile j of [BLOCK_P, BLOCK_P] comparisons. Per-route values that later tiles read go
     # through the caller's scratch rows (int32 [6, SK]): count, within, slot, flags, rank, CPU ordinal.
@@ -166,6 +158,7 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
     # 1. dedupe (an expert's first route represents it, its route count is its token count) and
     #    2. hits and misses; hit slots are marked for the victim search
     n_hits = tl.zeros([], tl.int32)
+    n_credit = tl.zeros([], tl.int32)
     m = tl.zeros([], tl.int32)
     for i0 in range(0, P, BLOCK_P):
         r = i0 + lane
@@ -187,25 +180,20 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         m += tl.sum((first & miss).to(tl.int32))
         tl.store(last_used_ptr + slot, _HIT, mask=hit)
         if REUSE:  # before any table changes: requests of live ghosts are charged to their filler's layer,
-            # hits on residents with a live ghost credited to this layer, each in the bucket of its rank
+            # hits on residents with a live ghost credited to this layer
             gs = tl.load(ghost_slot_ptr + fid, mask=first, other=-1)  # [BP]
             gown = tl.load(owner_of_ptr + gs, mask=first & (gs >= 0), other=-1)  # [BP]
             pen = first & (gs >= 0) & (gown >= 0)
-            g_rank = tl.load(ghost_requests_ptr + fid, mask=pen, other=0)  # [BP] the ghost's requests before
+            tl.atomic_add(reuse_ptr + (gown // E) * 2, tl.full([BLOCK_P], -1, tl.int64), mask=pen)
             hg = tl.load(slot_ghost_ptr + slot, mask=first & hit, other=-1)  # [BP] the hit resident's ghost
             hg_at = tl.load(ghost_slot_ptr + hg, mask=first & hit & (hg >= 0), other=-1)
-            cred = first & hit & (hg >= 0) & (hg_at == slot)
-            h_rank = tl.load(slot_hits_ptr + slot, mask=cred, other=0)  # [BP] the pair's credited hits before
-            tl.debug_barrier()  # every (replicated) lane has read the ranks before they are advanced
-            tl.store(ghost_requests_ptr + fid, g_rank + 1, mask=pen)
-            tl.store(slot_hits_ptr + slot, h_rank + 1, mask=cred)
-            one = tl.full([BLOCK_P], 1, tl.int64)
-            tl.atomic_add(reuse_ptr + (gown // E) * COLS + COL_GHOSTS + tl.minimum(g_rank, RANKS - 1), one, mask=pen)
-            tl.atomic_add(reuse_ptr + moe_layer * COLS + COL_HITS + tl.minimum(h_rank, RANKS - 1), one, mask=cred)
+            n_credit += tl.sum((first & hit & (hg >= 0) & (hg_at == slot)).to(tl.int32))
         tl.store(cnt_ptr + r, cnt, mask=valid)
         tl.store(within_ptr + r, within, mask=valid)
         tl.store(slot_ptr + r, slot.to(tl.int32), mask=valid)
         tl.store(flags_ptr + r, first.to(tl.int32) | (miss.to(tl.int32) << 1), mask=valid)
+    if REUSE:
+        tl.atomic_add(reuse_ptr + moe_layer * 2, n_credit.to(tl.int64))
     tl.debug_barrier()
 
     # 3. q from the policy's fill rule (float64, the host formula's operation order) or its per-layer
@@ -292,18 +280,15 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         tl.store(last_used_ptr + vic, clock, mask=fl)
         tl.store(last_used_ptr + slot, clock, mask=hit)
         tl.store(slot_tk_ptr + r, tl.where(hit, slot, vslot).to(tl.int32), mask=valid)
-        if REUSE:  # the victims' old ghosts are forgotten, their owners become the fills' ghosts (new pairs:
-            # their rank counts start over)
+        if REUSE:  # the victims' old ghosts are forgotten, their owners become the fills' ghosts
             g = tl.load(slot_ghost_ptr + vic, mask=fl, other=-1)  # [BP]
             g_at = tl.load(ghost_slot_ptr + g, mask=fl & (g >= 0), other=-1)
             tl.debug_barrier()
             tl.store(ghost_slot_ptr + g, -1, mask=fl & (g >= 0) & (g_at == vic))
             tl.debug_barrier()
             tl.store(ghost_slot_ptr + old, vic, mask=fl & (old >= 0))
-            tl.store(ghost_requests_ptr + old, tl.zeros([BLOCK_P], tl.int64), mask=fl & (old >= 0))
             tl.store(slot_ghost_ptr + vic, old, mask=fl)
-            tl.store(slot_hits_ptr + vic, tl.zeros([BLOCK_P], tl.int64), mask=fl)
-            tl.atomic_add(reuse_ptr + moe_layer * COLS + COL_FILLS, tl.sum((fl & (old >= 0)).to(tl.int64)))
+            tl.atomic_add(reuse_ptr + moe_layer * 2 + 1, tl.sum((fl & (old >= 0)).to(tl.int64)))
     tl.debug_barrier()  # the fill list's first q entries are read (vslot) before the rest is cleared
     for i0 in range(0, P, BLOCK_P):
         r = i0 + lane
@@ -374,7 +359,7 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
                   slot_of: torch.Tensor, owner_of: torch.Tensor, last_used: torch.Tensor, pinned: torch.Tensor,
                   clock: torch.Tensor, policy: torch.Tensor, counters: torch.Tensor, out: RouteOutputs,
                   groups: int = GROUPS, *, fill_table: torch.Tensor | None = None, moe_layer: int = 0,
-                  reuse: tuple[torch.Tensor, ...] | None = None, num_experts: int = 1,
+                  reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, num_experts: int = 1,
                   slots: tuple[int, int] | None = None) -> None:
     """Plan one MoE layer's decode step on the device and update the expert cache's tables in place.
 
@@ -399,9 +384,8 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
         fill_table: ``[L, M + 1]`` int32, a per-layer policy's ``q`` for ``m = 0 .. M`` misses (row
             ``moe_layer``; ``m > M`` reads column ``M``); replaces ``policy`` when given.
         moe_layer: MoE layer ordinal (``layer_offset / num_experts``): the table row and reuse row.
-        reuse: ``(ghost_slot [N] int64, slot_ghost [S] int64, slot_hits [S] int64, ghost_requests [N] int64,
-            reuse [L, REUSE_COLUMNS] int64)`` (the cache's reuse tables, see the module docstring), updated in
-            place; ``None``: no reuse accounting.
+        reuse: ``(ghost_slot [N] int64, slot_ghost [S] int64, reuse [L, 2] int64)`` (the cache's
+            reuse tables, see the module docstring), updated in place; ``None``: no reuse accounting.
         num_experts: ``E``, experts per MoE layer (the layer of a flat id), with ``reuse``.
         slots: ``(lo, hi)``: victims only among slots ``lo .. hi - 1`` (the layer's partition of a
             per-layer LRU, :meth:`edgemoe.experts.cache.ExpertCache.victim_range`); ``None``: all ``S``.
@@ -442,12 +426,10 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
             raise ValueError(f"fill_table must be a contiguous [L, M + 1] int32 tensor with row {moe_layer}, got "
                              f"{fill_table.dtype} {tuple(fill_table.shape)}")
     if reuse is not None:
-        ghost_slot, slot_ghost, slot_hits, ghost_requests, counts = reuse
+        ghost_slot, slot_ghost, counts = reuse
         _check("ghost_slot", ghost_slot, torch.int64, slot_of.numel())
         _check("slot_ghost", slot_ghost, torch.int64, S)
-        _check("slot_hits", slot_hits, torch.int64, S)
-        _check("ghost_requests", ghost_requests, torch.int64, slot_of.numel())
-        _check("reuse", counts, torch.int64, REUSE_COLUMNS * (moe_layer + 1))
+        _check("reuse", counts, torch.int64, 2 * (moe_layer + 1))
         if num_experts < 1:
             raise ValueError("reuse accounting needs num_experts >= 1")
     lo, hi = (0, S) if slots is None else (int(slots[0]), int(slots[1]))
@@ -471,7 +453,6 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
         out.slot_tk, out.fill_fid, out.fill_slot, out.meta,
         out.cpu_dims, out.cpu_fids, out.cpu_offsets, out.cpu_tok, out.cpu_wt, out.scratch, out.scratch.shape[1],
         policy if fill_table is None else fill_table, 1 if fill_table is None else fill_table.shape[1], int(moe_layer),
-        *(reuse if reuse is not None else (slot_of, owner_of, last_used, slot_of, counters)), int(num_experts), lo, hi,
+        *(reuse if reuse is not None else (slot_of, owner_of, counters)), int(num_experts), lo, hi,
         BLOCK_P=block_p, BLOCK_R=block_r, G=groups, TABLE=fill_table is not None, REUSE=reuse is not None,
-        RANKS=REUSE_RANKS, COLS=REUSE_COLUMNS, COL_FILLS=REUSE_FILLS, COL_HITS=REUSE_HITS, COL_GHOSTS=REUSE_GHOSTS,
         num_warps=16)

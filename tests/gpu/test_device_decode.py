@@ -153,7 +153,6 @@ def test_auto_toggles_the_cpu_branch_under_graphs_and_matches_resident(small):
     arms it when its table splits and drops it again when the table fills every miss: both graphs (armed
     and not) are captured at the first decode step and replayed, and the tokens and logits stay those of
     the all-resident run."""
-    from edgemoe.experts.cache import REUSE_RANKS
     from edgemoe.experts.policy import LayerObservation
 
     kw = dict(dtype="float32", max_num_seqs=1)
@@ -169,9 +168,8 @@ def test_auto_toggles_the_cpu_branch_under_graphs_and_matches_resident(small):
     out, served = [], []
     for s in range(15):
         if s in (5, 10):  # no reuse and k misses a layer step: split (armed); then a high reuse: fill every miss
-            ranked = [[10**7] + [0] * (REUSE_RANKS - 1)] * L  # at rank 1: weight 1 at any fill share
-            side = "reuse_ghosts" if s == 5 else "reuse_hits"
-            policy.observe_layers(LayerObservation(**{side: ranked}, fills=[10] * L, misses_per_layer_step=k))
+            net = -10**7 if s == 5 else 10**7
+            policy.observe_layers(LayerObservation(reuse_net=[net] * L, fills=[10] * L, misses_per_layer_step=k))
             dd.push_policy()
             assert dd.armed == (s == 5)
         logits = runner.execute([StepInput(0, [toks[-1]], len(PROMPTS[0]) + s)], Phase.DECODE)
