@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from edgemoe.bench.replay import SlotLRU, uniform_workload
+from edgemoe.bench.replay import SlotLRU, build_workload, uniform_workload
+from edgemoe.bench.trace import RouteRecord, TraceInfo
 from edgemoe.core import Phase
 from edgemoe.experts.bandwidth import fixed_costs
 from edgemoe.experts.cache import ExpertCache
@@ -396,6 +397,38 @@ def test_cache_reuse_counters_equal_the_replay_accounting(rule):
     for fid, slot in enumerate(cache.ghost_slot.tolist()):
         if slot >= 0:
             assert cache.slot_ghost[slot] == fid and cache.slot_of[fid] != slot
+
+
+def test_reuse_counters_equal_the_replay_with_prefills_between_decodes():
+    """Requests of a prefill and 20 decode steps each: prefill fills form pairs (the cache's ``admit``) but the
+    engine counts hits, ghost requests and displacing fills in decode steps only, and the replay does the same
+    (it counted the prefill's fills and requests too, which made the simulator's ``auto`` read a higher reuse
+    than the engine's)."""
+    L, E, k, S = 3, 10, 3, 9
+    rng = random.Random(7)
+    recs, step = [], 0
+    for r in range(3):
+        step += 1
+        for layer in range(L):
+            recs.append(RouteRecord("t", 0, f"r{r}", "prefill", step, layer, list(range(5)),
+                                    [rng.sample(range(E), k) for _ in range(5)], None))
+        for t in range(20):
+            step += 1
+            for layer in range(L):
+                recs.append(RouteRecord("t", 0, f"r{r}", "decode", step, layer, [5 + t], [rng.sample(range(E), k)],
+                                        None))
+    wl = build_workload(recs, TraceInfo([{"num_moe_layers": L, "num_experts": E, "top_k": k}]))
+    assert {a.phase for a in wl.accesses} == {"prefill", "decode"}
+    pol = FillAllPolicy()
+    cache = ExpertCache(S, L * E, None, torch.float32, torch.device("cpu"), num_experts=E)
+    ref = SlotLRU(wl, S)
+    for i, a in enumerate(wl.accesses):
+        plan_step(cache, pol, dict(zip(a.ids, a.counts)), Phase.PREFILL if a.phase == "prefill" else Phase.DECODE,
+                  a.step)
+        ref.access(a, i, pol.num_fills)
+        assert sorted(f for f, s in enumerate(cache.slot_of.tolist()) if s >= 0) == sorted(ref.res)
+    assert cache.reuse[:, 0].tolist() == ref.reuse_net
+    assert cache.reuse[:, 1].tolist() == ref.fills_by_layer and sum(ref.fills_by_layer) > 0
 
 
 def test_reuse_is_positive_with_locality_and_near_zero_without():

@@ -390,9 +390,11 @@ class ResidentPolicy(Policy):
     the pair is live while the filled id stays resident and no other fill displaces the ghost (it may be filled
     again itself). Each access of a resident id with a live ghost adds 1 to ``reuse_net[layer of the id]``; each
     access of a live ghost (resident again or not) subtracts 1 from ``reuse_net`` of the layer whose fill
-    displaced it; ``fills_by_layer`` counts the fills that displaced a resident. Over a window,
-    ``reuse_net / fills`` is the hits such a fill buys net of the requests the displaced expert would have met
-    (zero in expectation when routing has no locality).
+    displaced it; ``fills_by_layer`` counts the fills that displaced a resident. Pairs form at every fill
+    (prefill and prefetch ones too, as the engine's :meth:`~edgemoe.experts.cache.ExpertCache.admit` does), but
+    only decode accesses and their own fills are counted, as the engine counts in ``plan_step``'s decode steps
+    only. Over a window, ``reuse_net / fills`` is the hits such a fill buys net of the requests the displaced
+    expert would have met (zero in expectation when routing has no locality).
     """
 
     def __init__(self, wl: Workload, slots: int):
@@ -408,7 +410,7 @@ class ResidentPolicy(Policy):
         hits = [f for f in a.ids if f in res]
         n_miss = len(a.ids) - len(hits)
         E, net = self.wl.num_experts, self.reuse_net
-        if self.ghost_of:
+        if self.ghost_of and a.phase == "decode":
             for f in hits:
                 g = self.ghost_by.get(f)
                 if g is not None and self.ghost_of.get(g) == f:
@@ -429,10 +431,11 @@ class ResidentPolicy(Policy):
     def prefetch(self, a: Access, ids: list[int], protected: set[int], i: int) -> int:
         """Fill ``ids`` (not resident; in this order) ahead of access ``a`` without evicting ``protected``
         (a next-layer prefetch; not counted as requests). Returns the number filled."""
-        return self._fill([f for f in ids if f not in self.res], protected, a, i, None, prefill=False)
+        return self._fill([f for f in ids if f not in self.res], protected, a, i, None, prefill=False, count=False)
 
     def _fill(self, misses: list[int], group: set[int], a: Access, i: int, limit: int | None,
-              prefill: bool | None = None) -> int:
+              prefill: bool | None = None, count: bool = True) -> int:
+        count = count and a.phase == "decode"  # the fills the engine's reuse accounting counts
         prefill = a.phase == "prefill" if prefill is None else prefill
         filled = 0
         for f in misses:
@@ -453,7 +456,8 @@ class ResidentPolicy(Policy):
             self.admit(f, a, i)
             if v >= 0:
                 self.ghost_of[v], self.ghost_by[f] = f, v
-                self.fills_by_layer[f // self.wl.num_experts] += 1
+                if count:
+                    self.fills_by_layer[f // self.wl.num_experts] += 1
             filled += 1
         return filled
 
