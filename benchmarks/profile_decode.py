@@ -35,6 +35,7 @@ import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait pa
 import torch
 
 from benchmarks.decode import add_model_args, model_dir, route_uniformly
+from edgemoe.bench.step_markers import StepMarkers, step_times
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
@@ -51,6 +52,40 @@ def step_windows(prof: torch.profiler.profile, label: str) -> list[tuple[float, 
                   if e.name == label and e.device_type == torch.autograd.DeviceType.CPU)  # not its GPU-side twin
 
 
+def marked_steps(runner: ModelRunner, step, n: int, warmup: int, n_feed: int, key) -> dict:
+    """``n`` decode steps (``step(i)``) with the model's forward stamped on the device clock, the decode graphs
+    captured again with the stamps (and dropped after), then the step's graph replayed ``n`` times back to back;
+    :func:`~edgemoe.bench.step_markers.step_times` of both, in ms (``replay_*``: medians), and the steps' wall
+    time."""
+    mk = StepMarkers(runner.device, capacity=2 * n + 2 * warmup + 8)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    with mk.wrap(runner.model):
+        if runner.graphs is not None:
+            runner.graphs.invalidate()
+        for i in range(warmup):
+            step(i % n_feed)
+        sync()
+        mk.reset()
+        t0 = time.perf_counter()
+        for i in range(n):
+            step((warmup + i) % n_feed)
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / n
+        steps = step_times(mk.read())
+        replay = {"forward_median_ms": None, "gap_median_ms": None}
+        if runner.graphs is not None and key in runner.graphs.graphs:
+            graph = runner.graphs.graphs[key][0]
+            mk.reset()
+            for _ in range(n):
+                graph.replay()
+            sync()
+            replay = step_times(mk.read())
+    if runner.graphs is not None:
+        runner.graphs.invalidate()  # the stamped graphs go; the next step captures plain ones
+    return {**steps, "wall_ms": wall_ms, "replay_forward_ms": replay["forward_median_ms"],
+            "replay_gap_ms": replay["gap_median_ms"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -65,6 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel launched by the host)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also run N steps under cProfile and print the host functions by own time")
+    ap.add_argument("--markers", type=int, default=0, metavar="N",
+                    help="also decode N steps with device-clock stamps at each forward's start and end, unprofiled "
+                         "(edgemoe.bench.step_markers): the forward's GPU time and the GPU's idle time between steps, "
+                         "then the same graph replayed back to back")
     ap.add_argument("--top", type=int, default=30, help="kernels in the table")
     ap.add_argument("--out", default="", help="folder for profile_decode.json and trace.json")
     a = ap.parse_args(argv)
@@ -125,6 +164,12 @@ def main(argv=None) -> int:
         sync()
         replay_ms = 1e3 * (time.perf_counter() - r0) / a.tokens
         print(f"graph replay alone: {replay_ms:.3f} ms/step; host work per step {ms - replay_ms:.3f} ms", flush=True)
+    markers = None
+    if a.markers:
+        markers = marked_steps(runner, step, a.markers, a.warmup, n_feed, key)
+        print("stamped steps: forward {forward_median_ms:.3f} ms, GPU idle before it {gap_median_ms:.3f} ms "
+              "(medians of {steps}); replayed back to back: forward {replay_forward_ms}, idle {replay_gap_ms} ms; "
+              "wall {wall_ms:.3f} ms a step".format(**markers), flush=True)
     host_top = ""
     if a.host_profile:
         import cProfile
@@ -182,7 +227,8 @@ def main(argv=None) -> int:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "eager": a.eager,
             "decode_path": runner.experts.decode_path, "slots": slots, "policy": policy,
-            "tokens_per_s": tps, "ms_per_step": ms, "graph_replay_ms": replay_ms, "host_profile": host_top,
+            "tokens_per_s": tps, "ms_per_step": ms, "graph_replay_ms": replay_ms, "markers": markers,
+            "host_profile": host_top,
             "per_step_mean": mean, "steps": per_step, "kernels": rows,
             "cpu_ops": cpu_table}, indent=2))
     return 0
