@@ -177,7 +177,8 @@ class _Batch:
 @pytest.mark.parametrize("partition", [False, True])
 def test_next_layer_prefetch_device_equals_eager(partition):
     """Next-layer prefetch on the device path (route_control under fill-all into its own buffers, then
-    gather_fills) fills the same experts into the same slots as the eager path, outputs unchanged."""
+    gather_fills) fills the same experts into the same slots as the eager path, outputs unchanged, and leaves the
+    same reuse tables (its fills pair with the residents they displace, nothing counted)."""
     pool = _pool()
     eager, dev = _pair(pool, 9, "qstar", partition)
     g = torch.Generator().manual_seed(3)
@@ -201,7 +202,7 @@ def test_next_layer_prefetch_device_equals_eager(partition):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
                 eager.prefetch_next(layer, x, _Batch(step))
                 dev.prefetch_next(layer, x, _Batch(step))
-            for name in ("slot_of", "owner_of", "last_used"):
+            for name in ("slot_of", "owner_of", "last_used", "ghost_slot", "slot_ghost", "reuse"):
                 assert torch.equal(getattr(dev.cache, name), getattr(eager.cache, name)), (name, step, layer)
             used = dev.cache.owner_of >= 0  # the prefetched rows were copied
             assert torch.equal(dev.cache.bank[used], eager.cache.bank[used])

@@ -223,15 +223,19 @@ class DeviceDecode:
     def prefetch(self, moe_layer: int, pred: torch.Tensor) -> None:
         """Fill the experts ``pred [T, k]`` (int64, within MoE layer ``moe_layer``) that are not resident, into
         least recently used slots of the layer's victim range, on the device (no host sync: one
-        ``route_control`` launch under fill-all, without reuse accounting, into its own buffers and
-        counters, then ``gather_fills``). Predicted experts that are resident count as hits there and
-        have their recency refreshed. The copies are in stream order with the step's other work.
+        ``route_control`` launch under fill-all into its own buffers and counters, then ``gather_fills``).
+        Predicted experts that are resident count as hits there and have their recency refreshed. Its fills pair
+        with the residents they displace as the cache's ``admit`` pairs them (the reuse tables stay those of the
+        eager path), and nothing is counted: predictions are not requests. The copies are in stream order with
+        the step's other work.
         """
         c, o = self.cache, self.prefetch_out
         T = pred.shape[0]
         self._route_control(pred.contiguous(), self._ones[:T], moe_layer * self.num_experts, c.slot_of, c.owner_of,
                             c.last_used, c.pinned, c.clock, self._fill_all, self.prefetch_counters, o,
-                            slots=c.victim_range(moe_layer))
+                            slots=c.victim_range(moe_layer), moe_layer=moe_layer,
+                            reuse=(c.ghost_slot, c.slot_ghost, c.reuse), num_experts=self.num_experts,
+                            count_reuse=False)
         self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
 
     def push_policy(self) -> None:

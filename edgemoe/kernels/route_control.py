@@ -146,7 +146,7 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
                           table_ptr, table_cols, moe_layer, ghost_slot_ptr, slot_ghost_ptr, reuse_ptr, E,
                           slot_lo, slot_hi,
                           BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-                          TABLE: tl.constexpr, REUSE: tl.constexpr):
+                          TABLE: tl.constexpr, REUSE: tl.constexpr, COUNT: tl.constexpr):
     # Routes are processed in tiles of BLOCK_P; a pairwise quantity of route i is a sum over every
     # column tile j of [BLOCK_P, BLOCK_P] comparisons. Per-route values that later tiles read go
     # through the caller's scratch rows (int32 [6, SK]): count, within, slot, flags, rank, CPU ordinal.
@@ -179,8 +179,8 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         n_hits += tl.sum((first & hit).to(tl.int32))
         m += tl.sum((first & miss).to(tl.int32))
         tl.store(last_used_ptr + slot, _HIT, mask=hit)
-        if REUSE:  # before any table changes: requests of live ghosts are charged to their filler's layer,
-            # hits on residents with a live ghost credited to this layer
+        if COUNT:  # (implies REUSE) before any table changes: requests of live ghosts are charged to their
+            # filler's layer, hits on residents with a live ghost credited to this layer
             gs = tl.load(ghost_slot_ptr + fid, mask=first, other=-1)  # [BP]
             gown = tl.load(owner_of_ptr + gs, mask=first & (gs >= 0), other=-1)  # [BP]
             pen = first & (gs >= 0) & (gown >= 0)
@@ -192,7 +192,7 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
         tl.store(within_ptr + r, within, mask=valid)
         tl.store(slot_ptr + r, slot.to(tl.int32), mask=valid)
         tl.store(flags_ptr + r, first.to(tl.int32) | (miss.to(tl.int32) << 1), mask=valid)
-    if REUSE:
+    if COUNT:
         tl.atomic_add(reuse_ptr + moe_layer * 2, n_credit.to(tl.int64))
     tl.debug_barrier()
 
@@ -288,7 +288,8 @@ def _route_control_kernel(topk_ids_ptr, topk_w_ptr, layer_offset, P, K, T,
             tl.debug_barrier()
             tl.store(ghost_slot_ptr + old, vic, mask=fl & (old >= 0))
             tl.store(slot_ghost_ptr + vic, old, mask=fl)
-            tl.atomic_add(reuse_ptr + moe_layer * 2 + 1, tl.sum((fl & (old >= 0)).to(tl.int64)))
+            if COUNT:
+                tl.atomic_add(reuse_ptr + moe_layer * 2 + 1, tl.sum((fl & (old >= 0)).to(tl.int64)))
     tl.debug_barrier()  # the fill list's first q entries are read (vslot) before the rest is cleared
     for i0 in range(0, P, BLOCK_P):
         r = i0 + lane
@@ -360,7 +361,7 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
                   clock: torch.Tensor, policy: torch.Tensor, counters: torch.Tensor, out: RouteOutputs,
                   groups: int = GROUPS, *, fill_table: torch.Tensor | None = None, moe_layer: int = 0,
                   reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, num_experts: int = 1,
-                  slots: tuple[int, int] | None = None) -> None:
+                  slots: tuple[int, int] | None = None, count_reuse: bool = True) -> None:
     """Plan one MoE layer's decode step on the device and update the expert cache's tables in place.
 
     Equal, tables included, to ``plan_step(cache, policy, tokens_per_expert, Phase.DECODE, clock)``
@@ -386,6 +387,9 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
         moe_layer: MoE layer ordinal (``layer_offset / num_experts``): the table row and reuse row.
         reuse: ``(ghost_slot [N] int64, slot_ghost [S] int64, reuse [L, 2] int64)`` (the cache's
             reuse tables, see the module docstring), updated in place; ``None``: no reuse accounting.
+        count_reuse: with ``reuse``, also count (``reuse[moe_layer]`` and the charges of ghosts); ``False``
+            keeps the pairs of ghosts and fills up to date without counting, as the cache's ``admit`` does
+            for fills outside a decode step's control (next-layer prefetch).
         num_experts: ``E``, experts per MoE layer (the layer of a flat id), with ``reuse``.
         slots: ``(lo, hi)``: victims only among slots ``lo .. hi - 1`` (the layer's partition of a
             per-layer LRU, :meth:`edgemoe.experts.cache.ExpertCache.victim_range`); ``None``: all ``S``.
@@ -455,4 +459,5 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
         policy if fill_table is None else fill_table, 1 if fill_table is None else fill_table.shape[1], int(moe_layer),
         *(reuse if reuse is not None else (slot_of, owner_of, counters)), int(num_experts), lo, hi,
         BLOCK_P=block_p, BLOCK_R=block_r, G=groups, TABLE=fill_table is not None, REUSE=reuse is not None,
+        COUNT=reuse is not None and bool(count_reuse),
         num_warps=16)
