@@ -406,6 +406,7 @@ def test_client_disconnect_mid_stream_frees_request(served, monkeypatch):
     finally:
         let_go.set()
         served.engine_call(lambda e: delattr(e.runner, "execute"))
+        served.wait_idle(timeout=_HOLD_S + 10)  # a failure above leaves no request running into the next test
     assert served.metric('edgemoe_requests_total{finish_reason="abort"}') == aborted + 1
     assert served.engine_call(lambda e: e.runner.kv_free_tokens() == e.runner.kv_capacity_tokens)
     assert served.metric("edgemoe_num_requests_running") == 0

@@ -430,8 +430,15 @@ class ResidentPolicy(Policy):
 
     def prefetch(self, a: Access, ids: list[int], protected: set[int], i: int) -> int:
         """Fill ``ids`` (not resident; in this order) ahead of access ``a`` without evicting ``protected``
-        (a next-layer prefetch; not counted as requests). Returns the number filled."""
+        (a next-layer prefetch; not counted as requests); the resident ones are refreshed first
+        (:meth:`refresh`), as the engine's prefetch refreshes the recency of predicted experts it finds.
+        Returns the number filled."""
+        self.refresh(a, i, [f for f in ids if f in self.res])
         return self._fill([f for f in ids if f not in self.res], protected, a, i, None, prefill=False, count=False)
+
+    def refresh(self, a: Access, i: int, ids: list[int]) -> None:
+        """Resident ``ids`` were predicted (not requested) at access ``a``: a recency rule refreshes them, as
+        the engine's cache does; nothing by default (a prediction is no request to count)."""
 
     def _fill(self, misses: list[int], group: set[int], a: Access, i: int, limit: int | None,
               prefill: bool | None = None, count: bool = True) -> int:
@@ -548,6 +555,8 @@ class SlotLRU(ResidentPolicy):
             self.last[s] = a.step
             heapq.heappush(self.lru, (a.step, s))
 
+    refresh = on_access
+
     def victim(self, f, protected, a, i):
         stash, found = [], None
         while self.lru:
@@ -601,6 +610,8 @@ class LayerLRU(ResidentPolicy):
         od = self.lru[a.layer]
         for f in hits:
             od.move_to_end(f)
+
+    refresh = on_access
 
     def victim(self, f, protected, a, i):
         for v in self.lru[f // self.E]:
