@@ -641,3 +641,45 @@ def test_resize_inherits_and_a_rebuilt_cache_starts_from_the_prior(tiny_model_di
     rt.resize(policy="qstar")
     rt.resize(policy="auto")
     assert rt.policy.cpu_level == 0
+
+
+def test_a_cycle_over_an_edge_of_the_table_settles_on_the_faster_level():
+    """Where one level's split makes nearly every hand-off late and the next level's makes few late (an integer
+    split the band cannot hold), the sign feedback goes back and forth between them; once a level comes back
+    within ``balance_cycle_windows`` windows the controller keeps the level whose window stepped fastest, for
+    ``balance_hold_windows`` windows, then judges again; a change of the steps' pace ends the hold at once."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16, reuse_prior=0.0)
+    late, early = LayerObservation(handoffs=[20, 20], late=[20, 18]), LayerObservation(handoffs=[20, 20], late=[2, 2])
+    speed = {0: 0.012, 1: 0.010}  # level 1 (more fills) steps faster, yet its hand-offs are seldom late
+
+    def window(obs: LayerObservation, step_s: float | None = None) -> None:
+        for _ in range(8):
+            auto.observe(speed[auto.cpu_level] if step_s is None else step_s, 1)
+        auto.observe_layers(obs)
+
+    window(late)  # at 0: late, up to 1
+    assert auto.cpu_level == 1
+    window(early)  # at 1: early, back to 0, a level seen two windows ago: the faster one (1) is kept
+    assert auto.cpu_level == 1
+    for _ in range(auto.balance_hold_windows):
+        window(early)  # held: early windows do not move it
+        assert auto.cpu_level == 1
+    window(early)  # the hold is over: judged again
+    assert auto.cpu_level == 0
+    window(late)
+    assert auto.cpu_level == 1  # back at 1: a cycle again, level 1 still the faster
+    window(early, step_s=0.02)  # held, but the steps run at another pace (another process): judged at once
+    assert auto.cpu_level == 0
+
+
+def test_a_monotone_walk_is_not_a_cycle():
+    """Levels that only rise (a CPU slowing down) or only fall are followed window by window."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16, reuse_prior=0.0)
+    late = LayerObservation(handoffs=[20, 20], late=[20, 18])
+    levels = []
+    for i in range(5):
+        for _ in range(8):
+            auto.observe(0.01 * (1 + 0.05 * i), 1)
+        auto.observe_layers(late)
+        levels.append(auto.cpu_level)
+    assert levels == [1, 3, 7, 11, 15]

@@ -524,6 +524,16 @@ class AutoPolicy(ExpertPolicy):
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
     than profiled, DRAM or PCIe taken by another process), and follows a change within a few windows.
 
+    Sign feedback cannot settle where the split is an integer: at a layer step's ~8 misses, one level's table may
+    fill 2 (nearly every hand-off late) and the next level's 3 (few late), so the late fraction jumps across the
+    band and the level goes back and forth, half the windows at the slower split (in the step-time simulator
+    without locality at 2 GB, 0.94-0.95 of ``qstar``). So the controller remembers the level and mean step time of
+    its last :attr:`balance_cycle_windows` judged windows; when a move brings the level back to one of them (a
+    cycle, not a walk: a CPU slowing down or recovering moves it one way), it sets the level whose window stepped
+    fastest and holds it for :attr:`balance_hold_windows` judged windows, then judges again. A stall, or a window
+    whose steps run at another pace (more than :attr:`balance_hold_change` from the held window's, another process
+    coming or going), ends the hold at once.
+
     The armed CPU branch's own cost (:meth:`price_armed_branch`, ``a`` seconds per MoE layer step): a decode path
     that drops the branch from steps whose table fills every miss charges every layer step ``a`` while it is armed.
     After building the table the policy compares, summed over layers, the expected objective of the table with that
@@ -581,6 +591,9 @@ class AutoPolicy(ExpertPolicy):
     balance_stall_step = 8  # levels of a stalled window's move (2x the CPU cost)
     balance_stall_slowdown = 2.0  # a stalled window's mean step time over the earlier windows' (at least)
     balance_retry_windows = 4  # quiet windows before a probe while the table fills every miss (disarmed)
+    balance_cycle_windows = 6  # judged windows in which a level seen again is a cycle of the controller
+    balance_hold_windows = 4  # judged windows a cycle's arbitration holds the fastest level (a stall ends it)
+    balance_hold_change = 0.15  # a held window's mean step time this far (relative) from the held one's ends the hold
     balance_retry_max = 8  # most quiet windows between probes (after probes answered by late windows)
     cpu_probe_experts = 8  # experts of one CPU-speed probe (one token each) while the CPU is priced out
     cpu_probe_return = 2.0  # probe time over the model's below which the level follows the probe
@@ -613,6 +626,9 @@ class AutoPolicy(ExpertPolicy):
         self._probing = False  # the level was halved by a probe and no window has judged it yet
         self._window_s, self._window_steps = 0.0, 0  # decode step times seen since the last observation
         self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
+        self._visits: list[tuple[int, float]] = []  # (level, mean step time) of the last judged windows
+        self._hold = 0  # judged windows left in which the level stays where a cycle's arbitration put it
+        self._hold_s = 0.0  # the mean step time of the held level's window
         self.miss_rate: float | None = None
         self._window_misses: float | None = None  # the last window's mean misses per layer step (unsmoothed)
         self._window_full = False  # no miss of the last window found a free slot (the cache was full)
@@ -792,12 +808,28 @@ class AutoPolicy(ExpertPolicy):
                 frac = sum(obs.late) / n
                 sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
                 prev = self._balance_move
-                if frac >= self.balance_stall and slowed:  # every hand-off late and the steps slowed down
+                stall = frac >= self.balance_stall and slowed  # every hand-off late and the steps slowed down
+                if stall:
                     size = max(self.balance_stall_step, math.ceil(8 * math.log2(mean_s / ref)))
                 else:
                     size = min(2 * abs(prev), self.balance_max_step) if sign and prev * sign > 0 else 1
-                self._balance_move = sign * size
-                self.cpu_level = min(max(self.cpu_level + self._balance_move, lo), hi)
+                if self._hold and (stall or mean_s is None
+                                   or abs(mean_s / self._hold_s - 1) > self.balance_hold_change):
+                    self._hold = 0  # a stall, or the steps changed pace (another process came or went): judge again
+                if self._hold:  # holding the level a cycle's arbitration chose
+                    self._hold -= 1
+                    self._balance_move = 0
+                else:
+                    ran = self.cpu_level  # the level this window ran at
+                    self._balance_move = sign * size
+                    self.cpu_level = min(max(self.cpu_level + self._balance_move, lo), hi)
+                    if mean_s is not None and not stall:
+                        self._visits = [*self._visits, (ran, mean_s)][-self.balance_cycle_windows:]
+                        if self._balance_move and any(lv == self.cpu_level for lv, _ in self._visits):
+                            # the level comes back to one of the last windows': the sign feedback cycles over an
+                            # edge of the table (an integer split it cannot settle); keep the fastest level seen
+                            self.cpu_level, self._hold_s = min(self._visits, key=lambda v: v[1])
+                            self._hold, self._balance_move, self._visits = self.balance_hold_windows, 0, []
                 if self._probing:  # the first judged window after a probe: did the slowdown persist?
                     late = sign > 0
                     self._retry_windows = (min(2 * self._retry_windows, self.balance_retry_max) if late
