@@ -673,7 +673,8 @@ def test_a_cycle_over_an_edge_of_the_table_settles_on_the_faster_level():
 
 
 def test_a_monotone_walk_is_not_a_cycle():
-    """Levels that only rise (a CPU slowing down) or only fall are followed window by window."""
+    """Levels that only rise (a CPU slowing down) or only fall are followed window by window, and a level held
+    at its bound is no cycle either."""
     auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16, reuse_prior=0.0)
     late = LayerObservation(handoffs=[20, 20], late=[20, 18])
     levels = []
@@ -683,3 +684,8 @@ def test_a_monotone_walk_is_not_a_cycle():
         auto.observe_layers(late)
         levels.append(auto.cpu_level)
     assert levels == [1, 3, 7, 11, 15]
+    for i in range(12):
+        for _ in range(8):
+            auto.observe(0.01 * (1.3 + 0.01 * i), 1)  # slower and slower: an arbitration would go back down
+        auto.observe_layers(late)
+    assert auto.cpu_level == auto.balance_levels[1]

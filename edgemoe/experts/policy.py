@@ -825,7 +825,7 @@ class AutoPolicy(ExpertPolicy):
                     self.cpu_level = min(max(self.cpu_level + self._balance_move, lo), hi)
                     if mean_s is not None and not stall:
                         self._visits = [*self._visits, (ran, mean_s)][-self.balance_cycle_windows:]
-                        if self._balance_move and any(lv == self.cpu_level for lv, _ in self._visits):
+                        if self.cpu_level != ran and any(lv == self.cpu_level for lv, _ in self._visits):
                             # the level comes back to one of the last windows': the sign feedback cycles over an
                             # edge of the table (an integer split it cannot settle); keep the fastest level seen
                             self.cpu_level, self._hold_s = min(self._visits, key=lambda v: v[1])
