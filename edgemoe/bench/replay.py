@@ -1105,9 +1105,9 @@ def simulate(wl: Workload, policy: str | Policy, slots: int | None = None, calib
     """Replay ``wl`` through one policy (a name plus ``slots``, or a built :class:`Policy`).
 
     ``progress``: optional tqdm bar, advanced by the number of accesses. ``prefetch``: next-layer
-    prefetch (the engine's ``--prefetch next-layer``): before each decode access with ``predicted`` ids,
-    those not resident are filled without evicting the previous layer's ids of the step (a policy that
-    admits; the result is named ``<policy>+prefetch``).
+    prefetch (the engine's ``--prefetch next-layer``): before each decode access with ``predicted`` ids (but the
+    first layer of a step), those not resident are filled without evicting the predicted ones that are, which are
+    refreshed, as the engine's prefetch does (a policy that admits; the result is named ``<policy>+prefetch``).
     """
     pol = policy if isinstance(policy, Policy) else make_policy(policy, wl, int(slots), calibration)
     L = wl.num_layers
@@ -1117,7 +1117,7 @@ def simulate(wl: Workload, policy: str | Policy, slots: int | None = None, calib
     for i, a in enumerate(wl.accesses):
         if (prefetch and a.phase == "decode" and a.predicted and isinstance(pol, ResidentPolicy) and pol.admits
                 and prev is not None and prev.step == a.step):
-            pol.prefetch(a, a.predicted, set(a.predicted) | set(prev.ids), i)
+            pol.prefetch(a, a.predicted, set(a.predicted), i)
         prev = a
         h, m = pol.access(a, i)
         if a.phase == "decode":

@@ -372,9 +372,10 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
 
 
 def _prefetch(rule: ResidentPolicy, a: Access, prev: Access, i: int) -> tuple[int, int]:
-    """Fill ``a.predicted`` ids that are not resident, not evicting ``prev``'s ids (the layer running
-    while the copies go); returns (prefetch fills, those that ``a`` routes)."""
+    """Fill ``a.predicted`` ids that are not resident, not evicting the predicted ones that are (as the engine's
+    prefetch, whose copies follow ``prev``'s computation in stream order, so ``prev``'s experts may be victims);
+    returns (prefetch fills, those that ``a`` routes)."""
     before = set(rule.res)
-    rule.prefetch(a, a.predicted, set(a.predicted) | set(prev.ids), i)
+    rule.prefetch(a, a.predicted, set(a.predicted), i)
     got = rule.res - before
     return len(got), len(got & set(a.ids))
