@@ -52,13 +52,12 @@ def step_windows(prof: torch.profiler.profile, label: str) -> list[tuple[float, 
                   if e.name == label and e.device_type == torch.autograd.DeviceType.CPU)  # not its GPU-side twin
 
 
-def marked_steps(runner: ModelRunner, step, n: int, warmup: int, n_feed: int, key) -> dict:
-    """``n`` decode steps (``step(i)``) with the model's forward stamped on the device clock, the decode graphs
-    captured again with the stamps (and dropped after), then the step's graph replayed ``n`` times back to back;
-    :func:`~edgemoe.bench.step_markers.step_times` of both, in ms (``replay_*``: medians), and the steps' wall
-    time."""
+def marked_steps(runner: ModelRunner, step, sync, n: int, warmup: int, n_feed: int, key) -> dict:
+    """``n`` decode steps (``step(i)``; ``sync()`` waits for the device) with the model's forward stamped on the
+    device clock, the decode graphs captured again with the stamps (and dropped after), then the step's graph
+    replayed ``n`` times back to back; :func:`~edgemoe.bench.step_markers.step_times` of both, in ms
+    (``replay_*``: medians), and the steps' wall time."""
     mk = StepMarkers(runner.device, capacity=2 * n + 2 * warmup + 8)
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     with mk.wrap(runner.model):
         if runner.graphs is not None:
             runner.graphs.invalidate()
@@ -166,7 +165,7 @@ def main(argv=None) -> int:
         print(f"graph replay alone: {replay_ms:.3f} ms/step; host work per step {ms - replay_ms:.3f} ms", flush=True)
     markers = None
     if a.markers:
-        markers = marked_steps(runner, step, a.markers, a.warmup, n_feed, key)
+        markers = marked_steps(runner, step, sync, a.markers, a.warmup, n_feed, key)
         print("stamped steps: forward {forward_median_ms:.3f} ms, GPU idle before it {gap_median_ms:.3f} ms "
               "(medians of {steps}); replayed back to back: forward {replay_forward_ms}, idle {replay_gap_ms} ms; "
               "wall {wall_ms:.3f} ms a step".format(**markers), flush=True)

@@ -263,7 +263,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
                 armed = not pol.fills_every_miss()
         c = contention.apply(costs, clock + step_t) if contention is not None else costs
         if prefetch and rule is not None and rule.admits and a.predicted and prev is not None:
-            n_pf, n_hit = _prefetch(rule, a, prev, i)
+            n_pf, n_hit = _prefetch(rule, a, i)
             res.prefetched += n_pf
             res.prefetch_hits += n_hit
             t_pf = (c.fill_fixed_s + n_pf * c.fill_s) if n_pf else 0.0
@@ -371,10 +371,10 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
     return clock, True
 
 
-def _prefetch(rule: ResidentPolicy, a: Access, prev: Access, i: int) -> tuple[int, int]:
+def _prefetch(rule: ResidentPolicy, a: Access, i: int) -> tuple[int, int]:
     """Fill ``a.predicted`` ids that are not resident, not evicting the predicted ones that are (as the engine's
-    prefetch, whose copies follow ``prev``'s computation in stream order, so ``prev``'s experts may be victims);
-    returns (prefetch fills, those that ``a`` routes)."""
+    prefetch, whose copies follow the previous layer's computation in stream order, so that layer's experts may
+    be victims); returns (prefetch fills, those that ``a`` routes)."""
     before = set(rule.res)
     rule.prefetch(a, a.predicted, set(a.predicted), i)
     got = rule.res - before

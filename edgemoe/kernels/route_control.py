@@ -387,12 +387,12 @@ def route_control(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer_offs
         moe_layer: MoE layer ordinal (``layer_offset / num_experts``): the table row and reuse row.
         reuse: ``(ghost_slot [N] int64, slot_ghost [S] int64, reuse [L, 2] int64)`` (the cache's
             reuse tables, see the module docstring), updated in place; ``None``: no reuse accounting.
-        count_reuse: with ``reuse``, also count (``reuse[moe_layer]`` and the charges of ghosts); ``False``
-            keeps the pairs of ghosts and fills up to date without counting, as the cache's ``admit`` does
-            for fills outside a decode step's control (next-layer prefetch).
         num_experts: ``E``, experts per MoE layer (the layer of a flat id), with ``reuse``.
         slots: ``(lo, hi)``: victims only among slots ``lo .. hi - 1`` (the layer's partition of a
             per-layer LRU, :meth:`edgemoe.experts.cache.ExpertCache.victim_range`); ``None``: all ``S``.
+        count_reuse: with ``reuse``, also count (``reuse[moe_layer]`` and the charges of ghosts); ``False``
+            keeps the pairs of ghosts and fills up to date without counting, as the cache's ``admit`` does
+            for fills outside a decode step's control (next-layer prefetch).
 
     Raises:
         ValueError: a shape, dtype or capacity mismatch, an empty step, or an empty cache (``S = 0``:
