@@ -9,7 +9,9 @@ of one policy's tokens/s in that row, the noise a ratio of that row has to be re
     python benchmarks/policy_summary.py OUT/policy    # reads OUT/policy/*/decode.json, writes summary.md/.json
 
 A run folder is named after its regime (e.g. ``realistic``); its ``decode.json`` is
-``benchmarks/decode.py``'s output, every result naming its CPU threads.
+``benchmarks/decode.py``'s output, every result naming its CPU threads. A folder ``REGIME@TREE`` holds another
+source tree's runs of the same regime (a before/after on one machine); where it ran no fixed policy (only ``auto``),
+its ratio is to the best fixed policy of folder ``REGIME`` at the same threads and budget.
 """
 
 from __future__ import annotations
@@ -24,6 +26,31 @@ FIXED = ("fill-all", "cpu-all", "static", "qstar")
 ORDER = ("qstar", "auto", "fill-all", "cpu-all", "static", "adaptive")
 
 
+def _samples(path: Path) -> dict[tuple[int, float], dict[str, list[float]]]:
+    """``{(threads, budget_gb): {policy: [tokens/s of each repeat]}}`` of one run folder's ``decode.json``."""
+    samples: dict[tuple[int, float], dict[str, list[float]]] = {}
+    for r in json.loads(path.read_text())["results"]:
+        if isinstance(r["budget_gb"], (int, float)):
+            key = (r["threads"], float(r["budget_gb"]))
+            samples.setdefault(key, {}).setdefault(r["policy"], []).append(r["tokens_per_s"])
+    return samples
+
+
+def _medians(path: Path) -> dict[tuple[int, float], dict[str, float]]:
+    """Each policy's median tokens/s per ``(threads, budget_gb)`` of one run folder."""
+    return {key: {p: statistics.median(v) for p, v in pols.items()} for key, pols in _samples(path).items()}
+
+
+def _row(groups: dict[tuple[int, float], dict[str, float]], threads: int, gb: float) -> dict[str, float]:
+    """One row's tokens/s per policy; ``fill-all`` (no CPU threads: ``decode.py`` runs it once a budget) from
+    whichever thread count of the same budget ran it."""
+    tps = dict(groups.get((threads, gb), {}))
+    for (_, gb2), other in groups.items():
+        if gb2 == gb and "fill-all" in other:
+            tps.setdefault("fill-all", other["fill-all"])
+    return tps
+
+
 def summarize(root: Path) -> tuple[list[dict], str]:
     """Rows (one per regime, threads, budget) and their markdown table.
 
@@ -34,22 +61,20 @@ def summarize(root: Path) -> tuple[list[dict], str]:
     if not runs:
         raise FileNotFoundError(f"{root}: no */decode.json (run scripts/gpu_check.sh policy first)")
     rows = []
+    medians = {path.parent.name: _medians(path) for path in runs}
     for path in runs:
         regime = path.parent.name
-        data = json.loads(path.read_text())
-        samples: dict[tuple[int, float], dict[str, list[float]]] = {}
-        for r in data["results"]:
-            if isinstance(r["budget_gb"], (int, float)):
-                key = (r["threads"], float(r["budget_gb"]))
-                samples.setdefault(key, {}).setdefault(r["policy"], []).append(r["tokens_per_s"])
-        groups = {key: {p: statistics.median(v) for p, v in pols.items()} for key, pols in samples.items()}
-        for (threads, gb), tps in sorted(groups.items()):
+        samples = _samples(path)
+        groups = medians[regime]
+        home = medians.get(regime.split("@")[0], {})  # the regime's own folder: fixed policies for a tree's auto
+        for threads, gb in sorted(groups):
             spread = max(((max(v) - min(v)) / statistics.median(v) for v in samples[threads, gb].values()
                           if len(v) > 1), default=None)
-            for (_, gb2), other in groups.items():  # fill-all uses no CPU threads: decode.py runs it once
-                if gb2 == gb and "fill-all" in other:
-                    tps.setdefault("fill-all", other["fill-all"])
+            tps = _row(groups, threads, gb)
             fixed = {p: tps[p] for p in FIXED if p in tps}
+            if not fixed:
+                theirs = _row(home, threads, gb)
+                fixed = {p: theirs[p] for p in FIXED if p in theirs}
             best = max(fixed, key=fixed.get) if fixed else None
             rows.append({"regime": regime, "threads": threads, "budget_gb": gb,
                          "tokens_per_s": tps, "best_fixed": best, "spread": spread,

@@ -213,13 +213,16 @@ for stage in "${stages[@]}"; do
     # expert-policy study: every miss policy in three routing regimes, budgets 2/6/16 GB, 6 and 16 CPU threads;
     # one decode-benchmark process per regime (both thread counts in it), realistic first, within POLICY_SECONDS;
     # $POLICY_TREES: source trees run in turn per regime (default this one; another, e.g. an earlier commit's
-    # `git archive` in an ignored folder, gives a before/after on one machine: its folders are REGIME@TREE)
+    # `git archive` in an ignored folder, gives a before/after on one machine: its folders are REGIME@TREE);
+    # $POLICY_TREE_POLICIES: the policies of every tree after the first (default the same; e.g. `auto` alone, the
+    # summary then compares it with the first tree's fixed policies)
     echo "== expert policies x routing regimes (Qwen3-30B-A3B geometry, dummy weights)"
     traces=${POLICY_TRACES:-}
     for d in shared/fixtures/routing_traces ../shared/fixtures/routing_traces; do
       [ -z "$traces" ] && [ -d "$d" ] && traces=$(ls "$d"/*.jsonl | paste -sd, -)
     done
-    common="--budgets ${POLICY_BUDGETS:-2,6,16} --policies ${POLICY_POLICIES:-qstar,auto,fill-all,cpu-all,static} \
+    policies=${POLICY_POLICIES:-qstar,auto,fill-all,cpu-all,static}
+    common="--budgets ${POLICY_BUDGETS:-2,6,16} \
       --tokens ${POLICY_TOKENS:-32} --warmup 8 --profile-seconds 0.5 --no-resident ${POLICY_ARGS:-}"
     deadline=$(( $(date +%s) + ${POLICY_SECONDS:-540} ))
     mkdir -p "$OUT/policy"
@@ -230,14 +233,16 @@ for stage in "${stages[@]}"; do
         no-locality) flags="--routing uniform" ;;  # random weights' own routing is local (hit rate 0.98 at 6 GB)
         degenerate) flags="--routing model --decode-input greedy" ;;
       esac
+      pols=$policies
       for tree in ${POLICY_TREES:-.}; do
         left=$(( deadline - $(date +%s) ))
         [ "$left" -lt 60 ] && { echo "   $regime ($tree): out of time, skipped"; continue; }
         per=$(( left < ${POLICY_RUN_SECONDS:-200} ? left : ${POLICY_RUN_SECONDS:-200} ))
         dir="$OUT/policy/$regime"; [ "$tree" != . ] && dir="$dir@$(basename "$(realpath "$tree")")"
         echo "-- $regime, tree $tree (limit ${per}s)"
-        timeout "$per" python3 "$tree/benchmarks/decode.py" $common $flags --cpu-threads "${POLICY_THREADS:-6,16}" \
-          --out "$dir" > "$dir.log" 2>&1 || echo "   exit $? (see $dir.log)"
+        timeout "$per" python3 "$tree/benchmarks/decode.py" $common $flags --policies "$pols" \
+          --cpu-threads "${POLICY_THREADS:-6,16}" --out "$dir" > "$dir.log" 2>&1 || echo "   exit $? (see $dir.log)"
+        pols=${POLICY_TREE_POLICIES:-$policies}
         grep "^|" "$dir/decode.md" 2>/dev/null | tail -n +3 || true
       done
     done

@@ -175,3 +175,24 @@ def test_policy_sim_fill_ratios_marginal_value(load_benchmark, capsys):
     assert abs(float(rows[("no-locality", "0.70")][6])) < 0.1 and abs(float(every[6])) < 0.1
     measured = rows[("no-locality", "auto's measured net reuse per fill, by window")][3]
     assert measured and all(abs(float(x)) < 0.2 for x in measured.split(","))
+
+
+def test_a_trees_auto_only_folder_takes_its_regimes_fixed_policies(tmp_path, load_benchmark):
+    """A before/after folder ``REGIME@TREE`` that ran only ``auto`` is compared with the best fixed policy of
+    folder ``REGIME`` at the same threads and budget (``fill-all`` from its one thread count)."""
+    def write(name, results):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "decode.json").write_text(json.dumps({"meta": {}, "results": [
+            {"policy": p, "threads": t, "budget_gb": 2, "tokens_per_s": v} for p, t, v in results]}))
+
+    write("realistic", [("qstar", 6, 50.0), ("auto", 6, 49.0), ("fill-all", 6, 60.0),
+                        ("qstar", 15, 70.0), ("auto", 15, 68.0)])
+    write("realistic@p4", [("auto", 6, 66.0), ("auto", 15, 63.0)])
+    write("degenerate@p4", [("auto", 6, 10.0)])  # no home folder: no ratio
+    rows, table = load_benchmark("policy_summary").summarize(tmp_path)
+    got = {(r["regime"], r["threads"]): (r["best_fixed"], r["auto_ratio"]) for r in rows}
+    assert got[("realistic", 6)] == ("fill-all", pytest.approx(49 / 60))
+    assert got[("realistic@p4", 6)] == ("fill-all", pytest.approx(66 / 60))
+    assert got[("realistic@p4", 15)] == ("qstar", pytest.approx(63 / 70))
+    assert got[("degenerate@p4", 6)] == (None, None)
+    assert "| realistic@p4 | 15 | 2 | - | 63.0 | - | qstar | 0.900 |" in table
