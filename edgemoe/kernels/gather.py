@@ -72,7 +72,8 @@ def default_programs(device: torch.device) -> int:
 
 
 def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Tensor, src: torch.Tensor,
-                 dst: torch.Tensor, num_programs: int | None = None) -> None:
+                 dst: torch.Tensor, num_programs: int | None = None, block_words: int = BLOCK_WORDS,
+                 num_warps: int = NUM_WARPS) -> None:
     """Copy the fills of one layer's step: ``dst[fill_slot[i]] = src[fill_fid[i]]`` for ``i < meta[2]``.
 
     Args:
@@ -84,6 +85,8 @@ def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Te
         dst: the cache's byte bank, uint8 ``[S, row_bytes]`` on the device.
         num_programs: persistent grid size (default :func:`default_programs`); fixed per device, so
             the launch is CUDA-graph capturable.
+        block_words, num_warps: words of one work item (a power of two) and warps of one program
+            (``benchmarks/fill_kernel.py`` sweeps them against the copy engine).
 
     Raises:
         ValueError: banks that are not contiguous uint8 ``[rows, row_bytes]`` of one row size.
@@ -97,4 +100,4 @@ def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Te
         raise ValueError("fill_fid and fill_slot must be int64 tensors of the same length")
     s, d = _words(src, dst)
     grid = (int(num_programs) if num_programs else default_programs(dst.device),)
-    _gather_fills_kernel[grid](meta, fill_fid, fill_slot, s, d, s.shape[1], BLOCK=BLOCK_WORDS, num_warps=NUM_WARPS)
+    _gather_fills_kernel[grid](meta, fill_fid, fill_slot, s, d, s.shape[1], BLOCK=block_words, num_warps=num_warps)
