@@ -45,6 +45,7 @@ def test_profile_is_measured_and_saved_per_format(checkpoints, tmp_path, monkeyp
     e = prof["expert"]
     assert (e["format"], e["hidden"], e["intermediate"], e["row_bytes"]) == ("nvfp4", 64, 64, layout.row_bytes)
     assert e["compute_dtype"] == "bfloat16" and prof["version"] == PROFILE_VERSION
+    assert prof["fill_path"] == "memcpy"  # no CUDA: the "device cache" is host memory
     # the native kernels read NVFP4 rows where the extension builds; the torch executor is measured otherwise
     assert prof["cpu_executor"].startswith("native-") or not native.available()
     assert e["rotated_bytes"] >= ROTATE and prof["isolated"]["b_p_gbps"] > 0 and prof["isolated"]["b_h_gbps"] > 0
@@ -73,3 +74,15 @@ def test_engine_uses_the_profile_of_its_format(checkpoints, tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"profile is for another expert format.*this engine deploys bf16 experts"):
         ModelRunner(checkpoints["bf16"], EngineConfig(device="cpu", expert_policy="qstar", expert_cache_slots=5,
                                                       profile_path=prof["path"]), progress=False)
+
+
+def test_the_fill_kernels_rate_needs_a_page_locked_pool_on_cuda():
+    """B_P through the decode step's gather kernel applies to a page-locked pool on CUDA only; elsewhere the profile
+    measures the copy (``fill_meter``), and ``measure_fill`` refuses with a reason."""
+    from edgemoe.experts.bandwidth import fill_meter, measure_copy, measure_fill
+    from edgemoe.experts.pool import HostExpertPool
+
+    pool = HostExpertPool.dense(4, 64, 64, torch.bfloat16)
+    assert fill_meter(pool, torch.device("cpu")) is measure_copy
+    with pytest.raises(ValueError, match="page-locked pool and a CUDA device"):
+        measure_fill(pool, torch.device("cpu"), 0.01)

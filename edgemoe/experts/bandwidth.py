@@ -2,7 +2,9 @@
 
 - **B_P**: host→device copy bandwidth of whole packed expert rows (the deployed layout's ``row_bytes``:
   FP8 / MXFP4 / NVFP4 rows move at their packed size) from the pool's memory (pinned when CUDA is
-  present) into device slots. On a CPU-only machine the "device cache" is a
+  present) into device slots, moved the way a decode step's fills move: a page-locked pool on CUDA through
+  the device decode path's gather kernel (:func:`measure_fill`; its rate and the copy engine's differ by host),
+  else with the copy engine (:func:`measure_copy`). On a CPU-only machine the "device cache" is a
   second host buffer, so B_P is a memory copy and is reported as not applying to PCIe.
 - **B_H**: bytes of expert rows (the same ``row_bytes``) the CPU executor *in use* (native kernels where
   they build and read the format, else torch ops) consumes per second computing one token per expert
@@ -60,7 +62,8 @@ from edgemoe.startup import startup_step
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4  # 2: B_H with DECODE_CPU_EXPERTS experts per call; 3: rounds, other processes' load; 4: by format
+PROFILE_VERSION = 5  # 2: B_H with DECODE_CPU_EXPERTS experts per call; 3: rounds, other processes' load; 4: by format;
+# 5: B_P of a page-locked pool on CUDA through the decode step's fill kernel
 ROTATE_BYTES_PROFILE = 2_000_000_000  # > 6x a 300 MiB L3
 ROTATE_BYTES_QUICK = 512_000_000
 QUICK_SECONDS = 0.15  # per bandwidth at start-up (`edgemoe profile`: 1 s)
@@ -128,6 +131,50 @@ def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, sto
             return moved / dt / 1e9
 
 
+def measure_fill(pool: HostExpertPool, device: torch.device, seconds: float, stop: threading.Event | None = None,
+                 rows_per_copy: int = 8) -> float:
+    """B_P in GB/s as a decode step's fills reach it: :func:`~edgemoe.kernels.gather.gather_fills` launches of
+    ``rows_per_copy`` rows drawn at random from ``pool`` (page-locked) into ``device`` slots.
+
+    The device decode path copies its fills with that kernel (SM loads through the pool's mapped address), not
+    with the copy engine :func:`measure_copy` drives; the two differ by host: on one H100 host of the GPU lab the
+    kernel moved 31-40 GB/s in decode where the copy engine moved 54.7. Each launch waits for the one before it
+    (the pool's rows are read once per call, as a layer's fills are).
+
+    Raises:
+        ValueError: ``pool`` not page-locked or ``device`` not CUDA (use :func:`measure_copy`).
+    """
+    from edgemoe.kernels.gather import gather_fills
+
+    device = torch.device(device)
+    if device.type != "cuda" or not pool.pinned:
+        raise ValueError("measure_fill needs a page-locked pool and a CUDA device")
+    n = min(rows_per_copy, pool.num_ids)
+    dst = torch.empty((n, pool.row_bytes), dtype=torch.uint8, device=device)
+    meta = torch.tensor([0, 0, n, 0], dtype=torch.int32, device=device)
+    slots = torch.arange(n, device=device)
+    g = torch.Generator().manual_seed(0)
+    fids = torch.stack([torch.randperm(pool.num_ids, generator=g)[:n] for _ in range(64)]).to(device)  # [64, n]
+    moved, i = 0, 0
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(4):
+            gather_fills(meta, fids[i % len(fids)], slots, pool.bank, dst)
+            moved += pool.row_bytes * n
+            i += 1
+        torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        if dt >= seconds or (stop is not None and stop.is_set()):
+            return moved / dt / 1e9
+
+
+def fill_meter(pool: HostExpertPool, device: torch.device):
+    """The B_P measurement of the decode path's fills: :func:`measure_fill` for a page-locked pool on CUDA (the
+    device decode path's gather kernel), else :func:`measure_copy` (copy engine, or a host memory copy)."""
+    return measure_fill if torch.device(device).type == "cuda" and pool.pinned else measure_copy
+
+
 def _executor_for(pool: HostExpertPool, executor: CpuExecutor) -> CpuExecutor:
     """``executor`` bound to ``pool`` (sharing its threads)."""
     return executor if executor.pool is pool else executor.with_pool(pool)
@@ -181,7 +228,8 @@ def measure_concurrent(pool: HostExpertPool, device: torch.device, executor, sec
                        experts_per_call: int = DECODE_CPU_EXPERTS) -> tuple[float, float]:
     """(B_P, B_H) in GB/s measured while both run at once (copy in a thread, CPU compute here)."""
     res: dict[str, float] = {}
-    t = threading.Thread(target=lambda: res.__setitem__("p", measure_copy(pool, device, seconds)))
+    copy = fill_meter(pool, device)
+    t = threading.Thread(target=lambda: res.__setitem__("p", copy(pool, device, seconds)))
     t.start()
     res["h"] = measure_cpu(pool, executor, seconds, experts_per_call=experts_per_call)
     t.join()
@@ -247,13 +295,14 @@ def measure(pool: HostExpertPool | None, layout: ExpertLayout, device: torch.dev
         activation = pool.activation if pool is not None else ExpertActivation(bias=layout.has_bias)
     rot = _rotation_pool(pool, layout, compute_dtype, rotate_bytes, device.type == "cuda", activation)
     executor = _executor_for(rot, executor)
-    measure_copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context
+    copy = fill_meter(rot, device)
+    copy(rot, device, 0.05)  # warm-up: allocator, first-touch, CUDA context, the fill kernel's compilation
     measure_cpu(rot, executor, 0.05, experts_per_call=DECODE_CPU_EXPERTS)
     load = _MachineLoad().start()
-    bps = _rounds(lambda t: measure_copy(rot, device, t), seconds)
+    bps = _rounds(lambda t: copy(rot, device, t), seconds)
     bhs = _rounds(lambda t: measure_cpu(rot, executor, t, experts_per_call=DECODE_CPU_EXPERTS), seconds)
     cp, ch = measure_concurrent(rot, device, executor, seconds)
-    bp1 = measure_copy(rot, device, seconds / 2, rows_per_copy=1)
+    bp1 = copy(rot, device, seconds / 2, rows_per_copy=1)
     bh1 = measure_cpu(rot, executor, seconds / 2, experts_per_call=1)
     other = load.cores()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -270,6 +319,7 @@ def measure(pool: HostExpertPool | None, layout: ExpertLayout, device: torch.dev
                    "compute_dtype": str(compute_dtype).replace("torch.", ""), "row_bytes": layout.row_bytes,
                    "rotated_bytes": rot.nbytes},
         "pcie_applies": device.type == "cuda",
+        "fill_path": "gather kernel" if copy is measure_fill else "copy engine" if device.type == "cuda" else "memcpy",
         "isolated": {"b_p_gbps": statistics.median(bps), "b_h_gbps": statistics.median(bhs)},
         "rounds": {"b_p_gbps": bps, "b_h_gbps": bhs},
         "concurrent": {"b_p_gbps": cp, "b_h_gbps": ch},

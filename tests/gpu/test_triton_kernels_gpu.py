@@ -227,6 +227,23 @@ def test_gather_matches_rows_and_pcie_bandwidth(pinned_pool, q):
         assert bw_triton >= 0.8 * bw_memcpy, f"gather {bw_triton / 1e9:.1f} GB/s vs memcpy {bw_memcpy / 1e9:.1f} GB/s"
 
 
+def test_the_profiles_fill_rate_is_the_gather_kernels(pinned_pool):
+    """The start-up profile measures B_P of a page-locked pool on CUDA through ``gather_fills`` (the decode
+    step's fills), at the rate the kernel itself reaches on 8 random rows."""
+    from edgemoe.experts.bandwidth import fill_meter, measure_fill
+
+    pool = pinned_pool
+    assert fill_meter(pool, torch.device(CUDA)) is measure_fill
+    measured = measure_fill(pool, torch.device(CUDA), 0.2)
+    dst = torch.empty(8, pool.row_bytes, dtype=torch.uint8, device=CUDA)
+    fid = torch.randperm(pool.num_ids)[:8].to(CUDA)
+    meta = torch.tensor([0, 8, 8, 0], dtype=torch.int32, device=CUDA)
+    timed = 8 * pool.row_bytes / _seconds(lambda: gather_fills(meta, fid, torch.arange(8, device=CUDA), pool.bank,
+                                                                 dst), iters=10) / 1e9
+    _report("measure_fill", measured_GBps=measured, timed_GBps=timed)
+    assert 0.7 * timed <= measured <= 1.3 * timed
+
+
 # ---------------------------------------------------------------- expert GEMV
 def _pairs_reference(x, slot_tk, w, w13, w2):
     """``HybridExperts._run_device_pairs``: batched GEMV pair over gathered slot rows, bf16 rounding points."""
