@@ -44,30 +44,30 @@ L, E, K = 48, 128, 8
 FIXED = ("fill-all", "cpu-all", "static", "qstar")
 
 
-def degenerate(tokens: int, seed: int = 0, change: float = 0.03) -> R.Workload:
+def degenerate(tokens: int, seed: int = 0, change: float = 0.03, layers: int = L) -> R.Workload:
     """Every token routes the same ``K`` experts per layer; one is replaced with probability ``change``."""
     rng = random.Random(seed)
-    base = [rng.sample(range(E), K) for _ in range(L)]
+    base = [rng.sample(range(E), K) for _ in range(layers)]
     recs = []
     for t in range(tokens):
-        for layer in range(L):
+        for layer in range(layers):
             ids = list(base[layer])
             if rng.random() < change:
                 ids[rng.randrange(K)] = rng.choice([e for e in range(E) if e not in ids])
             recs.append(RouteRecord("degenerate", 0, "d", "decode", t + 1, layer, [t], [ids], None))
-    return R.build_workload(recs, TraceInfo([{"num_moe_layers": L, "num_experts": E, "top_k": K}]))
+    return R.build_workload(recs, TraceInfo([{"num_moe_layers": layers, "num_experts": E, "top_k": K}]))
 
 
-def realistic(paths: list[str], tokens: int, prompt: int = 0) -> R.Workload:
+def realistic(paths: list[str], tokens: int, prompt: int = 0, layers: int = L) -> R.Workload:
     """The traces mapped onto the geometry, their first ``tokens`` decode steps; with ``prompt > 0`` the first
     ``prompt`` steps are one prefill step instead (as ``benchmarks/decode.py --routing trace`` replays them: the
     prompt reads the traces' first rows, decode the rows after them)."""
-    wl = R.remap_workload(R.load_workload(paths), L, E, K)
+    wl = R.remap_workload(R.load_workload(paths), layers, E, K)
     order = sorted({a.step for a in wl.accesses})
     pre, keep = set(order[:prompt]), set(order[prompt:prompt + tokens])
     accesses = []
     if pre:
-        for layer in range(L):
+        for layer in range(layers):
             cnt: dict[int, int] = {}
             for a in wl.accesses:
                 if a.step in pre and a.layer == layer:
@@ -76,7 +76,7 @@ def realistic(paths: list[str], tokens: int, prompt: int = 0) -> R.Workload:
             ids = sorted(cnt)
             accesses.append(R.Access("prefill", order[0], layer, ids, [cnt[f] for f in ids], {"p": dict(cnt)}))
     accesses += [a for a in wl.accesses if a.step in keep]
-    return R.Workload(accesses, L, E, K, len(keep), prompt, 1)
+    return R.Workload(accesses, layers, E, K, len(keep), prompt, 1)
 
 
 def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0, total_s: float = 20.0) -> int:
@@ -84,11 +84,12 @@ def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0,
     costs = S.COST_PRESETS[a.preset]
     gb = float(a.budgets.split(",")[0])
     slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
-    base = S.simulate_time(R.uniform_workload(a.layers, E, K, 64), "fill-all", slots, costs, token_base_s=1e-3)
+    layers = a.layers or 16
+    base = S.simulate_time(R.uniform_workload(layers, E, K, 64), "fill-all", slots, costs, token_base_s=1e-3)
     tokens = int(total_s * 2 * base.tokens_per_s) + 64  # enough steps for every policy to pass total_s
-    wl = R.uniform_workload(a.layers, E, K, tokens)
+    wl = R.uniform_workload(layers, E, K, tokens)
     load = S.Contention(start_s, end_s, cpu_factor=a.contention)
-    print(f"no-locality, {a.layers} layers, {gb:g} GB ({slots} slots), CPU x{a.contention:g} from {start_s:g} s "
+    print(f"no-locality, {layers} layers, {gb:g} GB ({slots} slots), CPU x{a.contention:g} from {start_s:g} s "
           f"to {end_s:g} s, machine {a.preset}")
     print("| policy | before | load, 1st s | load, rest | after, 1st s | after, rest |")
     print("|---|---|---|---|---|---|")
@@ -117,7 +118,7 @@ def fill_ratios(a: argparse.Namespace, regimes: dict[str, R.Workload]) -> int:
     for name, wl in regimes.items():
         for gb in (float(x) for x in a.budgets.split(",") if x):
             slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
-            ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= L * K else "lru"
+            ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= wl.num_layers * K else "lru"
             prev = None
             for r in ratios:
                 res = S.simulate_time(wl, "qstar", slots, costs, ev, token_base_s=1e-3, warmup=a.warmup, fill_ratio=r)
@@ -148,15 +149,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--contention", type=float, default=None, metavar="CPU_FACTOR",
                     help="simulate a CPU slowdown by this factor from 4 s to 10 s instead (see above)")
-    ap.add_argument("--layers", type=int, default=16, help="--contention: MoE layers")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="MoE layers (default 48, the geometry's; 16 with --contention, the side-by-side checkpoint's)")
     ap.add_argument("--fill-ratios", default="", help="fixed fill shares for qstar instead of the policy table "
                     "(comma-separated; see above)")
     a = ap.parse_args(argv)
     if a.contention is not None:
         return contention(a)
-    regimes = {"no-locality": R.uniform_workload(L, E, K, a.tokens), "degenerate": degenerate(a.tokens)}
+    layers = a.layers or L
+    regimes = {"no-locality": R.uniform_workload(layers, E, K, a.tokens),
+               "degenerate": degenerate(a.tokens, layers=layers)}
     if a.traces:
-        regimes["realistic"] = realistic(a.traces, a.tokens, a.prompt)
+        regimes["realistic"] = realistic(a.traces, a.tokens, a.prompt, layers=layers)
     if a.fill_ratios:
         return fill_ratios(a, regimes)
     costs = S.COST_PRESETS[a.preset]
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
     for name, wl in regimes.items():
         for gb in (float(x) for x in a.budgets.split(",") if x):
             slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
-            ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= L * K else "lru"
+            ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= layers * K else "lru"
             tps = {p: S.simulate_time(wl, p, slots, costs, ev, token_base_s=1e-3, warmup=a.warmup).tokens_per_s
                    for p in S.MISS_POLICIES}
             best = max(FIXED, key=tps.get)
