@@ -133,8 +133,8 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     assert auto.cpu_level == min(28 + max(auto.balance_stall_step, math.ceil(8 * math.log2(3))), 40) == 40
     auto.cpu_level = 28
     stalled = all_late
-    auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10]))
-    assert auto.fills_every_miss()
+    auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[40, 40], misses_per_layer_step=6.0))
+    assert auto.fills_every_miss() and auto.wants_cpu_probe  # priced out: level 0 would split
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
@@ -154,9 +154,33 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     assert auto.cpu_level == 20
     auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[10, 10]))  # answered in the band: reset
     assert auto.cpu_level == 20 and auto._retry_windows == auto.balance_retry_windows
+    disarmed = auto.fills_every_miss()
     for _ in range(auto.balance_retry_windows):
         auto.observe_layers(quiet)
-    assert auto.cpu_level in (10, 19)  # halved by a probe if the table fills every miss, else one level
+    # halved by a probe if the table fills every miss, else one level a quiet window
+    assert auto.cpu_level == (10 if disarmed else 20 - auto.balance_retry_windows)
+
+
+def test_no_cpu_probe_where_every_miss_fills_at_level_0_too():
+    """A table that fills every miss at level 0 as well (fills that are hit again, or few misses) does not
+    depend on the CPU's speed: no probe is asked (it would read about a millisecond of experts a window, 8 % of a
+    16-layer step) and quiet windows keep the level instead of halving it with probes that early-read every
+    step; once the misses show no reuse, level 0 would split and the probe is asked again."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
+    auto.observe_layers(LayerObservation(reuse_net=[10_000, 10_000], fills=[10, 10], misses_per_layer_step=6.0))
+    auto.cpu_level = 20
+    auto._rebuild()
+    assert auto.fills_every_miss() and auto.wants_cpu_probe == 0
+    quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
+    for _ in range(3 * auto.balance_retry_windows):
+        auto.observe_layers(quiet)
+    assert auto.cpu_level == 20 and not auto.wants_early_read
+    for _ in range(40):  # the fills stop being hit: the reuse estimate decays to what they show
+        auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[400, 400]))
+    assert not auto.fills_every_miss() and auto.wants_cpu_probe == 0  # level 20 splits: hand-offs judge it
+    auto.cpu_level = auto.balance_levels[1]
+    auto._rebuild()
+    assert auto.fills_every_miss() and auto.wants_cpu_probe == auto.cpu_probe_experts
 
 
 def test_a_cpu_probe_brings_a_priced_out_cpu_back_when_the_slowdown_ends():
@@ -514,7 +538,8 @@ def test_engine_feeds_auto_between_steps_and_outputs_stay_exact(tiny_model_dir):
 
 
 def test_runtime_times_the_cpu_probe_the_policy_asks_for(tiny_model_dir):
-    """With the CPU priced out (the level at its bound, the table filling every miss) the runtime times a
+    """With the CPU priced out (the level at its bound, the table filling every miss where level 0 would split) the
+    runtime times a
     CPU-speed probe at its next read (one executor call over ``cpu_probe_experts`` pool experts) and
     hands it to the policy, which sets the level from it; at level 0 no probe is asked or run."""
     from edgemoe import LLM, SamplingParams
@@ -533,6 +558,9 @@ def test_runtime_times_the_cpu_probe_the_policy_asks_for(tiny_model_dir):
         return changed
 
     pol.observe_layers = record
+    # a measured miss rate without reuse: the table would split at level 0, so the CPU's price is what fills
+    pol.observe_layers(LayerObservation(reuse_net=[0] * pol.L, fills=[40] * pol.L, misses_per_layer_step=3.0))
+    seen.clear()
     pol.cpu_level = pol.balance_levels[1]
     pol._rebuild()
     assert pol.fills_every_miss() and pol.wants_cpu_probe == pol.cpu_probe_experts

@@ -698,9 +698,10 @@ class AutoPolicy(ExpertPolicy):
         """The balance controller's factor on the CPU branch's modeled time (1.0 until it moves)."""
         return 2.0 ** (self.cpu_level / 8)
 
-    def effective_costs(self) -> MissCosts:
-        """The cost model the table is built from: the estimates with the CPU side scaled by :attr:`cpu_scale`."""
-        c, k = self.costs, self.cpu_scale
+    def effective_costs(self, level: int | None = None) -> MissCosts:
+        """The cost model the table is built from: the estimates with the CPU side scaled by :attr:`cpu_scale`
+        (by ``2^(level/8)`` for another ``level`` of the balance controller)."""
+        c, k = self.costs, self.cpu_scale if level is None else 2.0 ** (level / 8)
         return replace(c, cpu_s=c.cpu_s * k, cpu_conc_s=c.cpu_conc_s * k, cpu_fixed_s=c.cpu_fixed_s * k)
 
     def t_save(self, c: MissCosts) -> float:
@@ -717,19 +718,24 @@ class AutoPolicy(ExpertPolicy):
         w = max(1, k // 2)  # a secant: the integer splits make single differences jump (0.1x-2x the balance)
         return max((best(k + w) - best(k - w)) / (2 * w), 0.0)
 
-    def _rebuild(self) -> bool:
+    def _table_at(self, level: int) -> list[list[int]]:
+        """The table ``q_l(m)`` the current estimates give at the balance controller's ``level``."""
         if not _close(self.costs, self._hull_costs, self.rebuild_tolerance):
             self._hulls_by_level, self._hull_costs = {}, self.costs  # new estimates: every level's hulls are stale
-        c = self.effective_costs()
-        hulls = self._hulls_by_level.get(self.cpu_level)
+        c = self.effective_costs(level)
+        hulls = self._hulls_by_level.get(level)
         if hulls is None:  # M + 1 hulls of at most M + 1 points, kept per level (the controller revisits levels)
             hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)]) for m in range(self.M + 1)]
-            self._hulls_by_level[self.cpu_level] = hulls
+            self._hulls_by_level[level] = hulls
         t_save = self.t_save(c)
         values = [max(r, 0.0) * t_save for r in self.reuse]
         table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
         if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
             table = [list(range(self.M + 1)) for _ in range(self.L)]
+        return table
+
+    def _rebuild(self) -> bool:
+        table = self._table_at(self.cpu_level)
         changed = table != self._table
         if changed:
             self._table, self._tensor = table, None
@@ -758,7 +764,13 @@ class AutoPolicy(ExpertPolicy):
 
     @property
     def wants_cpu_probe(self) -> int:
-        return self.cpu_probe_experts if self.cpu_level > 0 and self.fills_every_miss() else 0
+        """The probe's experts while the CPU is priced out: the table fills every miss at a raised level but
+        would split at level 0. Where it fills every miss at level 0 too (few misses, or fills that are hit
+        again), the CPU's speed changes nothing and no probe is timed (a probe reads ~1 ms of experts a
+        window, 8 % of a 16-layer step's time)."""
+        if self.cpu_level <= 0 or not self.fills_every_miss():
+            return 0
+        return 0 if all(q == m for row in self._table_at(0) for m, q in enumerate(row)) else self.cpu_probe_experts
 
     def observe(self, seconds: float, batch_size: int) -> bool:
         """Record a decode step's wall time (for the balance controller's stall test); the table is
@@ -841,6 +853,8 @@ class AutoPolicy(ExpertPolicy):
                 disarmed = self.fills_every_miss()
                 if probed:  # the probe judged this window
                     self._quiet_windows = 0
+                elif disarmed and self.cpu_level > 0 and not self.wants_cpu_probe:
+                    self._quiet_windows = 0  # every miss fills at level 0 too: the CPU's price changes nothing now
                 elif self.cpu_level and self._quiet_windows >= (self._retry_windows if disarmed else 1):
                     if disarmed and self.cpu_level > 0:
                         self.cpu_level //= 2
