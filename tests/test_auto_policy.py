@@ -133,7 +133,7 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     assert auto.cpu_level == min(28 + max(auto.balance_stall_step, math.ceil(8 * math.log2(3))), 40) == 40
     auto.cpu_level = 28
     stalled = all_late
-    auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[40, 40], misses_per_layer_step=6.0))
+    auto.observe_layers(LayerObservation(reuse_net=[40, 40], fills=[40, 40], misses_per_layer_step=6.0))
     assert auto.fills_every_miss() and auto.wants_cpu_probe  # priced out: level 0 would split
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
