@@ -1,8 +1,9 @@
 """The decode step's fill kernel against the copy engine, over a pool as large as a real one.
 
 A decode step's fills run as one ``gather_fills`` launch per MoE layer: SM loads through the mapped address of
-the page-locked host pool (zero-copy), the only way a CUDA graph can copy rows whose ids the device chose. The
-start-up profile's B_P is measured with the copy engine (``cudaMemcpyAsync``). This measures both on the same
+the page-locked host pool (zero-copy), the only way a CUDA graph can copy rows whose ids the device chose; the
+start-up profile measures B_P through that kernel too (``edgemoe.experts.bandwidth.measure_fill``), and the prefill
+stream copies whole layers with the copy engine (``cudaMemcpyAsync``). This measures both on the same
 random rows of a pool of ``--pool-gb`` (a full-scale pool spans tens of GB; the host's IOMMU and the GPU's
 translation of host pages see that span), ``--rows`` rows a call (one layer's fills), and sweeps the gather's
 launch (programs per SM, warps per program, words per work item):

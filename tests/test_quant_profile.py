@@ -4,6 +4,7 @@ saved profile's file name and match key carry the format, and the engine uses on
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_profile_is_measured_and_saved_per_format(checkpoints, tmp_path, monkeyp
     assert bf16["expert"]["row_bytes"] > e["row_bytes"]
 
 
-def test_engine_uses_the_profile_of_its_format(checkpoints, tmp_path, monkeypatch):
+def test_engine_uses_the_profile_of_its_format(checkpoints, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("EDGEMOE_CACHE", str(tmp_path))
     monkeypatch.setattr("edgemoe.bench.profile.implausible", lambda prof: None)
     monkeypatch.setattr("edgemoe.experts.bandwidth.implausible", lambda prof: None)
@@ -69,6 +70,15 @@ def test_engine_uses_the_profile_of_its_format(checkpoints, tmp_path, monkeypatc
         bw = runner.experts.bandwidths
         assert runner.pool.format is fmt and (bw.pcie, bw.cpu) == pair
         assert f"profile-64x64-{fmt.value}-cpu.json" in bw.source
+    # a profile saved by an older edgemoe (another version) is not used, and the log says so
+    old = tmp_path / "profile-64x64-bf16-cpu.json"
+    saved = json.loads(old.read_text())
+    old.write_text(json.dumps({**saved, "version": PROFILE_VERSION - 1}))
+    with caplog.at_level(logging.WARNING, logger="edgemoe.experts.bandwidth"):
+        bw = ModelRunner(checkpoints["bf16"], cfg, progress=False).experts.bandwidths
+    assert "profile-64x64-bf16-cpu.json" not in bw.source
+    assert any(f"profile version {PROFILE_VERSION - 1}" in r.getMessage() and "measuring again" in r.getMessage()
+               for r in caplog.records)
     prof = json.loads((tmp_path / "profile-64x64-fp8_block-cpu.json").read_text())
     prof["path"] = str(tmp_path / "profile-64x64-fp8_block-cpu.json")
     with pytest.raises(ValueError, match=r"profile is for another expert format.*this engine deploys bf16 experts"):

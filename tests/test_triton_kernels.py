@@ -259,6 +259,9 @@ def test_gather_copies_exactly_the_fills(fmt, I, H):
         assert torch.equal(dst[s], src[f])
     for s in (2, 3, 5):
         assert not dst[s].any()
+    dst.zero_()  # another launch shape (benchmarks/fill_kernel.py sweeps them): the same copy
+    gather_fills(meta, fid, slot, src, dst, num_programs=2, block_words=512, num_warps=4)
+    assert all(torch.equal(dst[s], src[f]) for f, s in zip([7, 2, 5], [4, 0, 1])) and not dst[[2, 3, 5]].any()
     meta[2] = 0
     dst.zero_()
     gather_fills(meta, fid, slot, src, dst)
@@ -275,6 +278,8 @@ def test_gather_rejects_mismatched_banks():
         gather_fills(meta, ids, ids, a, a.view(torch.float32))
     with pytest.raises(ValueError, match="meta"):
         gather_fills(meta.long(), ids, ids, a, a)
+    with pytest.raises(ValueError, match="power of two"):
+        gather_fills(meta, ids, ids, a, a, block_words=3000)
 
 
 # ---------------------------------------------------------------- expert GEMV

@@ -54,9 +54,11 @@ from pathlib import Path
 import torch
 
 from edgemoe.config import ExpertActivation
+from edgemoe.experts.compute import kernel_reason
 from edgemoe.experts.cpu_executor import CpuExecutor
 from edgemoe.experts.policy import Bandwidths, QStarPolicy
 from edgemoe.experts.pool import HostExpertPool, default_compute_dtype
+from edgemoe.kernels import kernel_module
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.startup import startup_step
 
@@ -137,18 +139,19 @@ def measure_fill(pool: HostExpertPool, device: torch.device, seconds: float, sto
     ``rows_per_copy`` rows drawn at random from ``pool`` (page-locked) into ``device`` slots.
 
     The device decode path copies its fills with that kernel (SM loads through the pool's mapped address), not
-    with the copy engine :func:`measure_copy` drives; the two differ by host: on one H100 host of the GPU lab the
-    kernel moved 31-40 GB/s in decode where the copy engine moved 54.7. Each launch waits for the one before it
-    (the pool's rows are read once per call, as a layer's fills are).
+    with the copy engine :func:`measure_copy` drives; the two can differ by host (the kernel reached 0.94 of the
+    copy engine on an H200 host of the GPU lab, while on one H100 host a decode step's fills, GPU work included,
+    moved 31 GB/s against a copy-engine 54.7). Each launch waits for the one before it (the pool's rows are read
+    once per call, as a layer's fills are).
 
     Raises:
-        ValueError: ``pool`` not page-locked or ``device`` not CUDA (use :func:`measure_copy`).
+        ValueError: ``pool`` not page-locked, ``device`` not CUDA, or the Triton kernels unavailable there (use
+            :func:`measure_copy`).
     """
-    from edgemoe.kernels.gather import gather_fills
-
     device = torch.device(device)
-    if device.type != "cuda" or not pool.pinned:
-        raise ValueError("measure_fill needs a page-locked pool and a CUDA device")
+    gather = kernel_module("gather", device) if device.type == "cuda" and pool.pinned else None
+    if gather is None:
+        raise ValueError("measure_fill needs a page-locked pool and a CUDA device with the Triton kernels")
     n = min(rows_per_copy, pool.num_ids)
     dst = torch.empty((n, pool.row_bytes), dtype=torch.uint8, device=device)
     meta = torch.tensor([0, 0, n, 0], dtype=torch.int32, device=device)
@@ -160,7 +163,7 @@ def measure_fill(pool: HostExpertPool, device: torch.device, seconds: float, sto
     t0 = time.perf_counter()
     while True:
         for _ in range(4):
-            gather_fills(meta, fids[i % len(fids)], slots, pool.bank, dst)
+            gather.gather_fills(meta, fids[i % len(fids)], slots, pool.bank, dst)
             moved += pool.row_bytes * n
             i += 1
         torch.cuda.synchronize(device)
@@ -170,9 +173,13 @@ def measure_fill(pool: HostExpertPool, device: torch.device, seconds: float, sto
 
 
 def fill_meter(pool: HostExpertPool, device: torch.device):
-    """The B_P measurement of the decode path's fills: :func:`measure_fill` for a page-locked pool on CUDA (the
-    device decode path's gather kernel), else :func:`measure_copy` (copy engine, or a host memory copy)."""
-    return measure_fill if torch.device(device).type == "cuda" and pool.pinned else measure_copy
+    """The B_P measurement of the decode path's fills: :func:`measure_fill` where a decode step fills through the
+    device decode path's gather kernel (a page-locked pool on CUDA, the Triton kernels available and reading the
+    pool's format), else :func:`measure_copy` (the eager path's copy engine, or a host memory copy)."""
+    device = torch.device(device)
+    fast = (device.type == "cuda" and pool.pinned and kernel_reason(pool.layout) is None
+            and kernel_module("gather", device) is not None)
+    return measure_fill if fast else measure_copy
 
 
 def _executor_for(pool: HostExpertPool, executor: CpuExecutor) -> CpuExecutor:
@@ -302,8 +309,8 @@ def measure(pool: HostExpertPool | None, layout: ExpertLayout, device: torch.dev
     bps = _rounds(lambda t: copy(rot, device, t), seconds)
     bhs = _rounds(lambda t: measure_cpu(rot, executor, t, experts_per_call=DECODE_CPU_EXPERTS), seconds)
     cp, ch = measure_concurrent(rot, device, executor, seconds)
-    bp1 = copy(rot, device, seconds / 2, rows_per_copy=1)
-    bh1 = measure_cpu(rot, executor, seconds / 2, experts_per_call=1)
+    bp1 = statistics.median(_rounds(lambda t: copy(rot, device, t, rows_per_copy=1), seconds / 2))
+    bh1 = statistics.median(_rounds(lambda t: measure_cpu(rot, executor, t, experts_per_call=1), seconds / 2))
     other = load.cores()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -414,6 +421,9 @@ def _profile_bandwidths(config, pool: HostExpertPool, cache, executor) -> Bandwi
     prof = read_profile(path)  # an explicit path that vanished raises FileNotFoundError here
     exp = prof.get("expert", {})
     if not profile_matches(prof, pool.layout, cache.device):
+        if not explicit and prof.get("version") != PROFILE_VERSION:
+            log.warning("%s: measured by an older edgemoe (profile version %s, now %s), not used: measuring again; "
+                        "`edgemoe profile` saves a current one", path, prof.get("version"), PROFILE_VERSION)
         if explicit:
             raise ValueError(f"{path}: profile is for another expert format, shape or device (version "
                              f"{prof.get('version')}, {exp}, {prof.get('device')}); this engine deploys "
@@ -499,6 +509,8 @@ def format_profile(prof: dict) -> str:
         f"isolated    B_P {iso['b_p_gbps']:7.2f} GB/s   B_H {iso['b_h_gbps']:7.2f} GB/s{note}",
         f"concurrent  B_P {conc['b_p_gbps']:7.2f} GB/s   B_H {conc['b_h_gbps']:7.2f} GB/s",
     ]
+    if prof.get("fill_path"):
+        lines.append(f"B_P moved by {prof['fill_path']} (as a decode step's fills on this device)")
     if prof.get("fixed_costs"):
         fx = prof["fixed_costs"]
         lines.append(f"fixed cost per call: copy {1e6 * fx['fill_call_s']:.1f} us, CPU executor "

@@ -509,7 +509,10 @@ class AutoPolicy(ExpertPolicy):
     with too few hand-offs to judge move it one level back toward 1x. While the table fills every miss
     (the CPU branch disarmed, sending nothing) hand-offs say nothing about the CPU. Where the runtime
     times a CPU-speed probe (:attr:`wants_cpu_probe`: :attr:`cpu_probe_experts` experts of one token in
-    one executor call between steps, about a millisecond at full speed, off the GPU's path), a window's
+    one executor call between steps, about a millisecond at full speed, off the GPU's path; asked only where
+    the table would split at level 0, so that the CPU's price is what makes it fill every miss: where it fills
+    every miss at level 0 too, few misses or fills hit again, the CPU's speed changes nothing, no probe is
+    timed and quiet windows keep the level), a window's
     probe within :attr:`cpu_probe_return` times the level-0 model's time sets the level to
     ``8·log2(measured / modeled)`` (never raising it): a slowdown that ended is seen in the next window.
     A slower probe keeps the level: under a process sharing the executor's cores a lone small call
@@ -620,6 +623,7 @@ class AutoPolicy(ExpertPolicy):
         self._hull_costs: MissCosts | None = None
         self._hulls_by_level: dict[int, list[tuple[list[int], list[float]]]] = {}
         self.cpu_level = 0
+        self._level0_fills_all: bool | None = None  # wants_cpu_probe's look at the level-0 table, until a rebuild
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
         self._balance_move = 0  # the last window's move in levels (signed; 0: none)
         self._retry_windows = self.balance_retry_windows  # quiet windows before the next probe
@@ -735,6 +739,7 @@ class AutoPolicy(ExpertPolicy):
         return table
 
     def _rebuild(self) -> bool:
+        self._level0_fills_all = None  # the estimates may have moved: wants_cpu_probe looks again
         table = self._table_at(self.cpu_level)
         changed = table != self._table
         if changed:
@@ -770,7 +775,9 @@ class AutoPolicy(ExpertPolicy):
         window, 8 % of a 16-layer step's time)."""
         if self.cpu_level <= 0 or not self.fills_every_miss():
             return 0
-        return 0 if all(q == m for row in self._table_at(0) for m, q in enumerate(row)) else self.cpu_probe_experts
+        if self._level0_fills_all is None:  # kept until the next rebuild (the table at level 0 costs ~0.3 ms)
+            self._level0_fills_all = all(q == m for row in self._table_at(0) for m, q in enumerate(row))
+        return 0 if self._level0_fills_all else self.cpu_probe_experts
 
     def observe(self, seconds: float, batch_size: int) -> bool:
         """Record a decode step's wall time (for the balance controller's stall test); the table is
@@ -786,6 +793,7 @@ class AutoPolicy(ExpertPolicy):
     def observe_layers(self, obs: LayerObservation) -> bool:
         """Update the reuse and cost estimates from ``obs`` and rebuild the table; returns whether it
         changed (the caller then pushes :meth:`fill_table` to the device)."""
+        self._level0_fills_all = None  # new estimates below
         if obs.fills is not None:
             d = self.reuse_decay
             for layer, (net, n) in enumerate(zip(obs.reuse_net, obs.fills)):
@@ -854,7 +862,8 @@ class AutoPolicy(ExpertPolicy):
                 if probed:  # the probe judged this window
                     self._quiet_windows = 0
                 elif disarmed and self.cpu_level > 0 and not self.wants_cpu_probe:
-                    self._quiet_windows = 0  # every miss fills at level 0 too: the CPU's price changes nothing now
+                    # every miss fills at level 0 too: the CPU's price changes nothing now, nothing to probe
+                    self._quiet_windows, self._probing = 0, False
                 elif self.cpu_level and self._quiet_windows >= (self._retry_windows if disarmed else 1):
                     if disarmed and self.cpu_level > 0:
                         self.cpu_level //= 2

@@ -89,13 +89,16 @@ def gather_fills(meta: torch.Tensor, fill_fid: torch.Tensor, fill_slot: torch.Te
             (``benchmarks/fill_kernel.py`` sweeps them against the copy engine).
 
     Raises:
-        ValueError: banks that are not contiguous uint8 ``[rows, row_bytes]`` of one row size.
+        ValueError: banks that are not contiguous uint8 ``[rows, row_bytes]`` of one row size, or a
+            ``block_words`` that is not a power of two.
 
     A pageable (unregistered) host source is refused by Triton's launcher ("cannot be accessed from
     Triton"); copy such pools with ``cudaMemcpyAsync`` instead.
     """
     if meta.dtype != torch.int32 or meta.numel() < 4:
         raise ValueError("meta must be the [4] int32 output of route_control")
+    if block_words <= 0 or block_words & (block_words - 1):
+        raise ValueError(f"block_words must be a power of two, got {block_words}")
     if fill_fid.dtype != torch.int64 or fill_slot.dtype != torch.int64 or fill_fid.numel() != fill_slot.numel():
         raise ValueError("fill_fid and fill_slot must be int64 tensors of the same length")
     s, d = _words(src, dst)
