@@ -255,12 +255,12 @@ def test_measured_reuse_makes_a_layer_fill_every_miss():
 
 def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
     """Costs measured on the GPU host at 15 threads (a CPU expert cheaper than a fill): after prefill,
-    a window whose few fills (3 a layer) were not requested again yet keeps filling every miss (a CPU-served
-    expert would not be cached); a window of many fills with no net reuse (no locality) splits."""
+    a window whose few fills were not requested again yet keeps filling every miss (a CPU-served expert
+    would not be cached); a window of many fills with no net reuse (no locality) splits."""
     costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
                       cpu_fixed_s=27e-6)
     layers = 48
-    burst = LayerObservation(reuse_net=[2] * layers, fills=[3] * layers, misses_per_layer_step=4.6)
+    burst = LayerObservation(reuse_net=[6] * layers, fills=[9] * layers, misses_per_layer_step=4.6)
     auto = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
     auto.price_armed_branch(8e-6)
     auto.observe_layers(burst)

@@ -482,14 +482,8 @@ class AutoPolicy(ExpertPolicy):
     ``reuse_prior_weight`` fills of evidence): a miss served on the CPU is not cached, so a split chosen
     in the first windows after the working set moved, whose fills have not been requested again yet,
     keeps those experts out and makes its own later misses (on the GPU host, realistic routing at 16 GB
-    with prior 0 split for ~24 decode steps after prefill and ran at 0.80-0.93x ``fill-all``; the windows
-    after a prefill are now also held by the falling-misses rule below). The prior is 4 hits a fill, not 8:
-    8 (48 pseudo-hits against some 26 fills a layer's window of 8 steps without locality) kept the
-    estimate above 0.5 for five windows and made ``auto`` fill well past the bandwidth balance in short runs
-    (16 layers on the GPU host: 0.59-0.64 of the misses against ``qstar``'s 0.45-0.48, 14-25 % slower; in the
-    step-time simulator 6 of 45 rows below 0.97 of the best fixed policy with 8, 2 with 4); with 4 the
-    GPU host's 48-layer rows, the realistic 16 GB ones included, stayed at 0.99 or above. A window of a
-    few fills (3-4 a layer) still keeps filling every miss; several per layer step outweigh the prior.
+    with prior 0 split for ~24 decode steps after prefill and ran at 0.80-0.93x ``fill-all``). Without
+    locality one window's fills (several per layer step) outweigh the prior.
 
     ``t_save`` is the marginal time of one more miss at the measured mean miss count ``m̄`` of a layer
     step (``k = max(1, round(m̄))``, ``T*`` the best split's time): ``T*(1) − T*(0)``, a whole expert's
@@ -612,7 +606,7 @@ class AutoPolicy(ExpertPolicy):
     rising_min_misses = 1.0  # a window with at least this many misses per layer step after one below falling_min_misses
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
-                 reuse_halflife: float = 32.0, reuse_prior: float = 4.0, reuse_prior_weight: float = 6.0,
+                 reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
                  fit_halflife: float = 256.0):
         if num_layers < 1 or max_misses < 1:
             raise ValueError(f"num_layers and max_misses must be >= 1, got {num_layers}, {max_misses}")
