@@ -118,14 +118,24 @@ def measure_copy(pool: HostExpertPool, device: torch.device, seconds: float, sto
     dst = torch.empty((n, pool.row_bytes), dtype=torch.uint8, device=device)
     nb = pool.pinned and device.type == "cuda"
     starts = torch.randperm(max(1, pool.num_ids - n + 1)).tolist()
+
+    def copy(i: int) -> None:
+        s = starts[i % len(starts)]
+        dst.copy_(pool.bank[s:s + n], non_blocking=nb)
+
+    return _copy_rate(copy, pool.row_bytes * n, device, seconds, stop)
+
+
+def _copy_rate(copy, nbytes: int, device: torch.device, seconds: float, stop: threading.Event | None) -> float:
+    """GB/s of ``copy(i)`` calls of ``nbytes`` each, four between synchronizations, for at least ``seconds`` (or
+    until ``stop`` is set)."""
     moved, i = 0, 0
     _sync(device)
     t0 = time.perf_counter()
     while True:
         for _ in range(4):
-            s = starts[i % len(starts)]
-            dst.copy_(pool.bank[s:s + n], non_blocking=nb)
-            moved += pool.row_bytes * n
+            copy(i)
+            moved += nbytes
             i += 1
         _sync(device)
         dt = time.perf_counter() - t0
@@ -158,18 +168,8 @@ def measure_fill(pool: HostExpertPool, device: torch.device, seconds: float, sto
     slots = torch.arange(n, device=device)
     g = torch.Generator().manual_seed(0)
     fids = torch.stack([torch.randperm(pool.num_ids, generator=g)[:n] for _ in range(64)]).to(device)  # [64, n]
-    moved, i = 0, 0
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    while True:
-        for _ in range(4):
-            gather.gather_fills(meta, fids[i % len(fids)], slots, pool.bank, dst)
-            moved += pool.row_bytes * n
-            i += 1
-        torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        if dt >= seconds or (stop is not None and stop.is_set()):
-            return moved / dt / 1e9
+    return _copy_rate(lambda i: gather.gather_fills(meta, fids[i % len(fids)], slots, pool.bank, dst),
+                      pool.row_bytes * n, device, seconds, stop)
 
 
 def fill_meter(pool: HostExpertPool, device: torch.device):
