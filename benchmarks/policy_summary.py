@@ -36,9 +36,9 @@ def _samples(path: Path) -> dict[tuple[int, float], dict[str, list[float]]]:
     return samples
 
 
-def _medians(path: Path) -> dict[tuple[int, float], dict[str, float]]:
-    """Each policy's median tokens/s per ``(threads, budget_gb)`` of one run folder."""
-    return {key: {p: statistics.median(v) for p, v in pols.items()} for key, pols in _samples(path).items()}
+def _medians(samples: dict[tuple[int, float], dict[str, list[float]]]) -> dict[tuple[int, float], dict[str, float]]:
+    """Each policy's median tokens/s per ``(threads, budget_gb)`` of one run folder's :func:`_samples`."""
+    return {key: {p: statistics.median(v) for p, v in pols.items()} for key, pols in samples.items()}
 
 
 def _row(groups: dict[tuple[int, float], dict[str, float]], threads: int, gb: float) -> dict[str, float]:
@@ -61,10 +61,9 @@ def summarize(root: Path) -> tuple[list[dict], str]:
     if not runs:
         raise FileNotFoundError(f"{root}: no */decode.json (run scripts/gpu_check.sh policy first)")
     rows = []
-    medians = {path.parent.name: _medians(path) for path in runs}
-    for path in runs:
-        regime = path.parent.name
-        samples = _samples(path)
+    by_folder = {path.parent.name: _samples(path) for path in runs}
+    medians = {name: _medians(samples) for name, samples in by_folder.items()}
+    for regime, samples in by_folder.items():
         groups = medians[regime]
         home = medians.get(regime.split("@")[0], {})  # the regime's own folder: fixed policies for a tree's auto
         for threads, gb in sorted(groups):
