@@ -138,12 +138,12 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(auto.balance_retry_windows - 1):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 28 and not auto.wants_early_read
+    assert auto.cpu_level == 28 and not auto.read_window_steps == 1
     auto.observe_layers(quiet)
-    assert auto.cpu_level == 14 and auto.wants_early_read  # the probe, judged on the next step
+    assert auto.cpu_level == 14 and auto.read_window_steps == 1  # the probe, judged on the next step
     auto.observe(0.1, 1)
     auto.observe_layers(stalled)  # answered late: priced out again, and the next probe waits twice as long
-    assert auto.cpu_level == 40 and not auto.wants_early_read
+    assert auto.cpu_level == 40 and not auto.read_window_steps == 1
     window(0.1, stalled)
     assert auto.fills_every_miss() and auto.cpu_level == auto.balance_levels[1] == 40
     assert auto._retry_windows == 2 * auto.balance_retry_windows
@@ -156,7 +156,7 @@ def test_a_stalled_cpu_is_priced_out_at_once_and_probed_back_with_backoff():
     assert auto.cpu_level == 20 and auto._retry_windows == auto.balance_retry_windows
     disarmed = auto.fills_every_miss()
     for _ in range(auto.balance_retry_windows):
-        auto.observe_layers(quiet)
+        window(0.1, quiet)
     # halved by a probe if the table fills every miss, else one level a quiet window
     assert auto.cpu_level == (10 if disarmed else 20 - auto.balance_retry_windows)
 
@@ -176,7 +176,7 @@ def test_no_cpu_probe_where_every_miss_fills_at_level_0_too():
     quiet = LayerObservation(handoffs=[0, 0], late=[0, 0])
     for _ in range(3 * auto.balance_retry_windows):
         auto.observe_layers(quiet)
-    assert auto.cpu_level == 20 and not auto.wants_early_read
+    assert auto.cpu_level == 20 and not auto.read_window_steps == 1
     for _ in range(40):  # the fills stop being hit: the reuse estimate decays to what they show
         auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[400, 400]))
     assert not auto.fills_every_miss() and auto.wants_cpu_probe == 0  # level 20 splits: hand-offs judge it
@@ -193,7 +193,7 @@ def test_a_cpu_probe_brings_a_priced_out_cpu_back_when_the_slowdown_ends():
     asked at level 0 or while the table splits."""
     auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16)
     assert auto.wants_cpu_probe == 0  # level 0
-    auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[40, 40], misses_per_layer_step=6.0))
+    auto.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[60, 60], misses_per_layer_step=6.0))
     base = [auto.num_fills(m) for m in range(1, 17)]
     auto.cpu_level = auto.balance_levels[1]  # priced out by a stall
     auto._rebuild()
@@ -271,6 +271,51 @@ def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
     assert not prior0.fills_every_miss()  # the self-confirming split the prior exists to avoid
     auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
     assert not auto.fills_every_miss()
+
+
+def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir):
+    """Where the reuse prior alone makes the table fill more than the fills measured so far say (layer steps miss
+    at least ``settle_min_misses`` times, the fills show no net reuse, fewer than ``settle_max_fills`` displacing
+    fills a layer), the next window is read after ``settle_read_steps`` decode steps instead of
+    ``REUSE_READ_STEPS``, so the split follows the evidence a few steps after it comes in. The balance controller
+    still judges hand-offs over ``REUSE_READ_STEPS`` steps: the short windows' hand-offs add up. Rare misses, or
+    the evidence in, keep the full window; the runtime reads at the policy's window."""
+    from edgemoe import LLM, SamplingParams
+    from edgemoe.experts.policy import REUSE_READ_STEPS
+
+    costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
+                      cpu_fixed_s=27e-6)
+    layers, short = 4, AutoPolicy.settle_read_steps
+    assert 1 < short < REUSE_READ_STEPS
+    auto = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
+    assert auto.read_window_steps == REUSE_READ_STEPS  # nothing measured yet
+    auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[12] * layers, misses_per_layer_step=5.5))
+    assert auto.read_window_steps == short
+    on_prior, level = auto.num_fills(6), auto.cpu_level
+    for i in range(REUSE_READ_STEPS // short):  # every hand-off late at an unchanged step time: one level, once
+        for _ in range(short):
+            auto.observe(0.01, 1)
+        assert auto.cpu_level == level
+        auto.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers))
+    assert auto.cpu_level == level + 1
+    auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
+    assert auto.read_window_steps == REUSE_READ_STEPS and auto.num_fills(6) < on_prior  # the evidence is in
+    rare = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
+    rare.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[2] * layers, misses_per_layer_step=0.4))
+    assert rare.read_window_steps == REUSE_READ_STEPS
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    pol, reads = rt.policy, []
+    observe = pol.observe_layers
+    pol.observe_layers = lambda obs: (changed := observe(obs), reads.append((rt._decode_steps, pol.read_window_steps)),
+                                      changed)[0]
+    pol.settle_read_steps = 3
+    llm.generate(["Hi"], SamplingParams(max_tokens=6 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True))
+    gaps = [(step - before, window) for (before, window), (step, _) in zip(reads, reads[1:])]
+    assert (3, 3) in gaps  # the tiny model's first fills show no reuse
+    assert all(gap <= window for gap, window in gaps)  # at the policy's window (sooner after REUSE_READ_SECONDS)
 
 
 def test_misses_falling_fast_keep_filling_every_miss():
@@ -561,7 +606,7 @@ def test_runtime_times_the_cpu_probe_the_policy_asks_for(tiny_model_dir):
 
     pol.observe_layers = record
     # a measured miss rate without reuse: the table would split at level 0, so the CPU's price is what fills
-    pol.observe_layers(LayerObservation(reuse_net=[0] * pol.L, fills=[40] * pol.L, misses_per_layer_step=3.0))
+    pol.observe_layers(LayerObservation(reuse_net=[0] * pol.L, fills=[60] * pol.L, misses_per_layer_step=3.0))
     seen.clear()
     pol.cpu_level = pol.balance_levels[1]
     pol._rebuild()
@@ -641,7 +686,7 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     bw = Bandwidths(53.0, 98.7)
     old = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     for _ in range(3):  # joins that never waited: the CPU side is cheaper than modeled
-        old.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0], reuse_net=[3, 3], fills=[40, 40],
+        old.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0], reuse_net=[3, 3], fills=[60, 60],
                                             misses_per_layer_step=4.0, cpu_samples=[(4, 2e-4, False)] * 6))
     assert old.cpu_level == -7 and old.miss_rate is not None and old.costs != old.prior
     new = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)

@@ -22,8 +22,8 @@ A CPU branch is *armed* on every layer step of a policy that may send work to th
 ``fill-all``), as in the engine's device path: an armed layer step without CPU work pays
 ``MissCosts.idle_handoff_s``. ``auto`` runs as on the engine's CUDA device path: it is told that cost
 (``AutoPolicy.price_armed_branch``), its steps run without the branch while its table fills every
-miss, and every ``REUSE_READ_STEPS`` decode steps (or ``REUSE_READ_SECONDS`` of simulated time, or the next
-step when it asks, ``wants_early_read``) it gets
+miss, and every ``read_window_steps`` decode steps (``REUSE_READ_STEPS`` unless it asks for fewer, or after
+``REUSE_READ_SECONDS`` of simulated time) it gets
 the window's join lateness (a hand-off is *late* when its CPU branch outlasts the GPU's work between
 hand-off and join: the fills and the resident experts) and the misses per layer step that found no
 free slot.
@@ -48,7 +48,6 @@ from dataclasses import dataclass, field, replace
 from edgemoe.bench.replay import Access, ResidentPolicy, Workload, make_policy
 from edgemoe.experts.policy import (
     REUSE_READ_SECONDS,
-    REUSE_READ_STEPS,
     AdaptivePolicy,
     AutoPolicy,
     Bandwidths,
@@ -348,7 +347,7 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
     if pol is None:
         return clock, False
     pol.observe(sense(seconds), 1)
-    if win.steps < REUSE_READ_STEPS and clock - win.start_s < REUSE_READ_SECONDS and not pol.wants_early_read:
+    if win.steps < pol.read_window_steps and clock - win.start_s < REUSE_READ_SECONDS:
         return clock, False
     if rule is not None and rule.reuse_net is not None:
         net, n = rule.reuse_net, rule.fills_by_layer

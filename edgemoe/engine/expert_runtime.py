@@ -30,7 +30,6 @@ from edgemoe.experts.hybrid import HybridExperts
 from edgemoe.experts.native import ALONGSIDE_CUDA
 from edgemoe.experts.policy import (
     REUSE_READ_SECONDS,
-    REUSE_READ_STEPS,
     Bandwidths,
     ExpertPolicy,
     LayerObservation,
@@ -324,8 +323,8 @@ class ExpertRuntime:
         """Before a step: set the LRU clock and feed an online policy the wall time of the previous
         decode step (from its start to this step's start, counted only between two decode steps of
         one batch size; the engine samples, a sync, in between). A per-layer policy also gets the cache's
-        counters every ``REUSE_READ_STEPS`` decode steps, or after ``REUSE_READ_SECONDS`` when steps are
-        slow, or after one step when it asks (``ExpertPolicy.wants_early_read``; :meth:`_observe_reuse`).
+        counters every ``ExpertPolicy.read_window_steps`` decode steps (``REUSE_READ_STEPS`` unless it asks for
+        fewer), or after ``REUSE_READ_SECONDS`` when steps are slow (:meth:`_observe_reuse`).
         A rule change goes to the device."""
         if self.cache.num_slots:
             self.cache.clock.fill_(step)
@@ -335,8 +334,7 @@ class ExpertRuntime:
                 self._reuse_seen = (*self._reuse_seen[:4], self.cache.slots_used)
             self._decode_steps += 1
             since = self._decode_steps - self._reuse_seen[3]
-            if (since >= REUSE_READ_STEPS or now - self._reuse_read_s >= REUSE_READ_SECONDS
-                    or (since >= 1 and self.policy.wants_early_read)):
+            if since >= self.policy.read_window_steps or now - self._reuse_read_s >= REUSE_READ_SECONDS:
                 self._observe_reuse()
                 self._reuse_read_s = now
         prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None

@@ -98,10 +98,10 @@ class ExpertPolicy:
         return False
 
     @property
-    def wants_early_read(self) -> bool:
-        """Whether the runtime should pass the counters of the very next decode step (:meth:`observe_layers`)
-        instead of waiting for a full window (a probe whose answer one step gives)."""
-        return False
+    def read_window_steps(self) -> int:
+        """Decode steps after which the runtime passes the window's counters (:meth:`observe_layers`):
+        :data:`REUSE_READ_STEPS`, or fewer where the policy wants to judge sooner."""
+        return REUSE_READ_STEPS
 
     @property
     def wants_cpu_probe(self) -> int:
@@ -521,7 +521,7 @@ class AutoPolicy(ExpertPolicy):
     times the level is instead halved toward 1x after :attr:`balance_retry_windows` quiet windows: a probe
     of the CPU side on the decode steps themselves, so one priced out by a passing slowdown comes back in
     a few probes, without flipping the step's graph every window. Such a probe is
-    judged on the next decode step (:attr:`wants_early_read`), so one into a persisting slowdown costs
+    judged on the next decode step (:attr:`read_window_steps`), so one into a persisting slowdown costs
     one slow step; one answered by a late window doubles the quiet windows before the next (up to
     :attr:`balance_retry_max`), one that is not resets them. The split then settles where the CPU
     finishes about when the GPU does, whatever the model missed (hand-off latency, an executor slower
@@ -604,6 +604,9 @@ class AutoPolicy(ExpertPolicy):
     falling_ratio = 0.5  # a window's miss count below this share of the window before's: the working set is settling
     falling_min_misses = 0.5  # ... counted only from a window before with at least this many misses per layer step
     rising_min_misses = 1.0  # a window with at least this many misses per layer step after one below falling_min_misses
+    settle_read_steps = 2  # decode steps of a window while the table fills more than the fills measured so far say
+    settle_min_misses = 1.0  # ... counted only where layer steps miss at least this often (a read costs ~0.3 ms)
+    settle_max_fills = 48.0  # ... and only while a layer's displacing fills (weighted) average fewer than this
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
@@ -628,6 +631,8 @@ class AutoPolicy(ExpertPolicy):
         self._balance_move = 0  # the last window's move in levels (signed; 0: none)
         self._retry_windows = self.balance_retry_windows  # quiet windows before the next probe
         self._probing = False  # the level was halved by a probe and no window has judged it yet
+        self._settling = False  # the reuse prior alone makes the table fill more: read again sooner
+        self._pending_joins: tuple[list[int] | None, list[int] | None] = (None, None)  # since the last judgment
         self._window_s, self._window_steps = 0.0, 0  # decode step times seen since the last observation
         self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
         self._visits: list[tuple[int, float]] = []  # (level, mean step time) of the last judged windows
@@ -722,8 +727,9 @@ class AutoPolicy(ExpertPolicy):
         w = max(1, k // 2)  # a secant: the integer splits make single differences jump (0.1x-2x the balance)
         return max((best(k + w) - best(k - w)) / (2 * w), 0.0)
 
-    def _table_at(self, level: int) -> list[list[int]]:
-        """The table ``q_l(m)`` the current estimates give at the balance controller's ``level``."""
+    def _table_at(self, level: int, reuse: list[float] | None = None) -> list[list[int]]:
+        """The table ``q_l(m)`` the current estimates give at the balance controller's ``level`` (with ``reuse``
+        in place of :attr:`reuse`, the estimates with the prior, where given)."""
         if not _close(self.costs, self._hull_costs, self.rebuild_tolerance):
             self._hulls_by_level, self._hull_costs = {}, self.costs  # new estimates: every level's hulls are stale
         c = self.effective_costs(level)
@@ -732,7 +738,7 @@ class AutoPolicy(ExpertPolicy):
             hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)]) for m in range(self.M + 1)]
             self._hulls_by_level[level] = hulls
         t_save = self.t_save(c)
-        values = [max(r, 0.0) * t_save for r in self.reuse]
+        values = [max(r, 0.0) * t_save for r in (self.reuse if reuse is None else reuse)]
         table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
         if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
             table = [list(range(self.M + 1)) for _ in range(self.L)]
@@ -745,6 +751,18 @@ class AutoPolicy(ExpertPolicy):
         if changed:
             self._table, self._tensor = table, None
         return changed
+
+    def _prior_fills_more(self) -> bool:
+        """Whether the table fills more than the fills measured so far say, on the reuse prior's word: layer steps
+        miss at least :attr:`settle_min_misses` times, no falling or rising window holds the table, the layers'
+        displacing fills average fewer than :attr:`settle_max_fills`, and the table built from the measured net
+        reuse alone (0 for a layer without fills) differs at the miss counts seen (up to twice the mean)."""
+        if (self.miss_rate is None or self.miss_rate < self.settle_min_misses or self.misses_falling
+                or self.misses_rose or sum(self._n) >= self.settle_max_fills * self.L):
+            return False
+        measured = [net / n if n > 0 else 0.0 for net, n in zip(self._net, self._n)]
+        seen = min(self.M, math.ceil(2 * self.miss_rate)) + 1
+        return any(a[:seen] != b[:seen] for a, b in zip(self._table_at(self.cpu_level, measured), self._table))
 
     def _armed_branch_pays(self, c: MissCosts, table: list[list[int]], values: list[float]) -> bool | None:
         """Whether ``table``'s expected gain over filling every miss exceeds the armed branch's cost
@@ -764,15 +782,26 @@ class AutoPolicy(ExpertPolicy):
         return gain > self.L * self.armed_cost_s
 
     @property
-    def wants_early_read(self) -> bool:
-        return self._probing
+    def read_window_steps(self) -> int:
+        """1 while a probe waits for its answer; :attr:`settle_read_steps` while the table fills more than the
+        fills measured so far say (see the class docstring); else :data:`REUSE_READ_STEPS`."""
+        return 1 if self._probing else self.settle_read_steps if self._settling else REUSE_READ_STEPS
+
+    @property
+    def _judges_next_read(self) -> bool:
+        """Whether the balance controller judges the window the next :meth:`observe_layers` closes: not the
+        short windows of a settling table, whose hand-offs add up until :data:`REUSE_READ_STEPS` steps."""
+        return not self._settling or self._probing or self._window_steps >= REUSE_READ_STEPS
 
     @property
     def wants_cpu_probe(self) -> int:
         """The probe's experts while the CPU is priced out: the table fills every miss at a raised level but
         would split at level 0. Where it fills every miss at level 0 too (few misses, or fills that are hit
         again), the CPU's speed changes nothing and no probe is timed (a probe reads ~1 ms of experts a
-        window, 8 % of a 16-layer step's time)."""
+        window, 8 % of a 16-layer step's time); nor in a window the balance controller does not judge."""
+        return self._cpu_probe_experts() if self._judges_next_read else 0
+
+    def _cpu_probe_experts(self) -> int:
         if self.cpu_level <= 0 or not self.fills_every_miss():
             return 0
         if self._level0_fills_all is None:  # kept until the next rebuild (the table at level 0 costs ~0.3 ms)
@@ -808,24 +837,47 @@ class AutoPolicy(ExpertPolicy):
             self.misses_rose = (self._window_full and before < self.falling_min_misses  # full implies a window before
                                 and m >= self.rising_min_misses)
             self._window_full = obs.free_slot_fills == 0
+        if obs.handoffs is not None:  # hand-offs add up over the short windows of a settling table
+            h, lt = self._pending_joins
+            self._pending_joins = ((list(obs.handoffs), list(obs.late)) if h is None else
+                                   ([a + b for a, b in zip(h, obs.handoffs)], [a + b for a, b in zip(lt, obs.late)]))
+        if self._judges_next_read:
+            (handoffs, late), self._pending_joins = self._pending_joins, (None, None)
+            self._judge_balance(handoffs, late, obs.cpu_probe)
+        p = self.prior
+        if obs.fill_samples or obs.cpu_samples:
+            for n, t, conc in obs.fill_samples:
+                self.fill_fit.add(n, t * (p.fill_s / p.fill_conc_s if conc else 1.0))
+            for n, t, conc in obs.cpu_samples:
+                self.cpu_fit.add(n, t * (p.cpu_s / p.cpu_conc_s if conc else 1.0))
+            self._costs_from_fits()
+        changed = self._rebuild()
+        self._settling = self._prior_fills_more()
+        return changed
+
+    def _judge_balance(self, handoffs: list[int] | None, late: list[int] | None,
+                       cpu_probe: tuple[int, float] | None) -> None:
+        """The balance controller's move over the decode steps since its last judgment (see the class docstring):
+        ``handoffs`` / ``late`` per layer over those steps (``None``: not counted), ``cpu_probe`` a CPU-speed
+        probe's ``(experts, seconds)``."""
         mean_s = self._window_s / self._window_steps if self._window_steps else None
         ref = self._step_ref_s
         slowed = mean_s is not None and ref is not None and mean_s >= self.balance_stall_slowdown * ref
         if mean_s is not None:  # the reference follows the step time, but not into a stall
             self._step_ref_s = mean_s if ref is None else ref if slowed else 0.5 * (ref + mean_s)
             self._window_s, self._window_steps = 0.0, 0
-        probed = obs.cpu_probe is not None and self.cpu_level > 0 and self.fills_every_miss()
+        probed = cpu_probe is not None and self.cpu_level > 0 and self.fills_every_miss()
         if probed:  # the CPU's own speed, measured off the decode steps: lower the level to what it says
-            n, t = obs.cpu_probe
+            n, t = cpu_probe
             model = self.costs.cpu_fixed_s + n * self.costs.cpu_s  # the level-0 (unscaled) time of that call
             if model > 0 and 0 < t <= self.cpu_probe_return * model:  # the slowdown is over (or nearly)
                 self.cpu_level = min(self.cpu_level, max(0, math.ceil(8 * math.log2(t / model))))
             self._probing, self._quiet_windows, self._balance_move = False, 0, 0
-        if obs.handoffs is not None:
+        if handoffs is not None:
             lo, hi = self.balance_levels
-            if (n := sum(obs.handoffs)) >= self.balance_min_handoffs:
+            if (n := sum(handoffs)) >= self.balance_min_handoffs:
                 self._quiet_windows = 0
-                frac = sum(obs.late) / n
+                frac = sum(late) / n
                 sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
                 prev = self._balance_move
                 stall = frac >= self.balance_stall and slowed  # every hand-off late and the steps slowed down
@@ -861,7 +913,7 @@ class AutoPolicy(ExpertPolicy):
                 disarmed = self.fills_every_miss()
                 if probed:  # the probe judged this window
                     self._quiet_windows = 0
-                elif disarmed and self.cpu_level > 0 and not self.wants_cpu_probe:
+                elif disarmed and self.cpu_level > 0 and not self._cpu_probe_experts():
                     # every miss fills at level 0 too: the CPU's price changes nothing now, nothing to probe
                     self._quiet_windows, self._probing = 0, False
                 elif self.cpu_level and self._quiet_windows >= (self._retry_windows if disarmed else 1):
@@ -871,14 +923,6 @@ class AutoPolicy(ExpertPolicy):
                     else:
                         self.cpu_level -= 1 if self.cpu_level > 0 else -1
                     self._quiet_windows = 0
-        p = self.prior
-        if obs.fill_samples or obs.cpu_samples:
-            for n, t, conc in obs.fill_samples:
-                self.fill_fit.add(n, t * (p.fill_s / p.fill_conc_s if conc else 1.0))
-            for n, t, conc in obs.cpu_samples:
-                self.cpu_fit.add(n, t * (p.cpu_s / p.cpu_conc_s if conc else 1.0))
-            self._costs_from_fits()
-        return self._rebuild()
 
     def _costs_from_fits(self) -> None:
         p = self.prior
