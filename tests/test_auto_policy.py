@@ -4,6 +4,7 @@ routing replay's, and the engine feeding the policy between steps with exact out
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import replace
@@ -292,7 +293,7 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir)
     auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[12] * layers, misses_per_layer_step=5.5))
     assert auto.read_window_steps == short
     on_prior, level = auto.num_fills(6), auto.cpu_level
-    for i in range(REUSE_READ_STEPS // short):  # every hand-off late at an unchanged step time: one level, once
+    for _i in range(REUSE_READ_STEPS // short):  # every hand-off late at an unchanged step time: one level, once
         for _ in range(short):
             auto.observe(0.01, 1)
         assert auto.cpu_level == level
@@ -313,7 +314,7 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir)
                                       changed)[0]
     pol.settle_read_steps = 3
     llm.generate(["Hi"], SamplingParams(max_tokens=6 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True))
-    gaps = [(step - before, window) for (before, window), (step, _) in zip(reads, reads[1:])]
+    gaps = [(step - before, window) for (before, window), (step, _) in itertools.pairwise(reads)]
     assert (3, 3) in gaps  # the tiny model's first fills show no reuse
     assert all(gap <= window for gap, window in gaps)  # at the policy's window (sooner after REUSE_READ_SECONDS)
 
@@ -417,6 +418,39 @@ def test_runtime_reports_the_misses_that_found_a_free_slot(tiny_model_dir):
         assert total == used - prefill_fills
     assert seen[0][0].free_slot_fills > 0
     assert seen[-1][1] == rt.cache.num_slots and seen[-1][0].free_slot_fills == 0
+
+
+def test_runtime_reads_no_empty_window_after_a_slow_prefill(tiny_model_dir):
+    """A read covers decode steps that ran: after a prefill that took longer than ``REUSE_READ_SECONDS`` the first
+    decode step is not preceded by a read of an empty window (no step, no miss: a miss rate of 0 that made the next
+    window look like a rise and held every miss filling for a whole window), and the prefill's time does not count
+    toward the next window's."""
+    from edgemoe import LLM, SamplingParams
+    from edgemoe.experts.policy import REUSE_READ_STEPS
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    pol, begun, reads = rt.policy, [0], []
+    observe, begin = pol.observe_layers, rt.begin_step
+    pol.observe_layers = lambda obs: (changed := observe(obs), reads.append((begun[0], pol.read_window_steps)),
+                                      changed)[0]
+
+    def begin_step(step, phase, batch_size):
+        if phase is Phase.PREFILL:
+            rt._reuse_read_s -= 10.0  # as if this prefill took 10 s
+        begin(step, phase, batch_size)
+        begun[0] += phase is Phase.DECODE
+
+    rt.begin_step = begin_step
+    params = SamplingParams(max_tokens=2 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True)
+    for prompt in ("Hi", "Tell me more"):
+        llm.generate([prompt], params)
+    assert reads
+    ran = [n for n, _ in reads]
+    assert ran[0] > 0 and all(b > a for a, b in itertools.pairwise(ran))  # every window holds decode steps that ran
+    # each at the window the policy asked for: the prefill's time started no read
+    assert all(b[0] - a[0] == a[1] for a, b in itertools.pairwise(reads)), reads
 
 
 def test_fixed_costs_from_two_call_sizes():

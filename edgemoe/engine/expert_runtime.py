@@ -324,19 +324,23 @@ class ExpertRuntime:
         decode step (from its start to this step's start, counted only between two decode steps of
         one batch size; the engine samples, a sync, in between). A per-layer policy also gets the cache's
         counters every ``ExpertPolicy.read_window_steps`` decode steps (``REUSE_READ_STEPS`` unless it asks for
-        fewer), or after ``REUSE_READ_SECONDS`` when steps are slow (:meth:`_observe_reuse`).
-        A rule change goes to the device."""
+        fewer), or after ``REUSE_READ_SECONDS`` when steps are slow (:meth:`_observe_reuse`): a window holds at
+        least one decode step run, and a prefill's time does not count toward it. A rule change goes to the
+        device."""
         if self.cache.num_slots:
             self.cache.clock.fill_(step)
         now = time.perf_counter()
         if phase is Phase.DECODE and self.policy.per_layer:
-            if self._last_decode is None:  # a prefill since the last decode step: its fills took free slots too
+            if self._last_decode is None:  # a prefill since the last decode step: its fills took free slots too,
+                # and its time is not the decode steps' (the window's clock starts again)
                 self._reuse_seen = (*self._reuse_seen[:4], self.cache.slots_used)
-            self._decode_steps += 1
-            since = self._decode_steps - self._reuse_seen[3]
-            if since >= self.policy.read_window_steps or now - self._reuse_read_s >= REUSE_READ_SECONDS:
+                self._reuse_read_s = now
+            since = self._decode_steps - self._reuse_seen[3]  # decode steps run since the last read
+            if since >= 1 and (since >= self.policy.read_window_steps
+                               or now - self._reuse_read_s >= REUSE_READ_SECONDS):
                 self._observe_reuse()
                 self._reuse_read_s = now
+            self._decode_steps += 1
         prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
         if prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
             return
