@@ -279,7 +279,8 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir)
     at least ``settle_min_misses`` times, the fills show no net reuse, fewer than ``settle_max_fills`` displacing
     fills a layer), the next window is read after ``settle_read_steps`` decode steps instead of
     ``REUSE_READ_STEPS``, so the split follows the evidence a few steps after it comes in. The balance controller
-    still judges hand-offs over ``REUSE_READ_STEPS`` steps: the short windows' hand-offs add up. Rare misses, or
+    still judges hand-offs over ``REUSE_READ_STEPS`` steps (or ``REUSE_READ_SECONDS``): the short windows' hand-offs
+    add up. Rare misses, or
     the evidence in, keep the full window; the runtime reads at the policy's window."""
     from edgemoe import LLM, SamplingParams
     from edgemoe.experts.policy import REUSE_READ_STEPS
@@ -299,6 +300,12 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir)
         assert auto.cpu_level == level
         auto.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers))
     assert auto.cpu_level == level + 1
+    slow = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)  # steps of 0.2 s: judged at once
+    slow.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[12] * layers, misses_per_layer_step=5.5))
+    for _ in range(short):
+        slow.observe(0.2, 1)
+    slow.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers))
+    assert slow.read_window_steps == short and slow.cpu_level == 1
     auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
     assert auto.read_window_steps == REUSE_READ_STEPS and auto.num_fills(6) < on_prior  # the evidence is in
     rare = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)

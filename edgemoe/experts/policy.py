@@ -800,8 +800,10 @@ class AutoPolicy(ExpertPolicy):
     @property
     def _judges_next_read(self) -> bool:
         """Whether the balance controller judges the window the next :meth:`observe_layers` closes: not the
-        short windows of a settling table, whose hand-offs add up until :data:`REUSE_READ_STEPS` steps."""
-        return not self._settling or self._probing or self._window_steps >= REUSE_READ_STEPS
+        short windows of a settling table, whose hand-offs add up until :data:`REUSE_READ_STEPS` steps or
+        :data:`REUSE_READ_SECONDS` of them (slow steps: a stall is priced as soon as in a full window)."""
+        return (not self._settling or self._probing or self._window_steps >= REUSE_READ_STEPS
+                or self._window_s >= REUSE_READ_SECONDS)
 
     @property
     def wants_cpu_probe(self) -> int:
