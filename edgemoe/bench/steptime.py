@@ -204,7 +204,7 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
     slots under ``eviction`` (a :func:`~edgemoe.bench.replay.make_policy` name) on a machine of ``costs``
     (see the module docstring). ``token_base_s``: time per decode step outside the MoE layers (LM
     head, embeddings). ``noise``: log-normal sigma of the branch and step times the policies see.
-    ``auto`` sees, as in the engine, the fills' net reuse every ``REUSE_READ_STEPS`` decode steps;
+    ``auto`` sees, as in the engine, the fills' net reuse every ``read_window_steps`` decode steps;
     ``measure_branches`` also gives it every layer step's branch times (which the engine does not time).
     ``warmup``: decode steps run but not timed (as the decode benchmark's ``--warmup``; the engine's
     prefill warms the cache before decode, a decode-only trace starts cold). ``fill_ratio``: ``qstar`` fills
