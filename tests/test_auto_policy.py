@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -274,14 +275,14 @@ def test_optimistic_reuse_prior_keeps_filling_until_fills_show_no_reuse():
     assert not auto.fills_every_miss()
 
 
-def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir):
+def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir, monkeypatch):
     """Where the reuse prior alone makes the table fill more than the fills measured so far say (layer steps miss
     at least ``settle_min_misses`` times, the fills show no net reuse, fewer than ``settle_max_fills`` displacing
     fills a layer), the next window is read after ``settle_read_steps`` decode steps instead of
     ``REUSE_READ_STEPS``, so the split follows the evidence a few steps after it comes in. The balance controller
     still judges hand-offs over ``REUSE_READ_STEPS`` steps (or ``REUSE_READ_SECONDS``): the short windows' hand-offs
-    add up. Rare misses, or
-    the evidence in, keep the full window; the runtime reads at the policy's window."""
+    add up. Not where the prior makes the table fill less; for at most ``settle_max_steps`` steps in a row. Rare
+    misses, or the evidence in, keep the full window; the runtime reads at the policy's window."""
     from edgemoe import LLM, SamplingParams
     from edgemoe.experts.policy import REUSE_READ_STEPS
 
@@ -298,20 +299,34 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir)
         for _ in range(short):
             auto.observe(0.01, 1)
         assert auto.cpu_level == level
-        auto.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers))
+        auto.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers, steps=short))
     assert auto.cpu_level == level + 1
     slow = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)  # steps of 0.2 s: judged at once
     slow.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[12] * layers, misses_per_layer_step=5.5))
     for _ in range(short):
         slow.observe(0.2, 1)
-    slow.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers))
+    slow.observe_layers(LayerObservation(handoffs=[4] * layers, late=[4] * layers, steps=short))
     assert slow.read_window_steps == short and slow.cpu_level == 1
     auto.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[46] * layers, misses_per_layer_step=5.8))
     assert auto.read_window_steps == REUSE_READ_STEPS and auto.num_fills(6) < on_prior  # the evidence is in
+    hot = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)  # fills hit again more than the prior
+    hot.observe_layers(LayerObservation(reuse_net=[200] * layers, fills=[12] * layers, misses_per_layer_step=5.5))
+    assert hot.read_window_steps == REUSE_READ_STEPS  # says: the prior makes the table fill less, not more
+    capped = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
+    capped.settle_max_fills = 1e9  # fills too few to end it: the short windows stop after settle_max_steps
+    capped.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[12] * layers, misses_per_layer_step=5.5))
+    ran = 0
+    while capped.read_window_steps == short and ran <= capped.settle_max_steps:
+        capped.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[1] * layers, steps=short))
+        ran += short
+    assert ran == capped.settle_max_steps and capped.read_window_steps == REUSE_READ_STEPS
     rare = AutoPolicy(costs, num_layers=layers, max_misses=128, armed=False)
     rare.observe_layers(LayerObservation(reuse_net=[0] * layers, fills=[2] * layers, misses_per_layer_step=0.4))
     assert rare.read_window_steps == REUSE_READ_STEPS
 
+    from edgemoe.engine import expert_runtime
+
+    monkeypatch.setattr(expert_runtime, "REUSE_READ_SECONDS", 5.0)  # a slow step on a busy machine reads no sooner
     llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
               bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
     rt = llm.runner.experts
@@ -323,7 +338,7 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir)
     llm.generate(["Hi"], SamplingParams(max_tokens=6 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True))
     gaps = [(step - before, window) for (before, window), (step, _) in itertools.pairwise(reads)]
     assert (3, 3) in gaps  # the tiny model's first fills show no reuse
-    assert all(gap <= window for gap, window in gaps)  # at the policy's window (sooner after REUSE_READ_SECONDS)
+    assert all(gap == window for gap, window in gaps)  # at the policy's window
 
 
 def test_misses_falling_fast_keep_filling_every_miss():
@@ -427,37 +442,43 @@ def test_runtime_reports_the_misses_that_found_a_free_slot(tiny_model_dir):
     assert seen[-1][1] == rt.cache.num_slots and seen[-1][0].free_slot_fills == 0
 
 
-def test_runtime_reads_no_empty_window_after_a_slow_prefill(tiny_model_dir):
+def test_runtime_reads_no_empty_window_and_pauses_the_window_clock_over_prefills(tiny_model_dir, monkeypatch):
     """A read covers decode steps that ran: after a prefill that took longer than ``REUSE_READ_SECONDS`` the first
     decode step is not preceded by a read of an empty window (no step, no miss: a miss rate of 0 that made the next
-    window look like a rise and held every miss filling for a whole window), and the prefill's time does not count
-    toward the next window's."""
-    from edgemoe import LLM, SamplingParams
-    from edgemoe.experts.policy import REUSE_READ_STEPS
+    window look like a rise and held every miss filling for a whole window). The window's clock pauses over a
+    prefill: with decode steps of 2 s and ``REUSE_READ_SECONDS`` of 5 s a read comes every 3 decode steps, also
+    where a window holds steps before and after a prefill of 10 s (counting the prefill would read after fewer
+    steps; starting the clock again after it, after more). The clock is the runtime's own, advanced by the test."""
+    from types import SimpleNamespace
 
+    from edgemoe import LLM, SamplingParams
+    from edgemoe.engine import expert_runtime
+
+    offset = [0.0]
+    monkeypatch.setattr(expert_runtime, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0]))
+    monkeypatch.setattr(expert_runtime, "REUSE_READ_SECONDS", 5.0)
     llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
               bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
     rt = llm.runner.experts
-    pol, begun, reads = rt.policy, [0], []
+    pol, begun, reads, prefills = rt.policy, [0], [], []
+    pol.settle_max_steps = 0  # full windows only: the clock alone decides when to read
     observe, begin = pol.observe_layers, rt.begin_step
-    pol.observe_layers = lambda obs: (changed := observe(obs), reads.append((begun[0], pol.read_window_steps)),
-                                      changed)[0]
+    pol.observe_layers = lambda obs: (reads.append(begun[0]), observe(obs))[1]
 
     def begin_step(step, phase, batch_size):
-        if phase is Phase.PREFILL:
-            rt._reuse_read_s -= 10.0  # as if this prefill took 10 s
+        offset[0] += 2.0  # the step before took 2 s
         begin(step, phase, batch_size)
+        if phase is Phase.PREFILL:
+            offset[0] += 10.0  # and this prefill takes 10 s more
+            prefills.append(begun[0])
         begun[0] += phase is Phase.DECODE
 
     rt.begin_step = begin_step
-    params = SamplingParams(max_tokens=2 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True)
-    for prompt in ("Hi", "Tell me more"):
-        llm.generate([prompt], params)
-    assert reads
-    ran = [n for n, _ in reads]
-    assert ran[0] > 0 and all(b > a for a, b in itertools.pairwise(ran))  # every window holds decode steps that ran
-    # each at the window the policy asked for: the prefill's time started no read
-    assert all(b[0] - a[0] == a[1] for a, b in itertools.pairwise(reads)), reads
+    for prompt, n in (("Hi", 15), ("Tell me more", 16), ("And then?", 17)):
+        llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    assert reads[0] == 3  # none before the first decode step ran
+    assert all(b - a == 3 for a, b in itertools.pairwise(reads)), reads
+    assert any(a < p < b for a, b in itertools.pairwise(reads) for p in prefills[1:])  # a window held a prefill
 
 
 def test_fixed_costs_from_two_call_sizes():

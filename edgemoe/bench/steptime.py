@@ -360,6 +360,7 @@ def _end_step(res: TimeResult, pol: ExpertPolicy | None, rule: ResidentPolicy | 
         obs.handoffs, obs.late = win.handoffs, win.late
         obs.misses_per_layer_step = win.decided / win.layer_steps if win.layer_steps else None
         obs.free_slot_fills = win.free_fills
+    obs.steps = win.steps
     if (n := pol.wants_cpu_probe) and probe_costs is not None:  # the runtime's CPU-speed probe, between steps
         c = probe_costs(clock)
         t = c.cpu_fixed_s + n * c.cpu_s

@@ -115,7 +115,7 @@ class ExpertRuntime:
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         # (reuse, join stats, decode misses, decode steps, slots used) at the last read
         self._reuse_seen: tuple | None = None
-        self._reuse_read_s = 0.0  # perf_counter() of the last read
+        self._window_decode_s = 0.0  # seconds of decode steps since the last read (prefills and idle time not counted)
         self._decode_steps = 0
         self._probe_next = 0  # first pool expert of the next CPU-speed probe (_cpu_probe)
         # counters of the caches replaced by a resize, so the reported totals never decrease
@@ -236,7 +236,7 @@ class ExpertRuntime:
             self.policy.inherit(previous)
         # the first read counts from this cache's creation: its counters start at zero
         self._reuse_seen = ([[0, 0]] * self.cache.num_layers, None, 0, self._decode_steps, self.cache.slots_used)
-        self._reuse_read_s = time.perf_counter()
+        self._window_decode_s = 0.0
         self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
                                     self.device)
         self._setup_device_decode()
@@ -324,22 +324,21 @@ class ExpertRuntime:
         decode step (from its start to this step's start, counted only between two decode steps of
         one batch size; the engine samples, a sync, in between). A per-layer policy also gets the cache's
         counters every ``ExpertPolicy.read_window_steps`` decode steps (``REUSE_READ_STEPS`` unless it asks for
-        fewer), or after ``REUSE_READ_SECONDS`` when steps are slow (:meth:`_observe_reuse`): a window holds at
-        least one decode step run, and a prefill's time does not count toward it. A rule change goes to the
-        device."""
+        fewer), or after ``REUSE_READ_SECONDS`` of decode steps when they are slow (:meth:`_observe_reuse`): a
+        window holds at least one decode step run, and the time of prefills and of idle gaps between requests does
+        not count toward it. A rule change goes to the device."""
         if self.cache.num_slots:
             self.cache.clock.fill_(step)
         now = time.perf_counter()
+        if self._last_decode is not None:  # the previous step was a decode step: its time counts toward the window
+            self._window_decode_s += now - self._last_decode[0]
         if phase is Phase.DECODE and self.policy.per_layer:
-            if self._last_decode is None:  # a prefill since the last decode step: its fills took free slots too,
-                # and its time is not the decode steps' (the window's clock starts again)
+            if self._last_decode is None:  # a prefill since the last decode step: its fills took free slots too
                 self._reuse_seen = (*self._reuse_seen[:4], self.cache.slots_used)
-                self._reuse_read_s = now
             since = self._decode_steps - self._reuse_seen[3]  # decode steps run since the last read
-            if since >= 1 and (since >= self.policy.read_window_steps
-                               or now - self._reuse_read_s >= REUSE_READ_SECONDS):
+            if since >= 1 and (since >= self.policy.read_window_steps or self._window_decode_s >= REUSE_READ_SECONDS):
                 self._observe_reuse()
-                self._reuse_read_s = now
+                self._window_decode_s = 0.0
             self._decode_steps += 1
         prev, self._last_decode = self._last_decode, (now, batch_size) if phase is Phase.DECODE else None
         if prev is None or phase is not Phase.DECODE or prev[1] != batch_size:
@@ -371,7 +370,7 @@ class ExpertRuntime:
                                late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
                                misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None,
                                cpu_probe=self._cpu_probe(self.policy.wants_cpu_probe),
-                               free_slot_fills=max(used - used0, 0))
+                               free_slot_fills=max(used - used0, 0), steps=steps - steps0)
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
 

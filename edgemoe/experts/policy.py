@@ -444,6 +444,8 @@ class LayerObservation:
         cpu_probe: ``(experts, seconds)`` of one call of the CPU executor, one token per expert, timed by
             the runtime between steps when the policy asked (:attr:`ExpertPolicy.wants_cpu_probe`), or ``None``.
         free_slot_fills: misses of the window that found a free slot (the cache was not yet full), or ``None``.
+        steps: decode steps the window covers (the estimates decay by steps, and the balance controller judges
+            :data:`REUSE_READ_STEPS` of them at a time), or ``None``: a window of :data:`REUSE_READ_STEPS` steps.
     """
 
     reuse_net: list[int] | None = None
@@ -455,6 +457,7 @@ class LayerObservation:
     misses_per_layer_step: float | None = None
     cpu_probe: tuple[int, float] | None = None
     free_slot_fills: int | None = None
+    steps: int | None = None
 
 
 class AutoPolicy(ExpertPolicy):
@@ -486,14 +489,17 @@ class AutoPolicy(ExpertPolicy):
     locality one window's fills (several per layer step) outweigh the prior.
 
     The prior's word lasts until the fills outweigh it, and the windows after a cold start or a prefill are where it
-    speaks: where the table it gives fills more than the fills measured so far say (the table built from their net
-    reuse alone differs at the miss counts a layer step sees, up to twice the mean), while layer steps miss at least
+    speaks: where the table it gives fills more than the fills measured so far say (more than the table built from
+    their net reuse alone, at a miss count up to twice the mean), while layer steps miss at least
     :attr:`settle_min_misses` times and a layer's displacing fills average fewer than :attr:`settle_max_fills`, the
     next window is read after :attr:`settle_read_steps` decode steps instead of :data:`REUSE_READ_STEPS`
-    (:attr:`read_window_steps`), so the split follows the evidence a few steps after it comes in instead of a window
-    later (without locality a layer's ~6 fills a step outweigh the prior within a few steps; in the step-time
-    simulator at 16 layers, 6.04 GB, that first window of 8 steps cost 12 % of a 40-step run). The balance controller
-    still judges hand-offs over :data:`REUSE_READ_STEPS` steps: those of the short windows add up.
+    (:attr:`read_window_steps`; for at most :attr:`settle_max_steps` steps in a row, until the condition ends), so
+    the split follows the evidence a few steps after it comes in instead of a window later (without locality a
+    layer's ~6 fills a step outweigh the prior within a few steps; in the step-time simulator at 16 layers, 6.04 GB,
+    that first window of 8 steps cost 12 % of a 40-step run). The reuse estimate decays by decode steps, not by
+    windows (:attr:`LayerObservation.steps`; the miss rate follows each window read), and the balance controller
+    still judges hand-offs over :data:`REUSE_READ_STEPS` steps (or :data:`REUSE_READ_SECONDS`): those of the short
+    windows add up.
 
     ``t_save`` is the marginal time of one more miss at the measured mean miss count ``m̄`` of a layer
     step (``k = max(1, round(m̄))``, ``T*`` the best split's time): ``T*(1) − T*(0)``, a whole expert's
@@ -610,13 +616,14 @@ class AutoPolicy(ExpertPolicy):
     balance_retry_max = 8  # most quiet windows between probes (after probes answered by late windows)
     cpu_probe_experts = 8  # experts of one CPU-speed probe (one token each) while the CPU is priced out
     cpu_probe_return = 2.0  # probe time over the model's below which the level follows the probe
-    miss_rate_decay = 0.25  # weight of the previous mean miss count per observation window
+    miss_rate_decay = 0.25  # weight of the previous mean miss count per window read (a short one too)
     falling_ratio = 0.5  # a window's miss count below this share of the window before's: the working set is settling
     falling_min_misses = 0.5  # ... counted only from a window before with at least this many misses per layer step
     rising_min_misses = 1.0  # a window with at least this many misses per layer step after one below falling_min_misses
     settle_read_steps = 2  # decode steps of a window while the table fills more than the fills measured so far say
     settle_min_misses = 1.0  # ... counted only where layer steps miss at least this often (a read costs ~0.3 ms)
     settle_max_fills = 48.0  # ... and only while a layer's displacing fills (weighted) average fewer than this
+    settle_max_steps = 2 * REUSE_READ_STEPS  # ... and for at most this many decode steps in a row
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
                  reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
@@ -643,6 +650,8 @@ class AutoPolicy(ExpertPolicy):
         self._probing = False  # the level was halved by a probe and no window has judged it yet
         self._settling = False  # the reuse prior alone makes the table fill more: read again sooner
         self._pending_joins: tuple[list[int] | None, list[int] | None] = (None, None)  # since the last judgment
+        self._pending_steps = 0  # decode steps of the windows read since the last judgment
+        self._settled_steps = 0  # decode steps read in a row with short windows
         self._window_s, self._window_steps = 0.0, 0  # decode step times seen since the last observation
         self._step_ref_s: float | None = None  # mean decode step time of the earlier windows (EW)
         self._visits: list[tuple[int, float]] = []  # (level, mean step time) of the last judged windows
@@ -772,7 +781,8 @@ class AutoPolicy(ExpertPolicy):
             return False
         measured = [net / n if n > 0 else 0.0 for net, n in zip(self._net, self._n)]
         seen = min(self.M, math.ceil(2 * self.miss_rate)) + 1
-        return any(a[:seen] != b[:seen] for a, b in zip(self._table_at(self.cpu_level, measured), self._table))
+        return any(q > q_measured for row, row_measured in zip(self._table, self._table_at(self.cpu_level, measured))
+                   for q, q_measured in zip(row[:seen], row_measured[:seen]))
 
     def _armed_branch_pays(self, c: MissCosts, table: list[list[int]], values: list[float]) -> bool | None:
         """Whether ``table``'s expected gain over filling every miss exceeds the armed branch's cost
@@ -797,12 +807,12 @@ class AutoPolicy(ExpertPolicy):
         fills measured so far say (see the class docstring); else :data:`REUSE_READ_STEPS`."""
         return 1 if self._probing else self.settle_read_steps if self._settling else REUSE_READ_STEPS
 
-    @property
-    def _judges_next_read(self) -> bool:
-        """Whether the balance controller judges the window the next :meth:`observe_layers` closes: not the
-        short windows of a settling table, whose hand-offs add up until :data:`REUSE_READ_STEPS` steps or
-        :data:`REUSE_READ_SECONDS` of them (slow steps: a stall is priced as soon as in a full window)."""
-        return (not self._settling or self._probing or self._window_steps >= REUSE_READ_STEPS
+    def _judges(self, pending_steps: int) -> bool:
+        """Whether the balance controller judges the windows read since its last judgment, ``pending_steps``
+        decode steps: not the short windows of a settling table, whose hand-offs add up until
+        :data:`REUSE_READ_STEPS` steps or :data:`REUSE_READ_SECONDS` of them (slow steps: a stall is priced as
+        soon as in a full window)."""
+        return (not self._settling or self._probing or pending_steps >= REUSE_READ_STEPS
                 or self._window_s >= REUSE_READ_SECONDS)
 
     @property
@@ -811,7 +821,7 @@ class AutoPolicy(ExpertPolicy):
         would split at level 0. Where it fills every miss at level 0 too (few misses, or fills that are hit
         again), the CPU's speed changes nothing and no probe is timed (a probe reads ~1 ms of experts a
         window, 8 % of a 16-layer step's time); nor in a window the balance controller does not judge."""
-        return self._cpu_probe_experts() if self._judges_next_read else 0
+        return self._cpu_probe_experts() if self._judges(self._pending_steps + self.read_window_steps) else 0
 
     def _cpu_probe_experts(self) -> int:
         if self.cpu_level <= 0 or not self.fills_every_miss():
@@ -835,8 +845,9 @@ class AutoPolicy(ExpertPolicy):
         """Update the reuse and cost estimates from ``obs`` and rebuild the table; returns whether it
         changed (the caller then pushes :meth:`fill_table` to the device)."""
         self._level0_fills_all = None  # new estimates below
-        if obs.fills is not None:
-            d = self.reuse_decay
+        steps = REUSE_READ_STEPS if obs.steps is None else max(int(obs.steps), 1)
+        if obs.fills is not None:  # the reuse estimate decays by steps (halflife in windows of REUSE_READ_STEPS)
+            d = self.reuse_decay ** (steps / REUSE_READ_STEPS)
             for layer, (net, n) in enumerate(zip(obs.reuse_net, obs.fills)):
                 self._net[layer] = self._net[layer] * d + net
                 self._n[layer] = self._n[layer] * d + n
@@ -853,8 +864,9 @@ class AutoPolicy(ExpertPolicy):
             h, lt = self._pending_joins
             self._pending_joins = ((list(obs.handoffs), list(obs.late)) if h is None else
                                    ([a + b for a, b in zip(h, obs.handoffs)], [a + b for a, b in zip(lt, obs.late)]))
-        if self._judges_next_read:
-            (handoffs, late), self._pending_joins = self._pending_joins, (None, None)
+        self._pending_steps += steps
+        if self._judges(self._pending_steps):
+            (handoffs, late), self._pending_joins, self._pending_steps = self._pending_joins, (None, None), 0
             self._judge_balance(handoffs, late, obs.cpu_probe)
         p = self.prior
         if obs.fill_samples or obs.cpu_samples:
@@ -864,7 +876,12 @@ class AutoPolicy(ExpertPolicy):
                 self.cpu_fit.add(n, t * (p.cpu_s / p.cpu_conc_s if conc else 1.0))
             self._costs_from_fits()
         changed = self._rebuild()
-        self._settling = self._prior_fills_more()
+        settling = self._prior_fills_more()
+        if not settling:
+            self._settled_steps = 0
+        elif self._settling:  # one more short window (a capped run stays capped until the condition ends)
+            self._settled_steps += steps
+        self._settling = settling and self._settled_steps < self.settle_max_steps
         return changed
 
     def _judge_balance(self, handoffs: list[int] | None, late: list[int] | None,
