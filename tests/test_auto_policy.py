@@ -20,6 +20,7 @@ from edgemoe.experts.bandwidth import fixed_costs
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.hybrid import plan_step
 from edgemoe.experts.policy import (
+    REUSE_READ_STEPS,
     AutoPolicy,
     Bandwidths,
     FillAllPolicy,
@@ -284,7 +285,6 @@ def test_a_table_filling_on_the_priors_word_is_read_again_sooner(tiny_model_dir,
     add up. Not where the prior makes the table fill less; for at most ``settle_max_steps`` steps in a row. Rare
     misses, or the evidence in, keep the full window; the runtime reads at the policy's window."""
     from edgemoe import LLM, SamplingParams
-    from edgemoe.experts.policy import REUSE_READ_STEPS
 
     costs = MissCosts(fill_s=190e-6, fill_conc_s=190e-6, cpu_s=99e-6, cpu_conc_s=99e-6, fill_fixed_s=8e-6,
                       cpu_fixed_s=27e-6)
@@ -422,7 +422,6 @@ def test_runtime_reports_the_misses_that_found_a_free_slot(tiny_model_dir):
     fills: at every read the free-slot fills reported so far add up to the slots taken in since the prefill; once
     the cache is full a window reports none."""
     from edgemoe import LLM, SamplingParams
-    from edgemoe.experts.policy import REUSE_READ_STEPS
 
     llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=30,
               bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
@@ -629,7 +628,6 @@ def test_engine_feeds_auto_between_steps_and_outputs_stay_exact(tiny_model_dir):
     """Greedy tokens under auto equal fill-all's (placement only); the runtime reads the cache's reuse
     counters every few decode steps and the policy's table follows them."""
     from edgemoe import LLM, SamplingParams
-    from edgemoe.experts.policy import REUSE_READ_STEPS
 
     params = SamplingParams(max_tokens=3 * REUSE_READ_STEPS, temperature=0.0, ignore_eos=True)
     prompt = "Tell me about the number 42 and why"
@@ -652,7 +650,6 @@ def test_runtime_times_the_cpu_probe_the_policy_asks_for(tiny_model_dir):
     CPU-speed probe at its next read (one executor call over ``cpu_probe_experts`` pool experts) and
     hands it to the policy, which sets the level from it; at level 0 no probe is asked or run."""
     from edgemoe import LLM, SamplingParams
-    from edgemoe.experts.policy import REUSE_READ_STEPS
 
     llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=12,
               bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
@@ -744,7 +741,7 @@ def test_an_armed_branch_that_saves_less_than_it_costs_is_dropped():
 def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     """``AutoPolicy.inherit``: the branch-cost fits' samples and the CPU cost level carry over to the policy of a
     resized cache; the reuse of a fill, the miss rate and the falling-window test start over; another policy
-    inherits nothing."""
+    inherits nothing. A probe carried into windows without hand-offs (no device path) is dropped at the first."""
     bw = Bandwidths(53.0, 98.7)
     old = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
     for _ in range(3):  # joins that never waited: the CPU side is cheaper than modeled
@@ -763,6 +760,12 @@ def test_a_resized_cache_keeps_what_auto_learned_of_the_machine():
     remeasured = AutoPolicy.from_bandwidths(Bandwidths(40.0, 98.7), ROW, num_layers=2, max_misses=16)
     remeasured.inherit(old)  # another prior: the level measured against the old model is not carried
     assert remeasured.cpu_level == 0 and remeasured.cpu_fit.sw == old.cpu_fit.sw > 0
+    old._probing = True  # a probe in flight, carried into a run whose windows count no hand-offs (no device path)
+    eager = AutoPolicy.from_bandwidths(bw, ROW, num_layers=2, max_misses=16)
+    eager.inherit(old)
+    assert eager.read_window_steps == 1
+    eager.observe_layers(LayerObservation(reuse_net=[0, 0], fills=[0, 0]))  # nothing judges it: full windows again
+    assert eager.read_window_steps == REUSE_READ_STEPS
 
 
 def test_resize_inherits_and_a_rebuilt_cache_starts_from_the_prior(tiny_model_dir):

@@ -902,7 +902,9 @@ class AutoPolicy(ExpertPolicy):
             if model > 0 and 0 < t <= self.cpu_probe_return * model:  # the slowdown is over (or nearly)
                 self.cpu_level = min(self.cpu_level, max(0, math.ceil(8 * math.log2(t / model))))
             self._probing, self._quiet_windows, self._balance_move = False, 0, 0
-        if handoffs is not None:
+        if handoffs is None:  # no hand-offs counted (no device path): nothing can judge a probe, read no sooner
+            self._probing = False
+        else:
             lo, hi = self.balance_levels
             if (n := sum(handoffs)) >= self.balance_min_handoffs:
                 self._quiet_windows = 0
