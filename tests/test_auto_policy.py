@@ -441,6 +441,31 @@ def test_runtime_reports_the_misses_that_found_a_free_slot(tiny_model_dir):
     assert seen[-1][1] == rt.cache.num_slots and seen[-1][0].free_slot_fills == 0
 
 
+def test_free_slot_fills_before_a_prefill_count_in_the_window(tiny_model_dir):
+    """Short requests back to back, so a window holds decode steps of two requests and the prefill between them: the
+    free-slot fills of the decode steps before the prefill are reported with the window's (not taken for decided
+    misses), and the prefill's own fills are not: at every read the free-slot fills reported so far add up to the
+    slots taken in minus the prefills' fills (a cache with a slot for each of the tiny model's 48 (layer, expert)
+    ids, so no fill evicts)."""
+    from edgemoe import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=48,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    assert rt.pool.num_ids == rt.cache.num_slots
+    pol, seen = rt.policy, []
+    observe = pol.observe_layers
+    pol.observe_layers = lambda obs: (seen.append((obs.free_slot_fills, rt.cache.slots_used,
+                                                   rt.hybrid.stats()["prefill"]["fills"])), observe(obs))[1]
+    for prompt in ("Hi", "Tell me more", "And then?", "Why not", "What next", "Go on", "Once more", "Last one"):
+        llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))  # 5 decode steps
+    total = 0
+    for free, used, prefill_fills in seen:
+        total += free
+        assert total == used - prefill_fills
+    assert len(seen) >= 3 and total > 0
+
+
 def test_runtime_reads_no_empty_window_and_pauses_the_window_clock_over_prefills(tiny_model_dir, monkeypatch):
     """A read covers decode steps that ran: after a prefill that took longer than ``REUSE_READ_SECONDS`` the first
     decode step is not preceded by a read of an empty window (no step, no miss: a miss rate of 0 that made the next

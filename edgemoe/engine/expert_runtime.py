@@ -116,6 +116,7 @@ class ExpertRuntime:
         # (reuse, join stats, decode misses, decode steps, slots used) at the last read
         self._reuse_seen: tuple | None = None
         self._window_decode_s = 0.0  # seconds of decode steps since the last read (prefills and idle time not counted)
+        self._window_free_fills = 0  # slots decode steps took in before a prefill, since the last read
         self._decode_steps = 0
         self._probe_next = 0  # first pool expert of the next CPU-speed probe (_cpu_probe)
         # counters of the caches replaced by a resize, so the reported totals never decrease
@@ -236,7 +237,7 @@ class ExpertRuntime:
             self.policy.inherit(previous)
         # the first read counts from this cache's creation: its counters start at zero
         self._reuse_seen = ([[0, 0]] * self.cache.num_layers, None, 0, self._decode_steps, self.cache.slots_used)
-        self._window_decode_s = 0.0
+        self._window_decode_s, self._window_free_fills = 0.0, 0
         self.hybrid = HybridExperts(pool, self.cache, self.policy, self.cpu_executor, self.model_config.num_experts,
                                     self.device)
         self._setup_device_decode()
@@ -332,6 +333,8 @@ class ExpertRuntime:
         now = time.perf_counter()
         if self._last_decode is not None:  # the previous step was a decode step: its time counts toward the window
             self._window_decode_s += now - self._last_decode[0]
+            if phase is not Phase.DECODE and self.policy.per_layer:  # a prefill: keep the decode steps' free-slot
+                self._window_free_fills += self.cache.slots_used - self._reuse_seen[4]  # fills (not the prefill's)
         if phase is Phase.DECODE and self.policy.per_layer:
             if self._last_decode is None:  # a prefill since the last decode step: its fills took free slots too
                 self._reuse_seen = (*self._reuse_seen[:4], self.cache.slots_used)
@@ -352,25 +355,28 @@ class ExpertRuntime:
 
         The miss count it reports per MoE layer step leaves out the misses that found a free slot (the
         growth of the used slots over the window's decode steps, also reported: the slots a prefill took in are
-        not counted, :meth:`begin_step` takes the baseline again after one): those fill whatever the policy
-        says, so a cold cache's first misses do not stand for the misses the policy decides about."""
+        not counted, :meth:`begin_step` keeps the growth before one and takes the baseline again after it): those
+        fill whatever the policy says, so a cold cache's first misses do not stand for the misses the policy decides
+        about."""
         dd = self.device_decode
         joins = dd.join_stats.tolist() if dd is not None and dd.counts_joins else None  # [L][hand-offs, late]
         now = (self.cache.reuse.tolist(), joins, self.hybrid.stats()["decode"]["misses"], self._decode_steps,
                self.cache.slots_used)
         seen, self._reuse_seen = self._reuse_seen, now
         (reuse, joins, misses, steps, used), (reuse0, joins0, misses0, steps0, used0) = now, seen
+        free = max(used - used0, 0) + self._window_free_fills  # the decode steps' fills that found a free slot
+        self._window_free_fills = 0
         if joins is not None and joins0 is None:
             joins0 = [[0, 0]] * len(joins)
         layer_steps = (steps - steps0) * self.cache.num_layers
-        decided = max(misses - misses0 - (used - used0), 0)
+        decided = max(misses - misses0 - free, 0)
         obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(reuse, reuse0)],
                                fills=[a[1] - b[1] for a, b in zip(reuse, reuse0)],
                                handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
                                late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
                                misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None,
                                cpu_probe=self._cpu_probe(self.policy.wants_cpu_probe),
-                               free_slot_fills=max(used - used0, 0), steps=steps - steps0)
+                               free_slot_fills=free, steps=steps - steps0)
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
 
