@@ -774,8 +774,9 @@ class AutoPolicy(ExpertPolicy):
     def _prior_fills_more(self) -> bool:
         """Whether the table fills more than the fills measured so far say, on the reuse prior's word: layer steps
         miss at least :attr:`settle_min_misses` times, no falling or rising window holds the table, the layers'
-        displacing fills average fewer than :attr:`settle_max_fills`, and the table built from the measured net
-        reuse alone (0 for a layer without fills) differs at the miss counts seen (up to twice the mean)."""
+        displacing fills average fewer than :attr:`settle_max_fills`, and the table fills more than the one built
+        from the measured net reuse alone (0 for a layer without fills) at a miss count seen (up to twice the
+        mean)."""
         if (self.miss_rate is None or self.miss_rate < self.settle_min_misses or self.misses_falling
                 or self.misses_rose or sum(self._n) >= self.settle_max_fills * self.L):
             return False
