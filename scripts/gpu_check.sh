@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats formats-prefill cpu-profile cpu-decode prefill prefill-profile profile-decode grouped agent structured families peers elastic policy contention
+#        formats formats-prefill cpu-profile cpu-decode prefill prefill-profile profile-decode grouped agent structured families peers doorbell elastic policy contention
 #        laptop   (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -196,6 +196,23 @@ for stage in "${stages[@]}"; do
     timeout ${STRUCTURED_TIMEOUT:-240} python3 benchmarks/structured_output.py --device cuda \
       ${STRUCTURED_TOKENIZER:+--tokenizer $STRUCTURED_TOKENIZER} --out "$OUT/structured_output" ${STRUCTURED_ARGS:-} 2>&1 \
       | tee "$OUT/structured_output.log" | tail -n 30 ;;
+  doorbell)
+    # the decode step's two waits for its CPU experts: the polling kernel (one SM busy while the CPU computes) and
+    # the driver's stream memory operations (cuStreamWaitValue32, no SM): wake-up latency, the cost to other GPU work
+    # and power (NVML, from the carried nvidia-ml-py wheel) in benchmarks/doorbell_wait.py, then the offloaded decode
+    # step with each wait, alternated, 16 layers at 2.42 GB (the side-by-side checkpoint's geometry, no locality)
+    echo "== doorbell waits: polling kernel against stream memory operations"
+    timeout ${DOORBELL_TIMEOUT:-150} python3 benchmarks/doorbell_wait.py --out "$OUT/doorbell_wait" ${DOORBELL_ARGS:-} 2>&1 \
+      | tee "$OUT/doorbell_wait.log" | tail -n 40
+    for round in 1 2; do
+      for wait in kernel stream-op; do
+        timeout ${DOORBELL_DECODE_TIMEOUT:-90} python3 benchmarks/decode.py --layers 16 --budgets 2.42 --routing uniform \
+          --policies ${DOORBELL_POLICIES:-qstar,auto} --cpu-threads ${DOORBELL_THREADS:-6,15} --tokens 64 --warmup 8 \
+          --no-resident --doorbell-wait $wait --out "$OUT/doorbell_decode/$wait-$round" > "$OUT/doorbell_decode-$wait-$round.log" 2>&1 \
+          || echo "   $wait round $round: exit $? (see its log)"
+        echo "-- wait $wait, round $round"; grep "^|" "$OUT/doorbell_decode/$wait-$round/decode.md" 2>/dev/null | tail -n +3
+      done
+    done ;;
   peers)
     echo "== side by side with llama.cpp (benchmarks/peers: llama-bench build, checkpoint pair, llama-bench tg64, decode.py)"
     timeout $(( ${PEERS_DEADLINE:-540} + 30 )) bash benchmarks/peers/run.sh --deadline ${PEERS_DEADLINE:-540} \
