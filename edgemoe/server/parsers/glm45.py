@@ -54,10 +54,6 @@ class Glm45ToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._state = self._CONTENT
-        self._buf = ""
-        self._ws = ""
-        self._after_call = False
-        self._index = 0
         self._fn = ""
         self._nargs = 0
         self._string_value = False  # the open value streams as a JSON string
@@ -82,16 +78,6 @@ class Glm45ToolParser(ToolParser):
             value = raw
         return json.dumps(value, ensure_ascii=False)
 
-    def _args(self, text: str) -> ParseEvent:
-        return ParseEvent("tool_call", text, self._index)
-
-    def feed(self, text: str) -> list[ParseEvent]:
-        self._buf += text
-        out: list[ParseEvent] = []
-        while self._step(out):
-            pass
-        return out
-
     def _step(self, out: list[ParseEvent]) -> bool:
         s, buf = self._state, self._buf
         if s == self._CONTENT:
@@ -101,8 +87,7 @@ class Glm45ToolParser(ToolParser):
             if m is not None and m.partial:
                 return False
             if m is None:  # not a call: the tag is text
-                out += text_event("content", self._ws + self.open_tags[0])
-                self._ws, self._buf, self._state = "", buf[len(self.open_tags[0]):], self._CONTENT
+                self._tag_is_text(out)
                 return True
             self._fn, self._nargs = m["name"], 0
             out.append(ParseEvent("tool_call", "", self._index, self._fn))
@@ -111,7 +96,7 @@ class Glm45ToolParser(ToolParser):
         if s == self._ARGS:
             end = _CALL_END.match(buf, partial=True)
             if end is not None and not end.partial:
-                out.append(self._args("}" if self._nargs else "{}"))
+                out.append(self._args_event("}" if self._nargs else "{}"))
                 self._buf = buf[end.end():]
                 self._end_call(after=True)
                 return True
@@ -121,14 +106,14 @@ class Glm45ToolParser(ToolParser):
                 self._string_value = self._is_string(name)
                 sep = ", " if self._nargs else "{"
                 quote = '"' if self._string_value else ""
-                out.append(self._args(f"{sep}{json.dumps(name, ensure_ascii=False)}: {quote}"))
+                out.append(self._args_event(f"{sep}{json.dumps(name, ensure_ascii=False)}: {quote}"))
                 self._nargs += 1
                 self._buf, self._state = buf[key.end():], self._VALUE
                 return True
             if (end is not None and end.partial) or (key is not None and key.partial):
                 return False
             # Neither another argument nor the end of the call: the call ends here, the rest is text.
-            out.append(self._args("}" if self._nargs else "{}"))
+            out.append(self._args_event("}" if self._nargs else "{}"))
             self._end_call(after=False)
             return True
         # _VALUE
@@ -137,36 +122,26 @@ class Glm45ToolParser(ToolParser):
             if self._string_value:  # stream what cannot be the start of an end tag
                 n = len(buf) - partial_suffix(buf, _VALUE_ENDS)
                 if n:
-                    out.append(self._args(json.dumps(buf[:n], ensure_ascii=False)[1:-1]))
+                    out.append(self._args_event(json.dumps(buf[:n], ensure_ascii=False)[1:-1]))
                     self._buf = buf[n:]
             return False
         value = buf[:i]
         text = json.dumps(value, ensure_ascii=False)[1:] if self._string_value else self._value_json(value)
-        out.append(self._args(text))
+        out.append(self._args_event(text))
         self._buf = buf[i + len(tag):]
         if tag == "</tool_call>":  # </arg_value> missing: the value ends with the call
-            out.append(self._args("}"))
+            out.append(self._args_event("}"))
             self._end_call(after=True)
         else:
             self._state = self._ARGS
         return True
 
-    def _end_call(self, after: bool) -> None:
-        self._index += 1
-        self._state = self._CONTENT
-        self._after_call = after
-
-    def finish(self) -> list[ParseEvent]:
-        out: list[ParseEvent] = []
+    def _finish_call(self, out: list[ParseEvent]) -> None:
         s, buf = self._state, self._buf
-        if s == self._CONTENT:
-            out += text_event("content", buf.strip() if self._after_call else self._ws + buf)
-        elif s == self._HEADER:
+        if s == self._HEADER:
             out += text_event("content", self._ws + buf)
         elif s == self._ARGS:  # cut between arguments: a partial tag is markup
-            out.append(self._args("}" if self._nargs else "{}"))
+            out.append(self._args_event("}" if self._nargs else "{}"))
         else:  # cut inside a value: keep it (as OpenAI keeps partial arguments)
             text = json.dumps(buf, ensure_ascii=False)[1:] if self._string_value else self._value_json(buf)
-            out.append(self._args(text + "}"))
-        self._state, self._buf, self._ws = self._CONTENT, "", ""
-        return out
+            out.append(self._args_event(text + "}"))

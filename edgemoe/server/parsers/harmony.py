@@ -45,22 +45,13 @@ class HarmonyParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._state = self._HEADER
-        self._buf = ""
         self._kind = "content"
         self._args: JsonArgs | None = None
-        self._index = 0
         self.saw_reasoning = False
 
     @classmethod
     def forced_call(cls, name: str) -> tuple[str, str]:
         return f"{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}", ""
-
-    def feed(self, text: str) -> list[ParseEvent]:
-        self._buf += text
-        out: list[ParseEvent] = []
-        while self._step(out):
-            pass
-        return out
 
     def _step(self, out: list[ParseEvent]) -> bool:
         buf = self._buf
@@ -113,7 +104,7 @@ class HarmonyParser(ToolParser):
             return
         valid, rest = self._args.feed(text)
         if valid:
-            out.append(ParseEvent("tool_call", valid, self._index))
+            out.append(self._args_event(valid))
         if rest:
             out += text_event("content", rest if self._args.broken else rest.strip())
 

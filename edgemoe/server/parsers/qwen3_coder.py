@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from edgemoe.server.parsers.base import ParseEvent, find_first, text_event
+from edgemoe.server.parsers.base import ParseEvent, find_first
 from edgemoe.server.parsers.tagged import ToolParser, compile_pattern
 
 __all__ = ["Qwen3CoderToolParser"]
@@ -47,10 +47,6 @@ class Qwen3CoderToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._state = self._CONTENT
-        self._buf = ""
-        self._ws = ""
-        self._after_call = False
-        self._index = 0
         self._fn = ""
         self._param = ""
         self._nparams = 0
@@ -86,16 +82,6 @@ class Qwen3CoderToolParser(ToolParser):
                 continue
         return value
 
-    def feed(self, text: str) -> list[ParseEvent]:
-        self._buf += text
-        out: list[ParseEvent] = []
-        while self._step(out):
-            pass
-        return out
-
-    def _args(self, text: str) -> ParseEvent:
-        return ParseEvent("tool_call", text, self._index)
-
     def _step(self, out: list[ParseEvent]) -> bool:
         s, buf = self._state, self._buf
         if s == self._CONTENT:
@@ -105,9 +91,7 @@ class Qwen3CoderToolParser(ToolParser):
             if m is not None and m.partial:
                 return False
             if m is None:
-                tag = next(t for t in self.open_tags if buf.startswith(t))
-                out += text_event("content", self._ws + tag)
-                self._ws, self._buf, self._state = "", buf[len(tag):], self._CONTENT
+                self._tag_is_text(out)
                 return True
             self._fn, self._nparams = m["name"].strip(), 0
             out.append(ParseEvent("tool_call", "", self._index, self._fn))
@@ -116,7 +100,7 @@ class Qwen3CoderToolParser(ToolParser):
         if s == self._PARAMS:
             m = _FUNC_END.match(buf, partial=True)
             if m is not None and not m.partial:
-                out.append(self._args("}" if self._nparams else "{}"))
+                out.append(self._args_event("}" if self._nparams else "{}"))
                 self._buf = buf[m.end():]
                 self._end_call(after=True)
                 return True
@@ -127,7 +111,7 @@ class Qwen3CoderToolParser(ToolParser):
             if (m is not None and m.partial) or (p is not None and p.partial):
                 return False
             # Neither a parameter nor the end of the function: close the call, the rest is text.
-            out.append(self._args("}" if self._nparams else "{}"))
+            out.append(self._args_event("}" if self._nparams else "{}"))
             self._end_call(after=False)
             return True
         # _VALUE
@@ -137,28 +121,19 @@ class Qwen3CoderToolParser(ToolParser):
         value = self._convert(self._param, buf[:i])
         key = json.dumps(self._param, ensure_ascii=False)
         sep = ", " if self._nparams else "{"
-        out.append(self._args(f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}"))
+        out.append(self._args_event(f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}"))
         self._nparams += 1
         self._buf = buf[i + len(tag):] if tag == "</parameter>" else buf[i:]
         self._state = self._PARAMS
         return True
 
-    def _end_call(self, after: bool) -> None:
-        self._index += 1
-        self._state = self._CONTENT
-        self._after_call = after
-
-    def finish(self) -> list[ParseEvent]:
-        out: list[ParseEvent] = []
+    def _finish_call(self, out: list[ParseEvent]) -> None:
         s, buf = self._state, self._buf
-        if s == self._CONTENT:
-            out += text_event("content", buf.strip() if self._after_call else self._ws + buf)
-        elif s == self._VALUE:  # cut inside a value: keep it (as OpenAI keeps partial arguments)
+        if s == self._VALUE:  # cut inside a value: keep it (as OpenAI keeps partial arguments)
             value = self._convert(self._param, buf)
             key = json.dumps(self._param, ensure_ascii=False)
             sep = ", " if self._nparams else "{"
-            out.append(self._args(f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}}}"))
+            out.append(self._args_event(f"{sep}{key}: {json.dumps(value, ensure_ascii=False)}}}"))
         elif s == self._PARAMS:
-            out.append(self._args("}" if self._nparams else "{}"))
-        self._state, self._buf, self._ws = self._CONTENT, "", ""
-        return out
+            out.append(self._args_event("}" if self._nparams else "{}"))
+        # _HEADER: a call cut inside its header (max_tokens) is dropped, not answer text.

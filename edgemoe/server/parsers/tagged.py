@@ -16,11 +16,15 @@ back when they render the history). Malformed output never disappears:
 - a tail that does not match: the call is complete and the tail is answer text;
 - output cut inside the arguments (``max_tokens``): the call keeps its partial arguments; cut inside
   a header that could still have become a call, the markup is dropped (it is not answer text).
+
+:class:`ToolParser`, the base of every tool-call parser, holds what their state machines share: the
+``feed`` loop, answer text between calls, the end of a call and the end of output.
 """
 
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 from collections.abc import Container
 from typing import Any, ClassVar
 
@@ -60,6 +64,10 @@ class ToolParser(OutputParser):
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
+        self._buf = ""  # text fed and not yet parsed
+        self._ws = ""  # whitespace held between answer text and a possible call
+        self._after_call = False  # a call just ended: whitespace and ``drop_after_call`` markers go
+        self._index = 0  # the position of the next call in this response
 
     @classmethod
     def forced_call(cls, name: str) -> tuple[str, str] | None:
@@ -98,9 +106,29 @@ class ToolParser(OutputParser):
         results' ``tool_call_id`` following (default: as sent)."""
         return messages
 
+    # -------------------------------------------------------------- the machine
+    # Subclasses are state machines over ``_buf``: they set ``_state`` and define ``_step``.
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        self._buf += text
+        out: list[ParseEvent] = []
+        while self._step(out):
+            pass
+        return out
+
+    @abstractmethod
+    def _step(self, out: list[ParseEvent]) -> bool:
+        """Advance as far as the buffer allows, appending events to ``out``; True to run again (the state
+        changed)."""
+
+    def _args_event(self, text: str) -> ParseEvent:
+        """A piece ``text`` of the current call's JSON arguments."""
+        return ParseEvent("tool_call", text, self._index)
+
     # -------------------------------------------------------------- answer text between calls
-    # Subclasses keep ``_buf`` (unparsed text), ``_ws`` (held-back whitespace), ``_state`` and
-    # ``_after_call``, define ``_HEADER`` (the state that reads a call's header) and set the tags below.
+    # Subclasses that find calls in answer text (all but Harmony) define ``_CONTENT`` (the state of answer
+    # text, where they start) and ``_HEADER`` (the state that reads a call's header), set the tags below
+    # and implement ``_finish_call``; ``_ws`` and ``_after_call`` (set in ``__init__``) are this part's.
     open_tags: ClassVar[tuple[str, ...]] = ()
     drop_after_call: ClassVar[tuple[str, ...]] = ()
 
@@ -132,6 +160,38 @@ class ToolParser(OutputParser):
         self._ws, self._buf = body[len(text):], buf[len(buf) - hold:]
         return False
 
+    def _open_tag(self) -> str:
+        """The open tag the buffer starts with (in the ``_HEADER`` state)."""
+        return next(t for t in self.open_tags if self._buf.startswith(t))
+
+    def _tag_is_text(self, out: list[ParseEvent]) -> None:
+        """The header does not parse: emit the open tag (after the held-back whitespace) as answer text
+        and read answer text again from the character after it."""
+        tag = self._open_tag()
+        out += text_event("content", self._ws + tag)
+        self._ws, self._buf, self._state = "", self._buf[len(tag):], self._CONTENT
+
+    def _end_call(self, after: bool) -> None:
+        """The current call is complete; back to answer text. ``after``: the call's markup closed
+        properly, so whitespace and ``drop_after_call`` markers right after it are dropped."""
+        self._index += 1
+        self._state = self._CONTENT
+        self._after_call = after
+
+    def finish(self) -> list[ParseEvent]:
+        out: list[ParseEvent] = []
+        if self._state == self._CONTENT:
+            buf = self._buf
+            out += text_event("content", buf.strip() if self._after_call else self._ws + buf)
+        else:
+            self._finish_call(out)
+        self._state, self._buf, self._ws = self._CONTENT, "", ""
+        return out
+
+    def _finish_call(self, out: list[ParseEvent]) -> None:
+        """End of output in a state other than ``_CONTENT`` (inside a call's markup): append what the
+        format keeps of it to ``out`` (default: nothing, the markup is dropped)."""
+
 
 class TaggedJsonToolParser(ToolParser):
     """Generic parser for ``open tag + header + JSON arguments + tail`` formats.
@@ -155,10 +215,6 @@ class TaggedJsonToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._state = self._CONTENT
-        self._buf = ""
-        self._ws = ""  # whitespace held between answer text and a possible call
-        self._after_call = False
-        self._index = 0
         self._args: JsonArgs | None = None
 
     @staticmethod
@@ -174,15 +230,7 @@ class TaggedJsonToolParser(ToolParser):
 
     # ------------------------------------------------------------------ the machine
 
-    def feed(self, text: str) -> list[ParseEvent]:
-        self._buf += text
-        out: list[ParseEvent] = []
-        while self._step(out):
-            pass
-        return out
-
     def _step(self, out: list[ParseEvent]) -> bool:
-        """Advance as far as the buffer allows; True to run again (the state changed)."""
         s, buf = self._state, self._buf
         if s == self._CONTENT:
             return self._content(out)
@@ -191,12 +239,10 @@ class TaggedJsonToolParser(ToolParser):
             if m is not None and m.partial:
                 return False
             if m is None:
-                tag = next(t for t in self.open_tags if buf.startswith(t))
                 if self.close_tag is not None:
                     self._state = self._BODY
                     return True
-                out += text_event("content", self._ws + tag)
-                self._ws, self._buf, self._state = "", buf[len(tag):], self._CONTENT
+                self._tag_is_text(out)
                 return True
             name, call_id = self.decode_header(m)
             out.append(ParseEvent("tool_call", "", self._index, name, call_id))
@@ -205,13 +251,13 @@ class TaggedJsonToolParser(ToolParser):
         if s == self._ARGS:
             valid, rest = self._args.feed(buf)
             if valid:
-                out.append(ParseEvent("tool_call", valid, self._index))
+                out.append(self._args_event(valid))
             if rest is None:
                 self._buf = ""
                 return False
             self._buf = rest
             if self._args.broken:
-                self._end_call(strip_after=False)
+                self._end_call(after=False)
             else:
                 self._state = self._TAIL
             return True
@@ -220,16 +266,16 @@ class TaggedJsonToolParser(ToolParser):
             if m is not None and m.partial:
                 return False
             if m is None:
-                self._end_call(strip_after=False)
+                self._end_call(after=False)
             else:
                 self._buf = buf[m.end():]
-                self._end_call(strip_after=True)
+                self._end_call(after=True)
             return True
         # _BODY: a header that did not parse; try the whole body up to the close tag as JSON.
         j = buf.find(self.close_tag)
         if j < 0:
             return False
-        tag = next(t for t in self.open_tags if buf.startswith(t))
+        tag = self._open_tag()
         call = _whole_call(buf[len(tag):j])
         end = j + len(self.close_tag)
         if call is None:
@@ -239,27 +285,18 @@ class TaggedJsonToolParser(ToolParser):
             out.append(ParseEvent("tool_call", call[1], self._index, call[0]))
             self._buf = buf[end:]
             self._ws = ""
-            self._end_call(strip_after=True)
+            self._end_call(after=True)
         return True
 
-    def _end_call(self, strip_after: bool) -> None:
-        self._index += 1
+    def _end_call(self, after: bool) -> None:
+        super()._end_call(after)
         self._args = None
-        self._state = self._CONTENT
-        self._after_call = strip_after
 
-    def finish(self) -> list[ParseEvent]:
-        out: list[ParseEvent] = []
-        s, buf = self._state, self._buf
-        if s == self._CONTENT:
-            text = buf.strip() if self._after_call else self._ws + buf
-            out += text_event("content", text)
-        elif s == self._BODY:
-            out += text_event("content", self._ws + buf)
+    def _finish_call(self, out: list[ParseEvent]) -> None:
+        if self._state == self._BODY:
+            out += text_event("content", self._ws + self._buf)
         # _HEADER: a call cut before its arguments (max_tokens) is dropped, not answer text; _ARGS: cut
         # inside the arguments, the call keeps what it has; _TAIL: a partial tail is markup.
-        self._state, self._buf, self._ws = self._CONTENT, "", ""
-        return out
 
 
 def _whole_call(body: str) -> tuple[str, str] | None:
