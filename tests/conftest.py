@@ -107,6 +107,91 @@ def greedy_decode(runner, prompt: list[int], steps: int, *, seq_id: int = 0, chu
     return torch.stack(logits).cpu(), toks
 
 
+def run_requests(engine, prompts: list[list[int]], params=None, *, max_tokens: int = 10) -> list:
+    """Add every prompt to ``engine`` at once and step until all finish; the final ``RequestOutput`` of each,
+    in prompt order. ``params``: one ``SamplingParams`` for all, a list of one per prompt, or ``None`` for greedy
+    decoding of ``max_tokens`` tokens with EOS ignored."""
+    from edgemoe import SamplingParams
+
+    if params is None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    for _ in range(100_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def run_with_fault(engine, prompts: list[list[int]], bad: int, monkeypatch, *, after: int = 2, **run) -> list:
+    """``run_requests`` with the runner raising on every decode batch that holds prompt ``bad``'s sequence
+    from its ``after``-th generated token on; returns the outputs and checks that the KV cache is whole
+    again after. The caller checks what each request got (``fault_isolated``)."""
+    from edgemoe.core import Phase
+
+    runner = engine.runner
+    real, bad_prompt, bad_seqs = runner.execute, prompts[bad], set()
+
+    def flaky(inputs, phase):
+        for inp in inputs:
+            if phase is Phase.PREFILL and inp.token_ids == bad_prompt[inp.start_pos:]:  # after any cached prefix
+                bad_seqs.add(inp.seq_id)
+        if phase is Phase.DECODE and any(i.seq_id in bad_seqs and i.start_pos >= len(bad_prompt) + after
+                                         for i in inputs):
+            raise RuntimeError("injected fault")
+        return real(inputs, phase)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    try:
+        outs = run_requests(engine, prompts, **run)
+    finally:
+        monkeypatch.undo()
+    assert runner.kv_free_tokens() == runner.kv_capacity_tokens
+    return outs
+
+
+def fault_isolated(outs: list, bad: int, alone: list[list[int]]) -> None:
+    """Request ``bad`` ended in the injected fault; every other one got the tokens it gets alone."""
+    for i, out in enumerate(outs):
+        if i == bad:
+            assert out.outputs[0].finish_reason == "error" and "injected fault" in out.error
+        else:
+            assert out.error is None and out.outputs[0].token_ids == alone[i]
+
+
+def check_engine_preemption_prefix_cache_and_faults(path, engine_config, monkeypatch, **tight) -> None:
+    """Six prompts sharing a 40-token system prompt, greedy, against each run alone: (1) with a KV cache of
+    144 tokens (``tight``: further options of that engine), preempted and recomputed in 16-token prefill
+    chunks; (2) with the prefix cache, the later ones borrowing the system prompt's pages; (3) with a fault
+    injected into one request's decode, which fails that request only. ``engine_config(**options)``: the
+    test module's ``EngineConfig``."""
+    from edgemoe.engine.llm_engine import LLMEngine
+    from edgemoe.engine.model_runner import ModelRunner
+
+    def engine(**options):
+        return LLMEngine(ModelRunner(path, engine_config(**options), progress=False))
+
+    system = [(i * 37 + 11) % 1000 + 3 for i in range(40)]  # 2.5 pages shared by every prompt
+    prompts = [system + [(i * 13 + j * 7) % 1000 + 3 for j in range(3 + 5 * i)] for i in range(6)]
+    plain = engine(enable_prefix_caching=False)
+    alone = [run_requests(plain, [p])[0].outputs[0].token_ids for p in prompts]
+
+    small = engine(kv_cache_tokens=144, max_model_len=128, prefill_chunk_tokens=16, **tight)
+    assert [o.outputs[0].token_ids for o in run_requests(small, prompts)] == alone
+    assert small.metrics.preemptions._value.get() > 0
+
+    cached = engine()
+    first = run_requests(cached, prompts[:1])[0]
+    outs = run_requests(cached, prompts[1:])
+    assert first.cached_tokens == 0 and all(o.cached_tokens >= 32 for o in outs)  # the system prompt's pages
+    assert [first.outputs[0].token_ids] + [o.outputs[0].token_ids for o in outs] == alone
+    fault_isolated(run_with_fault(cached, prompts, 2, monkeypatch), 2, alone)
+
+
 @pytest.fixture
 def load_benchmark(monkeypatch):
     """``load_benchmark(name)``: the module of ``benchmarks/<name>.py``, loaded from its file (the scripts

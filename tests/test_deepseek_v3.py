@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgemoe import SamplingParams
 from edgemoe.config import EngineConfig
 from edgemoe.core import DecodeMeta, ForwardBatch, Phase, SeqSlice
 from edgemoe.engine.llm_engine import LLMEngine
@@ -34,7 +33,7 @@ from edgemoe.models import load_config, model_class
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
 
-from conftest import greedy_decode
+from conftest import fault_isolated, greedy_decode, run_requests, run_with_fault
 
 ARCH = "deepseek_v3"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(24)]  # T·k = 96 >= 2E = 32: a fill-all-32 prefill streams
@@ -365,17 +364,6 @@ def test_chunked_prefill_and_batched_decode_match_alone(runner, v3):
 # ------------------------------------------------------------------------------------------------ engine
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> list:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
-
-
 def test_prefix_cache_shares_latent_pages(v3):
     """A prompt extending a cached one borrows its latent pages through the radix tree and computes only
     the rest: same logits as a full prefill, same greedy tokens, at runner and engine level."""
@@ -399,8 +387,8 @@ def test_prefix_cache_shares_latent_pages(v3):
     plain = LLMEngine(ModelRunner(v3[0], _engine_config(expert_policy="fill-all", expert_cache_slots=10_000,
                                                         enable_prefix_caching=False), progress=False))
     prompts = [system + [i + 3, 2 * i + 5] for i in range(4)]
-    want = [o.outputs[0].token_ids for o in _run(plain, prompts)]
-    outs = _run(engine, prompts)
+    want = [o.outputs[0].token_ids for o in run_requests(plain, prompts)]
+    outs = run_requests(engine, prompts)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert all(o.cached_tokens == 3 * ps for o in outs)
     assert runner.kv_free_tokens() == runner.kv_capacity_tokens
@@ -409,11 +397,11 @@ def test_prefix_cache_shares_latent_pages(v3):
 def test_preemption_matches_alone(v3):
     prompts = [PROMPT[i:] + PROMPT[:i] for i in range(0, 24, 4)]
     alone_engine = LLMEngine(ModelRunner(v3[0], _engine_config(max_model_len=256), progress=False))
-    alone = [_run(alone_engine, [p], 30)[0].outputs[0].token_ids for p in prompts]
+    alone = [run_requests(alone_engine, [p], max_tokens=30)[0].outputs[0].token_ids for p in prompts]
     # 6 pages for six 54-token sequences of 4 pages each: preemption and recompute; 16-token prefill chunks
     tight = LLMEngine(ModelRunner(v3[0], _engine_config(kv_cache_tokens=96, max_model_len=256, prefill_chunk_tokens=16),
                                   progress=False))
-    assert [o.outputs[0].token_ids for o in _run(tight, prompts, 30)] == alone
+    assert [o.outputs[0].token_ids for o in run_requests(tight, prompts, max_tokens=30)] == alone
     assert tight.metrics.preemptions._value.get() > 0
     assert tight.runner.kv_free_tokens() == tight.runner.kv_capacity_tokens
 
@@ -422,26 +410,8 @@ def test_fault_isolation(v3, monkeypatch):
     """A failing step fails only the request it was injected for; the others finish as they would alone."""
     engine = LLMEngine(ModelRunner(v3[0], _engine_config(), progress=False))
     prompts = [PROMPT[i:] for i in range(4)]
-    alone = [_run(engine, [p])[0].outputs[0].token_ids for p in prompts]
-    runner, real, bad = engine.runner, engine.runner.execute, set()
-
-    def flaky(inputs, phase):
-        for inp in inputs:
-            if phase is Phase.PREFILL and inp.token_ids == prompts[2][inp.start_pos:]:
-                bad.add(inp.seq_id)
-        if phase is Phase.DECODE and any(i.seq_id in bad and i.start_pos >= len(prompts[2]) + 2 for i in inputs):
-            raise RuntimeError("injected fault")
-        return real(inputs, phase)
-
-    monkeypatch.setattr(runner, "execute", flaky)
-    outs = _run(engine, prompts)
-    monkeypatch.undo()
-    for i, out in enumerate(outs):
-        if i == 2:
-            assert out.outputs[0].finish_reason == "error" and "injected fault" in out.error
-        else:
-            assert out.error is None and out.outputs[0].token_ids == alone[i]
-    assert runner.kv_free_tokens() == runner.kv_capacity_tokens
+    alone = [run_requests(engine, [p])[0].outputs[0].token_ids for p in prompts]
+    fault_isolated(run_with_fault(engine, prompts, 2, monkeypatch), 2, alone)
 
 
 # ------------------------------------------------------------------------------------------------ weights

@@ -15,26 +15,14 @@ from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.llm_engine import IncrementalDetokenizer, LLMEngine, PromptTooLongError
 
+from conftest import run_requests
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def make_engine(model_dir, **options) -> LLMEngine:
     options.setdefault("device", "cpu")
     return LLMEngine.from_model_dir(str(model_dir), EngineConfig(**options), progress=False)
-
-
-def run(engine: LLMEngine, prompts: list[list[int]], params) -> list:
-    """Add all prompts, step to completion, return the final outputs in prompt order."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-    done = {}
-    for _ in range(100_000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +40,11 @@ def prompts(engine) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def alone(engine, prompts) -> list[list[int]]:
     """Greedy 24-token outputs of each prompt run by itself."""
-    return [run(engine, [p], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids for p in prompts]
+    return [run_requests(engine, [p], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids for p in prompts]
 
 
 def test_max_tokens_gives_length(engine, prompts):
-    out = run(engine, [prompts[0]], SamplingParams(max_tokens=7, **GREEDY))[0]
+    out = run_requests(engine, [prompts[0]], SamplingParams(max_tokens=7, **GREEDY))[0]
     c = out.outputs[0]
     assert out.finished and c.finish_reason == "length" and len(c.token_ids) == 7
     assert out.usage == {"prompt_tokens": len(prompts[0]), "completion_tokens": 7, "total_tokens": len(prompts[0]) + 7}
@@ -66,11 +54,11 @@ def test_max_tokens_gives_length(engine, prompts):
 
 
 def test_stop_string_truncates_output(engine, prompts):
-    full = run(engine, [prompts[1]], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].text
+    full = run_requests(engine, [prompts[1]], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].text
     # A stop string from the middle of the greedy text (avoid replacement characters).
     start = next(i for i in range(8, len(full) - 3) if "\ufffd" not in full[i : i + 3])
     stop = full[start : start + 3]
-    out = run(engine, [prompts[1]], SamplingParams(max_tokens=40, stop=["never-there", stop], **GREEDY))[0]
+    out = run_requests(engine, [prompts[1]], SamplingParams(max_tokens=40, stop=["never-there", stop], **GREEDY))[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == full[: full.index(stop)]
@@ -78,7 +66,7 @@ def test_stop_string_truncates_output(engine, prompts):
 
 
 def test_streamed_deltas_hold_back_stop_prefixes(engine, prompts):
-    full = run(engine, [prompts[1]], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].text
+    full = run_requests(engine, [prompts[1]], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].text
     stop = full[20:24]
     rid = engine.add_request(None, prompts[1], SamplingParams(max_tokens=40, stop=stop, **GREEDY))
     deltas, final = [], None
@@ -96,7 +84,7 @@ def test_eos_and_stop_token_ids(tiny_model_dir, engine, prompts, alone):
     target = toks[5]
     cut = toks.index(target) + 1
     # stop_token_ids: the stop token is kept in token_ids but not in the text.
-    out = run(engine, [prompts[2]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[target]))[0]
+    out = run_requests(engine, [prompts[2]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[target]))[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == target and c.token_ids == toks[:cut]
     assert c.text == engine.tokenizer.decode(toks[: cut - 1], skip_special_tokens=True)
@@ -106,10 +94,10 @@ def test_eos_and_stop_token_ids(tiny_model_dir, engine, prompts, alone):
     runner.eos_token_ids = [target]
     try:
         eos_engine = LLMEngine(runner)
-        out = run(eos_engine, [prompts[2]], SamplingParams(max_tokens=24, temperature=0))[0]
+        out = run_requests(eos_engine, [prompts[2]], SamplingParams(max_tokens=24, temperature=0))[0]
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
         assert out.outputs[0].token_ids == toks[:cut]
-        out = run(eos_engine, [prompts[2]], SamplingParams(max_tokens=24, **GREEDY))[0]
+        out = run_requests(eos_engine, [prompts[2]], SamplingParams(max_tokens=24, **GREEDY))[0]
         assert out.outputs[0].token_ids == toks and out.outputs[0].finish_reason == "length"
     finally:
         runner.eos_token_ids = saved
@@ -117,7 +105,7 @@ def test_eos_and_stop_token_ids(tiny_model_dir, engine, prompts, alone):
 
 def test_concurrent_requests_match_single(engine, prompts, alone):
     assert engine.scheduler.max_num_seqs >= 8
-    outs = run(engine, prompts, SamplingParams(max_tokens=24, **GREEDY))  # 10 requests, 8 in flight at once
+    outs = run_requests(engine, prompts, SamplingParams(max_tokens=24, **GREEDY))  # 10 requests, 8 in flight at once
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert engine.runner.kv_free_tokens() == engine.runner.kv_capacity_tokens
@@ -127,7 +115,7 @@ def test_chunked_prefill_and_preemption_match_single(tiny_model_dir, prompts, al
     # 256 KV tokens cannot hold 8 requests of ~20-50 + 24 tokens: requests get preempted and recomputed;
     # 16-token prefill chunks split every prompt.
     small = make_engine(tiny_model_dir, prefill_chunk_tokens=16, kv_cache_tokens=256, max_model_len=512)
-    outs = run(small, prompts, SamplingParams(max_tokens=24, **GREEDY))
+    outs = run_requests(small, prompts, SamplingParams(max_tokens=24, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert small.metrics.preemptions._value.get() > 0
     assert small.runner.kv_free_tokens() == small.runner.kv_capacity_tokens
@@ -143,9 +131,9 @@ def test_prompt_too_long_rejected_and_max_tokens_clamped(tiny_model_dir):
         eng.add_request("too-long", [5] * 64, SamplingParams())
     assert isinstance(info.value, ValueError) and info.value.prompt_len == 64 and info.value.limit == 63
     assert not eng.has_unfinished_requests()
-    out = run(eng, [[5] * 60], SamplingParams(max_tokens=100, **GREEDY))[0]
+    out = run_requests(eng, [[5] * 60], SamplingParams(max_tokens=100, **GREEDY))[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
-    out = run(eng, [[5] * 63], SamplingParams(max_tokens=None, **GREEDY))[0]
+    out = run_requests(eng, [[5] * 63], SamplingParams(max_tokens=None, **GREEDY))[0]
     assert len(out.outputs[0].token_ids) == 1
     with pytest.raises(ValueError, match="prompt"):
         eng.add_request(None, [], SamplingParams())
@@ -170,7 +158,7 @@ def test_fault_isolation(engine, prompts, alone, monkeypatch):
         return real(inputs, phase)
 
     monkeypatch.setattr(runner, "execute", flaky)
-    outs = run(engine, prompts[:8], SamplingParams(max_tokens=24, **GREEDY))
+    outs = run_requests(engine, prompts[:8], SamplingParams(max_tokens=24, **GREEDY))
     monkeypatch.undo()
     assert calls["batches_failed"] >= 2  # the batch, then the sequence alone
     for i, out in enumerate(outs):
@@ -193,7 +181,7 @@ def test_raising_logits_processor_fails_only_its_request(engine, prompts, alone)
 
     params = [SamplingParams(max_tokens=24, **GREEDY)] * 4
     params[1] = SamplingParams(max_tokens=24, logits_processors=[broken], **GREEDY)
-    outs = run(engine, prompts[:4], params)
+    outs = run_requests(engine, prompts[:4], params)
     assert outs[1].outputs[0].finish_reason == "error" and "processor fault" in outs[1].error
     assert outs[1].outputs[0].token_ids == alone[1][:2]
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 1] == [alone[0], *alone[2:4]]
@@ -225,12 +213,12 @@ def test_abort_frees_kv(engine, prompts):
 
 def test_seeded_sampling_is_reproducible(engine, prompts):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
-    one = run(engine, [prompts[4]], seeded)[0].outputs[0].token_ids
+    one = run_requests(engine, [prompts[4]], seeded)[0].outputs[0].token_ids
     noise = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
-    batched = run(engine, [prompts[5], prompts[4], prompts[6]], [noise, seeded, noise])[1].outputs[0].token_ids
+    batched = run_requests(engine, [prompts[5], prompts[4], prompts[6]], [noise, seeded, noise])[1].outputs[0].token_ids
     assert one == batched
     other = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
-    assert run(engine, [prompts[4]], other)[0].outputs[0].token_ids != one
+    assert run_requests(engine, [prompts[4]], other)[0].outputs[0].token_ids != one
 
 
 def test_incremental_detokenizer_never_emits_broken_utf8(engine):
@@ -327,7 +315,7 @@ def test_failed_prefix_attach_frees_what_it_took_and_computes_from_the_start(eng
     nothing: the request computes its prompt from the start, with its usual output."""
     runner = engine.runner
     p = prompts[5]
-    run(engine, [p], SamplingParams(max_tokens=4, **GREEDY))  # its prefix is cached now
+    run_requests(engine, [p], SamplingParams(max_tokens=4, **GREEDY))  # its prefix is cached now
     real = runner.prefix.attach
     failed = []
 
@@ -339,7 +327,7 @@ def test_failed_prefix_attach_frees_what_it_took_and_computes_from_the_start(eng
         return start
 
     monkeypatch.setattr(runner.prefix, "attach", attach_then_fail)
-    out = run(engine, [p], SamplingParams(max_tokens=24, **GREEDY))[0]
+    out = run_requests(engine, [p], SamplingParams(max_tokens=24, **GREEDY))[0]
     monkeypatch.undo()
     assert failed and failed[0][1] > 0  # it had taken cached pages before raising
     assert out.error is None and out.outputs[0].token_ids == alone[5]

@@ -29,11 +29,9 @@ if not torch.cuda.is_available():
 import pytest
 from safetensors.torch import load_file, save_file
 
-from edgemoe import SamplingParams
 from edgemoe.config import EngineConfig, ExpertActivation
 from edgemoe.core import ForwardBatch, Phase, SeqSlice
 from edgemoe.engine.llm import render_chat
-from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
@@ -43,7 +41,7 @@ from edgemoe.models import load_config, model_class
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
 
-from conftest import greedy_decode
+from conftest import check_engine_preemption_prefix_cache_and_faults, greedy_decode
 
 PROMPT = [3, 17, 92, 5, 41, 8, 77, 23, 64, 11, 9, 30]  # 12 tokens: three windows of the tiny preset's 4
 DECODE_STEPS = 6
@@ -757,59 +755,9 @@ def test_ftw_round_trip_keeps_the_biases(tiny, tmp_path):
 # ------------------------------------------------------------------------------------------------ engine
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> list:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
-
-
 def test_engine_preemption_prefix_cache_and_fault_isolation(tiny, monkeypatch):
-    path = tiny[0]
-    system = [(i * 37 + 11) % 1000 + 3 for i in range(40)]  # 2.5 pages shared by every prompt
-    prompts = [system + [(i * 13 + j * 7) % 1000 + 3 for j in range(3 + 5 * i)] for i in range(6)]
-    plain = LLMEngine(ModelRunner(path, _engine_config(enable_prefix_caching=False), progress=False))
-    alone = [_run(plain, [p])[0].outputs[0].token_ids for p in prompts]
-
-    # 144 KV tokens hold ~2 of these sequences at once: preemption and recompute; 16-token prefill chunks; no
-    # expert-cache slots the KV cache could borrow instead
-    tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=144, max_model_len=128, expert_cache_slots=0,
-                                                       prefill_chunk_tokens=16), progress=False))
-    assert [o.outputs[0].token_ids for o in _run(tight, prompts)] == alone
-    assert tight.metrics.preemptions._value.get() > 0
-
-    cached = LLMEngine(ModelRunner(path, _engine_config(), progress=False))
-    first = _run(cached, prompts[:1])[0]
-    outs = _run(cached, prompts[1:])
-    assert first.cached_tokens == 0 and all(o.cached_tokens >= 32 for o in outs)  # the system prompt's pages
-    assert [first.outputs[0].token_ids] + [o.outputs[0].token_ids for o in outs] == alone
-
-    runner, real = cached.runner, cached.runner.execute
-    bad = prompts[2]
-    bad_seqs: set[int] = set()
-
-    def flaky(inputs, phase):
-        if any(len(i.token_ids) == 1 and len(bad) + 2 <= i.start_pos < len(bad) + 10 and i.seq_id in bad_seqs
-               for i in inputs):
-            raise RuntimeError("injected fault")
-        for i in inputs:
-            if phase is Phase.PREFILL and i.token_ids == bad[i.start_pos:]:
-                bad_seqs.add(i.seq_id)
-        return real(inputs, phase)
-
-    monkeypatch.setattr(runner, "execute", flaky)
-    outs = _run(cached, prompts)
-    monkeypatch.undo()
-    for i, out in enumerate(outs):
-        if i == 2:
-            assert out.outputs[0].finish_reason == "error" and "injected fault" in out.error
-        else:
-            assert out.error is None and out.outputs[0].token_ids == alone[i]
-    assert runner.kv_free_tokens() == runner.kv_capacity_tokens
+    # no expert-cache slots the tight KV cache could borrow instead
+    check_engine_preemption_prefix_cache_and_faults(tiny[0], _engine_config, monkeypatch, expert_cache_slots=0)
 
 
 # ------------------------------------------------------------------------------------------------ make-model

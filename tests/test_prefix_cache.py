@@ -16,7 +16,7 @@ from edgemoe.engine.llm import render_chat
 from edgemoe.engine.llm_engine import LLMEngine
 from edgemoe.engine.model_runner import StepInput
 
-from conftest import running_server
+from conftest import run_requests, running_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PARAMS = SamplingParams(max_tokens=12, **GREEDY)
@@ -28,13 +28,7 @@ def make_engine(model_dir, **options) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, params=PARAMS) -> list:
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_requests(engine, prompts, params)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -29,7 +29,7 @@ from edgemoe.models import load_config
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
 
-from conftest import greedy_decode
+from conftest import greedy_decode, run_requests
 
 PRESET = "qwen3.5-moe-tiny"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(80)]  # > one 64-token chunk of the delta rule
@@ -418,15 +418,8 @@ def test_snapshot_restore_continues_bit_identically(runner):
 # ------------------------------------------------------------------------------------------------ engine
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[i] for i in ids]
+def _tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in run_requests(engine, prompts, max_tokens=12)]
 
 
 def test_engine_preemption_and_few_state_slots_match_alone(tiny):
@@ -434,12 +427,12 @@ def test_engine_preemption_and_few_state_slots_match_alone(tiny):
     prompts = [PROMPT[i: i + 9 + 7 * i] for i in range(7)]
     base = dict(kv_cache_tokens=512, max_model_len=256)
     alone_engine = LLMEngine(ModelRunner(path, _engine_config(**base), progress=False))
-    alone = [_run(alone_engine, [p])[0] for p in prompts]
+    alone = [_tokens(alone_engine, [p])[0] for p in prompts]
     # 160 KV tokens hold ~3 of these sequences: preemption + recompute; 16-token prefill chunks; the floor at
     # the cache's size keeps the KV cache from borrowing expert slots instead
     tight = LLMEngine(ModelRunner(path, _engine_config(kv_cache_tokens=160, max_model_len=256, prefill_chunk_tokens=16,
                                                        min_expert_cache_slots=6), progress=False))
-    assert _run(tight, prompts) == alone
+    assert _tokens(tight, prompts) == alone
     assert tight.metrics.preemptions._value.get() > 0
     assert tight.runner.state.free_slots == tight.runner.state.num_slots
     # the engine admits 6 at once but the runner has state slots for 2: admission waits for a free slot
@@ -453,7 +446,7 @@ def test_engine_preemption_and_few_state_slots_match_alone(tiny):
         return out
 
     few.runner.execute = counting
-    assert _run(few, prompts) == alone
+    assert _tokens(few, prompts) == alone
     assert max(held) == 2
     assert few.runner.state.free_slots == 2 and few.runner.kv_free_tokens() == few.runner.kv_capacity_tokens
 
