@@ -107,6 +107,20 @@ def greedy_decode(runner, prompt: list[int], steps: int, *, seq_id: int = 0, chu
     return torch.stack(logits).cpu(), toks
 
 
+def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Greedy prefill + decode of ``prompt`` with a ``transformers`` model ``ref`` (the whole sequence recomputed per
+    token): ``(logits [steps + 1, V] float32, tokens)``, the counterpart of :func:`greedy_decode`."""
+    ids = torch.tensor([prompt])
+    logits, toks = [], []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = ref(input_ids=ids).logits[0, -1].float()
+            logits.append(out)
+            toks.append(int(out.argmax()))
+            ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
+    return torch.stack(logits), toks
+
+
 def run_requests(engine, prompts: list[list[int]], params=None, *, max_tokens: int = 10) -> list:
     """Add every prompt to ``engine`` at once and step until all finish; the final ``RequestOutput`` of each,
     in prompt order. ``params``: one ``SamplingParams`` for all, a list of one per prompt, or ``None`` for greedy

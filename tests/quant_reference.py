@@ -107,19 +107,6 @@ def reference_model(ckpt: Path, quant: str, work: Path) -> transformers.PreTrain
                                                             dtype=torch.float32).eval()
 
 
-def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
-    """Greedy prefill + decode with ``transformers``: ``(logits [steps + 1, V], tokens)``."""
-    ids = torch.tensor([prompt])
-    logits, toks = [], []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = ref(input_ids=ids).logits[0, -1].float()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-            ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
-    return torch.stack(logits), toks
-
-
 def native_weights_are_torch_weights(fmt: str) -> bool:
     """Whether the native CPU kernels multiply the same weights as the torch path when computing in bfloat16.
     Every native kernel multiplies the exact codes and scales each block's or group's partial sums by its

@@ -33,7 +33,7 @@ from edgemoe.models import load_config, model_class
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
 
-from conftest import fault_isolated, greedy_decode, run_requests, run_with_fault
+from conftest import fault_isolated, greedy_decode, reference_greedy, run_requests, run_with_fault
 
 ARCH = "deepseek_v3"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(24)]  # T·k = 96 >= 2E = 32: a fill-all-32 prefill streams
@@ -100,18 +100,6 @@ def make_checkpoint(out, overrides: dict | None = None, model_type: str | None =
     return out
 
 
-def _reference(model, prompt: list[int], steps: int):
-    """Greedy prefill + decode with transformers (full recompute per token); (logits [steps+1, V], tokens)."""
-    ids = torch.tensor([prompt])
-    logits, toks = [], []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(input_ids=ids).logits[0, -1].float()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-            ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
-    return torch.stack(logits), toks
-
 
 def _hf_model(path, dtype=torch.float32):
     """transformers' model of the checkpoint; a ``kimi_k2`` config is given as the ``DeepseekV3Config`` it is
@@ -127,13 +115,13 @@ def _hf_model(path, dtype=torch.float32):
 def checkpoint(request, tmp_path_factory):
     overrides, model_type = VARIANTS[request.param]
     out = make_checkpoint(tmp_path_factory.mktemp(f"dsv3-{request.param}") / "m", overrides, model_type)
-    return out, _reference(_hf_model(out), PROMPT, DECODE_STEPS)
+    return out, reference_greedy(_hf_model(out), PROMPT, DECODE_STEPS)
 
 
 @pytest.fixture(scope="module")
 def v3(tmp_path_factory):
     out = make_checkpoint(tmp_path_factory.mktemp("dsv3") / "m")
-    return out, _reference(_hf_model(out), PROMPT, DECODE_STEPS)
+    return out, reference_greedy(_hf_model(out), PROMPT, DECODE_STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from edgemoe.models import load_config, model_class
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
 
-from conftest import check_engine_preemption_prefix_cache_and_faults, greedy_decode
+from conftest import check_engine_preemption_prefix_cache_and_faults, greedy_decode, reference_greedy
 
 PROMPT = [3, 17, 92, 5, 41, 8, 77, 23, 64, 11, 9, 30]  # 12 tokens: three windows of the tiny preset's 4
 DECODE_STEPS = 6
@@ -131,17 +131,8 @@ def _clamp_constants(experts, cfg) -> None:
 
 
 def _reference(path, dtype=torch.float32, prompt=PROMPT, steps=DECODE_STEPS):
-    """Greedy prefill + decode with transformers (full recompute per token): (logits [steps+1, V], tokens)."""
-    model = _load_reference(path, dtype)
-    ids = torch.tensor([prompt])
-    logits, toks = [], []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(input_ids=ids).logits[0, -1].float()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-            ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
-    return torch.stack(logits), toks
+    """Greedy prefill + decode with transformers: (logits [steps+1, V], tokens)."""
+    return reference_greedy(_load_reference(path, dtype), prompt, steps)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

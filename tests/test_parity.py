@@ -16,6 +16,8 @@ from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.synth import make_model
 
+from conftest import reference_greedy
+
 VARIANTS = {
     "base": {},
     "no-norm-topk": {"norm_topk_prob": False},
@@ -52,20 +54,6 @@ def checkpoint(request, tmp_path_factory):
     return out, ref
 
 
-def _reference(ref, steps: int):
-    """Greedy prefill + decode with transformers; returns (logits per step [steps+1, V], tokens)."""
-    ids = torch.tensor([PROMPT])
-    logits, toks = [], []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = ref(input_ids=ids).logits[0, -1].float()
-            logits.append(out)
-            nxt = int(out.argmax())
-            toks.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return torch.stack(logits), toks
-
-
 def _edgemoe(runner: ModelRunner, steps: int):
     logits = [runner.execute([StepInput(0, PROMPT, 0)], Phase.PREFILL)[0]]
     toks = [int(logits[-1].argmax())]
@@ -82,7 +70,7 @@ def _edgemoe(runner: ModelRunner, steps: int):
 @pytest.mark.parametrize("policy,slots", MODES, ids=[f"{p}-{s}" for p, s in MODES])
 def test_logits_and_greedy_tokens_match_transformers(checkpoint, policy, slots, device):
     path, ref = checkpoint
-    ref_logits, ref_toks = _reference(ref, DECODE_STEPS)
+    ref_logits, ref_toks = reference_greedy(ref, PROMPT, DECODE_STEPS)
     runner = ModelRunner(path, EngineConfig(device=device, dtype="float32", expert_policy=policy,
                                             expert_cache_slots=10_000 if slots is None else slots,
                                             bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0),

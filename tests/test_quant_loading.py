@@ -23,7 +23,7 @@ from edgemoe.weights.ftw import convert, read_manifest
 from edgemoe.weights.index import CheckpointError
 from edgemoe.weights.loader import load_checkpoint
 
-from conftest import greedy_decode
+from conftest import greedy_decode, reference_greedy
 
 CFG = EngineConfig(device="cpu", dtype="float32", expert_policy="cpu-all")
 PROMPT = [5, 17, 230, 41, 99, 7, 12]
@@ -207,7 +207,7 @@ def test_fp8_with_power_of_two_scales_loads(tmp_path):
     """FP8 releases with ``scale_fmt: ue8m0`` may store ``weight_scale_inv`` as float8_e8m0fnu (safetensors
     ``F8_E8M0``): read, held as float32 multipliers, and computed exactly as the float reference."""
     import transformers
-    from quant_reference import float_copy, reference_greedy
+    from quant_reference import float_copy
 
     from edgemoe.quant.quantize import quantization_config, quantize_state_dict, release_scheme
     from edgemoe.quant.scheme import QuantMethod

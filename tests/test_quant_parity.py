@@ -19,7 +19,6 @@ from quant_reference import (
     float_copy,
     native_weights_are_torch_weights,
     quantized_checkpoint,
-    reference_greedy,
     reference_model,
 )
 
@@ -27,7 +26,7 @@ from edgemoe.config import EngineConfig
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.quant.weights import WeightFormat
 
-from conftest import greedy_decode
+from conftest import greedy_decode, reference_greedy
 
 
 def _native_isas() -> list[str]:

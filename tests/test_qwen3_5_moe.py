@@ -29,7 +29,7 @@ from edgemoe.models import load_config
 from edgemoe.synth import config_for, make_model, param_count, write_config_only
 from edgemoe.weights.index import CheckpointError
 
-from conftest import greedy_decode, run_requests
+from conftest import greedy_decode, reference_greedy, run_requests
 
 PRESET = "qwen3.5-moe-tiny"
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(80)]  # > one 64-token chunk of the delta rule
@@ -53,18 +53,6 @@ def _engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-def _reference(model, prompt: list[int], steps: int):
-    """Greedy prefill + decode with transformers (full recompute per token); (logits [steps+1, V], tokens)."""
-    ids = torch.tensor([prompt])
-    logits, toks = [], []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(input_ids=ids).logits[0, -1].float()
-            logits.append(out)
-            toks.append(int(out.argmax()))
-            ids = torch.cat([ids, torch.tensor([[toks[-1]]])], dim=1)
-    return torch.stack(logits), toks
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -73,7 +61,7 @@ def tiny(tmp_path_factory):
 
     out = make_model(tmp_path_factory.mktemp("q35") / "tiny", "qwen3_5_moe", PRESET, seed=7, dtype="float32")
     ref = Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    return out, _reference(ref, PROMPT, DECODE_STEPS)
+    return out, reference_greedy(ref, PROMPT, DECODE_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +94,7 @@ def conditional(tiny, tmp_path_factory):
         if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
             shutil.copyfile(f, out / f.name)
     ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    return out, _reference(ref, PROMPT, DECODE_STEPS)
+    return out, reference_greedy(ref, PROMPT, DECODE_STEPS)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -318,7 +306,7 @@ def test_real_head_geometry_matches_transformers(tmp_path, device):
     small = {"hidden_size": 256, "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
              "num_experts": 8, "vocab_size": 1024, "initializer_range": 0.05}
     out = make_model(tmp_path / "m", "qwen3_5_moe", "qwen3.6-35b-a3b", seed=1, dtype="float32", overrides=small)
-    ref_logits, ref_toks = _reference(Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval(),
+    ref_logits, ref_toks = reference_greedy(Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval(),
                                       PROMPT[:70], 2)
     logits, toks = greedy_decode(ModelRunner(out, _engine_config(device=device), progress=False), PROMPT[:70], 2)
     assert toks == ref_toks

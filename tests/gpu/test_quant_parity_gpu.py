@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_reference import QUANTS, quantized_checkpoint, reference_greedy, reference_model
+from quant_reference import QUANTS, quantized_checkpoint, reference_model
 
 from edgemoe.config import EngineConfig
 from edgemoe.engine.expert_runtime import DecodePath
 from edgemoe.engine.model_runner import ModelRunner
 
-from conftest import greedy_decode
+from conftest import greedy_decode, reference_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
