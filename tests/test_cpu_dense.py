@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from native_helpers import needs_native
 from torch.overrides import TorchFunctionMode
 
 from edgemoe.config import EngineConfig
@@ -49,13 +50,7 @@ from edgemoe.quant.weights import WeightFormat
 from edgemoe.synth import make_model
 from edgemoe.synth.archs import ARCHS
 
-try:
-    native.load_extension()
-    UNAVAILABLE = None
-except native.NativeUnavailable as e:
-    UNAVAILABLE = str(e)
-
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
+pytestmark = needs_native
 
 _execs: dict = {}
 

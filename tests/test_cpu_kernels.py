@@ -21,6 +21,7 @@ import time
 
 import pytest
 import torch
+from native_helpers import native_executor, needs_native, random_work
 
 from edgemoe.config import EngineConfig
 from edgemoe.experts import native
@@ -29,13 +30,7 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 
-try:
-    native.load_extension()
-    UNAVAILABLE = None
-except native.NativeUnavailable as e:  # no compiler / ninja here
-    UNAVAILABLE = str(e)
-
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
+pytestmark = needs_native
 
 SHAPES = {  # name: (H, I, experts in the pool)
     "tiny-tails": (37, 23, 8),       # nothing a multiple of 8: every vector/row/chunk tail
@@ -56,7 +51,6 @@ TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
 MAX_DIFFERING = 0.25
 
 _pools: dict = {}
-_cores: dict = {}
 _refs: dict = {}
 
 
@@ -70,13 +64,7 @@ def _pool(shape: str, dtype: torch.dtype) -> HostExpertPool:
     return _pools[key]
 
 
-def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuExecutor:
-    """One thread pool per (ISA cap, threads), rebound to each test's pool."""
-    key = (isa, threads)
-    if key not in _cores:
-        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0, min_chunk_bytes=0,
-                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
-    return _cores[key].with_pool(pool)
+
 
 
 def _skip_unsupported(isa: str, dtype: torch.dtype) -> None:
@@ -84,18 +72,7 @@ def _skip_unsupported(isa: str, dtype: torch.dtype) -> None:
         pytest.skip(f"this CPU (or dtype {dtype}) has no {isa} kernel: supported {native.supported_isas(dtype)}")
 
 
-def _work(T: int, num_ids: int, seed: int, k: int = 4):
-    """Each token routed to k distinct experts with random weights, grouped per expert (random order)."""
-    g = torch.Generator().manual_seed(seed)
-    k = min(k, num_ids)
-    ids = torch.stack([torch.randperm(num_ids, generator=g)[:k] for _ in range(T)])  # [T, k]
-    w = torch.rand(T, k, generator=g) + 0.1
-    work = []
-    for fid in torch.randperm(num_ids, generator=g).tolist():
-        tok, kpos = (ids == fid).nonzero(as_tuple=True)
-        if tok.numel():
-            work.append((fid, tok, w[tok, kpos]))
-    return work
+
 
 
 def _x(T: int, H: int, seed: int) -> torch.Tensor:
@@ -133,7 +110,7 @@ def _ref(shape, dtype, T):
     key = (shape, dtype, T)
     if key not in _refs:
         pool = _pool(shape, dtype)
-        x, work = _x(T, pool.hidden, seed=T), _work(T, pool.num_ids, seed=100 + T)
+        x, work = _x(T, pool.hidden, seed=T), random_work(T, pool.num_ids, seed=100 + T, k=4)
         _refs[key] = (x, work, reference(pool, x, work))
     return _refs[key]
 
@@ -152,7 +129,7 @@ def test_kernels_match_float64_reference(isa, dtype, shape, T, threads):
     _skip_unsupported(isa, dtype)
     pool = _pool(shape, dtype)
     x, work, ref = _ref(shape, dtype, T)
-    ex = _executor(pool, isa, threads)
+    ex = native_executor(pool, isa, threads)
     assert ex.isa == isa and ex.name == f"native-{isa}" and ex.threads == threads
     out = torch.zeros(T, pool.hidden)
     ex.run(x, work, out)
@@ -168,7 +145,7 @@ def test_results_do_not_depend_on_thread_count(isa):
     outs = []
     for threads in THREADS:
         out = torch.zeros(8, pool.hidden)
-        _executor(pool, isa, threads).run(x, work, out)
+        native_executor(pool, isa, threads).run(x, work, out)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -176,7 +153,7 @@ def test_results_do_not_depend_on_thread_count(isa):
 def test_accumulates_into_out_and_accepts_bf16_x():
     pool = _pool("tails-16", torch.bfloat16)
     x, work, ref = _ref("tails-16", torch.bfloat16, 3)
-    ex = _executor(pool, native.supported_isas()[-1], 2)
+    ex = native_executor(pool, native.supported_isas()[-1], 2)
     base = torch.randn(3, pool.hidden)
     out = base.clone()
     ex.run(x.to(torch.bfloat16), work, out)  # bf16 x is used as is (same values the kernel rounds to)
@@ -228,7 +205,7 @@ def test_run_grouped_equals_run_over_the_split_work(max_tokens):
     ex = native.NativeCpuExecutor(pool, 2, max_tokens_per_expert=max_tokens, min_parallel_bytes=0)
     T = 6
     x = _x(T, pool.hidden, seed=7)
-    work = sorted(_work(T, pool.num_ids, seed=8, k=3))
+    work = sorted(random_work(T, pool.num_ids, seed=8, k=3))
     fids = [f for f, _, _ in work]
     counts = [t.numel() for _, t, _ in work]
     tok, wt = torch.cat([t for _, t, _ in work]), torch.cat([w for _, _, w in work])
@@ -291,7 +268,7 @@ def test_env_var_caps_the_isa(monkeypatch):
 @pytest.mark.parametrize("x_dtype", (torch.float32, torch.bfloat16))
 def test_registered_step_through_the_c_entry_point(x_dtype):
     pool = _pool("qwen3-30b-a3b", torch.bfloat16)
-    ex = _executor(pool, native.supported_isas()[-1], 2)
+    ex = native_executor(pool, native.supported_isas()[-1], 2)
     x, work, ref = _ref("qwen3-30b-a3b", torch.bfloat16, 3)
     step = ex.make_step(max_tokens=8, max_experts=4, x_dtype=x_dtype)
     assert step.fn_address and step.address
@@ -314,7 +291,7 @@ def test_registered_step_through_the_c_entry_point(x_dtype):
 # ------------------------------------------------------------------------------------------ errors, pool
 def test_invalid_steps_raise_and_leave_out_untouched():
     pool = _pool("tiny-tails", torch.float32)
-    ex = _executor(pool, "scalar", 2)
+    ex = native_executor(pool, "scalar", 2)
     x, out = _x(3, pool.hidden, 0), torch.zeros(3, pool.hidden)
     with pytest.raises(IndexError, match="token"):
         ex.run(x, [(0, torch.tensor([0, 3]), torch.ones(2))], out)
@@ -347,7 +324,7 @@ def test_workers_wake_after_sleeping():
 
 
 def test_parallel_sum_reads_every_element():
-    ex = _executor(_pool("tiny-tails", torch.float32), native.supported_isas(torch.float32)[-1], 3)
+    ex = native_executor(_pool("tiny-tails", torch.float32), native.supported_isas(torch.float32)[-1], 3)
     t = torch.rand(1_000_003)
     assert ex.sum_f32(t) == pytest.approx(float(t.double().sum()), rel=1e-6)
 
@@ -447,7 +424,7 @@ def test_measure_cpu_uses_the_executor():
     from edgemoe.experts.bandwidth import measure_cpu
 
     pool = _pool("tails-16", torch.bfloat16)
-    ex = _executor(pool, native.supported_isas()[-1], 2)
+    ex = native_executor(pool, native.supported_isas()[-1], 2)
     assert measure_cpu(pool, ex, 0.02) > 0
     assert measure_cpu(pool, ex, 0.02, tokens=2, experts_per_call=3) > 0
     assert measure_cpu(pool, TorchCpuExecutor(pool), 0.02, tokens=2, experts_per_call=2) > 0
@@ -457,7 +434,7 @@ def test_step_bench_computes_the_rotated_experts():
     """The C++ measurement loop runs the registered step on the experts it was given: after a run long
     enough for one call, ``out`` equals the reference of the last call's experts."""
     pool = _pool("tails-16", torch.bfloat16)
-    ex = _executor(pool, native.supported_isas()[-1], 2)
+    ex = native_executor(pool, native.supported_isas()[-1], 2)
     step = ex.make_step(2, 2, 4, zero_out=True)
     x = torch.randn(2, pool.hidden)
     step.x.copy_(x)

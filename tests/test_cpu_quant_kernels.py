@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_helpers import native_executor, needs_native, random_work
 from quant_reference import native_weights_are_torch_weights
 
 from edgemoe.experts import native
@@ -26,13 +27,7 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 
-try:
-    native.load_extension()
-    UNAVAILABLE = None
-except native.NativeUnavailable as e:
-    UNAVAILABLE = str(e)
-
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
+pytestmark = needs_native
 
 FORMATS = {"fp8": WeightFormat.FP8_BLOCK, "mxfp4": WeightFormat.MXFP4, "nvfp4": WeightFormat.NVFP4}
 SHAPES = {  # format: {name: (H, I, experts)}
@@ -49,7 +44,6 @@ TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}  # as tests/test_cpu_kernels.p
 MAX_DIFFERING = 0.25
 
 _pools: dict = {}
-_cores: dict = {}
 _refs: dict = {}
 
 
@@ -63,28 +57,10 @@ def _pool(fmt: str, shape: str, compute: torch.dtype) -> HostExpertPool:
     return _pools[key]
 
 
-def _executor(pool: HostExpertPool, isa: str, threads: int, min_chunk_bytes: int = 0) -> native.NativeCpuExecutor:
-    """One thread pool per (ISA cap, threads, chunk floor), rebound to each test's pool; the kernel tests cut calls
-    by rows only (floor 0), so their small shapes keep chunks of a few rows."""
-    key = (isa, threads, min_chunk_bytes)
-    if key not in _cores:
-        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0,
-                                               min_chunk_bytes=min_chunk_bytes, max_tokens_per_expert=1 << 30,
-                                               oversubscribe=True)
-    return _cores[key].with_pool(pool)
 
 
-def _work(T: int, num_ids: int, seed: int, k: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    k = min(k, num_ids)
-    ids = torch.stack([torch.randperm(num_ids, generator=g)[:k] for _ in range(T)])  # [T, k]
-    w = torch.rand(T, k, generator=g) + 0.1
-    work = []
-    for fid in torch.randperm(num_ids, generator=g).tolist():
-        tok, kpos = (ids == fid).nonzero(as_tuple=True)
-        if tok.numel():
-            work.append((fid, tok, w[tok, kpos]))
-    return work
+
+
 
 
 def q15_lanes(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +108,7 @@ def _ref(fmt, shape, compute, T, round_weights: bool = True, q15: bool = False):
     if key not in _refs:
         pool = _pool(fmt, shape, compute)
         x = torch.randn(T, pool.hidden, generator=torch.Generator().manual_seed(T))
-        work = _work(T, pool.num_ids, seed=50 + T)
+        work = random_work(T, pool.num_ids, seed=50 + T, k=3)
         _refs[key] = (x, work, reference(pool, x, work, round_weights, q15))
     return _refs[key]
 
@@ -166,7 +142,7 @@ def test_quantized_kernels_match_float64_reference(isa, fmt, shape, compute, T, 
     _skip_unsupported(isa, fmt, compute)
     pool = _pool(fmt, shape, compute)
     x, work, ref = _ref(fmt, shape, compute, T, round_weights=False, q15=_takes_q15(isa, fmt, compute))
-    ex = _executor(pool, isa, threads)
+    ex = native_executor(pool, isa, threads)
     assert ex.isa == isa and ex.threads == threads
     out = torch.zeros(T, pool.hidden)
     ex.run(x, work, out)
@@ -187,7 +163,7 @@ def test_avx2int_equals_avx2vnni_bit_for_bit(fmt, shape, T):
     outs = []
     for isa in ("avx2int", "avx2vnni"):
         out = torch.zeros(T, pool.hidden)
-        _executor(pool, isa, 2).run(x, work, out)
+        native_executor(pool, isa, 2).run(x, work, out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 
@@ -203,7 +179,7 @@ def test_results_do_not_depend_on_thread_count(fmt, compute, isa):
     outs = []
     for threads in (1, 2, 3):
         out = torch.zeros(8, pool.hidden)
-        _executor(pool, isa, threads).run(x, work, out)
+        native_executor(pool, isa, threads).run(x, work, out)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -269,7 +245,7 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt, isa):
     x = torch.randn(8, pool.hidden, generator=torch.Generator().manual_seed(3))
     wt = torch.rand(8, generator=torch.Generator().manual_seed(4))
     _skip_unsupported(isa, fmt, torch.bfloat16)
-    ex = _executor(pool, isa, 2)
+    ex = native_executor(pool, isa, 2)
     full = torch.zeros(8, pool.hidden)
     ex.run(x, [(1, torch.arange(8), wt)], full)
     for toks in (torch.tensor([5]), torch.tensor([0, 2, 7])):
@@ -332,7 +308,7 @@ def test_crafted_codes_and_scales_match_the_reference(isa, fmt, H, I):
     ref = reference(pool, x, work, round_weights=False)
     assert torch.isfinite(ref).all() and ref.abs().max() > 0
     out = torch.zeros(5, H)
-    _executor(pool, isa, 1).run(x, work, out)
+    native_executor(pool, isa, 1).run(x, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{fmt} {isa}: relative error {_rel_err(out, ref):.2e}"
 
 
@@ -360,7 +336,7 @@ def test_fp4_scale_special_cases_inside_whole_steps(isa):
     ref = reference(mx, xs, work, round_weights=False)
     assert ref.abs().max() > 0
     out = torch.zeros(3, H)
-    _executor(mx, isa, 1).run(xs, work, out)
+    native_executor(mx, isa, 1).run(xs, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"mxfp4 {isa}: relative error {_rel_err(out, ref):.2e}"
     nv = HostExpertPool(2, ExpertLayout.build(WeightFormat.NVFP4, H, I), torch.bfloat16)
     nv.fill_random(seed=4, std=0.05)
@@ -368,7 +344,7 @@ def test_fp4_scale_special_cases_inside_whole_steps(isa):
         nv.layout.view(nv.bank, name).fill_(2.0**9)
     ref = reference(nv, x * 2.0**-20, work, round_weights=False)
     out = torch.zeros(3, H)
-    _executor(nv, isa, 1).run(x * 2.0**-20, work, out)
+    native_executor(nv, isa, 1).run(x * 2.0**-20, work, out)
     assert torch.isfinite(ref).all() and _rel_err(out, ref) < TOL[torch.bfloat16], f"nvfp4 {isa}"
 
 
@@ -396,7 +372,7 @@ def test_fp8_zero_exponent_codes_are_exact(isa):
         ref = reference(pool, x, work, round_weights=False)
         assert ref.abs().max() > 0
         out = torch.zeros(4, H)
-        _executor(pool, isa, 1).run(x, work, out)
+        native_executor(pool, isa, 1).run(x, work, out)
         assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} expert {fid}: relative error {_rel_err(out, ref):.2e}"
 
 
@@ -420,7 +396,7 @@ def test_fp8_blocks_other_than_128(isa, block, HI):
             (2, torch.tensor([1, 2, 3, 4]), torch.tensor([1.0, 0.5, 0.75, 0.3]))]
     ref = reference(pool, x, work, round_weights=False)
     out = torch.zeros(5, H)
-    _executor(pool, isa, 2).run(x, work, out)
+    native_executor(pool, isa, 2).run(x, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} {block}: relative error {_rel_err(out, ref):.2e}"
     assert _differing(out, ref) < MAX_DIFFERING
 
@@ -444,7 +420,7 @@ def test_fp8_isolated_zero_exponent_codes(isa, col):
     ref = reference(pool, x, work, round_weights=False)
     assert ref.abs().max() > 0
     out = torch.zeros(2, H)
-    _executor(pool, isa, 1).run(x, work, out)
+    native_executor(pool, isa, 1).run(x, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa} column {col}: relative error {_rel_err(out, ref):.2e}"
 
 
@@ -467,7 +443,7 @@ def test_flush_to_zero_on_the_calling_thread_changes_nothing(isa):
     work = [(0, torch.tensor([0, 1, 2]), torch.tensor([0.5, 1.0, 0.25]))]
     outs = []
     for threads in (1, 2):
-        ex = _executor(pool, isa, threads)
+        ex = native_executor(pool, isa, threads)
         for flush in (False, True):
             out = torch.zeros(3, H)
             if flush and not torch.set_flush_denormal(True):
@@ -490,7 +466,7 @@ def test_token_tiles_and_remainders(fmt, isa):
     alone, and the reference's numbers."""
     _skip_unsupported(isa, fmt, torch.bfloat16)
     pool = _pool(fmt, "row-tails" if "row-tails" in SHAPES[fmt] else "odd", torch.bfloat16)
-    ex = _executor(pool, isa, 2)
+    ex = native_executor(pool, isa, 2)
     x = torch.randn(19, pool.hidden, generator=torch.Generator().manual_seed(19))
     wt = torch.rand(19, generator=torch.Generator().manual_seed(20)) + 0.1
     alone = torch.zeros(19, pool.hidden)
@@ -561,7 +537,7 @@ def test_fp4_activation_lanes_at_the_edges(isa):
     ref = reference(pool, x, work, round_weights=False, q15=_takes_q15(isa, "mxfp4", torch.bfloat16))
     assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
     out = torch.zeros(2, H)
-    _executor(pool, isa, 1).run(x, work, out)
+    native_executor(pool, isa, 1).run(x, work, out)
     assert _rel_err(out, ref) < TOL[torch.bfloat16], f"{isa}: relative error {_rel_err(out, ref):.2e}"
     assert _differing(out, ref) < 0.005, f"{isa}: {_differing(out, ref):.1%} of outputs differ"
 
@@ -579,7 +555,7 @@ def test_a_non_finite_activation_reaches_the_output(isa, fmt, bad):
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(1))
     x[0, 37] = bad
     out = torch.zeros(2, H)
-    _executor(pool, isa, 1).run(x, [(0, torch.tensor([0, 1]), torch.tensor([0.5, 1.0]))], out)
+    native_executor(pool, isa, 1).run(x, [(0, torch.tensor([0, 1]), torch.tensor([0.5, 1.0]))], out)
     assert not torch.isfinite(out[0]).any() and torch.isfinite(out[1]).all()
 
 
@@ -626,7 +602,7 @@ def test_every_chunking_gives_the_one_thread_result(fmt, shape, compute, floor):
                 outs = []
                 for threads in (1, 2, 3):
                     out = torch.zeros(T, H)
-                    _executor(pool, isa, threads, floor).run(x, work, out)
+                    native_executor(pool, isa, threads, floor).run(x, work, out)
                     outs.append(out)
                 for threads, out in zip((2, 3), outs[1:]):
                     assert torch.equal(outs[0], out), (isa, T, n_experts, threads)

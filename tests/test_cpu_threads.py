@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from native_helpers import needs_native
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
@@ -25,13 +26,6 @@ from edgemoe.experts import native
 from edgemoe.experts.pool import HostExpertPool
 from edgemoe.synth import make_model
 
-try:
-    native.load_extension()
-    UNAVAILABLE = None
-except native.NativeUnavailable as e:
-    UNAVAILABLE = str(e)
-
-needs_native = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
 CORES16 = list(range(16))
 
 

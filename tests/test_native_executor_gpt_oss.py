@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_helpers import native_executor, needs_native, random_work
 from quant_reference import native_weights_are_torch_weights
 
 from edgemoe.config import ExpertActivation
@@ -25,13 +26,7 @@ from edgemoe.experts.pool import HostExpertPool
 from edgemoe.quant.layout import ExpertLayout
 from edgemoe.quant.weights import WeightFormat
 
-try:
-    native.load_extension()
-    UNAVAILABLE = None
-except native.NativeUnavailable as e:
-    UNAVAILABLE = str(e)
-
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"native CPU extension unavailable: {UNAVAILABLE}")
+pytestmark = needs_native
 
 LIMIT = 0.4  # gate / up projections (bias included) have std ~0.7 here: both clamps bite
 OAI = ExpertActivation("swiglu_oai", alpha=1.702, limit=LIMIT, bias=True)
@@ -51,7 +46,6 @@ TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
 MAX_DIFFERING = 0.25
 
 _pools: dict = {}
-_cores: dict = {}
 
 
 def _pool(name: str, act: ExpertActivation = OAI) -> HostExpertPool:
@@ -67,24 +61,10 @@ def _pool(name: str, act: ExpertActivation = OAI) -> HostExpertPool:
     return _pools[key]
 
 
-def _executor(pool: HostExpertPool, isa: str, threads: int) -> native.NativeCpuExecutor:
-    key = (isa, threads)
-    if key not in _cores:
-        _cores[key] = native.NativeCpuExecutor(pool, threads, isa=isa, min_parallel_bytes=0, min_chunk_bytes=0,
-                                               max_tokens_per_expert=1 << 30, oversubscribe=True)
-    return _cores[key].with_pool(pool)
 
 
-def _work(T: int, seed: int, k: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)])  # [T, k]
-    w = torch.rand(T, k, generator=g) + 0.1
-    work = []
-    for fid in torch.randperm(N, generator=g).tolist():
-        tok, kpos = (ids == fid).nonzero(as_tuple=True)
-        if tok.numel():
-            work.append((fid, tok, w[tok, kpos]))
-    return work
+
+
 
 
 def _x(T: int) -> torch.Tensor:
@@ -149,13 +129,13 @@ def test_clamped_swiglu_with_biases_matches_float64_reference(isa, name, T, thre
     if isa not in _supported(name):
         pytest.skip(f"no {isa} kernel for {name} here: supported {_supported(name)}")
     pool = _pool(name)
-    x, work = _x(T), _work(T, seed=20 + T)
+    x, work = _x(T), random_work(T, N, seed=20 + T, k=3)
     clamps: list = []
     ref = reference(pool, x, work, clamps, round_weights=False)
     gate_above = sum(c[0] for c in clamps) / len(clamps)
     up_beyond = sum(c[1] for c in clamps) / len(clamps)
     assert gate_above > 0.1 and up_beyond > 0.1, (gate_above, up_beyond)  # both clamps bite
-    ex = _executor(pool, isa, threads)
+    ex = native_executor(pool, isa, threads)
     assert ex.isa == isa and ex.threads == threads
     out = torch.zeros(T, H)
     ex.run(x, work, out)
@@ -171,7 +151,7 @@ def test_native_matches_torch_executor(name, T, act):
     """The native executor against the torch-ops executor, whose experts are ``swiglu_expert`` with the rows'
     biases: the same rounding points, so bf16 differs only by one-ulp flips of a few outputs."""
     pool = _pool(name, act)
-    x, work = _x(T), _work(T, seed=40 + T)
+    x, work = _x(T), random_work(T, N, seed=40 + T, k=3)
     ex = make_cpu_executor(pool, None, "native")
     assert isinstance(ex, native.NativeCpuExecutor)
     out, ref = torch.zeros(T, H), torch.zeros(T, H)
@@ -187,11 +167,11 @@ def test_native_matches_torch_executor(name, T, act):
 def test_results_do_not_depend_on_thread_count(name):
     pool = _pool(name)
     isa = _supported(name)[-1]
-    x, work = _x(8), _work(8, seed=7)
+    x, work = _x(8), random_work(8, N, seed=7, k=3)
     outs = []
     for threads in (1, 2, 3):
         out = torch.zeros(8, H)
-        _executor(pool, isa, threads).run(x, work, out)
+        native_executor(pool, isa, threads).run(x, work, out)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -199,8 +179,8 @@ def test_results_do_not_depend_on_thread_count(name):
 @pytest.mark.parametrize("name", ["bf16", "mxfp4-f32"])
 def test_registered_step_computes_the_same(name):
     pool = _pool(name)
-    ex = _executor(pool, _supported(name)[-1], 2)
-    x, work = _x(3), _work(3, seed=9)
+    ex = native_executor(pool, _supported(name)[-1], 2)
+    x, work = _x(3), random_work(3, N, seed=9, k=3)
     step = ex.make_step(max_tokens=4, max_experts=N, x_dtype=torch.float32)
     try:
         step.set_work(x, work)
