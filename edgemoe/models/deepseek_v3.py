@@ -15,10 +15,10 @@ releases saved are skipped.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from edgemoe.config import (
     GroupLimitedRoutingConfig,
@@ -29,10 +29,9 @@ from edgemoe.config import (
     rope_from_hf,
     token_ids,
 )
-from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import KVSpec
+from edgemoe.layers.decoder import DecoderStack, PreNormDecoderLayer, moe_or_dense
 from edgemoe.layers.mla import LatentAttention
-from edgemoe.layers.mlp import DenseMLP
 from edgemoe.layers.moe import SharedExpertsMoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -65,32 +64,6 @@ def softmax_scale(qk_head_dim: int, rope: dict[str, Any]) -> float:
         m = _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
         scale *= m * m
     return scale
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = LatentAttention(cfg, layer, rotary)
-        self.is_moe = layer in cfg.moe_layers
-        if self.is_moe:
-            self.mlp = SharedExpertsMoeBlock(cfg, cfg.moe_ordinal(layer))
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, batch) if self.is_moe else self.mlp(h))
-
-
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM):
@@ -212,7 +185,11 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         super().__init__(cfg)
         with torch.device("cpu"):
             rotary = RotaryEmbedding(cfg, interleaved=cfg.latent_attention.rope_interleave)
-        self.model = DeepseekV3Model(cfg, rotary)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = DecoderStack(cfg, (
+            PreNormDecoderLayer(cfg, i, LatentAttention(cfg, i, rotary), moe_or_dense(cfg, i, SharedExpertsMoeBlock),
+                                norm)
+            for i in range(cfg.num_layers)), norm())
         # the base class skips the multi-token-prediction layers; Kimi-K2 also saves inv_freq buffers
         self.skipped_prefixes += tuple(f"model.layers.{i}.self_attn.rotary_emb." for i in range(cfg.num_layers))
 

@@ -18,6 +18,7 @@ stay float32 at every model dtype, as the reference keeps them.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -27,8 +28,8 @@ from edgemoe.config import GroupLimitedRoutingConfig, ModelConfig, hf_dtype, req
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
 from edgemoe.layers.attention import FusedQKV, write_and_attend
+from edgemoe.layers.decoder import DecoderStack, PreNormDecoderLayer, moe_or_dense
 from edgemoe.layers.linear import Linear
-from edgemoe.layers.mlp import DenseMLP
 from edgemoe.layers.moe import SharedExpertsMoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -107,32 +108,6 @@ class Glm4MoeAttention(FusedQKV, nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = Glm4MoeAttention(cfg, layer, rotary)
-        self.is_moe = layer in cfg.moe_layers
-        if self.is_moe:
-            self.mlp = SharedExpertsMoeBlock(cfg, cfg.moe_ordinal(layer))
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, batch) if self.is_moe else self.mlp(h))
-
-
-class Glm4MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Glm4MoeForCausalLM(MoECausalLM):
     """GLM-4.5-family causal LM (every layer full attention; see :class:`~edgemoe.models.base.MoECausalLM`)."""
 
@@ -196,7 +171,11 @@ class Glm4MoeForCausalLM(MoECausalLM):
         super().__init__(cfg)
         with torch.device("cpu"):
             rotary = RotaryEmbedding(cfg)
-        self.model = Glm4MoeModel(cfg, rotary)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = DecoderStack(cfg, (
+            PreNormDecoderLayer(cfg, i, Glm4MoeAttention(cfg, i, rotary), moe_or_dense(cfg, i, SharedExpertsMoeBlock),
+                                norm)
+            for i in range(cfg.num_layers)), norm())
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> ModelConfig:

@@ -23,6 +23,7 @@ sliding layer (a ring of ``sliding_window`` positions per sequence would do); se
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,7 @@ from edgemoe.config import ExpertActivation, ModelConfig, hf_dtype, require, rop
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.pool import PagedKVPool
 from edgemoe.layers.attention import FusedQKV, write_and_attend
+from edgemoe.layers.decoder import DecoderStack, PreNormDecoderLayer
 from edgemoe.layers.linear import Linear, UsesCpuDense, linear
 from edgemoe.layers.moe import MoeBlock
 from edgemoe.layers.norm import RMSNorm
@@ -158,27 +160,6 @@ class GptOssMLP(MoeBlock):
         return self.router(x, valid)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = GptOssAttention(cfg, layer, rotary)
-        self.mlp = GptOssMLP(cfg, cfg.moe_ordinal(layer))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, float32_scale=True)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, float32_scale=True)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, float32_scale=True)
-
-
 class GptOssForCausalLM(MoECausalLM):
     """gpt-oss causal LM (see :class:`~edgemoe.models.base.MoECausalLM`): every layer attention + MoE."""
 
@@ -205,7 +186,10 @@ class GptOssForCausalLM(MoECausalLM):
         super().__init__(cfg)
         with torch.device("cpu"):
             rotary = RotaryEmbedding(cfg)
-        self.model = GptOssModel(cfg, rotary)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, float32_scale=True)
+        self.model = DecoderStack(cfg, (
+            PreNormDecoderLayer(cfg, i, GptOssAttention(cfg, i, rotary), GptOssMLP(cfg, cfg.moe_ordinal(i)), norm)
+            for i in range(cfg.num_layers)), norm())
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> ModelConfig:

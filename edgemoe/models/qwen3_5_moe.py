@@ -25,6 +25,7 @@ from edgemoe.config import LinearAttentionConfig, ModelConfig, hf_dtype, require
 from edgemoe.core import ForwardBatch
 from edgemoe.kvcache.state import StateSpec
 from edgemoe.layers.attention import GatedAttention
+from edgemoe.layers.decoder import DecoderStack
 from edgemoe.layers.gated_deltanet import GatedDeltaNet
 from edgemoe.layers.moe import SharedExpertMoeBlock
 from edgemoe.layers.norm import ZeroCenteredRMSNorm
@@ -55,22 +56,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
-class Qwen3_5MoeTextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        linear = [cfg.is_linear_attention(i) for i in range(cfg.num_layers)]
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, attn_index=i - sum(linear[:i]), state_index=sum(linear[:i]))
-            for i in range(cfg.num_layers)
-        )
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class _MultimodalModel(nn.Module):
     """The ``model`` of the conditional-generation layout, holding only its ``language_model``."""
 
-    def __init__(self, language_model: Qwen3_5MoeTextModel):
+    def __init__(self, language_model: DecoderStack):
         super().__init__()
         self.language_model = language_model
 
@@ -154,7 +143,10 @@ class Qwen3_5MoeForCausalLM(MoECausalLM):
         super().__init__(cfg, "model.language_model." if nested else "model.")
         with torch.device("cpu"):
             rotary = RotaryEmbedding(cfg)
-        text = Qwen3_5MoeTextModel(cfg, rotary)
+        linear = [cfg.is_linear_attention(i) for i in range(cfg.num_layers)]
+        text = DecoderStack(cfg, (
+            DecoderLayer(cfg, i, rotary, attn_index=i - sum(linear[:i]), state_index=sum(linear[:i]))
+            for i in range(cfg.num_layers)), ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
         self.model = _MultimodalModel(text) if nested else text
 
     @classmethod

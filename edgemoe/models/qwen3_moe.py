@@ -9,44 +9,28 @@ the host expert pool.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from edgemoe.config import ModelConfig, hf_dtype, require, rope_from_hf, token_ids
 from edgemoe.core import ForwardBatch
 from edgemoe.layers.attention import Qwen3Attention
-from edgemoe.layers.mlp import DenseMLP
+from edgemoe.layers.decoder import DecoderStack, PreNormDecoderLayer, moe_or_dense
 from edgemoe.layers.moe import SparseMoeBlock
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.base import MoECausalLM
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = Qwen3Attention(cfg, layer, rotary)
-        self.is_moe = layer in cfg.moe_layers
-        if self.is_moe:
-            self.mlp = SparseMoeBlock(cfg, cfg.moe_ordinal(layer))
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class DecoderLayer(PreNormDecoderLayer):
+    """The pre-norm layer with the second residual add fused into the post-attention RMSNorm and, on MoE
+    layers, into the routed block's output (``residual``): the same sums in fewer passes over ``x``."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), batch))
         return self.mlp(h, batch, residual=x) if self.is_moe else x + self.mlp(h)
-
-
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
@@ -132,7 +116,10 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         super().__init__(cfg)
         with torch.device("cpu"):
             rotary = RotaryEmbedding(cfg)
-        self.model = Qwen3MoeModel(cfg, rotary)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = DecoderStack(cfg, (
+            DecoderLayer(cfg, i, Qwen3Attention(cfg, i, rotary), moe_or_dense(cfg, i, SparseMoeBlock), norm)
+            for i in range(cfg.num_layers)), norm())
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
