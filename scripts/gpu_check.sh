@@ -200,11 +200,12 @@ for stage in "${stages[@]}"; do
     # the decode step's two waits for its CPU experts: the polling kernel (one SM busy while the CPU computes) and
     # the driver's stream memory operations (cuStreamWaitValue32, no SM): wake-up latency, the cost to other GPU work
     # and power (NVML, from the carried nvidia-ml-py wheel) in benchmarks/doorbell_wait.py, then the offloaded decode
-    # step with each wait, alternated, 16 layers at 2.42 GB (the side-by-side checkpoint's geometry, no locality)
+    # step with each wait, alternated in $DOORBELL_ROUNDS rounds (default 2), 16 layers at 2.42 GB (the side-by-side
+    # checkpoint's geometry, no locality)
     echo "== doorbell waits: polling kernel against stream memory operations"
     timeout ${DOORBELL_TIMEOUT:-150} python3 benchmarks/doorbell_wait.py --out "$OUT/doorbell_wait" ${DOORBELL_ARGS:-} 2>&1 \
       | tee "$OUT/doorbell_wait.log" | tail -n 40
-    for round in 1 2; do
+    for round in $(seq 1 ${DOORBELL_ROUNDS:-2}); do
       for wait in kernel stream-op; do
         timeout ${DOORBELL_DECODE_TIMEOUT:-90} python3 benchmarks/decode.py --layers 16 --budgets 2.42 --routing uniform \
           --policies ${DOORBELL_POLICIES:-qstar,auto} --cpu-threads ${DOORBELL_THREADS:-6,15} --tokens 64 --warmup 8 \
