@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from test_deepseek_v3 import _hf_model, _reference, make_checkpoint
+from test_deepseek_v3 import _hf_model, make_checkpoint
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
@@ -24,7 +24,7 @@ from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.kernels.decode_attention import LATENT_PARTITION, make_decode_scratch, paged_latent_decode_attention
 from edgemoe.layers.mla import latent_decode_attention
 
-from conftest import greedy_decode
+from conftest import greedy_decode, reference_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -117,7 +117,7 @@ def test_graphs_match_transformers_over_partitions(checkpoint):
     """Decode in CUDA graphs (device path, Triton latent kernel) over a 1100-token context."""
     path, ref = checkpoint
     with torch.device(CUDA):
-        ref_logits, ref_toks = _reference(ref, LONG, 4)
+        ref_logits, ref_toks = reference_greedy(ref, LONG, 4)
     runner = ModelRunner(path, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all",
                                             expert_cache_slots=10**6, max_model_len=2048), progress=False)
     assert runner.experts.decode_path is DecodePath.DEVICE_GRAPHS, runner.experts.decode_path_reason
