@@ -11,7 +11,8 @@ word from a one-program kernel (an SM kept busy for the whole wait), ``stream-op
     the answer waking the device);
 (b) the cost of waiting to other GPU work: a bf16 matmul's throughput on a second stream, alone and
     while waits of 50-500 µs are pending on the first; and, where ``pynvml`` is installed, the GPU's
-    power draw and SM clock while waits are pending with nothing else running, against idle;
+    power draw and SM clock while waits are pending with nothing else running, against idle before and
+    after (each sampled once the power reading has settled);
 (c) end to end: greedy decode tokens/s of a small random-weight Qwen3-MoE checkpoint (made here with
     ``make_model``) on the device path in CUDA graphs, CPU branch on (qstar with a fixed B_P/B_H),
     and the tokens of both modes compared (they must be identical).
@@ -223,13 +224,27 @@ def power(benches: dict[str, Bench], device: torch.device, seconds: float, delay
             time.sleep(0.05)
         return {"watts_mean": statistics.fmean(w), "sm_mhz_mean": statistics.fmean(clk), "samples": len(w)}
 
+    def settle(limit_s: float = 15.0) -> None:
+        # the power reading is an average over about a second and lags the work before it (the matmuls of
+        # part (b)): wait until it stops falling (under 2 % over half a second), at most limit_s
+        end, last = time.perf_counter() + limit_s, pynvml.nvmlDeviceGetPowerUsage(h)
+        while time.perf_counter() < end:
+            time.sleep(0.5)
+            now = pynvml.nvmlDeviceGetPowerUsage(h)
+            if now > 0.98 * last:
+                return
+            last = now
+
     torch.cuda.synchronize(device)
+    settle()
     out = {"idle": sample(time.perf_counter() + seconds), "delay_us": delay_us}
     for mode, b in benches.items():
         with Responder(b.bell, delay_us):
             b.enqueue(int(seconds * 1e6 / (delay_us + 20)))
             out[mode] = sample(time.perf_counter() + seconds)
             b.stream.synchronize()
+    settle()
+    out["idle after"] = sample(time.perf_counter() + seconds)
     return out
 
 
@@ -284,7 +299,7 @@ def markdown(res: dict) -> str:
     if "skipped" not in p and p:
         lines += ["", f"GPU with waits of {p['delay_us']:.0f} µs pending and nothing else running (NVML):", "",
                   "| state | W | SM MHz |", "|---|---|---|"]
-        for k in ("idle", *MODES):
+        for k in ("idle", *MODES, "idle after"):
             if k in p:
                 lines.append(f"| {k} | {p[k]['watts_mean']:.1f} | {p[k]['sm_mhz_mean']:.0f} |")
     elif p:
