@@ -159,11 +159,9 @@ def run_with_fault(engine, prompts: list[list[int]], bad: int, monkeypatch, *, a
             raise RuntimeError("injected fault")
         return real(inputs, phase)
 
-    monkeypatch.setattr(runner, "execute", flaky)
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "execute", flaky)
         outs = run_requests(engine, prompts, **run)
-    finally:
-        monkeypatch.undo()
     assert runner.kv_free_tokens() == runner.kv_capacity_tokens
     return outs
 

@@ -64,15 +64,9 @@ def _pool(shape: str, dtype: torch.dtype) -> HostExpertPool:
     return _pools[key]
 
 
-
-
-
 def _skip_unsupported(isa: str, dtype: torch.dtype) -> None:
     if isa not in native.supported_isas(dtype):
         pytest.skip(f"this CPU (or dtype {dtype}) has no {isa} kernel: supported {native.supported_isas(dtype)}")
-
-
-
 
 
 def _x(T: int, H: int, seed: int) -> torch.Tensor:

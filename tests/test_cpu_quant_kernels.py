@@ -57,12 +57,6 @@ def _pool(fmt: str, shape: str, compute: torch.dtype) -> HostExpertPool:
     return _pools[key]
 
 
-
-
-
-
-
-
 def q15_lanes(t: torch.Tensor) -> torch.Tensor:
     """The FP4 integer kernels' activation (``Q15_LANES``), written from its definition: each lane of 8
     consecutive elements rounded (half to even) to a multiple of ``2^(E - 13)``, where ``2^E <= max |x| < 2^(E + 1)``

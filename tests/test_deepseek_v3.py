@@ -100,7 +100,6 @@ def make_checkpoint(out, overrides: dict | None = None, model_type: str | None =
     return out
 
 
-
 def _hf_model(path, dtype=torch.float32):
     """transformers' model of the checkpoint; a ``kimi_k2`` config is given as the ``DeepseekV3Config`` it is
     (transformers 5 maps per-expert tensors onto its fused experts by model type)."""

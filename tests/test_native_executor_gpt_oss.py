@@ -61,12 +61,6 @@ def _pool(name: str, act: ExpertActivation = OAI) -> HostExpertPool:
     return _pools[key]
 
 
-
-
-
-
-
-
 def _x(T: int) -> torch.Tensor:
     return torch.randn(T, H, generator=torch.Generator().manual_seed(T))
 

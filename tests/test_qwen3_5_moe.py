@@ -53,7 +53,6 @@ def _engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny preset (ForCausalLM layout, per-expert tensors) and its transformers reference outputs."""

@@ -29,7 +29,7 @@ class PreNormDecoderLayer(nn.Module):
         layer: the layer's index in the decoder.
         self_attn: the attention module, called as ``self_attn(h [T, H], batch) -> [T, H]``.
         mlp: the MLP or routed-expert block.
-        norm: builds one of the two RMSNorms (the family's kind: float32 scale or not, zero-centred...).
+        norm: builds one of the two RMSNorms (the family's kind, e.g. with a float32 scale for gpt-oss).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, self_attn: nn.Module, mlp: nn.Module,
@@ -57,8 +57,9 @@ def moe_or_dense(cfg: ModelConfig, layer: int, moe_block: Callable[[ModelConfig,
 
 class DecoderStack(nn.Module):
     """The decoder under its checkpoint names: ``embed_tokens`` (``[vocab, H]``), ``layers`` and the final
-    ``norm``; :class:`~edgemoe.models.base.MoECausalLM` runs its forward. ``layers`` is consumed after the
-    embedding is created (construction order as in the reference)."""
+    ``norm``; :class:`~edgemoe.models.base.MoECausalLM` runs its forward (the stack has none of its own).
+    Models are built on the meta device and loaded by name, so the order the modules are created in does not
+    matter."""
 
     def __init__(self, cfg: ModelConfig, layers: Iterable[nn.Module], norm: nn.Module):
         super().__init__()

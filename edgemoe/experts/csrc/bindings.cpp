@@ -49,17 +49,16 @@ uintptr_t step_create(Executor& ex, const ExpertBanks& banks, int32_t x_fmt, uin
   return reinterpret_cast<uintptr_t>(s);
 }
 
-// A benchmark call's routes in a registered step: tokens 0 .. T-1 through each of E experts, weight 1/8, the
-// experts order[i .. i + E) taken cyclically from n_order (i advanced past them). bench_shape: kOk, or the status
-// refusing E and T for this step.
+// A benchmark call's routes in a registered step: tokens 0 .. T-1 through each of E experts, weight 1/8
+// (write_bench_routes), the experts order[i .. i + E) taken cyclically from n_order, i advanced past them
+// (write_bench_experts). bench_shape: kOk, or the status refusing E and T for this step.
 int32_t bench_shape(const edgemoe_step* st, int64_t E, int64_t T, int64_t n_order) {
   if (E < 1 || T < 1 || n_order < 1) return kBadArgs;
   if (E > st->max_experts || E * T > st->max_routes || T > st->max_tokens) return kTooLarge;
   return kOk;
 }
-void write_bench_routes(edgemoe_step* st, int64_t E, int64_t T, const int64_t* order, int64_t n_order, int64_t& i) {
+void write_bench_routes(edgemoe_step* st, int64_t E, int64_t T) {
   auto* dims = const_cast<int64_t*>(st->dims);
-  auto* fids = const_cast<int64_t*>(st->fids);
   auto* offsets = const_cast<int64_t*>(st->offsets);
   auto* tok = const_cast<int64_t*>(st->tok);
   auto* wt = const_cast<float*>(st->wt);
@@ -70,6 +69,9 @@ void write_bench_routes(edgemoe_step* st, int64_t E, int64_t T, const int64_t* o
     tok[r] = r % T;
     wt[r] = 0.125f;
   }
+}
+void write_bench_experts(edgemoe_step* st, int64_t E, const int64_t* order, int64_t n_order, int64_t& i) {
+  auto* fids = const_cast<int64_t*>(st->fids);
   for (int64_t e = 0; e < E; ++e, ++i) fids[e] = order[i % n_order];
 }
 
@@ -256,13 +258,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const int64_t E = experts_per_call, T = tokens;
         if (const int32_t bad = bench_shape(st, E, T, n_order); bad != kOk) return py::make_tuple(int64_t{0}, 0.0, bad);
         const auto* ord = ptr<const int64_t>(order);
+        write_bench_routes(st, E, T);
         int64_t calls = 0, i = 0;
         double dt = 0.0;
         {
           py::gil_scoped_release nogil;
           const auto t0 = std::chrono::steady_clock::now();
           do {
-            write_bench_routes(st, E, T, ord, n_order, i);
+            write_bench_experts(st, E, ord, n_order, i);
             edgemoe_run_step(st);
             ++calls;
             dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -297,7 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           int64_t n = __atomic_load_n(req, __ATOMIC_ACQUIRE);
           const auto t0 = std::chrono::steady_clock::now();
           do {
-            write_bench_routes(st, E, T, ord, n_order, i);
+            write_bench_routes(st, E, T);
+            write_bench_experts(st, E, ord, n_order, i);
             __atomic_store_n(req, ++n, __ATOMIC_RELEASE);
             while (__atomic_load_n(fin, __ATOMIC_ACQUIRE) < n) {
               if (poll_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(poll_us));
