@@ -13,6 +13,11 @@ rounding). The current tiles come first; ``route sum`` rows time the down launch
 
     python benchmarks/expert_gemv_sweep.py                  # ~30-60 s on an H200, most of it compiling
     python benchmarks/expert_gemv_sweep.py --tokens 1,4 --out results/
+    python benchmarks/expert_gemv_sweep.py --quant fp8,mxfp4,nvfp4   # the packed formats' kernels
+
+``--quant`` times ``expert_gemv_quant`` (weights dequantized in registers) over tiles of (rows per program,
+elements of a row per iteration, warps) at the same geometry, weights in the cache's slot-row layout with random
+codes and ordinary scales; GB/s count packed bytes (codes and scales). ``bf16`` in the list is the float sweep.
 
 Needs CUDA. Results go to stdout and, with ``--out`` (or ``$OUT``), ``expert_gemv_sweep.json``.
 """
@@ -40,6 +45,12 @@ DOWN = [(16, 256, 2, None), (16, 256, 4, None), (8, 256, 4, None), (32, 256, 4, 
         (16, 512, 4, None), (8, 512, 4, None), (32, 256, 8, None), (64, 256, 8, None), (4, 256, 2, None),
         (32, 128, 4, None), (16, 256, 4, 2), (16, 256, 4, 4)]
 QUICK = 5  # --quick: the first configs of each list only
+# (rows per program, elements per iteration, warps) of the packed formats' launches, added to each format's
+# current tiles (QUANT_TILES, run first)
+QUANT_GATE_UP = [(4, 512, 4), (16, 512, 4), (8, 256, 4), (8, 1024, 4), (8, 512, 8), (16, 512, 8), (4, 256, 2),
+                 (16, 1024, 8), (32, 512, 8), (8, 512, 2)]
+QUANT_DOWN = [(8, 256, 4), (32, 256, 4), (16, 512, 4), (16, 128, 4), (16, 256, 2), (32, 256, 8), (64, 256, 8),
+              (8, 256, 2), (16, 768, 4)]
 
 
 def graph_seconds(launch, layers: int, iters: int) -> float:
@@ -148,6 +159,84 @@ def sweep(T: int, a: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor, co
     return rows
 
 
+def quant_bank(fmt: str, S: int, dev: torch.device):
+    """``(layout, bank)``: ``S`` slot rows of ``fmt`` at the sweep's geometry on ``dev``, random codes (FP8 from
+    normal draws, FP4 every byte) and ordinary scales (FP8 ~1e-3, MXFP4 2^-8 .. 2^-1, NVFP4 ~0.5 times 1e-3)."""
+    from edgemoe.quant.layout import ExpertLayout
+    from edgemoe.quant.weights import WeightFormat
+
+    lay = ExpertLayout.build(WeightFormat(fmt), H, I, block_size=(128, 128))
+    g = torch.Generator(device=dev).manual_seed(2)
+    bank = torch.randint(0, 256, (S, lay.row_bytes), dtype=torch.uint8, device=dev, generator=g)
+    for role in ("w13", "w2"):
+        w, sc = lay.view(bank, role), lay.view(bank, f"{role}_scale")
+        if fmt == "fp8_block":
+            w.copy_(torch.randn(w.shape, device=dev, generator=g).to(w.dtype))
+            sc.copy_(torch.rand(sc.shape, device=dev, generator=g) * 2e-3)
+        elif fmt == "mxfp4":
+            sc.copy_(torch.randint(119, 127, sc.shape, dtype=torch.uint8, device=dev, generator=g))
+        else:
+            sc.copy_((torch.rand(sc.shape, device=dev, generator=g) + 0.25).to(sc.dtype))
+            lay.view(bank, f"{role}_scale2").fill_(1e-3)
+    return lay, bank
+
+
+def quant_sweep(T: int, fmt: str, a: argparse.Namespace, copy_bps: float) -> list[dict]:
+    """The packed-format GEMVs of ``fmt`` at ``T`` tokens, both launches timed together (one
+    ``expert_gemv_quant`` call per layer): the current tiles, then each gate/up tile with the current down tile
+    (rows ``gate_up``), each down tile with the current gate/up tile (rows ``down``), and the fastest of each
+    together (row ``best pair``). GB/s count both launches' packed bytes."""
+    from edgemoe.experts.compute import quant_slots
+    from edgemoe.kernels.expert_gemv import FORMAT_CODES, QUANT_TILES, expert_gemv_quant
+
+    dev, L, P = torch.device("cuda"), a.layers, T * K
+    lay, bank = quant_bank(fmt, L * E, dev)
+    slots = quant_slots(lay, bank)
+    g = torch.Generator().manual_seed(0)
+    routes = [torch.stack([torch.randperm(E, generator=g)[:K] + layer * E for _ in range(T)]).to(torch.int32)
+              .flatten().to(dev) for layer in range(L)]
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    wts = torch.rand(T, K, generator=g).to(dev)
+    acts = [torch.empty(P, I, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    outs = [torch.empty(T, K, H, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    nbytes = P * sum(s.nbytes for s in lay.sections)  # every section is read (FP4 / FP8 codes and scales)
+    cur_gu, cur_dn = QUANT_TILES[FORMAT_CODES[fmt]]
+    rows = []
+
+    def run(kind, gu, dn):
+        def launch(layer):
+            expert_gemv_quant(x, routes[layer], wts, slots, outs[layer], acts[layer], tiles=(gu, dn))
+        row = {"tokens": T, "format": fmt, "kernel": kind, "config": gu if kind == "gate_up" else dn,
+               "tiles": [gu, dn]}
+        try:
+            sec = graph_seconds(launch, L, a.iters)
+        except Exception as exc:  # a tile that does not compile (registers, shared memory) is reported, not fatal
+            rows.append(row | {"error": f"{type(exc).__name__}: {exc}"[:200]})
+            return
+        rows.append(row | {"us": sec * 1e6, "gbps": nbytes / sec / 1e9, "pct_of_copy": 100 * nbytes / sec / copy_bps,
+                           "out": outs[0].float().clone()})
+
+    gu_cfgs = [cur_gu] + [c for c in QUANT_GATE_UP if c != cur_gu]
+    dn_cfgs = [cur_dn] + [c for c in QUANT_DOWN if c != cur_dn]
+    if a.quick:
+        gu_cfgs, dn_cfgs = gu_cfgs[:QUICK], dn_cfgs[:QUICK]
+    for cfg in gu_cfgs:
+        run("gate_up", cfg, cur_dn)
+    for cfg in dn_cfgs:
+        run("down", cur_gu, cfg)
+    timed = [r for r in rows if "us" in r]
+    best_gu = min((r for r in timed if r["kernel"] == "gate_up"), key=lambda r: r["us"], default=None)
+    best_dn = min((r for r in timed if r["kernel"] == "down"), key=lambda r: r["us"], default=None)
+    if best_gu and best_dn:
+        run("best pair", best_gu["config"], best_dn["config"])
+    ref = timed[0]["out"] if timed else None
+    for r in rows:  # distance of every config's output from the current tiles' (summation order only)
+        if "out" in r:
+            r["bitwise_current"] = bool(torch.equal(r["out"], ref))
+            r["max_abs_diff"] = float((r.pop("out") - ref).abs().max())
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1", help="comma-separated batch sizes (default 1)")
@@ -155,39 +244,49 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50, help="graph replays timed")
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK} configs of each kernel only")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for expert_gemv_sweep.json")
+    ap.add_argument("--quant", default="bf16",
+                    help="comma-separated formats: bf16 (the float kernels), fp8_block (or fp8), mxfp4, nvfp4")
     a = ap.parse_args(argv)
+    fmts = [{"fp8": "fp8_block"}.get(f, f) for f in a.quant.split(",")]
+    if bad := [f for f in fmts if f not in ("bf16", "fp8_block", "mxfp4", "nvfp4")]:
+        ap.error(f"--quant: unknown format(s) {bad}")
     if not torch.cuda.is_available():
         print("expert_gemv_sweep needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    S = a.layers * E
-    w13 = (torch.randn(S, 2 * I, H, device=dev, generator=g) * 0.02).to(torch.bfloat16)  # [S, 2I, H]
-    w2 = (torch.randn(S, H, I, device=dev, generator=g) * 0.02).to(torch.bfloat16)  # [S, H, I]
     copy_bps = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name(dev)}: device copy {copy_bps / 1e9:.0f} GB/s; {a.layers} layers x {E} experts "
-          f"bf16 ({(w13.numel() + w2.numel()) * 2 / 1e9:.1f} GB), H={H} I={I} top-{K}")
+    print(f"{torch.cuda.get_device_name(dev)}: device copy {copy_bps / 1e9:.0f} GB/s; {a.layers} layers x {E} experts, "
+          f"H={H} I={I} top-{K}, formats {fmts}")
     rows = []
-    for T in (int(t) for t in a.tokens.split(",")):
-        rows += sweep(T, a, w13, w2, copy_bps)
-    print(f"{'T':>3} {'kernel':<17} {'rows,cols,warps,stages':<24} {'us':>7} {'GB/s':>7} {'%copy':>6} {'bits':>5} "
-          f"{'max diff':>9}")
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if "bf16" in fmts:
+        g = torch.Generator(device=dev).manual_seed(1)
+        S = a.layers * E
+        w13 = (torch.randn(S, 2 * I, H, device=dev, generator=g) * 0.02).to(torch.bfloat16)  # [S, 2I, H]
+        w2 = (torch.randn(S, H, I, device=dev, generator=g) * 0.02).to(torch.bfloat16)  # [S, H, I]
+        rows += [r | {"format": "bf16"} for T in tokens for r in sweep(T, a, w13, w2, copy_bps)]
+        del w13, w2
+    for fmt in (f for f in fmts if f != "bf16"):
+        rows += [r for T in tokens for r in quant_sweep(T, fmt, a, copy_bps)]
+    print(f"{'format':<9} {'T':>3} {'kernel':<17} {'tiles':<24} {'us':>7} {'GB/s':>7} {'%copy':>6} {'bits':>5} "
+          f"{'max diff':>9}   (quantized rows: both launches, the other one at its current tiles)")
     for r in rows:
         cfg = ",".join("-" if c is None else str(c) for c in r["config"])
+        head = f"{r['format']:<9} {r['tokens']:>3} {r['kernel']:<17} {cfg:<24}"
         if "error" in r:
-            print(f"{r['tokens']:>3} {r['kernel']:<17} {cfg:<24} {r['error']}")
+            print(f"{head} {r['error']}")
             continue
         bits = {True: "same", False: "diff", None: ""}[r.get("bitwise_current")]
         diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else ""
-        print(f"{r['tokens']:>3} {r['kernel']:<17} {cfg:<24} {r['us']:7.2f} {r['gbps']:7.0f} {r['pct_of_copy']:5.0f}% "
-              f"{bits:>5} {diff:>9}")
-    for kind in ("gate_up", "down"):
-        for T in sorted({r["tokens"] for r in rows}):
-            ok = [r for r in rows if r["kernel"] == kind and r["tokens"] == T and "us" in r]
-            if ok:
-                best = min(ok, key=lambda r: r["us"])
-                print(f"best {kind} at T={T}: {best['config']} {best['us']:.2f} us ({best['gbps']:.0f} GB/s), "
-                      f"current {ok[0]['us']:.2f} us")
+        print(f"{head} {r['us']:7.2f} {r['gbps']:7.0f} {r['pct_of_copy']:5.0f}% {bits:>5} {diff:>9}")
+    for fmt in fmts:
+        for kind in ("gate_up", "down"):
+            for T in tokens:
+                ok = [r for r in rows if (r["format"], r["kernel"], r["tokens"]) == (fmt, kind, T) and "us" in r]
+                if ok:
+                    best = min(ok, key=lambda r: r["us"])
+                    print(f"best {fmt} {kind} at T={T}: {best['config']} {best['us']:.2f} us "
+                          f"({best['gbps']:.0f} GB/s), current {ok[0]['us']:.2f} us")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         path = Path(a.out) / "expert_gemv_sweep.json"
