@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU verification on the CUDA host: CUDA tests, kernel tests, and the benchmarks, results under $OUT.
 # Usage: bash scripts/gpu_check.sh [stage ...]   stages: tests cpu cpu-formats threads threads-decode batches decode
-#        formats formats-prefill cpu-profile cpu-decode prefill prefill-profile profile-decode grouped agent structured families peers doorbell elastic policy contention
+#        formats formats-prefill gemv-sweep cpu-profile cpu-decode prefill prefill-profile profile-decode grouped agent structured families peers doorbell elastic policy contention
 #        laptop   (default: tests decode prefill)
 # peers (the llama.cpp comparison; carry .peers/carry and .whl) does what is still missing within $PEERS_DEADLINE seconds
 # (default 540): builds llama-bench (resuming a stopped build) while it writes the checkpoint pair into .peers/,
@@ -117,6 +117,15 @@ for stage in "${stages[@]}"; do
     done
     [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
       | tee "$OUT/formats.log" ;;
+  gemv-sweep)
+    echo "== decode expert GEMV tiles (Qwen3-30B-A3B MoE layer, batch 1): float and packed formats"
+    # $GEMV_QUANTS: formats (default all four); $GEMV_TREES: source trees run in turn (default this one; another,
+    # e.g. an earlier kernel in an ignored folder, gives a before/after on one GPU); $GEMV_ARGS: more flags
+    for tree in ${GEMV_TREES:-.}; do
+      echo "-- tree $tree"
+      timeout ${GEMV_TIMEOUT:-240} python3 "$tree/benchmarks/expert_gemv_sweep.py" --quant "${GEMV_QUANTS:-bf16,fp8,mxfp4,nvfp4}" \
+        --out "$OUT/gemv-sweep-$(basename "$(realpath "$tree")")" ${GEMV_ARGS:-} 2>&1 | tee -a "$OUT/gemv-sweep.log" | tail -n 80
+    done ;;
   cpu-profile)
     echo "== CPU-only decode, where a step's time goes (16 layers of Qwen3-30B-A3B geometry, dummy weights), by context"
     # $CPU_PROFILE_TREES: source trees to profile in turn (default this one; another, e.g. a copy of an earlier
