@@ -859,3 +859,78 @@ def test_a_monotone_walk_is_not_a_cycle():
             auto.observe(0.01 * (1.3 + 0.01 * i), 1)  # slower and slower: an arbitration would go back down
         auto.observe_layers(late)
     assert auto.cpu_level == auto.balance_levels[1]
+
+
+def _reference_table(auto: AutoPolicy, level: int) -> tuple[list[list[int]], float | None]:
+    """The table and the armed branch's expected gain as the cost model defines them, layer by layer and miss count
+    by miss count (no memo): the reference for the memoized :class:`~edgemoe.experts.policy.HullRows`."""
+    from edgemoe.experts.policy import lower_hull
+
+    c = auto.effective_costs(level)
+    split = [[c.split_seconds(m, q, auto.armed) for q in range(m + 1)] for m in range(auto.M + 1)]
+    hulls = [lower_hull(ys) for ys in split]
+    t_save = auto.t_save(c)
+    values = [max(r, 0.0) * t_save for r in auto.reuse]
+    table = [[next(h[i] for i in reversed(range(len(h))) if slopes[i] <= v) for h, slopes in hulls] for v in values]
+    if auto.miss_rate is None:
+        return table, None
+    p = auto.miss_rate / auto.M
+    pmf = [math.comb(auto.M, m) * p ** m * (1 - p) ** (auto.M - m) for m in range(auto.M + 1)]
+    gain = sum(w * ((split[m][m] - v * m) - (split[m][q] - v * q))
+               for row, v in zip(table, values) for m, (q, w) in enumerate(zip(row, pmf)) if q < m)
+    return table, gain
+
+
+def test_memoized_table_rows_equal_the_cost_models_choice_per_layer_and_miss_count():
+    """The table ``auto`` builds from memoized rows (one per interval between the hulls' slopes) is, for every layer
+    and miss count, the vertex the cost model picks for that layer's fill value; ``fills_every_miss`` and the armed
+    branch's pricing agree with the table spelled out (random costs, reuse counts, miss rates and levels)."""
+    fills_all_seen = split_seen = 0
+    for seed in range(8):
+        rnd = random.Random(seed)
+        fill, cpu = rnd.uniform(50e-6, 400e-6), rnd.uniform(30e-6, 400e-6)
+        costs = MissCosts(fill_s=fill, fill_conc_s=fill * rnd.uniform(1, 1.3), cpu_s=cpu,
+                          cpu_conc_s=cpu * rnd.uniform(1, 1.3), fill_fixed_s=rnd.uniform(0, 20e-6),
+                          cpu_fixed_s=rnd.uniform(0, 60e-6))
+        layers, max_misses = rnd.choice([(4, 8), (16, 64), (48, 128)])
+        auto = AutoPolicy(costs, num_layers=layers, max_misses=max_misses, armed=False)
+        armed_cost = rnd.choice([0.0, 2e-6, 8e-6, 30e-6])
+        auto.price_armed_branch(armed_cost)
+        for _ in range(20):
+            hi = rnd.choice([1, 4, 12])
+            obs = LayerObservation(reuse_net=[rnd.randint(-4, hi) for _ in range(layers)],
+                                   fills=[rnd.randint(0, 12) for _ in range(layers)],
+                                   misses_per_layer_step=rnd.choice([0.05, 0.4, 1.5, 3.0, 6.0]), steps=8,
+                                   free_slot_fills=0)
+            auto.cpu_level = rnd.randint(-8, 16)
+            auto.observe_layers(obs)
+            want, gain = _reference_table(auto, auto.cpu_level)
+            held = auto.misses_falling or auto.misses_rose
+            if not held and armed_cost > 0 and gain is not None:
+                if abs(gain - layers * armed_cost) < 1e-12:
+                    continue  # a tie within rounding: either answer is the model's
+                held = gain <= layers * armed_cost
+            if held:
+                want = [list(range(max_misses + 1))] * layers
+            assert auto._table == want
+            assert auto.fills_every_miss() == all(row == list(range(max_misses + 1)) for row in want)
+            fills_all_seen += auto.fills_every_miss()
+            split_seen += not auto.fills_every_miss()
+    assert split_seen and fills_all_seen  # the random cases reach both kinds of table
+
+
+def test_hull_rows_at_and_beside_every_slope_are_the_cost_models_choice():
+    """:class:`~edgemoe.experts.policy.HullRows` looks a row up by the interval of the fill value between the hulls'
+    slopes: at each slope itself (ties go to the larger fill count) and just below and above it, the memoized row is
+    the last vertex whose slope is at most the value, for every miss count."""
+    from edgemoe.experts.policy import HullRows
+
+    rnd = random.Random(5)
+    split = [[rnd.uniform(0, 1e-3) + 2e-4 * abs(q - rnd.randint(0, m)) for q in range(m + 1)] for m in range(33)]
+    rows = HullRows(split)
+    assert len(rows.breaks) > 10
+    for x in rows.breaks:
+        for v in (math.nextafter(x, -math.inf), x, math.nextafter(x, math.inf)):
+            want = [next(h[i] for i in reversed(range(len(h))) if slopes[i] <= v) for h, slopes in rows.hulls]
+            assert rows.row(v) == want
+    assert rows.row(math.inf) is rows.full  # every hull ends at q = m

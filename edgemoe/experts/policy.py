@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -371,6 +372,47 @@ def lower_hull(ys: list[float]) -> tuple[list[int], list[float]]:
     return hull, slopes
 
 
+class HullRows:
+    """The table rows ``q(m)``, ``m = 0 .. M``, that one cost model's split hulls give, memoized by the value of a
+    fill they depend on.
+
+    Row ``m`` of a layer whose fill is worth ``v`` is the last vertex of hull ``m`` whose edge slope is ``<= v``
+    (:func:`lower_hull`). That choice changes only where ``v`` crosses one of the hulls' slopes, so between two
+    consecutive slopes of all the hulls together every row is the same: :meth:`row` finds that interval with one
+    bisection and builds its row once (``M + 1`` bisections), instead of ``M + 1`` bisections per layer and table.
+    Rows are shared between layers and tables and never modified.
+
+    Args:
+        split: per ``m = 0 .. M``, the layer step's seconds of each split ``q = 0 .. m`` (``MissCosts.split_seconds``).
+    """
+
+    def __init__(self, split: list[list[float]]):
+        self.split = split
+        self.hulls = [lower_hull(ys) for ys in split]
+        self.breaks = sorted({x for _, slopes in self.hulls for x in slopes[1:]})  # every finite slope, once
+        self._rows: dict[int, list[int]] = {}
+        self._gaps: dict[int, tuple[list[float], list[int]]] = {}
+        self.full = list(range(len(split)))  # the row that fills every miss (q(m) = m)
+
+    def row(self, v: float) -> list[int]:
+        """``q(m)`` for ``m = 0 .. M`` at a fill value of ``v`` seconds."""
+        seg = bisect.bisect_right(self.breaks, v)
+        r = self._rows.get(seg)
+        if r is None:
+            r = [hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in self.hulls]
+            r = self._rows[seg] = self.full if r == self.full else r
+        return r
+
+    def gaps(self, row: list[int]) -> tuple[list[float], list[int]]:
+        """Per ``m``, for a row of :meth:`row`: the seconds the row's split saves against filling every miss
+        (``split[m][m] - split[m][q(m)]``) and the fills it leaves out (``m - q(m)``)."""
+        g = self._gaps.get(id(row))
+        if g is None:
+            g = self._gaps[id(row)] = ([ys[m] - ys[q] for m, (ys, q) in enumerate(zip(self.split, row))],
+                                       [m - q for m, q in enumerate(row)])
+        return g
+
+
 def _close(a: MissCosts, b: MissCosts | None, tol: float) -> bool:
     """Every field of ``a`` within relative ``tol`` of ``b``'s."""
     if b is None:
@@ -641,7 +683,8 @@ class AutoPolicy(ExpertPolicy):
         self._table: list[list[int]] = []
         self._tensor: torch.Tensor | None = None
         self._hull_costs: MissCosts | None = None
-        self._hulls_by_level: dict[int, list[tuple[list[int], list[float]]]] = {}
+        self._hulls_by_level: dict[int, HullRows] = {}
+        self._fills_all = False  # every row of the table is its HullRows.full (kept by _rebuild)
         self.cpu_level = 0
         self._level0_fills_all: bool | None = None  # wants_cpu_probe's look at the level-0 table, until a rebuild
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
@@ -713,7 +756,7 @@ class AutoPolicy(ExpertPolicy):
         raise NotImplementedError("the auto policy is encoded per layer: use fill_table()")
 
     def fills_every_miss(self) -> bool:
-        return all(q == m for row in self._table for m, q in enumerate(row))
+        return self._fills_all
 
     def fill_table(self) -> torch.Tensor:
         """``[L, M + 1]`` int32: ``q_l(m)`` for ``m = 0 .. M`` (the device encoding)."""
@@ -752,15 +795,15 @@ class AutoPolicy(ExpertPolicy):
         if not _close(self.costs, self._hull_costs, self.rebuild_tolerance):
             self._hulls_by_level, self._hull_costs = {}, self.costs  # new estimates: every level's hulls are stale
         c = self.effective_costs(level)
-        hulls = self._hulls_by_level.get(level)
-        if hulls is None:  # M + 1 hulls of at most M + 1 points, kept per level (the controller revisits levels)
-            hulls = [lower_hull([c.split_seconds(m, q, self.armed) for q in range(m + 1)]) for m in range(self.M + 1)]
-            self._hulls_by_level[level] = hulls
+        rows = self._hulls_by_level.get(level)
+        if rows is None:  # M + 1 hulls of at most M + 1 points, kept per level (the controller revisits levels)
+            rows = HullRows([[c.split_seconds(m, q, self.armed) for q in range(m + 1)] for m in range(self.M + 1)])
+            self._hulls_by_level[level] = rows
         t_save = self.t_save(c)
         values = [max(r, 0.0) * t_save for r in (self.reuse if reuse is None else reuse)]
-        table = [[hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in hulls] for v in values]
-        if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
-            table = [list(range(self.M + 1)) for _ in range(self.L)]
+        table = [rows.row(v) for v in values]
+        if self.misses_falling or self.misses_rose or self._armed_branch_pays(rows, table, values) is False:
+            table = [rows.full] * self.L
         return table
 
     def _rebuild(self) -> bool:
@@ -769,6 +812,8 @@ class AutoPolicy(ExpertPolicy):
         changed = table != self._table
         if changed:
             self._table, self._tensor = table, None
+            full = self._hulls_by_level[self.cpu_level].full
+            self._fills_all = all(row is full for row in table)
         return changed
 
     def _prior_fills_more(self) -> bool:
@@ -785,21 +830,27 @@ class AutoPolicy(ExpertPolicy):
         return any(q > q_measured for row, row_measured in zip(self._table, self._table_at(self.cpu_level, measured))
                    for q, q_measured in zip(row[:seen], row_measured[:seen]))
 
-    def _armed_branch_pays(self, c: MissCosts, table: list[list[int]], values: list[float]) -> bool | None:
+    def _armed_branch_pays(self, rows: HullRows, table: list[list[int]], values: list[float]) -> bool | None:
         """Whether ``table``'s expected gain over filling every miss exceeds the armed branch's cost
-        (``None``: not priced; ``False`` before a miss rate is measured; see the class docstring)."""
+        (``None``: not priced; ``False`` before a miss rate is measured; see the class docstring). ``rows``: the
+        split times and rows ``table`` was built from.
+
+        A layer of fill value ``v`` gains ``Σ_m P(m)·[(split(m, m) − v·m) − (split(m, q(m)) − v·q(m))]``, summed as
+        ``Σ_m P(m)·gap_m − v·Σ_m P(m)·(m − q(m))`` once per distinct row (:meth:`HullRows.gaps`)."""
         if self.armed_cost_s <= 0:
             return None
         if self.miss_rate is None:
             return False
         p = min(max(self.miss_rate / self.M, 0.0), 1.0)
         pmf = [math.comb(self.M, m) * p ** m * (1 - p) ** (self.M - m) for m in range(self.M + 1)]
-        fill_all = [c.split_seconds(m, m, self.armed) for m in range(self.M + 1)]
+        sums: dict[int, tuple[float, float]] = {}
         gain = 0.0
         for row, v in zip(table, values):
-            for m, (q, w) in enumerate(zip(row, pmf)):
-                if q < m:
-                    gain += w * ((fill_all[m] - v * m) - (c.split_seconds(m, q, self.armed) - v * q))
+            ab = sums.get(id(row))
+            if ab is None:
+                secs, fills = rows.gaps(row)
+                ab = sums[id(row)] = (sum(map(operator.mul, pmf, secs)), sum(map(operator.mul, pmf, fills)))
+            gain += ab[0] - v * ab[1]
         return gain > self.L * self.armed_cost_s
 
     @property
@@ -828,7 +879,8 @@ class AutoPolicy(ExpertPolicy):
         if self.cpu_level <= 0 or not self.fills_every_miss():
             return 0
         if self._level0_fills_all is None:  # kept until the next rebuild (the table at level 0 costs ~0.3 ms)
-            self._level0_fills_all = all(q == m for row in self._table_at(0) for m, q in enumerate(row))
+            full = list(range(self.M + 1))
+            self._level0_fills_all = all(row == full for row in self._table_at(0))
         return 0 if self._level0_fills_all else self.cpu_probe_experts
 
     def observe(self, seconds: float, batch_size: int) -> bool:
