@@ -24,6 +24,13 @@ what ``auto`` is told it buys.
 
     python benchmarks/policy_sim.py --traces T1 T2 --preset h100-cpu49 --prompt 32 --tokens 32 --budgets 6 \
         --fill-ratios 0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0
+
+``--read-cost WINDOWS``: instead, the host time of ``auto``'s window read (``AutoPolicy.observe_layers``: the
+estimates, the balance controller and the table rebuilt) at ``--layers`` MoE layers and a table of 128 miss counts
+(the engine's at 16 sequences of top-8), over WINDOWS windows of random reuse counts at the preset's costs: the
+time the decode loop spends on it between two steps, every 2-8 decode steps.
+
+    python benchmarks/policy_sim.py --read-cost 200 --layers 48
 """
 
 from __future__ import annotations
@@ -135,6 +142,31 @@ def fill_ratios(a: argparse.Namespace, regimes: dict[str, R.Workload]) -> int:
     return 0
 
 
+def read_cost(a: argparse.Namespace) -> int:
+    """``--read-cost``: median and 90th percentile milliseconds of one ``auto`` window read."""
+    import time
+
+    from edgemoe.experts.policy import AutoPolicy, LayerObservation
+
+    layers, rnd = a.layers or L, random.Random(0)
+    auto = AutoPolicy(S.COST_PRESETS[a.preset], num_layers=layers, max_misses=128, armed=False)
+    auto.price_armed_branch(8e-6)
+    times = []
+    for _ in range(a.read_cost):
+        obs = LayerObservation(reuse_net=[rnd.randint(0, 8) for _ in range(layers)],
+                               fills=[rnd.randint(0, 6) for _ in range(layers)], handoffs=[0] * layers,
+                               late=[0] * layers, misses_per_layer_step=rnd.choice([0.05, 0.5, 2.0, 6.0]), steps=8,
+                               free_slot_fills=0)
+        t0 = time.perf_counter()
+        if auto.observe_layers(obs):
+            auto.fill_table()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    print(f"auto window read, {layers} layers x miss counts 0-128, {len(times)} windows: median "
+          f"{1e3 * times[len(times) // 2]:.3f} ms, p90 {1e3 * times[int(0.9 * len(times))]:.3f} ms")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="*", default=[], help="routing traces of the realistic regime")
@@ -153,7 +185,11 @@ def main(argv=None) -> int:
                     help="MoE layers (default 48, the geometry's; 16 with --contention, the side-by-side checkpoint's)")
     ap.add_argument("--fill-ratios", default="", help="fixed fill shares for qstar instead of the policy table "
                     "(comma-separated; see above)")
+    ap.add_argument("--read-cost", type=int, default=0, metavar="WINDOWS",
+                    help="time auto's window read over this many windows instead (see above)")
     a = ap.parse_args(argv)
+    if a.read_cost:
+        return read_cost(a)
     if a.contention is not None:
         return contention(a)
     layers = a.layers or L
