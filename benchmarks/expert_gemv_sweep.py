@@ -50,7 +50,7 @@ QUICK = 5  # --quick: the first configs of each list only
 QUANT_GATE_UP = [(4, 512, 4), (16, 512, 4), (8, 256, 4), (8, 1024, 4), (8, 512, 8), (16, 512, 8), (4, 256, 2),
                  (16, 1024, 8), (32, 512, 8), (8, 512, 2)]
 QUANT_DOWN = [(8, 256, 4), (32, 256, 4), (16, 512, 4), (16, 128, 4), (16, 256, 2), (32, 256, 8), (64, 256, 8),
-              (8, 256, 2), (16, 768, 4)]
+              (8, 256, 2), (16, 1024, 4)]
 
 
 def graph_seconds(launch, layers: int, iters: int) -> float:
@@ -206,8 +206,8 @@ def quant_sweep(T: int, fmt: str, a: argparse.Namespace, copy_bps: float) -> lis
     def run(kind, gu, dn):
         def launch(layer):
             expert_gemv_quant(x, routes[layer], wts, slots, outs[layer], acts[layer], tiles=(gu, dn))
-        row = {"tokens": T, "format": fmt, "kernel": kind, "config": gu if kind == "gate_up" else dn,
-               "tiles": [gu, dn]}
+        row = {"tokens": T, "format": fmt, "kernel": kind, "tiles": [gu, dn],
+               "config": gu if kind == "gate_up" else dn if kind == "down" else (*gu, "/", *dn)}
         try:
             sec = graph_seconds(launch, L, a.iters)
         except Exception as exc:  # a tile that does not compile (registers, shared memory) is reported, not fatal

@@ -863,12 +863,11 @@ def test_a_monotone_walk_is_not_a_cycle():
 
 def _reference_table(auto: AutoPolicy, level: int) -> tuple[list[list[int]], float | None]:
     """The table and the armed branch's expected gain as the cost model defines them, layer by layer and miss count
-    by miss count (no memo): the reference for the memoized :class:`~edgemoe.experts.policy.HullRows`."""
-    from edgemoe.experts.policy import lower_hull
-
+    by miss count (no memo): the reference for the memoized :class:`~edgemoe.experts.policy.HullRows`. The hulls are
+    the policy's own for ``level`` (built at the costs of the time, kept while the estimates stay within
+    ``rebuild_tolerance``); the fill values and the gain are those of the current costs."""
     c = auto.effective_costs(level)
-    split = [[c.split_seconds(m, q, auto.armed) for q in range(m + 1)] for m in range(auto.M + 1)]
-    hulls = [lower_hull(ys) for ys in split]
+    hulls = auto._hulls_by_level[level].hulls
     t_save = auto.t_save(c)
     values = [max(r, 0.0) * t_save for r in auto.reuse]
     table = [[next(h[i] for i in reversed(range(len(h))) if slopes[i] <= v) for h, slopes in hulls] for v in values]
@@ -876,6 +875,7 @@ def _reference_table(auto: AutoPolicy, level: int) -> tuple[list[list[int]], flo
         return table, None
     p = auto.miss_rate / auto.M
     pmf = [math.comb(auto.M, m) * p ** m * (1 - p) ** (auto.M - m) for m in range(auto.M + 1)]
+    split = [[c.split_seconds(m, q, auto.armed) for q in range(m + 1)] for m in range(auto.M + 1)]
     gain = sum(w * ((split[m][m] - v * m) - (split[m][q] - v * q))
                for row, v in zip(table, values) for m, (q, w) in enumerate(zip(row, pmf)) if q < m)
     return table, gain
@@ -884,7 +884,8 @@ def _reference_table(auto: AutoPolicy, level: int) -> tuple[list[list[int]], flo
 def test_memoized_table_rows_equal_the_cost_models_choice_per_layer_and_miss_count():
     """The table ``auto`` builds from memoized rows (one per interval between the hulls' slopes) is, for every layer
     and miss count, the vertex the cost model picks for that layer's fill value; ``fills_every_miss`` and the armed
-    branch's pricing agree with the table spelled out (random costs, reuse counts, miss rates and levels)."""
+    branch's pricing agree with the table spelled out (random costs, reuse counts, miss rates and levels, and cost
+    estimates that drift by less than the rebuild tolerance between windows: the hulls stay, the pricing follows)."""
     fills_all_seen = split_seen = 0
     for seed in range(8):
         rnd = random.Random(seed)
@@ -903,6 +904,9 @@ def test_memoized_table_rows_equal_the_cost_models_choice_per_layer_and_miss_cou
                                    misses_per_layer_step=rnd.choice([0.05, 0.4, 1.5, 3.0, 6.0]), steps=8,
                                    free_slot_fills=0)
             auto.cpu_level = rnd.randint(-8, 16)
+            if rnd.random() < 0.5:  # the estimates move a little (the fits of measured fills and CPU calls)
+                auto.costs = replace(costs, fill_s=costs.fill_s * rnd.uniform(0.995, 1.005),
+                                     cpu_s=costs.cpu_s * rnd.uniform(0.995, 1.005))
             auto.observe_layers(obs)
             want, gain = _reference_table(auto, auto.cpu_level)
             held = auto.misses_falling or auto.misses_rose

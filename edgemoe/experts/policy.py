@@ -387,11 +387,9 @@ class HullRows:
     """
 
     def __init__(self, split: list[list[float]]):
-        self.split = split
         self.hulls = [lower_hull(ys) for ys in split]
         self.breaks = sorted({x for _, slopes in self.hulls for x in slopes[1:]})  # every finite slope, once
         self._rows: dict[int, list[int]] = {}
-        self._gaps: dict[int, tuple[list[float], list[int]]] = {}
         self.full = list(range(len(split)))  # the row that fills every miss (q(m) = m)
 
     def row(self, v: float) -> list[int]:
@@ -402,15 +400,6 @@ class HullRows:
             r = [hull[bisect.bisect_right(slopes, v) - 1] for hull, slopes in self.hulls]
             r = self._rows[seg] = self.full if r == self.full else r
         return r
-
-    def gaps(self, row: list[int]) -> tuple[list[float], list[int]]:
-        """Per ``m``, for a row of :meth:`row`: the seconds the row's split saves against filling every miss
-        (``split[m][m] - split[m][q(m)]``) and the fills it leaves out (``m - q(m)``)."""
-        g = self._gaps.get(id(row))
-        if g is None:
-            g = self._gaps[id(row)] = ([ys[m] - ys[q] for m, (ys, q) in enumerate(zip(self.split, row))],
-                                       [m - q for m, q in enumerate(row)])
-        return g
 
 
 def _close(a: MissCosts, b: MissCosts | None, tol: float) -> bool:
@@ -685,6 +674,8 @@ class AutoPolicy(ExpertPolicy):
         self._hull_costs: MissCosts | None = None
         self._hulls_by_level: dict[int, HullRows] = {}
         self._fills_all = False  # every row of the table is its HullRows.full (kept by _rebuild)
+        self._gap_costs: MissCosts | None = None  # the costs of the rows' gaps kept in _gaps (see _row_gaps)
+        self._gaps: dict[int, tuple[list[int], list[float], list[int]]] = {}
         self.cpu_level = 0
         self._level0_fills_all: bool | None = None  # wants_cpu_probe's look at the level-0 table, until a rebuild
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
@@ -802,7 +793,7 @@ class AutoPolicy(ExpertPolicy):
         t_save = self.t_save(c)
         values = [max(r, 0.0) * t_save for r in (self.reuse if reuse is None else reuse)]
         table = [rows.row(v) for v in values]
-        if self.misses_falling or self.misses_rose or self._armed_branch_pays(rows, table, values) is False:
+        if self.misses_falling or self.misses_rose or self._armed_branch_pays(c, table, values) is False:
             table = [rows.full] * self.L
         return table
 
@@ -830,13 +821,12 @@ class AutoPolicy(ExpertPolicy):
         return any(q > q_measured for row, row_measured in zip(self._table, self._table_at(self.cpu_level, measured))
                    for q, q_measured in zip(row[:seen], row_measured[:seen]))
 
-    def _armed_branch_pays(self, rows: HullRows, table: list[list[int]], values: list[float]) -> bool | None:
+    def _armed_branch_pays(self, c: MissCosts, table: list[list[int]], values: list[float]) -> bool | None:
         """Whether ``table``'s expected gain over filling every miss exceeds the armed branch's cost
-        (``None``: not priced; ``False`` before a miss rate is measured; see the class docstring). ``rows``: the
-        split times and rows ``table`` was built from.
+        (``None``: not priced; ``False`` before a miss rate is measured; see the class docstring), at costs ``c``.
 
         A layer of fill value ``v`` gains ``Σ_m P(m)·[(split(m, m) − v·m) − (split(m, q(m)) − v·q(m))]``, summed as
-        ``Σ_m P(m)·gap_m − v·Σ_m P(m)·(m − q(m))`` once per distinct row (:meth:`HullRows.gaps`)."""
+        ``Σ_m P(m)·gap_m − v·Σ_m P(m)·(m − q(m))`` once per distinct row (:meth:`_row_gaps`)."""
         if self.armed_cost_s <= 0:
             return None
         if self.miss_rate is None:
@@ -848,10 +838,23 @@ class AutoPolicy(ExpertPolicy):
         for row, v in zip(table, values):
             ab = sums.get(id(row))
             if ab is None:
-                secs, fills = rows.gaps(row)
+                secs, fills = self._row_gaps(c, row)
                 ab = sums[id(row)] = (sum(map(operator.mul, pmf, secs)), sum(map(operator.mul, pmf, fills)))
             gain += ab[0] - v * ab[1]
         return gain > self.L * self.armed_cost_s
+
+    def _row_gaps(self, c: MissCosts, row: list[int]) -> tuple[list[float], list[int]]:
+        """Per ``m``, for a table row: the seconds its split saves against filling every miss at costs ``c``
+        (``split(m, m) − split(m, q(m))``) and the fills it leaves out (``m − q(m)``); kept per row object (the
+        memoized rows of :class:`HullRows` live as long as their hulls) while the costs stay the same."""
+        if c != self._gap_costs:
+            self._gap_costs, self._gaps = c, {}
+        g = self._gaps.get(id(row))
+        if g is None or g[0] is not row:
+            secs = [c.split_seconds(m, m, self.armed) - c.split_seconds(m, q, self.armed) if q < m else 0.0
+                    for m, q in enumerate(row)]
+            g = self._gaps[id(row)] = (row, secs, [m - q for m, q in enumerate(row)])
+        return g[1], g[2]
 
     @property
     def read_window_steps(self) -> int:
