@@ -92,19 +92,27 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
+def step_inputs(T: int, layers: int, dev: torch.device) -> tuple:
+    """A decode step's inputs at ``T`` tokens: per layer the routes' slots (``T·k`` distinct experts of that layer's
+    128 per token), the hidden states, the router weights, and per layer the activation and output buffers."""
+    P = T * K
+    g = torch.Generator().manual_seed(0)
+    slots = [torch.stack([torch.randperm(E, generator=g)[:K] + layer * E for _ in range(T)]).to(torch.int32)
+             .flatten().to(dev) for layer in range(layers)]
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    wts = torch.rand(T, K, generator=g).to(dev)
+    acts = [torch.empty(P, I, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+    outs = [torch.empty(T, K, H, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+    return slots, x, wts, acts, outs
+
+
 def sweep(T: int, a: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor, copy_bps: float) -> list[dict]:
     import triton
 
     from edgemoe.kernels.expert_gemv import _down_kernel, _gate_up_kernel, route_sum_counters
 
     dev, L, P = w13.device, a.layers, T * K
-    g = torch.Generator().manual_seed(0)
-    slots = [torch.stack([torch.randperm(E, generator=g)[:K] + layer * E for _ in range(T)]).to(torch.int32)
-             .flatten().to(dev) for layer in range(L)]
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    wts = torch.rand(T, K, generator=g).to(dev)
-    acts = [torch.empty(P, I, dtype=torch.bfloat16, device=dev) for _ in range(L)]
-    outs = [torch.empty(T, K, H, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    slots, x, wts, acts, outs = step_inputs(T, L, dev)
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     counters = route_sum_counters(T, H, dev)
     rows = []
@@ -192,13 +200,7 @@ def quant_sweep(T: int, fmt: str, a: argparse.Namespace, copy_bps: float) -> lis
     dev, L, P = torch.device("cuda"), a.layers, T * K
     lay, bank = quant_bank(fmt, L * E, dev)
     slots = quant_slots(lay, bank)
-    g = torch.Generator().manual_seed(0)
-    routes = [torch.stack([torch.randperm(E, generator=g)[:K] + layer * E for _ in range(T)]).to(torch.int32)
-              .flatten().to(dev) for layer in range(L)]
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    wts = torch.rand(T, K, generator=g).to(dev)
-    acts = [torch.empty(P, I, dtype=torch.bfloat16, device=dev) for _ in range(L)]
-    outs = [torch.empty(T, K, H, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    routes, x, wts, acts, outs = step_inputs(T, L, dev)
     nbytes = P * sum(s.nbytes for s in lay.sections)  # every section is read (FP4 / FP8 codes and scales)
     cur_gu, cur_dn = QUANT_TILES[FORMAT_CODES[fmt]]
     rows = []
