@@ -917,6 +917,7 @@ def test_memoized_table_rows_equal_the_cost_models_choice_per_layer_and_miss_cou
             if held:
                 want = [list(range(max_misses + 1))] * layers
             assert auto._table == want
+            assert torch.equal(auto.fill_table(), torch.tensor(want, dtype=torch.int32))  # stacked from kept rows
             assert auto.fills_every_miss() == all(row == list(range(max_misses + 1)) for row in want)
             fills_all_seen += auto.fills_every_miss()
             split_seen += not auto.fills_every_miss()
