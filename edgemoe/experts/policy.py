@@ -674,9 +674,7 @@ class AutoPolicy(ExpertPolicy):
         self._hull_costs: MissCosts | None = None
         self._hulls_by_level: dict[int, HullRows] = {}
         self._fills_all = False  # every row of the table is its HullRows.full (kept by _rebuild)
-        self._gap_costs: MissCosts | None = None  # the costs of the rows' gaps kept in _gaps (see _row_gaps)
-        self._row_tensors: dict[int, tuple[list[int], torch.Tensor]] = {}  # fill_table's rows, by row object
-        self._gaps: dict[int, tuple[list[int], list[float], list[int]]] = {}
+        self._per_row: dict[int, list] = {}  # data derived from a table row, by row object (see _row_entry)
         self.cpu_level = 0
         self._level0_fills_all: bool | None = None  # wants_cpu_probe's look at the level-0 table, until a rebuild
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
@@ -757,11 +755,20 @@ class AutoPolicy(ExpertPolicy):
             self._tensor = torch.stack([self._row_tensor(row) for row in self._table])
         return self._tensor
 
+    def _row_entry(self, row: list[int]) -> list:
+        """``[row, its int32 tensor or None, (costs, gaps, fills) of :meth:`_row_gaps` or None]`` kept for a table
+        row object (the memoized rows of :class:`HullRows` are shared); the entry holds its row, so an id is not
+        reused while it is kept. Dropped with the hulls when the cost estimates move."""
+        e = self._per_row.get(id(row))
+        if e is None or e[0] is not row:
+            e = self._per_row[id(row)] = [row, None, None]
+        return e
+
     def _row_tensor(self, row: list[int]) -> torch.Tensor:
-        t = self._row_tensors.get(id(row))
-        if t is None or t[0] is not row:  # the entry holds its row, so an id is not reused while it is kept
-            t = self._row_tensors[id(row)] = (row, torch.tensor(row, dtype=torch.int32))
-        return t[1]
+        e = self._row_entry(row)
+        if e[1] is None:
+            e[1] = torch.tensor(row, dtype=torch.int32)
+        return e[1]
 
     @property
     def cpu_scale(self) -> float:
@@ -793,7 +800,7 @@ class AutoPolicy(ExpertPolicy):
         in place of :attr:`reuse`, the estimates with the prior, where given)."""
         if not _close(self.costs, self._hull_costs, self.rebuild_tolerance):
             self._hulls_by_level, self._hull_costs = {}, self.costs  # new estimates: every level's hulls are stale
-            self._row_tensors = {}  # (the table in use keeps its rows; their tensors are made again if asked)
+            self._per_row = {}  # (the table in use keeps its rows; their data is derived again if asked)
         c = self.effective_costs(level)
         rows = self._hulls_by_level.get(level)
         if rows is None:  # M + 1 hulls of at most M + 1 points, kept per level (the controller revisits levels)
@@ -854,16 +861,14 @@ class AutoPolicy(ExpertPolicy):
 
     def _row_gaps(self, c: MissCosts, row: list[int]) -> tuple[list[float], list[int]]:
         """Per ``m``, for a table row: the seconds its split saves against filling every miss at costs ``c``
-        (``split(m, m) − split(m, q(m))``) and the fills it leaves out (``m − q(m)``); kept per row object (the
-        memoized rows of :class:`HullRows` live as long as their hulls) while the costs stay the same."""
-        if c != self._gap_costs:
-            self._gap_costs, self._gaps = c, {}
-        g = self._gaps.get(id(row))
-        if g is None or g[0] is not row:
+        (``split(m, m) − split(m, q(m))``) and the fills it leaves out (``m − q(m)``); kept with the row
+        (:meth:`_row_entry`) while they are asked at the same costs."""
+        e = self._row_entry(row)
+        if e[2] is None or e[2][0] != c:
             secs = [c.split_seconds(m, m, self.armed) - c.split_seconds(m, q, self.armed) if q < m else 0.0
                     for m, q in enumerate(row)]
-            g = self._gaps[id(row)] = (row, secs, [m - q for m, q in enumerate(row)])
-        return g[1], g[2]
+            e[2] = (c, secs, [m - q for m, q in enumerate(row)])
+        return e[2][1], e[2][2]
 
     @property
     def read_window_steps(self) -> int:
