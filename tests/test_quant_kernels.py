@@ -107,6 +107,46 @@ def test_fp4_and_e8m0_decoders_are_exact_for_every_code():
     torch.testing.assert_close(scales.cpu(), e8m0_to_float(codes.cpu()), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("extreme", ["gate_up", "down"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_gemv_skips_only_a_rounding_that_is_exact(dtype, extreme, monkeypatch):
+    """MXFP4 into bf16 / float32 skips rounding each dequantized weight (``rounds_weights``): every code, under
+    scales from the subnormal 2^-127 to overflow and NaN (one per row, so that a row's extremes stay in its own
+    outputs), gives the bits of the rounding kernel. ``extreme`` is the projection given those scales; the other
+    gets ordinary ones (2^-7 .. 2^0)."""
+    import edgemoe.kernels.expert_gemv as eg
+
+    assert not eg.rounds_weights(eg.MXFP4, dtype) and eg.rounds_weights(eg.MXFP4, torch.float16)
+    assert eg.rounds_weights(eg.NVFP4, dtype) and eg.rounds_weights(eg.FP8, dtype)
+    H, I = 64, 64
+    lay, bank = _bank(WeightFormat.MXFP4, H, I, None, S=2)
+    qs = quant_slots(lay, bank)
+    g = torch.Generator().manual_seed(3)
+    extremes = [0, 1, 2, 90, 127, 200, 253, 254, 255]
+    if DEV.type == "cpu" and dtype == torch.bfloat16:  # Triton's interpreter flushes bf16 subnormals to zero
+        extremes = extremes[2:]  # (torch and the GPU's conversion keep them): weights of 2^-127 and below
+    extremes = torch.tensor(extremes, dtype=torch.uint8)
+    for name, (codes, sc) in {"gate_up": (qs.w13, qs.w13_scale), "down": (qs.w2, qs.w2_scale)}.items():
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=g, dtype=torch.uint8))
+        if name == extreme:
+            sc.copy_(extremes[torch.arange(sc.shape[1]) % len(extremes)][None, :, None].expand(sc.shape))
+        else:
+            sc.copy_(torch.randint(120, 128, sc.shape, generator=g, dtype=torch.uint8))
+    x = torch.randn(2, H, generator=g).to(DEV)
+    slot_tk = torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=DEV)
+    w = torch.rand(2, 2, generator=g).to(DEV)
+    dslots = quant_slots(lay, bank.to(DEV))
+    got = []
+    for rounding in (False, True):
+        monkeypatch.setattr(eg, "rounds_weights", lambda fmt, cdt, r=rounding: r)
+        out = torch.empty(2, 2, H, dtype=dtype, device=DEV)
+        a = torch.empty(4, I, dtype=dtype, device=DEV)
+        expert_gemv_quant(x, slot_tk, w, dslots, out, a)
+        got.append((a if extreme == "gate_up" else out).float().cpu())
+    assert got[0].isnan().any() and (got[0].isfinite() & (got[0] != 0)).any()  # overflowed rows sum to NaN
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("experts", list(EXPERTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,H,I,block", CASES, ids=IDS)

@@ -298,9 +298,17 @@ FORMAT_CODES = {"fp8_block": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
 # Tiles of the quantized GEMVs, per format: (rows per program, elements of a row per iteration, warps) of the
 # gate/up launch and of the down launch (`benchmarks/expert_gemv_sweep.py --quant` times others). With 4 warps
 # every thread loads 16 (FP8) or 32 (FP4, 512 elements) bytes of weights per row block and iteration.
-QUANT_TILES = {FP8: ((8, 256, 4), (16, 256, 4)), MXFP4: ((8, 512, 4), (16, 256, 4)),
-               NVFP4: ((8, 512, 4), (16, 256, 4))}
+QUANT_TILES = {FP8: ((8, 256, 4), (16, 256, 4)), MXFP4: ((4, 512, 4), (16, 256, 4)),
+               NVFP4: ((4, 512, 4), (8, 256, 4))}
 MIN_DOWN_ROWS = min(BLOCK_O, *(down[0] for _, down in QUANT_TILES.values()))  # sizes the route-sum counters
+
+
+def rounds_weights(fmt: int, compute_dtype: torch.dtype) -> bool:
+    """Whether the quantized kernels round each dequantized weight to the compute dtype (the reference's
+    ``dequant_rows(...).to(dtype)``). MXFP4 into bf16 or float32 skips it: an E2M1 value times a power of two
+    has at most two significant bits and the exponent range of float32, so bf16 holds it exactly (subnormals,
+    infinities and NaN included) and the rounding would return its input."""
+    return not (fmt == MXFP4 and compute_dtype in (torch.bfloat16, torch.float32))
 
 
 @triton.jit
@@ -345,13 +353,14 @@ def _vec_tile(v_ptr, c0, K, FMT: tl.constexpr, G: tl.constexpr, GS: tl.constexpr
 
 @triton.jit
 def _row_tile_dot(acc, w_rows, s_rows, s2, rmask, v0, v1, c0, K, FMT: tl.constexpr, G: tl.constexpr,
-                  GS: tl.constexpr, GB: tl.constexpr, CDT: tl.constexpr):
+                  GS: tl.constexpr, GB: tl.constexpr, CDT: tl.constexpr, ROUND_W: tl.constexpr):
     """``acc [R, G, GB] += W[rows, c0 : c0 + G·GS] · v`` elementwise (reduced by the caller), W dequantized
     in registers and rounded to CDT: ``(code · scale).to(CDT)``, the float32 product of the reference
     (``ExpertLayout.dequant_rows``) followed by the compute dtype's rounding.
 
     ``w_rows [R, 1, 1]``: each row's first weight (FP8 element, FP4 byte); ``s_rows [R, 1]``: each row's
-    first scale (FP8: its block row); ``s2``: NVFP4's per-tensor multiplier (a scalar)."""
+    first scale (FP8: its block row); ``s2``: NVFP4's per-tensor multiplier (a scalar). ``ROUND_W`` false
+    skips the rounding where it is exact (:func:`rounds_weights`)."""
     grp = c0 // GS + tl.arange(0, G)  # [G] scale columns
     gmask = rmask[:, None] & (grp < tl.cdiv(K, GS))[None, :]  # [R, G]
     j = tl.arange(0, GB)
@@ -367,8 +376,11 @@ def _row_tile_dot(acc, w_rows, s_rows, s2, rmask, v0, v1, c0, K, FMT: tl.constex
             sc = e8m0_to_f32(tl.load(s_rows + grp[None, :], mask=gmask, other=127))  # [R, G]
         else:
             sc = tl.load(s_rows + grp[None, :], mask=gmask, other=0.0).to(tl.float32) * s2
-        lo = (e2m1_to_f32(q & 15) * sc[:, :, None]).to(CDT).to(tl.float32)
-        hi = (e2m1_to_f32(q >> 4) * sc[:, :, None]).to(CDT).to(tl.float32)
+        lo = e2m1_to_f32(q & 15) * sc[:, :, None]
+        hi = e2m1_to_f32(q >> 4) * sc[:, :, None]
+        if ROUND_W:
+            lo = lo.to(CDT).to(tl.float32)
+            hi = hi.to(CDT).to(tl.float32)
         acc += lo * v0 + hi * v1
     return acc
 
@@ -377,7 +389,7 @@ def _row_tile_dot(acc, w_rows, s_rows, s2, rmask, v0, v1, c0, K, FMT: tl.constex
 def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b13_ptr, a_ptr, K, H, I, stride_x, stride_w, stride_s,
                       stride_s2, stride_b, ROW_W, ROW_S, BN_ROWS, alpha, limit, FMT: tl.constexpr,
                       OAI: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-                      GS: tl.constexpr, GB: tl.constexpr):
+                      GS: tl.constexpr, GB: tl.constexpr, ROUND_W: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     s = tl.load(slot_ptr + p)
@@ -404,8 +416,8 @@ def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b13_ptr, a_ptr, K, 
         acc_u = tl.zeros([BLOCK_R, G, GB], tl.float32)
         for c0 in range(0, H, G * GS):
             v0, v1 = _vec_tile(x_row, c0, H, FMT, G, GS, GB, cdt)
-            acc_g = _row_tile_dot(acc_g, w_g, s_g, g2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt)
-            acc_u = _row_tile_dot(acc_u, w_u, s_u, u2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt)
+            acc_g = _row_tile_dot(acc_g, w_g, s_g, g2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt, ROUND_W)
+            acc_u = _row_tile_dot(acc_u, w_u, s_u, u2, rmask, v0, v1, c0, H, FMT, G, GS, GB, cdt, ROUND_W)
         b = b13_ptr + s64 * stride_b + rows  # the slot's gate bias, then up's
         g = add_bias(tl.sum(tl.sum(acc_g, axis=2), axis=1).to(cdt).to(tl.float32), b, rmask, HAS_BIAS, cdt)  # [R]
         u = add_bias(tl.sum(tl.sum(acc_u, axis=2), axis=1).to(cdt).to(tl.float32), b + I, rmask, HAS_BIAS, cdt)
@@ -416,7 +428,7 @@ def _q_gate_up_kernel(x_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b13_ptr, a_ptr, K, 
 def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_ptr, y_ptr, cnt_ptr, H, I, stride_w,
                    stride_s, stride_s2, stride_b, stride_y, ROW_W, ROW_S, BN_ROWS, FMT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
-                   SUM: tl.constexpr, TOPK: tl.constexpr):
+                   SUM: tl.constexpr, TOPK: tl.constexpr, ROUND_W: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < H
@@ -438,7 +450,7 @@ def _q_down_kernel(a_ptr, slot_ptr, w_ptr, s_ptr, s2_ptr, b2_ptr, wt_ptr, out_pt
         acc = tl.zeros([BLOCK_R, G, GB], tl.float32)
         for c0 in range(0, I, G * GS):
             v0, v1 = _vec_tile(a_row, c0, I, FMT, G, GS, GB, cdt)
-            acc = _row_tile_dot(acc, w_rows, s_rows, d2, rmask, v0, v1, c0, I, FMT, G, GS, GB, cdt)
+            acc = _row_tile_dot(acc, w_rows, s_rows, d2, rmask, v0, v1, c0, I, FMT, G, GS, GB, cdt, ROUND_W)
         y = add_bias(tl.sum(tl.sum(acc, axis=2), axis=1).to(cdt).to(tl.float32), b2_ptr + s64 * stride_b + rows,
                      rmask, HAS_BIAS, cdt)  # [R]
         r = tl.load(wt_ptr + p).to(cdt).to(tl.float32)
@@ -479,9 +491,10 @@ def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torc
     Rounding points (those of the torch reference path, which dequantizes rows with
     ``ExpertLayout.dequant_rows`` then runs ``swiglu_expert`` in the compute dtype): each weight is the
     float32 product of its code and scale (NVFP4: ``code · (float(scale) · scale2)``) rounded to the compute
-    dtype ``a.dtype``; x is rounded to the compute dtype; float32 accumulation; each projection, each bias
-    and projection-plus-bias sum, every op of the activation (:func:`gated_act`) and the router-weight
-    product are rounded to the compute dtype. Only the order of the float32 sums differs from the reference.
+    dtype ``a.dtype`` (skipped where exact: :func:`rounds_weights`); x is rounded to the compute dtype;
+    float32 accumulation; each projection, each bias and projection-plus-bias sum, every op of the activation
+    (:func:`gated_act`) and the router-weight product are rounded to the compute dtype. Only the order of the
+    float32 sums differs from the reference.
 
     Args:
         x: ``[T, H]`` hidden states (any float dtype; rows contiguous).
@@ -526,11 +539,13 @@ def expert_gemv_quant(x: torch.Tensor, slot_tk: torch.Tensor, topk_weights: torc
     (r1, e1, nw1), (r2, e2, nw2) = tiles or QUANT_TILES[fmt]
     if summed and r2 < MIN_DOWN_ROWS:
         raise ValueError(f"down tiles of {r2} rows: the route sum's counters need at least {MIN_DOWN_ROWS}")
+    rw = rounds_weights(fmt, a.dtype)
     _q_gate_up_kernel[(P, triton.cdiv(I, r1))](
         x, slot_tk, w, sc, s2, b13, a, k, H, I, x.stride(0), sw, ss, ss2, sb13, row_w, row_s, bn, alpha, limit,
-        FMT=fmt, OAI=oai, HAS_BIAS=has_bias, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, num_warps=nw1)
+        FMT=fmt, OAI=oai, HAS_BIAS=has_bias, BLOCK_R=r1, G=max(1, e1 // gs), GS=gs, GB=gb, ROUND_W=rw,
+        num_warps=nw1)
     w, sc, s2, sw, ss, ss2, row_w, row_s, bn, fmt, gs, gb = quant_launch_args(slots, "w2")
     _q_down_kernel[(P, triton.cdiv(H, r2))](
         a, slot_tk, w, sc, s2, b2, topk_weights, out, y, counters, H, I, sw, ss, ss2, sb2, stride_y, row_w, row_s, bn,
         FMT=fmt, HAS_BIAS=has_bias, BLOCK_R=r2, G=max(1, e2 // gs), GS=gs, GB=gb, SUM=summed, TOPK=topk,
-        num_warps=nw2)
+        ROUND_W=rw, num_warps=nw2)
