@@ -106,14 +106,19 @@ for stage in "${stages[@]}"; do
     echo "== decode per expert format at equal expert VRAM (Qwen3-30B-A3B geometry, dummy weights, uniform routing)"
     deadline=$((SECONDS + ${FORMATS_TIMEOUT:-520}))  # the whole stage, comparison included
     runs=()
+    # $FORMATS_TREES: source trees run in turn per format (default this one; another, e.g. an earlier kernel's
+    # `git archive` in an ignored folder, gives a before/after on one GPU: its folders are FORMAT@TREE)
     for q in ${FORMATS_QUANTS:-bf16 fp8 mxfp4 nvfp4-modelopt}; do
-      left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
-      [ $left -lt 30 ] && { echo "formats: no time left for $q"; continue; }
-      flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
-      timeout $left python3 benchmarks/decode.py "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
-        --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$q" ${FORMATS_ARGS:-} 2>&1 \
-        | tee "$OUT/formats-$q.log" | grep -v "^{'policy'" | tail -n 16
-      [ -f "$OUT/formats/$q/decode.json" ] && runs+=("$OUT/formats/$q")
+      for tree in ${FORMATS_TREES:-.}; do
+        left=$((deadline - SECONDS - 15)); [ $left -gt 200 ] && left=200
+        [ $left -lt 30 ] && { echo "formats: no time left for $q ($tree)"; continue; }
+        flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
+        name=$q; [ "$tree" != . ] && name="$q@$(basename "$(realpath "$tree")")"
+        timeout $left python3 "$tree/benchmarks/decode.py" "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
+          --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$name" ${FORMATS_ARGS:-} \
+          2>&1 | tee "$OUT/formats-$name.log" | grep -v "^{'policy'" | tail -n 16
+        [ -f "$OUT/formats/$name/decode.json" ] && runs+=("$OUT/formats/$name")
+      done
     done
     [ ${#runs[@]} -gt 0 ] && python3 benchmarks/decode.py --compare "${runs[@]}" --out "$OUT/formats" 2>&1 \
       | tee "$OUT/formats.log" ;;

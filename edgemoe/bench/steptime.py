@@ -92,6 +92,11 @@ COST_PRESETS: dict[str, MissCosts] = {
     # 6 threads, B_P 54.86 / 54.28 GB/s alone / concurrent, B_H 49.2 / 44.8; the fixed costs and other work as "h100".
     "h100-cpu49": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 54.86, 49.2, 54.28, 44.83, fill_fixed_s=6.6e-6,
                                             cpu_fixed_s=22.3e-6, idle_handoff_s=8e-6, base_s=112e-6),
+    # H100 host of 2026-12-07 08:26 at 15 CPU threads (its profile in the policy study), as the engine's prior prices
+    # it: the concurrent pair B_P 44.6 GB/s, B_H,c 86.1 (a CPU expert ~110 us, a fill ~212 us: the CPU reads about
+    # twice as fast as PCIe), 17.5 us per fill call and 17.3 us per CPU call; armed branch and other work as "h100".
+    "h100-15": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 44.6, 86.1, fill_fixed_s=17.5e-6,
+                                         cpu_fixed_s=17.3e-6, idle_handoff_s=8e-6, base_s=112e-6),
     # 2-core development VM (CPU only: the "device" cache is a second host buffer on the same cores, so
     # the branches do not overlap): native executor on 2 threads 20.0 / 23.8 GB/s at 1 / 4 experts per
     # call (372 us per expert + 100 us per call); a fill is a 9.44 MB memory copy (~12 GB/s); a cached
