@@ -114,6 +114,7 @@ for stage in "${stages[@]}"; do
         [ $left -lt 30 ] && { echo "formats: no time left for $q ($tree)"; continue; }
         flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
         name=$q; [ "$tree" != . ] && name="$q@$(basename "$(realpath "$tree")")"
+        n=1; base=$name; while [ -e "$OUT/formats/$name" ]; do n=$((n + 1)); name="$base-$n"; done  # a tree named twice
         timeout $left python3 "$tree/benchmarks/decode.py" "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
           --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$name" ${FORMATS_ARGS:-} \
           2>&1 | tee "$OUT/formats-$name.log" | grep -v "^{'policy'" | tail -n 16
