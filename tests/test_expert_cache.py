@@ -75,6 +75,25 @@ def test_lru_evicts_least_recently_used_and_free_slots_first():
     assert c.evictable(exclude=[int(c.slot_of[11])]) == 1
 
 
+def test_move_indexed_moves_rows_and_tables_where_valid_only():
+    c = _cache(8)
+    c.bank.copy_(torch.arange(c.bank.numel(), dtype=torch.uint8).view(c.bank.shape))
+    for fid, slot in [(3, 0), (5, 1), (9, 2)]:
+        c.admit(fid, slot, 1)
+    c.admit(11, 3, 2)  # displaces nothing: a free slot; then 12 displaces 11 from slot 3 (a ghost pair on slot 3)
+    c.admit(12, 3, 2)
+    assert int(c.slot_ghost[3]) == 11
+    rows = c.bank.clone()
+    src, dst = torch.tensor([0, 1, 3]), torch.tensor([5, 6, 7])
+    c.move_indexed(src, dst, torch.tensor([True, False, True]), step=4)
+    c.check_invariants()
+    assert c.slot_of[3] == 5 and c.slot_of[12] == 7 and c.slot_of[5] == 1  # 5 not moved
+    assert c.owner_of.tolist() == [-1, 5, 9, -1, -1, 3, -1, 12]
+    assert c.last_used.tolist() == [-1, 1, 1, -1, -1, 4, -1, 4]
+    assert torch.equal(c.bank[5], rows[0]) and torch.equal(c.bank[7], rows[3]) and torch.equal(c.bank[6], rows[6])
+    assert int(c.slot_ghost[3]) == -1 and int(c.ghost_slot[11]) == -1  # the moved expert displaced nobody
+
+
 def test_admit_evicts_previous_owner():
     c = _cache(2)
     c.admit(5, 0, 1)

@@ -209,6 +209,43 @@ def test_staged_experts_no_token_routed_are_evicted_first():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("partition", [False, True], ids=["global-lru", "layer-lru"])
+def test_streamed_step_keeps_each_layers_most_routed_experts(partition):
+    """Where the step carves its staging regions and free slots are left, each layer but the last two moves its most
+    routed staged experts into free slots kept for it (under per-layer LRU, slots of its own share) once its routing
+    is known; the last two layers' experts stay in their regions. Rows, tables and the decode after it stay exact."""
+    pool = _pool()
+    S = 2 * E + 6
+    cache = ExpertCache(S, N, pool.layout, torch.float32, torch.device("cpu"), num_experts=E, partition_layers=partition)
+    hy = HybridExperts(pool, cache, FillAllPolicy(), TorchCpuExecutor(pool), E, torch.device("cpu"))
+    layers = _routing(12, 4)
+    ids0 = torch.tensor([[e, 6] for e in range(6) for _ in range(6 - e)][:12])  # 0 x 6, 1 x 5, 2 x 1; 6 x 12
+    layers[0] = (layers[0][0], ids0, layers[0][2])
+    outs = _step(hy, layers, Phase.PREFILL, 1)
+    for layer, (x, ids, w) in enumerate(layers):
+        torch.testing.assert_close(outs[layer].double(), _dense(pool, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+    cache.check_invariants()
+    owners = cache.owner_of.tolist()
+    for slot, f in enumerate(owners):
+        if f >= 0:
+            assert torch.equal(cache.bank[slot], pool.bank[f])
+    # 22 slots, 24 experts: two regions of 8 are carved and 6 slots stay free, all kept for layer 0 under one LRU;
+    # per layer (shares of 8, 7, 7 slots) the regions take the shares' last free slots in turn, leaving layer 0 two
+    n_keep = 2 if partition else 6
+    kept = sorted(f for f in owners if 0 <= f < E)
+    assert kept == sorted([6, 0, 1, 2][:n_keep])  # layer 0's routed experts, the most routed first (12, 6, 5, 1 routes)
+    if partition:
+        lo, hi = cache.victim_range(0)
+        assert all(lo <= cache.slot_of[f] < hi for f in kept)  # in layer 0's own share
+    assert sorted(f for f in owners if f >= E) == list(range(E, N))  # layers 1 and 2 in their regions
+    # decode after it hits the kept experts and computes them from their new slots
+    x, ids, w = torch.randn(1, H), torch.tensor([kept[:K]]), torch.rand(1, K)
+    hits = cache.counters["decode"].hits
+    out = hy.forward(0, x, ids, w, Phase.DECODE, 2)
+    assert cache.counters["decode"].hits - hits == K
+    torch.testing.assert_close(out.double(), _dense(pool, 0, x, ids, w), rtol=1e-5, atol=1e-5)
+
+
 def test_streamed_layers_read_nothing_back_to_the_host(monkeypatch):
     """Between a streamed step's first and last MoE layer the streamer reads nothing to the host (on CUDA each read
     would drain the compute queue): the tables' host copy is read at the step's start, the counts at its end, and

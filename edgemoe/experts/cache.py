@@ -74,6 +74,9 @@ def device_int64(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+MOVE_CHUNK_ROWS = 4  # slot rows one indexed copy of ExpertCache.move_indexed gathers at a time
+
+
 def _set_where(table: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value: torch.Tensor | int) -> None:
     """``table[index[mask]] = value[mask]`` (``value`` a tensor like ``index``, or one int) without reading ``mask``
     to the host: the masked-off entries become no-ops of two ``scatter_reduce_`` passes (``amin`` to -1, then
@@ -271,6 +274,29 @@ class ExpertCache:
         self.slot_of[ids] = idx
         self.owner_of[idx] = ids
         self.last_used.index_fill_(0, idx, step)
+
+    def move_indexed(self, src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor, step: int) -> None:
+        """Move the residents of slots ``src`` into the free slots ``dst`` where ``valid``: their rows copied in the
+        bank, the residency tables pointed at ``dst`` (``last_used`` = ``step``), the ``src`` slots freed and their
+        ghosts forgotten (a moved expert was displaced by no fill). Entries not ``valid`` change nothing. Launches
+        device operations only (no host read: ``valid`` stays on the device).
+
+        Args:
+            src: ``[n]`` int64, distinct slots holding an expert where ``valid`` (anything elsewhere).
+            dst: ``[n]`` int64, distinct free slots, none of them in ``src``.
+            valid: ``[n]`` bool.
+            step: the recency the moved experts get.
+        """
+        src = torch.where(valid, src, dst)  # an entry not valid copies its free slot onto itself
+        for i in range(0, dst.numel(), MOVE_CHUNK_ROWS):  # the gathered rows are a temporary of the chunk's size
+            self.bank[dst[i:i + MOVE_CHUNK_ROWS]] = self.bank[src[i:i + MOVE_CHUNK_ROWS]]
+        ids = self.owner_of[src]
+        self._forget_ghosts(src)
+        _set_where(self.slot_of, ids, valid, dst)
+        _set_where(self.owner_of, dst, valid, ids)
+        _set_where(self.owner_of, src, valid, -1)
+        _set_where(self.last_used, dst, valid, step)
+        _set_where(self.last_used, src, valid, -1)
 
     def evict(self, slots: list[int]) -> None:
         """Empty ``slots``: their residents become misses, the slots free (``last_used = -1``). Tables only."""

@@ -98,10 +98,12 @@ class _StagedLayer:
 @dataclass
 class _LayerPlan:
     """What one MoE layer copies in this step, decided at its start: ``missing`` (the global ids of the experts to
-    copy) and ``dest`` (their slots, in the same order)."""
+    copy), ``dest`` (their slots, in the same order) and ``keep`` (free slots its routed staged experts move to
+    once its routing is known, see :meth:`PrefillStreamer._keep_routed`)."""
 
     missing: list[int]
     dest: list[int]
+    keep: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -110,13 +112,13 @@ class _StreamedStep:
 
     step: int
     regions: tuple[list[int], list[int]]
-    spare: list[int]  # free slots outside the regions, used first; what is staged there stays resident
+    spare: list[int]  # free slots outside the regions (staged into when no region is carved, else kept for routed experts)
     routed: torch.Tensor  # [T, k, H], reused by every layer of the step
     slot_of: list[int]  # host copy of the cache's slot_of, kept current by the step's admissions
     owner_of: list[int]  # host copy of the cache's owner_of, likewise
     hit_miss: torch.Tensor  # [2] int64 on the device: routed experts that were resident / were staged, so far
     plans: list[_LayerPlan] = field(default_factory=list)
-    indices: torch.Tensor | None = None  # [L, 4E] int64 on the device: each layer's plan (see _plan_step)
+    indices: torch.Tensor | None = None  # [L, 5E] int64 on the device: each layer's plan (see _plan_step)
     next_layer: int = 0
     staged: dict[int, _StagedLayer] = field(default_factory=dict)
     compute_done: torch.cuda.Event | None = None  # recorded after the previous layer's expert compute
@@ -200,7 +202,7 @@ class PrefillStreamer:
         if len(free) >= int((cache.slot_of < 0).sum()):
             regions: tuple[list[int], list[int]] = ([], [])
         else:
-            victims = cache.choose_victims(2 * E, exclude=[])
+            victims = self._region_slots(free)
             cache.evict(victims)
             regions = (sorted(victims[:E]), sorted(victims[E:]))
             free = sorted(set(free) - set(victims))
@@ -218,6 +220,37 @@ class PrefillStreamer:
         if self.mode == "overlap":
             self._cur.staged[0] = self._stage(0, wait=None)
 
+    def _region_slots(self, free: list[int]) -> list[int]:
+        """The ``2E`` slots of the step's two staging regions. Under per-layer LRU with ``2E`` free slots, free ones
+        taken from the end of every layer's share in turn, so that each layer keeps about as many free slots of its
+        own for its routed experts (:meth:`_keep_routed`); otherwise the cache's ``2E`` least recently used
+        evictable slots (free ones first)."""
+        cache, E = self.cache, self.num_experts
+        if not cache.partition_layers or len(free) < 2 * E:
+            return cache.choose_victims(2 * E, exclude=[])
+        shares = [[s for s in free if lo <= s < hi][::-1]
+                  for lo, hi in (cache.victim_range(layer) for layer in range(cache.num_layers))]
+        picked: list[int] = []
+        depth = 0
+        while len(picked) < 2 * E:
+            picked += [share[depth] for share in shares if depth < len(share)][:2 * E - len(picked)]
+            depth += 1
+        return picked
+
+    def _keep_slots(self, spare: list[int]) -> list[list[int]]:
+        """Per MoE layer, the free slots its routed staged experts move to (at most ``E``): under per-layer LRU the
+        spare slots of its own share, else an equal part of ``spare``; none for the last two layers, whose regions
+        are not staged into again in the step (their experts stay where they are)."""
+        cache, E, L = self.cache, self.num_experts, self.num_layers
+        n = max(L - 2, 0)
+        if cache.partition_layers:
+            keep = [[s for s in spare if lo <= s < hi][:E] for lo, hi in (cache.victim_range(layer) for layer in range(n))]
+        else:
+            q, r = divmod(len(spare), max(n, 1))
+            starts = [layer * q + min(layer, r) for layer in range(n + 1)]
+            keep = [spare[starts[layer]:starts[layer + 1]][:E] for layer in range(n)]
+        return keep + [[] for _ in range(L - n)]
+
     def _plan_step(self) -> None:
         """Plan every layer of the step (which experts are copied into which slots) on the host copy of the tables,
         and send all the plans to the device in one copy, before any expert copy: ``indices[l]`` holds the staged
@@ -232,13 +265,15 @@ class PrefillStreamer:
             RuntimeError: a layer has more experts to copy than its region and the spare slots hold.
         """
         cur, E = self._cur, self.num_experts
+        carved = bool(cur.regions[0])
+        keep = self._keep_slots(cur.spare) if carved else [[] for _ in range(self.num_layers)]
         rows = []
         for layer in range(self.num_layers):
             base = layer * E
             slots = cur.slot_of[base:base + E]
             resident = [s >= 0 for s in slots]
             missing = [base + e for e in range(E) if not resident[e]]
-            n_spare = min(len(missing), len(cur.spare))
+            n_spare = 0 if carved else min(len(missing), len(cur.spare))
             dest = cur.spare[:n_spare] + cur.regions[layer % 2][:len(missing) - n_spare]
             if len(dest) < len(missing):
                 raise RuntimeError(f"streamed prefill: no staging slot for {len(missing) - len(dest)} experts "
@@ -250,10 +285,11 @@ class PrefillStreamer:
                     cur.slot_of[old] = -1
                 cur.owner_of[s], cur.slot_of[fid] = fid, s
                 slots[fid - base] = s
-            cur.plans.append(_LayerPlan(missing, dest))
+            cur.plans.append(_LayerPlan(missing, dest, keep[layer]))
             pad = [0] * (E - len(missing))
-            rows.append(missing + pad + dest + pad + [int(r) for r in resident] + slots)
-        staging = torch.tensor(rows, dtype=torch.int64)  # [L, 4E]
+            rows.append(missing + pad + dest + pad + [int(r) for r in resident] + slots
+                        + keep[layer] + [0] * (E - len(keep[layer])))
+        staging = torch.tensor(rows, dtype=torch.int64)  # [L, 5E]
         if self.device.type == "cuda":
             staging = staging.pin_memory()
         cur.indices = staging.to(self.device, non_blocking=True)
@@ -271,7 +307,7 @@ class PrefillStreamer:
         if n:
             cache.admit_indexed(idx[:n], idx[E:E + n], cur.step)
         cache.counters[Phase.PREFILL.value].fills += n
-        on_device = idx[2 * E:]
+        on_device = idx[2 * E:4 * E]
         runs = copy_runs(plan.missing, plan.dest)
         if not (runs and self._cuda and self.mode == "overlap"):
             self._copy(runs)
@@ -327,6 +363,7 @@ class PrefillStreamer:
         run_sorted_experts(x, topk_ids, topk_weights, cache.slot_of[base:base + E], cache.layout, cache.bank,
                            cur.routed, act=self.pool.activation)
         out = cur.routed.sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
+        self._keep_routed(moe_layer, flat, seen & ~resident, slots)
         if overlap and self._cuda:
             cur.compute_done = torch.cuda.Event()
             cur.compute_done.record(compute)
@@ -334,6 +371,23 @@ class PrefillStreamer:
         if cur.next_layer == self.num_layers:
             self._finish()
         return out
+
+    def _keep_routed(self, moe_layer: int, flat: torch.Tensor, routed_staged: torch.Tensor, slots: torch.Tensor) -> None:
+        """Move the layer's routed experts staged in a region, the most routed first, into the free slots its plan
+        keeps for them (``_LayerPlan.keep``), after its compute and before the region is staged into again (on CUDA
+        the next staging of that region waits for this layer's compute event, recorded after these copies). A
+        streamed step copies whole layers, and its regions are reused two layers later, so without this only the
+        last two layers' experts stay resident and decode starts on a cache of the first layers' staged experts
+        (with the spare slots taken in layer order). ``flat``: ``[P]`` the layer's routed expert indices;
+        ``routed_staged``, ``slots``: ``[E]`` (bool; int64) per expert of the layer."""
+        keep = self._cur.plans[moe_layer].keep
+        if not keep:
+            return
+        E, n = self.num_experts, len(keep)
+        routes = torch.bincount(flat, minlength=E)  # [E] routes per expert
+        count, expert = torch.topk(torch.where(routed_staged, routes, -1), n)  # [n], n <= E
+        dst = self._cur.indices[moe_layer, 4 * E:4 * E + n]
+        self.cache.move_indexed(slots[expert], dst, count > 0, self._cur.step)
 
     def _finish(self) -> None:
         """End the streamed step: its hit and miss counts to the prefill counters (the step's one read back)."""
