@@ -216,7 +216,8 @@ def test_streamed_step_keeps_each_layers_most_routed_experts(partition):
     is known; the last two layers' experts stay in their regions. Rows, tables and the decode after it stay exact."""
     pool = _pool()
     S = 2 * E + 6
-    cache = ExpertCache(S, N, pool.layout, torch.float32, torch.device("cpu"), num_experts=E, partition_layers=partition)
+    cache = ExpertCache(S, N, pool.layout, torch.float32, torch.device("cpu"), num_experts=E,
+                        partition_layers=partition)
     hy = HybridExperts(pool, cache, FillAllPolicy(), TorchCpuExecutor(pool), E, torch.device("cpu"))
     layers = _routing(12, 4)
     ids0 = torch.tensor([[e, 6] for e in range(6) for _ in range(6 - e)][:12])  # 0 x 6, 1 x 5, 2 x 1; 6 x 12

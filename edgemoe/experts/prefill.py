@@ -112,7 +112,7 @@ class _StreamedStep:
 
     step: int
     regions: tuple[list[int], list[int]]
-    spare: list[int]  # free slots outside the regions (staged into when no region is carved, else kept for routed experts)
+    spare: list[int]  # free slots outside the regions: staged into without regions, else kept for routed experts
     routed: torch.Tensor  # [T, k, H], reused by every layer of the step
     slot_of: list[int]  # host copy of the cache's slot_of, kept current by the step's admissions
     owner_of: list[int]  # host copy of the cache's owner_of, likewise
@@ -244,7 +244,8 @@ class PrefillStreamer:
         cache, E, L = self.cache, self.num_experts, self.num_layers
         n = max(L - 2, 0)
         if cache.partition_layers:
-            keep = [[s for s in spare if lo <= s < hi][:E] for lo, hi in (cache.victim_range(layer) for layer in range(n))]
+            shares = (cache.victim_range(layer) for layer in range(n))
+            keep = [[s for s in spare if lo <= s < hi][:E] for lo, hi in shares]
         else:
             q, r = divmod(len(spare), max(n, 1))
             starts = [layer * q + min(layer, r) for layer in range(n + 1)]
@@ -372,7 +373,8 @@ class PrefillStreamer:
             self._finish()
         return out
 
-    def _keep_routed(self, moe_layer: int, flat: torch.Tensor, routed_staged: torch.Tensor, slots: torch.Tensor) -> None:
+    def _keep_routed(self, moe_layer: int, flat: torch.Tensor, routed_staged: torch.Tensor,
+                     slots: torch.Tensor) -> None:
         """Move the layer's routed experts staged in a region, the most routed first, into the free slots its plan
         keeps for them (``_LayerPlan.keep``), after its compute and before the region is staged into again (on CUDA
         the next staging of that region waits for this layer's compute event, recorded after these copies). A
