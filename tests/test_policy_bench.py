@@ -196,3 +196,14 @@ def test_a_trees_auto_only_folder_takes_its_regimes_fixed_policies(tmp_path, loa
     assert got[("realistic@p4", 15)] == ("qstar", pytest.approx(63 / 70))
     assert got[("degenerate@p4", 6)] == (None, None)
     assert "| realistic@p4 | 15 | 2 | - | 63.0 | - | qstar | 0.900 |" in table
+
+
+@pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")
+def test_prefill_residency_benchmark_keeps_the_prompts_experts_for_decode(load_benchmark):
+    """``benchmarks/prefill_residency.py`` at 12 layers: a cache of 50 slots a layer (256 of them the prefill's two
+    staging regions) keeps every layer's routed prompt experts through a streamed prefill, so decode's first step hits
+    most of its experts (staging into the free slots in layer order left the first layers' experts: 34 hits)."""
+    bench = load_benchmark("prefill_residency")
+    rows = bench.trace_rows([str(p) for p in MIXTRAL], 12, 128, 8)
+    hits = bench.decode_hits(rows, 12 * 50, 32, 4, 128, partition=True)
+    assert len(hits) == 4 and hits[0] >= 0.8 * 12 * 8
