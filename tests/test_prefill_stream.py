@@ -230,11 +230,10 @@ def test_streamed_step_keeps_each_layers_most_routed_experts(partition):
     for slot, f in enumerate(owners):
         if f >= 0:
             assert torch.equal(cache.bank[slot], pool.bank[f])
-    # 22 slots, 24 experts: two regions of 8 are carved and 6 slots stay free, all kept for layer 0 under one LRU;
-    # per layer (shares of 8, 7, 7 slots) the regions take the shares' last free slots in turn, leaving layer 0 two
-    n_keep = 2 if partition else 6
+    # 22 slots, 24 experts: two regions of 8 are carved and 6 slots stay free, all kept for layer 0 (per layer,
+    # shares of 8, 7, 7 slots: the regions take the last two layers' shares first, which keep nothing)
     kept = sorted(f for f in owners if 0 <= f < E)
-    assert kept == sorted([6, 0, 1, 2][:n_keep])  # layer 0's routed experts, the most routed first (12, 6, 5, 1 routes)
+    assert kept == sorted([6, 0, 1, 2])  # layer 0's routed experts, the most routed first (12, 6, 5, 1 routes)
     if partition:
         lo, hi = cache.victim_range(0)
         assert all(lo <= cache.slot_of[f] < hi for f in kept)  # in layer 0's own share
@@ -285,6 +284,35 @@ def test_streamed_layers_read_nothing_back_to_the_host(monkeypatch):
     monkeypatch.undo()
     c = hy.cache.counters["prefill"]
     assert (c.hits, c.misses, c.fills) == (0, _distinct(layers), N)
+    hy.cache.check_invariants()
+
+
+def test_kept_routed_experts_use_no_op_that_reads_back_on_cuda(monkeypatch):
+    """Moving a layer's routed staged experts into the slots kept for it (free slots beside the regions) uses no
+    torch op whose CUDA kernel reads back to the host (``torch.bincount`` reads its input's min and max), in the
+    streamer and the cache (the CPU compute loop, which reads its routing by design, is left out)."""
+    from edgemoe.experts import cache as cache_mod
+
+    class NoReadBack:
+        def __getattr__(self, name):
+            if name in ("bincount", "unique", "nonzero", "masked_select", "histc"):
+                raise AssertionError(f"torch.{name} reads back to the host on CUDA")
+            return getattr(torch, name)
+
+    pool = _pool()
+    hy = _hybrid(pool, 2 * E + 4)  # two regions and 4 slots kept for layer 0 (L = 3)
+    layers = _routing(10, 5)
+    moved = []
+    move = hy.cache.move_indexed
+    monkeypatch.setattr(hy.cache, "move_indexed", lambda *a, **kw: (moved.append(1), move(*a, **kw))[1])
+    assert hy.prefill.claims(0, Phase.PREFILL, 10, K, 4)  # the step's start reads the tables (nonzero) by design
+    monkeypatch.setattr(prefill_mod, "torch", NoReadBack())
+    monkeypatch.setattr(cache_mod, "torch", NoReadBack())
+    for layer in range(L - 1):
+        hy.forward(layer, *layers[layer], Phase.PREFILL, 4)
+    monkeypatch.undo()
+    hy.forward(L - 1, *layers[L - 1], Phase.PREFILL, 4)
+    assert moved
     hy.cache.check_invariants()
 
 

@@ -74,7 +74,7 @@ def device_int64(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-MOVE_CHUNK_ROWS = 4  # slot rows one indexed copy of ExpertCache.move_indexed gathers at a time
+MOVE_CHUNK_BYTES = 64 << 20  # the temporary one indexed copy of ExpertCache.move_indexed gathers (at least a row)
 
 
 def _set_where(table: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, value: torch.Tensor | int) -> None:
@@ -288,8 +288,9 @@ class ExpertCache:
             step: the recency the moved experts get.
         """
         src = torch.where(valid, src, dst)  # an entry not valid copies its free slot onto itself
-        for i in range(0, dst.numel(), MOVE_CHUNK_ROWS):  # the gathered rows are a temporary of the chunk's size
-            self.bank[dst[i:i + MOVE_CHUNK_ROWS]] = self.bank[src[i:i + MOVE_CHUNK_ROWS]]
+        rows = max(1, MOVE_CHUNK_BYTES // max(1, self.bank.shape[1]))  # the gathered rows are a temporary
+        for i in range(0, dst.numel(), rows):
+            self.bank[dst[i:i + rows]] = self.bank[src[i:i + rows]]
         ids = self.owner_of[src]
         self._forget_ghosts(src)
         _set_where(self.slot_of, ids, valid, dst)

@@ -5,8 +5,9 @@ prefill step streams whole layers through the expert cache and is bound by the h
 
 - **Staging regions.** At the start of a streamed step, two groups of ``E`` slots (``E`` = experts
   per layer) are carved out of the expert cache itself: the ``2E`` least recently used evictable
-  slots, whose residents are evicted (under per-layer LRU, where ``2E`` slots are free, free slots
-  taken from the end of every layer's share in turn). MoE layer ``l`` stages into region ``l % 2``.
+  slots, whose residents are evicted (under per-layer LRU, where ``2E`` slots are free, the last two
+  layers' free slots first, which keep nothing, then free slots from the end of every other layer's
+  share in turn). MoE layer ``l`` stages into region ``l % 2``.
   When the free slots can take every non-resident expert of the model, no region is carved and
   every expert is staged into a free slot, where it stays resident.
 - **What stays.** Free slots left outside the regions are kept per layer (under per-layer LRU the
@@ -17,7 +18,7 @@ prefill step streams whole layers through the expert cache and is bound by the h
   its tokens used, which decode is most likely to route next; staging into the free slots in layer
   order, as before, left the first layers' every expert (most of them unrouted) and nothing of the
   others (Qwen3-30B-A3B geometry, a 16 GB cache, a 32-token prompt of the Mixtral traces: decode's
-  first step hit 104 of 384 experts, now 364).
+  first step hit 104 of 384 experts, now 378).
 - **What is copied.** A layer's routing is unknown before its router runs, so every expert of layer
   ``l + 1`` that is not resident is copied; a resident expert is used from its slot.
 - **Overlap.** When layer ``l``'s MoE block starts, layer ``l + 1``'s copies are issued on a dedicated
@@ -230,16 +231,19 @@ class PrefillStreamer:
             self._cur.staged[0] = self._stage(0, wait=None)
 
     def _region_slots(self, free: list[int]) -> list[int]:
-        """The ``2E`` slots of the step's two staging regions. Under per-layer LRU with ``2E`` free slots, free ones
-        taken from the end of every layer's share in turn, so that each layer keeps about as many free slots of its
-        own for its routed experts (:meth:`_keep_routed`); otherwise the cache's ``2E`` least recently used
+        """The ``2E`` slots of the step's two staging regions. Under per-layer LRU with ``2E`` free slots: the free
+        slots of the last two layers' shares first (they keep nothing, :meth:`_keep_slots`), then free ones from the
+        end of every other layer's share in turn, so that each layer keeps about as many free slots of its own for its
+        routed experts (:meth:`_keep_routed`); otherwise the cache's ``2E`` least recently used
         evictable slots (free ones first)."""
         cache, E = self.cache, self.num_experts
         if not cache.partition_layers or len(free) < 2 * E:
             return cache.choose_victims(2 * E, exclude=[])
         shares = [[s for s in free if lo <= s < hi][::-1]
                   for lo, hi in (cache.victim_range(layer) for layer in range(cache.num_layers))]
-        picked: list[int] = []
+        # the last two layers keep nothing (_keep_slots): their shares' free slots go to the regions first
+        picked = [s for share in shares[max(len(shares) - 2, 0):] for s in share][:2 * E]
+        shares = shares[:max(len(shares) - 2, 0)]
         depth = 0
         while len(picked) < 2 * E:
             picked += [share[depth] for share in shares if depth < len(share)][:2 * E - len(picked)]
@@ -264,12 +268,13 @@ class PrefillStreamer:
     def _plan_step(self) -> None:
         """Plan every layer of the step (which experts are copied into which slots) on the host copy of the tables,
         and send all the plans to the device in one copy, before any expert copy: ``indices[l]`` holds the staged
-        ids in ``[0, n)``, their slots in ``[E, E + n)``, the layer's residency flags in ``[2E, 3E)`` and its slots
-        in ``[3E, 4E)``. One copy because small host-to-device copies issued on the compute stream between the
-        layers were seen to wait for the large expert copies queued on the copy stream to finish (H100,
-        2026-12-06), which held each layer's compute, and the copies that wait for it, back. Its one page-locked
-        host buffer is allocated here: a page-locked allocation between two commands of different streams keeps
-        them from running concurrently (CUDA's implicit synchronization).
+        ids in ``[0, n)``, their slots in ``[E, E + n)``, the layer's residency flags in ``[2E, 3E)``, its slots
+        in ``[3E, 4E)`` and the free slots kept for its routed experts from ``4E`` on. One copy because small
+        host-to-device copies issued on the compute stream between the layers were seen to wait for the large
+        expert copies queued on the copy stream to finish (H100, 2026-12-06), which held each layer's compute, and
+        the copies that wait for it, back. Its one page-locked host buffer is allocated here: a page-locked
+        allocation between two commands of different streams keeps them from running concurrently (CUDA's
+        implicit synchronization).
 
         Raises:
             RuntimeError: a layer has more experts to copy than its region and the spare slots hold.
@@ -391,11 +396,12 @@ class PrefillStreamer:
         last two layers' experts stay resident and decode starts on a cache of the first layers' staged experts
         (with the spare slots taken in layer order). ``flat``: ``[P]`` the layer's routed expert indices;
         ``routed_staged``, ``slots``: ``[E]`` (bool; int64) per expert of the layer."""
-        keep = self._cur.plans[moe_layer].keep
-        if not keep:
+        plan = self._cur.plans[moe_layer]
+        E, n = self.num_experts, min(len(plan.keep), len(plan.missing))  # at most the staged experts move
+        if n == 0:
             return
-        E, n = self.num_experts, len(keep)
-        routes = torch.bincount(flat, minlength=E)  # [E] routes per expert
+        # [E] routes per expert (not torch.bincount: on CUDA it reads the input's min and max back to the host)
+        routes = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         count, expert = torch.topk(torch.where(routed_staged, routes, -1), n)  # [n], n <= E
         dst = self._cur.indices[moe_layer, 4 * E:4 * E + n]
         self.cache.move_indexed(slots[expert], dst, count > 0, self._cur.step)
