@@ -601,8 +601,9 @@ class AutoPolicy(ExpertPolicy):
     the misses fall, while the reuse counters lag them (a fill's hits come in the windows after it); on the GPU host
     a split in those windows (realistic routing, 16 GB: 5.8, 1.9, 0.5, 0.3 misses per layer step in the first
     four windows after a prefill) left out experts that were requested again and ran at 0.80-0.95x ``fill-all``.
-    The threshold is a halving, not a smaller fall: the first decode step after a prefill misses nearly every
-    expert (the prompt's experts are not the decode's), so the window after it falls also where the cache is too
+    The threshold is a halving, not a smaller fall: the first decode step after a prefill can miss most of its
+    experts (the prompt's are not all the decode's; and until a streamed prefill kept each layer's routed experts,
+    those measurements' prefills left most layers none), so the window after it falls also where the cache is too
     small for the working set and the misses level off at once (realistic routing, 6 GB: 7.2 then 4.3 and 4.1, a
     fall to 0.6 of the window before that, at a threshold of 0.7, held ``fill-all`` for six steps). Without
     locality the misses stay level and the split comes at the first window, as before.
