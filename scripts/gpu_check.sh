@@ -26,6 +26,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "installing .whl/ failed" >&2; exit 1; }
 fi
+# a result folder of its own for a tree named twice in a stage: $1 if it does not exist yet, else $1-2, $1-3, ...
+fresh_dir() { local n=2; [ -e "$1" ] || { echo "$1"; return; }; while [ -e "$1-$n" ]; do n=$((n + 1)); done; echo "$1-$n"; }
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests decode prefill)
 {
@@ -114,7 +116,7 @@ for stage in "${stages[@]}"; do
         [ $left -lt 30 ] && { echo "formats: no time left for $q ($tree)"; continue; }
         flag=(); [ "$q" != bf16 ] && flag=(--quant "$q")
         name=$q; [ "$tree" != . ] && name="$q@$(basename "$(realpath "$tree")")"
-        n=1; base=$name; while [ -e "$OUT/formats/$name" ]; do n=$((n + 1)); name="$base-$n"; done  # a tree named twice
+        name=$(basename "$(fresh_dir "$OUT/formats/$name")")
         timeout $left python3 "$tree/benchmarks/decode.py" "${flag[@]}" --budgets 2,4,8 --policies qstar,fill-all \
           --cpu-threads 6,15 --tokens 24 --warmup 6 --profile-seconds 0.5 --out "$OUT/formats/$name" ${FORMATS_ARGS:-} \
           2>&1 | tee "$OUT/formats-$name.log" | grep -v "^{'policy'" | tail -n 16
@@ -130,7 +132,7 @@ for stage in "${stages[@]}"; do
     for tree in ${GEMV_TREES:-.}; do
       echo "-- tree $tree"
       timeout ${GEMV_TIMEOUT:-240} python3 "$tree/benchmarks/expert_gemv_sweep.py" --quant "${GEMV_QUANTS:-bf16,fp8,mxfp4,nvfp4}" \
-        --out "$OUT/gemv-sweep-$(basename "$(realpath "$tree")")" ${GEMV_ARGS:-} 2>&1 | tee -a "$OUT/gemv-sweep.log" | tail -n 80
+        --out "$(fresh_dir "$OUT/gemv-sweep-$(basename "$(realpath "$tree")")")" ${GEMV_ARGS:-} 2>&1 | tee -a "$OUT/gemv-sweep.log" | tail -n 80
     done ;;
   cpu-profile)
     echo "== CPU-only decode, where a step's time goes (16 layers of Qwen3-30B-A3B geometry, dummy weights), by context"

@@ -61,6 +61,7 @@ Otherwise :func:`~edgemoe.experts.hybrid.plan_step`'s waves serve prefill on dem
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -239,8 +240,7 @@ class PrefillStreamer:
         cache, E = self.cache, self.num_experts
         if not cache.partition_layers or len(free) < 2 * E:
             return cache.choose_victims(2 * E, exclude=[])
-        shares = [[s for s in free if lo <= s < hi][::-1]
-                  for lo, hi in (cache.victim_range(layer) for layer in range(cache.num_layers))]
+        shares = [share[::-1] for share in self._by_share(free)]
         # the last two layers keep nothing (_keep_slots): their shares' free slots go to the regions first
         picked = [s for share in shares[max(len(shares) - 2, 0):] for s in share][:2 * E]
         shares = shares[:max(len(shares) - 2, 0)]
@@ -250,6 +250,16 @@ class PrefillStreamer:
             depth += 1
         return picked
 
+    def _by_share(self, slots: list[int]) -> list[list[int]]:
+        """``slots`` split by the layer whose share (``ExpertCache.victim_range``) each falls in, in the given
+        order (one pass)."""
+        cache = self.cache
+        starts = [cache.victim_range(layer)[0] for layer in range(cache.num_layers)]
+        shares: list[list[int]] = [[] for _ in starts]
+        for s in slots:
+            shares[bisect.bisect_right(starts, s) - 1].append(s)
+        return shares
+
     def _keep_slots(self, spare: list[int]) -> list[list[int]]:
         """Per MoE layer, the free slots its routed staged experts move to (at most ``E``): under per-layer LRU the
         spare slots of its own share, else an equal part of ``spare``; none for the last two layers, whose regions
@@ -257,8 +267,7 @@ class PrefillStreamer:
         cache, E, L = self.cache, self.num_experts, self.num_layers
         n = max(L - 2, 0)
         if cache.partition_layers:
-            shares = (cache.victim_range(layer) for layer in range(n))
-            keep = [[s for s in spare if lo <= s < hi][:E] for lo, hi in shares]
+            keep = [share[:E] for share in self._by_share(spare)[:n]]
         else:
             q, r = divmod(len(spare), max(n, 1))
             starts = [layer * q + min(layer, r) for layer in range(n + 1)]

@@ -296,8 +296,8 @@ FP8, MXFP4, NVFP4 = 1, 2, 3
 FORMAT_CODES = {"fp8_block": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
 
 # Tiles of the quantized GEMVs, per format: (rows per program, elements of a row per iteration, warps) of the
-# gate/up launch and of the down launch (`benchmarks/expert_gemv_sweep.py --quant` times others). With 4 warps
-# every thread loads 16 (FP8) or 32 (FP4, 512 elements) bytes of weights per row block and iteration.
+# gate/up launch and of the down launch, the fastest that `benchmarks/expert_gemv_sweep.py --quant` timed at batch 1
+# on an H100 (docs/benchmarks/formats.md).
 QUANT_TILES = {FP8: ((4, 256, 2), (32, 256, 4)), MXFP4: ((4, 512, 4), (16, 256, 4)),
                NVFP4: ((4, 512, 4), (8, 256, 4))}
 MIN_DOWN_ROWS = min(BLOCK_O, *(down[0] for _, down in QUANT_TILES.values()))  # sizes the route-sum counters
