@@ -939,3 +939,41 @@ def test_hull_rows_at_and_beside_every_slope_are_the_cost_models_choice():
             want = [next(h[i] for i in reversed(range(len(h))) if slopes[i] <= v) for h, slopes in rows.hulls]
             assert rows.row(v) == want
     assert rows.row(math.inf) is rows.full  # every hull ends at q = m
+
+
+def test_an_arbitration_that_repeats_its_answer_holds_twice_as_long():
+    """Each cycle arbitration that keeps the level the one before kept holds it twice as long (exponential backoff, up
+    to ``balance_hold_max`` windows); a change of the steps' pace breaks the hold and the next one starts short."""
+    auto = AutoPolicy.from_bandwidths(Bandwidths(53.0, 98.7), ROW, num_layers=2, max_misses=16, reuse_prior=0.0)
+    late, early = LayerObservation(handoffs=[20, 20], late=[20, 18]), LayerObservation(handoffs=[20, 20], late=[2, 2])
+    speed = {-1: 0.011, 0: 0.012, 1: 0.010}  # level 1 steps fastest, yet its hand-offs are seldom late: a cycle
+
+    def window(obs: LayerObservation, step_s: float | None = None) -> None:
+        for _ in range(8):
+            auto.observe(speed[auto.cpu_level] if step_s is None else step_s, 1)
+        auto.observe_layers(obs)
+
+    def held_windows(obs: LayerObservation) -> int:
+        """Windows of ``obs`` judged at the current level before the controller moves off it."""
+        level, n = auto.cpu_level, 0
+        while True:
+            window(obs)
+            if auto.cpu_level != level:
+                return n
+            n += 1
+
+    window(late)
+    window(early)  # the first cycle: level 1 kept
+    assert auto.cpu_level == 1
+    holds = []
+    for _ in range(5):
+        holds.append(held_windows(early))  # the hold, then the window that judges again and moves down
+        window(late)  # back up to 1: a cycle again, the same answer
+        assert auto.cpu_level == 1
+    base, cap = auto.balance_hold_windows, auto.balance_hold_max
+    assert holds == [min(base * 2 ** i, cap) for i in range(5)]
+    window(early, step_s=0.02)  # another pace: the hold breaks and the level is judged at once
+    assert auto.cpu_level == 0
+    window(late)  # back to 1, seen in the slow window: a cycle whose arbitration keeps 0 (the faster window there)
+    assert auto.cpu_level == 0
+    assert held_windows(early) == base  # the hold after the break starts short again

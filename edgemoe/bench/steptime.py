@@ -97,6 +97,14 @@ COST_PRESETS: dict[str, MissCosts] = {
     # twice as fast as PCIe), 17.5 us per fill call and 17.3 us per CPU call; armed branch and other work as "h100".
     "h100-15": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 44.6, 86.1, fill_fixed_s=17.5e-6,
                                          cpu_fixed_s=17.3e-6, idle_handoff_s=8e-6, base_s=112e-6),
+    # Two H100 hosts of 2026-12-07 10:37-10:50 at 6 CPU threads whose CPU reads about as fast as PCIe (their profiles in
+    # the policy study, "both tables on the final prefill tree"): host A B_P 49.9 / 47.7 GB/s alone / concurrent, B_H
+    # 57.4 / 46.1; host B B_P 50.5 / 49.2, B_H 53.3 / 51.3; fixed costs 21 us per fill call and 17 us per CPU call
+    # (host B's profile), armed branch and other work as "h100".
+    "h100-a6": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 49.9, 57.4, 47.7, 46.1, fill_fixed_s=21e-6,
+                                         cpu_fixed_s=17e-6, idle_handoff_s=8e-6, base_s=112e-6),
+    "h100-b6": MissCosts.from_bandwidths(QWEN3_30B_EXPERT_BYTES, 50.5, 53.3, 49.2, 51.3, fill_fixed_s=21e-6,
+                                         cpu_fixed_s=17e-6, idle_handoff_s=8e-6, base_s=112e-6),
     # 2-core development VM (CPU only: the "device" cache is a second host buffer on the same cores, so
     # the branches do not overlap): native executor on 2 threads 20.0 / 23.8 GB/s at 1 / 4 experts per
     # call (372 us per expert + 100 us per call); a fill is a 9.44 MB memory copy (~12 GB/s); a cached
