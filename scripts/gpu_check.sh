@@ -286,12 +286,15 @@ for stage in "${stages[@]}"; do
   esac
 done
 
-# The device tool brings back at most 8 files from $OUT (each under 16 MiB, two folders deep at most): more are
-# packed into one results.tar.gz beside machine.txt (tar -xzf it here), unless the archive itself would be too large.
+# The device tool brings back at most 8 files from its $OUT (each under 16 MiB, two folders deep at most): more, or
+# any file in a folder of a folder of this $OUT (too deep once this $OUT is itself a folder of the tool's, as when one
+# call runs the script several times with OUT=$OUT/a, $OUT/b), are packed into one results.tar.gz beside machine.txt
+# (tar -xzf it here), unless the archive itself would be too large.
 n=$(find "$OUT" -type f | wc -l)
-if [ "$n" -gt 8 ] && tar -czf /tmp/gpu-check-results.tar.gz -C "$OUT" . \
+deep=$(find "$OUT" -mindepth 3 -type f | head -n 1)
+if { [ "$n" -gt 8 ] || [ -n "$deep" ]; } && tar -czf /tmp/gpu-check-results.tar.gz -C "$OUT" . \
     && [ "$(stat -c %s /tmp/gpu-check-results.tar.gz)" -lt 15000000 ]; then
   find "$OUT" -mindepth 1 -maxdepth 1 ! -name machine.txt -exec rm -rf {} +
   mv /tmp/gpu-check-results.tar.gz "$OUT/results.tar.gz"
-  echo "$n files under \$OUT packed into results.tar.gz (the device tool returns at most 8)"
+  echo "$n files under \$OUT packed into results.tar.gz (the device tool returns at most 8, two folders deep)"
 fi
