@@ -101,7 +101,7 @@ def contention(a: argparse.Namespace, start_s: float = 4.0, end_s: float = 10.0,
     print("| policy | before | load, 1st s | load, rest | after, 1st s | after, rest |")
     print("|---|---|---|---|---|---|")
     for pol in ("auto", "qstar", "fill-all", "cpu-all"):
-        res = S.simulate_time(wl, pol, slots, costs, "lru", token_base_s=1e-3, contention=load)
+        res = S.simulate_time(wl, pol, slots, costs, "lru", token_base_s=1e-3, contention=load, lateness=a.lateness)
         ends, t = [], 0.0
         for x in res.step_seconds:
             t += x
@@ -178,6 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eviction", default="engine",
                     help="a replay rule, or engine: layer-lru when every layer's share holds a token's top-k, else lru")
     ap.add_argument("--preset", default="h200", choices=sorted(S.COST_PRESETS))
+    ap.add_argument("--lateness", default="yes-no", choices=S.LATENESS,
+                    help="how the balance controller's joins are counted: yes-no (the engine's) or graded (by how "
+                    "late or early against one expert's time; a design study, see edgemoe.bench.steptime)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--contention", type=float, default=None, metavar="CPU_FACTOR",
                     help="simulate a CPU slowdown by this factor from 4 s to 10 s instead (see above)")
@@ -207,7 +210,8 @@ def main(argv=None) -> int:
         for gb in (float(x) for x in a.budgets.split(",") if x):
             slots = int(gb * 1e9 // S.QWEN3_30B_EXPERT_BYTES)
             ev = a.eviction if a.eviction != "engine" else "layer-lru" if slots >= layers * K else "lru"
-            tps = {p: S.simulate_time(wl, p, slots, costs, ev, token_base_s=1e-3, warmup=a.warmup).tokens_per_s
+            tps = {p: S.simulate_time(wl, p, slots, costs, ev, token_base_s=1e-3, warmup=a.warmup,
+                                      lateness=a.lateness).tokens_per_s
                    for p in S.MISS_POLICIES}
             best = max(FIXED, key=tps.get)
             rows.append({"regime": name, "budget_gb": gb, "slots": slots, "eviction": ev, "tokens_per_s": tps,

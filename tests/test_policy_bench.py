@@ -159,6 +159,27 @@ def test_policy_sim_contention_auto_follows_a_stalled_cpu(load_benchmark, capsys
     assert auto[after] > 0.95 * auto[before] and auto[before] > fill[before]
 
 
+def test_policy_sim_graded_lateness_keeps_the_split_no_single_move_improves(tmp_path, load_benchmark):
+    """``policy_sim.py --lateness graded``: on a machine whose CPU reads about as fast as PCIe (preset ``h100-a6``),
+    no locality, 2 GB, the split of 4 of 8 misses leaves the CPU branch slightly longer; counted yes/no, every
+    hand-off is late and the controller moves to a slower split for a window; counted by how late (more than one
+    fill's time, or early by more than one CPU expert's), no single move pays and ``auto`` runs level with ``qstar``."""
+    sim = load_benchmark("policy_sim")
+    ratio = {}
+    for lateness in ("yes-no", "graded"):
+        out = tmp_path / f"{lateness}.json"
+        assert sim.main(["--preset", "h100-a6", "--budgets", "2", "--tokens", "48", "--lateness", lateness,
+                         "--json", str(out)]) == 0
+        row = next(r for r in json.loads(out.read_text())["rows"] if r["regime"] == "no-locality")
+        ratio[lateness] = row["tokens_per_s"]["auto"] / row["tokens_per_s"]["qstar"]
+    assert ratio["graded"] > 0.99 and ratio["graded"] > ratio["yes-no"] + 0.01
+    from edgemoe.bench import replay, steptime
+
+    with pytest.raises(ValueError, match="lateness"):
+        steptime.simulate_time(replay.uniform_workload(2, 8, 2, 4), "auto", 4, steptime.COST_PRESETS["h100"],
+                               lateness="signed")
+
+
 def test_policy_sim_fill_ratios_marginal_value(load_benchmark, capsys):
     """``policy_sim.py --fill-ratios``: a fixed share of the misses filled; without locality one more fill buys no
     hit (marginal hits per fill near 0), and filling every miss is slower than a split; ``auto``'s measured net

@@ -28,6 +28,12 @@ the window's join lateness (a hand-off is *late* when its CPU branch outlasts th
 hand-off and join: the fills and the resident experts) and the misses per layer step that found no
 free slot.
 
+``lateness="graded"`` (a design study; the engine's device path counts yes/no): a hand-off counts 1 when the GPU
+waits at the join longer than one fill of the policy's current model (moving one expert from the CPU to the GPU
+would shorten the layer step), 0 when the CPU branch finished earlier than that by more than one CPU expert's time
+(moving one the other way would), and 1/2 otherwise (no single move pays); the balance controller reads the
+weighted fraction with its band unchanged, so a split that no integer move improves stays put.
+
 ``contention`` changes the machine mid-run (another process taking PCIe or DRAM bandwidth): between
 two simulated times the per-expert fill and CPU times are multiplied by the given factors; policies
 only see it through what they measure.
@@ -58,9 +64,11 @@ from edgemoe.experts.policy import (
     QStarPolicy,
 )
 
-__all__ = ["COST_PRESETS", "MISS_POLICIES", "Contention", "TimeResult", "profiled_bandwidths", "simulate_time"]
+__all__ = ["COST_PRESETS", "LATENESS", "MISS_POLICIES", "Contention", "TimeResult", "profiled_bandwidths",
+           "simulate_time"]
 
 MISS_POLICIES = ("fill-all", "cpu-all", "static", "qstar", "adaptive", "auto")
+LATENESS = ("yes-no", "graded")  # how a hand-off's join is counted for the balance controller (module docstring)
 QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 2  # bf16 expert of Qwen3-30B-A3B: 9.44 MB
 
 COST_PRESETS: dict[str, MissCosts] = {
@@ -212,7 +220,8 @@ def _miss_policy(name: str, wl: Workload, costs: MissCosts, fill_ratio: float | 
 def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, eviction: str = "lru", *,
                   contention: Contention | None = None, noise: float = 0.0, seed: int = 0, prefetch: bool = False,
                   token_base_s: float = 0.0, auto_kw: dict | None = None,
-                  measure_branches: bool = False, warmup: int = 0, fill_ratio: float | None = None) -> TimeResult:
+                  measure_branches: bool = False, warmup: int = 0, fill_ratio: float | None = None,
+                  lateness: str = "yes-no") -> TimeResult:
     """Replay ``wl`` under miss policy ``policy`` (one of :data:`MISS_POLICIES`) with ``slots`` cache
     slots under ``eviction`` (a :func:`~edgemoe.bench.replay.make_policy` name) on a machine of ``costs``
     (see the module docstring). ``token_base_s``: time per decode step outside the MoE layers (LM
@@ -222,11 +231,14 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
     ``warmup``: decode steps run but not timed (as the decode benchmark's ``--warmup``; the engine's
     prefill warms the cache before decode, a decode-only trace starts cold). ``fill_ratio``: ``qstar`` fills
     this share of each layer step's misses instead of the profiled ``B_P / B_H`` (a fixed split, to measure
-    what more or fewer fills buy).
+    what more or fewer fills buy). ``lateness``: ``yes-no`` (the engine's join count) or ``graded`` (see the module
+    docstring).
 
     Raises:
-        ValueError: an unknown policy or eviction rule, or ``prefetch`` on a trace without predictions.
+        ValueError: an unknown policy, eviction rule or lateness, or ``prefetch`` on a trace without predictions.
     """
+    if lateness not in LATENESS:
+        raise ValueError(f"unknown lateness {lateness!r}; choose from {', '.join(LATENESS)}")
     if policy not in MISS_POLICIES:
         raise ValueError(f"unknown miss policy {policy!r}; choose from {', '.join(MISS_POLICIES)}")
     if prefetch and not any(a.predicted for a in wl.accesses):
@@ -295,7 +307,12 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         win.free_fills += free_fills
         if cpu and armed:
             win.handoffs[a.layer] += 1
-            win.late[a.layer] += b > g + h * c.hit_s
+            gpu_s = g + h * c.hit_s  # the GPU's work between hand-off and join
+            if lateness == "graded":  # thresholds from the policy's model, as the device would be given them
+                e = pol.effective_costs() if device_auto else c
+                win.late[a.layer] += 1.0 if b - gpu_s > e.fill_conc_s else 0.0 if gpu_s - b > e.cpu_conc_s else 0.5
+            else:
+                win.late[a.layer] += b > gpu_s
         step_t += t
         prev_window = t - g
         if f and measure_branches:
@@ -338,7 +355,7 @@ class _Window:
     decided: int = 0  # misses that found no free slot
     free_fills: int = 0  # misses that found one
     handoffs: list[int] = field(default_factory=list)
-    late: list[int] = field(default_factory=list)
+    late: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         self.reset(0.0)

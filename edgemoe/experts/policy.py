@@ -468,8 +468,9 @@ class LayerObservation:
         fill_samples: ``(fills, seconds, concurrent)`` of fill branches measured (any layers).
         cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
         handoffs: ``[L]`` int, per MoE layer: decode layer steps that handed CPU work to the executor on
-            the device path; ``late``: ``[L]`` int, those whose join found the CPU branch still running
-            (the GPU had to wait for it). Their ratio says which branch finishes last.
+            the device path; ``late``: ``[L]``, those whose join found the CPU branch still running
+            (the GPU had to wait for it). Their ratio says which branch finishes last. (The step-time simulator's
+            graded lateness passes weights instead: 1, 1/2 or 0 a hand-off, see :mod:`edgemoe.bench.steptime`.)
         misses_per_layer_step: mean misses (deduplicated experts) of one MoE layer's decode step over the
             window that found no free slot (the ones a policy decides about), or ``None``.
         cpu_probe: ``(experts, seconds)`` of one call of the CPU executor, one token per expert, timed by
@@ -484,7 +485,7 @@ class LayerObservation:
     fill_samples: list[tuple[int, float, bool]] = field(default_factory=list)
     cpu_samples: list[tuple[int, float, bool]] = field(default_factory=list)
     handoffs: list[int] | None = None
-    late: list[int] | None = None
+    late: list[float] | None = None
     misses_per_layer_step: float | None = None
     cpu_probe: tuple[int, float] | None = None
     free_slot_fills: int | None = None
@@ -962,7 +963,7 @@ class AutoPolicy(ExpertPolicy):
         self._settling = settling and self._settled_steps < self.settle_max_steps
         return changed
 
-    def _judge_balance(self, handoffs: list[int] | None, late: list[int] | None,
+    def _judge_balance(self, handoffs: list[int] | None, late: list[float] | None,
                        cpu_probe: tuple[int, float] | None) -> None:
         """The balance controller's move over the decode steps since its last judgment (see the class docstring):
         ``handoffs`` / ``late`` per layer over those steps (``None``: not counted), ``cpu_probe`` a CPU-speed
