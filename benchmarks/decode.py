@@ -55,7 +55,7 @@ import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait pa
 import torch
 
 from edgemoe.bench.route_table import table_rows
-from edgemoe.config import DOORBELL_WAITS, EngineConfig
+from edgemoe.config import DOORBELL_WAITS, JOIN_LATENESS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
@@ -293,6 +293,8 @@ def main(argv=None) -> int:
                     help="expert prefetch in decode (EngineConfig.prefetch)")
     ap.add_argument("--doorbell-wait", default="auto", choices=list(DOORBELL_WAITS),
                     help="how the device path waits for its CPU experts (EngineConfig.doorbell_wait)")
+    ap.add_argument("--join-lateness", default="yes-no", choices=list(JOIN_LATENESS),
+                    help="how the device path counts a hand-off's join for auto (EngineConfig.join_lateness)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
@@ -349,6 +351,7 @@ def main(argv=None) -> int:
     cfg = EngineConfig(device=a.device, dtype=a.dtype, load_format=a.load_format, expert_cache_slots=0,
                        expert_policy="cpu-all", cpu_threads=threads[0], enforce_eager=a.enforce_eager,
                        expert_eviction=a.eviction, prefetch=a.prefetch, doorbell_wait=a.doorbell_wait,
+                       join_lateness=a.join_lateness,
                        max_model_len=max_len, max_num_seqs=max(batches),
                        kv_cache_tokens=max(max_len, max(batches) * per_seq))
     t0 = time.perf_counter()
@@ -400,6 +403,7 @@ def main(argv=None) -> int:
             "tokens": a.tokens,
             "batch_sizes": batches, "decode_input": a.decode_input, "routing": a.routing,
             "trace": a.trace or None, "trace_steps": trace_steps, "eviction": a.eviction, "prefetch": a.prefetch,
+            "join_lateness": a.join_lateness,
         }
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)

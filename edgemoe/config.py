@@ -383,6 +383,7 @@ EXPERT_EVICTIONS = ("layer-lru", "global-lru")
 EXPERT_PREFETCH = ("off", "next-layer")
 CPU_EXECUTORS = ("auto", "native", "torch")
 DOORBELL_WAITS = ("auto", "kernel", "stream-op")
+JOIN_LATENESS = ("yes-no", "graded")  # how a hand-off's join is counted for the auto policy's balance controller
 LOAD_FORMATS = ("auto", "dummy")
 TOKEN_EMBEDDINGS = ("device", "host")
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
@@ -449,6 +450,11 @@ class EngineConfig:
         "pinned memory, holding an SM while it waits), stream-op (cuStreamWaitValue32 stream memory operations, "
         "waiting in the GPU's front end without an SM; CUDA driver 11.7 or later) or auto (kernel)",
         choices=DOORBELL_WAITS)
+    join_lateness: str = option(
+        "yes-no", "how the device decode step counts a CPU hand-off's join for the auto policy's balance controller "
+        "(CUDA, kernel doorbell wait, native executor): yes-no (whether the GPU found the CPU branch still running) "
+        "or graded (whether either side finished first by more than one expert's time; measured in the step-time "
+        "simulator, not yet the default)", choices=JOIN_LATENESS)
     bandwidth_pcie_gbps: float | None = option(None, "B_P override in GB/s (host->device expert copies)",
                                                type=float)
     bandwidth_cpu_gbps: float | None = option(None, "B_H override in GB/s (CPU expert execution)", type=float)
@@ -488,7 +494,8 @@ class EngineConfig:
     def __post_init__(self):
         for name, choices in (("expert_policy", EXPERT_POLICIES), ("expert_eviction", EXPERT_EVICTIONS),
                               ("prefetch", EXPERT_PREFETCH), ("cpu_executor", CPU_EXECUTORS),
-                              ("doorbell_wait", DOORBELL_WAITS), ("load_format", LOAD_FORMATS),
+                              ("doorbell_wait", DOORBELL_WAITS), ("join_lateness", JOIN_LATENESS),
+                              ("load_format", LOAD_FORMATS),
                               ("token_embedding", TOKEN_EMBEDDINGS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")

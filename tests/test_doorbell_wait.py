@@ -103,6 +103,38 @@ def test_device_decode_refuses_a_wait_mode_it_cannot_run():
     with pytest.raises(ValueError, match="wait_mode 'spin'"):
         DeviceDecode(*args, wait_mode="spin")
     assert DeviceDecode(*args).wait_mode == "kernel"
+    with pytest.raises(ValueError, match="graded lateness needs a CUDA device"):
+        DeviceDecode(*args, lateness="graded")
+    with pytest.raises(ValueError, match="lateness 'signed'"):
+        DeviceDecode(*args, lateness="signed")
+    dd = DeviceDecode(*args)
+    assert dd.lateness == "yes-no" and dd.late_unit == 1 and dd.join_limits is None
+
+
+def test_join_lateness_option_is_a_cuda_option():
+    """``join_lateness``: validated, parsed, and refused on a device that is not a GPU (not ignored)."""
+    from edgemoe.cli import add_config_args
+
+    assert EngineConfig().join_lateness == "yes-no"
+    with pytest.raises(ValueError, match="join_lateness 'signed'"):
+        EngineConfig(join_lateness="signed")
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, EngineConfig, "engine")
+    assert parser.parse_args(["--join-lateness", "graded"]).join_lateness == "graded"
+
+
+def test_auto_policy_prices_one_expert_on_each_side_of_a_join():
+    """``join_limits``: the graded join's two limits are one fill and one CPU expert as the policy's model prices
+    them now (the balance level scales the CPU's); a fixed policy reads no lateness."""
+    from edgemoe.experts.policy import AutoPolicy, Bandwidths, QStarPolicy
+
+    auto = AutoPolicy.from_bandwidths(Bandwidths(50.0, 100.0), 9_437_184, num_layers=2, max_misses=16)
+    fill_s, cpu_s = auto.join_limits()
+    c = auto.effective_costs()
+    assert (fill_s, cpu_s) == (c.fill_conc_s, c.cpu_conc_s) and 100e-6 < fill_s < 300e-6
+    auto.cpu_level = 8  # the CPU priced at twice the model's
+    assert auto.join_limits()[1] == pytest.approx(2 * cpu_s) and auto.join_limits()[0] == fill_s
+    assert QStarPolicy(Bandwidths(50.0, 100.0)).join_limits() is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the ring kernel in the interpreter; tests/gpu covers CUDA")
@@ -137,6 +169,7 @@ def test_release_word_protocol_with_the_ring_kernel():
             doorbell.release_word(bell).zero_()  # the wait's write operation
         doorbell.ring(seq, bell, work=torch.tensor([0], dtype=torch.int32), release=True)
         assert int(bell[0]) == 3 and _release(bell) == 1 and int(seq[0]) == 3  # released by the ring itself
+        assert 0 < int(bell[doorbell.CPU_NS]) < 10**9  # the server's step time (ns), beside done
         doorbell.release_word(bell).zero_()
         doorbell.ring(seq, bell, work=torch.tensor([0], dtype=torch.int32))  # kernel mode: no release store
         assert _release(bell) == 0

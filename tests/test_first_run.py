@@ -84,6 +84,7 @@ def test_missing_profile_is_an_error(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("flags, named", [(["--gpu-headroom-gb", "5"], "gpu_headroom_gb 5.0"),
                                           (["--doorbell-wait", "stream-op"], "doorbell_wait stream-op"),
                                           (["--doorbell-wait", "kernel"], "doorbell_wait kernel"),
+                                          (["--join-lateness", "graded"], "join_lateness graded"),
                                           (["--enforce-eager"], "enforce_eager True")])
 def test_cuda_options_on_a_cpu_device_are_refused(tiny_model_dir, capsys, flags, named):
     """Options of the CUDA decode path were silently ignored on ``--device cpu`` (as ``--gpu-budget`` and

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from edgemoe.bench.replay import Access, ResidentPolicy, Workload, make_policy
+from edgemoe.config import JOIN_LATENESS
 from edgemoe.experts.policy import (
     REUSE_READ_SECONDS,
     AdaptivePolicy,
@@ -68,7 +69,7 @@ __all__ = ["COST_PRESETS", "LATENESS", "MISS_POLICIES", "Contention", "TimeResul
            "simulate_time"]
 
 MISS_POLICIES = ("fill-all", "cpu-all", "static", "qstar", "adaptive", "auto")
-LATENESS = ("yes-no", "graded")  # how a hand-off's join is counted for the balance controller (module docstring)
+LATENESS = JOIN_LATENESS  # how a hand-off's join is counted for the balance controller (module docstring)
 QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 2  # bf16 expert of Qwen3-30B-A3B: 9.44 MB
 
 COST_PRESETS: dict[str, MissCosts] = {
@@ -308,9 +309,9 @@ def simulate_time(wl: Workload, policy: str, slots: int, costs: MissCosts, evict
         if cpu and armed:
             win.handoffs[a.layer] += 1
             gpu_s = g + h * c.hit_s  # the GPU's work between hand-off and join
-            if lateness == "graded":  # thresholds from the policy's model, as the device would be given them
-                e = pol.effective_costs() if device_auto else c
-                win.late[a.layer] += 1.0 if b - gpu_s > e.fill_conc_s else 0.0 if gpu_s - b > e.cpu_conc_s else 0.5
+            if lateness == "graded":  # limits from the policy's model, as the device path is given them
+                up, down = (pol.join_limits() if pol is not None else None) or (c.fill_conc_s, c.cpu_conc_s)
+                win.late[a.layer] += 1.0 if b - gpu_s > up else 0.0 if gpu_s - b > down else 0.5
             else:
                 win.late[a.layer] += b > gpu_s
         step_t += t

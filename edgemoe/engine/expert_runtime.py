@@ -310,7 +310,7 @@ class ExpertRuntime:
         cfg = self.model_config
         wait_mode, self.doorbell_wait = resolve_doorbell_wait(self.config.doorbell_wait, self.device)
         dd = DeviceDecode(self.pool, self.cache, self.policy, self.cpu_executor, cfg.num_experts, cfg.top_k,
-                          self.config.max_num_seqs, wait_mode=wait_mode)
+                          self.config.max_num_seqs, wait_mode=wait_mode, lateness=self.config.join_lateness)
         self.hybrid.device_decode = dd
         graphs = not self.config.enforce_eager and dd.capturable and self.graphs_supported
         self.decode_path = DecodePath.DEVICE_GRAPHS if graphs else DecodePath.DEVICE
@@ -373,12 +373,15 @@ class ExpertRuntime:
         obs = LayerObservation(reuse_net=[a[0] - b[0] for a, b in zip(reuse, reuse0)],
                                fills=[a[1] - b[1] for a, b in zip(reuse, reuse0)],
                                handoffs=None if joins is None else [a[0] - b[0] for a, b in zip(joins, joins0)],
-                               late=None if joins is None else [a[1] - b[1] for a, b in zip(joins, joins0)],
+                               late=None if joins is None else [(a[1] - b[1]) / dd.late_unit
+                                                                for a, b in zip(joins, joins0)],
                                misses_per_layer_step=decided / layer_steps if layer_steps > 0 else None,
                                cpu_probe=self._cpu_probe(self.policy.wants_cpu_probe),
                                free_slot_fills=free, steps=steps - steps0)
         if self.policy.observe_layers(obs) and self.device_decode is not None:
             self.device_decode.push_policy()
+        elif self.device_decode is not None:  # the balance level may have moved without a new table
+            self.device_decode.push_join_limits()
 
     def _cpu_probe(self, experts: int) -> tuple[int, float] | None:
         """Time one call of the CPU executor over ``experts`` pool experts with one zero token each (a CPU-speed

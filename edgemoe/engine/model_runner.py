@@ -66,7 +66,8 @@ class ModelRunner:
     Raises:
         FileNotFoundError / ValueError: missing or unsupported config; ``NoGpuError`` (a ``ValueError``):
             ``gpu_budget``, ``expert_cache_gb``, ``token_embedding="host"`` or another CUDA option
-            (``gpu_headroom_gb``, ``doorbell_wait``, ``enforce_eager``) for a device that is not a GPU;
+            (``gpu_headroom_gb``, ``doorbell_wait``, ``join_lateness``, ``enforce_eager``) for a device that is not
+            a GPU;
             ``RemoteCodeError`` (a ``ValueError``): a tokenizer that is custom code without
             ``config.trust_remote_code``; ``token_embedding="host"`` for a model whose LM head is tied to the
             embedding, or without Triton.
@@ -89,6 +90,7 @@ class ModelRunner:
         if self.device.type != "cuda":  # options of the CUDA decode path: refused, not ignored
             for name, what in (("gpu_headroom_gb", "the free device memory auto mode keeps"),
                                ("doorbell_wait", "how the device decode step waits for its CPU experts"),
+                               ("join_lateness", "how the device decode step counts its CPU hand-offs' joins"),
                                ("enforce_eager", "no CUDA graphs for decode")):
                 if getattr(config, name) != EngineConfig.__dataclass_fields__[name].default:
                     raise NoGpuError(f"{name} {getattr(config, name)} ({what}) is a CUDA option, and the device is "

@@ -52,7 +52,7 @@ from contextlib import contextmanager
 
 import torch
 
-from edgemoe.config import DOORBELL_WAITS
+from edgemoe.config import DOORBELL_WAITS, JOIN_LATENESS
 from edgemoe.experts.cache import ExpertCache
 from edgemoe.experts.compute import kernel_reason, quant_slots, swiglu_oai_args
 from edgemoe.experts.cpu_executor import CpuExecutor
@@ -117,6 +117,9 @@ class DeviceDecode:
         max_tokens: largest decode batch.
         wait_mode: how the device waits for the CPU branch: ``kernel`` or ``stream-op``
             (:func:`resolve_doorbell_wait`; stream-op needs CUDA).
+        lateness: how each join is counted in :attr:`join_stats` (``JOIN_LATENESS``): ``yes-no`` (the GPU found
+            the CPU branch still running) or ``graded`` (CUDA with the kernel wait and the native executor: by how
+            long against :attr:`join_limits`, in halves; :func:`~edgemoe.kernels.cpu_handoff.collect`).
 
     The experts' activation is ``pool.activation`` (SiLU SwiGLU, or gpt-oss's clamped SwiGLU); their biases,
     if any, are the cache slots' bias sections.
@@ -129,7 +132,12 @@ class DeviceDecode:
     Attributes:
         counters: ``[4]`` int64 on the device: decode (hits, misses, fills, cpu) since creation.
         join_stats: ``[L, 2]`` int64 on the device, per MoE layer: hand-offs to the native executor and
-            those whose join found the CPU branch still running, since creation.
+            those whose join found the CPU branch still running, since creation (graded: in halves, see
+            :attr:`late_unit`).
+        join_limits: ``[L, 2]`` int64 nanoseconds on the device (graded lateness): the wait and slack limits,
+            one fill and one CPU expert as the policy prices them (:meth:`ExpertPolicy.join_limits`), refreshed by
+            :meth:`push_policy`.
+        late_unit: counts of :attr:`join_stats`'s second column per late join (1 yes-no, 2 graded).
         cpu_branch: whether the CPU branch exists at all (``False`` when every expert is resident, or when
             every step's misses fit the evictable slots and the policy fills them all).
         armed: whether steps enqueue it now (:meth:`push_policy`); the decode graphs are keyed by it.
@@ -138,7 +146,8 @@ class DeviceDecode:
     """
 
     def __init__(self, pool: HostExpertPool, cache: ExpertCache, policy: ExpertPolicy, cpu_executor: CpuExecutor,
-                 num_experts: int, top_k: int, max_tokens: int, wait_mode: str = "kernel"):
+                 num_experts: int, top_k: int, max_tokens: int, wait_mode: str = "kernel",
+                 lateness: str = "yes-no"):
         from edgemoe.kernels import cuda_driver, doorbell
         from edgemoe.kernels.cpu_handoff import collect, handoff
         from edgemoe.kernels.expert_gemv import expert_gemv, expert_gemv_quant, route_sum_counters
@@ -156,6 +165,14 @@ class DeviceDecode:
         if wait_mode == "stream-op" and (why := cuda_driver.unavailable_reason(cache.device)) is not None:
             raise ValueError(f"wait_mode stream-op: {why}")
         self.wait_mode = wait_mode
+        if lateness not in JOIN_LATENESS:
+            raise ValueError(f"lateness {lateness!r}: choose one of {', '.join(JOIN_LATENESS)}")
+        if lateness == "graded" and (cache.device.type != "cuda" or wait_mode != "kernel"
+                                     or not cpu_executor.registers_steps):
+            raise ValueError("graded lateness needs a CUDA device, the kernel doorbell wait and the native CPU "
+                             "executor (the join times itself on the GPU's clock against the server's step time)")
+        self.lateness = lateness
+        self.late_unit = 2 if lateness == "graded" else 1
         self.pool, self.cache, self.top_k, self.max_tokens = pool, cache, top_k, max_tokens
         if cache.num_experts != num_experts:
             raise ValueError(f"the expert cache counts {cache.num_experts} experts per layer, the model {num_experts} "
@@ -194,6 +211,10 @@ class DeviceDecode:
         self.cuda = dev.type == "cuda"
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # last doorbell request rung
         self.join_stats = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device=dev)  # [L, (hand-offs, late)]
+        graded = lateness == "graded"
+        self.join_limits = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device=dev) if graded else None
+        self.ring_ns = torch.zeros(1, dtype=torch.int64, device=dev) if graded else None  # the last ring's time
+        self.push_join_limits()
         self.bell = None
         self._release_address: int | None = None  # device address of the release word (stream-op)
         self._release_word: torch.Tensor | None = None  # [1] int32 view of it, stored by a hand-off without work
@@ -247,11 +268,19 @@ class DeviceDecode:
             self.fill_table.copy_(self.rule.fill_table())
         else:
             self.policy.copy_(torch.tensor(self.rule.fill_rule(), dtype=torch.float64))
+        self.push_join_limits()
         armed = self.cpu_branch and not (self._disarmable and self.rule.fills_every_miss())
         if armed != self.armed:
             log.info("CPU branch %s: the %s policy's rule %s", "armed" if armed else "disarmed", self.rule.name,
                      "sends misses to the CPU" if armed else "fills every miss")
         self.armed = armed
+
+    def push_join_limits(self) -> None:
+        """Copy the policy's join limits (:meth:`ExpertPolicy.join_limits`, seconds) into :attr:`join_limits` (ns),
+        where joins are graded; between steps (the balance controller's level moves them with or without a new
+        table)."""
+        if self.join_limits is not None and (limits := self.rule.join_limits()) is not None:
+            self.join_limits.copy_(torch.tensor([round(t * 1e9) for t in limits], dtype=torch.int64))
 
     @property
     def can_disarm(self) -> bool:
@@ -334,7 +363,7 @@ class DeviceDecode:
         cpu_out = self.cpu_out[:T]
         if self.armed and self.step is not None:  # hand-off first: the fills below hold every SM
             self._handoff(x, self.step.x, o.cpu_pack, self.step.pack, o.meta[3:], self.seq, self.bell,
-                          release=self._release_word)
+                          release=self._release_word, ring_ns=self.ring_ns)
         elif self.armed:
             self._cpu_branch_sync(x, cpu_out)
         if self.fills:
@@ -357,7 +386,7 @@ class DeviceDecode:
             kernel_wait = self._release_address is None
             return self._collect(y, self.step.out, o.meta[3:], self.seq, self.bell, x.dtype,
                                  stats=self.join_stats if kernel_wait else None, layer=moe_layer,
-                                 count_give_up=kernel_wait)
+                                 count_give_up=kernel_wait, ring_ns=self.ring_ns, limits=self.join_limits)
         if self.armed:
             return (y + cpu_out).to(x.dtype)
         return y

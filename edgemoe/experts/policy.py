@@ -126,6 +126,13 @@ class ExpertPolicy:
         """q/m for a large m (reported as q*/m)."""
         return self.num_fills(1000) / 1000
 
+    def join_limits(self) -> tuple[float, float] | None:
+        """Seconds of one expert on each side of a hand-off's join, as the policy's model prices them now: ``(a
+        fill, a CPU expert)``, while both branches run. A join counted by how late it is (graded lateness,
+        :func:`edgemoe.kernels.cpu_handoff.collect`) counts a wait longer than the first, or a CPU branch done
+        earlier than the GPU by more than the second; ``None``: the policy does not read lateness."""
+        return None
+
     def fill_table(self) -> torch.Tensor:
         """``[L, M + 1]`` int32 ``q_l(m)`` of a ``per_layer`` policy (the device encoding).
 
@@ -789,6 +796,10 @@ class AutoPolicy(ExpertPolicy):
         (by ``2^(level/8)`` for another ``level`` of the balance controller)."""
         c, k = self.costs, self.cpu_scale if level is None else 2.0 ** (level / 8)
         return replace(c, cpu_s=c.cpu_s * k, cpu_conc_s=c.cpu_conc_s * k, cpu_fixed_s=c.cpu_fixed_s * k)
+
+    def join_limits(self) -> tuple[float, float]:
+        c = self.effective_costs()
+        return c.fill_conc_s, c.cpu_conc_s
 
     def t_save(self, c: MissCosts) -> float:
         """Seconds one fewer miss saves a layer step (see the class docstring)."""
