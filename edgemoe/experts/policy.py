@@ -547,7 +547,9 @@ class AutoPolicy(ExpertPolicy):
     which stays within 10 % of the balance value above for many misses.
 
     Balance on the device path, where branch times are not measured per step: the join of each hand-off
-    records whether the CPU branch was still running when the GPU reached it (``late``). Over each
+    records whether the CPU branch was still running when the GPU reached it (``late``; with graded lateness, a
+    CUDA option, 1, 1/2 or 0 by whether either side finished first by more than one expert's time,
+    :meth:`join_limits`). Over each
     window with at least :attr:`balance_min_handoffs` hand-offs, a late fraction above
     :attr:`balance_band`'s upper edge raises the CPU side's cost (levels of ``2^(1/8)``, both its
     fixed and per-expert time), below the lower edge lowers it. A move in the same direction as the
