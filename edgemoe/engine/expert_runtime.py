@@ -452,6 +452,8 @@ class ExpertRuntime:
         dd = self.device_decode
         if dd is not None and dd.step is not None:
             path += f"; CPU branch through the doorbell, wait {self.doorbell_wait}"
+            if dd.lateness != "yes-no":
+                path += f", joins counted {dd.lateness}"
         return [
             f"  experts      {cfg.num_moe_layers} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
             f"{self.pool.format.value} rows of {self.pool.row_bytes / 1e6:.2f} MB; "

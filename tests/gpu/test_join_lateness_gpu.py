@@ -77,6 +77,7 @@ def test_device_decode_gives_the_same_tokens_with_either_count(small):
         dd = runner.experts.device_decode
         assert dd.lateness == lateness and dd.late_unit == (2 if lateness == "graded" else 1)
         assert runner.experts.decode_path == "device + CUDA graphs"
+        assert ("joins counted graded" in runner.summary()) == (lateness == "graded")
         toks = [int(runner.execute([StepInput(0, prompt, 0)], Phase.PREFILL)[0].argmax())]
         for s in range(12):
             logits = runner.execute([StepInput(0, [toks[-1]], len(prompt) + s)], Phase.DECODE)
