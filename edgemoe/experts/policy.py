@@ -476,8 +476,9 @@ class LayerObservation:
         cpu_samples: ``(experts, seconds, concurrent)`` of CPU branches measured.
         handoffs: ``[L]`` int, per MoE layer: decode layer steps that handed CPU work to the executor on
             the device path; ``late``: ``[L]``, those whose join found the CPU branch still running
-            (the GPU had to wait for it). Their ratio says which branch finishes last. (The step-time simulator's
-            graded lateness passes weights instead: 1, 1/2 or 0 a hand-off, see :mod:`edgemoe.bench.steptime`.)
+            (the GPU had to wait for it). Their ratio says which branch finishes last. With graded lateness (the
+            CUDA option ``join_lateness``, and the step-time simulator's) ``late`` sums weights instead: 1, 1/2 or 0
+            a hand-off (:func:`edgemoe.kernels.cpu_handoff.collect`, :meth:`AutoPolicy.join_limits`).
         misses_per_layer_step: mean misses (deduplicated experts) of one MoE layer's decode step over the
             window that found no free slot (the ones a policy decides about), or ``None``.
         cpu_probe: ``(experts, seconds)`` of one call of the CPU executor, one token per expert, timed by
