@@ -331,6 +331,8 @@ def test_cpu_handoff_and_collect_store_ring_wait_and_add_only_with_cpu_work():
         handoff(x, x_host, pack, pack_host, work, seq, bell, ring_ns=ring_ns)
     with pytest.raises(ValueError, match="ring_ns"):
         collect(y, cpu_out, work, seq, bell, torch.float32, stats=stats, ring_ns=ring_ns, limits=stats.clone())
+    with pytest.raises(ValueError, match="needs ring_ns"):
+        collect(y, cpu_out, work, seq, bell, torch.float32, stats=stats, limits=stats.clone())
 
 
 def test_cpu_branch_disarms_while_auto_fills_every_miss():

@@ -95,6 +95,10 @@ class ModelRunner:
                 if getattr(config, name) != EngineConfig.__dataclass_fields__[name].default:
                     raise NoGpuError(f"{name} {getattr(config, name)} ({what}) is a CUDA option, and the device is "
                                      f"{self.device}")
+        if config.join_lateness == "graded" and (config.doorbell_wait == "stream-op" or config.cpu_executor == "torch"):
+            raise ValueError("join_lateness graded times each join in the kernel doorbell wait against the native "
+                             f"executor's step time: not with doorbell_wait {config.doorbell_wait} and cpu_executor "
+                             f"{config.cpu_executor}")
         cfg = self.model_config = load_config(self.model_dir)
         check_remote_code(self.model_dir, config.trust_remote_code)  # before the weights: fail fast
         self.generation_config: dict = self._read_generation_config()  # raw, as saved; also fails fast

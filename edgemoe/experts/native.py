@@ -1387,7 +1387,9 @@ class RegisteredStep:
         Returns the doorbell: ``[24]`` int64 CPU tensor (pinned when ``pin_memory``): word 0 is the
         request counter a producer advances after writing the step's buffers, word 1 the count of
         requests given up, word 8 (its own cache line) the last request served, stored after ``out``
-        is complete, and word 16 (its own cache line) the release word (below). The thread is the
+        is complete, word 9 that step's time in nanoseconds since the server's last poll that found no request
+        (stored just before word 8; a device join's graded lateness reads it), and word 16 (its own cache line)
+        the release word (below). The thread is the
         pool's worker 0 and pins itself to the executor's first planned core (:attr:`ThreadPlan.cpus`).
         It spins for ``active_spin_us`` after each step (consecutive MoE layers arrive within
         microseconds), yielding its core to any other runnable thread and stopping early when it

@@ -801,6 +801,8 @@ class AutoPolicy(ExpertPolicy):
         return replace(c, cpu_s=c.cpu_s * k, cpu_conc_s=c.cpu_conc_s * k, cpu_fixed_s=c.cpu_fixed_s * k)
 
     def join_limits(self) -> tuple[float, float]:
+        """``(fill_conc_s, cpu_conc_s)`` of :meth:`effective_costs`: the CPU's at the balance controller's current
+        level. One pair for every layer (the cost model is not per layer)."""
         c = self.effective_costs()
         return c.fill_conc_s, c.cpu_conc_s
 

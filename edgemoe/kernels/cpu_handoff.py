@@ -190,7 +190,8 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
             :func:`handoff` stored its ring's time into, ``limits`` ``[L, 2]`` int64 nanoseconds per MoE layer
             (a wait limit, a slack limit). ``stats[layer, 1]`` then counts in halves: 2 when the GPU waited
             longer than the wait limit, 0 when the CPU branch was done before the GPU got here by more than the
-            slack limit (the GPU's time since the ring minus the server's step time in ``bell[9]``), 1 otherwise.
+            slack limit (the GPU's time since the ring minus the server's step time in ``bell[9]``, counted from its
+            last poll that found no request: an upper bound, so a join errs toward "not early"), 1 otherwise.
             The two limits are one expert's time on each side: a move of one expert to the other side shortens
             the layer step only past them. Durations only: the CPU's and the GPU's clocks are never compared.
 
@@ -202,6 +203,8 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
     """
     check_words(seq, bell, work)
     if limits is not None:
+        if ring_ns is None:
+            raise ValueError("graded lateness (limits) needs ring_ns, the word the hand-off stored its ring's time in")
         _check_ring_ns(ring_ns, y.device)
         if stats is None or limits.dtype != torch.int64 or limits.shape != stats.shape or limits.device != y.device:
             raise ValueError("graded lateness needs stats, and limits as [L, 2] int64 on the step's device")

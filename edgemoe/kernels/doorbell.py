@@ -22,7 +22,8 @@ while the CPU computes.
 
 Words: ``seq [1]`` int64 on the device, the last request rung; the doorbell ``bell [24]`` int64 in
 pinned host memory: ``bell[0]`` request, ``bell[1]`` the number of waits given up, ``bell[8]`` done,
-``bell[9]`` the last served step's own time in nanoseconds (stored just before done), ``bell[16]`` (low 32 bits)
+``bell[9]`` the last served step's time in nanoseconds since the server's last poll that found no request
+(stored just before done), ``bell[16]`` (low 32 bits)
 the release word; 0, 8 and 16 on cache lines of their own.
 
 Give-up: a ``kernel`` wait gives up after ``max_polls`` polls (a deadlock guard), and at once when an
@@ -51,7 +52,7 @@ MAX_POLLS = 1 << 24  # ~20-30 s of PCIe reads: far beyond any CPU step; only a d
 RELEASE_TIMEOUT_S = 20.0  # the stream-op mode's equivalent of MAX_POLLS (the server's watchdog)
 WAIT_MODES = ("kernel", "stream-op")
 REQUEST, GAVE_UP, DONE, RELEASE = 0, 1, 8, 16  # int64 words of the doorbell
-CPU_NS = 9  # the server's last step time (ns), beside done
+CPU_NS = 9  # the server's last step time (ns, from its last empty poll), beside done
 GAVE_UP_AT = 2  # the request a multi-program join last gave up on (its programs count the give-up once)
 BELL_WORDS = 24
 

@@ -931,21 +931,24 @@ void StepServer::loop() {
   auto t_last = Clock::now();
   SpinWait active(active_spin_us_);
   bool counted = false;  // this idle period's preemption is counted
+  auto t_empty = Clock::now();  // the last poll that found no new request
   while (!stop_.load(std::memory_order_acquire)) {
+    const auto t_poll = Clock::now();
     const int64_t req = __atomic_load_n(request_, __ATOMIC_ACQUIRE);  // written by the device over PCIe
     if (req != last) {
       if (release_) {
         std::lock_guard<std::mutex> lock(mu_);
         if (dead_) return;  // given up by the watchdog, which answers from now on
       }
-      const auto t_work = Clock::now();
       edgemoe_run_step(step_);
       if (step_->status != kOk) failed_.fetch_add(1, std::memory_order_relaxed);
-      // the step's own time, in the word after done (stored before done): with the device's time from its ring
-      // to its join, the join knows how long before it the CPU branch finished (the join's lateness, graded)
+      // the step's time since the last poll that found no request (at most the time since the ring: the
+      // request came after that poll), in the word after done (stored before done): with the device's time from
+      // its ring to its join, the join bounds how long before it the CPU branch finished (graded lateness); a
+      // server that was sleeping between polls overstates it, so a join errs toward "not early"
       __atomic_store_n(done_ + 1,
-                       static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t_work)
-                                                .count()),
+                       static_cast<int64_t>(
+                           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t_empty).count()),
                        __ATOMIC_RELAXED);
       last = req;
       if (release_) {
@@ -959,11 +962,12 @@ void StepServer::loop() {
         served_.fetch_add(1, std::memory_order_release);  // before done: a waiter that sees done sees it
         __atomic_store_n(done_, req, __ATOMIC_RELEASE);
       }
-      t_last = Clock::now();
+      t_last = t_empty = Clock::now();  // the next request is rung after the device saw this one's done
       active = SpinWait(active_spin_us_);
       counted = false;
       continue;
     }
+    t_empty = t_poll;
     if (active.poll()) continue;  // spinning, politely (see SpinWait)
     if (active.preempted() && !counted) {
       preempted_.fetch_add(1, std::memory_order_relaxed);

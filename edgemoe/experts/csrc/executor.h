@@ -333,8 +333,9 @@ namespace edgemoe {
 //           into *request (a kernel writing mapped pinned memory), then polls *done until >= n;
 //   server: a dedicated thread polls *request; when it differs from the last value served it runs
 //           edgemoe_run_step(step) (the pool's worker 0 is this thread) and stores that value
-//           into *done (release: out[] is complete before done moves), the step's own time in ns into
-//           *(done + 1) just before (the join's graded lateness, edgemoe/kernels/cpu_handoff.py).
+//           into *done (release: out[] is complete before done moves), and just before, into *(done + 1),
+//           the ns since its last poll that found no request (the join's graded lateness,
+//           edgemoe/kernels/cpu_handoff.py).
 // The thread pins itself to `cpu` (the executor's caller_cpu(); -1: not pinned). It spins for
 // `active_spin_us` after each served step (yielding its core to any other runnable thread, and
 // stopping early when it finds itself preempted: SpinWait), then polls every 50 us, and every 1 ms
