@@ -977,3 +977,51 @@ def test_an_arbitration_that_repeats_its_answer_holds_twice_as_long():
     window(late)  # back to 1, seen in the slow window: a cycle whose arbitration keeps 0 (the faster window there)
     assert auto.cpu_level == 0
     assert held_windows(early) == base  # the hold after the break starts short again
+
+
+def test_runtime_halves_a_graded_join_count_and_pushes_the_limits_between_tables(tiny_model_dir):
+    """The runtime's read of the device path's join counts: a graded count (``late_unit`` 2, halves) reaches the
+    policy as hand-offs and weights (halved), and the join limits are pushed after every read, with the table when it
+    changed and alone when it did not (the balance level moves the CPU's price without a new table). The device path
+    here is a recording stand-in on the CPU (the graded join runs only on CUDA: tests/gpu/test_join_lateness_gpu.py)."""
+    from edgemoe import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), device="cpu", expert_policy="auto", expert_cache_slots=30,
+              bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, max_num_seqs=1, progress=False)
+    rt = llm.runner.experts
+    llm.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    layers = rt.cache.num_layers
+
+    class Recording:
+        counts_joins, late_unit, prefetch_counters = True, 2, None
+
+        def counter_dict(self):
+            return {"hits": 0, "misses": 0, "fills": 0, "cpu": 0}
+
+        def __init__(self):
+            self.join_stats = torch.zeros(layers, 2, dtype=torch.int64)
+            self.pushed: list[str] = []
+
+        def push_policy(self):
+            self.pushed.append("table")
+
+        def push_join_limits(self):
+            self.pushed.append("limits")
+
+        def close(self):
+            pass
+
+    dd, seen = Recording(), []
+    observe, changed = rt.policy.observe_layers, iter([True, False])
+    rt.policy.observe_layers = lambda obs: (seen.append(obs), observe(obs), next(changed))[2]
+    rt.hybrid.device_decode = dd
+    try:
+        rt._observe_reuse()
+        dd.join_stats[:, 0] += 10
+        dd.join_stats[:, 1] += torch.arange(layers) * 3  # halves: 0, 3, 6, ... of 10 hand-offs
+        rt._observe_reuse()
+    finally:
+        rt.hybrid.device_decode = None
+    assert seen[1].handoffs == [10] * layers
+    assert seen[1].late == [1.5 * layer for layer in range(layers)]
+    assert dd.pushed == ["table", "limits"]
