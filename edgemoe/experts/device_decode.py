@@ -135,8 +135,9 @@ class DeviceDecode:
             those whose join found the CPU branch still running, since creation (graded: in halves, see
             :attr:`late_unit`).
         join_limits: ``[L, 2]`` int64 nanoseconds on the device (graded lateness): the wait and slack limits,
-            one fill and one CPU expert as the policy prices them (:meth:`ExpertPolicy.join_limits`), refreshed by
-            :meth:`push_policy`.
+            one fill and one CPU expert as the policy prices them (:meth:`ExpertPolicy.join_limits`), one pair for
+            every layer, refreshed by :meth:`push_join_limits` (between steps; :meth:`push_policy` calls it); ``None``
+            when joins are counted yes/no.
         late_unit: counts of :attr:`join_stats`'s second column per late join (1 yes-no, 2 graded).
         cpu_branch: whether the CPU branch exists at all (``False`` when every expert is resident, or when
             every step's misses fit the evictable slots and the policy fills them all).
