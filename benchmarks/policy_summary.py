@@ -1,6 +1,7 @@
 """One table from the decode benchmark runs of the expert-policy study (``scripts/gpu_check.sh policy``):
 for every (regime, CPU threads, budget) each policy's tokens/s, the best fixed policy (``fill-all``,
-``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it. ``fill-all`` runs the CPU
+``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it (and each variant's, e.g. ``auto/graded``:
+``auto`` run again with another join count, ``decode.py --join-lateness yes-no,graded``). ``fill-all`` runs the CPU
 executor for nothing, so the benchmark runs it at the first thread count only; its row serves every
 thread count of that budget. Runs repeated with ``decode.py --repeats N`` (the policies alternating within a
 budget) count by their median, and each row gives the spread of the repeats: the largest ``(max - min) / median``
@@ -75,20 +76,24 @@ def summarize(root: Path) -> tuple[list[dict], str]:
                 theirs = _row(home, threads, gb)
                 fixed = {p: theirs[p] for p in FIXED if p in theirs}
             best = max(fixed, key=fixed.get) if fixed else None
+            ratios = {p: v / fixed[best] for p, v in tps.items() if best and p.split("/")[0] == "auto"}
             rows.append({"regime": regime, "threads": threads, "budget_gb": gb,
                          "tokens_per_s": tps, "best_fixed": best, "spread": spread,
                          "repeats": max(len(v) for v in samples[threads, gb].values()),
-                         "auto_ratio": tps["auto"] / fixed[best] if best and "auto" in tps else None})
-    policies = [p for p in ORDER if any(p in r["tokens_per_s"] for r in rows)]
-    lines = ["| regime | threads | budget (GB) | " + " | ".join(policies)
-             + " | best fixed | auto / best fixed | repeats | spread |",
-             "|---|---|---|" + "---|" * len(policies) + "---|---|---|---|"]
+                         "auto_ratio": ratios.get("auto"), "ratios": ratios})
+    names = {p for r in rows for p in r["tokens_per_s"]}
+    policies = [v for p in ORDER for v in sorted(names) if v.split("/")[0] == p]  # a variant after its policy
+    autos = [p for p in policies if p.split("/")[0] == "auto"]
+    lines = ["| regime | threads | budget (GB) | " + " | ".join(policies) + " | best fixed | "
+             + "".join(f"{p} / best fixed | " for p in autos) + "repeats | spread |",
+             "|---|---|---|" + "---|" * (len(policies) + len(autos)) + "---|---|---|"]
     for r in rows:
         cells = [f"{r['tokens_per_s'][p]:.1f}" if p in r["tokens_per_s"] else "-" for p in policies]
-        ratio = "-" if r["auto_ratio"] is None else f"{r['auto_ratio']:.3f}"
+        ratios = [f"{r['ratios'][p]:.3f}" if p in r["ratios"] else "-" for p in autos]
         spread = "-" if r["spread"] is None else f"{r['spread']:.3f}"
         lines.append(f"| {r['regime']} | {r['threads']} | {r['budget_gb']:g} | " + " | ".join(cells)
-                     + f" | {r['best_fixed'] or '-'} | {ratio} | {r['repeats']} | {spread} |")
+                     + f" | {r['best_fixed'] or '-'} | " + "".join(f"{x} | " for x in ratios)
+                     + f"{r['repeats']} | {spread} |")
     return rows, "\n".join(lines)
 
 

@@ -123,6 +123,27 @@ def test_join_lateness_option_is_a_cuda_option():
     assert parser.parse_args(["--join-lateness", "graded"]).join_lateness == "graded"
 
 
+def test_switching_the_join_count_between_steps_is_checked_like_the_option(tmp_path):
+    """``ModelRunner.set_join_lateness`` (benchmarks compare the counts in one process): an unknown count and,
+    off a GPU, the graded one are refused, and the runner keeps its count; the same count rebuilds the cache."""
+    from edgemoe.engine.expert_runtime import NoGpuError
+    from edgemoe.engine.model_runner import ModelRunner
+    from edgemoe.synth import write_config_only
+
+    model = write_config_only(tmp_path / "tiny", "qwen3_moe", "tiny")
+    runner = ModelRunner(model, EngineConfig(device="cpu", load_format="dummy", expert_cache_slots=4,
+                                             expert_policy="qstar"), progress=False)
+    with pytest.raises(ValueError, match="join_lateness 'signed'"):
+        runner.set_join_lateness("signed")
+    with pytest.raises(NoGpuError, match="join_lateness graded is a CUDA option"):
+        runner.set_join_lateness("graded")
+    assert runner.engine_config.join_lateness == runner.experts.config.join_lateness == "yes-no"
+    cache = runner.experts.cache
+    runner.set_join_lateness("yes-no")
+    assert runner.experts.cache is not cache and runner.experts.cache.num_slots == 4
+    assert runner.experts.policy.name == "qstar"
+
+
 def test_auto_policy_prices_one_expert_on_each_side_of_a_join():
     """``join_limits``: the graded join's two limits are one fill and one CPU expert as the policy's model prices
     them now (the balance level scales the CPU's); a fixed policy reads no lateness."""

@@ -70,6 +70,18 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
     assert row["repeats"] == 3 and row["spread"] == pytest.approx(0.3)
     assert "| no-locality | 6 | 2 | 100.0 | 98.0 | 50.0 | qstar | 0.980 | 3 | 0.300 |" in (
         tmp_path / "policy" / "summary.md").read_text()
+    # a variant of auto (decode.py --join-lateness yes-no,graded): its own column and ratio, after auto's
+    results += [{"policy": "auto/graded", "threads": 6, "budget_gb": 2, "tokens_per_s": 101.0}]
+    (run / "decode.json").write_text(json.dumps({"meta": {}, "results": results}))
+    assert summary.main([str(tmp_path / "policy")]) == 0
+    row, = json.loads((tmp_path / "policy" / "summary.json").read_text())
+    assert row["ratios"] == pytest.approx({"auto": 0.98, "auto/graded": 1.01})
+    table = (tmp_path / "policy" / "summary.md").read_text()
+    assert "| auto/graded | fill-all | best fixed | auto / best fixed | auto/graded / best fixed |" in table
+    assert "| no-locality | 6 | 2 | 100.0 | 98.0 | 101.0 | 50.0 | qstar | 0.980 | 1.010 | 3 | 0.300 |" in table
+    with pytest.raises(SystemExit):  # a count the engine does not have
+        load_benchmark("decode").main(["--preset", "tiny", "--device", "cpu", "--join-lateness", "yes-no,signed",
+                                       "--out", str(tmp_path / "bad")])
 
 
 @pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")

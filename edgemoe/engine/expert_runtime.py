@@ -151,6 +151,13 @@ class ExpertRuntime:
         self.cpu_executor = self._make_cpu_executor(**({"oversubscribe": True} if oversubscribe else {}))
         self.set_cache(self.cache.num_slots, self.policy.name)
 
+    def set_join_lateness(self, lateness: str) -> None:
+        """Count the device decode path's joins ``lateness`` (``EngineConfig.join_lateness``; checked by the
+        caller) and rebuild the cache (cold, same size and policy), at a safe point between steps. The caller
+        rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs."""
+        self.config = replace(self.config, join_lateness=lateness)
+        self.set_cache(self.cache.num_slots, self.policy.name)
+
     # ------------------------------------------------------------------ sizing
     def explicit_slots(self) -> int | None:
         """Cache slots the options ask for (``expert_cache_slots``, else ``expert_cache_gb``), at most

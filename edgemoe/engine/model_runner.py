@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,6 +53,19 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "KVCacheFullError", "ModelRunner", "StepInput"]
 
 DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def _check_join_lateness(config: EngineConfig) -> None:
+    """Refuse a graded join count (``join_lateness="graded"``) without what it times the joins with.
+
+    Raises:
+        ValueError: graded with the ``stream-op`` doorbell wait (no join kernel to time) or the torch CPU
+            executor (no doorbell server to write the CPU branch's step time).
+    """
+    if config.join_lateness == "graded" and (config.doorbell_wait == "stream-op" or config.cpu_executor == "torch"):
+        raise ValueError("join_lateness graded times each join in the kernel doorbell wait against the native "
+                         f"executor's step time: not with doorbell_wait {config.doorbell_wait} and cpu_executor "
+                         f"{config.cpu_executor}")
 
 
 class ModelRunner:
@@ -95,10 +109,7 @@ class ModelRunner:
                 if getattr(config, name) != EngineConfig.__dataclass_fields__[name].default:
                     raise NoGpuError(f"{name} {getattr(config, name)} ({what}) is a CUDA option, and the device is "
                                      f"{self.device}")
-        if config.join_lateness == "graded" and (config.doorbell_wait == "stream-op" or config.cpu_executor == "torch"):
-            raise ValueError("join_lateness graded times each join in the kernel doorbell wait against the native "
-                             f"executor's step time: not with doorbell_wait {config.doorbell_wait} and cpu_executor "
-                             f"{config.cpu_executor}")
+        _check_join_lateness(config)
         cfg = self.model_config = load_config(self.model_dir)
         check_remote_code(self.model_dir, config.trust_remote_code)  # before the weights: fail fast
         self.generation_config: dict = self._read_generation_config()  # raw, as saved; also fails fast
@@ -301,6 +312,24 @@ class ModelRunner:
         """
         try:
             self.experts.set_cache(slots, policy)
+        finally:
+            self._bind()
+
+    def set_join_lateness(self, lateness: str) -> None:
+        """Count the device decode path's joins ``lateness`` (``EngineConfig.join_lateness``) from now on, at a safe
+        point between steps (benchmarks compare the counts in one process this way): the expert cache is rebuilt
+        cold (same size and policy); decode graphs are captured again.
+
+        Raises:
+            ValueError: an unknown count, or ``graded`` where the start-up check refuses it (nothing changes then).
+        """
+        config = replace(self.engine_config, join_lateness=lateness)  # checks the choice
+        _check_join_lateness(config)
+        if lateness != "yes-no" and self.device.type != "cuda":
+            raise NoGpuError(f"join_lateness {lateness} is a CUDA option, and the device is {self.device}")
+        self.engine_config = config
+        try:
+            self.experts.set_join_lateness(lateness)
         finally:
             self._bind()
 

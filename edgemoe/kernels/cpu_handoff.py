@@ -101,17 +101,8 @@ def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max
         while (done < target) & (polls < max_polls):
             done = tl.load(bell_ptr + DONE, volatile=True)
             polls += 1
-        if STATS:
-            if pid == 0:  # one hand-off, and its lateness
-                tl.atomic_add(stats_ptr + layer * 2, 1)
-                if GRADED:  # in halves: 2 waited longer than the limit, 0 the CPU was done earlier by more than it
-                    waited = _clock_ns() - arrived
-                    slack = arrived - tl.load(ring_ns_ptr) - tl.load(bell_ptr + CPU_NS, volatile=True)
-                    w = tl.where(late, tl.where(waited > tl.load(limits_ptr + layer * 2), 2, 1),
-                                 tl.where(slack > tl.load(limits_ptr + layer * 2 + 1), 0, 1))
-                    tl.atomic_add(stats_ptr + layer * 2 + 1, w.to(tl.int64))
-                else:
-                    tl.atomic_add(stats_ptr + layer * 2 + 1, late.to(tl.int64))
+        if GRADED:
+            waited = _clock_ns() - arrived
         if COUNT_GIVE_UP:
             if done < target:  # any program that gives up counts it, once per request (GAVE_UP_AT)
                 if tl.load(bell_ptr + GAVE_UP_AT, volatile=True) != target:
@@ -119,6 +110,19 @@ def _collect_kernel(y_ptr, out_ptr, cpu_ptr, n, work_ptr, seq_ptr, bell_ptr, max
                     tl.store(bell_ptr + GAVE_UP_AT, target, cache_modifier=".wt")
         if FENCE:
             work = _fence_sys(work)
+        if STATS:
+            if pid == 0:  # one hand-off, and its lateness
+                tl.atomic_add(stats_ptr + layer * 2, 1)
+                if GRADED:  # in halves: 2 waited longer than the limit (or never saw the CPU finish), 0 the CPU
+                    # was done earlier by more than its limit; after the fence, so bell[CPU_NS] is this request's
+                    if late:
+                        w = tl.where((waited > tl.load(limits_ptr + layer * 2)) | (done < target), 2, 1)
+                    else:
+                        slack = arrived - tl.load(ring_ns_ptr) - tl.load(bell_ptr + CPU_NS, volatile=True)
+                        w = tl.where(slack > tl.load(limits_ptr + layer * 2 + 1), 0, 1)
+                    tl.atomic_add(stats_ptr + layer * 2 + 1, w.to(tl.int64))
+                else:
+                    tl.atomic_add(stats_ptr + layer * 2 + 1, late.to(tl.int64))
         y += tl.load(cpu_ptr + offs, mask=m, volatile=True)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -186,14 +190,16 @@ def collect(y: torch.Tensor, cpu_out: torch.Tensor, work: torch.Tensor, seq: tor
         layer: the MoE layer's row of ``stats``.
         count_give_up: count a wait that gave up in ``bell[1]`` (``False`` after a ``stream-op`` wait: the
             server's watchdog counted it when it released the wait).
-        ring_ns, limits: graded lateness (CUDA, with ``stats``): ``ring_ns`` the ``[1]`` int64 word
-            :func:`handoff` stored its ring's time into, ``limits`` ``[L, 2]`` int64 nanoseconds per MoE layer
-            (a wait limit, a slack limit). ``stats[layer, 1]`` then counts in halves: 2 when the GPU waited
-            longer than the wait limit, 0 when the CPU branch was done before the GPU got here by more than the
-            slack limit (the GPU's time since the ring minus the server's step time in ``bell[9]``, counted from its
-            last poll that found no request: an upper bound, so a join errs toward "not early"), 1 otherwise.
-            The two limits are one expert's time on each side: a move of one expert to the other side shortens
-            the layer step only past them. Durations only: the CPU's and the GPU's clocks are never compared.
+        ring_ns, limits: graded lateness (CUDA, with ``stats``): ``ring_ns`` the ``[1]`` int64 word :func:`handoff`
+            stored its ring's time into, ``limits`` ``[L, 2]`` int64 nanoseconds per MoE layer (a wait limit, a slack
+            limit). ``stats[layer, 1]`` then counts in halves: 2 when the GPU waited longer than the wait limit or never
+            saw the CPU branch finish (a give-up, now or earlier), 0 when the CPU branch was done before the GPU got
+            here by more than the slack limit (the GPU's time since the ring minus the server's step time in
+            ``bell[9]``, counted from its last poll that found no request: an upper bound, so a join errs toward "not
+            early"), 1 otherwise. The two limits are one expert's time on each side: a move of one expert to the other
+            side shortens the layer step only past them. Durations only: the CPU's and the GPU's clocks are never
+            compared. The join reads ``bell[9]`` after its system fence (it is written before the done word), and only
+            when the CPU branch was done at the join's first look.
 
     Returns:
         ``[T, H]`` in ``dtype``: ``y + cpu_out[:T]`` when ``work[0] > 0``, else ``y``.

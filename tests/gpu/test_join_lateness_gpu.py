@@ -1,5 +1,5 @@
-"""CUDA-only checks of the graded join lateness: the hand-off stores its ring's time on the GPU's clock, the join
-counts in halves against two limits (2 when it waited longer than the wait limit, 0 when the CPU branch was done
+"""CUDA-only checks of the graded join lateness: the hand-off stores its ring's time on the GPU's clock, the join counts
+in halves against two limits (2 when it waited longer than the wait limit or gave up, 0 when the CPU branch was done
 earlier than the GPU by more than the slack limit, 1 otherwise), with the server's step time beside its done word;
 and the device decode path of a small model gives the same tokens under ``auto`` with either count."""
 
@@ -19,11 +19,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 BIG = 1 << 62  # a limit no wait or slack reaches
 
 
-def _join(limits: list[int], done: bool, cpu_ns: int = 0) -> tuple[int, int]:
-    """One hand-off and its join by hand (no server): ``done`` answered before the join or never (the join
-    gives up after a few polls); returns the layer's ``(hand-offs, late halves)``."""
+def _join(limits: list[int], done: bool, cpu_ns: int = 0, answer_after_s: float | None = None) -> tuple[int, int]:
+    """One hand-off and its join by hand (no server): ``done`` answered before the join, or by a host thread
+    ``answer_after_s`` seconds after the join was launched (the join waits for it), or never (the join gives up
+    after its polls); returns the layer's ``(hand-offs, late halves)``."""
+    import threading
+    import time
+
     from edgemoe.kernels.cpu_handoff import collect, handoff
-    from edgemoe.kernels.doorbell import BELL_WORDS, CPU_NS, DONE
+    from edgemoe.kernels.doorbell import BELL_WORDS, CPU_NS, DONE, MAX_POLLS
 
     dev = torch.device("cuda")
     T, H = 1, 64
@@ -43,9 +47,18 @@ def _join(limits: list[int], done: bool, cpu_ns: int = 0) -> tuple[int, int]:
     if done:
         bell[CPU_NS], bell[DONE] = cpu_ns, 1
     torch.cuda._sleep(1_000_000)  # the GPU's time between ring and join: about a millisecond
-    collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=2000, stats=stats, layer=0, ring_ns=ring_ns,
-            limits=lim)
+    answer = None
+    if answer_after_s is not None:
+        def late_answer():
+            time.sleep(answer_after_s)
+            bell[DONE] = 1
+        answer = threading.Thread(target=late_answer)
+        answer.start()
+    collect(y, cpu_out, work, seq, bell, torch.float32, max_polls=2000 if answer is None else MAX_POLLS, stats=stats,
+            layer=0, ring_ns=ring_ns, limits=lim)
     torch.cuda.synchronize()
+    if answer is not None:
+        answer.join()
     return tuple(stats[0].tolist())
 
 
@@ -53,8 +66,9 @@ def test_a_join_counts_in_halves_against_its_two_limits():
     assert _join([BIG, 0], done=True) == (1, 0)  # the CPU was done long before: early by more than the limit
     assert _join([BIG, BIG], done=True) == (1, 1)  # ... but not by more than this one
     assert _join([BIG, 0], done=True, cpu_ns=BIG) == (1, 1)  # the server's step took longer than the GPU's time
-    assert _join([0, BIG], done=False) == (1, 2)  # nobody answers: the join waits (its polls) past a zero limit
-    assert _join([BIG, BIG], done=False) == (1, 1)  # ... but not past this one
+    assert _join([0, BIG], done=False, answer_after_s=0.05) == (1, 2)  # the join waits for the CPU past the limit
+    assert _join([BIG, BIG], done=False, answer_after_s=0.05) == (1, 1)  # ... but not past this one
+    assert _join([BIG, BIG], done=False) == (1, 2)  # nobody answers: a give-up is as late as a join gets
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +83,11 @@ def test_device_decode_gives_the_same_tokens_with_either_count(small):
     graded (captured in the step's CUDA graph) as with yes/no; under ``auto`` the limits are the policy's."""
     prompt = list(range(5, 45))
     results = {}
-    for lateness in ("yes-no", "graded"):
-        runner = ModelRunner(small, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all",
-                                                 expert_cache_slots=10**6, join_lateness=lateness), progress=False)
-        runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
+    runner = ModelRunner(small, EngineConfig(device="cuda", dtype="float32", expert_policy="fill-all",
+                                             expert_cache_slots=10**6), progress=False)
+    runner.experts.bandwidths = Bandwidths(10.0, 25.0, "test")
+    for lateness in ("yes-no", "graded"):  # one runner: the count switched between steps (set_join_lateness)
+        runner.set_join_lateness(lateness)
         runner.set_expert_cache(20, "qstar")
         dd = runner.experts.device_decode
         assert dd.lateness == lateness and dd.late_unit == (2 if lateness == "graded" else 1)
