@@ -215,6 +215,7 @@ class DeviceDecode:
         graded = lateness == "graded"
         self.join_limits = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device=dev) if graded else None
         self.ring_ns = torch.zeros(1, dtype=torch.int64, device=dev) if graded else None  # the last ring's time
+        self._limits_ns: list[int] | None = None  # the pair last copied into join_limits (push_join_limits)
         self.push_join_limits()
         self.bell = None
         self._release_address: int | None = None  # device address of the release word (stream-op)
@@ -279,9 +280,12 @@ class DeviceDecode:
     def push_join_limits(self) -> None:
         """Copy the policy's join limits (:meth:`ExpertPolicy.join_limits`, seconds) into :attr:`join_limits` (ns),
         where joins are graded; between steps (the balance controller's level moves them with or without a new
-        table)."""
+        table). Copies only limits that changed: the copy from host memory waits for the device."""
         if self.join_limits is not None and (limits := self.rule.join_limits()) is not None:
-            self.join_limits.copy_(torch.tensor([round(t * 1e9) for t in limits], dtype=torch.int64))
+            ns = [round(t * 1e9) for t in limits]
+            if ns != self._limits_ns:
+                self.join_limits.copy_(torch.tensor(ns, dtype=torch.int64))
+                self._limits_ns = ns
 
     @property
     def can_disarm(self) -> bool:
