@@ -453,8 +453,8 @@ class EngineConfig:
     join_lateness: str = option(
         "yes-no", "how the device decode step counts a CPU hand-off's join for the auto policy's balance controller "
         "(CUDA, kernel doorbell wait, native executor): yes-no (whether the GPU found the CPU branch still running) "
-        "or graded (whether either side finished first by more than one expert's time; measured in the step-time "
-        "simulator, not yet the default)", choices=JOIN_LATENESS)
+        "or graded (whether either side finished first by more than one expert's time; better in the step-time "
+        "simulator, no better on an H100 host: opt-in)", choices=JOIN_LATENESS)
     bandwidth_pcie_gbps: float | None = option(None, "B_P override in GB/s (host->device expert copies)",
                                                type=float)
     bandwidth_cpu_gbps: float | None = option(None, "B_H override in GB/s (CPU expert execution)", type=float)
