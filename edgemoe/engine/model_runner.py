@@ -321,15 +321,19 @@ class ModelRunner:
         cold (same size and policy); decode graphs are captured again.
 
         Raises:
-            ValueError: an unknown count, or ``graded`` where the start-up check refuses it (nothing changes then).
+            ValueError: an unknown count, or ``graded`` where the start-up check or the device decode path refuses
+                it (the runner keeps counting as before; the cache is then rebuilt cold).
         """
         config = replace(self.engine_config, join_lateness=lateness)  # checks the choice
         _check_join_lateness(config)
         if lateness != "yes-no" and self.device.type != "cuda":
             raise NoGpuError(f"join_lateness {lateness} is a CUDA option, and the device is {self.device}")
-        self.engine_config = config
         try:
             self.experts.set_join_lateness(lateness)
+            self.engine_config = config
+        except ValueError:  # e.g. the native executor is not what runs the CPU branch
+            self.experts.set_join_lateness(self.engine_config.join_lateness)
+            raise
         finally:
             self._bind()
 
