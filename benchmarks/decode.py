@@ -59,7 +59,7 @@ from edgemoe.config import DOORBELL_WAITS, JOIN_LATENESS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
 from edgemoe.experts.bandwidth import bandwidths_from_profile, measure
-from edgemoe.experts.policy import AutoPolicy
+from edgemoe.experts.policy import AutoPolicy, Bandwidths
 from edgemoe.layers.router import pad_routes
 from edgemoe.synth import QUANT_LAYOUTS
 
@@ -297,6 +297,10 @@ def main(argv=None) -> int:
                     help="how the device path counts a hand-off's join (EngineConfig.join_lateness), a list: the "
                          "first for every policy; a policy that reads the count (auto) runs again with each "
                          "further one right after, as POLICY/COUNT (e.g. yes-no,graded gives auto and auto/graded)")
+    ap.add_argument("--fill-shares", default="",
+                    help="also run qstar at fixed shares of each layer step's misses filled (q = round(m * share), at "
+                         "least 1), a list in (0, 1], reported as 'share S': where the measured optimum lies, beside "
+                         "qstar's and auto's splits (the step-time simulator's --fill-ratios on the machine itself)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
@@ -338,6 +342,9 @@ def main(argv=None) -> int:
         ap.error(f"--requests and --repeats must be >= 1, got {a.requests} and {a.repeats}")
     if a.compare:
         return compare(a.compare, Path(a.out))
+    shares = [float(x) for x in a.fill_shares.split(",") if x]
+    if any(not 0 < x <= 1 for x in shares):
+        ap.error(f"--fill-shares {a.fill_shares}: shares in (0, 1]")
     latenesses = [x for x in a.join_lateness.split(",") if x]
     if not latenesses or any(x not in JOIN_LATENESS for x in latenesses):
         ap.error(f"--join-lateness {a.join_lateness}: a list of {', '.join(JOIN_LATENESS)}")
@@ -458,9 +465,13 @@ def main(argv=None) -> int:
                 r = run_one(runner, pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
                 record(r, "all (resident)")
         torch_cpu = ex.name == "torch" and not pool.format.dense and not a.torch_cpu_branch
-        runs = [(gb, rep, pol) for gb in [float(x) for x in a.budgets.split(",") if x] for rep in range(a.repeats)
-                for pol in [p for p in a.policies.split(",") if p]]
-        for gb, rep, pol in runs:
+        # (budget, repeat, policy, fixed share filled or None); the shares after the policies, as qstar with B_H set
+        # so that its rule fills that share (QStarPolicy: q = round(m * B_P / B_H))
+        runs = [(gb, rep, pol, share) for gb in [float(x) for x in a.budgets.split(",") if x]
+                for rep in range(a.repeats)
+                for pol, share in [(p, None) for p in a.policies.split(",") if p] + [("qstar", x) for x in shares]]
+        measured = runner.experts.bandwidths
+        for gb, rep, pol, share in runs:
             if pol == "fill-all" and n:  # no CPU branch: the thread count does not matter
                 continue
             if torch_cpu and pol != "fill-all":
@@ -473,9 +484,14 @@ def main(argv=None) -> int:
                     continue  # the policy (run_one's last) does not read the count: once, with the first
                 if lateness != runner.engine_config.join_lateness:
                     runner.set_join_lateness(lateness)
+                runner.experts.bandwidths = measured if share is None else Bandwidths(
+                    measured.pcie, measured.pcie / share, f"a fixed share of {share:g} filled")
                 r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
                             step_log=a.step_log, requests=a.requests, on_request=next_request)
-                if lateness != latenesses[0]:
+                runner.experts.bandwidths = measured
+                if share is not None:
+                    r["policy"], r["fill_share"] = f"share {share:g}", share
+                elif lateness != latenesses[0]:
                     r["policy"] = f"{pol}/{lateness}"
                 r["join_lateness"] = lateness
                 # bytes-bound limit: the resident step plus the slower miss branch, each at the rate

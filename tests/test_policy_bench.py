@@ -84,6 +84,24 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
                                        "--out", str(tmp_path / "bad")])
 
 
+def test_fixed_fill_shares_run_qstar_at_each_share_after_the_policies(tmp_path, load_benchmark):
+    """``decode.py --fill-shares``: after the policies of each budget and repeat, ``qstar`` at each fixed share of
+    the misses filled (``share S``; its rule fills ``round(m * S)``), the measured bandwidths back in place after."""
+    out = tmp_path / "shares"
+    bench = load_benchmark("decode")
+    assert bench.main([
+        "--preset", "tiny", "--device", "cpu", "--budgets", "0.0005", "--policies", "qstar",
+        "--routing", "uniform", "--tokens", "2", "--warmup", "1", "--profile-seconds", "0.05", "--rotate-gb", "0.05",
+        "--no-resident", "--cpu-threads", "1", "--fill-shares", "0.25,1", "--out", str(out)]) == 0
+    res = json.loads((out / "decode.json").read_text())["results"]
+    assert [r["policy"] for r in res] == ["qstar", "share 0.25", "share 1"]
+    assert [r.get("fill_share") for r in res] == [None, 0.25, 1.0]
+    assert res[1]["q_ratio_policy"] == pytest.approx(0.25) and res[2]["q_ratio_policy"] == 1.0
+    assert res[0]["q_ratio_policy"] != pytest.approx(0.25)  # qstar's own split, from the measured bandwidths
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--fill-shares", "0", "--out", str(tmp_path / "bad")])
+
+
 @pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")
 def test_requests_share_one_cache_and_replay_later_stretches_of_the_trace(tmp_path, load_benchmark):
     """``decode.py --requests 3``: three requests per run on one cache and policy, each after its own prefill;
