@@ -1,8 +1,9 @@
 """One table from the decode benchmark runs of the expert-policy study (``scripts/gpu_check.sh policy``):
 for every (regime, CPU threads, budget) each policy's tokens/s, the best fixed policy (``fill-all``,
 ``cpu-all``, ``static``, ``qstar``) and the ``auto`` policy's ratio to it (and each variant's, e.g. ``auto/graded``:
-``auto`` run again with another join count, ``decode.py --join-lateness yes-no,graded``). ``fill-all`` runs the CPU
-executor for nothing, so the benchmark runs it at the first thread count only; its row serves every
+``auto`` run again with another join count, ``decode.py --join-lateness yes-no,graded``); any other run of the
+folder, e.g. ``decode.py --fill-shares``' ``share S``, gets a column of its own after the policies. ``fill-all``
+runs the CPU executor for nothing, so the benchmark runs it at the first thread count only; its row serves every
 thread count of that budget. Runs repeated with ``decode.py --repeats N`` (the policies alternating within a
 budget) count by their median, and each row gives the spread of the repeats: the largest ``(max - min) / median``
 of one policy's tokens/s in that row, the noise a ratio of that row has to be read against.
@@ -83,6 +84,7 @@ def summarize(root: Path) -> tuple[list[dict], str]:
                          "auto_ratio": ratios.get("auto"), "ratios": ratios})
     names = {p for r in rows for p in r["tokens_per_s"]}
     policies = [v for p in ORDER for v in sorted(names) if v.split("/")[0] == p]  # a variant after its policy
+    policies += sorted(names - set(policies))  # any other run, e.g. decode.py --fill-shares' "share S"
     autos = [p for p in policies if p.split("/")[0] == "auto"]
     lines = ["| regime | threads | budget (GB) | " + " | ".join(policies) + " | best fixed | "
              + "".join(f"{p} / best fixed | " for p in autos) + "repeats | spread |",

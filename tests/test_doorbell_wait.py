@@ -142,6 +142,28 @@ def test_switching_the_join_count_between_steps_is_checked_like_the_option(tmp_p
     runner.set_join_lateness("yes-no")
     assert runner.experts.cache is not cache and runner.experts.cache.num_slots == 4
     assert runner.experts.policy.name == "qstar"
+    # a rebuild that fails (here the first one, as an out-of-memory would; the device made to look like a GPU so
+    # the graded count gets that far): the error is raised, the runner counts as before on a cache rebuilt cold
+    from edgemoe.engine.expert_runtime import ExpertRuntime
+
+    real, calls = ExpertRuntime.set_cache, []
+
+    def failing_once(self, slots, policy, inherit=False):
+        calls.append(self.config.join_lateness)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (test)")
+        return real(self, slots, policy, inherit)
+
+    cpu = runner.device
+    try:
+        ExpertRuntime.set_cache, runner.device = failing_once, torch.device("cuda")
+        with pytest.raises(RuntimeError, match="out of memory"):
+            runner.set_join_lateness("graded")
+    finally:
+        ExpertRuntime.set_cache, runner.device = real, cpu
+    assert calls == ["graded", "yes-no"]
+    assert runner.engine_config.join_lateness == runner.experts.config.join_lateness == "yes-no"
+    assert runner.experts.cache.num_slots == 4 and runner.experts.policy.name == "qstar"
 
 
 def test_auto_policy_prices_one_expert_on_each_side_of_a_join():

@@ -79,9 +79,10 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
     table = (tmp_path / "policy" / "summary.md").read_text()
     assert "| auto/graded | fill-all | best fixed | auto / best fixed | auto/graded / best fixed |" in table
     assert "| no-locality | 6 | 2 | 100.0 | 98.0 | 101.0 | 50.0 | qstar | 0.980 | 1.010 | 3 | 0.300 |" in table
-    with pytest.raises(SystemExit):  # a count the engine does not have
-        load_benchmark("decode").main(["--preset", "tiny", "--device", "cpu", "--join-lateness", "yes-no,signed",
-                                       "--out", str(tmp_path / "bad")])
+    for bad in ("yes-no,signed", "yes-no,yes-no"):  # a count the engine does not have, or one twice
+        with pytest.raises(SystemExit):
+            load_benchmark("decode").main(["--preset", "tiny", "--device", "cpu", "--join-lateness", bad,
+                                           "--out", str(tmp_path / "bad")])
 
 
 def test_fixed_fill_shares_run_qstar_at_each_share_after_the_policies(tmp_path, load_benchmark):
@@ -93,13 +94,24 @@ def test_fixed_fill_shares_run_qstar_at_each_share_after_the_policies(tmp_path, 
         "--preset", "tiny", "--device", "cpu", "--budgets", "0.0005", "--policies", "qstar",
         "--routing", "uniform", "--tokens", "2", "--warmup", "1", "--profile-seconds", "0.05", "--rotate-gb", "0.05",
         "--no-resident", "--cpu-threads", "1", "--fill-shares", "0.25,1", "--out", str(out)]) == 0
-    res = json.loads((out / "decode.json").read_text())["results"]
+    data = json.loads((out / "decode.json").read_text())
+    res = data["results"]
+    assert data["meta"]["bandwidths_used"]["source"].startswith("measured")  # the profile's, put back after
     assert [r["policy"] for r in res] == ["qstar", "share 0.25", "share 1"]
     assert [r.get("fill_share") for r in res] == [None, 0.25, 1.0]
     assert res[1]["q_ratio_policy"] == pytest.approx(0.25) and res[2]["q_ratio_policy"] == 1.0
     assert res[0]["q_ratio_policy"] != pytest.approx(0.25)  # qstar's own split, from the measured bandwidths
-    with pytest.raises(SystemExit):
-        bench.main(["--preset", "tiny", "--device", "cpu", "--fill-shares", "0", "--out", str(tmp_path / "bad")])
+    for bad in ("0", "0.5,0.5"):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "tiny", "--device", "cpu", "--fill-shares", bad, "--out", str(tmp_path / "bad")])
+    # the summary gives the shares columns of their own, after the policies
+    (tmp_path / "p" / "realistic").mkdir(parents=True)
+    (out / "decode.json").rename(tmp_path / "p" / "realistic" / "decode.json")
+    assert load_benchmark("policy_summary").main([str(tmp_path / "p")]) == 0
+    row, = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert set(row["tokens_per_s"]) == {"qstar", "share 0.25", "share 1"} and row["best_fixed"] == "qstar"
+    header = (tmp_path / "p" / "summary.md").read_text().splitlines()[0]
+    assert header == "| regime | threads | budget (GB) | qstar | share 0.25 | share 1 | best fixed | repeats | spread |"
 
 
 @pytest.mark.skipif(not MIXTRAL, reason=f"Mixtral routing-trace fixture not found in {TRACES}")

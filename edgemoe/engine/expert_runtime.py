@@ -154,9 +154,15 @@ class ExpertRuntime:
     def set_join_lateness(self, lateness: str) -> None:
         """Count the device decode path's joins ``lateness`` (``EngineConfig.join_lateness``; checked by the
         caller) and rebuild the cache (cold, same size and policy), at a safe point between steps. The caller
-        rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs."""
+        rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs. On an error the option
+        is put back (the cache may then be gone: the caller rebuilds it)."""
+        previous, slots, policy = self.config, self.cache.num_slots, self.policy.name
         self.config = replace(self.config, join_lateness=lateness)
-        self.set_cache(self.cache.num_slots, self.policy.name)
+        try:
+            self.set_cache(slots, policy)
+        except Exception:
+            self.config = previous
+            raise
 
     # ------------------------------------------------------------------ sizing
     def explicit_slots(self) -> int | None:

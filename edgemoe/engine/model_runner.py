@@ -322,17 +322,19 @@ class ModelRunner:
 
         Raises:
             ValueError: an unknown count, or ``graded`` where the start-up check or the device decode path refuses
-                it (the runner keeps counting as before; the cache is then rebuilt cold).
+                it; any error of the rebuild (e.g. out of device memory) is raised too. The runner then keeps
+                counting as before, on a cache rebuilt cold.
         """
         config = replace(self.engine_config, join_lateness=lateness)  # checks the choice
         _check_join_lateness(config)
         if lateness != "yes-no" and self.device.type != "cuda":
             raise NoGpuError(f"join_lateness {lateness} is a CUDA option, and the device is {self.device}")
+        slots, policy = self.experts.cache.num_slots, self.experts.policy.name
         try:
             self.experts.set_join_lateness(lateness)
             self.engine_config = config
-        except ValueError:  # e.g. the native executor is not what runs the CPU branch
-            self.experts.set_join_lateness(self.engine_config.join_lateness)
+        except Exception:  # e.g. the native executor is not what runs the CPU branch
+            self.experts.set_cache(slots, policy)  # the count the runtime has again (set_join_lateness put it back)
             raise
         finally:
             self._bind()
