@@ -154,14 +154,15 @@ class ExpertRuntime:
     def set_join_lateness(self, lateness: str) -> None:
         """Count the device decode path's joins ``lateness`` (``EngineConfig.join_lateness``; checked by the
         caller) and rebuild the cache (cold, same size and policy), at a safe point between steps. The caller
-        rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs. On an error the option
-        is put back (the cache may then be gone: the caller rebuilds it)."""
+        rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs. On an error (raised)
+        the option is put back and the cache rebuilt cold under it."""
         previous, slots, policy = self.config, self.cache.num_slots, self.policy.name
         self.config = replace(self.config, join_lateness=lateness)
         try:
             self.set_cache(slots, policy)
-        except Exception:
+        except Exception:  # e.g. the device path refuses the count, or the device is out of memory
             self.config = previous
+            self.set_cache(slots, policy)
             raise
 
     # ------------------------------------------------------------------ sizing

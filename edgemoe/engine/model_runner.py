@@ -329,13 +329,9 @@ class ModelRunner:
         _check_join_lateness(config)
         if lateness != "yes-no" and self.device.type != "cuda":
             raise NoGpuError(f"join_lateness {lateness} is a CUDA option, and the device is {self.device}")
-        slots, policy = self.experts.cache.num_slots, self.experts.policy.name
         try:
-            self.experts.set_join_lateness(lateness)
+            self.experts.set_join_lateness(lateness)  # on an error: the count before, on a cache rebuilt cold
             self.engine_config = config
-        except Exception:  # e.g. the native executor is not what runs the CPU branch
-            self.experts.set_cache(slots, policy)  # the count the runtime has again (set_join_lateness put it back)
-            raise
         finally:
             self._bind()
 
