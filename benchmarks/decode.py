@@ -74,13 +74,14 @@ def _sync(dev: torch.device) -> None:
 def policy_state(pol) -> dict:
     """The policy's decision state for a step log: its fill ratio at the table's largest miss count and, for
     ``auto``, whether the table fills every miss (and whether for falling or rising misses), the CPU cost level,
-    the mean miss count per layer step and the mean estimated net reuse of a fill over the layers."""
+    the late fraction of the hand-offs of the last window it judged, the mean miss count per layer step and the mean
+    estimated net reuse of a fill over the layers."""
     st = {"q_ratio": round(pol.q_ratio(), 4)}
     if isinstance(pol, AutoPolicy):
         reuse = pol.reuse
         st |= {"fills_every_miss": pol.fills_every_miss(), "misses_falling": pol.misses_falling,
-               "misses_rose": pol.misses_rose,
-               "cpu_level": pol.cpu_level,
+               "misses_rose": pol.misses_rose, "cpu_level": pol.cpu_level,
+               "late_fraction": None if pol.late_fraction is None else round(pol.late_fraction, 3),
                "miss_rate": None if pol.miss_rate is None else round(pol.miss_rate, 3),
                "reuse_mean": round(sum(reuse) / len(reuse), 3), "reuse_min": round(min(reuse), 3)}
     return st
@@ -333,7 +334,8 @@ def main(argv=None) -> int:
                          "it read (trace_offset)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every (budget, policy, batch) in turn: the policies alternate within a budget, so a "
-                         "drift of the machine reaches each of them alike (results carry their repeat index)")
+                         "drift of the machine reaches each of them alike, each repeat starting one policy further "
+                         "into the list (results carry their repeat index)")
     ap.add_argument("--step-log", action="store_true",
                     help="record every decode step (time, hits, misses, fills, CPU experts, the policy's state) "
                          "in decode.json (the timed steps then include the counter reads)")
@@ -466,10 +468,13 @@ def main(argv=None) -> int:
                 record(r, "all (resident)")
         torch_cpu = ex.name == "torch" and not pool.format.dense and not a.torch_cpu_branch
         # (budget, repeat, policy, fixed share filled or None); the shares after the policies, as qstar with B_H set
-        # so that its rule fills that share (QStarPolicy: q = round(m * B_P / B_H))
+        # so that its rule fills that share (QStarPolicy: q = round(m * B_P / B_H)); repeat r starts r places further
+        # into that list, so no policy always runs first or right after the same one (on the GPU host runs of
+        # identical decisions have differed by 2-5 %; a fixed order would put any after-effect on one policy)
+        order = [(p, None) for p in a.policies.split(",") if p] + [("qstar", x) for x in shares]
         runs = [(gb, rep, pol, share) for gb in [float(x) for x in a.budgets.split(",") if x]
                 for rep in range(a.repeats)
-                for pol, share in [(p, None) for p in a.policies.split(",") if p] + [("qstar", x) for x in shares]]
+                for pol, share in order[rep % len(order):] + order[:rep % len(order)]]
         measured = runner.experts.bandwidths
         for gb, rep, pol, share in runs:
             if pol == "fill-all" and n:  # no CPU branch: the thread count does not matter

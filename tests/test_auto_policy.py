@@ -74,8 +74,9 @@ def test_join_lateness_moves_the_split_and_drifts_back_without_hand_offs():
         auto.observe_layers(late)
         levels.append(auto.cpu_level)
     assert levels == [1, 3, 7, 11]  # 2x (8 levels) is passed in the fourth window
+    assert auto.late_fraction == pytest.approx(37 / 40)  # the last judged window's, for the step log
     auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0]))
-    assert auto.cpu_level == 10  # a reversal: one level
+    assert auto.cpu_level == 10 and auto.late_fraction == 0.0  # a reversal: one level
     auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[10, 10]))
     assert auto.cpu_level == 10  # inside the band
     auto.observe_layers(LayerObservation(handoffs=[20, 20], late=[0, 0]))

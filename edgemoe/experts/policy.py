@@ -693,6 +693,7 @@ class AutoPolicy(ExpertPolicy):
         self._fills_all = False  # every row of the table is its HullRows.full (kept by _rebuild)
         self._per_row: dict[int, list] = {}  # data derived from a table row, by row object (see _row_entry)
         self.cpu_level = 0
+        self.late_fraction: float | None = None  # late hand-offs over all, in the last window judged (None: none yet)
         self._level0_fills_all: bool | None = None  # wants_cpu_probe's look at the level-0 table, until a rebuild
         self._quiet_windows = 0  # consecutive windows with too few hand-offs to judge
         self._balance_move = 0  # the last window's move in levels (signed; 0: none)
@@ -1003,7 +1004,7 @@ class AutoPolicy(ExpertPolicy):
             lo, hi = self.balance_levels
             if (n := sum(handoffs)) >= self.balance_min_handoffs:
                 self._quiet_windows = 0
-                frac = sum(late) / n
+                frac = self.late_fraction = sum(late) / n
                 sign = 1 if frac > self.balance_band[1] else -1 if frac < self.balance_band[0] else 0
                 prev = self._balance_move
                 stall = frac >= self.balance_stall and slowed  # every hand-off late and the steps slowed down
