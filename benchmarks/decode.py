@@ -44,6 +44,7 @@ import platform
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -55,6 +56,7 @@ import edgemoe  # noqa: F401  (before torch: torch's OpenMP threads then wait pa
 import torch
 
 from edgemoe.bench.route_table import table_rows
+from edgemoe.bench.step_markers import StepMarkers, step_times
 from edgemoe.config import DOORBELL_WAITS, JOIN_LATENESS, EngineConfig
 from edgemoe.core import Phase
 from edgemoe.engine.model_runner import ModelRunner, StepInput
@@ -89,7 +91,7 @@ def policy_state(pol) -> dict:
 
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
             feed: list[int] | None, skip_prefill: bool = False, batch: int = 1, step_log: bool = False,
-            requests: int = 1, on_request=None) -> dict:
+            requests: int = 1, on_request=None, markers: bool = False) -> dict:
     """Prefill ``prompt`` for each of ``batch`` sequences, then decode them together ``warmup + tokens``
     steps; time the last ``tokens`` steps (each decodes one token of every sequence).
 
@@ -107,7 +109,21 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     ``step_log``: also return ``steps``, one record per decode step (warm-up included): its wall time in ms
     (the step's sampling synchronizes), its decode hits, misses, fills and CPU experts (one counter read after
     each step), and the policy's state after it (:func:`policy_state`).
+
+    ``markers`` (with ``step_log``): the model's forward also stamps the device clock at its start and end
+    (:class:`~edgemoe.bench.step_markers.StepMarkers`, captured into the decode graphs), and each step record gains
+    ``gpu_ms`` (the forward's device time) and ``gap_ms`` (the device idle before it, from the forward before it;
+    ``None`` for a request's first step): whether a slower run lost its time on the device or on the host.
     """
+    mk = StepMarkers(runner.device, capacity=requests * (warmup + tokens) + 1) if markers and step_log else None
+    with mk.wrap(runner.model) if mk is not None else nullcontext():
+        return _run_one(runner, slots, policy, prompt, warmup, tokens, feed, skip_prefill, batch, step_log,
+                        requests, on_request, mk)
+
+
+def _run_one(runner, slots, policy, prompt, warmup, tokens, feed, skip_prefill, batch, step_log, requests,
+             on_request, mk: StepMarkers | None) -> dict:
+    """:func:`run_one`'s body; ``mk``: the markers wrapping the model's forward, or ``None``."""
     runner.set_expert_cache(slots, policy)
     dev = runner.device
     toks: list[int] = []
@@ -152,6 +168,9 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
         if on_request is not None:
             on_request(r, batch)
         prefill_s += prefill()
+        first = len(steps)  # this request's first step record
+        if mk is not None:
+            mk.reset()  # the prefill's forwards are not steps
         for _ in range(warmup if r == 0 else 0):
             decode_step()
         before = dict(runner.experts.stats()["decode"])
@@ -161,6 +180,13 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
             decode_step()
         _sync(dev)
         dt_r = time.perf_counter() - t0
+        if mk is not None:
+            times = step_times(mk.read())
+            if times["steps"] != len(steps) - first:
+                raise RuntimeError(f"{times['steps']} forwards stamped for {len(steps) - first} decode steps")
+            for i, rec in enumerate(steps[first:]):
+                rec["gpu_ms"] = round(times["forward_ms"][i], 4)
+                rec["gap_ms"] = round(times["gap_ms"][i - 1], 4) if i else None
         after = runner.experts.stats()["decode"]
         d = {k: d[k] + after[k] - before[k] for k in after}
         dt += dt_r
@@ -339,7 +365,12 @@ def main(argv=None) -> int:
     ap.add_argument("--step-log", action="store_true",
                     help="record every decode step (time, hits, misses, fills, CPU experts, the policy's state) "
                          "in decode.json (the timed steps then include the counter reads)")
+    ap.add_argument("--step-markers", action="store_true",
+                    help="with --step-log: stamp each decode step's forward on the device clock and log its device "
+                         "time (gpu_ms) and the device's idle time before it (gap_ms)")
     a = ap.parse_args(argv)
+    if a.step_markers and not a.step_log:
+        ap.error("--step-markers adds to the step log: give --step-log too")
     if a.requests < 1 or a.repeats < 1:
         ap.error(f"--requests and --repeats must be >= 1, got {a.requests} and {a.repeats}")
     if a.compare:
@@ -497,7 +528,8 @@ def main(argv=None) -> int:
                 runner.experts.bandwidths = measured if share is None else Bandwidths(
                     measured.pcie, measured.pcie / share, f"a fixed share of {share:g} filled")
                 r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
-                            step_log=a.step_log, requests=a.requests, on_request=next_request)
+                            step_log=a.step_log, requests=a.requests, on_request=next_request,
+                            markers=a.step_markers)
                 runner.experts.bandwidths = measured
                 if share is not None:
                     r["policy"], r["fill_share"] = f"share {share:g}", share

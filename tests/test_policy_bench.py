@@ -54,10 +54,17 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
     assert load_benchmark("decode").main([
         "--preset", "tiny", "--device", "cpu", "--budgets", "0.0005", "--policies", "qstar,fill-all",
         "--routing", "uniform", "--tokens", "2", "--warmup", "1", "--profile-seconds", "0.05", "--rotate-gb", "0.05",
-        "--no-resident", "--cpu-threads", "1", "--repeats", "2", "--out", str(run)]) == 0
+        "--no-resident", "--cpu-threads", "1", "--repeats", "2", "--step-log", "--step-markers",
+        "--out", str(run)]) == 0
     data = json.loads((run / "decode.json").read_text())
     assert [(r["policy"], r["repeat"]) for r in data["results"]] == [  # each repeat starts one policy further
         ("qstar", 0), ("fill-all", 0), ("fill-all", 1), ("qstar", 1)]
+    for r in data["results"]:  # --step-markers: each step's forward time and the idle time before it
+        steps = r["steps"]
+        assert len(steps) == 3 and steps[0]["gap_ms"] is None
+        assert all(0 < s["gpu_ms"] < s["ms"] for s in steps) and all(s["gap_ms"] >= 0 for s in steps[1:])
+    with pytest.raises(SystemExit):  # the markers add to the step log, which was not asked for
+        load_benchmark("decode").main(["--preset", "tiny", "--device", "cpu", "--step-markers", "--out", str(run)])
     # the summary over made-up figures: medians of three repeats, the spread of the noisiest policy
     results = [{"policy": p, "threads": 6, "budget_gb": 2, "tokens_per_s": v}
                for p, vs in (("qstar", (90.0, 100.0, 120.0)), ("auto", (99.0, 97.0, 98.0)),

@@ -674,7 +674,7 @@ class AutoPolicy(ExpertPolicy):
     settle_max_steps = 2 * REUSE_READ_STEPS  # ... and for at most this many decode steps in a row
 
     def __init__(self, costs: MissCosts, num_layers: int, max_misses: int, *, armed: bool = True,
-                 reuse_halflife: float = 32.0, reuse_prior: float = 8.0, reuse_prior_weight: float = 6.0,
+                 reuse_halflife: float = 32.0, reuse_prior: float = 4.0, reuse_prior_weight: float = 6.0,
                  fit_halflife: float = 256.0):
         if num_layers < 1 or max_misses < 1:
             raise ValueError(f"num_layers and max_misses must be >= 1, got {num_layers}, {max_misses}")
