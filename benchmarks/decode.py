@@ -91,7 +91,7 @@ def policy_state(pol) -> dict:
 
 def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], warmup: int, tokens: int,
             feed: list[int] | None, skip_prefill: bool = False, batch: int = 1, step_log: bool = False,
-            requests: int = 1, on_request=None, markers: bool = False) -> dict:
+            requests: int = 1, on_request=None, markers: bool = False, reuse_prior: float | None = None) -> dict:
     """Prefill ``prompt`` for each of ``batch`` sequences, then decode them together ``warmup + tokens``
     steps; time the last ``tokens`` steps (each decodes one token of every sequence).
 
@@ -114,17 +114,27 @@ def run_one(runner: ModelRunner, slots: int, policy: str, prompt: list[int], war
     (:class:`~edgemoe.bench.step_markers.StepMarkers`, captured into the decode graphs), and each step record gains
     ``gpu_ms`` (the forward's device time) and ``gap_ms`` (the device idle before it, from the forward before it;
     ``None`` for a request's first step): whether a slower run lost its time on the device or on the host.
+
+    ``reuse_prior``: for ``auto``, the reuse prior of the new cache's policy (:class:`AutoPolicy` ``reuse_prior``,
+    hits a fill) instead of its default, set before any window is read.
+
+    Raises:
+        ValueError: ``reuse_prior`` for a policy other than ``auto``.
     """
     mk = StepMarkers(runner.device, capacity=requests * (warmup + tokens) + 1) if markers and step_log else None
     with mk.wrap(runner.model) if mk is not None else nullcontext():
         return _run_one(runner, slots, policy, prompt, warmup, tokens, feed, skip_prefill, batch, step_log,
-                        requests, on_request, mk)
+                        requests, on_request, mk, reuse_prior)
 
 
 def _run_one(runner, slots, policy, prompt, warmup, tokens, feed, skip_prefill, batch, step_log, requests,
-             on_request, mk: StepMarkers | None) -> dict:
+             on_request, mk: StepMarkers | None, reuse_prior: float | None) -> dict:
     """:func:`run_one`'s body; ``mk``: the markers wrapping the model's forward, or ``None``."""
     runner.set_expert_cache(slots, policy)
+    if reuse_prior is not None:
+        if not isinstance(runner.experts.policy, AutoPolicy):
+            raise ValueError(f"a reuse prior is auto's, not {policy}'s")
+        runner.experts.policy.reuse_prior = float(reuse_prior)
     dev = runner.device
     toks: list[int] = []
     pos = step = 0
@@ -324,6 +334,9 @@ def main(argv=None) -> int:
                     help="how the device path counts a hand-off's join (EngineConfig.join_lateness), a list: the "
                          "first for every policy; a policy that reads the count (auto) runs again with each "
                          "further one right after, as POLICY/COUNT (e.g. yes-no,graded gives auto and auto/graded)")
+    ap.add_argument("--reuse-priors", default="",
+                    help="run auto once per reuse prior listed (AutoPolicy.reuse_prior, hits a fill; e.g. 4,8), as "
+                         "auto/prior P in the rotation beside the other policies: an A/B of the prior in one process")
     ap.add_argument("--fill-shares", default="",
                     help="also run qstar at fixed shares of each layer step's misses filled (q = round(m * share), at "
                          "least 1), a list in (0, 1], reported as 'share S': where the measured optimum lies, beside "
@@ -378,6 +391,9 @@ def main(argv=None) -> int:
     shares = [float(x) for x in a.fill_shares.split(",") if x]
     if any(not 0 < x <= 1 for x in shares) or len(set(shares)) < len(shares):
         ap.error(f"--fill-shares {a.fill_shares}: distinct shares in (0, 1]")
+    priors = [float(x) for x in a.reuse_priors.split(",") if x]
+    if any(x < 0 for x in priors) or len(set(priors)) < len(priors) or (priors and "auto" not in a.policies.split(",")):
+        ap.error(f"--reuse-priors {a.reuse_priors}: distinct priors >= 0, with auto among --policies")
     latenesses = [x for x in a.join_lateness.split(",") if x]
     if not latenesses or any(x not in JOIN_LATENESS for x in latenesses) or len(set(latenesses)) < len(latenesses):
         ap.error(f"--join-lateness {a.join_lateness}: a list of distinct counts of {', '.join(JOIN_LATENESS)}")
@@ -502,7 +518,9 @@ def main(argv=None) -> int:
         # so that its rule fills that share (QStarPolicy: q = round(m * B_P / B_H)); repeat r starts r places further
         # into that list, so no policy always runs first or right after the same one (on the GPU host runs of
         # identical decisions have differed by 2-5 %; a fixed order would put any after-effect on one policy)
-        order = [(p, None) for p in a.policies.split(",") if p] + [("qstar", x) for x in shares]
+        order = [(q, None) for p in a.policies.split(",") if p
+                 for q in ([f"auto/prior {x:g}" for x in priors] if p == "auto" and priors else [p])]
+        order += [("qstar", x) for x in shares]
         runs = [(gb, rep, pol, share) for gb in [float(x) for x in a.budgets.split(",") if x]
                 for rep in range(a.repeats)
                 for pol, share in order[rep % len(order):] + order[:rep % len(order)]]
@@ -527,14 +545,18 @@ def main(argv=None) -> int:
                         continue
                 runner.experts.bandwidths = measured if share is None else Bandwidths(
                     measured.pcie, measured.pcie / share, f"a fixed share of {share:g} filled")
-                r = run_one(runner, int(gb * 1e9 // row), pol, prompt, a.warmup, a.tokens, feed, batch=b,
+                name, _, prior = pol.partition("/prior ")  # an auto/prior P of --reuse-priors
+                r = run_one(runner, int(gb * 1e9 // row), name, prompt, a.warmup, a.tokens, feed, batch=b,
                             step_log=a.step_log, requests=a.requests, on_request=next_request,
-                            markers=a.step_markers)
+                            markers=a.step_markers, reuse_prior=float(prior) if prior else None)
+                r["policy"] = pol
                 runner.experts.bandwidths = measured
                 if share is not None:
                     r["policy"], r["fill_share"] = f"share {share:g}", share
                 elif lateness != latenesses[0]:
                     r["policy"] = f"{pol}/{lateness}"
+                if prior:
+                    r["reuse_prior"] = float(prior)
                 r["join_lateness"] = lateness
                 # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
                 # measured alone (one branch in use) or while both run (both in use: the concurrent pair)

@@ -65,6 +65,18 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
         assert all(0 < s["gpu_ms"] < s["ms"] for s in steps) and all(s["gap_ms"] >= 0 for s in steps[1:])
     with pytest.raises(SystemExit):  # the markers add to the step log, which was not asked for
         load_benchmark("decode").main(["--preset", "tiny", "--device", "cpu", "--step-markers", "--out", str(run)])
+    # --reuse-priors: auto once per prior, each its own place in the rotation, its prior set on the new cache's policy
+    ab = tmp_path / "prior"
+    assert load_benchmark("decode").main([
+        "--preset", "tiny", "--device", "cpu", "--budgets", "0.0005", "--policies", "qstar,auto",
+        "--reuse-priors", "4,0", "--routing", "uniform", "--tokens", "2", "--warmup", "1", "--profile-seconds", "0.05",
+        "--rotate-gb", "0.05", "--no-resident", "--cpu-threads", "1", "--out", str(ab)]) == 0
+    res = json.loads((ab / "decode.json").read_text())["results"]
+    assert [(r["policy"], r.get("reuse_prior")) for r in res] == [
+        ("qstar", None), ("auto/prior 4", 4.0), ("auto/prior 0", 0.0)]
+    with pytest.raises(SystemExit):  # a prior without auto to run it
+        load_benchmark("decode").main(["--preset", "tiny", "--device", "cpu", "--policies", "qstar",
+                                       "--reuse-priors", "4", "--out", str(ab)])
     # the summary over made-up figures: medians of three repeats, the spread of the noisiest policy
     results = [{"policy": p, "threads": 6, "budget_gb": 2, "tokens_per_s": v}
                for p, vs in (("qstar", (90.0, 100.0, 120.0)), ("auto", (99.0, 97.0, 98.0)),
