@@ -39,7 +39,8 @@ For the policy study: ``--repeats`` runs every (budget, policy) in a rotated ord
 decode step (time, hits, misses, fills, CPU experts, the policy's state), ``--step-markers`` adds each step's device
 time and the device's idle time before it (whether a slower run lost its time on the GPU or on the host), and
 ``--reuse-priors 4,8`` runs ``auto`` once per reuse prior in the same process (an A/B free of the offsets between
-processes, which on the GPU host reached 7 % for identical decisions).
+processes, which on the GPU host reached 7 % for identical decisions). Before the first timed run an untimed ``auto``
+run compiles the decode kernels and captures the decode step (seconds on a fresh machine; ``--no-kernel-warmup``).
 """
 
 from __future__ import annotations
@@ -384,6 +385,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-log", action="store_true",
                     help="record every decode step (time, hits, misses, fills, CPU experts, the policy's state) "
                          "in decode.json (the timed steps then include the counter reads)")
+    ap.add_argument("--no-kernel-warmup", action="store_true",
+                    help="skip the untimed auto run before the first timed one (which compiles the decode kernels "
+                         "and captures the decode step, seconds on a fresh machine)")
     ap.add_argument("--step-markers", action="store_true",
                     help="with --step-log: stamp each decode step's forward on the device clock and log its device "
                          "time (gpu_ms) and the device's idle time before it (gap_ms)")
@@ -470,7 +474,7 @@ def main(argv=None) -> int:
             "tokens": a.tokens,
             "batch_sizes": batches, "decode_input": a.decode_input, "routing": a.routing,
             "trace": a.trace or None, "trace_steps": trace_steps, "eviction": a.eviction, "prefetch": a.prefetch,
-            "join_lateness": a.join_lateness,
+            "join_lateness": a.join_lateness, "kernel_warmup": bool(budgets) and not a.no_kernel_warmup,
         }
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -499,6 +503,7 @@ def main(argv=None) -> int:
         print(r, flush=True)
         save()
 
+    budgets = [float(x) for x in a.budgets.split(",") if x]
     for n, th in enumerate(threads):
         if n:
             runner.set_cpu_threads(th)
@@ -520,6 +525,16 @@ def main(argv=None) -> int:
                 r = run_one(runner, pool.num_ids, "static", long_prompt, a.warmup, a.tokens, feed, skip_prefill=True)
                 record(r, "all (resident)")
         torch_cpu = ex.name == "torch" and not pool.format.dense and not a.torch_cpu_branch
+        if n == 0 and budgets and not a.no_kernel_warmup:
+            # one untimed, unrecorded run first: a fresh machine compiles the decode kernels and captures the step in
+            # its first decode step (seconds on the GPU host: 2-9 s), which would fall into the first policy run's
+            # warm-up and, through auto's time-based window reads, into its first windows; auto captures the step
+            # with and without the CPU branch, so every policy's kernels are compiled after it
+            warm = "fill-all" if torch_cpu else "auto"
+            t0 = time.perf_counter()
+            for b in batches:
+                run_one(runner, int(budgets[0] * 1e9 // row), warm, prompt, 1, 1, feed, batch=b)
+            print(f"kernel warm-up ({warm}, {budgets[0]} GB): {time.perf_counter() - t0:.1f} s", flush=True)
         # (budget, repeat, policy, fixed share filled or None); the shares after the policies, as qstar with B_H set
         # so that its rule fills that share (QStarPolicy: q = round(m * B_P / B_H)); repeat r starts r places further
         # into that list, so no policy always runs first or right after the same one (on the GPU host runs of
@@ -527,7 +542,7 @@ def main(argv=None) -> int:
         order = [(q, None) for p in a.policies.split(",") if p
                  for q in ([f"auto/prior {x:g}" for x in priors] if p == "auto" and priors else [p])]
         order += [("qstar", x) for x in shares]
-        runs = [(gb, rep, pol, share) for gb in [float(x) for x in a.budgets.split(",") if x]
+        runs = [(gb, rep, pol, share) for gb in budgets
                 for rep in range(a.repeats)
                 for pol, share in order[rep % len(order):] + order[:rep % len(order)]]
         measured = runner.experts.bandwidths

@@ -46,7 +46,7 @@ def test_decode_benchmark_replays_traces_and_summary_table(tmp_path, load_benchm
     assert "| realistic | 1 | 0.0005 |" in (tmp_path / "policy" / "summary.md").read_text()
 
 
-def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmark):
+def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmark, capsys):
     """``decode.py --repeats 2`` runs the policies in turn twice per budget, the second time starting one policy
     further into the list (results carry the repeat index);
     the summary counts each policy by its median and reports the spread of the repeats."""
@@ -59,6 +59,8 @@ def test_repeats_alternate_and_the_summary_takes_medians(tmp_path, load_benchmar
     data = json.loads((run / "decode.json").read_text())
     assert [(r["policy"], r["repeat"]) for r in data["results"]] == [  # each repeat starts one policy further
         ("qstar", 0), ("fill-all", 0), ("fill-all", 1), ("qstar", 1)]
+    # an untimed auto run before the first timed one compiles every policy's kernels; it is not a result
+    assert data["meta"]["kernel_warmup"] and "kernel warm-up (auto, 0.0005 GB)" in capsys.readouterr().out
     for r in data["results"]:  # --step-markers: each step's forward time and the idle time before it
         steps = r["steps"]
         assert len(steps) == 3 and steps[0]["gap_ms"] is None
