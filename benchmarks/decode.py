@@ -567,17 +567,18 @@ def main(argv=None) -> int:
                 runner.experts.bandwidths = measured if share is None else Bandwidths(
                     measured.pcie, measured.pcie / share, f"a fixed share of {share:g} filled")
                 name, _, prior = pol.partition("/prior ")  # an auto/prior P of --reuse-priors
+                reuse_prior = float(prior) if prior else None
                 r = run_one(runner, int(gb * 1e9 // row), name, prompt, a.warmup, a.tokens, feed, batch=b,
                             step_log=a.step_log, requests=a.requests, on_request=next_request,
-                            markers=a.step_markers, reuse_prior=float(prior) if prior else None)
+                            markers=a.step_markers, reuse_prior=reuse_prior)
                 r["policy"] = pol
                 runner.experts.bandwidths = measured
                 if share is not None:
                     r["policy"], r["fill_share"] = f"share {share:g}", share
                 elif lateness != latenesses[0]:
                     r["policy"] = f"{pol}/{lateness}"
-                if prior:
-                    r["reuse_prior"] = float(prior)
+                if reuse_prior is not None:
+                    r["reuse_prior"] = reuse_prior
                 r["join_lateness"] = lateness
                 # bytes-bound limit: the resident step plus the slower miss branch, each at the rate
                 # measured alone (one branch in use) or while both run (both in use: the concurrent pair)
