@@ -484,6 +484,9 @@ class EngineConfig:
     verify_weights: bool | None = option(None, "the FTW bank checksums while loading (on unless "
                                          "EDGEMOE_FTW_VERIFY=0)", flag="--no-verify-weights")
     enforce_eager: bool = option(False, "never capture CUDA graphs for decode (decode still takes the device path)")
+    warmup: bool = option(True, "the start-up warm-up on a GPU: a short prefill and two decode steps of a throwaway "
+                          "sequence compile the GPU kernels before the first request, then the expert cache, its "
+                          "policy and every count start over cold (on by default)", flag="--no-warmup")
     state_checkpoints: int = option(32, "recurrent-state checkpoint slots of hybrid models (LRU; 0 = none)")
     state_checkpoint_interval: int = option(2048, "also checkpoint the recurrent state every N tokens "
                                             "(0 = only at anchor tokens)")

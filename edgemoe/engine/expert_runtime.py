@@ -112,6 +112,15 @@ class ExpertRuntime:
         self.decode_path = DecodePath.EAGER
         self.decode_path_reason: str | None = None
         self.doorbell_wait: str | None = None  # the device path's doorbell wait, as the summary names it
+        self._reset_counts()
+        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
+        if fallback:
+            self.set_cache(0, FALLBACK_POLICY)
+        else:
+            self.set_cache(self.default_slots(), config.expert_policy)
+
+    def _reset_counts(self) -> None:
+        """The counts and clocks of a fresh start: no decode step seen, no window read, totals at zero."""
         self._last_decode: tuple[float, int] | None = None  # (start time, batch size) of the previous decode step
         # (reuse, join stats, decode misses, decode steps, slots used) at the last read
         self._reuse_seen: tuple | None = None
@@ -122,11 +131,21 @@ class ExpertRuntime:
         # counters of the caches replaced by a resize, so the reported totals never decrease
         self._retired: dict[str, dict[str, int]] = {ph.value: CacheCounters().as_dict() for ph in Phase}
         self._retired["prefetch"] = {"prefetched": 0, "prefetch_hits": 0}  # next-layer prefetch
-        self._step_done: torch.cuda.Event | None = None  # blocking event the decode step's end is awaited on
-        if fallback:
-            self.set_cache(0, FALLBACK_POLICY)
-        else:
-            self.set_cache(self.default_slots(), config.expert_policy)
+
+    def restart(self) -> None:
+        """Start over as a fresh engine would, after steps that must leave no trace (the start-up warm-up,
+        :meth:`ModelRunner.warm_up`): the cache rebuilt cold at its size and policy, the policy from its prior
+        (nothing learned carried over), every count and clock of :meth:`stats` and the policy's windows at zero.
+        The measured bandwidths, the CPU executor and the kernels it and the device path compiled stay. The
+        caller rebinds the model's MoE blocks to :attr:`hybrid` and drops captured decode graphs.
+
+        Raises:
+            RuntimeError: the cache could not be set up again (e.g. out of device memory).
+        """
+        slots, policy = self.cache.num_slots, self.policy.name
+        self._retire_hybrid()
+        self._reset_counts()
+        self.set_cache(slots, policy)
 
     def _make_cpu_executor(self, **native_kw):
         return make_cpu_executor(self.pool, self.config.cpu_threads, self.config.cpu_executor,

@@ -50,6 +50,9 @@ from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
+WARMUP_SEQ = -2  # the start-up warm-up's throwaway sequence (SCRATCH_SEQ, -1, owns the padding rows' page)
+WARMUP_PROMPT_TOKENS = 8  # the length of its prompt
+
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "KVCacheFullError", "ModelRunner", "StepInput"]
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -201,7 +204,48 @@ class ModelRunner:
         self.host_malloc = None  # the summary's line when freed host memory is kept (a CPU device)
         if self.device.type == "cpu" and config.keep_freed_host_memory:
             self.host_malloc = keep_freed_memory()
+        self.warmup_seconds: float | None = None  # the start-up warm-up's time (None: it did not run)
+        if config.warmup and cuda:
+            with startup_step("warming up: a short prefill and two decode steps compile the GPU kernels",
+                              "seconds on a machine's first start, well under one after"):
+                self.warmup_seconds = self.warm_up()
         self.load_seconds = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def warm_up(self, prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> float:
+        """Run the steps a first request runs, then start over as a fresh runner would: a prefill of
+        ``prompt_tokens`` tokens and two decode steps of a throwaway sequence (``WARMUP_SEQ``), its KV pages and
+        recurrent state freed (nothing enters the prefix cache), the expert cache rebuilt cold under a policy
+        back at its prior with every count at zero (:meth:`ExpertRuntime.restart`), the step clock at 0.
+
+        On a GPU the first decode step of a process compiles the decode kernels (Triton JIT: seconds on a
+        machine's first start, well under one once Triton's disk cache holds them) and captures the decode
+        step; without this the first request pays that in its first decode step, and the expert policy reads
+        that step's time. What stays are the compiled kernels; the captured graphs are dropped with the rebuilt
+        cache (their capture, which runs no kernel, comes with the first request's first decode step). The
+        prompt avoids end-of-sequence and anchor tokens, so no recurrent-state checkpoint is taken.
+
+        Returns:
+            Seconds taken.
+
+        Raises:
+            Whatever a step raises (the runner is not usable then).
+        """
+        t0 = time.perf_counter()
+        skip = set(self.eos_token_ids) | set(self.prefix.anchor_ids)
+        ids = [t for t in range(prompt_tokens + len(skip)) if t not in skip][:prompt_tokens]
+        try:
+            self.execute([StepInput(WARMUP_SEQ, ids, 0)], Phase.PREFILL)
+            for pos in range(len(ids), len(ids) + 2):
+                self.execute([StepInput(WARMUP_SEQ, ids[:1], pos)], Phase.DECODE)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.free(WARMUP_SEQ)
+            self.experts.restart()
+            self._bind()
+            self._step = 0
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
     def _keep_embedding_on_host(self) -> None:

@@ -1,0 +1,84 @@
+"""The start-up warm-up (``ModelRunner.warm_up``): it runs a prefill and two decode steps, then leaves the runner
+as a fresh one finds it: the expert cache empty, every count at zero, the policy at its prior, no KV page or
+recurrent-state slot held, nothing in the prefix cache; a request after it gives what it gives on a fresh runner,
+token for token and count for count. On CPU the runner does not warm up by itself (nothing compiles there), so
+these tests call it; ``tests/gpu/test_warmup_gpu.py`` checks the warm-up a CUDA runner runs at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe.config import EngineConfig
+from edgemoe.core import Phase
+from edgemoe.engine.model_runner import WARMUP_SEQ, ModelRunner
+from edgemoe.synth import make_model
+
+from conftest import greedy_decode
+
+PROMPT = list(range(3, 40))
+
+
+def _counts(runner: ModelRunner) -> dict:
+    """The expert counters and cache state a fresh start reports (the measured bandwidths left out)."""
+    stats = runner.expert_stats()
+    return {key: stats[key] for key in ("policy", "slots", "slots_used", "q_ratio", "policy_active", "prefill",
+                                        "decode")} | {"prefetch": stats.get("prefetch")}
+
+
+def _fresh_state(runner: ModelRunner) -> dict:
+    return {"step": runner._step, "free_pages": runner.kv.free_pages, "cached_pages": runner.kv.cached_pages,
+            "state_slots": None if runner.state is None else runner.state.free_slots,
+            "captured": None if runner.graphs is None else runner.graphs.captured_sizes(),
+            "reuse": runner.experts.cache.reuse.tolist(), "counts": _counts(runner)}
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A tiny qwen3_5_moe checkpoint (linear-attention layers with recurrent state)."""
+    out = tmp_path_factory.mktemp("warm-q35") / "tiny"
+    return make_model(out, "qwen3_5_moe", "qwen3.5-moe-tiny", seed=3, dtype="float32")
+
+
+@pytest.mark.parametrize("policy", ["auto", "qstar"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen3_5_moe"])
+def test_warm_up_leaves_the_runner_as_a_fresh_one_finds_it(tiny_model_dir, hybrid_dir, model, policy, monkeypatch):
+    path = tiny_model_dir if model == "qwen3_moe" else hybrid_dir
+    config = EngineConfig(device="cpu", dtype="float32", expert_policy=policy, expert_cache_slots=6,
+                          bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, cpu_executor="torch")
+    fresh = ModelRunner(path, config, progress=False)
+    warmed = ModelRunner(path, config, progress=False)
+    assert warmed.warmup_seconds is None  # a CPU runner does not warm up by itself
+    start = _fresh_state(fresh)
+    assert _fresh_state(warmed) == start
+
+    steps, execute = [], warmed.execute
+    seen = {}
+
+    def spy(inputs, phase):
+        steps.append((phase, [(i.seq_id, len(i.token_ids), i.start_pos) for i in inputs]))
+        out = execute(inputs, phase)
+        seen.update(_counts(warmed))
+        return out
+
+    monkeypatch.setattr(warmed, "execute", spy)
+    assert warmed.warm_up() > 0
+    monkeypatch.undo()
+    assert [phase for phase, _ in steps] == [Phase.PREFILL, Phase.DECODE, Phase.DECODE]
+    assert all(seq == WARMUP_SEQ for _, batch in steps for seq, _, _ in batch)
+    assert seen["slots_used"] > 0 and seen["decode"]["hits"] + seen["decode"]["misses"] > 0  # it ran experts
+    assert _fresh_state(warmed) == start  # and left no trace of them
+
+    a_logits, a_toks = greedy_decode(fresh, PROMPT, 8, free=True)
+    b_logits, b_toks = greedy_decode(warmed, PROMPT, 8, free=True)
+    assert a_toks == b_toks and torch.equal(a_logits, b_logits)
+    assert _counts(warmed) == _counts(fresh)  # the same request made the same hits, misses and fills
+    assert warmed.experts.cache.reuse.tolist() == fresh.experts.cache.reuse.tolist()
+
+
+def test_warm_up_leaves_the_prefix_cache_empty_and_the_option_is_on_by_default(tiny_model_dir):
+    assert EngineConfig().warmup is True and EngineConfig(warmup=False).warmup is False
+    runner = ModelRunner(tiny_model_dir, EngineConfig(device="cpu", dtype="float32", enable_prefix_caching=True),
+                         progress=False)
+    runner.warm_up()
+    assert runner.kv.cached_pages == 0 and runner.attach_prefix(0, list(range(8)) * 4) == 0
