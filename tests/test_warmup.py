@@ -11,7 +11,7 @@ import torch
 
 from edgemoe.config import EngineConfig
 from edgemoe.core import Phase
-from edgemoe.engine.model_runner import WARMUP_SEQ, ModelRunner
+from edgemoe.engine.model_runner import WARMUP_SEQ, ModelRunner, WarmUpError
 from edgemoe.synth import make_model
 
 from conftest import greedy_decode
@@ -68,6 +68,7 @@ def test_warm_up_leaves_the_runner_as_a_fresh_one_finds_it(tiny_model_dir, hybri
     assert all(seq == WARMUP_SEQ for _, batch in steps for seq, _, _ in batch)
     assert seen["slots_used"] > 0 and seen["decode"]["hits"] + seen["decode"]["misses"] > 0  # it ran experts
     assert _fresh_state(warmed) == start  # and left no trace of them
+    warmed.experts.cache.clock.fill_(0)  # the rebuilt cache's tensors take writes outside inference mode too
 
     a_logits, a_toks = greedy_decode(fresh, PROMPT, 8, free=True)
     b_logits, b_toks = greedy_decode(warmed, PROMPT, 8, free=True)
@@ -82,3 +83,23 @@ def test_warm_up_leaves_the_prefix_cache_empty_and_the_option_is_on_by_default(t
                          progress=False)
     runner.warm_up()
     assert runner.kv.cached_pages == 0 and runner.attach_prefix(0, list(range(8)) * 4) == 0
+
+
+def test_a_failed_warm_up_step_still_leaves_a_fresh_usable_runner(tiny_model_dir, monkeypatch):
+    config = EngineConfig(device="cpu", dtype="float32", expert_policy="qstar", expert_cache_slots=6,
+                          bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, cpu_executor="torch")
+    fresh = ModelRunner(tiny_model_dir, config, progress=False)
+    runner = ModelRunner(tiny_model_dir, config, progress=False)
+    execute = runner.execute
+
+    def decode_fails(inputs, phase):
+        if phase is Phase.DECODE:
+            raise RuntimeError("simulated kernel fault")
+        return execute(inputs, phase)
+
+    monkeypatch.setattr(runner, "execute", decode_fails)
+    with pytest.raises(WarmUpError, match="simulated kernel fault"):
+        runner.warm_up()
+    monkeypatch.undo()
+    assert _fresh_state(runner) == _fresh_state(fresh)
+    assert greedy_decode(runner, PROMPT, 4, free=True)[1] == greedy_decode(fresh, PROMPT, 4, free=True)[1]

@@ -50,6 +50,11 @@ from edgemoe.weights.loader import dummy_layout, init_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
 
+
+class WarmUpError(RuntimeError):
+    """A step of the start-up warm-up failed (:meth:`ModelRunner.warm_up`); the runner was reset and is usable."""
+
+
 WARMUP_SEQ = -2  # the start-up warm-up's throwaway sequence (SCRATCH_SEQ, -1, owns the padding rows' page)
 WARMUP_PROMPT_TOKENS = 8  # the length of its prompt
 
@@ -206,12 +211,14 @@ class ModelRunner:
             self.host_malloc = keep_freed_memory()
         self.warmup_seconds: float | None = None  # the start-up warm-up's time (None: it did not run)
         if config.warmup and cuda:
-            with startup_step("warming up: a short prefill and two decode steps compile the GPU kernels",
-                              "seconds on a machine's first start, well under one after"):
-                self.warmup_seconds = self.warm_up()
+            try:
+                with startup_step("warming up: a short prefill and two decode steps compile the GPU kernels",
+                                  "seconds on a machine's first start, well under one after"):
+                    self.warmup_seconds = self.warm_up()
+            except WarmUpError as exc:  # said, and the engine starts cold as with --no-warmup
+                log.warning("start-up warm-up: %s; the engine starts without it (as with --no-warmup)", exc)
         self.load_seconds = time.perf_counter() - t0
 
-    @torch.inference_mode()
     def warm_up(self, prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> float:
         """Run the steps a first request runs, then start over as a fresh runner would: a prefill of
         ``prompt_tokens`` tokens and two decode steps of a throwaway sequence (``WARMUP_SEQ``), its KV pages and
@@ -229,22 +236,31 @@ class ModelRunner:
             Seconds taken.
 
         Raises:
-            Whatever a step raises (the runner is not usable then).
+            WarmUpError: a step failed; the runner was reset as above and is usable (its first request then
+                runs the same steps and may fail the same way).
+            RuntimeError: the reset failed (e.g. the cache could not be allocated again); the runner is not usable.
         """
         t0 = time.perf_counter()
         skip = set(self.eos_token_ids) | set(self.prefix.anchor_ids)
         ids = [t for t in range(prompt_tokens + len(skip)) if t not in skip][:prompt_tokens]
+        failed = None
         try:
             self.execute([StepInput(WARMUP_SEQ, ids, 0)], Phase.PREFILL)
             for pos in range(len(ids), len(ids) + 2):
                 self.execute([StepInput(WARMUP_SEQ, ids[:1], pos)], Phase.DECODE)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        finally:
-            self.free(WARMUP_SEQ)
-            self.experts.restart()
-            self._bind()
-            self._step = 0
+        except Exception as exc:  # the reset below still runs; a failure there is raised as it is
+            failed = exc
+        # outside inference mode, as a resize rebuilds the cache: its new tensors stay writable by every caller
+        self.free(WARMUP_SEQ)
+        if self.graphs is not None:
+            self.graphs.invalidate()  # the captured graphs' memory goes before the cache is allocated again
+        self.experts.restart()
+        self._bind()
+        self._step = 0
+        if failed is not None:
+            raise WarmUpError(f"a warm-up step failed: {type(failed).__name__}: {failed}") from failed
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers
