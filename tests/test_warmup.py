@@ -2,7 +2,7 @@
 as a fresh one finds it: the expert cache empty, every count at zero, the policy at its prior, no KV page or
 recurrent-state slot held, nothing in the prefix cache; a request after it gives what it gives on a fresh runner,
 token for token and count for count. On CPU the runner does not warm up by itself (nothing compiles there), so
-these tests call it; ``tests/gpu/test_warmup_gpu.py`` checks the warm-up a CUDA runner runs at start-up."""
+these tests call it; ``tests/gpu/test_cuda_paths.py`` checks the warm-up a CUDA runner runs at start-up."""
 
 from __future__ import annotations
 

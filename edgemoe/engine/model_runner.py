@@ -671,7 +671,8 @@ class ModelRunner:
         ex = self.experts.cpu_executor
         lines = [
             f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
-            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s",
+            f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s"
+            + (f" (warm-up {self.warmup_seconds:.1f} s)" if self.warmup_seconds is not None else ""),
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
             + (f" ({ex.threads_note})" if ex.threads_note else ""),
             self._weights_line(),
