@@ -26,11 +26,33 @@ def _counts(runner: ModelRunner) -> dict:
                                         "decode")} | {"prefetch": stats.get("prefetch")}
 
 
+def _plain(value):
+    """``value`` as comparable data: tensors as lists, objects as their attributes, recursively."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    return value
+
+
 def _fresh_state(runner: ModelRunner) -> dict:
+    """What a fresh runner starts from: clocks, pools, the cache's tables and counters, the policy's whole state and
+    the runtime's window bookkeeping (its time stamps of the last decode step included)."""
+    rt, ck = runner.experts, runner.prefix.checkpoints
     return {"step": runner._step, "free_pages": runner.kv.free_pages, "cached_pages": runner.kv.cached_pages,
             "state_slots": None if runner.state is None else runner.state.free_slots,
+            "checkpoints": None if ck is None else (ck.positions(), ck.saved, ck.evicted, ck._clock),
             "captured": None if runner.graphs is None else runner.graphs.captured_sizes(),
-            "reuse": runner.experts.cache.reuse.tolist(), "counts": _counts(runner)}
+            "cache": {name: getattr(rt.cache, name).tolist() for name in ("slot_of", "owner_of", "last_used", "reuse",
+                                                                         "ghost_slot", "slot_ghost", "clock")},
+            "policy": _plain(rt.policy),
+            "windows": (rt._last_decode, rt._decode_steps, rt._reuse_seen, rt._probe_next, rt._window_decode_s,
+                        rt._window_free_fills),
+            "counts": _counts(runner)}
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +81,22 @@ def test_warm_up_leaves_the_runner_as_a_fresh_one_finds_it(tiny_model_dir, hybri
         steps.append((phase, [(i.seq_id, len(i.token_ids), i.start_pos) for i in inputs]))
         out = execute(inputs, phase)
         seen.update(_counts(warmed))
+        if policy == "auto":  # as the device path's timings teach it the machine: a resize would keep these
+            warmed.experts.policy.fill_fit.add(4, 1e-3)
+            warmed.experts.policy.cpu_fit.add(4, 1e-3)
         return out
 
     monkeypatch.setattr(warmed, "execute", spy)
+    from edgemoe.engine import expert_runtime
+
+    # a window read at the second decode step, as a slow first step (kernels compiling) makes on a GPU: the policy
+    # learns from the warm-up, and the reset must forget it
+    monkeypatch.setattr(expert_runtime, "REUSE_READ_SECONDS", 0.0)
+    observed = []
+    monkeypatch.setattr(warmed.experts.policy, "observe_layers",
+                        lambda obs, f=warmed.experts.policy.observe_layers: (observed.append(obs), f(obs))[1])
     assert warmed.warm_up() > 0
+    assert observed or policy != "auto"  # auto read a window during the warm-up
     monkeypatch.undo()
     assert [phase for phase, _ in steps] == [Phase.PREFILL, Phase.DECODE, Phase.DECODE]
     assert all(seq == WARMUP_SEQ for _, batch in steps for seq, _, _ in batch)
@@ -99,6 +133,49 @@ def test_a_failed_warm_up_step_still_leaves_a_fresh_usable_runner(tiny_model_dir
 
     monkeypatch.setattr(runner, "execute", decode_fails)
     with pytest.raises(WarmUpError, match="simulated kernel fault"):
+        runner.warm_up()
+    monkeypatch.undo()
+    assert _fresh_state(runner) == _fresh_state(fresh)
+    assert greedy_decode(runner, PROMPT, 4, free=True)[1] == greedy_decode(fresh, PROMPT, 4, free=True)[1]
+
+
+def test_no_state_checkpoint_is_taken_however_short_the_interval(hybrid_dir):
+    config = EngineConfig(device="cpu", dtype="float32", expert_cache_slots=6, cpu_executor="torch",
+                          bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, state_checkpoint_interval=4)
+    fresh = ModelRunner(hybrid_dir, config, progress=False)
+    warmed = ModelRunner(hybrid_dir, config, progress=False)
+    warmed.warm_up()
+    assert warmed.prefix.checkpoints.positions() == [] and warmed.prefix.checkpoints.saved == 0
+    assert _fresh_state(warmed) == _fresh_state(fresh)
+    greedy_decode(warmed, PROMPT, 2, free=True)
+    assert warmed.prefix.checkpoints.saved > 0  # the store is back for real requests
+
+
+@pytest.mark.parametrize("max_model_len, runs", [(9, True), (2, False)])
+def test_a_short_context_shortens_or_skips_the_warm_up(tiny_model_dir, max_model_len, runs):
+    runner = ModelRunner(tiny_model_dir, EngineConfig(device="cpu", dtype="float32", max_model_len=max_model_len),
+                         progress=False)
+    seconds = runner.warm_up()
+    assert (seconds is not None) == runs
+    assert runner.kv.free_pages == runner.kv.num_pages and runner._step == 0
+
+
+def test_a_fault_inside_a_forward_still_leaves_a_fresh_usable_runner(tiny_model_dir, monkeypatch):
+    from edgemoe.experts.hybrid import HybridExperts
+
+    config = EngineConfig(device="cpu", dtype="float32", expert_policy="qstar", expert_cache_slots=6,
+                          bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, cpu_executor="torch")
+    fresh = ModelRunner(tiny_model_dir, config, progress=False)
+    runner = ModelRunner(tiny_model_dir, config, progress=False)
+    forward = HybridExperts.forward
+
+    def faulty(self, moe_layer, x, topk_ids, topk_weights, phase, step):
+        if phase is Phase.DECODE and moe_layer == 1:  # half-way through a decode step
+            raise RuntimeError("simulated fault in layer 1")
+        return forward(self, moe_layer, x, topk_ids, topk_weights, phase, step)
+
+    monkeypatch.setattr(HybridExperts, "forward", faulty)
+    with pytest.raises(WarmUpError, match="simulated fault in layer 1"):
         runner.warm_up()
     monkeypatch.undo()
     assert _fresh_state(runner) == _fresh_state(fresh)

@@ -219,21 +219,25 @@ class ModelRunner:
                 log.warning("start-up warm-up: %s; the engine starts without it (as with --no-warmup)", exc)
         self.load_seconds = time.perf_counter() - t0
 
-    def warm_up(self, prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> float:
+    def warm_up(self, prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> float | None:
         """Run the steps a first request runs, then start over as a fresh runner would: a prefill of
-        ``prompt_tokens`` tokens and two decode steps of a throwaway sequence (``WARMUP_SEQ``), its KV pages and
-        recurrent state freed (nothing enters the prefix cache), the expert cache rebuilt cold under a policy
-        back at its prior with every count at zero (:meth:`ExpertRuntime.restart`), the step clock at 0.
+        ``prompt_tokens`` tokens (fewer where ``max_model_len`` is shorter) and two decode steps of one throwaway
+        sequence (``WARMUP_SEQ``), its KV pages and recurrent state freed (nothing enters the prefix cache, and no
+        recurrent-state checkpoint is taken), the expert cache rebuilt cold under a policy back at its prior with
+        every count at zero (:meth:`ExpertRuntime.restart`), the step clock at 0.
 
         On a GPU the first decode step of a process compiles the decode kernels (Triton JIT: seconds on a
         machine's first start, well under one once Triton's disk cache holds them) and captures the decode
         step; without this the first request pays that in its first decode step, and the expert policy reads
-        that step's time. What stays are the compiled kernels; the captured graphs are dropped with the rebuilt
-        cache (their capture, which runs no kernel, comes with the first request's first decode step). The
-        prompt avoids end-of-sequence and anchor tokens, so no recurrent-state checkpoint is taken.
+        that step's time. What stays are the compiled kernels of a one-sequence decode step and of a short
+        prompt's prefill; a larger batch or a prompt long enough to stream its layers (``edgemoe.experts.prefill``)
+        still compiles its own kernels at first use. The captured graphs are dropped with the rebuilt cache (their
+        capture, which runs no kernel, comes with the first request's first decode step); the ``static`` policy
+        places its layers again.
 
         Returns:
-            Seconds taken.
+            Seconds taken, or ``None`` when it did not run: the steps would not fit in ``max_model_len`` or in the
+            free KV pages without borrowing from the expert cache (logged).
 
         Raises:
             WarmUpError: a step failed; the runner was reset as above and is usable (its first request then
@@ -241,17 +245,26 @@ class ModelRunner:
             RuntimeError: the reset failed (e.g. the cache could not be allocated again); the runner is not usable.
         """
         t0 = time.perf_counter()
+        n = min(prompt_tokens, self.max_model_len - 2)  # the prompt, then two decode positions
+        if n < 1 or self.kv.pages_needed(WARMUP_SEQ, n + 2) > self.kv.free_pages:
+            log.info("start-up warm-up skipped: %d prompt and 2 decode tokens do not fit (max_model_len %d, %d free KV "
+                     "pages)", max(n, 0), self.max_model_len, self.kv.free_pages)
+            return None
         skip = set(self.eos_token_ids) | set(self.prefix.anchor_ids)
-        ids = [t for t in range(prompt_tokens + len(skip)) if t not in skip][:prompt_tokens]
+        ids = [t for t in range(n + len(skip)) if t not in skip][:n]
         failed = None
+        store, self.prefix.checkpoints = self.prefix.checkpoints, None  # no step of it plans a state checkpoint
         try:
             self.execute([StepInput(WARMUP_SEQ, ids, 0)], Phase.PREFILL)
-            for pos in range(len(ids), len(ids) + 2):
+            for pos in range(n, n + 2):
                 self.execute([StepInput(WARMUP_SEQ, ids[:1], pos)], Phase.DECODE)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # the reset below still runs; a failure there is raised as it is
-            failed = exc
+            log.debug("start-up warm-up step failed", exc_info=True)
+            failed = f"{type(exc).__name__}: {exc}"  # the message only: the traceback's frames may hold device memory
+        finally:
+            self.prefix.checkpoints = store
         # outside inference mode, as a resize rebuilds the cache: its new tensors stay writable by every caller
         self.free(WARMUP_SEQ)
         if self.graphs is not None:
@@ -260,7 +273,7 @@ class ModelRunner:
         self._bind()
         self._step = 0
         if failed is not None:
-            raise WarmUpError(f"a warm-up step failed: {type(failed).__name__}: {failed}") from failed
+            raise WarmUpError(f"a warm-up step failed: {failed}")
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loading helpers

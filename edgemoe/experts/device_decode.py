@@ -180,7 +180,6 @@ class DeviceDecode:
                              "(ExpertCache(num_experts=...))")
         self.num_experts = num_experts
         self.swiglu_oai = swiglu_oai_args(pool.activation)
-        self.biases = (cache.view("b13"), cache.view("b2")) if cache.layout.has_bias else None  # slots' sections
         dev = self.device = cache.device
         P = max_tokens * top_k
         H, I = pool.hidden, pool.intermediate
@@ -374,15 +373,18 @@ class DeviceDecode:
         if self.fills:
             self._gather_fills(o.meta, o.fill_fid, o.fill_slot, self.pool.bank, c.bank)
         routed = self.routed[:T]
+        # the slots' sections, viewed per step as the weights are: nothing here outlives the bank (a rebuilt cache
+        # releases it before allocating the next, so a view kept would hold two banks at once)
+        biases = (c.view("b13"), c.view("b2")) if c.layout.has_bias else None
         # y = Σ_k routed in float32, summed in the down launch: rounded there to x.dtype unless a CPU partial
         # is still to be added (in float32)
         y = torch.empty(T, x.shape[1], dtype=torch.float32 if self.armed else x.dtype, device=x.device)  # [T, H]
         if c.layout.format.dense:
             self._expert_gemv(x, o.slot_tk, topk_weights, c.view("w13"), c.view("w2"), routed, self.act,
-                              self.swiglu_oai, self.biases, y=y, counters=self.route_sums)
+                              self.swiglu_oai, biases, y=y, counters=self.route_sums)
         else:  # packed codes and scales of the same slot rows, dequantized in registers
             self._expert_gemv_quant(x, o.slot_tk, topk_weights, quant_slots(c.layout, c.bank), routed, self.act,
-                                    self.swiglu_oai, self.biases, y=y, counters=self.route_sums)
+                                    self.swiglu_oai, biases, y=y, counters=self.route_sums)
         if self.armed and self.step is not None:  # waits, and adds the partial, only after a hand-off
             if self._release_address is not None:  # released at once by a hand-off without CPU work
                 self._wait_stream_op(self._release_address, torch.cuda.current_stream(self.device).cuda_stream)

@@ -131,8 +131,8 @@ def _request(runner: ModelRunner, steps: int = 12) -> tuple[torch.Tensor, list[i
 
 @pytest.mark.parametrize("policy", ["fill-all", "qstar"])
 def test_warm_up_compiles_and_leaves_the_runner_as_a_fresh_one(small, policy):
-    kw = dict(device="cuda", expert_policy=policy, expert_cache_slots=24, bandwidth_pcie_gbps=20.0,
-              bandwidth_cpu_gbps=20.0)
+    kw = dict(device="cuda", expert_policy=policy, expert_cache_slots=24, bandwidth_pcie_gbps=10.0,
+              bandwidth_cpu_gbps=25.0)  # qstar sends most misses to the CPU branch
     cold = ModelRunner(small, EngineConfig(warmup=False, **kw), progress=False)
     assert cold.warmup_seconds is None
     cold_start = _state(cold)
@@ -143,5 +143,6 @@ def test_warm_up_compiles_and_leaves_the_runner_as_a_fresh_one(small, policy):
     b_logits, b_toks, b_first = _request(warmed)
     assert a_toks == b_toks and torch.equal(a_logits, b_logits)
     assert _state(warmed) == _state(cold)
+    assert (warmed.expert_stats()["decode"]["cpu"] > 0) == (policy == "qstar")
     print(f"\nwarm-up ({policy}): {warmed.warmup_seconds:.3f} s; first decode step without it {1e3 * a_first:.1f} ms "
           f"(built first), after it {1e3 * b_first:.1f} ms")
