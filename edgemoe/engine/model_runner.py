@@ -209,6 +209,7 @@ class ModelRunner:
         self.host_malloc = None  # the summary's line when freed host memory is kept (a CPU device)
         if self.device.type == "cpu" and config.keep_freed_host_memory:
             self.host_malloc = keep_freed_memory()
+        self.load_seconds = time.perf_counter() - t0  # the warm-up below is reported on its own
         self.warmup_seconds: float | None = None  # the start-up warm-up's time (None: it did not run)
         if config.warmup and cuda:
             try:
@@ -217,7 +218,6 @@ class ModelRunner:
                     self.warmup_seconds = self.warm_up()
             except WarmUpError as exc:  # said, and the engine starts cold as with --no-warmup
                 log.warning("start-up warm-up: %s; the engine starts without it (as with --no-warmup)", exc)
-        self.load_seconds = time.perf_counter() - t0
 
     def warm_up(self, prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> float | None:
         """Run the steps a first request runs, then start over as a fresh runner would: a prefill of
@@ -685,7 +685,7 @@ class ModelRunner:
         lines = [
             f"edgemoe: {cfg.architecture} from {self.model_dir} ({self.weights_format}, {self.pool.format.value} "
             f"experts), dtype {str(self.dtype).replace('torch.', '')}, loaded in {self.load_seconds:.1f} s"
-            + (f" (warm-up {self.warmup_seconds:.1f} s)" if self.warmup_seconds is not None else ""),
+            + (f", then warmed up in {self.warmup_seconds:.1f} s" if self.warmup_seconds is not None else ""),
             f"  device       {dev}; CPU executor {ex.name}, {ex.threads} threads"
             + (f" ({ex.threads_note})" if ex.threads_note else ""),
             self._weights_line(),
