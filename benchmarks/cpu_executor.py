@@ -17,6 +17,15 @@ For each thread count, on this machine:
   nvfp4 (2.66 MB). B_H is always GB/s of *packed* row bytes (scales and padding included), so
   ``native/read`` is the fraction of the DRAM read bandwidth a format's kernels reach.
 
+With ``--trace N`` each native row also records N of its calls (the executor's call trace: a clock read on the
+caller and on each pool thread at the points below) and prints where a call's time goes, medians in µs:
+``prep`` (the call's entry to its dispatch: checks, the activation's conversion, the work split), ``wake`` (the
+dispatch to the last thread's start), ``phase 1`` (the dispatch to the last thread's end of its gate/up chunks),
+``barrier`` (the mean wait there), ``phase 2`` (the barrier's first exit to the last thread's end of its down
+chunks),
+``join`` (that end to the call's return), ``busy`` (a thread's mean time in chunks over the call's time), the
+split behind a call's fixed cost on a host with many cores.
+
 Weights rotate in random order over ``--rotate-gb`` (default 4 GB, > 13x the H200 host's 300 MiB
 L3), so they come from DRAM. Prints a table; writes JSON to ``--out`` (a file or a folder).
 
@@ -92,6 +101,42 @@ def read_bandwidth(ex: native.NativeCpuExecutor, pool: HostExpertPool, seconds: 
             return moved / dt / 1e9
 
 
+def call_breakdown(records: torch.Tensor) -> dict[str, float]:
+    """Where the traced calls' time went (``NativeCpuExecutor.traced``: ``[calls, 3 + 4 * threads]`` int64 ns):
+    medians over the calls, in µs, of ``total`` (entry to return), ``prep`` (entry to dispatch), ``wake`` (dispatch
+    to the last thread's start), ``phase1`` (dispatch to the last thread's end of phase 1), ``barrier`` (the
+    threads' mean wait between their phase-1 end and the barrier's exit), ``phase2`` (the barrier's first exit to
+    the last thread's end of phase 2), ``join`` (that end to the return), and ``busy`` (the threads' mean time in
+    chunks over the call's total; a fraction). Threads that did not run a call (0 stamps) are left out of it.
+
+    Raises:
+        ValueError: no call recorded.
+    """
+    if records.numel() == 0:
+        raise ValueError("no call was traced")
+    entry, dispatch, ret = (records[:, i].double() for i in range(3))
+    th = records[:, 3:].view(records.shape[0], -1, 4).double()  # [calls, threads, 4]
+    ran = th[:, :, 0] > 0
+    small = torch.tensor(float("-inf"), dtype=torch.float64)
+
+    def last(col: int) -> torch.Tensor:
+        return torch.where(ran, th[:, :, col], small).amax(1)
+
+    def first(col: int) -> torch.Tensor:
+        return torch.where(ran, th[:, :, col], -small).amin(1)
+
+    def mean(v: torch.Tensor) -> torch.Tensor:
+        return torch.where(ran, v, 0.0).sum(1) / ran.sum(1)
+
+    busy = (th[:, :, 1] - th[:, :, 0]) + (th[:, :, 3] - th[:, :, 2])
+    parts = {"total": ret - entry, "prep": dispatch - entry, "wake": last(0) - dispatch,
+             "phase1": last(1) - dispatch, "barrier": mean(th[:, :, 2] - th[:, :, 1]),
+             "phase2": last(3) - first(2), "join": ret - last(3)}
+    out = {k: float(v.median()) / 1e3 for k, v in parts.items()}
+    out["busy"] = float((mean(busy) / (ret - entry)).median())
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the native executor's floor on a chunk's weights, KiB (default its own, "
                          f"{native.DEFAULT_MIN_CHUNK_BYTES // 1024}; 0: four chunks per thread whatever their size)")
     ap.add_argument("--executors", default="native,torch", help="which executors (default native,torch)")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="trace N calls of each native row and print where a call's time goes (default 0: off)")
     ap.add_argument("--out", default=None, help="JSON output file, or a folder for cpu_executor.json")
     args = ap.parse_args(argv)
 
@@ -175,12 +222,21 @@ def main(argv: list[str] | None = None) -> dict:
                             continue
                         measure_cpu(pool, e, 0.1, tokens=b, experts_per_call=epc)  # warm-up
                         res[f"{kind}_gbps"] = measure_cpu(pool, e, args.seconds, tokens=b, experts_per_call=epc)
+                        if kind == "native" and args.trace > 0:  # apart from the rate's own measurement
+                            e.trace_calls(args.trace)
+                            measure_cpu(pool, e, 0.1, tokens=b, experts_per_call=epc)
+                            res["native_trace_us"] = call_breakdown(e.traced())
+                            e.trace_calls(0)
                     rows.append(res)
                     nat, tor = res.get("native_gbps"), res.get("torch_gbps")
                     f = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
                     print(f"{name:>6} {t:>3} {b:>5} {epc:>8} {read:>9.2f} {f(nat):>11} {f(tor):>10} "
                           f"{f(nat and nat / read):>11} {f(tor and tor / read):>10} "
                           f"{f(nat and tor and nat / tor):>12}", flush=True)
+                    if "native_trace_us" in res:
+                        tr = res["native_trace_us"]
+                        print("       trace (µs, medians): " + ", ".join(
+                            f"{k} {v:.2f}" if k == "busy" else f"{k} {v:.1f}" for k, v in tr.items()), flush=True)
             if name == formats[-1]:  # the last pool: one more read after its rows
                 reads[t].append(read_bandwidth(ex, pool, args.seconds))
             del ex, te

@@ -131,3 +131,43 @@ def test_engine_changes_the_thread_count_at_run_time(tiny):
     assert decode() == before  # results do not depend on the thread count
     with pytest.raises(ValueError, match="cpu_threads"):
         runner.set_cpu_threads(0)
+
+
+@needs_native
+def test_the_call_trace_stamps_every_point_of_each_traced_call_in_order(load_benchmark):
+    pool = HostExpertPool.dense(16, 256, 128, torch.bfloat16)
+    pool.fill_random(seed=2)
+    ex = native.NativeCpuExecutor(pool, 2, min_parallel_bytes=0)
+    x, work = torch.randn(2, 256), [(f, torch.tensor([0, 1]), torch.tensor([0.5, 0.25])) for f in range(4)]
+    ex.run(x, work, torch.zeros(2, 256))
+    assert ex.traced().shape == (0, 3 + 4 * ex.threads)  # nothing recorded before trace_calls
+    ex.trace_calls(3)
+    for _ in range(5):  # two more calls than the record holds
+        ex.run(x, work, torch.zeros(2, 256))
+    rec = ex.traced()
+    assert rec.shape == (3, 3 + 4 * ex.threads)
+    entry, dispatch, ret = rec[:, 0], rec[:, 1], rec[:, 2]
+    threads = rec[:, 3:].view(3, ex.threads, 4)
+    assert bool((entry > 0).all() and (entry <= dispatch).all() and (dispatch <= ret).all())
+    assert bool((threads > 0).all())  # both threads ran every call (a parallel call)
+    assert bool((threads.diff(dim=2) >= 0).all())  # start <= phase-1 end <= barrier exit <= phase-2 end
+    assert bool((threads[:, :, 0] >= dispatch[:, None]).all() and (threads[:, :, 3] <= ret[:, None]).all())
+    assert bool((entry[1:] >= ret[:-1]).all())  # the first three calls, in order
+    parts = load_benchmark("cpu_executor").call_breakdown(rec)
+    assert set(parts) == {"total", "prep", "wake", "phase1", "barrier", "phase2", "join", "busy"}
+    assert 0 < parts["busy"] <= 1 and parts["total"] >= parts["prep"] + parts["phase1"] - 1e-6
+    ex.trace_calls(0)
+    ex.run(x, work, torch.zeros(2, 256))
+    assert ex.traced().shape[0] == 0  # stopped and dropped
+
+
+def test_call_breakdown_of_a_known_record(load_benchmark):
+    us = 1000  # ns
+    # one call: entry 0, dispatch 5, return 100; thread 0 starts at 5, phase 1 to 50, barrier to 60, phase 2 to 95;
+    # thread 1 starts at 15, phase 1 to 60, exits the barrier at 60, phase 2 to 90
+    rec = torch.tensor([[1, 6, 101, 6, 51, 61, 96, 16, 61, 61, 91]], dtype=torch.int64) * us
+    parts = load_benchmark("cpu_executor").call_breakdown(rec)
+    assert parts == pytest.approx({"total": 100, "prep": 5, "wake": 10, "phase1": 55, "barrier": 5, "phase2": 35,
+                                   "join": 5, "busy": (80 + 75) / 2 / 100})
+    with pytest.raises(ValueError, match="no call"):
+        load_benchmark("cpu_executor").call_breakdown(torch.zeros(0, 11, dtype=torch.int64))

@@ -195,6 +195,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("pinned", &Executor::pinned)
       .def_property_readonly("caller_cpu", &Executor::caller_cpu)
       .def_property_readonly("preempted_waits", &Executor::preempted_waits)
+      .def("trace_calls", &Executor::trace_calls, py::arg("capacity"),
+           "Record the next `capacity` run() calls (0: stop); see Executor::trace_calls")
+      .def("traced", &Executor::traced, "The recorded calls, trace_stride values each (ns of the steady clock)")
+      .def_property_readonly("trace_stride", &Executor::trace_stride)
       .def(
           "isa_for",
           [](const Executor& e, int fmt, bool bf16_compute) { return e.isa_for(static_cast<WeightFormat>(fmt), bf16_compute); },

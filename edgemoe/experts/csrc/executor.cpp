@@ -60,6 +60,10 @@ inline void cpu_relax() {
 
 using Clock = std::chrono::steady_clock;
 
+inline int64_t now_ns() {  // the call trace's clock
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
 inline int64_t us_since(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t).count();
 }
@@ -327,6 +331,7 @@ struct Executor::Job {
   GemvFn gemv;
   ActFormat act;
   bool serial;              // run on the caller alone (no barrier)
+  int64_t* trace;           // this call's trace record (trace_calls), or nullptr
   int64_t H, I;
   int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
   int64_t c2, n2;           // phase 2: output rows per chunk, chunks
@@ -362,6 +367,7 @@ int Executor::isa_for(WeightFormat fmt, bool bf16_compute) const {
 }
 
 int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
+  const int64_t entry_ns = trace_cap_.load(std::memory_order_relaxed) > 0 ? now_ns() : 0;
   // ---- validation (nothing is written before it passes)
   const int f = static_cast<int>(b.fmt);
   if (f < 0 || f >= kNumFormats || s.T < 0 || s.n_experts < 0 || (s.x_fmt != 0 && s.x_fmt != 1)) return kBadArgs;
@@ -483,18 +489,44 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   for (auto& v : scratch_)
     if (v.size() < need) v.resize(need);
 
+  J.trace = nullptr;
+  if (trace_n_ < trace_cap_.load(std::memory_order_relaxed)) {
+    J.trace = trace_.data() + trace_n_++ * trace_stride();
+    std::fill(J.trace, J.trace + trace_stride(), int64_t{0});
+    J.trace[0] = entry_ns;
+    J.trace[1] = now_ns();
+  }
   if (J.serial)
     step_job(&J, 0);
   else
     pool_.run(&Executor::step_job, &J);
+  if (J.trace) J.trace[2] = now_ns();
   return kOk;
+}
+
+void Executor::trace_calls(int64_t capacity) {
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  const int64_t cap = std::max<int64_t>(0, capacity);
+  trace_n_ = 0;
+  trace_.assign(static_cast<size_t>(cap * trace_stride()), 0);
+  trace_cap_.store(cap, std::memory_order_relaxed);
+}
+
+std::vector<int64_t> Executor::traced() {
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  return std::vector<int64_t>(trace_.begin(), trace_.begin() + trace_n_ * trace_stride());
 }
 
 void Executor::step_job(void* job, int tid) {
   Job& J = *static_cast<Job*>(job);
+  int64_t* tr = J.trace ? J.trace + 3 + 4 * tid : nullptr;
+  if (tr) tr[0] = now_ns();
   for (int64_t c; (c = J.next1.fetch_add(1, std::memory_order_relaxed)) < J.n1;) J.self->phase1_chunk(J, c, tid);
+  if (tr) tr[1] = now_ns();
   if (!J.serial) J.self->pool_.barrier();  // every activation of the step is written
+  if (tr) tr[2] = now_ns();
   for (int64_t c; (c = J.next2.fetch_add(1, std::memory_order_relaxed)) < J.n2;) J.self->phase2_chunk(J, c, tid);
+  if (tr) tr[3] = now_ns();
 }
 
 // Gate rows [i0, i0 + rows) and up rows [I + i0, ...) of one expert for all its tokens, then

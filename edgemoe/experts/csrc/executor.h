@@ -253,6 +253,15 @@ class Executor {
   int caller_cpu() const { return pool_.caller_cpu(); }
   int64_t preempted_waits() const { return pool_.preempted_waits(); }
 
+  // Call trace, for benchmarks: where a run() call's time goes. trace_calls(n) starts recording the next n calls
+  // (0: stops and drops what was recorded); traced() returns them, trace_stride() values a call, in nanoseconds of
+  // the steady clock: the caller's [entry, dispatch to the pool, return], then per pool thread [start of its job,
+  // end of its phase-1 chunks, exit from the barrier between the phases, end of its phase-2 chunks] (0 for a thread
+  // that did not run the call: a call run on the caller alone). Recording costs a clock read at each point.
+  void trace_calls(int64_t capacity);
+  std::vector<int64_t> traced();
+  int64_t trace_stride() const { return 3 + 4 * static_cast<int64_t>(pool_.size()); }
+
   // Internal state of one step's job (and of one linear()), shared by the pool threads.
   struct Job;
   struct LinearJob;
@@ -275,6 +284,9 @@ class Executor {
   int64_t min_parallel_bytes_;
   int64_t min_chunk_bytes_;
   std::mutex run_mutex_;
+  std::vector<int64_t> trace_;           // trace_calls(): trace_stride() values a recorded call (run_mutex_)
+  std::atomic<int64_t> trace_cap_{0};    // calls to record (read without the lock at a call's entry)
+  int64_t trace_n_ = 0;                  // calls recorded (run_mutex_)
   // Buffers reused across steps (grow only; no allocation in steady state).
   std::vector<uint16_t> x_bf16_, act_bf16_;
   std::vector<float> x_f32_, act_f32_;
