@@ -81,7 +81,7 @@ for stage in "${stages[@]}"; do
           --format ${CPU_FORMATS_FORMATS:-bf16,fp8,mxfp4,nvfp4} ${CPU_FORMATS_ARGS:---threads 6,15 --batch 1,8} \
           --experts-per-call ${CPU_FORMATS_EXPERTS:-8} --executors native \
           --out "$OUT/cpu_formats$( [ -n "${CPU_FORMATS_TREES:-}${CPU_FORMATS_VARIANTS:-}" ] && echo "-$i-$name").json" 2>&1 \
-          | tee -a "$OUT/cpu-formats.log" | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:'
+          | tee -a "$OUT/cpu-formats.log" | grep -E '^ *(bf16|fp8|mxfp4|nvfp4) |pool:|trace \('
       done
     done ;;
   threads)

@@ -600,3 +600,54 @@ def test_every_chunking_gives_the_one_thread_result(fmt, shape, compute, floor):
                     outs.append(out)
                 for threads, out in zip((2, 3), outs[1:]):
                     assert torch.equal(outs[0], out), (isa, T, n_experts, threads)
+
+
+def _bf16_cases(n: int) -> torch.Tensor:
+    """``[cases, n]`` bf16 bit patterns (as int16) that reach every branch of the Q15_LANES rounding: normal lanes of
+    mixed binades (elements far below the largest round to zero, or exactly on a half), ties, negative zeros,
+    subnormals beside normals, lanes of subnormals only, zeros, infinities and NaNs, exponents at both ends."""
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())]
+    rows.append(torch.randn(n, generator=g))  # one binade or two per lane
+    bits = [r.to(torch.bfloat16).view(torch.int16) for r in rows]
+    raw = torch.randint(-32768, 32768, (4, n), generator=g, dtype=torch.int32).to(torch.int16)  # any pattern
+    bits += list(raw)
+    sub = torch.randint(0, 128, (n,), generator=g, dtype=torch.int16) | (torch.randint(0, 2, (n,), generator=g,
+                                                                                         dtype=torch.int16) << 15)
+    bits.append(sub)  # subnormals and zeros of both signs only
+    mixed = bits[0].clone()
+    mixed[::3] = sub[::3]  # subnormals beside normals
+    mixed[5::16] = 0x7f80  # +inf in some lanes
+    mixed[9::64] = 0x7fc1  # NaN
+    mixed[2::32] = -32768  # -0
+    bits.append(mixed)
+    ties = (torch.full((n,), 0x4000, dtype=torch.int16) | torch.randint(0, 128, (n,), generator=g,
+                                                                           dtype=torch.int16))  # [2, 4)
+    ties[::8] = 0x4700  # 2^15: the lane's largest, the others 13-15 binades below, on and off halves
+    bits.append(ties)
+    ends = torch.randint(0, 128, (n,), generator=g, dtype=torch.int16) | (0xfe << 7)  # the largest binade
+    ends[1::2] = torch.randint(0x80, 0x100, (n // 2,), generator=g, dtype=torch.int16)  # the smallest normals
+    bits.append(ends)
+    return torch.stack(bits)
+
+
+@pytest.mark.parametrize("n", [2048, 768, 2880, 136])
+def test_each_levels_q15_store_writes_the_scalar_bytes(n):
+    """The avx512bf16 level's vectorized Q15_LANES store equals the scalar one byte for byte, whole rows and pieces
+    starting at any multiple of 16 (as phase 1 stores its chunks), on every case of :func:`_bf16_cases`."""
+    ext = native.load_extension()
+    levels = [native.ISA_LEVELS.index(i) for i in native.supported_isas(WeightFormat.MXFP4)]
+    own = 0
+    nbytes = -(-n // 128) * 384
+    for x in _bf16_cases(n):
+        x = x.contiguous()
+        pieces = [(0, n)] + [(k, min(n - k, 16 * (1 + k % 7))) for k in range(16, n, 176)]
+        for k0, cnt in pieces:
+            want = torch.full((nbytes,), 0x5a, dtype=torch.uint8)
+            ext.q15_lanes_store(0, 4, want.data_ptr(), k0, x.data_ptr() + 2 * k0, cnt)
+            for level in levels:
+                got = torch.full((nbytes,), 0x5a, dtype=torch.uint8)
+                own += ext.q15_lanes_store(level, 4, got.data_ptr(), k0, x.data_ptr() + 2 * k0, cnt)
+                assert torch.equal(got, want), (native.ISA_LEVELS[level], k0, cnt)
+    if "avx512bf16" in native.supported_isas(WeightFormat.MXFP4):
+        assert own > 0  # the vector store ran

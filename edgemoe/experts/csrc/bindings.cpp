@@ -90,6 +90,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "ISA level chosen for a feature bitmask, a cap (-1: none), a weight format and whether it computes in bf16 "
       "(-1: no kernel)");
   m.def("isa_name", [](int level) { return std::string(isa_name(static_cast<Isa>(level))); });
+  m.def(
+      "q15_lanes_store",
+      [](int level, int fmt, uintptr_t row, int64_t k0, uintptr_t x, int64_t n) {
+        const Q15StoreFn own = kernels_for(static_cast<Isa>(level)).by_format[fmt].q15_store;
+        (own ? own : &q15_lanes_store)(ptr<uint8_t>(row), k0, ptr<const uint16_t>(x), n);
+        return own != nullptr;
+      },
+      py::arg("level"), py::arg("fmt"), py::arg("row"), py::arg("k0"), py::arg("x"), py::arg("n"),
+      "Elements [k0, k0 + n) of a Q15_LANES row (kernels.h) from bf16 bits, with the store of ISA `level` for weight "
+      "format `fmt` (the caller checks the CPU has the level); returns whether the level has its own (else scalar)");
   m.def("feature_bits", [] {
     return py::dict(py::arg("avx2") = uint32_t(kFeatAvx2), py::arg("fma") = uint32_t(kFeatFma),
                     py::arg("avx512f") = uint32_t(kFeatAvx512F), py::arg("avx512bw") = uint32_t(kFeatAvx512BW),

@@ -332,6 +332,7 @@ struct Executor::Job {
   ActFormat act;
   bool serial;              // run on the caller alone (no barrier)
   int64_t* trace;           // this call's trace record (trace_calls), or nullptr
+  Q15StoreFn q15_store;     // act == Q15_LANES: the level's store of the activation
   int64_t H, I;
   int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
   int64_t c2, n2;           // phase 2: output rows per chunk, chunks
@@ -448,6 +449,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.s = s;
   J.gemv = ks.gemv;
   J.act = ks.act;
+  J.q15_store = ks.q15_store ? ks.q15_store : &q15_lanes_store;
   J.serial = p == 1 || bytes < min_parallel_bytes_ || !pool_.usable();
   J.H = H;
   J.I = I;
@@ -552,7 +554,7 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
       ab.resize(rows);
       for (int64_t r = 0; r < rows; ++r)
         ab[r] = f32_to_bf16(gated(J.b, biased(gj[r], bg, i0 + r, bf), biased(uj[r], bu, i0 + r, bf), bf));
-      q15_lanes_store(J.act_q15 + (r0 + j) * q15_row_bytes(I), i0, ab.data(), rows);
+      J.q15_store(J.act_q15 + (r0 + j) * q15_row_bytes(I), i0, ab.data(), rows);
     } else if (J.act == ActFormat::BF16) {
       uint16_t* dst = J.act_bf16 + (r0 + j) * I + i0;
       for (int64_t r = 0; r < rows; ++r)
@@ -617,7 +619,7 @@ const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const vo
       }
       uint8_t* dst = x_q15_.data() + t * *row_bytes;
       q15_lanes_clear_tail(dst, H);
-      q15_lanes_store(dst, 0, src, H);
+      (ks.q15_store ? ks.q15_store : &q15_lanes_store)(dst, 0, src, H);
     }
     return x_q15_.data();
   }

@@ -162,11 +162,16 @@ using GemvFn = void (*)(const WeightView& w, int64_t row0, int64_t nrows, int64_
 // Parallel-read test kernel: sum of n floats (the bandwidth benchmark's "true read").
 using SumFn = double (*)(const float* p, int64_t n);
 
+// Writes elements [k0, k0 + n) of a Q15_LANES row, as q15_lanes_store does (the same bytes), on one ISA level.
+using Q15StoreFn = void (*)(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n);
+
 struct KernelSet {
   GemvFn gemv;         // nullptr: no kernel for this (ISA, format)
   ActFormat act;       // activation format `gemv` consumes
   SumFn sum_f32;
   uint32_t needs = 0;  // CPU features `gemv` needs beyond its level's (CpuFeature bits)
+  Q15StoreFn q15_store = nullptr;  // act Q15_LANES: this level's own store of the activation (nullptr: the scalar
+                                   // q15_lanes_store)
 };
 
 // Kernel table of one ISA level, one entry per WeightFormat value (index = int(fmt)).

@@ -14,6 +14,7 @@
 // No weight is rounded: the result is that of the format's exact weights up to float32 summation order (FP4: and
 // Q15_LANES' rounding of an activation's small elements). Like every `vdpbf16ps` kernel here, the FP8 kernel
 // counts subnormal bf16 activations as zero in the whole blocks.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -428,6 +429,75 @@ struct Fp4Int {  // micro_fp4 as a register kernel
     micro_fp4<S, RB, NT>(rows, K, a, y, ldy, pf);
   }
 };
+// ---------------------------------------------------------------------------- Q15_LANES activations, vectorized
+// q15_lanes_store (kernels_scalar.cpp) on 32 elements (4 lanes) a vector: the same bytes. Per element: its exponent
+// field e and the lane's largest emax (a max over each 128-bit lane), its significand (implicit bit where e > 0)
+// shifted left by emax - max(e, 1) - 6 where that is negative, else right by it (at most 15: the significand has
+// 8 bits) and rounded half to even, the sign applied; then hi = q >> 7 and lo = q & 127 narrowed to bytes, the even
+// elements' from each 32-bit lane's low half and the odd ones' from its high half; the lane's sum of q (corr) and its
+// halved power-of-two scale. Lanes holding an infinity or NaN, or only subnormals, are left to the scalar code
+// (returns false, nothing written). `blk`: the block holding the group, j0 its first lane (a multiple of 4).
+inline bool q15_group32(uint8_t* blk, int64_t j0, const uint16_t* x) {
+  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi16(1);
+  const __m512i u = _mm512_loadu_si512(x);
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi16(u, 7), _mm512_set1_epi16(0xff));
+  __m512i m = _mm512_max_epu16(e, _mm512_shuffle_epi32(e, _MM_PERM_BADC));
+  m = _mm512_max_epu16(m, _mm512_shuffle_epi32(m, _MM_PERM_CDAB));
+  m = _mm512_max_epu16(m, _mm512_rol_epi32(m, 16));  // emax in every element of its lane
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi16(0x7fff));
+  const __mmask32 special = _mm512_cmpeq_epi16_mask(m, _mm512_set1_epi16(0xff)) |
+                            _mm512_mask_cmpneq_epi16_mask(_mm512_cmpeq_epi16_mask(m, zero), mag, zero);
+  if (special) return false;
+  __m512i sig = _mm512_and_si512(u, _mm512_set1_epi16(0x7f));
+  sig = _mm512_mask_add_epi16(sig, _mm512_cmpneq_epi16_mask(e, zero), sig, _mm512_set1_epi16(0x80));
+  const __m512i d = _mm512_sub_epi16(_mm512_sub_epi16(m, _mm512_max_epu16(e, one)), _mm512_set1_epi16(6));
+  const __m512i ls = _mm512_max_epi16(_mm512_sub_epi16(zero, d), zero);
+  const __m512i rs = _mm512_min_epi16(_mm512_max_epi16(d, zero), _mm512_set1_epi16(15));
+  __m512i v = _mm512_srlv_epi16(_mm512_sllv_epi16(sig, ls), rs);
+  const __m512i bit = _mm512_sllv_epi16(one, rs);  // 2^rs; where rs > 0 nothing was shifted left
+  const __m512i rem = _mm512_and_si512(sig, _mm512_sub_epi16(bit, one)), half = _mm512_srli_epi16(bit, 1);
+  const __mmask32 up = (_mm512_cmpgt_epu16_mask(rem, half) |
+                        (_mm512_cmpeq_epi16_mask(rem, half) & _mm512_test_epi16_mask(v, one))) &
+                       _mm512_cmpgt_epi16_mask(rs, zero);
+  v = _mm512_mask_add_epi16(v, up, v, one);
+  const __m512i q = _mm512_mask_sub_epi16(v, _mm512_cmplt_epi16_mask(u, zero), zero, v);
+  const __m512i hi = _mm512_srai_epi16(q, 7), lo = _mm512_and_si512(q, _mm512_set1_epi16(0x7f));
+  uint8_t* at = blk + 4 * j0;
+  auto store16 = [](uint8_t* p, __m128i v16) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v16); };
+  store16(at, _mm512_cvtepi32_epi8(hi));
+  store16(at + 64, _mm512_cvtepi32_epi8(_mm512_srli_epi32(hi, 16)));
+  store16(at + 128, _mm512_cvtepi32_epi8(lo));
+  store16(at + 192, _mm512_cvtepi32_epi8(_mm512_srli_epi32(lo, 16)));
+  __m512i s = _mm512_madd_epi16(q, _mm512_set1_epi16(1));  // int32 pair sums, then each 128-bit lane's total
+  s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_BADC));
+  s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);  // a lane's int32 0
+  store16(at + 256, _mm512_castsi512_si128(
+                        _mm512_permutexvar_epi32(first, _mm512_mullo_epi32(s, _mm512_set1_epi32(-12)))));
+  const __m512i m32 = _mm512_and_si512(m, _mm512_set1_epi32(0xffff));  // emax as int32, one per 32-bit lane
+  __m512i hs = _mm512_slli_epi32(_mm512_sub_epi32(m32, _mm512_set1_epi32(14)), 23);  // 2^(emax - 141) as float bits
+  hs = _mm512_mask_sllv_epi32(hs, _mm512_cmplt_epi32_mask(m32, _mm512_set1_epi32(16)), _mm512_set1_epi32(1),
+                              _mm512_add_epi32(m32, _mm512_set1_epi32(8)));  // subnormal float32 below emax 16
+  hs = _mm512_maskz_mov_epi32(_mm512_cmpneq_epi32_mask(m32, _mm512_setzero_si512()), hs);  // a lane of zeros: 0
+  store16(at + 320, _mm512_castsi512_si128(_mm512_permutexvar_epi32(first, hs)));
+  return true;
+}
+
+// Q15StoreFn of this level: whole groups of 32 elements (aligned in the block) in vectors, the rest (and the
+// special lanes) by the scalar code.
+void q15_store_avx512(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n) {
+  for (int64_t l = 0; l < n;) {
+    const int64_t k = k0 + l;
+    if (k % 32 == 0 && n - l >= 32 && q15_group32(row + (k / 128) * kQ15BlockBytes, (k % 128) / 8, x + l)) {
+      l += 32;
+      continue;
+    }
+    const int64_t m = std::min<int64_t>(n - l, 32 - k % 32);  // to the next group (k is a multiple of 8)
+    q15_lanes_store(row, k, x + l, m);
+    l += m;
+  }
+}
+
 // GemvFn for MXFP4 (S = ScaleMX) and NVFP4 (ScaleNV) rows, Q15_LANES activations: tiles of up to 4 tokens, 4 rows
 // for a tile of one token, 2 otherwise (the register file).
 template <class S>
@@ -451,8 +521,10 @@ const IsaKernels& kernels_avx512bf16() {
     const SumFn sum = kernels_avx512().by_format[int(WeightFormat::F32)].sum_f32;
     t.by_format[int(WeightFormat::BF16)] = {&gemv_bf16_dp, ActFormat::BF16, sum};
     t.by_format[int(WeightFormat::FP8_E4M3_BLOCK)] = {&gemv_fp8, ActFormat::BF16_P64, sum};
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::Q15_LANES, sum, kFeatAvx512Vnni};
-    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::Q15_LANES, sum, kFeatAvx512Vnni};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4<ScaleMX>, ActFormat::Q15_LANES, sum, kFeatAvx512Vnni,
+                                             &q15_store_avx512};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4<ScaleNV>, ActFormat::Q15_LANES, sum, kFeatAvx512Vnni,
+                                             &q15_store_avx512};
     return t;
   }();
   return k;
