@@ -119,26 +119,6 @@ def test_warm_up_leaves_the_prefix_cache_empty_and_the_option_is_on_by_default(t
     assert runner.kv.cached_pages == 0 and runner.attach_prefix(0, list(range(8)) * 4) == 0
 
 
-def test_a_failed_warm_up_step_still_leaves_a_fresh_usable_runner(tiny_model_dir, monkeypatch):
-    config = EngineConfig(device="cpu", dtype="float32", expert_policy="qstar", expert_cache_slots=6,
-                          bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, cpu_executor="torch")
-    fresh = ModelRunner(tiny_model_dir, config, progress=False)
-    runner = ModelRunner(tiny_model_dir, config, progress=False)
-    execute = runner.execute
-
-    def decode_fails(inputs, phase):
-        if phase is Phase.DECODE:
-            raise RuntimeError("simulated kernel fault")
-        return execute(inputs, phase)
-
-    monkeypatch.setattr(runner, "execute", decode_fails)
-    with pytest.raises(WarmUpError, match="simulated kernel fault"):
-        runner.warm_up()
-    monkeypatch.undo()
-    assert _fresh_state(runner) == _fresh_state(fresh)
-    assert greedy_decode(runner, PROMPT, 4, free=True)[1] == greedy_decode(fresh, PROMPT, 4, free=True)[1]
-
-
 def test_no_state_checkpoint_is_taken_however_short_the_interval(hybrid_dir):
     config = EngineConfig(device="cpu", dtype="float32", expert_cache_slots=6, cpu_executor="torch",
                           bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, state_checkpoint_interval=4)
@@ -160,22 +140,35 @@ def test_a_short_context_shortens_or_skips_the_warm_up(tiny_model_dir, max_model
     assert runner.kv.free_pages == runner.kv.num_pages and runner._step == 0
 
 
-def test_a_fault_inside_a_forward_still_leaves_a_fresh_usable_runner(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("where", ["step", "forward"])
+def test_a_failed_warm_up_step_still_leaves_a_fresh_usable_runner(tiny_model_dir, where, monkeypatch):
+    """A decode step of the warm-up that raises, before it runs (``step``) or half-way through its layers
+    (``forward``, layer 1's experts): the reset still runs, the error names the fault, the runner serves as new."""
     from edgemoe.experts.hybrid import HybridExperts
 
     config = EngineConfig(device="cpu", dtype="float32", expert_policy="qstar", expert_cache_slots=6,
                           bandwidth_pcie_gbps=10.0, bandwidth_cpu_gbps=25.0, cpu_executor="torch")
     fresh = ModelRunner(tiny_model_dir, config, progress=False)
     runner = ModelRunner(tiny_model_dir, config, progress=False)
-    forward = HybridExperts.forward
+    if where == "step":
+        execute = runner.execute
 
-    def faulty(self, moe_layer, x, topk_ids, topk_weights, phase, step):
-        if phase is Phase.DECODE and moe_layer == 1:  # half-way through a decode step
-            raise RuntimeError("simulated fault in layer 1")
-        return forward(self, moe_layer, x, topk_ids, topk_weights, phase, step)
+        def decode_fails(inputs, phase):
+            if phase is Phase.DECODE:
+                raise RuntimeError("simulated fault in a step")
+            return execute(inputs, phase)
 
-    monkeypatch.setattr(HybridExperts, "forward", faulty)
-    with pytest.raises(WarmUpError, match="simulated fault in layer 1"):
+        monkeypatch.setattr(runner, "execute", decode_fails)
+    else:
+        forward = HybridExperts.forward
+
+        def layer_1_fails(self, moe_layer, x, topk_ids, topk_weights, phase, step):
+            if phase is Phase.DECODE and moe_layer == 1:
+                raise RuntimeError("simulated fault in a step")
+            return forward(self, moe_layer, x, topk_ids, topk_weights, phase, step)
+
+        monkeypatch.setattr(HybridExperts, "forward", layer_1_fails)
+    with pytest.raises(WarmUpError, match="simulated fault in a step"):
         runner.warm_up()
     monkeypatch.undo()
     assert _fresh_state(runner) == _fresh_state(fresh)
