@@ -93,9 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "q15_lanes_store",
       [](int level, int fmt, uintptr_t row, int64_t k0, uintptr_t x, int64_t n) {
-        const Q15StoreFn own = kernels_for(static_cast<Isa>(level)).by_format[fmt].q15_store;
-        (own ? own : &q15_lanes_store)(ptr<uint8_t>(row), k0, ptr<const uint16_t>(x), n);
-        return own != nullptr;
+        const KernelSet& ks = kernels_for(static_cast<Isa>(level)).by_format[fmt];
+        q15_store_of(ks)(ptr<uint8_t>(row), k0, ptr<const uint16_t>(x), n);
+        return ks.q15_store != nullptr;
       },
       py::arg("level"), py::arg("fmt"), py::arg("row"), py::arg("k0"), py::arg("x"), py::arg("n"),
       "Elements [k0, k0 + n) of a Q15_LANES row (kernels.h) from bf16 bits, with the store of ISA `level` for weight "

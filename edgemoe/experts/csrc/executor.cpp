@@ -449,7 +449,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.s = s;
   J.gemv = ks.gemv;
   J.act = ks.act;
-  J.q15_store = ks.q15_store ? ks.q15_store : &q15_lanes_store;
+  J.q15_store = q15_store_of(ks);
   J.serial = p == 1 || bytes < min_parallel_bytes_ || !pool_.usable();
   J.H = H;
   J.I = I;
@@ -619,7 +619,7 @@ const void* Executor::prepare_x(const KernelSet& ks, bool bf16_compute, const vo
       }
       uint8_t* dst = x_q15_.data() + t * *row_bytes;
       q15_lanes_clear_tail(dst, H);
-      (ks.q15_store ? ks.q15_store : &q15_lanes_store)(dst, 0, src, H);
+      q15_store_of(ks)(dst, 0, src, H);
     }
     return x_q15_.data();
   }

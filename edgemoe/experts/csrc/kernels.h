@@ -174,6 +174,9 @@ struct KernelSet {
                                    // q15_lanes_store)
 };
 
+// The Q15_LANES store a kernel set uses: its level's own, else the scalar one.
+inline Q15StoreFn q15_store_of(const KernelSet& ks) { return ks.q15_store ? ks.q15_store : &q15_lanes_store; }
+
 // Kernel table of one ISA level, one entry per WeightFormat value (index = int(fmt)).
 constexpr int kNumFormats = 6;
 struct IsaKernels {
