@@ -121,6 +121,36 @@ inline void spin_until(Pred done) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 
+// The claims of a phase's n chunks by p threads, each taking the next claim when done (dynamic balance): the first
+// n - t chunks whole, then the last t = min(p, n - p) as two halves each (none where n <= p: one chunk a thread at
+// most). Threads that run at different speeds end a phase apart by up to one claim, the wait at the barrier or the
+// join; halving the claims the phase ends on halves it (guided self-scheduling, Polychronopoulos and Kuck 1987, in
+// its simplest form: the chunks keep the byte floor until the last round). Only the cut moves: each output row's
+// sums are the same whichever claim or thread computes it.
+struct TailClaims {
+  int64_t n = 0, t = 0;
+  static TailClaims of(int64_t n, int p) { return {n, n > p ? std::min<int64_t>(p, n - p) : 0}; }
+  int64_t count() const { return n + t; }
+  // claim k's chunk, and its part: -1 whole, 0 the first half, 1 the second
+  std::pair<int64_t, int> at(int64_t k) const {
+    const int64_t whole = n - t;
+    if (k < whole) return {k, -1};
+    return {whole + (k - whole) / 2, static_cast<int>((k - whole) % 2)};
+  }
+  // a chunk's rows [*off, *off + *rows) narrowed to the part's, cut at a multiple of 16 rows (the second half may
+  // be empty)
+  static void part_rows(int part, int64_t* off, int64_t* rows) {
+    if (part < 0) return;
+    const int64_t h = std::min(*rows, round_up(ceil_div(*rows, 2), 16));
+    if (part == 0) {
+      *rows = h;
+    } else {
+      *off += h;
+      *rows -= h;
+    }
+  }
+};
+
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -334,8 +364,9 @@ struct Executor::Job {
   int64_t* trace;           // this call's trace record (trace_calls), or nullptr
   Q15StoreFn q15_store;     // act == Q15_LANES: the level's store of the activation
   int64_t H, I;
-  int64_t c1, per_e1, n1;   // phase 1: rows per chunk, chunks per expert, chunks
-  int64_t c2, n2;           // phase 2: output rows per chunk, chunks
+  int64_t c1, per_e1;       // phase 1: rows per chunk, chunks per expert
+  int64_t c2;               // phase 2: output rows per chunk
+  TailClaims k1, k2;        // each phase's chunks as the threads claim them
   const void* const* xptr;  // [R] activation row of each route's token (phase 1 input)
   const void* const* aptr;  // [R] activation row of each route (phase 2 input)
   float* act_f32;           // [R, I] when act == F32
@@ -478,9 +509,9 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   const int64_t down_row = expert_matrix(b, s.fids[0], Proj::Down).row_stride_bytes;
   J.c1 = chunk_rows(active * I, I, 2 * gate_row);  // a phase-1 row: a gate row and an up row (experts with tokens)
   J.per_e1 = ceil_div(I, J.c1);
-  J.n1 = s.n_experts * J.per_e1;
   J.c2 = chunk_rows(H, H, active * down_row);  // a phase-2 row: that row of every expert with tokens
-  J.n2 = ceil_div(H, J.c2);
+  J.k1 = TailClaims::of(s.n_experts * J.per_e1, J.serial ? 1 : p);
+  J.k2 = TailClaims::of(ceil_div(H, J.c2), J.serial ? 1 : p);
   J.xptr = xptr_.data();
   J.aptr = aptr_.data();
   J.act_f32 = act_f32_.data();
@@ -523,18 +554,24 @@ void Executor::step_job(void* job, int tid) {
   Job& J = *static_cast<Job*>(job);
   int64_t* tr = J.trace ? J.trace + 3 + 4 * tid : nullptr;
   if (tr) tr[0] = now_ns();
-  for (int64_t c; (c = J.next1.fetch_add(1, std::memory_order_relaxed)) < J.n1;) J.self->phase1_chunk(J, c, tid);
+  for (int64_t k; (k = J.next1.fetch_add(1, std::memory_order_relaxed)) < J.k1.count();)
+    J.self->phase1_chunk(J, k, tid);
   if (tr) tr[1] = now_ns();
   if (!J.serial) J.self->pool_.barrier();  // every activation of the step is written
   if (tr) tr[2] = now_ns();
-  for (int64_t c; (c = J.next2.fetch_add(1, std::memory_order_relaxed)) < J.n2;) J.self->phase2_chunk(J, c, tid);
+  for (int64_t k; (k = J.next2.fetch_add(1, std::memory_order_relaxed)) < J.k2.count();)
+    J.self->phase2_chunk(J, k, tid);
   if (tr) tr[3] = now_ns();
 }
 
 // Gate rows [i0, i0 + rows) and up rows [I + i0, ...) of one expert for all its tokens, then
 // a = act(gate + bias, up + bias) into the step's activation rows.
-void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
-  const int64_t e = c / J.per_e1, i0 = (c % J.per_e1) * J.c1, rows = std::min(J.c1, J.I - i0);
+void Executor::phase1_chunk(Job& J, int64_t k, int tid) {
+  const auto [c, part] = J.k1.at(k);
+  const int64_t e = c / J.per_e1;
+  int64_t i0 = (c % J.per_e1) * J.c1, rows = std::min(J.c1, J.I - i0);
+  TailClaims::part_rows(part, &i0, &rows);
+  if (rows == 0) return;
   const int64_t r0 = J.s.offsets[e], n = J.s.offsets[e + 1] - r0;
   if (n == 0) return;
   const int64_t H = J.H, I = J.I, fid = J.s.fids[e];
@@ -573,8 +610,11 @@ void Executor::phase1_chunk(Job& J, int64_t c, int tid) {
 }
 
 // Output rows [o0, o0 + rows) of every expert of the step, in step order, accumulated into out.
-void Executor::phase2_chunk(Job& J, int64_t c, int tid) {
-  const int64_t o0 = c * J.c2, rows = std::min(J.c2, J.H - o0);
+void Executor::phase2_chunk(Job& J, int64_t k, int tid) {
+  const auto [c, part] = J.k2.at(k);
+  int64_t o0 = c * J.c2, rows = std::min(J.c2, J.H - o0);
+  TailClaims::part_rows(part, &o0, &rows);
+  if (rows == 0) return;
   const int64_t H = J.H, I = J.I;
   const bool bf = J.bf16_points;
   float* y = scratch_[tid].data();

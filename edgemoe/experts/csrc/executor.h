@@ -275,8 +275,8 @@ class Executor {
   // is needed, else to a converted copy in x_bf16_ / x_f32_ / x_q15_; *row_bytes: bytes between its rows.
   const void* prepare_x(const KernelSet& ks, bool bf16_compute, const void* x, int32_t x_fmt, int64_t T, int64_t H,
                         int64_t ldx, int64_t* row_bytes);
-  void phase1_chunk(Job& J, int64_t c, int tid);
-  void phase2_chunk(Job& J, int64_t c, int tid);
+  void phase1_chunk(Job& J, int64_t k, int tid);  // k: a claim (TailClaims)
+  void phase2_chunk(Job& J, int64_t k, int tid);
 
   ThreadPool pool_;
   int isa_[kNumFormats];      // per format (bf16 compute for quantized formats)
