@@ -633,11 +633,13 @@ def _bf16_cases(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("n", [2048, 768, 2880, 136])
 def test_each_levels_q15_store_writes_the_scalar_bytes(n):
-    """The avx512bf16 level's vectorized Q15_LANES store equals the scalar one byte for byte, whole rows and pieces
-    starting at any multiple of 16 (as phase 1 stores its chunks), on every case of :func:`_bf16_cases`."""
+    """The vectorized Q15_LANES stores (the avx512bf16 level's, and the one of the avx2vnni and avx2int levels) equal
+    the scalar one byte for byte, whole rows and pieces starting at any multiple of 16 (as phase 1 stores its
+    chunks), on every case of :func:`_bf16_cases`."""
     ext = native.load_extension()
-    levels = [native.ISA_LEVELS.index(i) for i in native.supported_isas(WeightFormat.MXFP4)]
-    own = 0
+    isas = native.supported_isas(WeightFormat.MXFP4)
+    levels = [native.ISA_LEVELS.index(i) for i in isas]
+    own = dict.fromkeys(levels, 0)
     nbytes = -(-n // 128) * 384
     for x in _bf16_cases(n):
         x = x.contiguous()
@@ -647,7 +649,7 @@ def test_each_levels_q15_store_writes_the_scalar_bytes(n):
             ext.q15_lanes_store(0, 4, want.data_ptr(), k0, x.data_ptr() + 2 * k0, cnt)
             for level in levels:
                 got = torch.full((nbytes,), 0x5a, dtype=torch.uint8)
-                own += ext.q15_lanes_store(level, 4, got.data_ptr(), k0, x.data_ptr() + 2 * k0, cnt)
+                own[level] += ext.q15_lanes_store(level, 4, got.data_ptr(), k0, x.data_ptr() + 2 * k0, cnt)
                 assert torch.equal(got, want), (native.ISA_LEVELS[level], k0, cnt)
-    if "avx512bf16" in native.supported_isas(WeightFormat.MXFP4):
-        assert own > 0  # the vector store ran
+    for isa in {"avx512bf16", "avx2vnni", "avx2int"} & set(isas):
+        assert own[native.ISA_LEVELS.index(isa)] > 0, isa  # the level's vector store ran

@@ -432,6 +432,14 @@ def test_native_build_cache_key_covers_what_the_build_depends_on(monkeypatch, tm
     assert torch.__version__ in key["torch"] and sys.version in key["python"]
 
 
+def test_the_native_extension_builds_wherever_it_can():
+    """The kernel tests skip where the extension is unavailable; where nothing rules it out (Linux, a C++ compiler),
+    a failed build is a failure here, with the compiler's first error, not a suite of skips."""
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    assert native.build().error is None, native.build().error
+
+
 def test_first_native_build_is_announced_with_an_estimate(monkeypatch, tmp_path, caplog):
     if native.unavailable_reason() is not None:
         pytest.skip(native.unavailable_reason())

@@ -350,7 +350,8 @@ def build() -> BuildResult:
             else:  # e.g. a GPU host without network: no `pip install ninja` there
                 ext = _build_direct(bdir)
     except Exception as e:  # compiler errors, missing sources, an unwritable cache, a broken toolchain
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)  # the compiler's
         log.debug("native CPU kernels failed to build", exc_info=e)
         return BuildResult(None, f"native CPU kernels failed to build: {first}")
     return BuildResult(ext, None, time.perf_counter() - t0, cached, str(bdir),

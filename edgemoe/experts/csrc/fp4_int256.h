@@ -142,5 +142,70 @@ void gemv_fp4_int256(const WeightView& w, int64_t row0, int64_t nrows, int64_t K
                                               ldy);
 }
 
+// ---------------------------------------------------------------------------- Q15_LANES activations, vectorized
+// q15_lanes_store (kernels_scalar.cpp) on one lane of 8 elements a vector (8 x int32): the same bytes, by the steps
+// of the avx512bf16 level's store (kernels_avx512bf16.cpp, q15_group32) in 32-bit lanes, as AVX2 has variable
+// shifts of 32-bit lanes only. The lane's largest exponent field emax by shuffles; each element's significand
+// (implicit bit where its field e > 0) shifted left by emax - max(e, 1) - 6 where that is negative, else right by
+// it (at most 15) and rounded half to even, the sign applied; hi = q >> 7 and lo = q & 127 as bytes, gathered by
+// one `vpshufb` and one 16-bit unpack into the even and odd elements' 4-byte slots; the lane's sum of q (corr) and
+// its halved power-of-two scale. A lane holding an infinity or NaN, or no normal number (zeros, subnormals), is
+// left to the scalar code (returns false, nothing written). `blk`: the block holding the lane, j the lane (0..15).
+inline bool q15_lane8(uint8_t* blk, int64_t j, const uint16_t* x) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(u, 7), _mm256_set1_epi32(0xff));
+  __m256i m = _mm256_max_epi32(e, _mm256_shuffle_epi32(e, 0x4e));
+  m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0xb1));
+  m = _mm256_max_epi32(m, _mm256_permute2x128_si256(m, m, 1));
+  const int emax = _mm256_cvtsi256_si32(m);
+  if (emax == 255 || emax == 0) return false;
+  const __m256i sig = _mm256_add_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f)),
+                                       _mm256_and_si256(_mm256_cmpgt_epi32(e, zero), _mm256_set1_epi32(0x80)));
+  const __m256i d = _mm256_sub_epi32(_mm256_set1_epi32(emax - 6), _mm256_max_epi32(e, one));
+  const __m256i ls = _mm256_max_epi32(_mm256_sub_epi32(zero, d), zero);
+  const __m256i rs = _mm256_min_epi32(_mm256_max_epi32(d, zero), _mm256_set1_epi32(15));
+  __m256i v = _mm256_srlv_epi32(_mm256_sllv_epi32(sig, ls), rs);
+  const __m256i bit = _mm256_sllv_epi32(one, rs);  // 2^rs; where rs > 0 nothing was shifted left
+  const __m256i rem = _mm256_and_si256(sig, _mm256_sub_epi32(bit, one)), half = _mm256_srli_epi32(bit, 1);
+  const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(v, one), one);
+  const __m256i up = _mm256_and_si256(
+      _mm256_or_si256(_mm256_cmpgt_epi32(rem, half), _mm256_and_si256(_mm256_cmpeq_epi32(rem, half), odd)),
+      _mm256_cmpgt_epi32(rs, zero));
+  v = _mm256_sub_epi32(v, up);                                         // up is -1 where rounded up
+  const __m256i neg = _mm256_srai_epi32(_mm256_slli_epi32(u, 16), 31);  // the sign bit as a mask
+  const __m256i q = _mm256_sub_epi32(_mm256_xor_si256(v, neg), neg);
+  // bytes 0 and 1 of each int32: hi and lo; per 128-bit half, (hi of elements 0, 2), (hi 1, 3), (lo 0, 2), (lo 1, 3)
+  const __m256i hl = _mm256_or_si256(_mm256_and_si256(_mm256_srai_epi32(q, 7), _mm256_set1_epi32(0xff)),
+                                     _mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x7f)), 8));
+  const __m256i g = _mm256_shuffle_epi8(
+      hl, _mm256_setr_epi8(0, 8, 4, 12, 1, 9, 5, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 8, 4, 12, 1, 9, 5, 13, -1, -1,
+                           -1, -1, -1, -1, -1, -1));
+  // hi of the even elements 0, 2, 4, 6, of the odd ones, lo of the even ones, of the odd ones: 4 bytes each
+  const __m128i b = _mm_unpacklo_epi16(_mm256_castsi256_si128(g), _mm256_extracti128_si256(g, 1));
+  uint8_t* at = blk + 4 * j;
+  const int32_t words[4] = {_mm_cvtsi128_si32(b), _mm_extract_epi32(b, 1), _mm_extract_epi32(b, 2),
+                            _mm_extract_epi32(b, 3)};
+  for (int w = 0; w < 4; ++w) std::memcpy(at + 64 * w, &words[w], 4);
+  __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
+  sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1));
+  const int32_t corr = -12 * _mm_cvtsi128_si32(sum);
+  const uint32_t half_scale = emax > 15 ? static_cast<uint32_t>(emax - 14) << 23 : 1u << (emax + 8);  // 2^(emax - 141)
+  std::memcpy(at + 256, &corr, 4);
+  std::memcpy(at + 320, &half_scale, 4);
+  return true;
+}
+
+// Q15StoreFn of the avx2vnni and avx2int levels: whole lanes of 8 in vectors, the rest (a partial last lane, the
+// special lanes) by the scalar code.
+void q15_store_avx2(uint8_t* row, int64_t k0, const uint16_t* x, int64_t n) {
+  for (int64_t l = 0; l < n; l += 8) {
+    const int64_t k = k0 + l;
+    if (n - l >= 8 && q15_lane8(row + (k / 128) * kQ15BlockBytes, (k % 128) / 8, x + l)) continue;
+    q15_lanes_store(row, k, x + l, std::min<int64_t>(n - l, 8));
+  }
+}
+
 }  // namespace
 }  // namespace edgemoe

@@ -3,6 +3,7 @@
 // `vpmaddubsw` + `vpmaddwd` + `vpaddd` as their byte dot product, in place of the avx2 level's float32 FMAs on
 // decoded weights (on a Zen 5 core's 256-bit path, forced: MXFP4 / NVFP4 about 16.5 GB/s at one thread against 8-9;
 // docs/benchmarks/cpu_executor.md). Every other format has no kernel at this level (it falls through to avx2).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -36,8 +37,10 @@ const IsaKernels& kernels_avx2int() {
   static const IsaKernels k = [] {
     IsaKernels t{};
     const SumFn sum = kernels_avx2().by_format[int(WeightFormat::F32)].sum_f32;
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4_int256<DotAvx2, false>, ActFormat::Q15_LANES, sum};
-    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4_int256<DotAvx2, true>, ActFormat::Q15_LANES, sum};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4_int256<DotAvx2, false>, ActFormat::Q15_LANES, sum, 0,
+                                             &q15_store_avx2};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4_int256<DotAvx2, true>, ActFormat::Q15_LANES, sum, 0,
+                                             &q15_store_avx2};
     return t;
   }();
   return k;

@@ -2,6 +2,7 @@
 // and AVX-VNNI but no AVX-512 (Intel's client cores since Alder Lake: the gaming PCs and laptops edgemoe is
 // for), the integer kernels of fp4_int256.h with `vpdpbusd` as their byte dot product. Every other format has no
 // kernel at this level (select_isa falls through to the levels below).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -33,8 +34,10 @@ const IsaKernels& kernels_avx2vnni() {
   static const IsaKernels k = [] {
     IsaKernels t{};
     const SumFn sum = kernels_avx2().by_format[int(WeightFormat::F32)].sum_f32;
-    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4_int256<DotVnni, false>, ActFormat::Q15_LANES, sum};
-    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4_int256<DotVnni, true>, ActFormat::Q15_LANES, sum};
+    t.by_format[int(WeightFormat::MXFP4)] = {&gemv_fp4_int256<DotVnni, false>, ActFormat::Q15_LANES, sum, 0,
+                                             &q15_store_avx2};
+    t.by_format[int(WeightFormat::NVFP4)] = {&gemv_fp4_int256<DotVnni, true>, ActFormat::Q15_LANES, sum, 0,
+                                             &q15_store_avx2};
     return t;
   }();
   return k;
