@@ -60,7 +60,7 @@ def test_a_gpu_budget_on_the_cpu_is_400(served, body):
     before = httpx.get(base + "/admin/expert-cache").json()["slots"]
     r = httpx.post(base + "/admin/expert-cache", json=body, timeout=60)
     assert r.status_code == 400, r.text
-    assert "not a GPU" in r.json()["error"]["message"]
+    assert "not a GPU" in r.json()["error"]["message"] and r.json()["error"]["param"] == "gb"
     assert httpx.get(base + "/admin/expert-cache").json()["slots"] == before
 
 

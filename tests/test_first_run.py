@@ -567,21 +567,28 @@ def test_chat_reports_server_errors_and_keeps_the_conversation(monkeypatch, caps
     from edgemoe.server.chat_client import ChatSession, Output, main_loop
 
     sent = []
+    # the HTTP library the installed SDK is built on (httpx, or httpx2 in later releases): a stream cut short
+    # raises its own error, not one of openai's
+    http_lib = sys.modules[openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0]]
+    assert http_lib.HTTPError in chat_client.transport_errors()
 
     def create(messages, **kw):
         sent.append([m["content"] for m in messages])
         if len(sent) == 1:
             raise _status_error(openai.NotFoundError, 404, "The model `nosuch` does not exist.")
-        raise openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+        if len(sent) == 2:
+            raise openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+        raise http_lib.RemoteProtocolError("peer closed connection without sending complete message body")
 
     client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
     buf = io.StringIO()
     session = ChatSession(client, "nosuch", max_tokens=4)
-    assert main_loop(session, _lines("first", "second", "/exit"), Output(buf, use_rich=False)) == 0
+    assert main_loop(session, _lines("first", "second", "third", "/exit"), Output(buf, use_rich=False)) == 0
     text = buf.getvalue()
     assert "[error: Error code: 404 - The model `nosuch` does not exist.]" in text
     assert "[error: Connection error.]" in text
-    assert sent == [["first"], ["second"]] and session.messages == []
+    assert "[error: peer closed connection without sending complete message body]" in text
+    assert sent == [["first"], ["second"], ["third"]] and session.messages == []
 
     class Refusing:  # the server answers /v1/models with 401
         def __init__(self, **kw):

@@ -313,7 +313,7 @@ def test_admin_memory_gpu_settings_on_the_cpu_are_400(served, body):
     before = httpx.get(base + "/admin/memory", headers=key).json()
     r = httpx.post(base + "/admin/memory", json=body, headers=key, timeout=60)
     assert r.status_code == 400, r.text
-    assert "not a GPU" in r.json()["error"]["message"]
+    assert "not a GPU" in r.json()["error"]["message"] and r.json()["error"]["param"] == next(iter(body))
     after = httpx.get(base + "/admin/memory", headers=key).json()
     assert after["expert_cache_slots"] == before["expert_cache_slots"] and after["auto"] is False
 

@@ -323,8 +323,12 @@ class ExpertRuntime:
                 kept = f"the previous size no longer fits either: now 0 slots, policy {FALLBACK_POLICY}"
             raise ResizeError(f"could not set up {new_slots} expert-cache slots "
                              f"({new_slots * self.pool.row_bytes / 1e9:.2f} GB): {exc}; {kept}") from None
-        log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
-                 self.cache.nbytes / 1e9, self.policy.name)
+        if self.cache.num_slots != old_slots:
+            log.info("expert cache resized: %d -> %d slots (%.2f GB), policy %s", old_slots, self.cache.num_slots,
+                     self.cache.nbytes / 1e9, self.policy.name)
+        else:
+            log.info("expert policy %s -> %s (the cache stays at %d slots, %.2f GB)", old_policy, self.policy.name,
+                     old_slots, self.cache.nbytes / 1e9)
 
     def _setup_device_decode(self) -> None:
         """The device decode path (routing control on the device, Triton kernels) when the kernels run

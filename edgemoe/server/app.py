@@ -222,17 +222,19 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     def metrics():  # sync: runs in the thread pool, may wait for the engine thread's stats
         return Response(llm.metrics.render() + generate_latest(gateway), media_type=CONTENT_TYPE_LATEST)
 
-    def in_engine(fn):
+    def in_engine(fn, given: dict | None = None):
         """Run ``fn(runner)`` on the engine thread between two steps (a safe point: requests in flight
         continue): a bad request is 400 (nothing changed), a resize that cannot be carried out 503
-        (the previous state is kept), each with the reason."""
+        (the previous state is kept), each with the reason; a 400's ``param`` is the request's field where it
+        gave one only (``given``: the fields it set)."""
         def call(engine):
             try:
                 return fn(engine.runner)
             except ResizeError as exc:
                 raise APIError(503, str(exc), type="service_unavailable_error", code="resize_failed") from None
             except ValueError as exc:  # NoGpuError included
-                raise APIError(400, str(exc)) from None
+                param = next(iter(given)) if given and len(given) == 1 else None
+                raise APIError(400, str(exc), param=param) from None
 
         return llm.call_in_engine_thread(call, ADMIN_TIMEOUT_S)
 
@@ -248,7 +250,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         given = body.model_dump(exclude_none=True)
         if not given:
             raise APIError(400, f"give at least one of {', '.join(MemoryUpdate.model_fields)}")
-        return in_engine(lambda runner: runner.memory.configure(**given))
+        return in_engine(lambda runner: runner.memory.configure(**given), given)
 
     @app.get("/admin/expert-cache")
     def expert_cache_state():
@@ -259,7 +261,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     def expert_cache_resize(body: ExpertCacheResize):
         """Change the expert cache's GPU budget (``gb`` or ``slots``) and/or its ``policy`` at run time
         (the expert side of ``POST /admin/memory``)."""
-        return in_engine(lambda runner: runner.resize_expert_cache(body.gb, body.slots, body.policy))
+        return in_engine(lambda runner: runner.resize_expert_cache(body.gb, body.slots, body.policy),
+                         body.model_dump(exclude_none=True))
 
     app.include_router(openai_api.router(serving))
     app.include_router(messages_api.router(serving))

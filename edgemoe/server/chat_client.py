@@ -84,8 +84,8 @@ class ChatSession:
         """Send ``text``, stream the reply to ``out``; returns the answer (kept in the history).
 
         Raises:
-            openai.APIError / httpx.HTTPError: the server refused the request or the connection failed (the
-                turn is not kept in the history).
+            openai.APIError, or a :func:`transport_errors` class: the server refused the request or the
+                connection failed (the turn is not kept in the history).
         """
         self.messages.append({"role": "user", "content": text})
         answer, in_reasoning, finish = [], False, None
@@ -132,6 +132,22 @@ class ChatSession:
         return reply
 
 
+def transport_errors() -> tuple[type[Exception], ...]:
+    """The HTTP library's base error class(es) the ``openai`` SDK's client is built on: it wraps a failed
+    request in ``openai.APIConnectionError``, but a connection lost while a stream is read reaches the caller
+    as the library's own error. ``httpx`` (``openai`` 1.x and 2.x) or ``httpx2`` (later releases); whichever
+    of them is installed."""
+    import importlib
+
+    found = []
+    for name in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(name).HTTPError)
+        except ImportError:
+            continue
+    return tuple(found)
+
+
 def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> int:
     """Read lines with ``read(prompt)`` until ``/exit`` or EOF; returns the exit status.
 
@@ -139,9 +155,9 @@ def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> 
     model; ``//text`` sends ``/text``. A turn that fails (the server's error, a lost connection) is
     reported as ``[error: ...]`` and the loop goes on.
     """
-    import httpx
     import openai
 
+    failures = (openai.APIError, *transport_errors())
     out.info(f"edgemoe chat with {session.model} — /help for commands, /exit to quit")
     while True:
         try:
@@ -172,7 +188,7 @@ def main_loop(session: ChatSession, read: Callable[[str], str], out: Output) -> 
             continue
         try:
             session.ask(text, out)
-        except (openai.APIError, httpx.HTTPError) as exc:
+        except failures as exc:
             out.info(f"[error: {getattr(exc, 'message', None) or exc}]")
 
 

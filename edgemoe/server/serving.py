@@ -377,7 +377,7 @@ class Serving:
                     counted = (f"in its first {start} of {len(text)} characters" if start < len(text)
                                else f"in pieces, all {len(text)} characters")
                     raise ContextLengthError(
-                        f"The prompt has more than {count - COUNT_SLACK_TOKENS * pieces} tokens (counted {counted}) "
+                        f"The prompt has at least {count - COUNT_SLACK_TOKENS * pieces} tokens (counted {counted}) "
                         f"but at most {limit} are accepted. Shorten the prompt (or raise --max-model-len / "
                         "--kv-cache-tokens).", param, count - COUNT_SLACK_TOKENS * pieces, limit)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
