@@ -127,9 +127,18 @@ inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 // join; halving the claims the phase ends on halves it (guided self-scheduling, Polychronopoulos and Kuck 1987, in
 // its simplest form: the chunks keep the byte floor until the last round). Only the cut moves: each output row's
 // sums are the same whichever claim or thread computes it.
+#ifndef EDGEMOE_CHUNK_ROW_UNIT
+#define EDGEMOE_CHUNK_ROW_UNIT 16
+#endif
+static_assert(EDGEMOE_CHUNK_ROW_UNIT % 8 == 0, "chunks are cut at whole Q15_LANES lanes of 8 elements");
+constexpr int64_t kRowUnit = EDGEMOE_CHUNK_ROW_UNIT;
 struct TailClaims {
   int64_t n = 0, t = 0;
+#ifdef EDGEMOE_HALVE_ONE_ROUND
+  static TailClaims of(int64_t n, int p) { return {n, p > 1 ? (n > p ? std::min<int64_t>(p, n - p) : n) : 0}; }
+#else
   static TailClaims of(int64_t n, int p) { return {n, n > p ? std::min<int64_t>(p, n - p) : 0}; }
+#endif
   int64_t count() const { return n + t; }
   // claim k's chunk, and its part: -1 whole, 0 the first half, 1 the second
   std::pair<int64_t, int> at(int64_t k) const {
@@ -141,7 +150,7 @@ struct TailClaims {
   // be empty)
   static void part_rows(int part, int64_t* off, int64_t* rows) {
     if (part < 0) return;
-    const int64_t h = std::min(*rows, round_up(ceil_div(*rows, 2), 16));
+    const int64_t h = std::min(*rows, round_up(ceil_div(*rows, 2), kRowUnit));
     if (part == 0) {
       *rows = h;
     } else {
@@ -503,7 +512,7 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
     if (J.serial) return limit;
     const int64_t floor_bytes = std::max<int64_t>(1, min_chunk_bytes_ * p);  // 0: the rows alone decide
     const int64_t per_thread = std::clamp<int64_t>(total * row_bytes / floor_bytes, 1, EDGEMOE_CHUNKS_PER_THREAD);
-    return std::min(limit, std::max<int64_t>(16, round_up(ceil_div(total, per_thread * p), 16)));
+    return std::min(limit, std::max<int64_t>(kRowUnit, round_up(ceil_div(total, per_thread * p), kRowUnit)));
   };
   const int64_t gate_row = expert_matrix(b, s.fids[0], Proj::Gate).row_stride_bytes;  // bytes of a row's codes
   const int64_t down_row = expert_matrix(b, s.fids[0], Proj::Down).row_stride_bytes;
