@@ -64,8 +64,9 @@ for stage in "${stages[@]}"; do
       --out "$OUT/cpu_executor.json" 2>&1 | tee "$OUT/cpu_executor.log" | tail -n 14 ;;
   cpu-formats)
     echo "== native CPU kernels per expert format: tests, then B_H in packed GB/s vs the read test at 6 and 15 threads"
-    timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py 2>&1 | tee "$OUT/cpu-formats-tests.log" \
-      | tail -n 3
+    # $CPU_FORMATS_TESTS=0 skips the kernel tests (a call that measures a tree whose tests ran already)
+    [ "${CPU_FORMATS_TESTS:-1}" = 0 ] || timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant_kernels.py \
+      2>&1 | tee "$OUT/cpu-formats-tests.log" | tail -n 3
     # $CPU_FORMATS_TREES: source trees measured in turn, each with its own kernels (as $CPU_PROFILE_TREES; a tree
     # named twice is measured twice); $CPU_FORMATS_VARIANTS: ';'-separated build flag sets (EDGEMOE_NATIVE_CFLAGS)
     # measured in turn within each tree ('-': the caller's own, if any); $CPU_FORMATS_ARGS replaces the thread and batch lists;
