@@ -127,6 +127,15 @@ inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 // join; halving the claims the phase ends on halves it (guided self-scheduling, Polychronopoulos and Kuck 1987, in
 // its simplest form: the chunks keep the byte floor until the last round). Only the cut moves: each output row's
 // sums are the same whichever claim or thread computes it.
+//
+// Two build switches (EDGEMOE_NATIVE_CFLAGS), for the GPU host's Xeon, whose call trace showed small calls losing a
+// fifth of phase 1 to the barrier (cpu_executor.md, "The call trace on the GPU host's Xeon"); neither is measured
+// there yet, and the defaults are the measured behaviour:
+// - EDGEMOE_CHUNK_ROW_UNIT (16): chunks are cut at multiples of this many rows (a multiple of 8, whole Q15_LANES
+//   lanes). At 15 threads one expert's 768 gate/up rows make 12 chunks of 64 rows in units of 16, 14 of 56 in 8.
+// - EDGEMOE_HALVE_ONE_ROUND: a phase of at most one chunk a thread is claimed as halves too, so that threads that
+//   read slower than the others hand half of their chunk to those that finish first.
+// Every cut gives the same results (test_every_chunking_gives_the_one_thread_result passes under both).
 #ifndef EDGEMOE_CHUNK_ROW_UNIT
 #define EDGEMOE_CHUNK_ROW_UNIT 16
 #endif
