@@ -155,8 +155,8 @@ struct TailClaims {
     if (k < whole) return {k, -1};
     return {whole + (k - whole) / 2, static_cast<int>((k - whole) % 2)};
   }
-  // a chunk's rows [*off, *off + *rows) narrowed to the part's, cut at a multiple of 16 rows (the second half may
-  // be empty)
+  // a chunk's rows [*off, *off + *rows) narrowed to the part's, cut at a multiple of kRowUnit rows (the second half
+  // may be empty)
   static void part_rows(int part, int64_t* off, int64_t* rows) {
     if (part < 0) return;
     const int64_t h = std::min(*rows, round_up(ceil_div(*rows, 2), kRowUnit));
@@ -503,8 +503,8 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.H = H;
   J.I = I;
   // Chunks: EDGEMOE_CHUNKS_PER_THREAD per thread and phase (dynamic balance), fewer (at least one per thread) where
-  // chunks would hold fewer than min_chunk_bytes_ of weights, in whole rows of 16 (chunk edges on lines). A
-  // chunk's rows are a few sequential streams that each start cold (their first rows not prefetched) and stop
+  // chunks would hold fewer than min_chunk_bytes_ of weights, in whole units of kRowUnit rows (16: chunk edges on
+  // lines). A chunk's rows are a few sequential streams that each start cold (their first rows not prefetched) and stop
   // early, so a chunk of few bytes reads slowly: by rows alone, a call of 4 experts at 15 threads cut FP4 rows
   // into chunks of 64 gate and 64 up rows (2 x 68 KB) and of 48 down rows of every expert (4 x 19 KB), a quarter
   // of bf16's. On a 2-core Zen 5 given that chunking (-DEDGEMOE_CHUNKS_PER_THREAD=30 at 2 threads), calls of 3
@@ -528,8 +528,9 @@ int32_t Executor::run(const ExpertBanks& b, const StepArgs& s) {
   J.c1 = chunk_rows(active * I, I, 2 * gate_row);  // a phase-1 row: a gate row and an up row (experts with tokens)
   J.per_e1 = ceil_div(I, J.c1);
   J.c2 = chunk_rows(H, H, active * down_row);  // a phase-2 row: that row of every expert with tokens
-  J.k1 = TailClaims::of(s.n_experts * J.per_e1, J.serial ? 1 : p);
-  J.k2 = TailClaims::of(ceil_div(H, J.c2), J.serial ? 1 : p);
+  const int claimants = J.serial ? 1 : p;
+  J.k1 = TailClaims::of(s.n_experts * J.per_e1, claimants);
+  J.k2 = TailClaims::of(ceil_div(H, J.c2), claimants);
   J.xptr = xptr_.data();
   J.aptr = aptr_.data();
   J.act_f32 = act_f32_.data();
@@ -604,7 +605,7 @@ void Executor::phase1_chunk(Job& J, int64_t k, int tid) {
   for (int64_t j = 0; j < n; ++j) {
     const float* gj = g + j * rows;
     const float* uj = u + j * rows;
-    if (J.act == ActFormat::Q15_LANES) {  // whole lanes: i0 and rows are multiples of 16 (FP4: I % 16 == 0)
+    if (J.act == ActFormat::Q15_LANES) {  // whole lanes: i0 and rows are multiples of kRowUnit (8 or more; I % 16 == 0)
       thread_local std::vector<uint16_t> ab;  // the chunk's activation as bf16
       ab.resize(rows);
       for (int64_t r = 0; r < rows; ++r)
