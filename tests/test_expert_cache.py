@@ -258,6 +258,38 @@ def test_prefill_streams_every_expert_through_a_tiny_cache(fmt):
     assert hy.cache.slots_used == 2
 
 
+def test_a_prefill_wave_reads_the_tables_a_fixed_number_of_times(monkeypatch):
+    """The on-demand prefill path admits a wave's misses in one table update: on CUDA every host read of the tables
+    waits for all the copies and kernels queued before it, so reads that grew with the misses serialized a layer's
+    copies expert by expert."""
+    reads = 0
+
+    def counted(real):
+        def read(self, *args):
+            nonlocal reads
+            reads += 1
+            return real(self, *args)
+        return read
+
+    for name in ("tolist", "item", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+
+    def plan_reads(misses: int) -> int:
+        nonlocal reads
+        cache = _cache(slots=24, ids=2 * misses)
+        plan_step(cache, FillAllPolicy(), {f: 1 for f in range(misses)}, Phase.PREFILL, step=1)  # a full cache
+        reads = 0
+        plan = plan_step(cache, FillAllPolicy(), {f: 1 for f in range(misses, 2 * misses)}, Phase.PREFILL, step=2)
+        n = reads
+        owner, slot_of = cache.owner_of.tolist(), cache.slot_of.tolist()
+        assert all(slot_of[f] == s for s, f in enumerate(owner) if f >= 0)  # the tables stay inverse
+        assert sum(len(w) for w in plan.waves) == misses and not plan.cpu
+        assert {f for f, _ in plan.waves[-1]} <= set(owner)  # the last wave stays resident
+        return n
+
+    assert plan_reads(50) == plan_reads(70)  # three waves through 24 slots either way
+
+
 def test_static_placement_pins_last_layers():
     pool, hy = _setup(slots=10, policy=StaticPolicy())  # 3 layers x 8: layer 2 whole + 2 of layer 1
     resident = sorted(int(f) for f in hy.cache.owner_of.tolist())

@@ -119,9 +119,9 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
                 cpu = pending
                 break
             wave, pending = pending[:evictable], pending[evictable:]
-            waves.append(list(zip(wave, cache.choose_victims(len(wave), exclude))))
-            for fid, slot in waves[-1]:
-                cache.admit(fid, slot, step)
+            victims = cache.choose_victims(len(wave), exclude)
+            waves.append(list(zip(wave, victims)))
+            cache.admit_many(wave, victims, step, check=False)  # misses: none resident
             exclude, evictable = [], cache.evictable(exclude=[])
     else:
         layer = next(iter(tokens_per_expert), 0) // cache.num_experts  # a step's experts share one layer
@@ -136,8 +136,7 @@ def plan_step(cache: ExpertCache, policy: ExpertPolicy, tokens_per_expert: dict[
             cache.count_reuse(layer, [*hits, *misses], exclude, victims)
         if fill:
             waves.append(list(zip(fill, victims)))
-            for fid, slot in waves[0]:
-                cache.admit(fid, slot, step)
+            cache.admit_many(fill, victims, step, check=False)
     counters.fills += len(misses) - len(cpu)
     counters.cpu += len(cpu)
     return StepPlan(hits, waves, cpu)
@@ -180,8 +179,8 @@ class HybridExperts:
         for layer in range(self.pool.num_ids // E - 1, -1, -1):
             ids.extend(range(layer * E, (layer + 1) * E))
         ids = ids[:S]
+        self.cache.admit_many(ids, list(range(len(ids))), step=0)
         for slot, fid in enumerate(ids):
-            self.cache.admit(fid, slot, step=0)
             self._copy_in(fid, slot)
         self.cache.pinned[: len(ids)] = True
 
@@ -226,8 +225,8 @@ class HybridExperts:
             return
         misses.sort(key=lambda f: (-tokens[f], f))  # route_control's fill order
         victims = self.cache.choose_victims(len(misses), list(hits.values()), moe_layer + 1)
+        self.cache.admit_many(misses[:len(victims)], victims, step=batch.step, check=False)
         for fid, slot in zip(misses, victims):
-            self.cache.admit(fid, slot, step=batch.step)
             self._copy_in(fid, slot)
         self.prefetch_counts["prefetched"] += len(victims)
         self._prefetched[moe_layer + 1] = set(misses[:len(victims)])
